@@ -1,0 +1,193 @@
+"""The engine interface the cell agent talks to.
+
+Two engines sit behind it: the embedded torch engine (per-request KV export/import, scoring
+with training numerics, staged weight swaps) and SGLang on GPU cells (no per-request KV
+export, in-place weight updates). What an engine can do is declared in `Capabilities`; the
+cell agent and the planner read it instead of guessing from the class.
+
+Records here are plain dataclasses whose `to_dict`/`from_dict` are JSON-able: they cross
+processes as JSON, never pickle.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+
+
+class EngineError(ValueError):
+    """Bad input to an engine (invalid sampling params, unknown request, wrong model shape)."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an engine supports; the agent and the planner branch on these, not on types."""
+
+    kv_export: bool
+    """Per-request KV export/import (live migration); otherwise migration re-prefills."""
+    scoring: bool
+    """Full-forward scoring with training numerics (the log-prob service primitive)."""
+    weight_update: Literal["staged", "in_place"]
+    """`staged`: receive into a second copy, swap between steps; `in_place`: pause, update, resume."""
+    batch_invariant: bool
+    """A token's numbers do not depend on its batch; decode and scoring agree bitwise."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling. Noise for token t is a pure function of (seed, request id, t)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise EngineError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise EngineError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise EngineError(f"top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise EngineError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise EngineError(f"seed must be an int >= 0, got {self.seed!r}")
+        stops = tuple(self.stop_token_ids)
+        if any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in stops):
+            raise EngineError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", stops)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SamplingParams:
+        known = {"temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed"}
+        unknown = set(d) - known
+        if unknown:
+            raise EngineError(f"unknown sampling params: {sorted(unknown)}")
+        return cls(**{**d, "stop_token_ids": tuple(d.get("stop_token_ids", ()))})
+
+
+@dataclass(slots=True)
+class TokenRecord:
+    """One generated token as the sampler produced it.
+
+    `logprob` is under the temperature-scaled distribution before top-p/top-k truncation
+    (RL_MATH.md "Sampling conventions"); `truncated` says whether truncation was active.
+    """
+
+    token_id: int
+    logprob: float
+    version: int
+    truncated: bool = False
+
+    def to_list(self) -> list:
+        return [self.token_id, self.logprob, self.version, int(self.truncated)]
+
+    @classmethod
+    def from_list(cls, x: list) -> TokenRecord:
+        return cls(int(x[0]), float(x[1]), int(x[2]), bool(x[3]))
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """What `Engine.step()` reports: one new token of one request, and whether it finished."""
+
+    request_id: str
+    index: int
+    """Position of the token among the request's generated tokens (0-based)."""
+    record: TokenRecord
+    finish_reason: FinishReason | None = None
+
+
+@dataclass
+class RequestSnapshot:
+    """JSON-able state of one request for hand-over (no KV; KV travels as tensors).
+
+    `records` holds only the generated-token records from `records_from` on, so a
+    stop-and-copy message does not grow with the context.
+    """
+
+    request_id: str
+    prompt_len: int
+    num_tokens: int
+    """Prompt plus generated tokens so far."""
+    num_computed: int
+    """Tokens whose KV is in the cache (num_tokens - 1 while decoding: the last token is the
+    next input)."""
+    params: dict
+    version: int
+    model_signature: dict
+    block_size: int
+    records_from: int = 0
+    records: list[list] = field(default_factory=list)
+    token_ids_from: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    """Token ids from `token_ids_from` on (prompt and generated)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RequestSnapshot:
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise EngineError(f"malformed request snapshot: {e}") from None
+
+
+class Engine(ABC):
+    """A model replica that decodes many requests, hands one over, and scores sequences.
+
+    Mutating calls happen between `step()` calls, on the thread that calls `step()`.
+    """
+
+    capabilities: Capabilities
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """Weight version currently served."""
+
+    @abstractmethod
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises EngineError on bad ids, duplicate id or bad params."""
+
+    @abstractmethod
+    def step(self) -> list[TokenEvent]:
+        """Run one engine step (chunked prefill + batched decode); return the new tokens."""
+
+    @abstractmethod
+    def has_work(self) -> bool:
+        """True while any request is waiting or running."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Drop a request and free its blocks. Unknown ids are ignored."""
+
+    @abstractmethod
+    def score(self, token_ids: list[int], *, temperature: float = 1.0) -> torch.Tensor:
+        """Log-prob of token t given tokens < t, for t = 1..L-1, by a full forward with no KV
+        cache (training numerics). Does not touch the KV cache or any request."""
+
+    @abstractmethod
+    def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Swap to `version` between steps. Raises EngineError on a name/shape mismatch,
+        leaving the served weights untouched."""

@@ -1,0 +1,221 @@
+"""Configuration: YAML files loaded into pydantic models.
+
+Every field carries a docstring; unknown keys are rejected, and a bad file fails with a
+`ConfigError` that names the offending key path and value. This module imports neither
+torch nor `cells`, so the control plane, the cells and the cluster simulator share it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration file or value is invalid; the message names the key and the value."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(_Strict):
+    """Model architecture (Qwen3 family) or a preset name, optionally a checkpoint path."""
+
+    preset: Literal["tiny", "small", "qwen3-vocab"] | None = "tiny"
+    """Named size preset; explicit fields below override it."""
+    path: str | None = None
+    """Hugging Face checkpoint directory (config.json + *.safetensors); random-init if unset."""
+    hidden_size: int | None = Field(default=None, gt=0)
+    """Width of the residual stream."""
+    num_layers: int | None = Field(default=None, gt=0)
+    """Number of decoder layers."""
+    num_heads: int | None = Field(default=None, gt=0)
+    """Query heads per layer."""
+    num_kv_heads: int | None = Field(default=None, gt=0)
+    """Key/value heads per layer (GQA); must divide num_heads."""
+    head_dim: int | None = Field(default=None, gt=0)
+    """Width of one attention head."""
+    intermediate_size: int | None = Field(default=None, gt=0)
+    """Hidden width of the SwiGLU MLP."""
+    vocab_size: int | None = Field(default=None, gt=0)
+    """Embedding rows (the tokenizer's full vocabulary, padded as in the checkpoint)."""
+    output_id_ranges: list[tuple[int, int]] | None = None
+    """Restrict sampling and scoring to these half-open token-id ranges (None: all ids).
+    Applied identically when sampling and scoring, so log-probs stay exact."""
+    rope_theta: float | None = Field(default=None, gt=0)
+    """RoPE base frequency."""
+    rms_norm_eps: float | None = Field(default=None, gt=0)
+    """RMSNorm epsilon."""
+    max_position: int | None = Field(default=None, gt=0)
+    """Largest supported context length (RoPE table size)."""
+    tie_word_embeddings: bool | None = None
+    """Share the input embedding with the output layer."""
+    seed: int = 0
+    """Seed for random initialisation (ignored when a checkpoint path is given)."""
+
+
+class EmbeddedEngineConfig(_Strict):
+    """The embedded torch engine (CPU default; the reference implementation)."""
+
+    type: Literal["embedded"] = "embedded"
+    """Engine selector."""
+    model: ModelConfig = ModelConfig()
+    """Model to serve."""
+    block_size: int = Field(default=16, gt=0)
+    """Tokens per KV block."""
+    num_blocks: int = Field(default=2048, gt=0)
+    """KV blocks in the pool (per cell)."""
+    max_running: int = Field(default=32, gt=0)
+    """Most requests decoding at once."""
+    prefill_chunk: int = Field(default=512, gt=0)
+    """Most prompt tokens prefilled per engine step (chunked prefill budget)."""
+    batch_invariant: bool = False
+    """Batch-invariant numerics: a token's log-prob does not depend on its batch, and the
+    decode and scoring paths agree bitwise."""
+    row_tile: int = Field(default=4, gt=0)
+    """Rows per fixed-shape matmul tile in batch-invariant mode."""
+    threads: int = Field(default=1, gt=0)
+    """torch intra-op threads in the cell process."""
+
+
+class SGLangEngineConfig(_Strict):
+    """SGLang on GPU cells (needs the `gpu` extra)."""
+
+    type: Literal["sglang"] = "sglang"
+    """Engine selector."""
+    model_path: str
+    """Model directory or hub-free local path."""
+    tp: int = Field(default=1, gt=0)
+    """Tensor-parallel degree."""
+    mem_fraction_static: float = Field(default=0.85, gt=0, le=1)
+    """Fraction of GPU memory SGLang reserves."""
+    scoring: Literal["cell_copy", "trainer_copy"] = "cell_copy"
+    """Where old log-probs are computed: a scoring copy of the version on the cell, or the
+    trainer's kept copy."""
+
+
+EngineConfig = Annotated[Union[EmbeddedEngineConfig, SGLangEngineConfig], Field(discriminator="type")]
+
+
+class MigrationConfig(_Strict):
+    """Live KV migration."""
+
+    max_copy_rounds: int = Field(default=4, ge=0)
+    """Copy rounds while decoding before the stop-and-copy."""
+    stop_copy_blocks: int = Field(default=2, ge=0)
+    """Stop and copy once fewer than this many blocks remain to send."""
+    on_round_limit: Literal["stop_and_copy", "abort"] = "stop_and_copy"
+    """What to do when the round limit is hit with more than stop_copy_blocks left."""
+    transfer_timeout_s: float = Field(default=20.0, gt=0)
+    """Bound on any one transfer; a fresh group is made after an error."""
+    headroom_blocks: int = Field(default=8, ge=0)
+    """Blocks the destination reserves beyond the current length."""
+    version_policy: Literal["same_version", "recompute"] = "same_version"
+    """Destination preference when versions differ; otherwise recompute on its version."""
+
+
+class VersionsConfig(_Strict):
+    """Weight versions and the log-prob service."""
+
+    bucket_bytes: int = Field(default=8 << 20, gt=0)
+    """Bytes per broadcast bucket."""
+    inflight_policy: Literal["keep_kv", "recompute"] = "keep_kv"
+    """In-flight requests across an update: continue on stale KV, or re-prefill."""
+    logprob_strategy: Literal["per_cell", "snapshot"] = "per_cell"
+    """Exact old log-probs from the cells that hold the version, or later from the trainer's copy."""
+
+
+class SchedulerConfig(_Strict):
+    """The control plane process."""
+
+    host: str = "127.0.0.1"
+    """Bind address (loopback unless told otherwise)."""
+    port: int = Field(default=8700, ge=0, lt=65536)
+    """REST port (0 = pick a free port)."""
+    db_path: str = "runs/cellflip.sqlite"
+    """SQLite file of the durable store."""
+    lease_s: float = Field(default=5.0, gt=0)
+    """A cell whose heartbeat is older than this (scheduler monotonic clock) is fenced."""
+    heartbeat_s: float = Field(default=0.5, gt=0)
+    """Cell heartbeat interval."""
+    auth_token_file: str | None = None
+    """File holding the bearer token; unset = no auth. Unreadable file: start-up fails."""
+    max_body_bytes: int = Field(default=8 << 20, gt=0)
+    """Largest accepted request body (413 beyond)."""
+    min_rollout_cells: int = Field(default=1, ge=0)
+    """Rollout capacity that is never flipped away."""
+    drain_deadline_s: float = Field(default=30.0, gt=0)
+    """After this, requests still on a draining cell are suspended."""
+    staleness_bound: int = Field(default=8, ge=0)
+    """Partial rollouts older than this many versions are finished or dropped by policy."""
+    auto_flip: bool = False
+    """Run the planner's autonomous flip policy."""
+
+
+class CellsConfig(_Strict):
+    """Cell processes started by `cellflip up`."""
+
+    count: int = Field(default=3, gt=0)
+    """Number of cell processes."""
+    engine: EngineConfig = EmbeddedEngineConfig()
+    """Inference engine of every cell."""
+
+
+class CellflipConfig(_Strict):
+    """Top-level configuration file."""
+
+    scheduler: SchedulerConfig = SchedulerConfig()
+    """The control plane."""
+    cells: CellsConfig = CellsConfig()
+    """The cells."""
+    migration: MigrationConfig = MigrationConfig()
+    """Live KV migration."""
+    versions: VersionsConfig = VersionsConfig()
+    """Weight versions and old log-prob scoring."""
+
+    @model_validator(mode="after")
+    def _check(self) -> CellflipConfig:
+        eng = self.cells.engine
+        if isinstance(eng, EmbeddedEngineConfig) and eng.max_running > eng.num_blocks:
+            raise ValueError("cells.engine.max_running exceeds cells.engine.num_blocks")
+        return self
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        val = e.get("input")
+        shown = repr(val) if not isinstance(val, dict) else "{...}"
+        lines.append(f"  {loc} = {shown[:80]}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict | None, source: str = "<dict>") -> CellflipConfig:
+    """Validate a mapping into a `CellflipConfig`; raise `ConfigError` naming bad keys."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid config {source}: top level must be a mapping, got {type(data).__name__}")
+    try:
+        return CellflipConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, source)) from None
+
+
+def load_config(path: str | Path) -> CellflipConfig:
+    """Read a YAML file into a `CellflipConfig`."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {p}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"invalid YAML in {p}: {e}") from None
+    return parse_config(data, str(p))
