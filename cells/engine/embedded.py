@@ -1,0 +1,212 @@
+"""The embedded torch engine: continuous batching over a paged KV cache, per-request hand-over,
+cache-free scoring with the sampler's numerics, and staged weight versions.
+
+One step: schedule → forward → sample → postprocess.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from scheduler.config import EmbeddedEngineConfig
+
+from .batcher import Batcher, Request, WorkItem
+from .checkpoint import load_checkpoint
+from .handover import HandoverMixin
+from .interface import Capabilities, Engine, EngineError, SamplingParams, TokenEvent, TokenRecord
+from .kv_cache import BlockPool, PagedSink
+from .layers import probe_row_invariance, rope_tables
+from .model import Prepared, Segment, check_weights, forward, init_weights, output_logprobs, prepare, token_logprobs
+from .model_spec import ModelSpec, resolve_spec
+from .sampling import sample
+
+
+class EmbeddedEngine(HandoverMixin, Engine):
+    def __init__(self, cfg: EmbeddedEngineConfig | None = None, *, spec: ModelSpec | None = None,
+                 weights: dict[str, torch.Tensor] | None = None, version: int = 0):
+        cfg = cfg or EmbeddedEngineConfig()
+        self.cfg = cfg
+        self.spec = spec or resolve_spec(cfg.model)
+        if weights is None:
+            weights = load_checkpoint(cfg.model.path, self.spec) if cfg.model.path else init_weights(self.spec, cfg.model.seed)
+        check_weights(self.spec, weights)
+        self.tile: int | None = None
+        if cfg.batch_invariant:
+            # The tiles fix every kernel's shape; the probe checks that a row does not depend
+            # on its neighbours. Single rows are the fallback that needs no such assumption.
+            self.tile = cfg.row_tile if probe_row_invariance(tile=cfg.row_tile) else 1
+        self._rope = rope_tables(self.spec.head_dim, self.spec.max_position, self.spec.rope_theta)
+        self._versions: dict[int, Prepared] = {version: prepare(self.spec, weights, self._rope)}
+        self._version = version
+        self.pool = BlockPool(self.spec, cfg.num_blocks, cfg.block_size)
+        self.batcher = Batcher(self.pool, cfg.max_running, cfg.prefill_chunk)
+        self.requests: dict[str, Request] = {}
+        self.capabilities = Capabilities(kv_export=True, scoring=True, weight_update="staged",
+                                         batch_invariant=cfg.batch_invariant)
+        self.num_steps = 0
+
+    # -- versions ---------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def versions_held(self) -> list[int]:
+        return sorted(self._versions)
+
+    def weights(self, version: int | None = None) -> dict[str, torch.Tensor]:
+        return self._prepared(version).weights
+
+    def load_weights(self, version: int, tensors: dict[str, torch.Tensor], *, keep_previous: bool = False) -> None:
+        """Activate `version` (call between steps). The previous version stays available for
+        scoring when `keep_previous` until `drop_version`."""
+        check_weights(self.spec, tensors)
+        prep = prepare(self.spec, {k: t.detach().to(torch.float32).contiguous() for k, t in tensors.items()}, self._rope)
+        if not keep_previous:
+            self._versions.clear()
+        self._versions[version] = prep
+        self._version = version
+
+    def drop_version(self, version: int) -> None:
+        if version == self._version:
+            raise EngineError(f"cannot drop the served version {version}")
+        self._versions.pop(version, None)
+
+    def _prepared(self, version: int | None) -> Prepared:
+        v = self._version if version is None else version
+        if v not in self._versions:
+            raise EngineError(f"version {v} is not held by this engine (holds {self.versions_held})")
+        return self._versions[v]
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    *, prompt_len: int | None = None) -> None:
+        """Queue a request. `prompt_len` < len(prompt_ids) resumes a request whose tokens after
+        `prompt_len` were already generated (re-prefill elsewhere): generation continues at
+        generated index len(prompt_ids) - prompt_len, with the same noise as if never moved."""
+        if request_id in self.requests:
+            raise EngineError(f"duplicate request id {request_id!r}")
+        if not isinstance(params, SamplingParams):
+            raise EngineError("params must be SamplingParams")
+        ids = self._check_ids(prompt_ids)
+        plen = len(ids) if prompt_len is None else prompt_len
+        if not (1 <= plen <= len(ids)):
+            raise EngineError(f"prompt_len {prompt_len} outside [1, {len(ids)}]")
+        total = plen + params.max_tokens
+        if total > self.spec.max_position:
+            raise EngineError(f"prompt plus max_tokens = {total} exceeds max_position {self.spec.max_position}")
+        if self.pool.blocks_for(total) > self.pool.num_blocks:
+            raise EngineError(f"request needs {self.pool.blocks_for(total)} KV blocks, the pool has {self.pool.num_blocks}")
+        req = Request(request_id, ids, plen, params, records_base=len(ids) - plen)
+        if req.num_generated >= params.max_tokens:
+            raise EngineError(f"request already has {req.num_generated} >= max_tokens generated tokens")
+        self.requests[request_id] = req
+        self.batcher.waiting.append(req)
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise EngineError("token ids must be a non-empty list of ints")
+        out = []
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not (0 <= t < self.spec.vocab_size):
+                raise EngineError(f"token id {t!r} outside [0, {self.spec.vocab_size})")
+            out.append(t)
+        return out
+
+    def has_work(self) -> bool:
+        return self.batcher.has_work()
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.batcher.remove(req)
+            self.pool.free(request_id)
+
+    def num_inflight(self) -> int:
+        return len(self.requests)
+
+    # -- the step ---------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        items = self.batcher.schedule()
+        if not items:
+            return []
+        logprobs = self._run(items)
+        self.num_steps += 1
+        return self._postprocess(items, logprobs)
+
+    def _run(self, items: list[WorkItem]) -> torch.Tensor:
+        """Forward the scheduled tokens; log-probs [num sampling items, V_out]."""
+        prep = self._versions[self._version]
+        ids, pos, segs, rows, temps = [], [], [], [], []
+        offset = 0
+        for it in items:
+            n = it.end - it.start
+            ids.extend(it.req.token_ids[it.start : it.end])
+            pos.extend(range(it.start, it.end))
+            segs.append(Segment(offset, n, it.start, PagedSink(self.pool, it.req.request_id, it.start, it.end)))
+            offset += n
+            if it.samples:
+                rows.append(offset - 1)
+                temps.append(it.req.params.temperature)
+        with torch.no_grad():
+            hidden = forward(prep, torch.tensor(ids), torch.tensor(pos), segs, self.tile)
+            for it in items:
+                it.req.num_computed = it.end
+            if not rows:
+                return torch.empty(0)
+            return output_logprobs(prep, hidden[torch.tensor(rows)], torch.tensor(temps), self.tile)
+
+    def _postprocess(self, items: list[WorkItem], logprobs: torch.Tensor) -> list[TokenEvent]:
+        prep = self._versions[self._version]
+        events = []
+        row = 0
+        for it in items:
+            if not it.samples:
+                continue
+            req, lp = it.req, logprobs[row]
+            row += 1
+            index = req.num_generated
+            out_i, logp, truncated = sample(lp, req.params, req.request_id, index)
+            tok = int(prep.out_ids[out_i]) if prep.out_ids is not None else out_i
+            rec = TokenRecord(tok, logp, self._version, truncated)
+            req.token_ids.append(tok)
+            req.records.append(rec)
+            reason = None
+            if tok in req.params.stop_token_ids:
+                reason = "stop"
+            elif req.num_generated >= req.params.max_tokens:
+                reason = "length"
+            if reason:
+                self._finish(req)
+            events.append(TokenEvent(req.request_id, index, rec, reason))
+        return events
+
+    def _finish(self, req: Request) -> None:
+        req.status = "finished"
+        self.batcher.remove(req)
+        self.pool.free(req.request_id)
+        del self.requests[req.request_id]
+
+    def recompute_all(self) -> int:
+        """Drop every request's KV so it is re-prefilled under the current weights (the
+        `recompute` policy across a version change). Returns how many requests."""
+        n = 0
+        for req in list(self.batcher.running):
+            self.batcher._preempt(req)
+            n += 1
+        return n
+
+    # -- scoring ----------------------------------------------------------------------------
+    def score(self, token_ids: list[int], *, temperature: float = 1.0, version: int | None = None) -> torch.Tensor:
+        ids = torch.tensor(self._check_ids(token_ids))
+        with torch.no_grad():
+            return token_logprobs(self._prepared(version), ids, temperature, self.tile)
+
+    def summary(self) -> dict:
+        return {
+            "inflight": len(self.requests),
+            "kv_blocks_used": self.pool.num_used,
+            "kv_blocks_total": self.pool.num_blocks,
+            "version": self._version,
+            "request_ids": sorted(self.requests),
+        }

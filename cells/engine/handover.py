@@ -1,0 +1,131 @@
+"""Per-request hand-over: export a request's state as JSON-able metadata plus KV tensors, and
+import it on another engine.
+
+Source side: `export_kv` copies a block range while the request keeps decoding (copy rounds
+send only blocks completed since the last round); `pause` stops it for the stop-and-copy;
+`snapshot` carries position, sampling params and only the records added since a given index;
+`release` frees it after the commit, `resume` continues it after an abort.
+Destination side: `reserve` → `import_kv` (per round) → `import_request` (paused) → `resume`.
+A destination never decodes an imported request before `resume`, and `release` drops it
+(watchdog or aborted migration).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .batcher import Request
+from .interface import EngineError, RequestSnapshot, SamplingParams
+
+
+class HandoverMixin:
+    # -- source -----------------------------------------------------------------------------
+    def _req(self, request_id: str) -> Request:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise EngineError(f"unknown request {request_id!r}")
+        return req
+
+    def num_complete_blocks(self, request_id: str) -> int:
+        """Blocks whose KV is final (every slot computed); they never change again."""
+        return self._req(request_id).num_computed // self.pool.block_size
+
+    def num_kv_blocks(self, request_id: str) -> int:
+        """Blocks holding any computed KV (the last one may be partial)."""
+        return self.pool.blocks_for(self._req(request_id).num_computed)
+
+    def export_kv(self, request_id: str, start: int, end: int) -> torch.Tensor:
+        """KV of table blocks [start, end): [2, layers, n, block_size, kv_heads, head_dim]."""
+        req = self._req(request_id)
+        if not (0 <= start <= end <= self.pool.blocks_for(req.num_computed)):
+            raise EngineError(f"block range [{start}, {end}) outside computed blocks of {request_id}")
+        return self.pool.export_blocks(request_id, start, end)
+
+    def pause(self, request_id: str) -> None:
+        """Stop decoding one request, keeping its blocks (stop-and-copy). A request that had
+        been preempted (no KV) is paused too: its importer re-prefills."""
+        req = self._req(request_id)
+        self.batcher.remove(req)
+        req.status = "paused"
+
+    def snapshot(self, request_id: str, records_from: int = 0, token_ids_from: int = 0) -> RequestSnapshot:
+        req = self._req(request_id)
+        rel = max(records_from - req.records_base, 0)
+        return RequestSnapshot(
+            request_id=request_id,
+            prompt_len=req.prompt_len,
+            num_tokens=len(req.token_ids),
+            num_computed=req.num_computed,
+            params=req.params.to_dict(),
+            version=self.version,
+            model_signature=self.spec.signature(),
+            block_size=self.pool.block_size,
+            records_from=req.records_base + rel,
+            records=[r.to_list() for r in req.records[rel:]],
+            token_ids_from=token_ids_from,
+            token_ids=req.token_ids[token_ids_from:],
+        )
+
+    def release(self, request_id: str) -> None:
+        """Forget a request and free its blocks (source after commit; destination on abort)."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.batcher.remove(req)
+        self.pool.free(request_id)
+
+    def resume(self, request_id: str) -> None:
+        """Continue a paused request (destination after commit, or source after an abort)."""
+        req = self._req(request_id)
+        if req.status != "paused":
+            raise EngineError(f"request {request_id} is {req.status}, not paused")
+        req.status = "running" if req.num_computed else "waiting"
+        if req.num_computed:
+            self.batcher.running.append(req)
+        else:
+            self.batcher.waiting.appendleft(req)
+
+    # -- destination ------------------------------------------------------------------------
+    def reserve(self, request_id: str, num_tokens: int, headroom_blocks: int = 0) -> bool:
+        """Reserve blocks for `num_tokens` plus headroom, or refuse (False) without side effects."""
+        if request_id in self.requests or request_id in self.pool.tables:
+            raise EngineError(f"request {request_id!r} already present")
+        need = self.pool.blocks_for(num_tokens) + headroom_blocks
+        if not self.pool.can_allocate(need):
+            return False
+        self.pool.allocate(request_id, need)
+        return True
+
+    def import_kv(self, request_id: str, start: int, data: torch.Tensor) -> None:
+        expected = (2, self.spec.num_layers, data.shape[2], self.pool.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        if tuple(data.shape) != expected:
+            raise EngineError(f"KV blocks of shape {tuple(data.shape)} do not fit this model {expected}")
+        if request_id not in self.pool.tables:
+            raise EngineError(f"no reservation for {request_id!r}")
+        need = start + data.shape[2]
+        have = len(self.pool.tables[request_id])
+        if need > have:
+            if not self.pool.can_allocate(need - have):
+                raise EngineError(f"{request_id}: out of KV blocks while importing")
+            self.pool.allocate(request_id, need - have)
+        self.pool.import_blocks(request_id, start, data.to(self.pool.k.dtype))
+
+    def import_request(self, snap: RequestSnapshot) -> None:
+        """Install a request whose KV has been imported, paused until `resume`."""
+        if snap.model_signature != self.spec.signature():
+            raise EngineError("request state comes from a model of a different shape")
+        if snap.block_size != self.pool.block_size:
+            raise EngineError(f"block size {snap.block_size} differs from this engine's {self.pool.block_size}")
+        if snap.token_ids_from != 0 or len(snap.token_ids) != snap.num_tokens:
+            raise EngineError("import needs the full token ids (assemble round deltas first)")
+        if snap.request_id in self.requests:
+            raise EngineError(f"duplicate request id {snap.request_id!r}")
+        table = self.pool.tables.get(snap.request_id, [])
+        if self.pool.blocks_for(snap.num_computed) > len(table):
+            raise EngineError(f"{snap.request_id}: KV for {snap.num_computed} tokens not imported")
+        params = SamplingParams.from_dict(snap.params)
+        ids = self._check_ids(snap.token_ids)
+        req = Request(snap.request_id, ids, snap.prompt_len, params, num_computed=snap.num_computed,
+                      status="paused", records_base=len(ids) - snap.prompt_len)
+        if snap.num_computed == 0:
+            self.pool.free(snap.request_id)
+        self.requests[snap.request_id] = req

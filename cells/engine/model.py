@@ -1,0 +1,199 @@
+"""Qwen3-architecture decoder as pure functions over a weight dict with Hugging Face names.
+
+RMSNorm, RoPE, GQA, SwiGLU, q/k-norm. The same `forward` serves the engine (segments of new
+tokens whose K/V go to the paged cache) and scoring/training (one segment, no cache, autograd
+intact), so the log-prob service and the trainer run the sampler's own numerics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from .interface import EngineError
+from .layers import apply_rope, attention_fast, attention_tiled, linear, rms_norm, rope_tables
+from .model_spec import ModelSpec
+
+
+def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model by its Hugging Face name."""
+    d, hd = spec.hidden_size, spec.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, d), "model.norm.weight": (d,)}
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, d)
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (d,)
+        shapes[p + "post_attention_layernorm.weight"] = (d,)
+        shapes[p + "self_attn.q_proj.weight"] = (spec.num_heads * hd, d)
+        shapes[p + "self_attn.k_proj.weight"] = (spec.num_kv_heads * hd, d)
+        shapes[p + "self_attn.v_proj.weight"] = (spec.num_kv_heads * hd, d)
+        shapes[p + "self_attn.o_proj.weight"] = (d, spec.num_heads * hd)
+        if spec.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        shapes[p + "mlp.gate_proj.weight"] = (spec.intermediate_size, d)
+        shapes[p + "mlp.up_proj.weight"] = (spec.intermediate_size, d)
+        shapes[p + "mlp.down_proj.weight"] = (d, spec.intermediate_size)
+    return shapes
+
+
+def init_weights(spec: ModelSpec, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in weight_shapes(spec).items():
+        out[name] = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=g) * std
+    return out
+
+
+def check_weights(spec: ModelSpec, tensors: dict[str, torch.Tensor]) -> None:
+    """Raise EngineError naming the first missing, unexpected or mis-shaped tensor."""
+    shapes = weight_shapes(spec)
+    missing = sorted(set(shapes) - set(tensors))
+    extra = sorted(set(tensors) - set(shapes))
+    if missing or extra:
+        raise EngineError(f"weights do not match the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, shape in shapes.items():
+        if tuple(tensors[name].shape) != shape:
+            raise EngineError(f"weight {name} has shape {tuple(tensors[name].shape)}, model needs {shape}")
+
+
+@dataclass
+class Prepared:
+    """Per-version derived tensors: fused projections and the restricted output layer."""
+
+    spec: ModelSpec
+    weights: dict[str, torch.Tensor]
+    layers: list[dict[str, torch.Tensor]]
+    lm_head: torch.Tensor
+    out_ids: torch.Tensor | None
+    cos: torch.Tensor
+    sin: torch.Tensor
+    id_to_out: torch.Tensor | None = field(default=None)
+
+
+def prepare(spec: ModelSpec, weights: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> Prepared:
+    layers = []
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        layers.append({
+            "in_norm": weights[p + "input_layernorm.weight"],
+            "post_norm": weights[p + "post_attention_layernorm.weight"],
+            "qkv": torch.cat([weights[p + f"self_attn.{x}_proj.weight"] for x in "qkv"]),
+            "o": weights[p + "self_attn.o_proj.weight"],
+            "q_norm": weights.get(p + "self_attn.q_norm.weight"),
+            "k_norm": weights.get(p + "self_attn.k_norm.weight"),
+            "gate_up": torch.cat([weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]]),
+            "down": weights[p + "mlp.down_proj.weight"],
+        })
+    head = weights["model.embed_tokens.weight"] if spec.tie_word_embeddings else weights["lm_head.weight"]
+    out_ids = spec.output_ids()
+    id_to_out = None
+    if out_ids is not None:
+        ids = torch.tensor(out_ids, dtype=torch.long)
+        head = head.index_select(0, ids)
+        id_to_out = torch.full((spec.vocab_size,), -1, dtype=torch.long)
+        id_to_out[ids] = torch.arange(len(out_ids))
+        out_ids_t = ids
+    else:
+        out_ids_t = None
+    cos, sin = rope if rope is not None else rope_tables(spec.head_dim, spec.max_position, spec.rope_theta)
+    return Prepared(spec, weights, layers, head.contiguous(), out_ids_t, cos, sin, id_to_out)
+
+
+class KVSink(Protocol):
+    """Where a segment's keys/values live: the paged cache, or nowhere (scoring)."""
+
+    def store_and_load(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this segment's new k/v and return all keys/values [0, start+n)."""
+        ...
+
+
+@dataclass(slots=True)
+class Segment:
+    """A run of consecutive new tokens of one sequence inside a flat token batch."""
+
+    offset: int
+    length: int
+    start_pos: int
+    kv: KVSink | None = None
+
+
+def forward(prep: Prepared, token_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
+            tile: int | None) -> torch.Tensor:
+    """Hidden states after the final norm, [N, hidden] for the flat batch `token_ids`."""
+    spec = prep.spec
+    hd, nh, nkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    x = prep.weights["model.embed_tokens.weight"].index_select(0, token_ids)
+    cos, sin = prep.cos.index_select(0, positions), prep.sin.index_select(0, positions)
+    for li, lw in enumerate(prep.layers):
+        h = rms_norm(x, lw["in_norm"], spec.rms_norm_eps)
+        qkv = linear(h, lw["qkv"], tile)
+        q = qkv[:, : nh * hd].reshape(-1, nh, hd)
+        k = qkv[:, nh * hd : (nh + nkv) * hd].reshape(-1, nkv, hd)
+        v = qkv[:, (nh + nkv) * hd :].reshape(-1, nkv, hd)
+        if lw["q_norm"] is not None:
+            q = rms_norm(q, lw["q_norm"], spec.rms_norm_eps)
+            k = rms_norm(k, lw["k_norm"], spec.rms_norm_eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        outs = []
+        for seg in segments:
+            sl = slice(seg.offset, seg.offset + seg.length)
+            ks, vs = (k[sl], v[sl]) if seg.kv is None else seg.kv.store_and_load(li, k[sl], v[sl])
+            if tile is None:
+                outs.append(attention_fast(q[sl], ks, vs, seg.start_pos))
+            else:
+                outs.append(attention_tiled(q[sl], ks, vs, seg.start_pos, tile))
+        attn = (torch.cat(outs) if len(outs) > 1 else outs[0]).reshape(-1, nh * hd)
+        x = x + linear(attn, lw["o"], tile)
+        h = rms_norm(x, lw["post_norm"], spec.rms_norm_eps)
+        gu = linear(h, lw["gate_up"], tile)
+        gate, up = gu.split(spec.intermediate_size, dim=-1)
+        x = x + linear(torch.nn.functional.silu(gate) * up, lw["down"], tile)
+    return rms_norm(x, prep.weights["model.norm.weight"], spec.rms_norm_eps)
+
+
+def output_logprobs(prep: Prepared, hidden: torch.Tensor, temperature: float | torch.Tensor,
+                    tile: int | None) -> torch.Tensor:
+    """Temperature-scaled log-probs over the output ids, [N, V_out].
+
+    `temperature` is one float or one per row; 0 (greedy) scores at temperature 1.
+    """
+    logits = linear(hidden, prep.lm_head, tile)
+    if isinstance(temperature, torch.Tensor):
+        t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+        logits = logits / t[:, None]
+    elif temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    if tile is None:
+        return torch.log_softmax(logits, dim=-1)
+    # Row-wise reduction on the same fixed, zero-padded tiles as the matmuls.
+    n = logits.shape[0]
+    pad = (-n) % tile
+    if pad:
+        logits = torch.cat([logits, logits.new_zeros(pad, logits.shape[1])])
+    out = torch.cat([torch.log_softmax(logits[i : i + tile], dim=-1) for i in range(0, n + pad, tile)])
+    return out[:n] if pad else out
+
+
+def token_logprobs(prep: Prepared, token_ids: torch.Tensor, temperature: float = 1.0,
+                   tile: int | None = None) -> torch.Tensor:
+    """Cache-free full forward: log-prob of token t given tokens < t for t = 1..L-1.
+
+    The scoring primitive of the log-prob service and the trainer's forward (autograd
+    flows through `prep.weights`). Tokens outside the output ids get -inf.
+    """
+    n = token_ids.shape[0]
+    if n < 2:
+        return torch.empty(0)
+    positions = torch.arange(n)
+    hidden = forward(prep, token_ids, positions, [Segment(0, n, 0)], tile)
+    lp = output_logprobs(prep, hidden[:-1], temperature, tile)
+    targets = token_ids[1:]
+    if prep.id_to_out is None:
+        return lp.gather(1, targets[:, None])[:, 0]
+    idx = prep.id_to_out.index_select(0, targets)
+    out = lp.gather(1, idx.clamp(min=0)[:, None])[:, 0]
+    return torch.where(idx >= 0, out, torch.full_like(out, float("-inf")))
