@@ -23,14 +23,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, tile: int | None) -> torch.Tensor:
-    """x [N, K] @ w[out, K].T; in batch-invariant mode on fixed [tile, K] row tiles."""
+    """x [N, K] @ w[out, K].T; in batch-invariant mode as a batch of fixed [tile, K] row tiles."""
     if tile is None:
         return F.linear(x, w)
-    n = x.shape[0]
+    n, k = x.shape
     pad = (-n) % tile
     if pad:
-        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    out = torch.cat([F.linear(x[i : i + tile], w) for i in range(0, n + pad, tile)])
+        x = torch.cat([x, x.new_zeros(pad, k)])
+    nt = (n + pad) // tile
+    out = torch.bmm(x.view(nt, tile, k), w.t().expand(nt, k, w.shape[0])).view(n + pad, -1)
     return out[:n] if pad else out
 
 
@@ -67,47 +68,68 @@ def attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int
     return out[0].transpose(0, 1)
 
 
+KEY_CHUNK = 64
+"""Batch-invariant attention pads every query tile's keys to a multiple of this many."""
+
+
 def attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, tile: int) -> torch.Tensor:
-    """Batch-invariant attention. Same arguments as `attention_fast`; `k`, `v` may hold fewer
-    than (j+1)*tile keys for the last tile (a decode step): they are zero-padded, and masked."""
+    """Batch-invariant attention. Same arguments as `attention_fast`.
+
+    Query tile j holds positions [j*tile, (j+1)*tile) and attends to keys [0, L_j) with
+    L_j = (j+1)*tile rounded up to KEY_CHUNK; keys past a row's position are masked, keys not
+    yet computed (a decode step) are zero. Tiles with the same L_j run as one batched matmul
+    of identical per-tile shape, so a tile's numbers do not depend on how many share the call.
+    """
     n, h, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
-    scale = d ** -0.5
+    chunk = -(-KEY_CHUNK // tile) * tile
     first, last = start // tile, (start + n - 1) // tile
+    # Query tiles [first, last]: rows are absolute positions; rows outside this call stay zero.
+    ntiles = last - first + 1
+    qt = q.new_zeros(ntiles * tile, h, d)
+    qt[start - first * tile : start - first * tile + n] = q * d ** -0.5
+    qt = qt.view(ntiles, tile, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(ntiles, hkv, g * tile, d)
+    have = k.shape[0]
     outs = []
-    for j in range(first, last + 1):
-        lo, hi = j * tile, (j + 1) * tile
-        # Query tile: rows are absolute positions lo..hi-1; rows outside this call stay zero.
-        qt = q.new_zeros(tile, h, d)
-        a, b = max(lo, start), min(hi, start + n)
-        qt[a - lo : b - lo] = q[a - start : b - start]
-        kt, vt = k[:hi], v[:hi]
-        if kt.shape[0] < hi:
-            padk = hi - kt.shape[0]
-            kt = torch.cat([kt, k.new_zeros(padk, hkv, d)])
-            vt = torch.cat([vt, v.new_zeros(padk, hkv, d)])
-        # [hkv, g*tile, d] @ [hkv, d, hi]: one bmm per kv head group, fixed shape per tile.
-        qg = qt.view(tile, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * tile, d) * scale
-        scores = torch.bmm(qg, kt.permute(1, 2, 0).contiguous())
-        qpos = torch.arange(lo, hi).repeat(g)[:, None]
-        scores = scores.masked_fill(torch.arange(hi)[None, :] > qpos, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.bmm(probs, vt.permute(1, 0, 2).contiguous())  # [hkv, g*tile, d]
-        o = o.view(hkv, g, tile, d).permute(2, 0, 1, 3).reshape(tile, h, d)
-        outs.append(o[a - lo : b - lo])
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
+    j = first
+    while j <= last:
+        lk = -(-((j + 1) * tile) // chunk) * chunk
+        j_end = min(last, lk // tile - 1)  # tiles j..j_end share key length lk
+        nt = j_end - j + 1
+        kt, vt = k[:lk], v[:lk]
+        if have < lk:
+            kt = torch.cat([kt, k.new_zeros(lk - have, hkv, d)])
+            vt = torch.cat([vt, v.new_zeros(lk - have, hkv, d)])
+        qpos = torch.arange(j * tile, (j_end + 1) * tile).view(nt, 1, tile, 1)
+        masked = torch.arange(lk) > qpos
+        heads = []
+        for hk in range(hkv):
+            # A stride-0 batch of this head's keys: every tile is its own same-shape matmul.
+            kh = kt[:, hk].t().expand(nt, d, lk)
+            scores = torch.bmm(qt[j - first : j_end - first + 1, hk], kh).view(nt, g, tile, lk)
+            probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
+            heads.append(torch.bmm(probs.view(nt, g * tile, lk), vt[:, hk].expand(nt, lk, d)))
+        o = torch.stack(heads, 1).view(nt, hkv, g, tile, d).permute(0, 3, 1, 2, 4).reshape(nt * tile, h, d)
+        outs.append(o)
+        j = j_end + 1
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    off = start - first * tile
+    return out[off : off + n]
 
 
 def probe_row_invariance(k: int = 256, n: int = 512, tile: int = 4, trials: int = 8) -> bool:
-    """True when a GEMM row on a [tile, k] tile does not depend on its neighbours or its place."""
+    """True when a row of a batched [tile, k] matmul depends neither on the other rows of its
+    tile, nor on its place in the tile, nor on how many tiles share the call."""
     g = torch.Generator().manual_seed(1234)
     w = torch.randn(n, k, generator=g)
     x0 = torch.randn(k, generator=g)
-    ref = F.linear(x0.expand(tile, k).contiguous(), w)[0]
+    ref = linear(x0.expand(tile, k).contiguous(), w, tile)[0]
     for t in range(trials):
-        xt = torch.randn(tile, k, generator=g)
-        xt[t % tile] = x0
-        if not torch.equal(F.linear(xt, w)[t % tile], ref):
+        rows = tile * (1 + 3 * t)
+        xt = torch.randn(rows, k, generator=g)
+        at = (t * 5) % rows
+        xt[at] = x0
+        if not torch.equal(linear(xt, w, tile)[at], ref):
             return False
     return True

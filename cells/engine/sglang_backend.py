@@ -1,0 +1,169 @@
+"""The SGLang side of the adapter: loading the package, and translating to and from it.
+
+Everything here is a pure function of its arguments except `load_sglang`, which imports
+SGLang lazily: cellflip installs and tests without it (the `gpu` extra brings it).
+Outputs are read as SGLang's streaming generator yields them with `skip_tokenizer_init`:
+`{"output_ids": [...], "meta_info": {"output_token_logprobs": [(logprob, id, None), ...],
+"completion_tokens": n, "finish_reason": {"type": ...} | None, ...}}`, where the lists are
+cumulative (the default) or only the new part (`incremental_streaming_output`).
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from cells.engine.interface import EngineError, FinishReason, SamplingParams
+
+PINNED_SGLANG_VERSION = "0.5.23"
+"""The SGLang release whose source the contract test checks the adapter against."""
+
+GPU_MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""Tags SGLang's release/resume_memory_occupation accept."""
+
+_REQUIRED_ENGINE_METHODS = (
+    "async_generate", "init_weights_update_group", "destroy_weights_update_group",
+    "begin_weight_update", "end_weight_update", "update_weights_from_distributed",
+    "update_weights_from_tensor", "release_memory_occupation", "resume_memory_occupation",
+    "shutdown",
+)
+
+
+class SGLangUnavailable(EngineError, ImportError):
+    """`engine.type: sglang` was selected but SGLang cannot be used here."""
+
+
+@dataclass(frozen=True)
+class SGLangModules:
+    """The SGLang entry points the adapter uses (the real package, or a test double)."""
+
+    Engine: Any
+    """`sglang.srt.entrypoints.engine.Engine`."""
+    io_struct: Any
+    """`sglang.srt.managers.io_struct`: request objects for the tokenizer manager."""
+    version: str
+
+
+def load_sglang() -> SGLangModules:
+    """Import SGLang, or raise `SGLangUnavailable` saying how to get it."""
+    try:
+        import sglang
+        from sglang.srt.entrypoints.engine import Engine
+        from sglang.srt.managers import io_struct
+    except ImportError as e:
+        raise SGLangUnavailable(
+            f"cells.engine.type is 'sglang' but SGLang is not importable ({e}). Install the GPU "
+            f"extra on the GPU nodes: pip install 'cellflip[gpu]' (tested with sglang=="
+            f"{PINNED_SGLANG_VERSION}); or use engine type 'embedded'.") from e
+    missing = [m for m in _REQUIRED_ENGINE_METHODS if not hasattr(Engine, m)]
+    version = getattr(sglang, "__version__", "unknown")
+    if missing:
+        raise SGLangUnavailable(
+            f"installed sglang {version} lacks Engine methods {missing}; "
+            f"install sglang=={PINNED_SGLANG_VERSION}")
+    return SGLangModules(Engine=Engine, io_struct=io_struct, version=version)
+
+
+def check_environment(environ: Mapping[str, str] = os.environ) -> None:
+    """Refuse settings that change what the returned log-probs mean."""
+    if environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in ("1", "true", "yes"):
+        raise EngineError("SGLANG_RETURN_ORIGINAL_LOGPROB is set: SGLang would return log-probs "
+                          "before temperature scaling; unset it on SGLang cells")
+
+
+def server_kwargs(model_path: str, tp: int, mem_fraction_static: float,
+                  overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`sglang.Engine(**kwargs)` for a cell. Token-in/token-out (`skip_tokenizer_init`),
+    memory handover (`enable_memory_saver`); `overrides` (e.g. HiCache settings,
+    `enable_deterministic_inference`) win."""
+    kwargs: dict[str, Any] = {
+        "model_path": model_path,
+        "tp_size": tp,
+        "mem_fraction_static": mem_fraction_static,
+        "skip_tokenizer_init": True,
+        "enable_memory_saver": True,
+        "log_level": "error",
+    }
+    kwargs.update(overrides or {})
+    return kwargs
+
+
+def sampling_seed(seed: int, request_id: str) -> int:
+    """SGLang's per-request seed (used with deterministic inference, where the noise of a
+    token is a function of seed and position): derived from (seed, request id) so that a
+    re-prefill of the same request on another cell draws the same noise."""
+    return zlib.crc32(f"{seed}:{request_id}".encode()) & 0x7FFFFFFF
+
+
+def to_sglang_sampling(params: SamplingParams, request_id: str, max_new_tokens: int) -> dict[str, Any]:
+    """SGLang `sampling_params` for a request with `max_new_tokens` left to generate."""
+    return {
+        "max_new_tokens": max_new_tokens,
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": params.top_k if params.top_k > 0 else -1,
+        "stop_token_ids": list(params.stop_token_ids),
+        "sampling_seed": sampling_seed(params.seed, request_id),
+    }
+
+
+def is_truncated(params: SamplingParams) -> bool:
+    """Whether top-p/top-k truncation is active for sampled (non-greedy) tokens."""
+    return not params.greedy and (params.top_p < 1.0 or params.top_k > 0)
+
+
+def cache_salt(version: int) -> str:
+    """Prefix-cache salt for a weight version: KV computed under another version (in the
+    radix cache or in a HiCache store, which survives flushes) never matches."""
+    return f"cellflip-v{version}"
+
+
+def finish_reason(meta_info: Mapping) -> FinishReason | None:
+    reason = meta_info.get("finish_reason")
+    if reason is None:
+        return None
+    kind = reason.get("type") if isinstance(reason, Mapping) else str(reason)
+    return kind if kind in ("stop", "length") else "abort"
+
+
+def new_tokens(chunk: Mapping, num_seen: int) -> list[tuple[int, float]]:
+    """(token id, log-prob) pairs in `chunk` beyond the first `num_seen` output tokens."""
+    meta = chunk["meta_info"]
+    ids = list(chunk.get("output_ids") or [])
+    lps = list(meta.get("output_token_logprobs") or [])
+    total = meta["completion_tokens"]
+    if len(ids) == total:  # cumulative lists
+        ids, lps = ids[num_seen:], lps[num_seen:]
+    elif num_seen + len(ids) != total:
+        raise EngineError(f"SGLang output out of step: {num_seen} seen + {len(ids)} new != {total}")
+    if len(lps) != len(ids):
+        raise EngineError(f"SGLang returned {len(ids)} tokens but {len(lps)} log-probs")
+    out = []
+    for tok, lp in zip(ids, lps):
+        if int(lp[1]) != int(tok):
+            raise EngineError(f"SGLang log-prob entry for token {lp[1]} where the output has {tok}")
+        out.append((int(tok), float(lp[0])))
+    return out
+
+
+def span_versions(meta_info: Mapping) -> list[tuple[int, int, int]] | None:
+    """SGLang's per-token weight-version spans (sent when a request finishes) as
+    (start, end, version), or None where absent or not cellflip's integer labels."""
+    spans = meta_info.get("weight_versions")
+    if not spans:
+        return None
+    try:
+        return [(int(s["start"]), int(s["end"]), int(s["version"])) for s in spans]
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def call_ok(result: Any) -> tuple[bool, str]:
+    """SGLang control calls answer `(success, message)`; others answer None or an object."""
+    if isinstance(result, tuple) and len(result) >= 2 and isinstance(result[0], bool):
+        return result[0], str(result[1])
+    success = getattr(result, "success", True)
+    return bool(success), str(getattr(result, "message", ""))

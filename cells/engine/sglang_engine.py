@@ -1,0 +1,339 @@
+"""SGLang behind the engine interface, for GPU cells.
+
+How a synchronous `step()` drives SGLang: the offline `sglang.Engine` runs its scheduler and
+detokenizer in child processes and keeps an asyncio loop (`engine.loop`) in this process for
+its tokenizer manager. The adapter owns that loop on the cell agent's thread. Each request
+is one `async_generate(input_ids=…, return_logprob=True, stream=True)` task on it; `step()`
+runs the loop until a chunk arrives or `poll_s` passes and returns what arrived as
+TokenEvents. SGLang's synchronous control methods run the same loop until they finish, so
+streams keep being collected during them. Decoding never waits for `step()`: the scheduler
+process runs on, and between steps its outputs queue in SGLang's sockets.
+
+Every token reported comes from a submission made under one weight version: an update
+restarts each in-flight request (abort, resubmit the tokens seen so far with the new
+version's cache salt). So a token's version is its submission's version, exactly, and
+KV computed under one version is never keyed under another's salt (the radix cache is
+also flushed; a HiCache store is not, hence the salt). In-flight requests are therefore
+recomputed at every update on SGLang cells, whatever `versions.inflight_policy` says.
+Version updates and memory handover live in `sglang_control.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from cells.engine import sglang_backend as sb
+from cells.engine.interface import (
+    Capabilities,
+    Engine,
+    EngineError,
+    RequestSnapshot,
+    SamplingParams,
+    TokenEvent,
+    TokenRecord,
+)
+from cells.engine.sglang_control import ControlMixin
+from cells.engine.sglang_migration import MigrationEndpoint, MigrationPath, choose_migration_path, kv_store_identity
+from cells.engine.sglang_weights import read_checkpoint_manifest
+from scheduler.config import SGLangEngineConfig
+
+
+class ScoringCopy(Protocol):
+    """The trainer's model implementation holding the cell's version (`scoring: cell_copy`).
+    An embedded engine built on the cell's GPU satisfies it."""
+
+    def score(self, token_ids: list[int], *, temperature: float = 1.0) -> torch.Tensor: ...
+
+    def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None: ...
+
+
+@dataclass(slots=True)
+class _Request:
+    request_id: str
+    prompt_len: int
+    params: SamplingParams
+    token_ids: list[int]
+    """Prompt plus delivered tokens (what the session store has)."""
+    records: list[TokenRecord]
+    """Records of delivered tokens."""
+    max_tokens: int
+    """Generated-token budget in total (across submissions and cells)."""
+    sgl_rid: str = ""
+    input_ids: list[int] = field(default_factory=list)
+    """Input of the current SGLang submission."""
+    seen_ids: list[int] = field(default_factory=list)
+    """Output tokens of the current submission seen so far (delivered or pending)."""
+    version: int = 0
+    """Weight version of the current submission; tags every token it yields."""
+    submitted: bool = False
+    done: bool = False
+    dropped: bool = False
+
+    @property
+    def num_generated_seen(self) -> int:
+        return len(self.input_ids) - self.prompt_len + len(self.seen_ids)
+
+
+class SGLangEngine(ControlMixin, Engine):
+    """A GPU cell's model replica served by SGLang (see the module docstring)."""
+
+    def __init__(self, config: SGLangEngineConfig, *, version: int = 0,
+                 server_args: Mapping[str, Any] | None = None, scorer: ScoringCopy | None = None,
+                 kv_store: str | None = None, poll_s: float = 0.01, transfer_timeout_s: float = 120.0,
+                 modules: sb.SGLangModules | None = None) -> None:
+        """`server_args`: extra `sglang.Engine` arguments (HiCache, deterministic inference…).
+        `scorer`: the scoring copy, required with `scoring: cell_copy`. `kv_store`: name of a
+        shared HiCache store when its backend config alone does not identify it. `modules`:
+        SGLang's entry points (None: import the installed package)."""
+        if config.scoring == "cell_copy" and scorer is None:
+            raise EngineError("scoring: cell_copy needs a scoring copy of the trainer's model on the "
+                              "cell (scorer=...); or configure scoring: trainer_copy")
+        sb.check_environment()
+        self._modules = modules if modules is not None else sb.load_sglang()
+        self.config = config
+        self.server_args = sb.server_kwargs(config.model_path, config.tp, config.mem_fraction_static, server_args)
+        self.capabilities = Capabilities(
+            kv_export=False, scoring=config.scoring == "cell_copy", weight_update="in_place",
+            batch_invariant=bool(self.server_args.get("enable_deterministic_inference", False)))
+        store = kv_store_identity(self.server_args)
+        if kv_store is not None and store is None:
+            raise EngineError("kv_store names a shared store but HiCache with a storage backend is not "
+                              "configured (enable_hierarchical_cache, hicache_storage_backend)")
+        self._kv_store = kv_store or store
+        self._scorer = scorer
+        self.poll_s = poll_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self.manifest = read_checkpoint_manifest(config.model_path)
+        self._engine = self._modules.Engine(**self.server_args)
+        self._loop: asyncio.AbstractEventLoop = self._engine.loop
+        self._tm = self._engine.tokenizer_manager
+        self._ready = asyncio.Event()
+        self._rids = itertools.count()
+        self._reqs: dict[str, _Request] = {}
+        self._imports: dict[str, _Request] = {}
+        self._pending: list[tuple[_Request, TokenEvent]] = []
+        self._streams: set[asyncio.Task] = set()
+        """Open SGLang streams, aborted ones included until SGLang ends them."""
+        self._version = version
+        self._weights_valid = True
+        self._released: set[str] = set()
+        self._state = "serving"  # serving | paused | broken
+        self.migrations_total: Counter[str] = Counter()
+        """Migrations into this cell by path (`kv_store` | `reprefill`)."""
+        self.version_tag_mismatches = 0
+        """Tokens whose version SGLang's own spans contradict (must stay 0)."""
+        self.ended_without_token: list[tuple[str, str]] = []
+        """(request id, reason) of requests SGLang ended before yielding another token."""
+        self._label_version(version)
+
+    # -- engine interface --------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise EngineError("params must be SamplingParams")
+        if not prompt_ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in prompt_ids):
+            raise EngineError("prompt_ids must be a non-empty list of non-negative ints")
+        req = _Request(request_id, len(prompt_ids), params, list(prompt_ids), [], params.max_tokens)
+        self._admit(req)
+        self._submit(req)
+
+    def step(self) -> list[TokenEvent]:
+        if not self._pending and any(r.submitted and not r.done for r in self._reqs.values()):
+            self._ready.clear()
+            self._loop.run_until_complete(self._wait_ready(self.poll_s))
+        else:
+            self._loop.run_until_complete(asyncio.sleep(0))
+        return self._deliver()
+
+    def has_work(self) -> bool:
+        return bool(self._pending) or any(not r.done for r in self._reqs.values())
+
+    def abort(self, request_id: str) -> None:
+        self._imports.pop(request_id, None)
+        req = self._reqs.pop(request_id, None)
+        if req is not None:
+            self._drop(req)
+
+    def score(self, token_ids: list[int], *, temperature: float = 1.0) -> torch.Tensor:
+        if self._scorer is None:
+            raise EngineError("this cell does not score (scoring: trainer_copy): the trainer scores "
+                              f"version {self._version} from its kept copy")
+        if not self._weights_valid:
+            raise EngineError("no complete weight version on this cell to score with")
+        return self._scorer.score(token_ids, temperature=temperature)
+
+    # -- migration ---------------------------------------------------------------------
+
+    @property
+    def migration_endpoint(self) -> MigrationEndpoint:
+        return MigrationEndpoint(kv_export=False, kv_store=self._kv_store, model=self.config.model_path,
+                                 version=self._version if self._weights_valid else None)
+
+    def metadata(self) -> dict:
+        """JSON-able description for the cell's registration and the planner."""
+        return {"engine": "sglang", "sglang_version": self._modules.version,
+                "capabilities": {k: getattr(self.capabilities, k) for k in
+                                 ("kv_export", "scoring", "weight_update", "batch_invariant")},
+                "scoring": self.config.scoring, "migration": self.migration_endpoint.to_dict(),
+                "migration_paths": ["kv_store", "reprefill"] if self._kv_store else ["reprefill"],
+                "num_update_ranks": self.num_update_ranks, "state": self._state,
+                "released": sorted(self._released)}
+
+    def export_request(self, request_id: str, *, records_from: int = 0) -> RequestSnapshot:
+        """Stop `request_id` here and describe it for a re-prefill elsewhere. The snapshot
+        holds the delivered tokens only; tokens that arrived but were not yet returned by
+        `step()` were never seen by anyone and are dropped (the destination samples them
+        again). Stopping aborts the SGLang request, which commits its KV to the radix tree
+        and, with HiCache, to the shared store."""
+        req = self._reqs.pop(request_id, None)
+        if req is None:
+            raise EngineError(f"unknown request {request_id!r}")
+        self._drop(req)
+        return RequestSnapshot(
+            request_id=request_id, prompt_len=req.prompt_len, num_tokens=len(req.token_ids),
+            num_computed=0, params={**req.params.to_dict(), "max_tokens": req.max_tokens},
+            version=self._version, model_signature=self.model_signature,
+            block_size=int(self.server_args.get("page_size") or 1), records_from=records_from,
+            records=[r.to_list() for r in req.records[records_from:]], token_ids_from=0,
+            token_ids=list(req.token_ids))
+
+    def import_request(self, snapshot: RequestSnapshot, token_ids: list[int] | None = None, *,
+                       source: MigrationEndpoint | None = None) -> MigrationPath:
+        """Accept a request moved here (nothing decodes until `resume_request`). `token_ids`
+        is the session's full token buffer when the snapshot carries only a tail. Returns the
+        path taken, also counted in `migrations_total`."""
+        if snapshot.model_signature.get("model") != self.config.model_path:
+            raise EngineError(f"request {snapshot.request_id} comes from model "
+                              f"{snapshot.model_signature.get('model')!r}, this cell serves {self.config.model_path!r}")
+        ids = list(snapshot.token_ids) if snapshot.token_ids_from == 0 else token_ids
+        if ids is None or len(ids) != snapshot.num_tokens:
+            raise EngineError(f"request {snapshot.request_id}: need all {snapshot.num_tokens} token ids to re-prefill")
+        if not 0 < snapshot.prompt_len <= len(ids):
+            raise EngineError(f"request {snapshot.request_id}: bad prompt_len {snapshot.prompt_len}")
+        max_tokens = int(snapshot.params.get("max_tokens", 0))
+        params = SamplingParams.from_dict({**snapshot.params, "max_tokens": max(max_tokens, 1)})
+        if len(ids) - snapshot.prompt_len >= max_tokens:
+            raise EngineError(f"request {snapshot.request_id} has no tokens left to generate")
+        if snapshot.request_id in self._imports:
+            raise EngineError(f"request {snapshot.request_id} is already being imported")
+        req = _Request(snapshot.request_id, snapshot.prompt_len, params, ids, [], max_tokens)
+        self._admit(req)
+        path = choose_migration_path(source, self.migration_endpoint) if source else "reprefill"
+        self._imports[snapshot.request_id] = req
+        self.migrations_total[path] += 1
+        return path
+
+    def resume_request(self, request_id: str) -> None:
+        """Start decoding an imported request (after the scheduler recorded this cell as owner)."""
+        req = self._imports.pop(request_id, None)
+        if req is None:
+            raise EngineError(f"no imported request {request_id!r}")
+        self._admit(req)
+        self._submit(req)
+
+    @property
+    def model_signature(self) -> dict:
+        return {"engine": "sglang", "model": self.config.model_path, "tp": self.config.tp}
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _admit(self, req: _Request) -> None:
+        if req.request_id in self._reqs:
+            raise EngineError(f"duplicate request id {req.request_id!r}")
+        if self._state == "broken" or not self._weights_valid:
+            raise EngineError("no complete weight version loaded; the cell must receive one first")
+        if self._released:
+            raise EngineError(f"GPU memory {sorted(self._released)} is released to training")
+
+    def _submit(self, req: _Request) -> None:
+        """(Re)submit `req` to SGLang from its delivered and seen tokens, under the current version."""
+        req.input_ids = req.input_ids + req.seen_ids if req.submitted else list(req.token_ids)
+        req.seen_ids = []
+        req.sgl_rid = f"{req.request_id}#{next(self._rids)}"
+        req.version = self._version
+        req.submitted = True
+        self._reqs[req.request_id] = req
+        task = self._loop.create_task(self._consume(req, req.sgl_rid))
+        self._streams.add(task)
+        task.add_done_callback(self._streams.discard)
+
+    async def _consume(self, req: _Request, rid: str) -> None:
+        remaining = req.max_tokens - (len(req.input_ids) - req.prompt_len)
+        try:
+            stream = await self._engine.async_generate(
+                input_ids=list(req.input_ids), return_logprob=True, stream=True, rid=rid,
+                sampling_params=sb.to_sglang_sampling(req.params, req.request_id, remaining),
+                cache_salt=sb.cache_salt(req.version))
+            async for chunk in stream:
+                if req.sgl_rid == rid and not req.dropped:
+                    self._on_chunk(req, chunk)
+        except Exception as e:  # SGLang refused or failed the request: it ends here
+            if req.sgl_rid == rid and not req.dropped and not req.done:
+                self._end_without_token(req, f"SGLang error: {e}")
+
+    def _on_chunk(self, req: _Request, chunk: Mapping) -> None:
+        meta = chunk["meta_info"]
+        pairs = sb.new_tokens(chunk, len(req.seen_ids))
+        reason = sb.finish_reason(meta)
+        truncated = sb.is_truncated(req.params)
+        base = req.num_generated_seen
+        for j, (tok, lp) in enumerate(pairs):
+            event = TokenEvent(req.request_id, base + j, TokenRecord(tok, lp, req.version, truncated),
+                               reason if j == len(pairs) - 1 else None)
+            self._pending.append((req, event))
+        req.seen_ids.extend(tok for tok, _ in pairs)
+        if reason is not None:
+            req.done = True
+            spans = sb.span_versions(meta)
+            if spans:
+                self.version_tag_mismatches += sum(
+                    max(0, min(e, len(req.seen_ids)) - s) for s, e, v in spans if v != req.version)
+            if not pairs:
+                self._end_without_token(req, str(meta.get("finish_reason")))
+        self._ready.set()
+
+    def _end_without_token(self, req: _Request, reason: str) -> None:
+        req.done = True
+        self.ended_without_token.append((req.request_id, reason))
+        if not any(r is req for r, _ in self._pending) and self._reqs.get(req.request_id) is req:
+            del self._reqs[req.request_id]
+        self._ready.set()
+
+    async def _wait_ready(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def _deliver(self) -> list[TokenEvent]:
+        pending, self._pending = self._pending, []
+        out = []
+        for req, event in pending:
+            if req.dropped or self._reqs.get(req.request_id) is not req:
+                continue
+            req.token_ids.append(event.record.token_id)
+            req.records.append(event.record)
+            out.append(event)
+            if event.finish_reason is not None:
+                del self._reqs[req.request_id]
+        for rid, req in list(self._reqs.items()):  # ended by an error after its last token
+            if req.done and req.submitted:
+                del self._reqs[rid]
+        return out
+
+    def _drop(self, req: _Request) -> None:
+        req.dropped = True
+        self._pending = [(r, e) for r, e in self._pending if r is not req]
+        if req.submitted and not req.done:
+            self._tm.abort_request(rid=req.sgl_rid)

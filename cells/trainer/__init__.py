@@ -1,0 +1,1 @@
+"""The training side of a cell: the RL objective (`objectives`) and, around it, the trainer."""

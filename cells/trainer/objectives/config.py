@@ -1,0 +1,192 @@
+"""Configuration of the RL objective (RL_MATH.md: correction, decoupled PPO, KL, trees).
+
+Pydantic models with a docstring under every field; unknown keys are rejected, and every
+choice that selects a variant (correction mode, KL placement, advantage estimator) is a
+discriminated union on `type`, so a bad value fails with the list of valid ones.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+# --- train/inference correction c_d(r_d) -------------------------------------------------
+
+
+class NoCorrection(_Strict):
+    """c = 1: no train/inference correction (the catastrophic reject still applies)."""
+
+    type: Literal["none"] = "none"
+    """Correction selector."""
+
+
+class TISTokenCorrection(_Strict):
+    """Truncated importance sampling per token: c = min(rho, cap)."""
+
+    type: Literal["tis_token"] = "tis_token"
+    """Correction selector."""
+    cap: float = Field(default=2.0, gt=0)
+    """Truncation C of the per-token ratio."""
+
+
+class TISSequenceCorrection(_Strict):
+    """Truncated importance sampling per sequence: c = min(exp(sum M·log rho), cap)."""
+
+    type: Literal["tis_sequence"] = "tis_sequence"
+    """Correction selector."""
+    cap: float = Field(default=2.0, gt=0)
+    """Truncation C of the sequence ratio (the same c for every token of the sequence)."""
+
+
+class _Bounds(_Strict):
+    low: float = Field(default=0.5, gt=0)
+    """Smallest kept ratio C_lo (inclusive)."""
+    high: float = Field(default=2.0, gt=0)
+    """Largest kept ratio C_hi (inclusive)."""
+
+    @model_validator(mode="after")
+    def _check_bounds(self):
+        if not self.low < self.high:
+            raise ValueError(f"low ({self.low}) must be smaller than high ({self.high})")
+        return self
+
+
+class MISTokenCorrection(_Bounds):
+    """Masked importance sampling (IcePop) per token: c = rho·1[low ≤ rho ≤ high];
+    tokens outside the bounds leave the loss mask."""
+
+    type: Literal["mis_token"] = "mis_token"
+    """Correction selector."""
+
+
+class MISSequenceCorrection(_Bounds):
+    """Masked importance sampling per sequence: keep the sequence iff its statistic s lies in
+    [low, high]; kept tokens get c = s, the others leave the loss mask."""
+
+    type: Literal["mis_sequence"] = "mis_sequence"
+    """Correction selector."""
+    statistic: Literal["product", "geometric_mean"] = "product"
+    """s = exp(sum M·log rho) (`product`) or exp(mean_M log rho) (`geometric_mean`)."""
+
+
+CorrectionConfig = Annotated[
+    NoCorrection
+    | TISTokenCorrection
+    | TISSequenceCorrection
+    | MISTokenCorrection
+    | MISSequenceCorrection,
+    Field(discriminator="type"),
+]
+"""One of the train/inference correction modes, chosen by `type`."""
+
+
+# --- KL to the reference ------------------------------------------------------------------
+
+
+class KLInReward(_Strict):
+    """KL penalty folded into the reward: R ← R − coef·sum_t M·weight·k (k1 by default)."""
+
+    type: Literal["reward"] = "reward"
+    """Placement selector."""
+    coef: float = Field(default=0.001, ge=0)
+    """Penalty coefficient beta."""
+    estimator: Literal["k1", "k2", "k3"] = "k1"
+    """Per-token estimator; k1 is the unbiased choice for a reward penalty."""
+
+
+class KLInLoss(_Strict):
+    """KL penalty added to the loss: coef·(1/N0)·sum_t M'·weight·k (GRPO-style k3 by default)."""
+
+    type: Literal["loss"] = "loss"
+    """Placement selector."""
+    coef: float = Field(default=0.001, ge=0)
+    """Penalty coefficient beta."""
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Per-token estimator; k3 is unbiased and non-negative."""
+
+
+KLConfig = Annotated[KLInReward | KLInLoss, Field(discriminator="type")]
+"""Where the KL penalty enters, chosen by `type`."""
+
+
+# --- advantages ---------------------------------------------------------------------------
+
+
+class GRPOAdvantage(_Strict):
+    """A_i = (R_i − mean_G R) / (std_G R + eps), Bessel-corrected std."""
+
+    type: Literal["grpo"] = "grpo"
+    """Estimator selector."""
+    eps: float = Field(default=1e-6, ge=0)
+    """Added to the group std so that constant-reward groups get A = 0."""
+
+
+class RLOOAdvantage(_Strict):
+    """A_i = R_i − mean of the other rewards in the group."""
+
+    type: Literal["rloo"] = "rloo"
+    """Estimator selector."""
+
+
+AdvantageConfig = Annotated[GRPOAdvantage | RLOOAdvantage, Field(discriminator="type")]
+"""Group-relative advantage estimator, chosen by `type`."""
+
+
+# --- PPO-EWMA and trees -------------------------------------------------------------------
+
+
+class EWMAConfig(_Strict):
+    """PPO-EWMA parameter average that stands in for missing old log-probs."""
+
+    staleness_window: float = Field(default=4.0, ge=0)
+    """W_stale in optimizer steps; beta = W_stale / (W_stale + 1) centres the average there."""
+    reset_threshold: float = Field(default=0.5, ge=0, le=1)
+    """tau: reset the average to the current parameters when the fraction of
+    missing-provenance tokens kept by the train/inference mask falls below this."""
+
+
+class TreeConfig(_Strict):
+    """Tree rollouts (sub-agents, parallel tool calls, compaction)."""
+
+    max_branches: int = Field(default=5, ge=1, le=5)
+    """Root-to-leaf branches kept per tree (at most 5)."""
+    selection: Literal["creation_order", "seeded"] = "creation_order"
+    """How branches are chosen, never by reward: the first leaves created, or a seeded draw."""
+    seed: int = 0
+    """Seed of the `seeded` draw (combined with the tree's own id by the caller)."""
+
+
+# --- the objective ------------------------------------------------------------------------
+
+
+class ObjectiveConfig(_Strict):
+    """The decoupled PPO objective with train/inference correction."""
+
+    correction: CorrectionConfig = TISTokenCorrection()
+    """Train/inference correction c_d(r_d)."""
+    reject_below: float | None = Field(default=1e-4, gt=0)
+    """Catastrophic reject: drop a sequence with any rho below this (None: never)."""
+    self_normalize: bool = False
+    """Divide c by its mean over the kept tokens of the batch."""
+    clip_low: float = Field(default=0.2, gt=0, lt=1)
+    """eps: r_t is clipped below at 1 − eps."""
+    clip_high: float = Field(default=0.2, gt=0)
+    """eps_hi: r_t is clipped above at 1 + eps_hi (asymmetric clip-higher when > eps)."""
+    dual_clip: float | None = Field(default=None, gt=1)
+    """Dual clip c > 1: for A < 0 the per-token loss is capped at c·|A| (None: off)."""
+    staleness_cap: float = Field(default=2.0, gt=0)
+    """C_s in min(r_stale, C_s)."""
+    kl: KLConfig | None = None
+    """KL penalty to the reference policy (None: off)."""
+    advantage: AdvantageConfig = GRPOAdvantage()
+    """Group-relative advantage estimator."""
+    ewma: EWMAConfig = EWMAConfig()
+    """PPO-EWMA stand-in for missing old log-probs."""
+    tree: TreeConfig = TreeConfig()
+    """Tree rollouts."""

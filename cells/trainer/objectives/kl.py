@@ -1,0 +1,120 @@
+"""KL to the reference policy: per-token estimators and where they enter.
+
+With x sampled from pi_theta and log rho = lp_ref − lp_theta:
+    k1 = −log rho                 unbiased, high variance
+    k2 = ½ (log rho)²             biased
+    k3 = rho − 1 − log rho        unbiased, ≥ 0
+Our samples come from pi_behav, so each estimate is weighted by the detached, correction-
+masked pi_theta/pi_behav (`weight`). As a penalty, k1 belongs in the reward
+(`add_kl_to_rewards`), k3 (GRPO-style, beta·k3) in the loss (`kl_loss`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from cells.trainer.objectives.correction import as_bool_mask
+from cells.trainer.objectives.ratios import check_same_shape
+
+Estimator = Literal["k1", "k2", "k3"]
+
+
+def kl_k1(lp_theta: Tensor, lp_ref: Tensor) -> Tensor:
+    """k1 = −log rho = lp_theta − lp_ref."""
+    return lp_theta - lp_ref
+
+
+def kl_k2(lp_theta: Tensor, lp_ref: Tensor) -> Tensor:
+    """k2 = ½ (lp_ref − lp_theta)²."""
+    return 0.5 * (lp_ref - lp_theta).square()
+
+
+def kl_k3(lp_theta: Tensor, lp_ref: Tensor) -> Tensor:
+    """k3 = rho − 1 − log rho with log rho = lp_ref − lp_theta."""
+    log_rho = lp_ref - lp_theta
+    return log_rho.exp() - 1.0 - log_rho
+
+
+_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def kl_estimate(lp_theta: Tensor, lp_ref: Tensor, estimator: Estimator) -> Tensor:
+    """Per-token KL(pi_theta || pi_ref) estimate; the gradient flows through lp_theta only."""
+    check_same_shape(lp_theta=lp_theta, lp_ref=lp_ref)
+    try:
+        fn = _ESTIMATORS[estimator]
+    except KeyError:
+        raise ValueError(
+            f"unknown KL estimator {estimator!r}; expected one of {sorted(_ESTIMATORS)}"
+        ) from None
+    return fn(lp_theta, lp_ref.detach())
+
+
+def kl_loss(
+    lp_theta: Tensor,
+    lp_ref: Tensor,
+    weight: Tensor,
+    mask: Tensor,
+    *,
+    coef: float,
+    estimator: Estimator = "k3",
+    num_tokens: Tensor | float | None = None,
+) -> Tensor:
+    """coef · (1/N0) · sum_t M'·weight·k, with `weight` detached and N0 = sum M by default.
+
+    Pass `num_tokens` to use a global N0 (summed over data-parallel ranks).
+    """
+    check_same_shape(lp_theta=lp_theta, lp_ref=lp_ref, weight=weight, mask=mask)
+    m = as_bool_mask(mask, "mask")
+    # Zero the log-probs outside M' before exponentiating so garbage there cannot make NaN
+    # gradients (0 · inf) through the masked branch.
+    lp_t = torch.where(m, lp_theta, 0.0)
+    lp_r = torch.where(m, lp_ref.detach(), 0.0)
+    k = kl_estimate(lp_t, lp_r, estimator)
+    n0 = m.sum() if num_tokens is None else torch.as_tensor(num_tokens, device=k.device)
+    total = (torch.where(m, weight.detach(), 0.0) * k).sum()
+    return coef * total / n0.clamp(min=1)
+
+
+def kl_reward_penalty(
+    lp_policy: Tensor,
+    lp_ref: Tensor,
+    weight: Tensor,
+    mask: Tensor,
+    *,
+    coef: float,
+    estimator: Estimator = "k1",
+) -> Tensor:
+    """Per-sequence penalty coef · sum_t M·weight·k (B,), detached.
+
+    `lp_policy` is the policy being regularised at reward time (the trainer's parameters at
+    the start of the update, lp_prox) and `weight` the detached correction-masked
+    pi_policy/pi_behav.
+    """
+    check_same_shape(lp_policy=lp_policy, lp_ref=lp_ref, weight=weight, mask=mask)
+    m = as_bool_mask(mask, "mask")
+    k = kl_estimate(torch.where(m, lp_policy.detach(), 0.0), torch.where(m, lp_ref, 0.0), estimator)
+    return coef * (torch.where(m, weight.detach(), 0.0) * k).sum(dim=-1)
+
+
+def add_kl_to_rewards(
+    rewards: Tensor,
+    lp_policy: Tensor,
+    lp_ref: Tensor,
+    weight: Tensor,
+    mask: Tensor,
+    *,
+    coef: float,
+    estimator: Estimator = "k1",
+) -> Tensor:
+    """R_i − coef · sum_t M·weight·k for sequence rewards R (B,); returns a new tensor."""
+    if rewards.dim() != 1 or rewards.shape[0] != lp_policy.shape[0]:
+        raise ValueError(
+            f"rewards must have shape ({lp_policy.shape[0]},), got {tuple(rewards.shape)}"
+        )
+    return rewards - kl_reward_penalty(
+        lp_policy, lp_ref, weight, mask, coef=coef, estimator=estimator
+    ).to(rewards.dtype)
