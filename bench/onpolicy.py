@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import os
 
-from common import Timer, emit, parse_args, set_threads
-
 import torch  # noqa: E402
+from common import Timer, emit, parse_args, set_threads
 
 from cells.engine.embedded import EmbeddedEngine  # noqa: E402
 from cells.engine.interface import SamplingParams  # noqa: E402
@@ -56,10 +55,13 @@ def main() -> None:
     slowdown = 0.0
     per_batch = {}
     for b in BATCH_SIZES:
-        t_fast, eq, n, d = run(False, b, prompts, new, weights)
-        res[False]["eq"] += eq; res[False]["n"] += n; res[False]["diff"] = max(res[False]["diff"], d)
-        t_bi, eq, n, d = run(True, b, prompts, new, weights)
-        res[True]["eq"] += eq; res[True]["n"] += n; res[True]["diff"] = max(res[True]["diff"], d)
+        times = {}
+        for mode in (False, True):
+            times[mode], eq, n, d = run(mode, b, prompts, new, weights)
+            res[mode]["eq"] += eq
+            res[mode]["n"] += n
+            res[mode]["diff"] = max(res[mode]["diff"], d)
+        t_fast, t_bi = times[False], times[True]
         per_batch[str(b)] = {"fast_s": round(t_fast, 3), "batch_invariant_s": round(t_bi, 3)}
         slowdown = max(slowdown, t_bi / t_fast)
     mode = lambda r: {"bitwise_equal_frac": round(r["eq"] / r["n"], 6), "max_abs_diff": r["diff"]}

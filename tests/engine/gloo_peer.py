@@ -59,7 +59,7 @@ def main() -> None:
     eng.import_request(snap)
     kv = [eng.pool.read(layer, snap.request_id, snap.num_computed) for layer in range(eng.spec.num_layers)]
     send_json({"ack": True}, 0)
-    for layer, (k, v) in enumerate(kv):
+    for k, v in kv:
         dist.send(k.contiguous(), 0)
         dist.send(v.contiguous(), 0)
     eng.resume(snap.request_id)

@@ -1,0 +1,261 @@
+"""The cell agent: one process per cell.
+
+Registers with the scheduler under a fresh incarnation, renews its lease with every sync, runs
+the engine loop, and executes the scheduler's commands. One tick:
+
+    commands = sync(tokens, summary)      # tokens reach the store before any client sees them
+    handle(commands)                      # start / migrate / abort / suspend / set_role
+    run_engine_ops()                      # export/import/pause/resume asked by migrations
+    collect(engine.step())                # decode
+
+A fenced agent (lease lost, or a newer incarnation of its cell id) drops every request and
+registers again as a new incarnation: it never resumes the old one's work.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from cells.client import Fenced, SchedulerClient
+from cells.engine.interface import EngineError, SamplingParams
+from cells.migration import MigrationReceiver, MigrationSender, Outcome, migration_event
+from cells.roles import CellRole
+from cells.transport.store import StoreHost
+from scheduler.config import CellflipConfig
+from scheduler.protocol import (
+    AbortCmd,
+    CancelMigrationCmd,
+    Capabilities,
+    MigrateInCmd,
+    MigrateOutCmd,
+    RegisterRequest,
+    SetRoleCmd,
+    StartCmd,
+    Summary,
+    SuspendCmd,
+    SyncRequest,
+    TokenBatch,
+    decode_command,
+)
+
+log = logging.getLogger("cellflip.cell")
+
+IDLE_WAIT_S = 0.25
+"""Long-poll of an idle cell's sync: commands arrive at once, an idle cell costs nothing."""
+
+
+@dataclass
+class Owned:
+    """A request this cell owns at `epoch`: generated tokens [flushed, flushed+len(pending))
+    are not yet in the store."""
+
+    epoch: int
+    flushed: int
+    pending: list[list] = field(default_factory=list)
+    finish_reason: str | None = None
+    migrating: bool = False
+
+
+class CellAgent:
+    def __init__(self, cfg: CellflipConfig, *, cell_id: str, scheduler_url: str, engine,
+                 host: str = "127.0.0.1", token: str | None = None):
+        self.cfg, self.cell_id, self.host, self.engine = cfg, cell_id, host, engine
+        self.client = SchedulerClient(scheduler_url, token)
+        self.store_host = StoreHost(host, 0)
+        self.incarnation = ""
+        self.role = CellRole()
+        self.owned: dict[str, Owned] = {}
+        self.events: list[dict] = []
+        self._ops: queue.Queue[tuple] = queue.Queue()
+        self._outcomes: queue.Queue[Outcome] = queue.Queue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self.num_ticks = 0
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def register(self) -> None:
+        self.incarnation = uuid.uuid4().hex
+        caps = self.engine.capabilities
+        block = getattr(getattr(self.engine, "pool", None), "block_size", 16)
+        summary = self.engine.summary()
+        resp = self.client.register(RegisterRequest(
+            cell_id=self.cell_id, incarnation=self.incarnation, address=f"{self.host}:0",
+            store_port=self.store_host.address.port,
+            capabilities=Capabilities(kv_export=caps.kv_export, scoring=caps.scoring, weight_update=caps.weight_update,
+                                      batch_invariant=caps.batch_invariant, block_size=block),
+            kv_blocks_total=summary["kv_blocks_total"], max_running=getattr(self.engine.cfg, "max_running", 1),
+            version=self.engine.version))
+        self.role.set("rollout", f"registered at generation {resp.generation}")
+        log.info("cell %s registered as %s", self.cell_id, self.incarnation[:8])
+
+    def run(self, stop: threading.Event) -> None:
+        self.register()
+        while not stop.is_set():
+            try:
+                self.tick()
+            except Fenced as e:
+                log.warning("cell %s fenced (%s): dropping %d requests, registering anew", self.cell_id, e, len(self.owned))
+                self._drop_all()
+                self.register()
+        self.client.close()
+
+    def tick(self) -> None:
+        busy = self.engine.has_work() or any(o.pending for o in self.owned.values()) or bool(self._threads)
+        resp = self._sync(wait_s=0.0 if busy or self.events else IDLE_WAIT_S)
+        for rid in resp.rejected:
+            self._forget(rid, abort_engine=not self.owned.get(rid, Owned(0, 0)).migrating)
+        for raw in resp.commands:
+            self._handle(decode_command(raw))
+        self._run_engine_ops()
+        self._reap_outcomes()
+        if self.role.state == "rollout" and self.engine.has_work():
+            self._collect(self.engine.step())
+        self.num_ticks += 1
+
+    # -- sync -------------------------------------------------------------------------------
+    def _sync(self, wait_s: float):
+        batches, sent = [], []
+        for rid, o in self.owned.items():
+            if o.migrating or not (o.pending or o.finish_reason):
+                continue
+            batches.append(TokenBatch(rid, o.epoch, o.flushed, [tuple(r) for r in o.pending], o.finish_reason))
+            sent.append((rid, len(o.pending)))
+        events, self.events = self.events, []
+        summary = self.engine.summary()
+        req = SyncRequest(self.incarnation, Summary(
+            inflight=summary["inflight"], kv_blocks_used=summary["kv_blocks_used"],
+            kv_blocks_total=summary["kv_blocks_total"], version=summary["version"],
+            request_ids=summary["request_ids"], role=self.role.ready_role()), batches, events, wait_s)
+        try:
+            resp = self.client.sync(self.cell_id, req)
+        except Fenced:
+            raise
+        except Exception as e:  # scheduler unreachable: keep everything, retry next tick
+            log.warning("sync failed: %s", e)
+            self.events = events + self.events
+            return type("Empty", (), {"commands": [], "rejected": []})()
+        rejected = set(resp.rejected)
+        for rid, n in sent:
+            o = self.owned.get(rid)
+            if o is None or rid in rejected:
+                continue
+            del o.pending[:n]
+            o.flushed += n
+            if o.finish_reason and not o.pending:
+                del self.owned[rid]
+        return resp
+
+    def _collect(self, events) -> None:
+        for ev in events:
+            o = self.owned.get(ev.request_id)
+            if o is None:
+                continue
+            o.pending.append(ev.record.to_list())
+            if ev.finish_reason:
+                o.finish_reason = ev.finish_reason
+
+    # -- commands ---------------------------------------------------------------------------
+    def _handle(self, cmd) -> None:
+        if isinstance(cmd, StartCmd):
+            try:
+                self.engine.add_request(cmd.request_id, cmd.token_ids, SamplingParams.from_dict(cmd.params),
+                                        prompt_len=cmd.prompt_len)
+            except EngineError as e:
+                log.warning("start %s refused: %s", cmd.request_id, e)
+                self.owned[cmd.request_id] = Owned(cmd.epoch, cmd.num_generated, finish_reason=f"error: {e}"[:200])
+                return
+            self.owned[cmd.request_id] = Owned(cmd.epoch, cmd.num_generated)
+        elif isinstance(cmd, MigrateOutCmd):
+            if cmd.request_id not in self.owned or cmd.request_id not in self.engine.requests:
+                return
+            sender = MigrationSender(cmd, cell_id=self.cell_id, incarnation=self.incarnation,
+                                     store=self.store_host.store, client=self.client, cfg=self.cfg.migration,
+                                     on_engine=self.on_engine, flushed=lambda rid=cmd.request_id: self._stop_flush(rid))
+            self._spawn(sender.run, f"mig-out-{cmd.request_id}")
+        elif isinstance(cmd, MigrateInCmd):
+            receiver = MigrationReceiver(cmd, cell_id=self.cell_id, incarnation=self.incarnation, client=self.client,
+                                         cfg=self.cfg.migration, on_engine=self.on_engine, on_commit=self._adopt)
+            self._spawn(receiver.run, f"mig-in-{cmd.request_id}")
+        elif isinstance(cmd, (AbortCmd, SuspendCmd)):
+            self._forget(cmd.request_id, abort_engine=True)
+        elif isinstance(cmd, SetRoleCmd):
+            self._set_role(cmd)
+        elif isinstance(cmd, CancelMigrationCmd):
+            pass  # the migration threads settle it through the scheduler's compare-and-set
+
+    def _set_role(self, cmd: SetRoleCmd) -> None:
+        if cmd.role == "training":
+            for rid in list(self.owned):  # anything left was suspended by the drain deadline
+                self._forget(rid, abort_engine=True)
+            self.role.set("training", f"flip {cmd.flip_id}")
+        else:
+            if self.role.state == "training":
+                self.role.set("loading", f"flip {cmd.flip_id}")
+            self.role.set("rollout", f"flip {cmd.flip_id}, version {self.engine.version}")
+
+    def _forget(self, rid: str, abort_engine: bool) -> None:
+        self.owned.pop(rid, None)
+        if abort_engine:
+            self.engine.abort(rid)
+
+    def _drop_all(self) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+        self.owned.clear()
+
+    # -- migrations -------------------------------------------------------------------------
+    def _spawn(self, fn, name: str) -> None:
+        def body():
+            self._outcomes.put(fn())
+
+        t = threading.Thread(target=body, name=name, daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def on_engine(self, fn, timeout_s: float = 60.0):
+        """Run `fn(engine)` on the loop thread (between engine steps) and return its result."""
+        fut: Future = Future()
+        self._ops.put((fn, fut))
+        return fut.result(timeout=timeout_s)
+
+    def _run_engine_ops(self) -> None:
+        while True:
+            try:
+                fn, fut = self._ops.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fut.set_result(fn(self.engine))
+            except Exception as e:
+                fut.set_exception(e)
+
+    def _stop_flush(self, rid: str) -> int:
+        """Called on the loop thread at the stop-and-copy: no more token batches for `rid`
+        from here (its unsynced records travel in the commit's tail)."""
+        o = self.owned[rid]
+        o.migrating = True
+        return o.flushed
+
+    def _adopt(self, rid: str, epoch: int, num_generated: int) -> None:
+        with self._lock:
+            self._ops.put((lambda e: self.owned.__setitem__(rid, Owned(epoch, num_generated)), Future()))
+
+    def _reap_outcomes(self) -> None:
+        self._threads = [t for t in self._threads if t.is_alive()]
+        while True:
+            try:
+                o = self._outcomes.get_nowait()
+            except queue.Empty:
+                return
+            if o.role == "source":
+                if o.result == "committed":
+                    self.owned.pop(o.request_id, None)
+                elif o.request_id in self.owned:
+                    self.owned[o.request_id].migrating = False
+            if o.role == "destination" or o.result != "committed":
+                self.events.append(migration_event(o))

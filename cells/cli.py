@@ -1,0 +1,184 @@
+"""`cellflip` command line: up | scheduler | cell | status.
+
+Imports are lazy so that `cellflip scheduler` and `cellflip status` never load torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+
+def _load(path: str | None):
+    from scheduler.config import CellflipConfig, load_config
+
+    return load_config(path) if path else CellflipConfig()
+
+
+def _read_token(path: str | None) -> str | None:
+    if not path:
+        return None
+    with open(path) as f:  # unreadable: fail closed
+        return f.read().strip()
+
+
+def cmd_scheduler(args) -> int:
+    import uvicorn
+
+    from scheduler.app import create_app
+
+    cfg = _load(args.config)
+    os.makedirs(os.path.dirname(os.path.abspath(cfg.scheduler.db_path)), exist_ok=True)
+    app = create_app(cfg, db_path=args.db)
+    uvicorn.run(app, host=args.host or cfg.scheduler.host, port=args.port if args.port is not None else cfg.scheduler.port,
+                log_level="warning")
+    return 0
+
+
+def cmd_cell(args) -> int:
+    import torch
+
+    from cells.agent import CellAgent
+    from cells.engine.embedded import EmbeddedEngine
+    from scheduler.config import EmbeddedEngineConfig
+
+    cfg = _load(args.config)
+    eng_cfg = cfg.cells.engine
+    if not isinstance(eng_cfg, EmbeddedEngineConfig):
+        from cells.engine.sglang_engine import SGLangEngine  # needs the `gpu` extra
+
+        engine = SGLangEngine(eng_cfg)
+    else:
+        torch.set_num_threads(eng_cfg.threads)
+        engine = EmbeddedEngine(eng_cfg)
+    agent = CellAgent(cfg, cell_id=args.cell_id, scheduler_url=args.scheduler, engine=engine, host=args.host,
+                      token=_read_token(cfg.scheduler.auth_token_file))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        agent.run(stop)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _wait_healthy(url: str, timeout_s: float = 30.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"scheduler at {url} did not become healthy within {timeout_s}s")
+
+
+def spawn_cluster(config_path: str | None, port: int, num_cells: int, db_path: str, env: dict | None = None,
+                  log_dir: str | None = None) -> tuple[str, list[subprocess.Popen]]:
+    """Start a scheduler and `num_cells` cell processes; returns (url, processes)."""
+    url = f"http://127.0.0.1:{port}"
+    base = [sys.executable, "-m", "cells.cli"]
+    cfg_args = ["--config", config_path] if config_path else []
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    procs = []
+
+    def out(name):
+        return open(os.path.join(log_dir, f"{name}.log"), "w") if log_dir else subprocess.DEVNULL
+
+    procs.append(subprocess.Popen(base + ["scheduler", *cfg_args, "--port", str(port), "--db", db_path],
+                                  env=env, stdout=out("scheduler"), stderr=subprocess.STDOUT))
+    _wait_healthy(url)
+    for i in range(num_cells):
+        procs.append(subprocess.Popen(base + ["cell", *cfg_args, "--scheduler", url, "--cell-id", f"cell-{i}"],
+                                      env=env, stdout=out(f"cell-{i}"), stderr=subprocess.STDOUT))
+    return url, procs
+
+
+def stop_all(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=5)
+
+
+def cmd_up(args) -> int:
+    cfg = _load(args.config)
+    port = args.port if args.port is not None else cfg.scheduler.port
+    os.makedirs("runs", exist_ok=True)
+    url, procs = spawn_cluster(args.config, port, args.cells or cfg.cells.count, cfg.scheduler.db_path,
+                               log_dir="runs")
+    print(f"cellflip up: API {url} (OpenAPI {url}/docs), metrics {url}/metrics, logs runs/*.log")
+    print(f"  {args.cells or cfg.cells.count} cells; `cellflip status --scheduler {url}`; Ctrl-C stops everything")
+    try:
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        print("a process exited; shutting down", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop_all(procs)
+
+
+def cmd_status(args) -> int:
+    import httpx
+
+    r = httpx.get(f"{args.scheduler}/v1/cells", timeout=5.0)
+    r.raise_for_status()
+    cells = r.json()
+    cells = cells.get("cells", cells) if isinstance(cells, dict) else cells
+    cols = ["id", "state", "generation", "version", "inflight", "kv_blocks_used", "kv_blocks_total"]
+    rows = [[str(c.get(k, "")) for k in cols] for c in cells]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(cols)]
+    print("  ".join(h.ljust(w) for h, w in zip(cols, widths)))
+    for row in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+    if args.json:
+        print(json.dumps(cells))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="cellflip", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="scheduler + N CPU cells on this machine")
+    up.add_argument("--config", default="configs/local.yaml")
+    up.add_argument("--port", type=int)
+    up.add_argument("--cells", type=int)
+    sc = sub.add_parser("scheduler", help="run the control plane")
+    sc.add_argument("--config")
+    sc.add_argument("--host")
+    sc.add_argument("--port", type=int)
+    sc.add_argument("--db", help="SQLite path (overrides the config)")
+    ce = sub.add_parser("cell", help="run one cell")
+    ce.add_argument("--config")
+    ce.add_argument("--scheduler", required=True, help="scheduler URL")
+    ce.add_argument("--cell-id", required=True)
+    ce.add_argument("--host", default="127.0.0.1", help="address peers use for transfers")
+    st = sub.add_parser("status", help="print the cells as a table")
+    st.add_argument("--scheduler", default="http://127.0.0.1:8700")
+    st.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return {"up": cmd_up, "scheduler": cmd_scheduler, "cell": cmd_cell, "status": cmd_status}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Live KV migration, cell side (Llumnix-style, pipelined, fenced).
+
+One line: reserve → copy while decoding → stop, copy the tail → import, commit → resume → free.
+
+The source hosts the pair group's rendezvous (its own store) and is rank 0. Transfers run on
+a migration thread; every engine operation (export, pause, import, resume, free) runs on the
+cell's loop thread through `on_engine`, so decoding of every other request — and of the
+migrating one until the stop — goes on between rounds. The destination commits the new owner
+at the scheduler (a compare-and-set) *before* it resumes; a source that hears nothing aborts
+the migration at the scheduler first and resumes only if that abort won, so exactly one cell
+ever continues the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from cells.client import Refused, SchedulerClient
+from cells.engine.interface import RequestSnapshot
+from cells.failpoints import failpoint
+from cells.transport.p2p import PairChannel, TransferError
+from cells.transport.store import StoreAddress, connect
+from scheduler.config import MigrationConfig
+from scheduler.protocol import (
+    AbortMigrationRequest,
+    CommitRequest,
+    MigrateInCmd,
+    MigrateOutCmd,
+    MigrationEvent,
+    Tail,
+)
+
+log = logging.getLogger("cellflip.migration")
+
+OnEngine = Callable[[Callable[[], Any]], Any]
+
+
+@dataclass
+class Outcome:
+    """What the agent needs to know when a migration thread ends."""
+
+    request_id: str
+    migration_id: str
+    role: str  # "source" | "destination"
+    result: str  # committed | aborted | refused | failed
+    epoch: int | None = None
+    num_generated: int = 0
+    bytes: int = 0
+    downtime_s: float | None = None
+    reason: str = ""
+
+
+def _kv_header(start: int, data: torch.Tensor, ids_from: int, ids: list[int]) -> dict:
+    return {"kind": "kv", "start": start, "shape": list(data.shape), "token_ids_from": ids_from, "token_ids": ids}
+
+
+class MigrationSender:
+    """Source side of one migration."""
+
+    def __init__(self, cmd: MigrateOutCmd, *, cell_id: str, incarnation: str, store, client: SchedulerClient,
+                 cfg: MigrationConfig, on_engine: OnEngine, flushed: Callable[[], int]):
+        self.cmd, self.cell_id, self.incarnation = cmd, cell_id, incarnation
+        self.store, self.client, self.cfg, self.on_engine = store, client, cfg, on_engine
+        self.flushed = flushed  # generated tokens the scheduler already holds for this request
+        self.bytes = 0
+
+    def run(self) -> Outcome:
+        rid, mid = self.cmd.request_id, self.cmd.migration_id
+        paused = False
+        ch = None
+        try:
+            ch = PairChannel(self.store, f"mig/{mid}", 0, timeout_s=self.cfg.transfer_timeout_s,
+                             connect_timeout_s=self.cfg.transfer_timeout_s)
+            num_tokens = self.on_engine(lambda e: e.snapshot(rid, records_from=1 << 62).num_tokens)
+            ch.send_json({"request_id": rid, "num_tokens": num_tokens})
+            reply = ch.recv_json()
+            if not reply.get("reserved"):
+                return self._abort_at_scheduler(rid, mid, paused, "destination refused the reservation")
+            sent_blocks, sent_ids = 0, 0
+            for _ in range(self.cfg.max_copy_rounds):
+                # Each round sends the blocks completed since the last one, while decoding
+                # goes on; once fewer than stop_copy_blocks remain, the stop-and-copy takes them.
+                moved = self._copy_round(ch, rid, sent_blocks, sent_ids)
+                if moved is None:
+                    break
+                sent_blocks, sent_ids = moved
+                failpoint("migrate.after_copy_round")
+            else:
+                if self.cfg.on_round_limit == "abort" and self.cfg.max_copy_rounds > 0:
+                    ch.send_json({"kind": "abort"})
+                    return self._abort_at_scheduler(rid, mid, paused, "round limit")
+            # Stop-and-copy: only the blocks and records added since the last round travel.
+            stopped = self.on_engine(lambda e: self._stop(e, rid, sent_blocks, sent_ids))
+            paused = True
+            failpoint("migrate.before_stop_copy")
+            data, snap = stopped
+            self._send_kv(ch, sent_blocks, data, sent_ids, snap.token_ids)
+            snap.token_ids, snap.token_ids_from = [], 0
+            ch.send_json({"kind": "final", "snapshot": snap.to_dict()})
+            failpoint("migrate.after_stop_copy")
+            result = ch.recv_json()
+            if result.get("committed") is not None:
+                failpoint("migrate.before_source_free")
+                self.on_engine(lambda e: e.release(rid))
+                return Outcome(rid, mid, "source", "committed", epoch=int(result["committed"]), bytes=self.bytes)
+            return self._abort_at_scheduler(rid, mid, paused, str(result.get("aborted", "destination aborted")))
+        except (TransferError, OSError, RuntimeError) as e:
+            log.warning("migration %s of %s failed at the source: %s", mid, rid, e)
+            return self._abort_at_scheduler(rid, mid, paused, f"transfer: {e}")
+        finally:
+            if ch is not None:
+                ch.close()
+
+    def _copy_round(self, ch: PairChannel, rid: str, sent_blocks: int, sent_ids: int) -> tuple[int, int] | None:
+        def grab(e):
+            done = e.num_complete_blocks(rid)
+            if done - sent_blocks < max(self.cfg.stop_copy_blocks, 1):
+                return None
+            snap = e.snapshot(rid, records_from=1 << 62, token_ids_from=sent_ids)
+            return done, e.export_kv(rid, sent_blocks, done), snap.token_ids
+
+        got = self.on_engine(grab)
+        if got is None:
+            return None
+        done, data, ids = got
+        self._send_kv(ch, sent_blocks, data, sent_ids, ids)
+        return done, sent_ids + len(ids)
+
+    def _send_kv(self, ch: PairChannel, start: int, data: torch.Tensor, ids_from: int, ids: list[int]) -> None:
+        ch.send_json(_kv_header(start, data, ids_from, ids))
+        if data.numel():
+            ch.send_tensor(data)
+            self.bytes += data.numel() * data.element_size()
+
+    def _stop(self, e, rid: str, sent_blocks: int, sent_ids: int) -> tuple[torch.Tensor, RequestSnapshot]:
+        e.pause(rid)
+        end = e.num_kv_blocks(rid)
+        data = e.export_kv(rid, sent_blocks, end)
+        snap = e.snapshot(rid, records_from=self.flushed(), token_ids_from=sent_ids)
+        return data, snap
+
+    def _abort_at_scheduler(self, rid: str, mid: str, paused: bool, reason: str) -> Outcome:
+        """Resume only if the abort wins the compare-and-set against the destination's commit."""
+        try:
+            self.client.abort_migration(mid, AbortMigrationRequest(self.cell_id, self.incarnation, reason))
+        except Refused as e:
+            if e.reason == "committed":
+                self.on_engine(lambda eng: eng.release(rid))
+                return Outcome(rid, mid, "source", "committed", bytes=self.bytes, reason="commit won")
+            log.warning("abort of migration %s refused: %s", mid, e.reason)
+        except Exception as e:  # scheduler unreachable: keep the request paused, it is not ours to resume
+            log.warning("abort of migration %s could not reach the scheduler: %s", mid, e)
+            return Outcome(rid, mid, "source", "failed", bytes=self.bytes, reason=f"{reason}; abort unsent")
+        if paused:
+            self.on_engine(lambda eng: eng.resume(rid) if rid in eng.requests else None)
+        return Outcome(rid, mid, "source", "aborted", bytes=self.bytes, reason=reason)
+
+
+class MigrationReceiver:
+    """Destination side of one migration."""
+
+    def __init__(self, cmd: MigrateInCmd, *, cell_id: str, incarnation: str, client: SchedulerClient,
+                 cfg: MigrationConfig, on_engine: OnEngine, on_commit: Callable[[str, int, int], None]):
+        self.cmd, self.cell_id, self.incarnation = cmd, cell_id, incarnation
+        self.client, self.cfg, self.on_engine, self.on_commit = client, cfg, on_engine, on_commit
+        self.bytes = 0
+
+    def run(self) -> Outcome:
+        cmd = self.cmd
+        rid, mid = cmd.request_id, cmd.migration_id
+        ch = None
+        reserved = False
+        try:
+            store = connect(StoreAddress(cmd.src_address.split(":")[0], cmd.src_store_port),
+                            timeout_s=self.cfg.transfer_timeout_s)
+            ch = PairChannel(store, f"mig/{mid}", 1, timeout_s=self.cfg.transfer_timeout_s,
+                             connect_timeout_s=self.cfg.transfer_timeout_s)
+            hello = ch.recv_json()
+            reserved = self.on_engine(lambda e: e.reserve(rid, int(hello["num_tokens"]), self.cfg.headroom_blocks))
+            ch.send_json({"reserved": bool(reserved)})
+            if not reserved:
+                return Outcome(rid, mid, "destination", "refused", reason="no room")
+            ids: list[int] = []
+            while True:
+                msg = ch.recv_json()
+                if msg["kind"] == "abort":
+                    raise TransferError("source aborted the migration")
+                if msg["kind"] == "final":
+                    break
+                failpoint("migrate.transfer")
+                if msg["token_ids_from"] != len(ids):
+                    raise TransferError(f"token ids out of order: {msg['token_ids_from']} != {len(ids)}")
+                ids.extend(msg["token_ids"])
+                data = torch.empty(msg["shape"], dtype=torch.float32)
+                if data.numel():
+                    ch.recv_tensor(data)
+                    self.bytes += data.numel() * data.element_size()
+                    self.on_engine(lambda e, m=msg, d=data: e.import_kv(rid, m["start"], d))
+            snap = RequestSnapshot.from_dict(msg["snapshot"])
+            snap.token_ids, snap.token_ids_from = ids, 0
+            self.on_engine(lambda e: e.import_request(snap))
+            failpoint("migrate.before_commit")
+            num_generated = snap.num_tokens - snap.prompt_len
+            tail = Tail(start=snap.records_from, records=[tuple(r) for r in snap.records])
+            epoch = self._commit(mid, CommitRequest(self.cell_id, self.incarnation, rid, cmd.epoch,
+                                                    num_generated, tail, path="kv"))
+        except Refused as e:
+            self._drop(rid, reserved)
+            if ch is not None:
+                self._tell(ch, {"aborted": e.reason})
+                ch.close()
+            return Outcome(rid, mid, "destination", "aborted", bytes=self.bytes, reason=e.reason)
+        except Exception as e:
+            log.warning("migration %s of %s failed at the destination: %s", mid, rid, e)
+            self._drop(rid, reserved)
+            if ch is not None:
+                self._tell(ch, {"aborted": str(e)[:200]})
+                ch.close()
+            return Outcome(rid, mid, "destination", "failed", bytes=self.bytes, reason=str(e)[:200])
+        # Committed: this cell owns the request at `epoch`. Resume, then tell the source to free.
+        try:
+            failpoint("migrate.after_commit")
+            self.on_commit(rid, epoch, num_generated)
+            self.on_engine(lambda e: e.resume(rid))
+            self._tell(ch, {"committed": epoch})
+        finally:
+            ch.close()
+        return Outcome(rid, mid, "destination", "committed", epoch=epoch, num_generated=num_generated,
+                       bytes=self.bytes)
+
+    def _commit(self, mid: str, req: CommitRequest) -> int:
+        deadline = time.monotonic() + self.cfg.transfer_timeout_s
+        while True:
+            try:
+                return self.client.commit(mid, req)
+            except Refused as e:
+                # "gap": the source's last synced tokens have not landed yet; they will.
+                if e.reason != "gap" or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+
+    def _drop(self, rid: str, reserved: bool) -> None:
+        if reserved:
+            self.on_engine(lambda e: e.release(rid))
+
+    @staticmethod
+    def _tell(ch: PairChannel, obj: dict) -> None:
+        try:
+            ch.send_json(obj)
+        except TransferError:
+            pass  # the source decides through the scheduler, not through us
+
+
+def migration_event(o: Outcome) -> dict:
+    return MigrationEvent(migration_id=o.migration_id, outcome=o.result, path="kv", bytes=o.bytes,
+                          downtime_s=o.downtime_s).to_dict()
