@@ -88,7 +88,7 @@ class CellAgent:
             store_port=self.store_host.address.port,
             capabilities=Capabilities(kv_export=caps.kv_export, scoring=caps.scoring, weight_update=caps.weight_update,
                                       batch_invariant=caps.batch_invariant, block_size=block),
-            kv_blocks_total=summary["kv_blocks_total"], max_running=getattr(self.engine.cfg, "max_running", 1),
+            kv_blocks_total=summary["kv_blocks_total"], max_running=summary.get("max_running", getattr(self.engine.cfg, "max_running", 1)),
             version=self.engine.version))
         self.role.set("rollout", f"registered at generation {resp.generation}")
         log.info("cell %s registered as %s", self.cell_id, self.incarnation[:8])

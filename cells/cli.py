@@ -54,7 +54,8 @@ def cmd_cell(args) -> int:
     if not isinstance(eng_cfg, EmbeddedEngineConfig):
         from cells.engine.sglang_engine import SGLangEngine  # needs the `gpu` extra
 
-        engine = SGLangEngine(eng_cfg)
+        engine = SGLangEngine(eng_cfg, server_args=eng_cfg.server_args, kv_store=eng_cfg.kv_store,
+                              max_running=eng_cfg.max_running)
     else:
         torch.set_num_threads(eng_cfg.threads)
         engine = EmbeddedEngine(eng_cfg)

@@ -8,7 +8,7 @@ torch nor `cells`, so the control plane, the cells and the cluster simulator sha
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -93,9 +93,15 @@ class SGLangEngineConfig(_Strict):
     """Tensor-parallel degree."""
     mem_fraction_static: float = Field(default=0.85, gt=0, le=1)
     """Fraction of GPU memory SGLang reserves."""
-    scoring: Literal["cell_copy", "trainer_copy"] = "cell_copy"
-    """Where old log-probs are computed: a scoring copy of the version on the cell, or the
-    trainer's kept copy."""
+    scoring: Literal["cell_copy", "trainer_copy"] = "trainer_copy"
+    """Where old log-probs are computed: a scoring copy of the version on the cell (host
+    memory: 4 bytes per parameter), or the trainer's kept copy (no cell memory)."""
+    server_args: dict[str, Any] = {}
+    """Extra `sglang.Engine` arguments (HiCache storage, deterministic inference, page size)."""
+    kv_store: str | None = None
+    """Name of a shared hierarchical KV store, when its backend config alone does not say."""
+    max_running: int = Field(default=256, gt=0)
+    """Request slots this cell reports to the scheduler."""
 
 
 EngineConfig = Annotated[Union[EmbeddedEngineConfig, SGLangEngineConfig], Field(discriminator="type")]

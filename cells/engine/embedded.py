@@ -16,7 +16,16 @@ from .handover import HandoverMixin
 from .interface import Capabilities, Engine, EngineError, SamplingParams, TokenEvent, TokenRecord
 from .kv_cache import BlockPool, PagedSink
 from .layers import probe_row_invariance, rope_tables
-from .model import Prepared, Segment, check_weights, forward, init_weights, output_logprobs, prepare, token_logprobs
+from .model import (
+    Prepared,
+    Segment,
+    check_weights,
+    forward,
+    init_weights,
+    output_logprobs,
+    prepare,
+    token_logprobs,
+)
 from .model_spec import ModelSpec, resolve_spec
 from .sampling import sample
 
@@ -209,4 +218,5 @@ class EmbeddedEngine(HandoverMixin, Engine):
             "kv_blocks_total": self.pool.num_blocks,
             "version": self._version,
             "request_ids": sorted(self.requests),
+            "max_running": self.cfg.max_running,
         }

@@ -129,20 +129,27 @@ def finish_reason(meta_info: Mapping) -> FinishReason | None:
     return kind if kind in ("stop", "length") else "abort"
 
 
+def _new_part(seq: list, num_seen: int, total: int) -> list:
+    if len(seq) >= total:  # cumulative (SGLang's default; also its abort echoes)
+        return seq[num_seen:total]
+    return seq[len(seq) - (total - num_seen):] if total > num_seen else []  # incremental
+
+
 def new_tokens(chunk: Mapping, num_seen: int) -> list[tuple[int, float]]:
-    """(token id, log-prob) pairs in `chunk` beyond the first `num_seen` output tokens."""
+    """(token id, log-prob) pairs in `chunk` beyond the first `num_seen` output tokens.
+    `completion_tokens` (the running total) decides what is new, so cumulative lists,
+    incremental deltas, coalesced deltas and abort echoes all read the same way."""
     meta = chunk["meta_info"]
+    total = int(meta["completion_tokens"])
     ids = list(chunk.get("output_ids") or [])
     lps = list(meta.get("output_token_logprobs") or [])
-    total = meta["completion_tokens"]
-    if len(ids) == total:  # cumulative lists
-        ids, lps = ids[num_seen:], lps[num_seen:]
-    elif num_seen + len(ids) != total:
-        raise EngineError(f"SGLang output out of step: {num_seen} seen + {len(ids)} new != {total}")
+    if total < num_seen or len(ids) < total - num_seen:
+        raise EngineError(f"SGLang output out of step: {num_seen} seen, {total} in all, {len(ids)} ids sent")
+    ids, lps = _new_part(ids, num_seen, total), _new_part(lps, num_seen, total)
     if len(lps) != len(ids):
-        raise EngineError(f"SGLang returned {len(ids)} tokens but {len(lps)} log-probs")
+        raise EngineError(f"SGLang returned {len(ids)} new tokens but {len(lps)} log-probs")
     out = []
-    for tok, lp in zip(ids, lps):
+    for tok, lp in zip(ids, lps, strict=True):
         if int(lp[1]) != int(tok):
             raise EngineError(f"SGLang log-prob entry for token {lp[1]} where the output has {tok}")
         out.append((int(tok), float(lp[0])))

@@ -9,7 +9,8 @@ Version update, one line:
   with the new version's cache salt (a HiCache store survives the flush).
 - Weights change in place: once one bucket has landed the old version is gone. A failure
   after that leaves the cell `broken` (paused, serving nothing) until a complete version
-  arrives; a failure before it resumes the old version. No partial version is ever served.
+  arrives; a failure before it leaves the weights and the cell's state as they were. No
+  partial version is ever served.
 
 Memory handover, one line each:
   to training: (no request left) → release(weights, kv_cache)
@@ -20,23 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
 from cells.engine import sglang_backend as sb
 from cells.engine.interface import EngineError
-from cells.engine.sglang_weights import (
-    BucketSpec,
-    TensorMeta,
-    UpdateGroup,
-    broadcast_bucket,
-    bucket_crc32,
-    check_against_manifest,
-    join_update_group,
-    unflatten_bucket,
-)
+from cells.engine.sglang_scoring import ScoringReceiver
+from cells.engine.sglang_weights import BucketSpec, TensorMeta, UpdateGroup, check_against_manifest
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +68,11 @@ class ControlMixin:
         if group.rank_offset < 1 or group.rank_offset + self.num_update_ranks > group.world_size:
             raise EngineError(f"ranks {group.rank_offset}..{group.rank_offset + self.num_update_ranks - 1} "
                               f"do not fit a group of {group.world_size}")
-        was_paused = self._state == "paused"
+        prev = self._state
         self._pause_for_update()
         receiver = None
         if self._scorer is not None:
-            receiver = _ScoringReceiver(group, group.rank_offset + self.config.tp, buckets,
+            receiver = ScoringReceiver(group, group.rank_offset + self.config.tp, buckets,
                                         getattr(self._scorer, "device", "cpu"), self.transfer_timeout_s)
         begun = touched = False
         try:
@@ -103,14 +95,14 @@ class ControlMixin:
             finally:
                 self._leave_group(group.group_name)
         except Exception as e:
-            self._fail_update(version, begun, touched, was_paused, e)
-        self._activate(version, was_paused)
+            self._fail_update(version, begun, touched, prev, e)
+        self._activate(version, prev)
 
     def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Update in place from tensors in this process (on the cell's GPU: SGLang hands them
         to its scheduler by CUDA IPC). Names/shapes are checked against the checkpoint first."""
         self._check_update(version, [TensorMeta.of(n, t) for n, t in tensors.items()])
-        was_paused = self._state == "paused"
+        prev = self._state
         self._pause_for_update()
         begun = touched = False
         try:
@@ -122,8 +114,8 @@ class ControlMixin:
             if self._scorer is not None:
                 self._scorer.load_weights(version, tensors)
         except Exception as e:
-            self._fail_update(version, begun, touched, was_paused, e)
-        self._activate(version, was_paused)
+            self._fail_update(version, begun, touched, prev, e)
+        self._activate(version, prev)
 
     def release_memory(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
         """Hand GPU memory to the training role. Only with no request left: SGLang requires
@@ -149,7 +141,11 @@ class ControlMixin:
         self._released -= set(tags)
 
     def close(self) -> None:
-        """Shut SGLang down (its child processes exit and free the GPU)."""
+        """Stop collecting, then shut SGLang down (its child processes exit and free the GPU)."""
+        for task in list(self._streams):
+            task.cancel()
+        if self._streams:
+            self._tm_call(asyncio.wait(set(self._streams), timeout=5.0))
         self._engine.shutdown()
 
     # -- internals ---------------------------------------------------------------------
@@ -183,19 +179,20 @@ class ControlMixin:
         obj = self._modules.io_struct.UpdateWeightVersionReqInput(new_version=str(version), abort_all_requests=False)
         self._tm_call(self._tm.update_weight_version(obj))
 
-    def _activate(self, version: int, was_paused: bool) -> None:
+    def _activate(self, version: int, prev: str) -> None:
+        """The version is complete: serve it (or stay paused if paused before)."""
         self._version = version
         self._weights_valid = True
-        self._state = "paused" if was_paused else "serving"
+        self._state = "paused" if prev == "paused" else "serving"
         self._label_version(version)
         for req in list(self._reqs.values()):
             if req.submitted and not req.done:  # restart under the new version (module docstring)
                 self._tm.abort_request(rid=req.sgl_rid)
                 self._submit(req)
-        if not was_paused:
+        if self._state == "serving":
             self._continue()
 
-    def _fail_update(self, version: int, begun: bool, touched: bool, was_paused: bool, err: Exception):
+    def _fail_update(self, version: int, begun: bool, touched: bool, prev: str, err: Exception):
         if begun:  # close SGLang's update session, or the next begin is refused
             try:
                 self._control("end_weight_update")
@@ -206,10 +203,11 @@ class ControlMixin:
             self._weights_valid = False
             raise EngineError(f"version {version} failed after the weights began to change ({err}); "
                               "the cell serves nothing until a complete version loads") from err
-        self._state = "paused" if was_paused else "serving"
-        if not was_paused:
+        self._state = prev  # weights untouched: back to where it was (a broken cell stays broken)
+        if prev == "serving":
             self._continue()
-        raise EngineError(f"version {version} not received ({err}); still serving {self._version}") from err
+        raise EngineError(f"version {version} not received ({err}); weights unchanged, "
+                          f"version {self._version}{'' if self._weights_valid else ' (incomplete)'}") from err
 
     def _control(self, name: str, **kwargs):
         ok, message = sb.call_ok(getattr(self._engine, name)(**kwargs))
@@ -224,39 +222,3 @@ class ControlMixin:
 
     def _tm_call(self, coro):
         return self._loop.run_until_complete(coro)
-
-
-class _ScoringReceiver:
-    """The scoring copy's rank in an update group, on its own thread: SGLang's ranks join the
-    same collectives from its scheduler process while the cell agent's thread drives them."""
-
-    def __init__(self, group: UpdateGroup, rank: int, buckets: list[BucketSpec], device, timeout_s: float):
-        self._args = (group, rank, buckets, device, timeout_s)
-        self._tensors: dict[str, torch.Tensor] = {}
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="scoring-copy-receiver", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        group, rank, buckets, device, timeout_s = self._args
-        bad: list[str] = []
-        try:
-            pg = join_update_group(group, rank, timeout_s)
-            for b in buckets:  # receive every bucket even after a bad one: peers wait on each
-                flat = torch.empty(b.nbytes, dtype=torch.uint8, device=device)
-                broadcast_bucket(pg, flat, timeout_s)
-                if b.crc32 is not None and bucket_crc32(flat) != b.crc32:
-                    bad.append(b.names[0])
-                self._tensors.update(unflatten_bucket(flat, b))
-            if bad:
-                raise EngineError(f"checksum mismatch in the buckets starting at {bad}")
-        except BaseException as e:
-            self._error = e
-
-    def result(self, timeout_s: float) -> dict[str, torch.Tensor]:
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise EngineError("the scoring copy did not receive the version in time")
-        if self._error is not None:
-            raise EngineError(f"scoring copy: {self._error}") from self._error
-        return self._tensors

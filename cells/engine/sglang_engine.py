@@ -24,8 +24,7 @@ import asyncio
 import itertools
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -40,45 +39,16 @@ from cells.engine.interface import (
     TokenRecord,
 )
 from cells.engine.sglang_control import ControlMixin
-from cells.engine.sglang_migration import MigrationEndpoint, MigrationPath, choose_migration_path, kv_store_identity
+from cells.engine.sglang_migration import (
+    MigrationEndpoint,
+    MigrationPath,
+    choose_migration_path,
+    kv_store_identity,
+)
+from cells.engine.sglang_requests import RequestState, request_from_snapshot, snapshot_of
+from cells.engine.sglang_scoring import ScoringCopy, default_scoring_copy
 from cells.engine.sglang_weights import read_checkpoint_manifest
 from scheduler.config import SGLangEngineConfig
-
-
-class ScoringCopy(Protocol):
-    """The trainer's model implementation holding the cell's version (`scoring: cell_copy`).
-    An embedded engine built on the cell's GPU satisfies it."""
-
-    def score(self, token_ids: list[int], *, temperature: float = 1.0) -> torch.Tensor: ...
-
-    def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None: ...
-
-
-@dataclass(slots=True)
-class _Request:
-    request_id: str
-    prompt_len: int
-    params: SamplingParams
-    token_ids: list[int]
-    """Prompt plus delivered tokens (what the session store has)."""
-    records: list[TokenRecord]
-    """Records of delivered tokens."""
-    max_tokens: int
-    """Generated-token budget in total (across submissions and cells)."""
-    sgl_rid: str = ""
-    input_ids: list[int] = field(default_factory=list)
-    """Input of the current SGLang submission."""
-    seen_ids: list[int] = field(default_factory=list)
-    """Output tokens of the current submission seen so far (delivered or pending)."""
-    version: int = 0
-    """Weight version of the current submission; tags every token it yields."""
-    submitted: bool = False
-    done: bool = False
-    dropped: bool = False
-
-    @property
-    def num_generated_seen(self) -> int:
-        return len(self.input_ids) - self.prompt_len + len(self.seen_ids)
 
 
 class SGLangEngine(ControlMixin, Engine):
@@ -86,17 +56,20 @@ class SGLangEngine(ControlMixin, Engine):
 
     def __init__(self, config: SGLangEngineConfig, *, version: int = 0,
                  server_args: Mapping[str, Any] | None = None, scorer: ScoringCopy | None = None,
-                 kv_store: str | None = None, poll_s: float = 0.01, transfer_timeout_s: float = 120.0,
-                 modules: sb.SGLangModules | None = None) -> None:
+                 kv_store: str | None = None, max_running: int = 256, poll_s: float = 0.01,
+                 transfer_timeout_s: float = 120.0, modules: sb.SGLangModules | None = None) -> None:
         """`server_args`: extra `sglang.Engine` arguments (HiCache, deterministic inference…).
-        `scorer`: the scoring copy, required with `scoring: cell_copy`. `kv_store`: name of a
-        shared HiCache store when its backend config alone does not identify it. `modules`:
-        SGLang's entry points (None: import the installed package)."""
-        if config.scoring == "cell_copy" and scorer is None:
-            raise EngineError("scoring: cell_copy needs a scoring copy of the trainer's model on the "
-                              "cell (scorer=...); or configure scoring: trainer_copy")
+        `scorer`: the scoring copy for `scoring: cell_copy` (default: the embedded model on
+        the CPU, sglang_scoring.py); ignored with `trainer_copy`. `kv_store`: name of a shared
+        HiCache store when its backend config alone does not identify it. `max_running`: the
+        request slots reported to the scheduler. `modules`: SGLang's entry points (None:
+        import the installed package)."""
         sb.check_environment()
         self._modules = modules if modules is not None else sb.load_sglang()
+        if config.scoring == "trainer_copy":
+            scorer = None
+        elif scorer is None:
+            scorer = default_scoring_copy(config.model_path, version)
         self.config = config
         self.server_args = sb.server_kwargs(config.model_path, config.tp, config.mem_fraction_static, server_args)
         self.capabilities = Capabilities(
@@ -108,6 +81,7 @@ class SGLangEngine(ControlMixin, Engine):
                               "configured (enable_hierarchical_cache, hicache_storage_backend)")
         self._kv_store = kv_store or store
         self._scorer = scorer
+        self.max_running = max_running
         self.poll_s = poll_s
         self.transfer_timeout_s = transfer_timeout_s
         self.manifest = read_checkpoint_manifest(config.model_path)
@@ -116,9 +90,9 @@ class SGLangEngine(ControlMixin, Engine):
         self._tm = self._engine.tokenizer_manager
         self._ready = asyncio.Event()
         self._rids = itertools.count()
-        self._reqs: dict[str, _Request] = {}
-        self._imports: dict[str, _Request] = {}
-        self._pending: list[tuple[_Request, TokenEvent]] = []
+        self._reqs: dict[str, RequestState] = {}
+        self._imports: dict[str, RequestState] = {}
+        self._pending: list[tuple[RequestState, TokenEvent]] = []
         self._streams: set[asyncio.Task] = set()
         """Open SGLang streams, aborted ones included until SGLang ends them."""
         self._version = version
@@ -144,7 +118,7 @@ class SGLangEngine(ControlMixin, Engine):
             raise EngineError("params must be SamplingParams")
         if not prompt_ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in prompt_ids):
             raise EngineError("prompt_ids must be a non-empty list of non-negative ints")
-        req = _Request(request_id, len(prompt_ids), params, list(prompt_ids), [], params.max_tokens)
+        req = RequestState(request_id, len(prompt_ids), params, list(prompt_ids), [], params.max_tokens)
         self._admit(req)
         self._submit(req)
 
@@ -173,6 +147,18 @@ class SGLangEngine(ControlMixin, Engine):
             raise EngineError("no complete weight version on this cell to score with")
         return self._scorer.score(token_ids, temperature=temperature)
 
+    @property
+    def requests(self) -> dict[str, RequestState]:
+        """Requests on this cell (submitted, not yet finished and delivered)."""
+        return self._reqs
+
+    def summary(self) -> dict:
+        """The cell agent's heartbeat view. SGLang's KV pool is not visible per request, so
+        the block counts are request slots: in flight / `max_running`."""
+        return {"inflight": len(self._reqs), "kv_blocks_used": len(self._reqs),
+                "kv_blocks_total": self.max_running, "version": self._version,
+                "request_ids": sorted(self._reqs)}
+
     # -- migration ---------------------------------------------------------------------
 
     @property
@@ -200,34 +186,17 @@ class SGLangEngine(ControlMixin, Engine):
         if req is None:
             raise EngineError(f"unknown request {request_id!r}")
         self._drop(req)
-        return RequestSnapshot(
-            request_id=request_id, prompt_len=req.prompt_len, num_tokens=len(req.token_ids),
-            num_computed=0, params={**req.params.to_dict(), "max_tokens": req.max_tokens},
-            version=self._version, model_signature=self.model_signature,
-            block_size=int(self.server_args.get("page_size") or 1), records_from=records_from,
-            records=[r.to_list() for r in req.records[records_from:]], token_ids_from=0,
-            token_ids=list(req.token_ids))
+        return snapshot_of(req, version=self._version, model_signature=self.model_signature,
+                           block_size=int(self.server_args.get("page_size") or 1), records_from=records_from)
 
     def import_request(self, snapshot: RequestSnapshot, token_ids: list[int] | None = None, *,
                        source: MigrationEndpoint | None = None) -> MigrationPath:
         """Accept a request moved here (nothing decodes until `resume_request`). `token_ids`
         is the session's full token buffer when the snapshot carries only a tail. Returns the
         path taken, also counted in `migrations_total`."""
-        if snapshot.model_signature.get("model") != self.config.model_path:
-            raise EngineError(f"request {snapshot.request_id} comes from model "
-                              f"{snapshot.model_signature.get('model')!r}, this cell serves {self.config.model_path!r}")
-        ids = list(snapshot.token_ids) if snapshot.token_ids_from == 0 else token_ids
-        if ids is None or len(ids) != snapshot.num_tokens:
-            raise EngineError(f"request {snapshot.request_id}: need all {snapshot.num_tokens} token ids to re-prefill")
-        if not 0 < snapshot.prompt_len <= len(ids):
-            raise EngineError(f"request {snapshot.request_id}: bad prompt_len {snapshot.prompt_len}")
-        max_tokens = int(snapshot.params.get("max_tokens", 0))
-        params = SamplingParams.from_dict({**snapshot.params, "max_tokens": max(max_tokens, 1)})
-        if len(ids) - snapshot.prompt_len >= max_tokens:
-            raise EngineError(f"request {snapshot.request_id} has no tokens left to generate")
         if snapshot.request_id in self._imports:
             raise EngineError(f"request {snapshot.request_id} is already being imported")
-        req = _Request(snapshot.request_id, snapshot.prompt_len, params, ids, [], max_tokens)
+        req = request_from_snapshot(snapshot, token_ids, self.config.model_path)
         self._admit(req)
         path = choose_migration_path(source, self.migration_endpoint) if source else "reprefill"
         self._imports[snapshot.request_id] = req
@@ -248,7 +217,7 @@ class SGLangEngine(ControlMixin, Engine):
 
     # -- internals ---------------------------------------------------------------------
 
-    def _admit(self, req: _Request) -> None:
+    def _admit(self, req: RequestState) -> None:
         if req.request_id in self._reqs:
             raise EngineError(f"duplicate request id {req.request_id!r}")
         if self._state == "broken" or not self._weights_valid:
@@ -256,9 +225,9 @@ class SGLangEngine(ControlMixin, Engine):
         if self._released:
             raise EngineError(f"GPU memory {sorted(self._released)} is released to training")
 
-    def _submit(self, req: _Request) -> None:
+    def _submit(self, req: RequestState) -> None:
         """(Re)submit `req` to SGLang from its delivered and seen tokens, under the current version."""
-        req.input_ids = req.input_ids + req.seen_ids if req.submitted else list(req.token_ids)
+        req.input_ids = req.next_input()
         req.seen_ids = []
         req.sgl_rid = f"{req.request_id}#{next(self._rids)}"
         req.version = self._version
@@ -268,8 +237,9 @@ class SGLangEngine(ControlMixin, Engine):
         self._streams.add(task)
         task.add_done_callback(self._streams.discard)
 
-    async def _consume(self, req: _Request, rid: str) -> None:
+    async def _consume(self, req: RequestState, rid: str) -> None:
         remaining = req.max_tokens - (len(req.input_ids) - req.prompt_len)
+        assert remaining >= 1, "a finished request is never submitted"
         try:
             stream = await self._engine.async_generate(
                 input_ids=list(req.input_ids), return_logprob=True, stream=True, rid=rid,
@@ -282,7 +252,7 @@ class SGLangEngine(ControlMixin, Engine):
             if req.sgl_rid == rid and not req.dropped and not req.done:
                 self._end_without_token(req, f"SGLang error: {e}")
 
-    def _on_chunk(self, req: _Request, chunk: Mapping) -> None:
+    def _on_chunk(self, req: RequestState, chunk: Mapping) -> None:
         meta = chunk["meta_info"]
         pairs = sb.new_tokens(chunk, len(req.seen_ids))
         reason = sb.finish_reason(meta)
@@ -299,11 +269,15 @@ class SGLangEngine(ControlMixin, Engine):
             if spans:
                 self.version_tag_mismatches += sum(
                     max(0, min(e, len(req.seen_ids)) - s) for s, e, v in spans if v != req.version)
-            if not pairs:
-                self._end_without_token(req, str(meta.get("finish_reason")))
+            if not pairs:  # the end came after the last token: put it on that token if undelivered
+                last = next((e for r, e in reversed(self._pending) if r is req), None)
+                if last is not None:
+                    last.finish_reason = reason
+                else:
+                    self._end_without_token(req, str(meta.get("finish_reason")))
         self._ready.set()
 
-    def _end_without_token(self, req: _Request, reason: str) -> None:
+    def _end_without_token(self, req: RequestState, reason: str) -> None:
         req.done = True
         self.ended_without_token.append((req.request_id, reason))
         if not any(r is req for r, _ in self._pending) and self._reqs.get(req.request_id) is req:
@@ -332,7 +306,7 @@ class SGLangEngine(ControlMixin, Engine):
                 del self._reqs[rid]
         return out
 
-    def _drop(self, req: _Request) -> None:
+    def _drop(self, req: RequestState) -> None:
         req.dropped = True
         self._pending = [(r, e) for r, e in self._pending if r is not req]
         if req.submitted and not req.done:

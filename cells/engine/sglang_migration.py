@@ -14,6 +14,7 @@ Paths, best first:
 Both KV paths need the same model and the same weight version at both ends: KV computed
 under another version must never be reused (the prefix cache is salted per version for
 the same reason). The planner weighs the paths with `MigrationCostModel`.
+This module imports neither torch nor the engines, so the control plane can share it.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ import hashlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Literal
-
-from cells.engine.interface import EngineError
 
 MigrationPath = Literal["kv", "kv_store", "reprefill"]
 MIGRATION_PATHS: tuple[MigrationPath, ...] = ("kv", "kv_store", "reprefill")
@@ -50,7 +49,7 @@ class MigrationEndpoint:
         try:
             return cls(bool(d["kv_export"]), d.get("kv_store"), str(d["model"]), d.get("version"))
         except (KeyError, TypeError) as e:
-            raise EngineError(f"malformed migration endpoint: {e}") from None
+            raise ValueError(f"malformed migration endpoint: {e}") from None
 
 
 def choose_migration_path(src: MigrationEndpoint, dst: MigrationEndpoint) -> MigrationPath:

@@ -92,7 +92,7 @@ class BucketSpec:
     def __post_init__(self) -> None:
         if not self.names or not (len(self.names) == len(self.dtypes) == len(self.shapes)):
             raise EngineError("a bucket needs equally many names, dtypes and shapes (at least one)")
-        for name, shape in zip(self.names, self.shapes):
+        for name, shape in zip(self.names, self.shapes, strict=True):
             if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in shape):
                 raise EngineError(f"bad shape for {name}: {shape!r}")
         offset = 0
@@ -102,7 +102,7 @@ class BucketSpec:
             offset += meta.nbytes
 
     def metas(self) -> list[TensorMeta]:
-        return [TensorMeta(n, d, tuple(s)) for n, d, s in zip(self.names, self.dtypes, self.shapes)]
+        return [TensorMeta(n, d, tuple(s)) for n, d, s in zip(self.names, self.dtypes, self.shapes, strict=True)]
 
     @property
     def nbytes(self) -> int:

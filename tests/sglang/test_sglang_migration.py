@@ -1,0 +1,58 @@
+"""Migration path choice and cost for SGLang cells."""
+
+from __future__ import annotations
+
+import pytest
+
+from cells.engine.sglang_migration import (
+    MigrationCostModel,
+    MigrationEndpoint,
+    choose_migration_path,
+    kv_store_identity,
+)
+
+EMB = MigrationEndpoint(kv_export=True, kv_store=None, model="m", version=3)
+SGL = MigrationEndpoint(kv_export=False, kv_store=None, model="m", version=3)
+HIC = MigrationEndpoint(kv_export=False, kv_store="file:abc", model="m", version=3)
+
+
+@pytest.mark.parametrize("src,dst,path", [
+    (EMB, EMB, "kv"),
+    (EMB, SGL, "reprefill"),
+    (SGL, EMB, "reprefill"),
+    (HIC, HIC, "kv_store"),
+    (HIC, SGL, "reprefill"),
+    (HIC, MigrationEndpoint(False, "file:other", "m", 3), "reprefill"),
+    (HIC, MigrationEndpoint(False, "file:abc", "m", 4), "reprefill"),  # KV of another version: never reused
+    (HIC, MigrationEndpoint(False, "file:abc", "m2", 3), "reprefill"),
+    (EMB, MigrationEndpoint(True, None, "m", None), "reprefill"),
+    (MigrationEndpoint(True, "s", "m", 3), MigrationEndpoint(True, "s", "m", 3), "kv"),
+])
+def test_path_choice(src, dst, path):
+    assert choose_migration_path(src, dst) == path
+
+
+def test_endpoint_json_roundtrip():
+    assert MigrationEndpoint.from_dict(HIC.to_dict()) == HIC
+    with pytest.raises(ValueError):
+        MigrationEndpoint.from_dict({"kv_export": True})
+
+
+def test_cost_model_orders_paths_for_long_contexts():
+    c = MigrationCostModel()
+    kv, store, re = (c.seconds(p, 100_000) for p in ("kv", "kv_store", "reprefill"))
+    assert kv < store < re
+    assert c.seconds("reprefill", 0) == 0
+    with pytest.raises(ValueError):
+        c.seconds("teleport", 1)
+    with pytest.raises(ValueError):
+        c.seconds("kv", -1)
+
+
+def test_store_identity_needs_hicache_with_a_backend():
+    assert kv_store_identity({}) is None
+    assert kv_store_identity({"enable_hierarchical_cache": True}) is None
+    a = kv_store_identity({"enable_hierarchical_cache": True, "hicache_storage_backend": "mooncake"})
+    b = kv_store_identity({"enable_hierarchical_cache": True, "hicache_storage_backend": "mooncake",
+                           "hicache_storage_backend_extra_config": '{"master": "x"}'})
+    assert a.startswith("mooncake:") and a != b
