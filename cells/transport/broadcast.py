@@ -1,0 +1,296 @@
+"""Versioned weight broadcast: the trainer (rank 0) → rollout cells, in CRC-checked buckets.
+
+One line: join → plan → manifest → buckets (next in flight while the previous is staged) →
+verify → report; after a failed collective, the live remainder retries over a fresh group.
+
+Control exchange: keys in the sender's store under `{namespace}/{version}/`.
+  ready/{a}/{cell}   receiver: alive and waiting for attempt a (after a failed attempt it
+                     writes ready/{a+1} at once: "retry me")
+  plan/{a}           sender: {"members": [cell, ...], "retry_within_s": s}; members in rank
+                     order (rank = index + 1); an empty list ends the broadcast for whoever
+                     still waits; after a failure the next plan comes within retry_within_s
+  result/{a}/{cell}  receiver: {"ok": bool, "reason": str} once it checked the last bucket
+  pg/{a}/            rendezvous of attempt a's group
+The sender learns who is alive from these keys, each wait under its own deadline, and never
+from the collective: a dead member may be a tree leaf whose death the root never sees.
+A cell outside a plan (late, silent, or checksum-failed) keeps its old version and catches
+up point-to-point: `send_version_p2p` / `recv_version_p2p` over a `PairChannel`.
+Activation is the engine's job: a receiver only exposes tensors whose every bucket matched.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed import Store
+
+from cells.transport.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    FOOTER,
+    BucketPacker,
+    BucketUnpacker,
+    Manifest,
+)
+from cells.transport.catchup import recv_version_p2p, send_version_p2p  # noqa: F401 (re-export)
+from cells.transport.p2p import TransferError, discard, join_group, wait_work
+from cells.transport.store import POLL_S, get_json, set_json, wait_json, wait_keys
+
+
+@dataclass
+class BroadcastResult:
+    version: int
+    delivered: list[str] = field(default_factory=list)
+    """Cells that verified every bucket; they may activate the version."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Cell → why it has no verified copy; each catches up point-to-point."""
+    num_attempts: int = 0
+    seconds: float = 0.0
+
+
+def _bcast(backend, tensor: torch.Tensor):
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return backend.broadcast([tensor], opts)
+
+
+def _bcast_json(backend, obj: dict | None, timeout_s: float, device, keep: list) -> dict:
+    """Rank 0 sends `obj`, the others receive it: a length, then the bytes, as uint8.
+    Buffers go to `keep`: after a timeout the op may still write into them."""
+    data = json.dumps(obj, separators=(",", ":")).encode() if obj is not None else b""
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    keep.append(n)
+    wait_work(_bcast(backend, n), timeout_s, "manifest length")
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else (
+        torch.empty(int(n.item()), dtype=torch.uint8, device=device))
+    keep.append(buf)
+    wait_work(_bcast(backend, buf), timeout_s, "manifest")
+    try:
+        return json.loads(bytes(buf.cpu().numpy()))
+    except ValueError as e:
+        raise TransferError(f"malformed manifest JSON: {e}") from e
+
+
+def _parse_manifest(d: dict) -> Manifest:
+    try:
+        return Manifest.from_dict(d)
+    except (KeyError, TypeError, ValueError) as e:  # a peer speaking another protocol
+        raise TransferError(f"malformed manifest: {e!r}") from e
+
+
+def _pipeline(num_buckets: int, post: Callable[[int], object], finish: Callable[[int], None], timeout_s):
+    """Keeps bucket i+1 in flight while bucket i is finished (staged, or its buffer reused)."""
+    works = {i: post(i) for i in range(min(2, num_buckets))}
+    for i in range(num_buckets):
+        wait_work(works.pop(i), timeout_s, f"bucket {i}/{num_buckets}")
+        finish(i)
+        if i + 2 < num_buckets:
+            works[i + 2] = post(i + 2)
+
+
+class WeightSender:
+    """The trainer side. `send_version` blocks until the version is delivered or given up."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 30.0,
+        join_timeout_s: float = 30.0,
+        settle_timeout_s: float | None = None,
+        max_attempts: int = 3,
+        namespace: str = "bc",
+        device: str | torch.device = "cpu",
+        bucket_hook: Callable[[int], None] | None = None,
+    ) -> None:
+        self.store, self.bucket_bytes, self.timeout_s = store, bucket_bytes, timeout_s
+        self.join_timeout_s, self.max_attempts, self.namespace = join_timeout_s, max_attempts, namespace
+        # A member learns of a failure within one op timeout; it then reports in.
+        self.settle_timeout_s = timeout_s + 5.0 if settle_timeout_s is None else settle_timeout_s
+        self.device = torch.device(device)
+        self.bucket_hook = bucket_hook  # fault injection: called after bucket i left
+
+    def send_version(self, version: int, tensors: dict[str, torch.Tensor], receivers: list[str]) -> BroadcastResult:
+        """Broadcasts `tensors` as `version` to `receivers` (cell ids). Does not modify tensors."""
+        t0 = time.monotonic()
+        manifest = Manifest.build(version, tensors, self.bucket_bytes)
+        packer = BucketPacker(manifest, tensors)
+        key = lambda *p: "/".join([self.namespace, str(version), *map(str, p)])
+        if self.store.check([key("plan", 0)]):
+            raise ValueError(f"version {version} was already broadcast under {self.namespace!r}: "
+                             "catch cells up with send_version_p2p, or use a fresh namespace")
+        result = BroadcastResult(version)
+        pending, attempt, join_wait = list(dict.fromkeys(receivers)), 0, self.join_timeout_s
+        # A member that failed early waits for our own failure detection, then the settle.
+        retry_s = self.timeout_s + self.settle_timeout_s + 2.0
+        while pending and attempt < self.max_attempts:
+            present = set(wait_keys(self.store, [key("ready", attempt, c) for c in pending], join_wait))
+            members = [c for c in pending if key("ready", attempt, c) in present]
+            for c in pending:
+                if c not in members:
+                    result.failed[c] = "did not join" if attempt == 0 else "silent after a failed attempt"
+            set_json(self.store, key("plan", attempt), {"members": members, "retry_within_s": retry_s})
+            result.num_attempts = attempt + 1
+            if not members:
+                return self._finish(result, t0)
+            error, backend, keep = "", None, []
+            try:
+                backend = join_group(
+                    self.store, key("pg", attempt) + "/", 0, len(members) + 1,
+                    timeout_s=self.timeout_s, connect_timeout_s=self.timeout_s, device=self.device,
+                )
+                self._run(backend, manifest, packer, keep)
+            except TransferError as e:
+                error = str(e)
+            # After a failure, closing our side at once fails the members still waiting on
+            # us now rather than after their op timeout. After a success the group stays up
+            # until members report, so that no one loses the tail of the last bucket to a
+            # connection this side closed early.
+            if error and backend is not None:
+                discard(backend, keep, broken=True)
+            pending = self._settle(result, members, attempt, key, error)
+            if not error and backend is not None:
+                discard(backend, keep, broken=False)
+            attempt, join_wait = attempt + 1, 0.0  # pending ones wrote ready/{attempt+1} already
+        for c in pending:
+            result.failed[c] = f"gave up after {self.max_attempts} attempts"
+        set_json(self.store, key("plan", attempt), {"members": [], "retry_within_s": 0})  # release waiters
+        return self._finish(result, t0)
+
+    def _run(self, backend, manifest: Manifest, packer: BucketPacker, keep: list) -> None:
+        _bcast_json(backend, manifest.to_dict(), self.timeout_s, self.device, keep)
+        bufs = [torch.empty(manifest.bucket_bytes + FOOTER.size, dtype=torch.uint8, device=self.device)
+                for _ in range(2)]
+        keep.extend(bufs)
+
+        def finish(i: int) -> None:
+            if self.bucket_hook is not None:
+                self.bucket_hook(i)
+
+        # Bucket i+2 is packed (and its CRC computed) into bucket i's buffer while i+1 travels.
+        _pipeline(manifest.num_buckets, lambda i: _bcast(backend, packer.pack(i, bufs[i % 2])),
+                  finish, self.timeout_s)
+
+    def _settle(self, result: BroadcastResult, members: list[str], attempt: int, key, error: str) -> list[str]:
+        """Sorts members into delivered / failed / retry from their reports; returns retries."""
+        deadline = time.monotonic() + self.settle_timeout_s
+        todo, retry = list(members), []
+        while todo:
+            for c in list(todo):
+                if self.store.check([key("result", attempt, c)]):
+                    r = get_json(self.store, key("result", attempt, c))
+                    if r["ok"]:
+                        result.delivered.append(c)
+                    else:
+                        result.failed[c] = r["reason"]
+                    todo.remove(c)
+                elif self.store.check([key("ready", attempt + 1, c)]):
+                    retry.append(c)
+                    todo.remove(c)
+            if not todo or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+        for c in todo:
+            result.failed[c] = f"no report after attempt {attempt}" + (f" ({error})" if error else "")
+        return retry
+
+    def _finish(self, result: BroadcastResult, t0: float) -> BroadcastResult:
+        result.seconds = time.monotonic() - t0
+        return result
+
+
+class WeightReceiver:
+    """The rollout-cell side. `receive_version` blocks until the version is verified, or
+    returns False (the cell keeps its old version and catches up point-to-point later)."""
+
+    def __init__(
+        self,
+        store: Store,
+        cell_id: str,
+        *,
+        timeout_s: float = 30.0,
+        join_timeout_s: float = 60.0,
+        namespace: str = "bc",
+        device: str | torch.device = "cpu",
+        bucket_hook: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> None:
+        self.store, self.cell_id, self.timeout_s = store, cell_id, timeout_s
+        self.join_timeout_s, self.namespace, self.device = join_timeout_s, namespace, torch.device(device)
+        self.bucket_hook = bucket_hook  # fault injection: sees each wire bucket before its check
+        self.version: int | None = None
+        """The version held verified in staging, or None."""
+        self.last_error: str | None = None
+        self._staging: dict[str, torch.Tensor] | None = None
+
+    def receive_version(self, version: int, staging: dict[str, torch.Tensor] | None = None) -> bool:
+        """Receives `version` into `staging` (mutated even on failure; allocated when None).
+        Drops any previously received version first; True only once every bucket's CRC
+        matched. Blocks for the whole broadcast: call it off the engine's step loop."""
+        self.version, self._staging, self.last_error = None, None, None
+        key = lambda *p: "/".join([self.namespace, str(version), *map(str, p)])
+        attempt, plan_wait = 0, self.join_timeout_s
+        try:
+            while True:
+                set_json(self.store, key("ready", attempt, self.cell_id), {})
+                plan = wait_json(self.store, key("plan", attempt), plan_wait)
+                if plan is None or self.cell_id not in plan["members"]:
+                    why = f"no plan for attempt {attempt} within {plan_wait:.1f}s (sender gone)" if plan is None \
+                        else f"not in the plan of attempt {attempt}"
+                    self.last_error = why + (f"; after: {self.last_error}" if self.last_error else "")
+                    return False
+                plan_wait = float(plan["retry_within_s"])
+                try:
+                    unpacker = self._run(key, attempt, plan["members"], version, staging)
+                except TransferError as e:  # a collective failed: ask for the next attempt
+                    self.last_error, attempt = str(e), attempt + 1
+                    continue
+                ok = unpacker.is_verified
+                reason = "" if ok else f"checksum mismatch in buckets {unpacker.bad[:8]}"
+                set_json(self.store, key("result", attempt, self.cell_id), {"ok": ok, "reason": reason})
+                if ok:
+                    self.version, self._staging, self.last_error = version, unpacker.staging, None
+                else:
+                    self.last_error = reason
+                return ok
+        except dist.DistError as e:  # the sender's store went away with the sender
+            self.last_error = f"store unreachable: {e}"
+            return False
+
+    def received_tensors(self) -> dict[str, torch.Tensor]:
+        """The verified tensors of `self.version`; raises TransferError if none is complete."""
+        if self.version is None or self._staging is None:
+            raise TransferError(f"{self.cell_id}: no verified version ({self.last_error})")
+        return self._staging
+
+    def _run(self, key, attempt: int, members: list[str], version: int, staging) -> BucketUnpacker:
+        backend = join_group(
+            self.store, key("pg", attempt) + "/", members.index(self.cell_id) + 1, len(members) + 1,
+            timeout_s=self.timeout_s, connect_timeout_s=self.timeout_s, device=self.device,
+        )
+        keep: list[torch.Tensor] = []
+        broken = True
+        try:
+            manifest = _parse_manifest(_bcast_json(backend, None, self.timeout_s, self.device, keep))
+            if manifest.version != version:
+                raise TransferError(f"expected version {version}, sender sent {manifest.version}")
+            unpacker = BucketUnpacker(manifest, staging, self.device)
+            bufs = [torch.empty(manifest.bucket_bytes + FOOTER.size, dtype=torch.uint8, device=self.device)
+                    for _ in range(2)]
+            keep.extend(bufs)
+            wire = lambda i: bufs[i % 2][: manifest.wire_bytes(i)]
+
+            def finish(i: int) -> None:
+                if self.bucket_hook is not None:
+                    self.bucket_hook(i, wire(i))
+                unpacker.unpack(i, wire(i))  # a mismatch is recorded; keep the collective going
+
+            _pipeline(manifest.num_buckets, lambda i: _bcast(backend, wire(i)), finish, self.timeout_s)
+            broken = False
+            return unpacker
+        finally:
+            discard(backend, keep, broken=broken)
