@@ -5,9 +5,8 @@ The baseline the other benches are read against. Fast mode (the default path), t
 
 from __future__ import annotations
 
-from common import Timer, emit, parse_args, set_threads
-
 import torch  # noqa: E402
+from common import Timer, emit, parse_args, set_threads
 
 from cells.engine.embedded import EmbeddedEngine  # noqa: E402
 from cells.engine.interface import SamplingParams  # noqa: E402

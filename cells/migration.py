@@ -23,7 +23,7 @@ import torch
 
 from cells.client import Refused, SchedulerClient
 from cells.engine.interface import RequestSnapshot
-from cells.failpoints import failpoint
+from scheduler.failpoints import failpoint
 from cells.transport.p2p import PairChannel, TransferError
 from cells.transport.store import StoreAddress, connect
 from scheduler.config import MigrationConfig
