@@ -5,8 +5,10 @@ the engine loop, and executes the scheduler's commands. One tick:
 
     commands = sync(tokens, summary)      # tokens reach the store before any client sees them
     handle(commands)                      # start / migrate / abort / suspend / set_role
-    run_engine_ops()                      # export/import/pause/resume asked by migrations
     collect(engine.step())                # decode
+
+Migration threads run their engine operations (export, pause, import, resume) under the same
+engine lock as the step, so they wait for at most one step, never for a whole tick.
 
 A fenced agent (lease lost, or a newer incarnation of its cell id) drops every request and
 registers again as a new incarnation: it never resumes the old one's work.
@@ -14,11 +16,12 @@ registers again as a new incarnation: it never resumes the old one's work.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import queue
 import threading
 import uuid
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from cells.client import Fenced, SchedulerClient
@@ -71,10 +74,9 @@ class CellAgent:
         self.role = CellRole()
         self.owned: dict[str, Owned] = {}
         self.events: list[dict] = []
-        self._ops: queue.Queue[tuple] = queue.Queue()
+        self._engine_lock = threading.RLock()
         self._outcomes: queue.Queue[Outcome] = queue.Queue()
         self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
         self.num_ticks = 0
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -109,12 +111,12 @@ class CellAgent:
         resp = self._sync(wait_s=0.0 if busy or self.events else IDLE_WAIT_S)
         for rid in resp.rejected:
             self._forget(rid, abort_engine=not self.owned.get(rid, Owned(0, 0)).migrating)
-        for raw in resp.commands:
-            self._handle(decode_command(raw))
-        self._run_engine_ops()
-        self._reap_outcomes()
-        if self.role.state == "rollout" and self.engine.has_work():
-            self._collect(self.engine.step())
+        with self._engine_lock:
+            for raw in resp.commands:
+                self._handle(decode_command(raw))
+            self._reap_outcomes()
+            if self.role.state == "rollout" and self.engine.has_work():
+                self._collect(self.engine.step())
         self.num_ticks += 1
 
     # -- sync -------------------------------------------------------------------------------
@@ -126,7 +128,8 @@ class CellAgent:
             batches.append(TokenBatch(rid, o.epoch, o.flushed, [tuple(r) for r in o.pending], o.finish_reason))
             sent.append((rid, len(o.pending)))
         events, self.events = self.events, []
-        summary = self.engine.summary()
+        with self._engine_lock:
+            summary = self.engine.summary()
         req = SyncRequest(self.incarnation, Summary(
             inflight=summary["inflight"], kv_blocks_used=summary["kv_blocks_used"],
             kv_blocks_total=summary["kv_blocks_total"], version=summary["version"],
@@ -217,22 +220,10 @@ class CellAgent:
         self._threads.append(t)
         t.start()
 
-    def on_engine(self, fn, timeout_s: float = 60.0):
-        """Run `fn(engine)` on the loop thread (between engine steps) and return its result."""
-        fut: Future = Future()
-        self._ops.put((fn, fut))
-        return fut.result(timeout=timeout_s)
-
-    def _run_engine_ops(self) -> None:
-        while True:
-            try:
-                fn, fut = self._ops.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                fut.set_result(fn(self.engine))
-            except Exception as e:
-                fut.set_exception(e)
+    def on_engine(self, fn):
+        """Run `fn(engine)` from a migration thread between engine steps; returns its result."""
+        with self._engine_lock:
+            return fn(self.engine)
 
     def _stop_flush(self, rid: str) -> int:
         """Called on the loop thread at the stop-and-copy: no more token batches for `rid`
@@ -242,8 +233,8 @@ class CellAgent:
         return o.flushed
 
     def _adopt(self, rid: str, epoch: int, num_generated: int) -> None:
-        with self._lock:
-            self._ops.put((lambda e: self.owned.__setitem__(rid, Owned(epoch, num_generated)), Future()))
+        """The destination's commit won: own the request from here (called under the lock)."""
+        self.owned[rid] = Owned(epoch, num_generated)
 
     def _reap_outcomes(self) -> None:
         self._threads = [t for t in self._threads if t.is_alive()]
@@ -259,3 +250,7 @@ class CellAgent:
                     self.owned[o.request_id].migrating = False
             if o.role == "destination" or o.result != "committed":
                 self.events.append(migration_event(o))
+            log_path = os.environ.get("CELLFLIP_MIGRATION_LOG")
+            if log_path:  # per-migration records for benchmarks and post-mortems
+                with open(log_path, "a") as f:
+                    f.write(json.dumps({"cell": self.cell_id, **o.__dict__}) + "\n")

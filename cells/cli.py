@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -50,6 +49,8 @@ def cmd_cell(args) -> int:
     from scheduler.config import EmbeddedEngineConfig
 
     cfg = _load(args.config)
+    if args.p2p_probe:
+        _p2p_probe(json.loads(args.p2p_probe))
     eng_cfg = cfg.cells.engine
     if not isinstance(eng_cfg, EmbeddedEngineConfig):
         from cells.engine.sglang_engine import SGLangEngine  # needs the `gpu` extra
@@ -70,71 +71,49 @@ def cmd_cell(args) -> int:
     return 0
 
 
-def _wait_healthy(url: str, timeout_s: float = 30.0) -> None:
-    import httpx
+def _p2p_probe(spec: dict) -> None:
+    """Raw torch.distributed bandwidth to a peer cell before serving (benchmarks): one
+    contiguous send per byte count; rank 0 hosts the rendezvous and writes the results."""
+    from cells.transport.p2p import PairChannel, measure_raw_p2p
+    from cells.transport.store import StoreAddress, StoreHost, connect
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"scheduler at {url} did not become healthy within {timeout_s}s")
-
-
-def spawn_cluster(config_path: str | None, port: int, num_cells: int, db_path: str, env: dict | None = None,
-                  log_dir: str | None = None) -> tuple[str, list[subprocess.Popen]]:
-    """Start a scheduler and `num_cells` cell processes; returns (url, processes)."""
-    url = f"http://127.0.0.1:{port}"
-    base = [sys.executable, "-m", "cells.cli"]
-    cfg_args = ["--config", config_path] if config_path else []
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    procs = []
-
-    def out(name):
-        return open(os.path.join(log_dir, f"{name}.log"), "w") if log_dir else subprocess.DEVNULL
-
-    procs.append(subprocess.Popen(base + ["scheduler", *cfg_args, "--port", str(port), "--db", db_path],
-                                  env=env, stdout=out("scheduler"), stderr=subprocess.STDOUT))
-    _wait_healthy(url)
-    for i in range(num_cells):
-        procs.append(subprocess.Popen(base + ["cell", *cfg_args, "--scheduler", url, "--cell-id", f"cell-{i}"],
-                                      env=env, stdout=out(f"cell-{i}"), stderr=subprocess.STDOUT))
-    return url, procs
-
-
-def stop_all(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
-    for p in reversed(procs):
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=5)
+    if spec["rank"] == 0:
+        host = StoreHost("127.0.0.1", spec["port"])
+        store = host.store
+    else:
+        store = connect(StoreAddress("127.0.0.1", spec["port"]), timeout_s=60)
+    with PairChannel(store, "p2p-probe", spec["rank"], timeout_s=120, connect_timeout_s=120) as ch:
+        res = {str(n): measure_raw_p2p(ch, n) for n in spec["bytes"]}
+    if spec["rank"] == 0:
+        with open(spec["out"], "w") as f:
+            json.dump(res, f)
 
 
 def cmd_up(args) -> int:
-    cfg = _load(args.config)
-    port = args.port if args.port is not None else cfg.scheduler.port
-    os.makedirs("runs", exist_ok=True)
-    url, procs = spawn_cluster(args.config, port, args.cells or cfg.cells.count, cfg.scheduler.db_path,
-                               log_dir="runs")
+    import yaml
+
+    from cells.localcluster import Cluster
+
+    _load(args.config)  # validate before starting anything
+    with open(args.config) as f:
+        raw = yaml.safe_load(f) or {}
+    sched = raw.setdefault("scheduler", {})
+    port = args.port if args.port is not None else sched.get("port", 8700)
+    n = args.cells or raw.get("cells", {}).get("count", 3)
+    os.makedirs(os.path.dirname(os.path.abspath(sched.get("db_path", "runs/cellflip.sqlite"))), exist_ok=True)
+    cluster = Cluster("runs", num_cells=n, cfg=raw, port=port)
+    url = cluster.url
     print(f"cellflip up: API {url} (OpenAPI {url}/docs), metrics {url}/metrics, logs runs/*.log")
-    print(f"  {args.cells or cfg.cells.count} cells; `cellflip status --scheduler {url}`; Ctrl-C stops everything")
+    print(f"  {n} cells in rollout; `cellflip status --scheduler {url}`; Ctrl-C stops everything")
     try:
-        while all(p.poll() is None for p in procs):
+        while all(p.poll() is None for p in cluster.procs.values()):
             time.sleep(0.5)
         print("a process exited; shutting down", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 0
     finally:
-        stop_all(procs)
+        cluster.stop()
 
 
 def cmd_status(args) -> int:
@@ -172,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ce.add_argument("--scheduler", required=True, help="scheduler URL")
     ce.add_argument("--cell-id", required=True)
     ce.add_argument("--host", default="127.0.0.1", help="address peers use for transfers")
+    ce.add_argument("--p2p-probe", help=argparse.SUPPRESS)  # JSON spec; benchmarks only
     st = sub.add_parser("status", help="print the cells as a table")
     st.add_argument("--scheduler", default="http://127.0.0.1:8700")
     st.add_argument("--json", action="store_true")

@@ -23,10 +23,10 @@ import torch
 
 from cells.client import Refused, SchedulerClient
 from cells.engine.interface import RequestSnapshot
-from scheduler.failpoints import failpoint
 from cells.transport.p2p import PairChannel, TransferError
 from cells.transport.store import StoreAddress, connect
 from scheduler.config import MigrationConfig
+from scheduler.failpoints import failpoint
 from scheduler.protocol import (
     AbortMigrationRequest,
     CommitRequest,
@@ -54,6 +54,10 @@ class Outcome:
     bytes: int = 0
     downtime_s: float | None = None
     reason: str = ""
+    transfer_s: float = 0.0
+    """Wall time spent inside KV tensor sends (source) — what the link bandwidth bounds."""
+    total_s: float = 0.0
+    """From the command to the outcome."""
 
 
 def _kv_header(start: int, data: torch.Tensor, ids_from: int, ids: list[int]) -> dict:
@@ -69,8 +73,15 @@ class MigrationSender:
         self.store, self.client, self.cfg, self.on_engine = store, client, cfg, on_engine
         self.flushed = flushed  # generated tokens the scheduler already holds for this request
         self.bytes = 0
+        self.transfer_s = 0.0
 
     def run(self) -> Outcome:
+        t0 = time.perf_counter()
+        out = self._run()
+        out.transfer_s, out.total_s = self.transfer_s, time.perf_counter() - t0
+        return out
+
+    def _run(self) -> Outcome:
         rid, mid = self.cmd.request_id, self.cmd.migration_id
         paused = False
         ch = None
@@ -135,7 +146,9 @@ class MigrationSender:
     def _send_kv(self, ch: PairChannel, start: int, data: torch.Tensor, ids_from: int, ids: list[int]) -> None:
         ch.send_json(_kv_header(start, data, ids_from, ids))
         if data.numel():
+            t = time.perf_counter()
             ch.send_tensor(data)
+            self.transfer_s += time.perf_counter() - t
             self.bytes += data.numel() * data.element_size()
 
     def _stop(self, e, rid: str, sent_blocks: int, sent_ids: int) -> tuple[torch.Tensor, RequestSnapshot]:
@@ -172,6 +185,12 @@ class MigrationReceiver:
         self.bytes = 0
 
     def run(self) -> Outcome:
+        t0 = time.perf_counter()
+        out = self._run()
+        out.total_s = time.perf_counter() - t0
+        return out
+
+    def _run(self) -> Outcome:
         cmd = self.cmd
         rid, mid = cmd.request_id, cmd.migration_id
         ch = None
@@ -204,7 +223,7 @@ class MigrationReceiver:
                     self.on_engine(lambda e, m=msg, d=data: e.import_kv(rid, m["start"], d))
             snap = RequestSnapshot.from_dict(msg["snapshot"])
             snap.token_ids, snap.token_ids_from = ids, 0
-            self.on_engine(lambda e: e.import_request(snap))
+            self.on_engine(lambda e: e.import_request(snap))  # paused: nothing decodes it yet
             failpoint("migrate.before_commit")
             num_generated = snap.num_tokens - snap.prompt_len
             tail = Tail(start=snap.records_from, records=[tuple(r) for r in snap.records])
@@ -226,8 +245,7 @@ class MigrationReceiver:
         # Committed: this cell owns the request at `epoch`. Resume, then tell the source to free.
         try:
             failpoint("migrate.after_commit")
-            self.on_commit(rid, epoch, num_generated)
-            self.on_engine(lambda e: e.resume(rid))
+            self.on_engine(lambda e: (self.on_commit(rid, epoch, num_generated), e.resume(rid)))
             self._tell(ch, {"committed": epoch})
         finally:
             ch.close()

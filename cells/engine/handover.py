@@ -123,7 +123,9 @@ class HandoverMixin:
         if self.pool.blocks_for(snap.num_computed) > len(table):
             raise EngineError(f"{snap.request_id}: KV for {snap.num_computed} tokens not imported")
         params = SamplingParams.from_dict(snap.params)
-        ids = self._check_ids(snap.token_ids)
+        ids = snap.token_ids
+        if min(ids) < 0 or max(ids) >= self.spec.vocab_size:  # C-speed check: no per-id loop here
+            raise EngineError(f"token ids outside [0, {self.spec.vocab_size})")
         req = Request(snap.request_id, ids, snap.prompt_len, params, num_computed=snap.num_computed,
                       status="paused", records_base=len(ids) - snap.prompt_len)
         if snap.num_computed == 0:

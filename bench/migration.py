@@ -1,0 +1,139 @@
+"""Live KV migration of one request between two cell processes, across context lengths.
+
+A real scheduler (SQLite, synchronous=FULL) and two real cells (tiny preset, batch-invariant
+mode). For each context: a streamed request decodes on the source; the source is flipped to
+training; the request moves with its KV and keeps decoding on the destination.
+- downtime_ms: measured by the client of the token stream (time.monotonic): the largest gap
+  after the flip minus the median gap before it (DESIGN "Live KV migration", step 5); it
+  includes the durable owner record.
+- total_ms: the source's migration, command to outcome; bytes, gbps: KV bytes sent and the
+  rate over the time spent inside the sends; raw_p2p_gbps: one contiguous torch.distributed
+  send of the same byte count between the same two processes, in the same run.
+- recompute_ms: re-prefill of the same context on an identical engine (same config), time to
+  its first token — what a migration without KV transfer would cost.
+- token_exact: every stream equals the same request never moved.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from common import Timer, emit, parse_args, set_threads
+
+from cells.localcluster import Cluster, Streamer, find_free_port
+from scheduler.config import parse_config
+
+NEW_TOKENS = 40
+FLIP_AFTER = 12
+
+
+def make_cfg(tmp: Path) -> dict:
+    return {
+        "scheduler": {"db_path": str(tmp / "db.sqlite"), "lease_s": 60.0, "min_rollout_cells": 1,
+                      "drain_deadline_s": 120.0},
+        "cells": {"count": 2, "engine": {"type": "embedded", "model": {"preset": "tiny"}, "num_blocks": 1200,
+                                         "block_size": 16, "max_running": 4, "prefill_chunk": 1024,
+                                         "batch_invariant": True}},
+        "migration": {"transfer_timeout_s": 60.0, "max_copy_rounds": 4, "stop_copy_blocks": 2},
+    }
+
+
+def kv_bytes(cfg: dict, tokens: int) -> int:
+    from cells.engine.model_spec import resolve_spec
+
+    spec = resolve_spec(parse_config(cfg).cells.engine.model)
+    block = cfg["cells"]["engine"]["block_size"]
+    return -(-tokens // block) * block * spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 4
+
+
+def run_point(c: Cluster, src: str, dst: str, prompt: list[int], seed: int, mig_log: Path) -> dict:
+    # The request lands on src (the only rollout cell); dst joins rollout while it decodes.
+    assert c.cell(src)["state"] == "rollout" and c.cell(dst)["state"] == "training"
+    s = Streamer(c.url, prompt, max_tokens=NEW_TOKENS, seed=seed, timeout_s=600)
+    s.start()
+    c.wait(lambda: len(s.tokens) >= 2, 600, "decoding on the source", every=0.01)
+    assert c.wait_flip(c.flip(dst, "rollout")["id"], 120)["state"] == "done"
+    c.wait(lambda: len(s.tokens) >= FLIP_AFTER, 600, "decoding on the source", every=0.01)
+    flip_at = time.monotonic()
+    before = [b - a for a, b in zip(s.times, s.times[1:])]
+    flip = c.wait_flip(c.flip(src, "training")["id"], 600)
+    s.join(600)
+    assert s.error is None and len(s.tokens) == NEW_TOKENS, (s.error, len(s.tokens))
+    assert flip["state"] == "done" and flip["migrated"] == 1, flip
+    after = [b - a for a, b in zip(s.times, s.times[1:]) if b > flip_at]
+    downtime = max(after) - statistics.median(before)
+    recs = [json.loads(line) for line in mig_log.read_text().splitlines()]
+    out = next(r for r in recs if r["request_id"] == s.request_id and r["role"] == "source")
+    return {"stream": s, "downtime_s": downtime, "total_s": out["total_s"], "bytes": out["bytes"],
+            "transfer_s": out["transfer_s"]}
+
+
+def recompute_and_reference(cfg: dict, rid: str, prompt: list[int], seed: int) -> tuple[float, list[int]]:
+    from cells.engine.embedded import EmbeddedEngine
+    from cells.engine.interface import SamplingParams
+
+    eng = EmbeddedEngine(parse_config(cfg).cells.engine)
+    eng.add_request(rid, prompt, SamplingParams(max_tokens=NEW_TOKENS, seed=seed))
+    toks: list[int] = []
+    with Timer() as t:
+        while not toks:
+            toks += [e.record.token_id for e in eng.step()]
+    while eng.has_work():
+        toks += [e.record.token_id for e in eng.step()]
+    return t.s, toks
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    set_threads(1)
+    contexts = [1024, 2048, 4096, 8192] if args.quick else [1024, 2048, 4096, 8192, 16384]
+    tmp = Path(tempfile.mkdtemp(prefix="cellflip-migration-"))
+    cfg = make_cfg(tmp)
+    mig_log = tmp / "migrations.jsonl"
+    probe_port, probe_out = find_free_port(), tmp / "p2p.json"
+    sizes = [kv_bytes(cfg, n + FLIP_AFTER) for n in contexts]
+    probe = lambda rank: ["--p2p-probe", json.dumps({"rank": rank, "port": probe_port, "bytes": sizes,
+                                                     "out": str(probe_out)})]
+    env = {i: {"CELLFLIP_MIGRATION_LOG": str(mig_log)} for i in range(2)}
+    c = Cluster(tmp, num_cells=2, cfg=cfg, cell_env=env, cell_args={0: probe(0), 1: probe(1)}, ready_timeout_s=600)
+    rng = random.Random(0)
+    points, streams = [], []
+    try:
+        raw = json.loads(probe_out.read_text())
+        cells = ["cell-0", "cell-1"]
+        # start with cell-1 in training so the first request lands on cell-0
+        assert c.wait_flip(c.flip("cell-1", "training")["id"], 120)["state"] == "done"
+        for k, n in enumerate(contexts):
+            src, dst = cells[k % 2], cells[(k + 1) % 2]
+            prompt = [rng.randrange(8000) for _ in range(n)]
+            r = run_point(c, src, dst, prompt, seed=k, mig_log=mig_log)
+            streams.append((r["stream"], prompt, k))
+            points.append({"context_tokens": n, "downtime_ms": round(r["downtime_s"] * 1e3, 2),
+                           "total_ms": round(r["total_s"] * 1e3, 1), "bytes": r["bytes"],
+                           "gbps": round(r["bytes"] / r["transfer_s"] / 1e9, 3) if r["transfer_s"] else None,
+                           "raw_p2p_gbps": round(raw[str(sizes[k])], 3)})
+            print(json.dumps(points[-1]), flush=True)
+    finally:
+        c.stop()
+    exact = True
+    for (s, prompt, k), p in zip(streams, points):
+        rec_s, ref = recompute_and_reference(cfg, s.request_id, prompt, k)
+        p["recompute_ms"] = round(rec_s * 1e3, 1)
+        exact &= ref == s.tokens
+    result = {"points": points, "token_exact": exact,
+              "downtime_ratio_max_min": round(max(p["downtime_ms"] for p in points) / min(p["downtime_ms"] for p in points), 3)}
+    p8 = next((p for p in points if p["context_tokens"] == 8192), None)
+    if p8:
+        result["recompute_over_downtime_8k"] = round(p8["recompute_ms"] / p8["downtime_ms"], 1)
+    last = points[-1]
+    result["gbps_over_raw_largest"] = round(last["gbps"] / last["raw_p2p_gbps"], 3) if last["gbps"] else None
+    emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""A real cluster on one machine: the scheduler and cell processes on 127.0.0.1.
+
+Used by `cellflip up`, the multi-process tests and the benches. Every process is started
+and stopped here (no broad kills); every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def find_free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SMALL_MODEL = {"preset": "tiny", "vocab_size": 1024, "hidden_size": 128, "num_layers": 2, "head_dim": 32,
+               "intermediate_size": 256, "output_id_ranges": [[0, 1024]]}
+
+
+def cluster_config(tmp: Path, **over) -> dict:
+    cfg = {
+        "scheduler": {"db_path": str(tmp / "db.sqlite"), "lease_s": 2.0, "heartbeat_s": 0.2,
+                      "min_rollout_cells": 1, "drain_deadline_s": 20.0},
+        "cells": {"count": 3, "engine": {"type": "embedded", "model": SMALL_MODEL, "num_blocks": 512,
+                                         "block_size": 8, "batch_invariant": True}},
+        "migration": {"transfer_timeout_s": 5.0},
+    }
+    for key, val in over.items():
+        section, _, field = key.partition("__")
+        cfg[section][field] = val
+    return cfg
+
+
+class Cluster:
+    """`cfg` is a full config dict (default: the small test model with `over` applied as
+    `section__field=value`)."""
+
+    def __init__(self, tmp: Path, num_cells: int = 3, cell_env: dict[int, dict] | None = None,
+                 cfg: dict | None = None, port: int | None = None, cell_args: dict[int, list[str]] | None = None,
+                 ready_timeout_s: float = 120, **over):
+        self.tmp = Path(tmp)
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        self.cfg = cfg if cfg is not None else cluster_config(self.tmp, **over)
+        self.cfg_path = tmp / "cluster.yaml"
+        self.cfg_path.write_text(yaml.safe_dump(self.cfg))
+        self.port = port or find_free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        self.env.pop("CELLFLIP_FAILPOINTS", None)
+        self.cell_env = cell_env or {}
+        self.cell_args = cell_args or {}
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.http = httpx.Client(base_url=self.url, timeout=30.0)
+        self.start_scheduler()
+        for i in range(num_cells):
+            self.start_cell(i)
+        self.wait(lambda: len([c for c in self.cells() if c["state"] == "rollout"]) >= num_cells, ready_timeout_s,
+                  "cells up")
+
+    # -- processes --------------------------------------------------------------------------
+    def _spawn(self, name: str, args: list[str], env: dict | None = None) -> None:
+        log = open(self.tmp / f"{name}.log", "a")
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "cells.cli", *args], cwd=ROOT,
+                                            env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
+
+    def start_scheduler(self, env: dict | None = None) -> None:
+        self._spawn("scheduler", ["scheduler", "--config", str(self.cfg_path), "--port", str(self.port)], env)
+        self.wait(self._healthy, 30, "scheduler healthy")
+
+    def start_cell(self, i: int) -> None:
+        self._spawn(f"cell-{i}", ["cell", "--config", str(self.cfg_path), "--scheduler", self.url,
+                                  "--cell-id", f"cell-{i}", *self.cell_args.get(i, [])], self.cell_env.get(i))
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        self.procs[name].send_signal(sig)
+        if sig == signal.SIGKILL:
+            self.procs[name].wait(timeout=10)
+
+    def _healthy(self) -> bool:
+        try:
+            return self.http.get("/healthz", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                try:
+                    p.send_signal(signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                p.terminate()
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+        self.http.close()
+
+    def logs(self) -> str:
+        return "\n".join(f"== {f.name}\n{f.read_text()[-3000:]}" for f in sorted(self.tmp.glob("*.log")))
+
+    # -- API --------------------------------------------------------------------------------
+    @staticmethod
+    def wait(pred, timeout_s: float, what: str, every: float = 0.05):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                v = pred()
+            except httpx.HTTPError:
+                v = None
+            if v:
+                return v
+            time.sleep(every)
+        raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+    def cells(self) -> list[dict]:
+        body = self.http.get("/v1/cells").json()
+        return body["cells"] if isinstance(body, dict) else body
+
+    def cell(self, cell_id: str) -> dict:
+        return self.http.get(f"/v1/cells/{cell_id}").json()
+
+    def flip(self, cell: str, to: str, **kw) -> dict:
+        r = self.http.post("/v1/flips", json={"cell": cell, "to": to, **kw})
+        assert r.status_code == 202, r.text
+        return r.json()
+
+    def flip_state(self, flip_id: str) -> dict:
+        return self.http.get(f"/v1/flips/{flip_id}").json()
+
+    def wait_flip(self, flip_id: str, timeout_s: float = 60) -> dict:
+        return self.wait(lambda: (f := self.flip_state(flip_id))["state"] in ("done", "failed", "rolled_back") and f,
+                         timeout_s, f"flip {flip_id}")
+
+
+class Streamer(threading.Thread):
+    """A client of one streamed completion; records each token's arrival time."""
+
+    def __init__(self, url: str, prompt: list[int], max_tokens: int, seed: int, timeout_s: float = 180):
+        super().__init__(daemon=True)
+        self.url, self.prompt, self.max_tokens, self.seed, self.timeout_s = url, prompt, max_tokens, seed, timeout_s
+        self.request_id: str | None = None
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.times: list[float] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        body = {"prompt_ids": self.prompt, "max_tokens": self.max_tokens, "seed": self.seed, "stream": True}
+        try:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=self.timeout_s) as r:
+                self.request_id = r.headers.get("X-Request-Id")
+                if r.status_code != 200:
+                    self.error = f"{r.status_code}: {r.read()[:300]!r}"
+                    return
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    msg = json.loads(line[6:])
+                    now = time.monotonic()
+                    for t, lp in zip(msg.get("token_ids", []), msg.get("logprobs", [])):
+                        self.tokens.append(t)
+                        self.logprobs.append(lp)
+                        self.times.append(now)
+                    self.started.set()
+                    if msg.get("finish_reason"):
+                        self.finish_reason = msg["finish_reason"]
+        except Exception as e:  # reported by the test
+            self.error = repr(e)
+        finally:
+            self.started.set()
+
+
+def reference_tokens(cfg: dict, request_id: str, prompt: list[int], max_tokens: int, seed: int) -> list[int]:
+    """The same request on one in-process engine, never moved (batch-invariant mode)."""
+    from cells.engine.embedded import EmbeddedEngine
+    from cells.engine.interface import SamplingParams
+    from scheduler.config import parse_config
+
+    eng = EmbeddedEngine(parse_config(cfg).cells.engine)
+    eng.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, seed=seed))
+    out = []
+    while eng.has_work():
+        out += [e.record.token_id for e in eng.step()]
+    return out
