@@ -1,12 +1,13 @@
 """The cell agent: one process per cell.
 
 Registers with the scheduler under a fresh incarnation, renews its lease with every sync, runs
-the engine loop, and executes the scheduler's commands. One tick:
+the engine loop, and executes the scheduler's commands. Two loops share one engine lock:
 
-    commands = sync(tokens, summary)      # tokens reach the store before any client sees them
-    handle(commands)                      # start / migrate / abort / suspend / set_role
-    collect(engine.step())                # decode
-
+    engine loop:  collect(engine.step())                  # decode back to back
+    sync loop:    commands = sync(tokens, summary)        # tokens reach the store before any
+                  handle(commands)                        # client sees them; start / migrate /
+                                                          # abort / suspend / set_role
+Decoding never waits for the network, and the network never waits for a step.
 Migration threads run their engine operations (export, pause, import, resume) under the same
 engine lock as the step, so they wait for at most one step, never for a whole tick.
 
@@ -21,6 +22,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -75,6 +77,8 @@ class CellAgent:
         self.owned: dict[str, Owned] = {}
         self.events: list[dict] = []
         self._engine_lock = threading.RLock()
+        self._cv = threading.Condition()
+        self.heartbeat_s = cfg.scheduler.heartbeat_s
         self._outcomes: queue.Queue[Outcome] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self.num_ticks = 0
@@ -92,43 +96,80 @@ class CellAgent:
                                       batch_invariant=caps.batch_invariant, block_size=block),
             kv_blocks_total=summary["kv_blocks_total"], max_running=summary.get("max_running", getattr(self.engine.cfg, "max_running", 1)),
             version=self.engine.version))
+        self.heartbeat_s = resp.heartbeat_s
         self.role.set("rollout", f"registered at generation {resp.generation}")
         log.info("cell %s registered as %s", self.cell_id, self.incarnation[:8])
 
     def run(self, stop: threading.Event) -> None:
+        """Register, then run the engine loop on a thread and the sync loop here until `stop`."""
         self.register()
-        while not stop.is_set():
-            try:
-                self.tick()
-            except Fenced as e:
-                log.warning("cell %s fenced (%s): dropping %d requests, registering anew", self.cell_id, e, len(self.owned))
-                self._drop_all()
-                self.register()
-        self.client.close()
+        engine_thread = threading.Thread(target=self._engine_loop, args=(stop,), name="engine", daemon=True)
+        engine_thread.start()
+        try:
+            self._sync_loop(stop)
+        finally:
+            stop.set()
+            self._wake()
+            engine_thread.join(timeout=30)
+            self.client.close()
 
-    def tick(self) -> None:
-        busy = self.engine.has_work() or any(o.pending for o in self.owned.values()) or bool(self._threads)
-        resp = self._sync(wait_s=0.0 if busy or self.events else IDLE_WAIT_S)
-        for rid in resp.rejected:
-            self._forget(rid, abort_engine=not self.owned.get(rid, Owned(0, 0)).migrating)
-        with self._engine_lock:
-            for raw in resp.commands:
-                self._handle(decode_command(raw))
-            self._reap_outcomes()
-            if self.role.state == "rollout" and self.engine.has_work():
-                self._collect(self.engine.step())
-        self.num_ticks += 1
+    def _wake(self) -> None:
+        with self._cv:
+            self._cv.notify_all()
+
+    def _engine_loop(self, stop: threading.Event) -> None:
+        """Decode back to back while there is work; the sync loop ships the tokens."""
+        while not stop.is_set():
+            with self._engine_lock:
+                self._reap_outcomes()
+                busy = self.role.state == "rollout" and self.engine.has_work()
+                if busy:
+                    self._collect(self.engine.step())
+            with self._cv:
+                if busy:
+                    self._cv.notify_all()  # tokens to ship
+                else:
+                    self._cv.wait(timeout=IDLE_WAIT_S)
+            self.num_ticks += 1
+
+    def _sync_loop(self, stop: threading.Event) -> None:
+        """Ship tokens and events as soon as there are any; otherwise renew the lease every
+        half heartbeat, or long-poll for commands when the cell has nothing to do."""
+        while not stop.is_set():
+            with self._cv:
+                if not self._has_outgoing():
+                    if self._is_idle():
+                        wait_s = IDLE_WAIT_S
+                    else:
+                        self._cv.wait(timeout=self.heartbeat_s / 2)
+                        wait_s = 0.0
+                else:
+                    wait_s = 0.0
+            try:
+                self._sync(wait_s)
+            except Fenced as e:
+                with self._engine_lock:
+                    log.warning("cell %s fenced (%s): dropping %d requests, registering anew",
+                                self.cell_id, e, len(self.owned))
+                    self._drop_all()
+                    self.register()
+
+    def _has_outgoing(self) -> bool:
+        return bool(self.events) or any((o.pending or o.finish_reason) and not o.migrating for o in self.owned.values())
+
+    def _is_idle(self) -> bool:
+        return not self.engine.has_work() and not self._threads
 
     # -- sync -------------------------------------------------------------------------------
     def _sync(self, wait_s: float):
         batches, sent = [], []
-        for rid, o in self.owned.items():
-            if o.migrating or not (o.pending or o.finish_reason):
-                continue
-            batches.append(TokenBatch(rid, o.epoch, o.flushed, [tuple(r) for r in o.pending], o.finish_reason))
-            sent.append((rid, len(o.pending)))
-        events, self.events = self.events, []
         with self._engine_lock:
+            for rid, o in self.owned.items():
+                if o.migrating or not (o.pending or o.finish_reason):
+                    continue
+                batches.append(TokenBatch(rid, o.epoch, o.flushed, [tuple(r) for r in o.pending], o.finish_reason))
+                sent.append((rid, len(o.pending)))
+            events, self.events = self.events, []
             summary = self.engine.summary()
         req = SyncRequest(self.incarnation, Summary(
             inflight=summary["inflight"], kv_blocks_used=summary["kv_blocks_used"],
@@ -138,20 +179,28 @@ class CellAgent:
             resp = self.client.sync(self.cell_id, req)
         except Fenced:
             raise
-        except Exception as e:  # scheduler unreachable: keep everything, retry next tick
+        except Exception as e:  # scheduler unreachable: keep everything, retry shortly
             log.warning("sync failed: %s", e)
-            self.events = events + self.events
-            return type("Empty", (), {"commands": [], "rejected": []})()
-        rejected = set(resp.rejected)
-        for rid, n in sent:
-            o = self.owned.get(rid)
-            if o is None or rid in rejected:
-                continue
-            del o.pending[:n]
-            o.flushed += n
-            if o.finish_reason and not o.pending:
-                del self.owned[rid]
-        return resp
+            with self._engine_lock:
+                self.events = events + self.events
+            time.sleep(min(self.heartbeat_s, 0.5))
+            return
+        with self._engine_lock:
+            rejected = set(resp.rejected)
+            for rid, n in sent:
+                o = self.owned.get(rid)
+                if o is None or rid in rejected:
+                    continue
+                del o.pending[:n]
+                o.flushed += n
+                if o.finish_reason and not o.pending:
+                    del self.owned[rid]
+            for rid in resp.rejected:
+                self._forget(rid, abort_engine=not self.owned.get(rid, Owned(0, 0)).migrating)
+            for raw in resp.commands:
+                self._handle(decode_command(raw))
+        if resp.commands:
+            self._wake()
 
     def _collect(self, events) -> None:
         for ev in events:
@@ -215,6 +264,7 @@ class CellAgent:
     def _spawn(self, fn, name: str) -> None:
         def body():
             self._outcomes.put(fn())
+            self._wake()
 
         t = threading.Thread(target=body, name=name, daemon=True)
         self._threads.append(t)
@@ -223,7 +273,9 @@ class CellAgent:
     def on_engine(self, fn):
         """Run `fn(engine)` from a migration thread between engine steps; returns its result."""
         with self._engine_lock:
-            return fn(self.engine)
+            out = fn(self.engine)
+        self._wake()
+        return out
 
     def _stop_flush(self, rid: str) -> int:
         """Called on the loop thread at the stop-and-copy: no more token batches for `rid`

@@ -48,6 +48,8 @@ def cmd_cell(args) -> int:
     from cells.engine.embedded import EmbeddedEngine
     from scheduler.config import EmbeddedEngineConfig
 
+    # Short GIL hand-offs: transfer threads wake promptly while the engine loop computes.
+    sys.setswitchinterval(0.0005)
     cfg = _load(args.config)
     if args.p2p_probe:
         _p2p_probe(json.loads(args.p2p_probe))

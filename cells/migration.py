@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,6 +58,8 @@ class Outcome:
     """Wall time spent inside KV tensor sends (source) — what the link bandwidth bounds."""
     total_s: float = 0.0
     """From the command to the outcome."""
+    marks: dict = field(default_factory=dict)
+    """Wall-clock instants of the stop-and-copy steps (for post-mortems and the bench)."""
 
 
 def _kv_header(start: int, data: torch.Tensor, ids_from: int, ids: list[int]) -> dict:
@@ -74,11 +76,12 @@ class MigrationSender:
         self.flushed = flushed  # generated tokens the scheduler already holds for this request
         self.bytes = 0
         self.transfer_s = 0.0
+        self.marks: dict[str, float] = {}
 
     def run(self) -> Outcome:
         t0 = time.perf_counter()
         out = self._run()
-        out.transfer_s, out.total_s = self.transfer_s, time.perf_counter() - t0
+        out.transfer_s, out.total_s, out.marks = self.transfer_s, time.perf_counter() - t0, self.marks
         return out
 
     def _run(self) -> Outcome:
@@ -107,15 +110,24 @@ class MigrationSender:
                     ch.send_json({"kind": "abort"})
                     return self._abort_at_scheduler(rid, mid, paused, "round limit")
             # Stop-and-copy: only the blocks and records added since the last round travel.
+            self.marks["stop_requested"] = time.time()
             stopped = self.on_engine(lambda e: self._stop(e, rid, sent_blocks, sent_ids))
             paused = True
+            self.marks["stopped"] = time.time()
             failpoint("migrate.before_stop_copy")
             data, snap = stopped
-            self._send_kv(ch, sent_blocks, data, sent_ids, snap.token_ids)
-            snap.token_ids, snap.token_ids_from = [], 0
-            ch.send_json({"kind": "final", "snapshot": snap.to_dict()})
+            # One message and one tensor: the tail blocks, the ids and records added since
+            # the last round, and the request's state — nothing that grows with the context.
+            ids_tail, snap.token_ids, snap.token_ids_from = snap.token_ids, [], 0
+            ch.send_json({**_kv_header(sent_blocks, data, sent_ids, ids_tail), "kind": "final",
+                          "snapshot": snap.to_dict()})
+            if data.numel():
+                ch.send_tensor(data)
+                self.bytes += data.numel() * data.element_size()
+            self.marks["tail_sent"] = time.time()
             failpoint("migrate.after_stop_copy")
             result = ch.recv_json()
+            self.marks["result"] = time.time()
             if result.get("committed") is not None:
                 failpoint("migrate.before_source_free")
                 self.on_engine(lambda e: e.release(rid))
@@ -183,11 +195,12 @@ class MigrationReceiver:
         self.cmd, self.cell_id, self.incarnation = cmd, cell_id, incarnation
         self.client, self.cfg, self.on_engine, self.on_commit = client, cfg, on_engine, on_commit
         self.bytes = 0
+        self.marks: dict[str, float] = {}
 
     def run(self) -> Outcome:
         t0 = time.perf_counter()
         out = self._run()
-        out.total_s = time.perf_counter() - t0
+        out.total_s, out.marks = time.perf_counter() - t0, self.marks
         return out
 
     def _run(self) -> Outcome:
@@ -210,8 +223,6 @@ class MigrationReceiver:
                 msg = ch.recv_json()
                 if msg["kind"] == "abort":
                     raise TransferError("source aborted the migration")
-                if msg["kind"] == "final":
-                    break
                 failpoint("migrate.transfer")
                 if msg["token_ids_from"] != len(ids):
                     raise TransferError(f"token ids out of order: {msg['token_ids_from']} != {len(ids)}")
@@ -220,10 +231,20 @@ class MigrationReceiver:
                 if data.numel():
                     ch.recv_tensor(data)
                     self.bytes += data.numel() * data.element_size()
-                    self.on_engine(lambda e, m=msg, d=data: e.import_kv(rid, m["start"], d))
+                if msg["kind"] == "final":
+                    break
+                self.on_engine(lambda e, m=msg, d=data: e.import_kv(rid, m["start"], d))
+            self.marks["final_received"] = time.time()
             snap = RequestSnapshot.from_dict(msg["snapshot"])
             snap.token_ids, snap.token_ids_from = ids, 0
-            self.on_engine(lambda e: e.import_request(snap))  # paused: nothing decodes it yet
+
+            def install(e, start=msg["start"], d=data):
+                if d.numel():
+                    e.import_kv(rid, start, d)
+                e.import_request(snap)  # paused: nothing decodes it before the commit
+
+            self.on_engine(install)
+            self.marks["imported"] = time.time()
             failpoint("migrate.before_commit")
             num_generated = snap.num_tokens - snap.prompt_len
             tail = Tail(start=snap.records_from, records=[tuple(r) for r in snap.records])
@@ -244,8 +265,10 @@ class MigrationReceiver:
             return Outcome(rid, mid, "destination", "failed", bytes=self.bytes, reason=str(e)[:200])
         # Committed: this cell owns the request at `epoch`. Resume, then tell the source to free.
         try:
+            self.marks["committed"] = time.time()
             failpoint("migrate.after_commit")
             self.on_engine(lambda e: (self.on_commit(rid, epoch, num_generated), e.resume(rid)))
+            self.marks["resumed"] = time.time()
             self._tell(ch, {"committed": epoch})
         finally:
             ch.close()

@@ -1,0 +1,23 @@
+"""GET /v1/cells, GET /v1/cells/{id}."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from scheduler.api.deps import Ctl
+from scheduler.errors import NotFound
+
+router = APIRouter(prefix="/v1/cells", tags=["cells"])
+
+
+@router.get("")
+async def list_cells(ctl: Ctl) -> dict:
+    return {"cells": ctl.cell_view()}
+
+
+@router.get("/{cell_id}")
+async def get_cell(cell_id: str, ctl: Ctl) -> dict:
+    found = ctl.cell_view(cell_id)
+    if not found:
+        raise NotFound(f"unknown cell {cell_id!r}")
+    return found[0]

@@ -1,0 +1,47 @@
+"""POST /v1/completions: token ids in, token ids + log-probs + versions out (SSE if stream)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Header
+from fastapi.responses import StreamingResponse
+
+from scheduler.api.deps import Ctl
+from scheduler.api.schemas import CompletionCreate
+
+router = APIRouter(tags=["completions"])
+
+SessionId = Annotated[str | None, Header(alias="X-Session-Id", max_length=256, pattern=r"^[A-Za-z0-9._:@/-]+$")]
+
+
+def _chunk(rid: str, rows: list[tuple]) -> dict:
+    return {"id": rid, "token_ids": [r[0] for r in rows], "logprobs": [r[2] for r in rows],
+            "versions": [r[3] for r in rows]}
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionCreate, ctl: Ctl, session_id: SessionId = None) -> dict | StreamingResponse:
+    req = ctl.submit_completion(session_id, list(body.prompt_ids), body.params())
+    head = {"X-Session-Id": req.session_id, "X-Request-Id": req.id}
+    if body.stream:
+        return StreamingResponse(_sse(ctl, req.id), media_type="text/event-stream", headers=head)
+    out = {"id": req.id, "session_id": req.session_id, "token_ids": [], "logprobs": [], "versions": [],
+           "finish_reason": None}
+    async for rows, cur in ctl.follow_request(req.id):
+        chunk = _chunk(req.id, rows)
+        for k in ("token_ids", "logprobs", "versions"):
+            out[k].extend(chunk[k])
+        out["finish_reason"] = cur.reason if cur.state in ("finished", "failed") else None
+    return out
+
+
+async def _sse(ctl, request_id: str) -> AsyncIterator[str]:
+    async for rows, cur in ctl.follow_request(request_id):
+        if rows:
+            yield f"data: {json.dumps(_chunk(request_id, rows))}\n\n"
+        if cur.state in ("finished", "failed") and not rows:
+            yield f"data: {json.dumps({'id': request_id, 'finish_reason': cur.reason})}\n\n"
+    yield "data: [DONE]\n\n"

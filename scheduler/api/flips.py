@@ -1,0 +1,28 @@
+"""POST /v1/flips (+ Idempotency-Key), GET /v1/flips, GET /v1/flips/{id}."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header
+
+from scheduler.api.deps import Ctl
+from scheduler.api.schemas import FlipCreate
+
+router = APIRouter(prefix="/v1/flips", tags=["flips"])
+
+
+@router.post("", status_code=202)
+async def create_flip(body: FlipCreate, ctl: Ctl,
+                      idempotency_key: Annotated[str | None, Header(max_length=256)] = None) -> dict:
+    return ctl.create_flips(body.to, body.cell, body.count, body.expected_generation, idempotency_key)
+
+
+@router.get("")
+async def list_flips(ctl: Ctl, active: bool = False) -> dict:
+    return {"flips": [f.to_api() for f in ctl.store.fleet.list_flips(active_only=active)]}
+
+
+@router.get("/{flip_id}")
+async def get_flip(flip_id: str, ctl: Ctl) -> dict:
+    return ctl.get_flip(flip_id)

@@ -1,0 +1,67 @@
+"""Request bodies of the public API (pydantic: a malformed body is a 422, never a 500)."""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
+MAX_PROMPT_TOKENS = 1 << 20
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FlipCreate(_Body):
+    cell: str | None = None
+    """Cell to flip; null lets the planner pick `count` cells."""
+    count: int | None = Field(default=None, ge=1, le=10_000)
+    """How many cells to flip when `cell` is null (default 1)."""
+    to: Literal["rollout", "training"]
+    expected_generation: int | None = Field(default=None, ge=0)
+    """Compare-and-set on the cell's generation (409 when stale); needs `cell`."""
+
+    @model_validator(mode="after")
+    def _one_target(self) -> FlipCreate:
+        if self.cell is not None and self.count is not None:
+            raise ValueError("give either cell or count, not both")
+        if self.expected_generation is not None and self.cell is None:
+            raise ValueError("expected_generation needs cell")
+        return self
+
+
+class VersionCreate(_Body):
+    version: int = Field(ge=0, lt=1 << 62)
+
+
+class SessionFinish(_Body):
+    reward: float
+    group_id: str | None = Field(default=None, max_length=256)
+
+    @field_validator("reward")
+    @classmethod
+    def _finite(cls, v: float) -> float:
+        if not math.isfinite(v):
+            raise ValueError("reward must be finite")
+        return v
+
+
+class CompletionCreate(_Body):
+    prompt_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_PROMPT_TOKENS)
+    """Token ids of the prompt (with X-Session-Id: the whole context; the session's buffer
+    must be a prefix of it, or a new segment starts). Empty: continue the session's buffer."""
+    temperature: float = Field(default=1.0, ge=0, le=100)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    max_tokens: int = Field(default=64, ge=1, le=1 << 20)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)
+    seed: int = Field(default=0, ge=0, lt=1 << 63)
+    stream: bool = False
+    model: str | None = None
+    """Accepted for client compatibility; the fleet serves one model."""
+
+    def params(self) -> dict:
+        return self.model_dump(include={"temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed"})

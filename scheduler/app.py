@@ -1,0 +1,92 @@
+"""The scheduler's FastAPI app: `create_app(config) -> FastAPI`.
+
+The lifespan opens the store, builds the controller (which rebuilds from the store) onto
+`app.state.controller` and runs the control loop; routers read it from there. The auth token
+is read when the app is created, so an unreadable token file stops start-up at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from scheduler.api import ROUTERS
+from scheduler.auth import BearerAuth, load_token
+from scheduler.config import CellflipConfig, MigrationConfig, SchedulerConfig
+from scheduler.controller import Controller
+from scheduler.errors import NoCapacity, SchedulerError
+from scheduler.limits import BodySizeLimit
+from scheduler.metrics import Metrics
+from scheduler.protocol import ProtocolError
+from scheduler.store import Store
+
+log = logging.getLogger("cellflip.scheduler")
+
+DEFAULT_TICK_S = 0.2
+"""Control-loop period; a flip request or a new cell also wakes the loop at once."""
+
+
+def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_path: str | None = None,
+               clock: Callable[[], float] = time.monotonic, tick_interval_s: float | None = DEFAULT_TICK_S) -> FastAPI:
+    """Build the app. `tick_interval_s=None` runs no background loop (tests tick by hand);
+    `clock` is the monotonic clock of leases and deadlines."""
+    if isinstance(config, CellflipConfig):
+        sched, migration = config.scheduler, config.migration
+    else:
+        sched, migration = config or SchedulerConfig(), MigrationConfig()
+    token = load_token(sched.auth_token_file)
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = Store(db_path or sched.db_path)
+        ctl = Controller(store, sched, migration, clock=clock, metrics=metrics)
+        app.state.controller = ctl
+        task = asyncio.create_task(ctl.run(tick_interval_s)) if tick_interval_s else None
+        try:
+            yield
+        finally:
+            ctl.close()
+            await asyncio.sleep(0)  # let woken streams see `closing` before the store closes
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            store.close()
+
+    app = FastAPI(title="cellflip scheduler", version="0.1.0", lifespan=lifespan,
+                  description="Control plane: cells, flips, weight versions, sessions, completions.")
+    app.state.metrics = metrics
+    for router in ROUTERS:
+        app.include_router(router)
+    _install_error_handlers(app)
+    # outermost first: refuse unauthenticated requests before reading any body
+    app.add_middleware(BodySizeLimit, max_bytes=sched.max_body_bytes)
+    if token is not None:
+        app.add_middleware(BearerAuth, token=token)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(SchedulerError)
+    async def _domain(_: Request, exc: SchedulerError) -> JSONResponse:
+        headers = {}
+        if isinstance(exc, NoCapacity):
+            headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+        return JSONResponse({"detail": exc.detail, "reason": exc.reason}, status_code=exc.status, headers=headers)
+
+    @app.exception_handler(ProtocolError)
+    async def _protocol(_: Request, exc: ProtocolError) -> JSONResponse:
+        return JSONResponse({"detail": str(exc), "reason": "invalid"}, status_code=422)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse({"detail": "internal error", "reason": "internal"}, status_code=500)

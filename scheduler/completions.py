@@ -1,0 +1,77 @@
+"""Token-in/token-out completions on top of the session store.
+
+One line: admit (a rollout cell has room, else 429) → align the prompt with the session's
+buffer (append the new tokens; a rewritten history starts a new segment) → record the request
+and its owner → `start` on that cell → stream tokens as they are committed.
+
+A client only ever reads tokens back from the store, after the sync that carried them has
+committed: nothing is shown that a scheduler restart could take back.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from scheduler import ownership
+from scheduler.errors import Conflict, Invalid, NoCapacity
+from scheduler.placement import RequestSummary, choose_destination
+from scheduler.store_owners import RequestRow
+
+if TYPE_CHECKING:
+    from scheduler.controller import Controller
+
+FOLLOW_POLL_S = 1.0
+"""A waiting stream re-reads the store at least this often (a missed wake-up costs ≤ 1 s)."""
+
+
+def submit(ctl: Controller, session_id: str | None, prompt_ids: list[int], params: dict[str, Any]) -> RequestRow:
+    """Admit and start one completion; returns the request (already owned by a cell)."""
+    rid = f"req-{uuid.uuid4().hex[:16]}"
+    sid = session_id or f"anon-{rid[4:]}"
+    snapshot = ctl.snapshot()
+    summary = RequestSummary(rid, len(prompt_ids), snapshot.current_version, sid)
+    dst = choose_destination(snapshot, None, summary)
+    if dst is None:
+        ctl.metrics.admission_rejected.inc()
+        raise NoCapacity("no rollout cell has room", retry_after_s=max(1.0, ctl.cfg.heartbeat_s * 2))
+    with ctl.txn(durable=True) as fx:
+        sessions = ctl.store.sessions
+        sessions.ensure(sid)
+        if ctl.store.owners.active_request_for_session(sid) is not None:
+            raise Conflict(f"session {sid!r} has a request in flight", reason="session_busy")
+        start, segment = sessions.current_segment(sid)
+        if not prompt_ids or prompt_ids[: len(segment)] == segment:
+            new = prompt_ids[len(segment):]
+        else:  # the harness edited earlier turns: keep the old tokens, open a new segment
+            fx.later(ctl.metrics.history_rewrites.inc)
+            start, new = sessions.new_segment(sid), prompt_ids
+        length = sessions.append_prompt(sid, new) if new else sessions.require(sid).length
+        if length == start:
+            raise Invalid("empty prompt: send prompt_ids (the session has no tokens to continue)")
+        req = RequestRow(rid, sid, base=length, prompt_start=start, num_generated=0, params=params,
+                         cell_id=None, epoch=1, state="queued")
+        ctl.store.owners.put_request(req)
+        ownership.assign(ctl, fx, req, dst.cell_id)
+    return req
+
+
+async def follow(ctl: Controller, request_id: str) -> AsyncIterator[tuple[list[tuple], RequestRow]]:
+    """Yield (new committed token rows, request) until the request is finished or failed;
+    the last item carries the terminal request (possibly with no rows)."""
+    sent = 0
+    while True:
+        req = ctl.store.owners.get_request(request_id)
+        assert req is not None
+        if req.num_generated > sent:
+            rows = ctl.store.sessions.read(req.session_id, req.base + sent, req.base + req.num_generated)
+            sent += len(rows)
+            yield rows, req
+            continue  # re-read before parking: a notify may have come while the client read
+        if req.state in ("finished", "failed"):
+            yield [], req
+            return
+        await ctl.notifier.wait(("req", request_id), FOLLOW_POLL_S)
+        if ctl.closing:  # shutdown: the client gets what was committed so far
+            return

@@ -1,0 +1,215 @@
+"""The controller: durable store + live cell view + the control loop.
+
+One tick:  sync_from() (passive: leases, versions, gauges)  →  step_next() (active: flips,
+migrations, placement) — the second only once the inventory is rebuilt after a start.
+
+On start the controller rebuilds from the store: every cell not `down` gets a lease of
+`lease_s` (the grace) and must sync or re-register within it; until every such cell has done
+so (or the grace ran out and the silent ones were fenced) nothing active happens. Then the
+reconciler is level-triggered: it compares what the store says with what cells report, so an
+unfinished flip simply continues (or rolls back) from where the store says it is.
+
+Handlers call the thin methods below; the decisions live in the modules they delegate to.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from scheduler import cellsync, completions, flips, migrations, reconcile, versions
+from scheduler.config import MigrationConfig, SchedulerConfig
+from scheduler.metrics import Metrics
+from scheduler.notify import Notifier
+from scheduler.placement import CellView, Snapshot
+from scheduler.protocol import Command
+from scheduler.registry import Registry
+from scheduler.store import Store
+
+log = logging.getLogger("cellflip.scheduler")
+
+TICK_KEY = ("tick",)
+
+
+@dataclass
+class Effects:
+    """What a transaction does to the outside world, run only after it committed."""
+
+    ctl: Controller
+    _todo: list[Callable[[], object]] = field(default_factory=list)
+
+    def send(self, cell_id: str, make: Callable[[int], Command]) -> None:
+        self._todo.append(lambda: self.ctl.registry.send(cell_id, make))
+
+    def notify(self, key: Hashable) -> None:
+        self._todo.append(lambda: self.ctl.notifier.notify(key))
+
+    def later(self, fn: Callable[[], object]) -> None:
+        self._todo.append(fn)
+
+    def run(self) -> None:
+        for fn in self._todo:
+            fn()
+        self._todo.clear()
+
+
+class Controller:
+    def __init__(self, store: Store, cfg: SchedulerConfig, migration: MigrationConfig | None = None,
+                 *, clock: Callable[[], float] = time.monotonic, metrics: Metrics | None = None) -> None:
+        self.store = store
+        self.cfg = cfg
+        self.mig_cfg = migration or MigrationConfig()
+        self.clock = clock
+        self.metrics = metrics or Metrics()
+        self.notifier = Notifier()
+        self.registry = Registry(clock, self.notifier)
+        self.started_at = clock()
+        self.ready = False
+        """The inventory is rebuilt (every known cell re-synced, or the grace ran out)."""
+        self.assigned_at: dict[str, float] = {}
+        """request id → monotonic time its current owner was given it (start or commit)."""
+        self.drain_deadline: dict[str, float] = {}
+        """flip id → monotonic drain deadline (restarts at now + drain_deadline_s after a restart)."""
+        self.migration_started: dict[str, float] = {}
+        self.closing = False
+        """Set at shutdown: waiting client streams end (their tokens stay in the store)."""
+        self.trajectory_cursor = 0
+        """Highest trajectory cursor a trainer has fetched (the rest wait for training)."""
+        self.last_tick = self.started_at
+        self.last_slow_tick = float("-inf")
+        self._fx: Effects | None = None
+        self._recover()
+
+    # ------------------------------------------------------------------ plumbing
+    def _recover(self) -> None:
+        for cell in self.store.fleet.list_cells():
+            if cell.state != "down":
+                self.registry.admit(cell.id, self.cfg.lease_s, seen=False)
+        self.ready = not self.registry.live
+        now = self.clock()
+        for m in self.store.owners.pending_migrations():
+            self.migration_started[m.id] = now
+
+    @contextmanager
+    def txn(self, durable: bool = True) -> Iterator[Effects]:
+        """A store transaction whose Effects run after it commits (nested calls join it)."""
+        if self._fx is not None:
+            with self.store.tx(durable):
+                yield self._fx
+            return
+        fx = self._fx = Effects(self)
+        try:
+            with self.store.tx(durable):
+                yield fx
+        finally:
+            self._fx = None
+        fx.run()
+
+    def close(self) -> None:
+        """Release every long-poll and client stream so shutdown does not wait on them."""
+        self.closing = True
+        self.notifier.notify_all()
+
+    def kick(self) -> None:
+        """Ask the loop for a tick soon (a flip was requested, a request is waiting)."""
+        self.notifier.notify(TICK_KEY)
+
+    def snapshot(self) -> Snapshot:
+        """Per-cell summaries for the planner: seen, live cells only."""
+        owned = self.store.owners.live_counts()
+        incoming = self.store.owners.incoming_pending()
+        views = []
+        for c in self.store.fleet.list_cells():
+            entry = self.registry.live.get(c.id)
+            if c.state == "down" or entry is None or not entry.seen:
+                continue
+            s = entry.summary
+            views.append(CellView(
+                cell_id=c.id, state=c.state, version=s.version if s else c.version,
+                inflight=owned.get(c.id, 0) + incoming.get(c.id, 0), max_running=c.max_running,
+                kv_blocks_used=s.kv_blocks_used if s else c.kv_blocks_used,
+                kv_blocks_total=(s.kv_blocks_total if s and s.kv_blocks_total else c.kv_blocks_total),
+                kv_export=bool(c.capabilities.get("kv_export")),
+                block_size=int(c.capabilities.get("block_size") or 16), generation=c.generation,
+                node=c.address.rsplit(":", 1)[0]))
+        counts = self.store.owners.count_requests()
+        return Snapshot(tuple(views), versions.current_version(self), self.cfg.min_rollout_cells,
+                        finished_waiting=self.store.sessions.finished_after(self.trajectory_cursor),
+                        queued_requests=counts.get("queued", 0) + counts.get("suspended", 0))
+
+    def snapshot_version(self, cell_id: str) -> int | None:
+        """The weight version a cell serves, as last reported (else as registered)."""
+        entry = self.registry.live.get(cell_id)
+        if entry is not None and entry.summary is not None:
+            return entry.summary.version
+        cell = self.store.fleet.get_cell(cell_id)
+        return cell.version if cell else None
+
+    # ------------------------------------------------------------------ loop
+    def tick(self) -> None:
+        """One control-loop iteration (synchronous: runs on the event loop's thread)."""
+        reconcile.sync_from(self)
+        if self.ready:
+            reconcile.step_next(self)
+
+    async def run(self, interval_s: float) -> None:
+        while True:
+            try:
+                self.tick()
+            except Exception:  # the loop's boundary: log the reason and keep going
+                log.exception("control loop tick failed")
+            await self.notifier.wait(TICK_KEY, interval_s)
+
+    # ------------------------------------------------------------------ thin API
+    register = cellsync.register
+    sync = cellsync.sync
+    commit_migration = migrations.commit
+    abort_migration = migrations.abort_by_cell
+    create_flips = flips.create
+    publish_version = versions.publish
+    retire_version = versions.retire
+    list_versions = versions.list_all
+    submit_completion = completions.submit
+    follow_request = completions.follow
+
+    def check_integrity(self) -> list[str]:
+        """Violated ownership invariants (empty when all hold)."""
+        from scheduler.ownership import integrity_problems
+
+        return integrity_problems(self)
+
+    def get_flip(self, flip_id: str) -> dict:
+        from scheduler.errors import NotFound
+
+        row = self.store.fleet.get_flip(flip_id)
+        if row is None:
+            raise NotFound(f"unknown flip {flip_id!r}")
+        return row.to_api()
+
+    def cell_view(self, cell_id: str | None = None) -> list[dict]:
+        owned = self.store.owners.live_counts()
+        out = []
+        for c in self.store.fleet.list_cells():
+            if cell_id is not None and c.id != cell_id:
+                continue
+            d = c.to_api()
+            entry = self.registry.live.get(c.id)
+            d["inflight"] = owned.get(c.id, 0)
+            if entry is not None and entry.summary is not None:  # live load, not the stored copy
+                d["kv_blocks_used"] = entry.summary.kv_blocks_used
+            d["lease_remaining_s"] = max(0.0, entry.lease_deadline - self.clock()) if entry else 0.0
+            d["history"] = [list(h) for h in c.history]
+            out.append(d)
+        return out
+
+    def finish_session(self, session_id: str, reward: float, group_id: str | None) -> dict:
+        from scheduler.errors import Conflict
+
+        if self.store.owners.active_request_for_session(session_id) is not None:
+            raise Conflict(f"session {session_id!r} has a request in flight", reason="session_busy")
+        row = self.store.sessions.finish(session_id, reward, group_id)
+        return {"id": row.id, "state": row.state, "reward": row.reward, "group_id": row.group_id, "cursor": row.finish_seq}
+

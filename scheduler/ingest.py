@@ -1,0 +1,147 @@
+"""What a sync brings in: token batches (judged by pure rules) and cell events.
+
+Token rule: a batch is accepted only from the request's current owner at its current epoch,
+and only when it continues the stored tokens exactly (`start` == stored count; an overlap with
+stored tokens must match them bit for bit and is then idempotent). `judge` decides, the
+functions below apply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from scheduler import flips, ownership
+from scheduler.errors import Invalid
+from scheduler.protocol import (
+    BroadcastEvent,
+    Message,
+    MigrationEvent,
+    RoleFailedEvent,
+    ScoredEvent,
+    TokenBatch,
+    TokenRecord,
+    dispatch,
+)
+from scheduler.store_owners import RequestRow
+
+if TYPE_CHECKING:
+    from scheduler.controller import Controller, Effects
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    accept: bool
+    new: list[TokenRecord] = field(default_factory=list)
+    """Records past the stored end, to append (empty for an exact duplicate)."""
+    reason: str = ""
+    revoke: bool = False
+    """The owner itself sent an impossible batch (gap, mismatch): take the request away."""
+    drift: bool = False
+    """A token differs from the one stored at its index."""
+
+
+def judge(req: RequestRow | None, cell_id: str, batch: TokenBatch, stored: list[tuple]) -> Verdict:
+    """Pure decision for one batch; `stored` holds the stored token rows overlapping it.
+    Mutates nothing."""
+    if req is None:
+        return Verdict(False, reason="unknown_request")
+    if req.cell_id != cell_id:
+        return Verdict(False, reason="not_owner")
+    if req.epoch != batch.epoch:
+        return Verdict(False, reason="stale_epoch")
+    n = req.num_generated
+    if batch.start > n:
+        return Verdict(False, reason="gap", revoke=req.is_live)
+    overlap = batch.records[: n - batch.start]
+    for s, r in zip(stored, overlap, strict=False):
+        if (s[0], s[2], s[3]) != (r[0], float(r[1]), r[2]):
+            return Verdict(False, reason="mismatch", revoke=req.is_live, drift=True)
+    new = list(batch.records[n - batch.start:])
+    if not req.is_live and new:
+        return Verdict(False, reason="not_running")
+    return Verdict(True, new=new)
+
+
+def accept_tokens(ctl: Controller, fx: Effects, cell_id: str, batches: list[TokenBatch]) -> tuple[list[str], list[tuple[str, str]], list[tuple[str, str]]]:
+    """Phase 1 (non-durable txn): append accepted tokens. Returns (rejected ids, revocations
+    [(id, reason)], finishes [(id, finish_reason)]) for the durable phase 2."""
+    rejected: list[str] = []
+    revokes: list[tuple[str, str]] = []
+    finishes: list[tuple[str, str]] = []
+    for b in batches:
+        req = ctl.store.owners.get_request(b.request_id)
+        stored = []
+        if req is not None and b.start < req.num_generated:
+            end = min(req.num_generated, b.start + len(b.records))
+            stored = ctl.store.sessions.read(req.session_id, req.base + b.start, req.base + end)
+        v = judge(req, cell_id, b, stored)
+        if not v.accept:
+            rejected.append(b.request_id)
+            fx.later(lambda r=v.reason: ctl.metrics.tokens_rejected.labels(r).inc())
+            if v.drift:
+                fx.later(ctl.metrics.drift.inc)
+            if v.revoke:
+                revokes.append((b.request_id, f"{v.reason} in tokens from {cell_id}"))
+            continue
+        assert req is not None
+        if v.new:
+            ctl.store.sessions.append_sampled(req.session_id, req.base + req.num_generated, v.new)
+            req.num_generated += len(v.new)
+            ctl.store.owners.set_num_generated(req.id, req.num_generated)
+            fx.later(lambda k=len(v.new): ctl.metrics.tokens_generated.inc(k))
+            fx.notify(("req", req.id))
+        if b.finish_reason is not None and req.is_live:
+            finishes.append((req.id, b.finish_reason))
+    return rejected, revokes, finishes
+
+
+def apply_outcomes(ctl: Controller, fx: Effects, revokes: list[tuple[str, str]], finishes: list[tuple[str, str]]) -> None:
+    """Phase 2 (durable txn): ownership changes decided in phase 1."""
+    for rid, reason in revokes:
+        req = ctl.store.owners.get_request(rid)
+        if req is not None and req.is_live:
+            ownership.revoke(ctl, fx, req, reason)
+    for rid, finish_reason in finishes:
+        req = ctl.store.owners.get_request(rid)
+        if req is not None and req.is_live:
+            ownership.finish(ctl, fx, req, finish_reason)
+
+
+def apply_events(ctl: Controller, fx: Effects, cell_id: str, events: list[Message]) -> None:
+    handlers = {
+        MigrationEvent.TYPE: lambda e: _on_migration(ctl, fx, e),
+        ScoredEvent.TYPE: lambda e: _on_scored(ctl, e),
+        BroadcastEvent.TYPE: lambda e: _on_broadcast(ctl, fx, e),
+        RoleFailedEvent.TYPE: lambda e: flips.role_failed(ctl, fx, cell_id, e.flip_id, e.reason),
+    }
+    for e in events:
+        dispatch(handlers, e)
+
+
+def check_events(events: list[Message]) -> None:
+    """Rules pydantic cannot express; raises Invalid (422) before anything is committed."""
+    for e in events:
+        if isinstance(e, ScoredEvent) and e.provenance not in ("exact", "missing"):
+            raise Invalid(f"scored provenance must be exact or missing, got {e.provenance!r}")
+        if isinstance(e, ScoredEvent) and e.start < 0:
+            raise Invalid("scored start must be >= 0")
+
+
+def _on_migration(ctl: Controller, fx: Effects, e: MigrationEvent) -> None:
+    def observe() -> None:
+        if e.bytes > 0:
+            ctl.metrics.migration_bytes.inc(e.bytes)
+        if e.downtime_s is not None and e.downtime_s >= 0:
+            ctl.metrics.migration_downtime.observe(e.downtime_s)
+    fx.later(observe)
+
+
+def _on_scored(ctl: Controller, e: ScoredEvent) -> None:
+    if ctl.store.sessions.get(e.session_id) is not None:
+        ctl.store.sessions.fill_old_logprobs(e.session_id, e.start, e.old_logprobs, e.provenance)
+
+
+def _on_broadcast(ctl: Controller, fx: Effects, e: BroadcastEvent) -> None:
+    if e.ok and e.seconds >= 0:
+        fx.later(lambda: ctl.metrics.broadcast.observe(e.seconds))

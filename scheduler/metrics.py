@@ -1,0 +1,50 @@
+"""Prometheus metrics of the control plane, on their own CollectorRegistry (no globals).
+
+Base units (seconds, bytes), `_total` counters, histograms for latencies. Gauges that mirror
+the store (cells by state, in-flight, backlog) are refreshed by the controller's passive sync.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_SLOW = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+CELL_STATES = ("joining", "rollout", "draining", "training", "loading", "down")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        p = "cellflip_"
+        self.cells = Gauge(p + "cells", "Cells by state.", ["state"], registry=r)
+        self.cells_by_role = Gauge(p + "cells_by_role", "Cells by role (draining counts as rollout, loading as training).", ["role"], registry=r)
+        self.role_seconds = Counter(p + "cell_role_seconds", "Seconds each cell spent in each state (utilization).", ["cell", "state"], registry=r)
+        self.inflight = Gauge(p + "inflight_requests", "Requests running or migrating, per owner cell.", ["cell"], registry=r)
+        self.waiting = Gauge(p + "waiting_requests", "Requests queued or suspended (waiting for a cell).", registry=r)
+        self.kv_blocks_used = Gauge(p + "kv_blocks_used", "KV blocks in use, per cell (as reported).", ["cell"], registry=r)
+        self.migrations = Counter(p + "migrations", "Migrations by outcome and path.", ["outcome", "path"], registry=r)
+        self.migration_downtime = Histogram(p + "migration_downtime_seconds", "Client-visible gap of a migration, minus the median inter-token gap.", buckets=_LATENCY, registry=r)
+        self.migration_bytes = Counter(p + "migration_bytes", "KV bytes moved by migrations.", registry=r)
+        self.flips = Counter(p + "flips", "Finished flips by outcome.", ["outcome"], registry=r)
+        self.flip_duration = Histogram(p + "flip_duration_seconds", "Flip duration from request to done/failed.", buckets=_SLOW, registry=r)
+        self.broadcast = Histogram(p + "weight_broadcast_seconds", "Weight broadcast time per receiving cell.", buckets=_SLOW, registry=r)
+        self.versions_live = Gauge(p + "versions_live", "Weight versions not yet retired.", registry=r)
+        self.logprob_backlog = Gauge(p + "logprob_backlog_tokens", "Sampled tokens without an old log-prob, per version.", ["version"], registry=r)
+        self.tokens_generated = Counter(p + "tokens_generated", "Sampled tokens committed to the session store.", registry=r)
+        self.admission_rejected = Counter(p + "admission_rejected", "Completions refused with 429 (no rollout capacity).", registry=r)
+        self.drift = Counter(p + "retokenization_drift", "Recorded tokens that differ from sampled ones (must stay 0).", registry=r)
+        self.history_rewrites = Counter(p + "history_rewrites", "Harness edits of earlier turns (each starts a new segment).", registry=r)
+        self.tokens_rejected = Counter(p + "tokens_rejected", "Token batches refused at sync, by reason.", ["reason"], registry=r)
+        self.fenced = Counter(p + "cells_fenced", "Cell incarnations fenced (lease lost or replaced).", ["reason"], registry=r)
+        for outcome in ("committed", "aborted"):
+            for path in ("kv", "reprefill"):
+                self.migrations.labels(outcome, path)
+        for outcome in ("done", "failed", "rolled_back"):
+            self.flips.labels(outcome)
+        for state in CELL_STATES:
+            self.cells.labels(state)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,192 @@
+"""Live migration, scheduler side: issue, commit (compare-and-set), abort, time out.
+
+One line: reserve → copy while decoding → stop, copy the tail → import, ack → record owner →
+resume → free. The scheduler's part is the "record owner" step: the destination's commit
+moves ownership (src, e) → (dst, e + 1) and the migration pending → committed in one durable
+transaction; the source keeps ownership (and keeps decoding) on any failure before that.
+
+Paths: "kv" when both cells export KV and serve the same version; otherwise "reprefill":
+ownership moves at once (epoch + 1) and the destination re-prefills from the session store
+(on its own version when versions differ: the per-token versions record the truth).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from scheduler import ownership
+from scheduler.errors import Conflict, NotFound
+from scheduler.protocol import (
+    AbortCmd,
+    AbortMigrationRequest,
+    CancelMigrationCmd,
+    CommitRequest,
+    CommitResponse,
+    MigrateInCmd,
+    MigrateOutCmd,
+)
+from scheduler.states import MIGRATION, REQUEST, set_state
+from scheduler.store_fleet import CellRow, FlipRow
+from scheduler.store_owners import MigrationRow, RequestRow
+
+if TYPE_CHECKING:
+    from scheduler.controller import Controller, Effects
+
+
+def timeout_s(ctl: Controller) -> float:
+    """A pending migration older than this is aborted: every copy round plus the
+    stop-and-copy and the import may each take up to one transfer timeout."""
+    return ctl.mig_cfg.transfer_timeout_s * (ctl.mig_cfg.max_copy_rounds + 2)
+
+
+def start(ctl: Controller, fx: Effects, req: RequestRow, src: CellRow, dst: CellRow, flip: FlipRow | None,
+          hint: str | None = None) -> str:
+    """Move `req` from `src` to `dst`; returns the path taken. Runs inside a durable txn.
+    `hint` is the planner's path; KV is used only where both cells export KV and serve the
+    same version, whatever the hint."""
+    src_v, dst_v = ctl.snapshot_version(src.id), ctl.snapshot_version(dst.id)
+    kv = bool(src.capabilities.get("kv_export")) and bool(dst.capabilities.get("kv_export")) and src_v == dst_v
+    kv = kv and hint != "reprefill"
+    mig = MigrationRow(f"mig-{uuid.uuid4().hex[:16]}", req.id, src.id, dst.id, req.epoch, "pending",
+                       "kv" if kv else "reprefill", flip.id if flip else None)
+    mig.history.append(("pending", time.time(), f"{src.id} -> {dst.id}"))
+    if not kv:  # ownership moves now; the destination re-prefills from the session store
+        set_state(MIGRATION, mig, "committed", "re-prefill: no KV path between these cells")
+        mig.finished_at = time.time()
+        ctl.store.owners.put_migration(mig)
+        ownership.revoke(ctl, fx, req, f"re-prefill on {dst.id}")
+        ownership.assign(ctl, fx, req, dst.id)
+        fx.later(lambda: ctl.metrics.migrations.labels("committed", "reprefill").inc())
+        if flip is not None:
+            flip.recomputed += 1
+        return "reprefill"
+    REQUEST.check(req.state, "migrating")
+    req.state = "migrating"
+    ctl.store.owners.put_request(req)
+    ctl.store.owners.put_migration(mig)
+    ctl.migration_started[mig.id] = ctl.clock()
+    block = int(dst.capabilities.get("block_size") or 16)
+    reserve = req.num_tokens + ctl.mig_cfg.headroom_blocks * block
+    rid, epoch, mid = req.id, req.epoch, mig.id
+    fx.send(src.id, lambda i: MigrateOutCmd(i, rid, epoch, mid, dst.id, dst.address, dst.store_port))
+    fx.send(dst.id, lambda i: MigrateInCmd(i, rid, mid, src.id, src.address, src.store_port, reserve, epoch))
+    return "kv"
+
+
+def abort_in_tx(ctl: Controller, fx: Effects, mig: MigrationRow, reason: str, *, restore: bool = True,
+                tell: Iterable[str] = ()) -> None:
+    """pending → aborted; with `restore` the request goes back to running on its source.
+    Cells in `tell` get `cancel_migration` (the source resumes, the destination frees)."""
+    set_state(MIGRATION, mig, "aborted", reason)
+    mig.reason, mig.finished_at = reason, time.time()
+    ctl.store.owners.put_migration(mig)
+    ctl.migration_started.pop(mig.id, None)
+    req = ctl.store.owners.get_request(mig.request_id)
+    if restore and req is not None and req.state == "migrating":
+        req.state = "running"
+        ctl.store.owners.put_request(req)
+    rid, mid, path = mig.request_id, mig.id, mig.path
+    for cell_id in tell:
+        fx.send(cell_id, lambda i: CancelMigrationCmd(i, rid, mid))
+    fx.later(lambda: ctl.metrics.migrations.labels("aborted", path).inc())
+
+
+def _check_party(ctl: Controller, cell_id: str, incarnation: str) -> None:
+    cell = ctl.store.fleet.get_cell(cell_id)
+    if cell is None or cell.incarnation != incarnation or cell.state == "down" or ctl.registry.is_expired(cell_id):
+        raise Conflict(f"cell {cell_id} incarnation {incarnation} is fenced", reason="fenced")
+
+
+def commit(ctl: Controller, migration_id: str, body: CommitRequest) -> CommitResponse:
+    """The destination's compare-and-set; see the protocol module for the 409 reasons."""
+    with ctl.txn(durable=True) as fx:
+        outcome = _commit_in_tx(ctl, fx, migration_id, body)
+    if isinstance(outcome, Conflict):
+        raise outcome
+    return CommitResponse(epoch=outcome)
+
+
+def _commit_in_tx(ctl: Controller, fx: Effects, migration_id: str, body: CommitRequest) -> int | Conflict:
+    mig = ctl.store.owners.get_migration(migration_id)
+    if mig is None:
+        raise NotFound(f"unknown migration {migration_id!r}")
+    if body.cell_id != mig.dst:
+        raise Conflict(f"{body.cell_id} is not the destination of {migration_id}", reason="not_destination")
+    _check_party(ctl, body.cell_id, body.incarnation)
+    req = ctl.store.owners.get_request(mig.request_id)
+    assert req is not None, f"migration {mig.id} of a missing request"
+    if mig.state == "committed":  # a retried commit whose answer was lost
+        if req.cell_id == mig.dst and req.epoch == mig.epoch + 1 and body.epoch == mig.epoch:
+            return req.epoch
+        return Conflict("ownership moved on since this commit", reason="stale_epoch")
+    if mig.state == "aborted":
+        return Conflict(f"migration aborted: {mig.reason}", reason="finished" if req.state == "finished" else "aborted")
+    if body.epoch != mig.epoch or req.epoch != mig.epoch or req.cell_id != mig.src or req.state != "migrating":
+        abort_in_tx(ctl, fx, mig, "stale epoch at commit", tell=(mig.src,))
+        return Conflict("the source no longer owns the request at this epoch", reason="stale_epoch")
+    n, tail = req.num_generated, body.tail
+    if tail.start > n:
+        return Conflict(f"tail starts at {tail.start} but {n} tokens are stored", reason="gap")
+    stored = ctl.store.sessions.read(req.session_id, req.base + tail.start, req.base + n)
+    overlap = tail.records[: n - tail.start]
+    if any((s[0], s[2], s[3]) != (r[0], float(r[1]), r[2]) for s, r in zip(stored, overlap, strict=False)):
+        fx.later(ctl.metrics.drift.inc)
+        abort_in_tx(ctl, fx, mig, "tail differs from stored tokens", tell=(mig.src,))
+        return Conflict("tail differs from the stored tokens", reason="mismatch")
+    new = tail.records[n - tail.start:]
+    if n + len(new) != body.num_tokens:
+        abort_in_tx(ctl, fx, mig, "token count mismatch at commit", tell=(mig.src,))
+        return Conflict(f"store has {n + len(new)} tokens, destination {body.num_tokens}", reason="length_mismatch")
+    if new:
+        ctl.store.sessions.append_sampled(req.session_id, req.base + n, new)
+        req.num_generated = n + len(new)
+        fx.later(lambda k=len(new): ctl.metrics.tokens_generated.inc(k))
+        fx.notify(("req", req.id))
+    path = body.path or mig.path
+    set_state(MIGRATION, mig, "committed", f"owner {mig.src}@{mig.epoch} -> {mig.dst}@{mig.epoch + 1}")
+    mig.path, mig.finished_at = path, time.time()
+    ctl.store.owners.put_migration(mig)
+    ctl.migration_started.pop(mig.id, None)
+    REQUEST.check(req.state, "running")
+    req.cell_id, req.epoch, req.state = mig.dst, req.epoch + 1, "running"
+    ctl.store.owners.put_request(req)
+    ctl.assigned_at[req.id] = ctl.clock()
+    if mig.flip_id is not None and (flip := ctl.store.fleet.get_flip(mig.flip_id)) is not None:
+        flip.migrated += 1
+        ctl.store.fleet.put_flip(flip)
+    rid = req.id
+    fx.send(mig.src, lambda i: AbortCmd(i, rid))  # the source frees its copy
+    fx.later(lambda: ctl.metrics.migrations.labels("committed", path).inc())
+    return req.epoch
+
+
+def abort_by_cell(ctl: Controller, migration_id: str, body: AbortMigrationRequest) -> dict:
+    """A party gives up before commit: 200 if it was pending (or already aborted), 409 if the
+    commit already won (the caller must then not resume)."""
+    with ctl.txn(durable=True) as fx:
+        mig = ctl.store.owners.get_migration(migration_id)
+        if mig is None:
+            raise NotFound(f"unknown migration {migration_id!r}")
+        if body.cell_id not in (mig.src, mig.dst):
+            raise Conflict(f"{body.cell_id} is not a party of {migration_id}", reason="not_party")
+        _check_party(ctl, body.cell_id, body.incarnation)
+        if mig.state == "committed":
+            raise Conflict("migration already committed", reason="committed")
+        if mig.state == "pending":
+            other = mig.dst if body.cell_id == mig.src else mig.src
+            abort_in_tx(ctl, fx, mig, body.reason or f"aborted by {body.cell_id}", tell=(other,))
+    return {"id": migration_id, "state": "aborted"}
+
+
+def expire(ctl: Controller) -> None:
+    """Abort pending migrations past their timeout (both parties are told)."""
+    now, limit = ctl.clock(), timeout_s(ctl)
+    late = [m for m in ctl.store.owners.pending_migrations()
+            if now - ctl.migration_started.setdefault(m.id, now) > limit]
+    if late:
+        with ctl.txn(durable=True) as fx:
+            for m in late:
+                abort_in_tx(ctl, fx, m, f"timed out after {limit:.0f}s", tell=(m.src, m.dst))

@@ -1,0 +1,315 @@
+"""The planner: every flip and placement decision, as pure functions of a `Snapshot`.
+
+    plan_flips(snapshot, policy)                     -> [FlipDecision]  autonomous policy
+    choose_cells_to_flip(snapshot, to, count)        -> [cell_id]       POST /v1/flips {"count": n}
+    choose_destination(snapshot, source, request)    -> Destination     one migration
+    choose_destinations(snapshot, moves)             -> [Destination]   a whole drain, one heap pass
+
+No I/O, no clocks, no randomness, no mutation of the inputs: the controller and the cluster
+simulator (bench/cluster_sim.py) call exactly these, so the simulator measures the policy
+that production runs.
+
+Flip policy (one line): make rollout production match training consumption, and let the
+finished backlog nudge the split.
+    p = trajectories accepted per rollout cell-second (measured, so staleness drops count)
+    q = trajectories trained per training cell-second (measured)
+    N = flexible cells (rollout side + training side), W = finished backlog, B = batch size
+    p * (N - T) + (W - W_target) / horizon = q * T   =>   T = (p N + (W - W_target)/horizon) / (p + q)
+The rates are measured, not configured, so the split follows a workload whose sessions get
+longer while the policy learns; the backlog term corrects for estimation error and for the
+start of a run, when nothing has finished yet. Guards: cells go to training only while the
+trainer can use them (running steps plus ready batches), at most a share of the fleet and
+a budget of moved sessions a tick, only as fast as free rollout slots can take the moved
+sessions, never below `min_rollout_cells`; only idle training cells come back; a deadband
+stops flapping.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+
+from scheduler.planner_types import (
+    ROLLOUT_SIDE,
+    TRAINING_SIDE,
+    CellId,
+    CellSummary,
+    Destination,
+    FlipDecision,
+    FlipTarget,
+    LinkCostModel,
+    PlannerPolicy,
+    RequestSummary,
+    Snapshot,
+)
+
+DEFAULT_POLICY = PlannerPolicy()
+DEFAULT_COST = LinkCostModel()
+
+
+# ---------------------------------------------------------------- flip policy
+
+def wanted_training_cells(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) -> float:
+    """How many cells should train right now (a float; `plan_flips` rounds with a deadband).
+
+    Not clamped by whether the trainer could use them this instant; see `plan_flips`.
+    """
+    n_roll = n_train = cap_sum = inflight = 0
+    for c in snapshot.cells:
+        if c.role in ROLLOUT_SIDE:
+            n_roll += 1
+            cap_sum += c.capacity
+            inflight += c.inflight
+        elif c.role in TRAINING_SIDE:
+            n_train += 1
+    return _balance(snapshot, policy, n_roll, n_train, cap_sum, inflight)
+
+
+def _balance(snapshot: Snapshot, policy: PlannerPolicy, n_roll: int, n_train: int,
+             cap_sum: int, inflight: int) -> float:
+    n_flex = n_roll + n_train
+    if n_flex == 0:
+        return 0.0
+    cap = cap_sum / n_roll if n_roll else 0.0
+    p = snapshot.finish_rate_per_slot_s * cap
+    q = snapshot.train_rate_per_cell_s
+    backlog = snapshot.finished_waiting - policy.backlog_target_batches * snapshot.batch_size
+    surplus = backlog / policy.backlog_horizon_s
+    if q <= 0.0:
+        # training speed not measured yet: give training what the ready batches can use
+        want = float(_useful_training_cells(snapshot))
+    else:
+        want = (p * n_flex + surplus) / (p + q)
+    if cap > 0:
+        # rollout cells beyond the demand decode nothing: they may as well train
+        needed = math.ceil((inflight + snapshot.queued_sessions) / cap)
+        want = max(want, float(n_flex - needed))
+    return min(max(want, 0.0), float(max(0, n_flex - snapshot.min_rollout_cells)))
+
+
+def _useful_training_cells(snapshot: Snapshot) -> int:
+    """Cells the trainer can keep busy: running steps plus ready batches, each up to its width."""
+    steps = snapshot.steps_in_progress or (1 if snapshot.training_in_progress else 0)
+    ready = snapshot.finished_waiting // max(1, snapshot.batch_size)
+    return (steps + ready) * snapshot.max_cells_per_step
+
+
+def plan_flips(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) -> list[FlipDecision]:
+    """Flips that move the split toward the balance (module docstring). Pure.
+
+    To training: only while the trainer could use the cells now (running steps plus ready
+    batches), never below `min_rollout_cells`, cheapest-to-move cells first. To rollout:
+    only idle training cells (a busy one would stall its step); they come back when the
+    split says training has more cells than it needs.
+    """
+    n_roll = n_rollout_role = n_train = n_idle = cap_sum = inflight = room = 0
+    for c in snapshot.cells:  # O(cells), ~0.2 us a cell: ~2 ms at 10,000 cells
+        role = c.role
+        if role == "rollout":
+            n_rollout_role += 1
+            cap_sum += c.capacity
+            inflight += c.inflight
+            room += c.capacity - c.inflight
+        elif role == "training":
+            n_train += 1
+            if not c.busy:
+                n_idle += 1
+        elif role in ROLLOUT_SIDE:
+            n_roll += 1
+            cap_sum += c.capacity
+            inflight += c.inflight
+        elif role in TRAINING_SIDE:
+            n_train += 1
+    n_roll += n_rollout_role
+    want = _balance(snapshot, policy, n_roll, n_train, cap_sum, inflight)
+    deadband = max(1.0, policy.deadband_fraction * want)
+    max_flips = max(1, int(policy.max_flip_fraction_per_tick * (n_roll + n_train)))
+    want_now = min(want, float(max(n_train, _useful_training_cells(snapshot))))
+    if want_now - n_train >= deadband:
+        spare = n_rollout_role - snapshot.min_rollout_cells
+        count = min(int(want_now - n_train), max_flips, spare)
+        chosen = _cheapest_rollout(snapshot, count)
+        chosen = _within_budget(snapshot.cells, chosen, room if policy.flip_into_room else math.inf,
+                                policy.max_moved_sessions_per_tick)
+        reason = f"balance: want {want:.1f} training cells, have {n_train}"
+        return [FlipDecision(snapshot.cells[i].cell_id, "training", reason) for i in chosen]
+    if n_train - want >= deadband and n_idle:
+        count = min(int(n_train - want), max_flips, n_idle)
+        reason = f"balance: want {want:.1f} training cells, have {n_train}"
+        return [FlipDecision(cid, "rollout", reason)
+                for cid in choose_cells_to_flip(snapshot, "rollout", count, idle_only=True)]
+    return []
+
+
+def choose_cells_to_flip(snapshot: Snapshot, to: FlipTarget, count: int,
+                         idle_only: bool = False) -> list[CellId]:
+    """Up to `count` cells to flip `to` a role, cheapest to move first. Pure.
+
+    To training: rollout cells, fewest seconds of in-flight work to move (KV bytes over the
+    slow link, or re-prefill for engines without KV export), keeping `min_rollout_cells`.
+    To rollout: idle training cells first, then busy ones unless `idle_only`.
+    """
+    if count <= 0:
+        return []
+    cells = snapshot.cells
+    if to == "training":
+        return [cells[i].cell_id for i in _cheapest_rollout(snapshot, count)]
+    if to == "rollout":
+        training = [(c.busy, i) for i, c in enumerate(cells) if c.role == "training"
+                    and not (idle_only and c.busy)]
+        return [cells[i].cell_id for _, i in heapq.nsmallest(count, training)]
+    raise ValueError(f"flip target must be 'training' or 'rollout', got {to!r}")
+
+
+def _cheapest_rollout(snapshot: Snapshot, count: int) -> list[int]:
+    """Indices of up to `count` rollout cells, cheapest to drain first, keeping the minimum."""
+    kv_s = DEFAULT_COST.kv_bytes_per_token / DEFAULT_COST.inter_node_bytes_per_s
+    prefill_s = 1.0 / DEFAULT_COST.prefill_tokens_per_s
+    keys = [(c.inflight_tokens * (kv_s if c.can_export_kv else prefill_s), c.inflight, i)
+            for i, c in enumerate(snapshot.cells) if c.role == "rollout"]
+    count = min(count, len(keys) - snapshot.min_rollout_cells)
+    if count <= 0:
+        return []
+    return [i for _, _, i in heapq.nsmallest(count, keys)]
+
+
+def _within_budget(cells: Sequence[CellSummary], chosen: list[int], room: float,
+                   max_moves: int) -> list[int]:
+    """The prefix of `chosen` whose sessions fit in the free `room` of the other rollout
+    cells and in `max_moves` (always at least one cell)."""
+    out: list[int] = []
+    moved = 0
+    for i in chosen:
+        c = cells[i]
+        room -= c.capacity - c.inflight  # a draining cell's own free slots are no destination
+        if out and (c.inflight > room or moved + c.inflight > max_moves):
+            break
+        room -= c.inflight
+        moved += c.inflight
+        out.append(i)
+    return out
+
+
+# ---------------------------------------------------------------- destinations
+
+def move_seconds(context_tokens: int, same_node: bool, path: str,
+                 cost: LinkCostModel = DEFAULT_COST) -> float:
+    """Estimated seconds to move a request by `path` ('kv' copy or 'reprefill')."""
+    if path == "kv":
+        bw = cost.intra_node_bytes_per_s if same_node else cost.inter_node_bytes_per_s
+        return context_tokens * cost.kv_bytes_per_token / bw
+    if path == "reprefill":
+        return context_tokens / cost.prefill_tokens_per_s
+    raise ValueError(f"path must be 'kv' or 'reprefill', got {path!r}")
+
+
+def choose_destination(snapshot: Snapshot, source_cell_id: CellId | None, request: RequestSummary,
+                       cost: LinkCostModel = DEFAULT_COST) -> Destination:
+    """Where one request goes: a rollout cell with room, same version first, then fewest in
+    flight, then same node; by KV copy when both ends can and it is cheaper than re-prefill.
+    `source_cell_id` None places a new or suspended request. Pure."""
+    return choose_destinations(snapshot, [(source_cell_id, request)], cost)[0]
+
+
+def choose_destinations(snapshot: Snapshot,
+                        moves: Sequence[tuple[CellId | None, RequestSummary]],
+                        cost: LinkCostModel = DEFAULT_COST) -> list[Destination]:
+    """Place many requests in one pass; earlier placements use up room for later ones.
+
+    Larger contexts are placed first (they gain most from a same-version KV copy). Source
+    cells are never destinations. Lazy heaps keyed by (inflight, index) per version and per
+    (version, node): O((cells + moves) log cells). Results are in the order of `moves`. Pure.
+    """
+    cells = snapshot.cells
+    index: dict[CellId, int] = {c.cell_id: i for i, c in enumerate(cells)}
+    sources = {index[s] for s, _ in moves if s is not None and s in index}
+    src_nodes = {cells[i].node for i in sources}
+    n = len(cells)
+    inflight = [0] * n
+    kv_free = [0] * n
+    cap = [0] * n
+    by_v: dict[int, list[tuple[int, int]]] = {}
+    by_vn: dict[tuple[int, str], list[tuple[int, int]]] = {}  # only the sources' nodes
+    for i, c in enumerate(cells):
+        if c.role != "rollout" or i in sources or c.inflight >= c.capacity or c.kv_blocks_free <= 0:
+            continue
+        inflight[i], kv_free[i], cap[i] = c.inflight, c.kv_blocks_free, c.capacity
+        entry = (c.inflight, i)
+        by_v.setdefault(c.version, []).append(entry)
+        if c.node in src_nodes:
+            by_vn.setdefault((c.version, c.node), []).append(entry)
+    # one version (the usual case): the any-version heap is that version's heap
+    any_v = next(iter(by_v.values())) if len(by_v) == 1 else [e for h in by_v.values() for e in h]
+    for h in (*by_v.values(), *by_vn.values()):
+        heapq.heapify(h)
+    if len(by_v) != 1:
+        heapq.heapify(any_v)
+    heappush, heappop = heapq.heappush, heapq.heappop
+    stash: list[tuple[list[tuple[int, int]], tuple[int, int]]] = []
+
+    def top(heap: list[tuple[int, int]], need: int) -> tuple[int, int] | None:
+        """Least-loaded cell of `heap` with room for `need` blocks; drops stale entries and
+        sets aside (in `stash`) cells too full for this request but not for smaller ones."""
+        while heap:
+            f, i = heap[0]
+            if f != inflight[i] or f >= cap[i] or kv_free[i] <= 0:
+                heappop(heap)  # stale: a fresher entry was pushed, or the cell is full
+            elif kv_free[i] < need:
+                stash.append((heap, heappop(heap)))
+            else:
+                return heap[0]
+        return None
+
+    out: list[Destination | None] = [None] * len(moves)
+    block, headroom = cost.block_size, cost.headroom_blocks
+    for k in sorted(range(len(moves)), key=lambda k: -moves[k][1].context_tokens):
+        src_id, req = moves[k]
+        si = index.get(src_id) if src_id is not None else None
+        src = cells[si] if si is not None else None
+        need = -(-req.context_tokens // block) + headroom
+        heap = by_v.get(req.version)
+        pick = top(heap, need) if heap else None
+        if pick is not None and src is not None:
+            near_heap = by_vn.get((req.version, src.node))
+            near = top(near_heap, need) if near_heap else None
+            if near is not None and near[0] <= pick[0]:
+                pick = near
+        if pick is None:
+            pick = top(any_v, need)
+        if stash:
+            for h, entry in stash:
+                heappush(h, entry)
+            stash.clear()
+        if pick is None:
+            out[k] = Destination(None, "suspend")
+            continue
+        d = pick[1]
+        dst = cells[d]
+        out[k] = _path(src, dst, req, cost)
+        inflight[d] += 1
+        kv_free[d] -= need
+        if inflight[d] < cap[d] and kv_free[d] > 0:
+            entry = (inflight[d], d)
+            h = by_v[dst.version]
+            heappush(h, entry)
+            if h is not any_v:
+                heappush(any_v, entry)
+            h = by_vn.get((dst.version, dst.node))
+            if h is not None:
+                heappush(h, entry)
+    return out  # type: ignore[return-value]
+
+
+def _path(src: CellSummary | None, dst: CellSummary, req: RequestSummary,
+          cost: LinkCostModel) -> Destination:
+    """KV copy when both engines can and the versions match, unless re-prefill is cheaper."""
+    tokens = req.context_tokens
+    prefill = tokens / cost.prefill_tokens_per_s
+    if (src is not None and src.can_export_kv and dst.can_export_kv
+            and req.version == dst.version):
+        bw = cost.intra_node_bytes_per_s if src.node == dst.node else cost.inter_node_bytes_per_s
+        kv = tokens * cost.kv_bytes_per_token / bw
+        if kv <= prefill:
+            return Destination(dst.cell_id, "kv", kv)
+    return Destination(dst.cell_id, "reprefill", prefill)

@@ -1,0 +1,44 @@
+"""Base of the cell protocol's messages: JSON-able dataclasses validated by pydantic."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict
+from functools import cache
+from typing import Any, ClassVar
+
+from pydantic import TypeAdapter, ValidationError
+
+TokenRecord = tuple[int, float, int, bool]
+"""(token_id, behavior logprob, behavior version, truncated)."""
+
+MAX_WAIT_S = 1.0
+"""Longest a sync is held open when there is nothing to send."""
+
+
+class ProtocolError(ValueError):
+    """A message that does not decode; the API answers 422."""
+
+
+@cache
+def _adapter(cls: type) -> TypeAdapter:
+    return TypeAdapter(cls)
+
+
+class Message:
+    """Mixin: `to_dict` gives JSON-able dicts; `from_dict` validates (extra keys ignored)."""
+
+    TYPE: ClassVar[str] = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)  # type: ignore[call-overload]
+        if self.TYPE:
+            d["type"] = self.TYPE
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]):
+        try:
+            return _adapter(cls).validate_python(dict(d))
+        except ValidationError as e:
+            raise ProtocolError(f"bad {cls.__name__}: {e.errors(include_url=False)}") from None

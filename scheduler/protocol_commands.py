@@ -1,0 +1,159 @@
+"""Commands (scheduler → cell) and events (cell → scheduler) of the cell protocol.
+
+Every command carries a `cmd_id` (growing across scheduler restarts) and is delivered once, in
+order, in a SyncResponse; every event rides in a SyncRequest. `COMMANDS` and `EVENTS` are the
+type → class tables; see `scheduler.protocol` for the rules around them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from scheduler.protocol_base import Message
+
+# ---------------------------------------------------------------- commands (scheduler → cell)
+
+
+@dataclass
+class Command(Message):
+    cmd_id: int
+
+
+@dataclass
+class StartCmd(Command):
+    """Start a request, or resume one by re-prefill: continue at generated index num_generated.
+
+    token_ids = prompt + tokens generated so far; prompt_len = len(prompt); params is a
+    SamplingParams dict (max_tokens counts every generated token, including the first
+    num_generated)."""
+
+    TYPE: ClassVar[str] = "start"
+    request_id: str
+    epoch: int
+    session_id: str
+    token_ids: list[int]
+    prompt_len: int
+    num_generated: int
+    params: dict[str, Any]
+
+
+@dataclass
+class MigrateOutCmd(Command):
+    """To the source: copy the request's KV to dest_cell while decoding, stop-and-copy, hand over."""
+
+    TYPE: ClassVar[str] = "migrate_out"
+    request_id: str
+    epoch: int
+    migration_id: str
+    dest_cell: str
+    dest_address: str
+    dest_store_port: int
+
+
+@dataclass
+class MigrateInCmd(Command):
+    """To the destination: reserve reserve_tokens of KV, import, then commit before resuming."""
+
+    TYPE: ClassVar[str] = "migrate_in"
+    request_id: str
+    migration_id: str
+    src_cell: str
+    src_address: str
+    src_store_port: int
+    reserve_tokens: int
+    epoch: int = 0
+    """Epoch the source owns the request at (the value to send in CommitRequest.epoch)."""
+
+
+@dataclass
+class AbortCmd(Command):
+    """Drop the request and free its blocks (it is owned elsewhere, finished, or dropped)."""
+
+    TYPE: ClassVar[str] = "abort"
+    request_id: str
+
+
+@dataclass
+class SuspendCmd(Command):
+    """Stop the request and free its blocks; the scheduler resumes it later by re-prefill."""
+
+    TYPE: ClassVar[str] = "suspend"
+    request_id: str
+
+
+@dataclass
+class SetRoleCmd(Command):
+    """Become `role` ("training" or "rollout", the latter after loading the current version);
+    idempotent; completion is reported through Summary.role."""
+
+    TYPE: ClassVar[str] = "set_role"
+    role: str
+    flip_id: str
+    version: int | None = None
+    """For role "rollout": the weight version to load (None: keep the held one)."""
+
+
+@dataclass
+class CancelMigrationCmd(Command):
+    """The migration was aborted: the source resumes decoding (it is still the owner), the
+    destination frees its reservation and must not commit."""
+
+    TYPE: ClassVar[str] = "cancel_migration"
+    request_id: str
+    migration_id: str
+
+
+COMMANDS: dict[str, type[Command]] = {
+    c.TYPE: c for c in (StartCmd, MigrateOutCmd, MigrateInCmd, AbortCmd, SuspendCmd, SetRoleCmd, CancelMigrationCmd)
+}
+
+
+# ---------------------------------------------------------------- events (cell → scheduler)
+
+
+@dataclass
+class MigrationEvent(Message):
+    """Data-plane report of one migration, sent once by the destination (by the source when the
+    destination never got it). Feeds bytes and downtime; outcomes are counted at the CAS."""
+
+    TYPE: ClassVar[str] = "migration"
+    migration_id: str
+    outcome: str
+    path: str = "kv"
+    bytes: int = 0
+    downtime_s: float | None = None
+
+
+@dataclass
+class ScoredEvent(Message):
+    """Old log-probs for session tokens [start, start + len(old_logprobs)) (sampled ones only)."""
+
+    TYPE: ClassVar[str] = "scored"
+    session_id: str
+    start: int
+    old_logprobs: list[float | None]
+    provenance: str = "exact"
+    """"exact" or "missing" (exact scoring became impossible)."""
+
+
+@dataclass
+class BroadcastEvent(Message):
+    """A weight version arrived (or failed to) on this cell."""
+
+    TYPE: ClassVar[str] = "broadcast"
+    version: int
+    seconds: float
+    ok: bool = True
+
+
+@dataclass
+class RoleFailedEvent(Message):
+    """set_role could not complete (e.g. the weights did not load): the flip rolls back."""
+
+    TYPE: ClassVar[str] = "role_failed"
+    flip_id: str
+    reason: str = ""
+
+
+EVENTS: dict[str, type[Message]] = {e.TYPE: e for e in (MigrationEvent, ScoredEvent, BroadcastEvent, RoleFailedEvent)}

@@ -1,0 +1,162 @@
+"""Store tables of the fleet: cells, flips, weight versions and idempotency keys.
+
+Rows are plain dataclasses; `put_*` writes a whole row (callers mutate a row they read in the
+same transaction, through `states.set_state` for the state column).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from scheduler.store import dumps, loads
+
+if TYPE_CHECKING:
+    from scheduler.store import Store
+
+ACTIVE_FLIP_STATES = ("pending", "draining", "loading")
+
+
+@dataclass(slots=True)
+class CellRow:
+    id: str
+    incarnation: str
+    state: str
+    generation: int
+    version: int | None
+    address: str
+    store_port: int
+    capabilities: dict[str, Any]
+    kv_blocks_total: int
+    kv_blocks_used: int
+    max_running: int
+    history: list = field(default_factory=list)
+
+    def to_api(self) -> dict[str, Any]:
+        from scheduler.states import role_of
+
+        return {
+            "id": self.id, "incarnation": self.incarnation, "state": self.state,
+            "role": role_of(self.state), "generation": self.generation, "version": self.version,
+            "address": self.address, "store_port": self.store_port,
+            "capabilities": self.capabilities, "kv_blocks_used": self.kv_blocks_used,
+            "kv_blocks_total": self.kv_blocks_total, "max_running": self.max_running,
+        }
+
+
+@dataclass(slots=True)
+class FlipRow:
+    id: str
+    cell_id: str
+    to_role: str
+    state: str
+    idem_key: str | None = None
+    reason: str | None = None
+    migrated: int = 0
+    suspended: int = 0
+    recomputed: int = 0
+    created_at: float = 0.0
+    finished_at: float | None = None
+    history: list = field(default_factory=list)
+
+    def to_api(self, now: float | None = None) -> dict[str, Any]:
+        end = self.finished_at if self.finished_at is not None else (now or time.time())
+        return {
+            "id": self.id, "cell": self.cell_id, "to": self.to_role, "state": self.state,
+            "migrated": self.migrated, "suspended": self.suspended, "recomputed": self.recomputed,
+            "duration_s": max(0.0, end - self.created_at), "reason": self.reason,
+            "history": [list(h) for h in self.history],
+        }
+
+
+@dataclass(slots=True)
+class VersionRow:
+    v: int
+    state: str
+    created_at: float
+    history: list = field(default_factory=list)
+
+
+_CELL_COLS = "id, incarnation, state, generation, version, address, store_port, capabilities, kv_blocks_total, kv_blocks_used, max_running, history"
+_FLIP_COLS = "id, cell_id, to_role, state, idem_key, reason, migrated, suspended, recomputed, created_at, finished_at, history"
+
+
+def _cell(r: tuple) -> CellRow:
+    return CellRow(*r[:7], loads(r[7]), *r[8:11], loads(r[11]))
+
+
+def _flip(r: tuple) -> FlipRow:
+    return FlipRow(*r[:11], loads(r[11]))
+
+
+class FleetStore:
+    def __init__(self, store: Store) -> None:
+        self.s = store
+
+    # -- cells
+    def get_cell(self, cell_id: str) -> CellRow | None:
+        r = self.s.execute(f"SELECT {_CELL_COLS} FROM cells WHERE id=?", (cell_id,)).fetchone()
+        return None if r is None else _cell(r)
+
+    def list_cells(self) -> list[CellRow]:
+        return [_cell(r) for r in self.s.execute(f"SELECT {_CELL_COLS} FROM cells ORDER BY id")]
+
+    def put_cell(self, c: CellRow) -> None:
+        self.s.execute(
+            f"INSERT OR REPLACE INTO cells({_CELL_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            (c.id, c.incarnation, c.state, c.generation, c.version, c.address, c.store_port,
+             dumps(c.capabilities), c.kv_blocks_total, c.kv_blocks_used, c.max_running, dumps(c.history[-50:])),
+        )
+
+    # -- flips
+    def get_flip(self, flip_id: str) -> FlipRow | None:
+        r = self.s.execute(f"SELECT {_FLIP_COLS} FROM flips WHERE id=?", (flip_id,)).fetchone()
+        return None if r is None else _flip(r)
+
+    def list_flips(self, active_only: bool = False, limit: int = 100) -> list[FlipRow]:
+        if active_only:
+            q = f"SELECT {_FLIP_COLS} FROM flips WHERE state IN (?,?,?) ORDER BY created_at, id"
+            return [_flip(r) for r in self.s.execute(q, ACTIVE_FLIP_STATES)]
+        q = f"SELECT {_FLIP_COLS} FROM flips ORDER BY created_at DESC, id LIMIT ?"
+        return [_flip(r) for r in self.s.execute(q, (limit,))]
+
+    def active_flip_for(self, cell_id: str) -> FlipRow | None:
+        q = f"SELECT {_FLIP_COLS} FROM flips WHERE cell_id=? AND state IN (?,?,?)"
+        r = self.s.execute(q, (cell_id, *ACTIVE_FLIP_STATES)).fetchone()
+        return None if r is None else _flip(r)
+
+    def put_flip(self, f: FlipRow) -> None:
+        self.s.execute(
+            f"INSERT OR REPLACE INTO flips({_FLIP_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            (f.id, f.cell_id, f.to_role, f.state, f.idem_key, f.reason, f.migrated, f.suspended,
+             f.recomputed, f.created_at, f.finished_at, dumps(f.history)),
+        )
+
+    # -- versions
+    def get_version(self, v: int) -> VersionRow | None:
+        r = self.s.execute("SELECT v, state, created_at, history FROM versions WHERE v=?", (v,)).fetchone()
+        return None if r is None else VersionRow(r[0], r[1], r[2], loads(r[3]))
+
+    def list_versions(self) -> list[VersionRow]:
+        rows = self.s.execute("SELECT v, state, created_at, history FROM versions ORDER BY v")
+        return [VersionRow(r[0], r[1], r[2], loads(r[3])) for r in rows]
+
+    def put_version(self, row: VersionRow) -> None:
+        self.s.execute(
+            "INSERT OR REPLACE INTO versions(v, state, created_at, history) VALUES (?,?,?,?)",
+            (row.v, row.state, row.created_at, dumps(row.history)),
+        )
+
+    # -- idempotency keys
+    def get_idempotent(self, scope: str, key: str) -> tuple[str, Any] | None:
+        """(fingerprint of the first request, its response) for a key seen before."""
+        q = "SELECT fingerprint, response FROM idempotency WHERE scope=? AND key=?"
+        r = self.s.execute(q, (scope, key)).fetchone()
+        return None if r is None else (r[0], loads(r[1]))
+
+    def put_idempotent(self, scope: str, key: str, fingerprint: str, response: Any) -> None:
+        self.s.execute(
+            "INSERT INTO idempotency(scope, key, fingerprint, response, created_at) VALUES (?,?,?,?,?)",
+            (scope, key, fingerprint, dumps(response), time.time()),
+        )

@@ -1,0 +1,144 @@
+"""Store tables of ownership: requests (owner cell + epoch) and migrations.
+
+A request's generated token i lives at index `base + i` of its session's token buffer; its
+context (what a `start` command re-prefills) is the buffer from `prompt_start` up to
+`base + num_generated`. Ownership changes only through this module's rows, inside
+`Store.tx(durable=True)`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from scheduler.store import dumps, loads
+
+if TYPE_CHECKING:
+    from scheduler.store import Store
+
+LIVE_REQUEST_STATES = ("running", "migrating")
+WAITING_REQUEST_STATES = ("queued", "suspended")
+
+
+@dataclass(slots=True)
+class RequestRow:
+    id: str
+    session_id: str
+    base: int
+    prompt_start: int
+    num_generated: int
+    params: dict[str, Any]
+    cell_id: str | None
+    epoch: int
+    state: str
+    reason: str | None = None
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+
+    @property
+    def is_live(self) -> bool:
+        return self.state in LIVE_REQUEST_STATES
+
+    @property
+    def num_tokens(self) -> int:
+        """Context length: prompt plus generated so far."""
+        return self.base - self.prompt_start + self.num_generated
+
+
+@dataclass(slots=True)
+class MigrationRow:
+    id: str
+    request_id: str
+    src: str
+    dst: str
+    epoch: int
+    state: str
+    path: str
+    flip_id: str | None = None
+    reason: str | None = None
+    created_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+    history: list = field(default_factory=list)
+
+
+_REQ_COLS = "id, session_id, base, prompt_start, num_generated, params, cell_id, epoch, state, reason, created_at, updated_at"
+_MIG_COLS = "id, request_id, src, dst, epoch, state, path, flip_id, reason, created_at, finished_at, history"
+
+
+def _req(r: tuple) -> RequestRow:
+    return RequestRow(*r[:5], loads(r[5]), *r[6:])
+
+
+def _mig(r: tuple) -> MigrationRow:
+    return MigrationRow(*r[:11], loads(r[11]))
+
+
+class OwnerStore:
+    def __init__(self, store: Store) -> None:
+        self.s = store
+
+    # -- requests
+    def get_request(self, request_id: str) -> RequestRow | None:
+        r = self.s.execute(f"SELECT {_REQ_COLS} FROM requests WHERE id=?", (request_id,)).fetchone()
+        return None if r is None else _req(r)
+
+    def put_request(self, q: RequestRow) -> None:
+        q.updated_at = time.time()
+        self.s.execute(
+            f"INSERT OR REPLACE INTO requests({_REQ_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            (q.id, q.session_id, q.base, q.prompt_start, q.num_generated, dumps(q.params), q.cell_id,
+             q.epoch, q.state, q.reason, q.created_at, q.updated_at),
+        )
+
+    def set_num_generated(self, request_id: str, n: int) -> None:
+        self.s.execute("UPDATE requests SET num_generated=?, updated_at=? WHERE id=?", (n, time.time(), request_id))
+
+    def requests_on(self, cell_id: str, states: tuple[str, ...] = LIVE_REQUEST_STATES) -> list[RequestRow]:
+        marks = ",".join("?" * len(states))
+        q = f"SELECT {_REQ_COLS} FROM requests WHERE cell_id=? AND state IN ({marks}) ORDER BY created_at, id"
+        return [_req(r) for r in self.s.execute(q, (cell_id, *states))]
+
+    def requests_in(self, states: tuple[str, ...], limit: int = 1000) -> list[RequestRow]:
+        marks = ",".join("?" * len(states))
+        q = f"SELECT {_REQ_COLS} FROM requests WHERE state IN ({marks}) ORDER BY created_at, id LIMIT ?"
+        return [_req(r) for r in self.s.execute(q, (*states, limit))]
+
+    def live_counts(self) -> dict[str, int]:
+        """Live (running or migrating) requests per owner cell."""
+        q = "SELECT cell_id, COUNT(*) FROM requests WHERE state IN (?,?) AND cell_id IS NOT NULL GROUP BY cell_id"
+        return dict(self.s.execute(q, LIVE_REQUEST_STATES).fetchall())
+
+    def active_request_for_session(self, session_id: str) -> RequestRow | None:
+        q = f"SELECT {_REQ_COLS} FROM requests WHERE session_id=? AND state NOT IN ('finished','failed') LIMIT 1"
+        r = self.s.execute(q, (session_id,)).fetchone()
+        return None if r is None else _req(r)
+
+    def count_requests(self) -> dict[str, int]:
+        return dict(self.s.execute("SELECT state, COUNT(*) FROM requests GROUP BY state").fetchall())
+
+    # -- migrations
+    def get_migration(self, migration_id: str) -> MigrationRow | None:
+        r = self.s.execute(f"SELECT {_MIG_COLS} FROM migrations WHERE id=?", (migration_id,)).fetchone()
+        return None if r is None else _mig(r)
+
+    def put_migration(self, m: MigrationRow) -> None:
+        self.s.execute(
+            f"INSERT OR REPLACE INTO migrations({_MIG_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            (m.id, m.request_id, m.src, m.dst, m.epoch, m.state, m.path, m.flip_id, m.reason,
+             m.created_at, m.finished_at, dumps(m.history)),
+        )
+
+    def pending_migrations(self) -> list[MigrationRow]:
+        q = f"SELECT {_MIG_COLS} FROM migrations WHERE state='pending' ORDER BY created_at, id"
+        return [_mig(r) for r in self.s.execute(q)]
+
+    def pending_migration_for(self, request_id: str) -> MigrationRow | None:
+        q = f"SELECT {_MIG_COLS} FROM migrations WHERE state='pending' AND request_id=?"
+        r = self.s.execute(q, (request_id,)).fetchone()
+        return None if r is None else _mig(r)
+
+    def incoming_pending(self) -> dict[str, int]:
+        """Pending migrations per destination cell (their reservations count as load)."""
+        q = "SELECT dst, COUNT(*) FROM migrations WHERE state='pending' GROUP BY dst"
+        return dict(self.s.execute(q).fetchall())

@@ -1,0 +1,183 @@
+"""Session store: each session's token buffer, the source of truth for training data.
+
+Per token: token id, loss mask (1 = sampled by the policy, 0 = prompt / tool output), behavior
+log-prob and version, old log-prob and its provenance (`exact`, `missing`, or null while
+unscored). Sampled ids are stored exactly as the cell reported them; nothing here re-encodes.
+A harness that rewrites earlier turns starts a new *segment* (a fresh sequence in the same
+session); `segment_starts` lists where each one begins in the buffer.
+
+Gateway-facing API (no HTTP): `ensure`, `append_prompt`, `new_segment`, `current_segment`,
+`read`. Sampled tokens arrive only through the controller (`append_sampled`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from scheduler.errors import Conflict, NotFound
+from scheduler.store import dumps, loads
+
+if TYPE_CHECKING:
+    from scheduler.protocol import TokenRecord
+    from scheduler.store import Store
+
+_TOK_COLS = "token_id, loss_mask, logprob, version, truncated, old_logprob, provenance"
+
+
+@dataclass(slots=True)
+class SessionRow:
+    id: str
+    state: str = "open"
+    length: int = 0
+    segment_starts: list[int] = field(default_factory=lambda: [0])
+    reward: float | None = None
+    group_id: str | None = None
+    finish_seq: int | None = None
+    created_at: float = field(default_factory=time.time)
+    finished_at: float | None = None
+
+
+class SessionStore:
+    def __init__(self, store: Store) -> None:
+        self.s = store
+
+    def get(self, session_id: str) -> SessionRow | None:
+        q = "SELECT id, state, length, segment_starts, reward, group_id, finish_seq, created_at, finished_at FROM sessions WHERE id=?"
+        r = self.s.execute(q, (session_id,)).fetchone()
+        return None if r is None else SessionRow(r[0], r[1], r[2], loads(r[3]), *r[4:])
+
+    def require(self, session_id: str) -> SessionRow:
+        row = self.get(session_id)
+        if row is None:
+            raise NotFound(f"unknown session {session_id!r}")
+        return row
+
+    def put(self, row: SessionRow) -> None:
+        self.s.execute(
+            "INSERT OR REPLACE INTO sessions(id, state, length, segment_starts, reward, group_id, finish_seq, created_at, finished_at)"
+            " VALUES (?,?,?,?,?,?,?,?,?)",
+            (row.id, row.state, row.length, dumps(row.segment_starts), row.reward, row.group_id,
+             row.finish_seq, row.created_at, row.finished_at),
+        )
+
+    def ensure(self, session_id: str) -> SessionRow:
+        """The open session `session_id`, created empty if new; 409 if it is finished."""
+        row = self.get(session_id)
+        if row is None:
+            row = SessionRow(session_id)
+            with self.s.tx(durable=False):
+                self.put(row)
+        if row.state != "open":
+            raise Conflict(f"session {session_id!r} is finished", reason="session_finished")
+        return row
+
+    # -- token buffer
+    def read(self, session_id: str, start: int = 0, end: int | None = None) -> list[tuple]:
+        """Token rows `(token_id, loss_mask, logprob, version, truncated, old_logprob, provenance)`."""
+        stop = end if end is not None else 1 << 62
+        q = f"SELECT {_TOK_COLS} FROM tokens WHERE session_id=? AND idx>=? AND idx<? ORDER BY idx"
+        return self.s.execute(q, (session_id, start, stop)).fetchall()
+
+    def token_ids(self, session_id: str, start: int = 0, end: int | None = None) -> list[int]:
+        return [r[0] for r in self.read(session_id, start, end)]
+
+    def current_segment(self, session_id: str) -> tuple[int, list[int]]:
+        row = self.require(session_id)
+        start = row.segment_starts[-1]
+        return start, self.token_ids(session_id, start)
+
+    def _append_rows(self, row: SessionRow, rows: list[tuple]) -> None:
+        self.s.conn.executemany(
+            f"INSERT INTO tokens(session_id, idx, {_TOK_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
+            [(row.id, row.length + i, *r) for i, r in enumerate(rows)],
+        )
+        row.length += len(rows)
+        self.s.execute("UPDATE sessions SET length=? WHERE id=?", (row.length, row.id))
+
+    def append_prompt(self, session_id: str, token_ids: list[int]) -> int:
+        """Append prompt/tool tokens (loss mask 0) to the open session; returns the new length."""
+        with self.s.tx(durable=False):
+            row = self.ensure(session_id)
+            self._append_rows(row, [(int(t), 0, None, None, 0, None, None) for t in token_ids])
+        return row.length
+
+    def new_segment(self, session_id: str) -> int:
+        """Start a new segment at the current end (no-op when the current one is empty)."""
+        with self.s.tx(durable=False):
+            row = self.ensure(session_id)
+            if row.segment_starts[-1] != row.length:
+                row.segment_starts.append(row.length)
+                self.put(row)
+        return row.length
+
+    def append_sampled(self, session_id: str, at: int, records: list[TokenRecord]) -> None:
+        """Append sampled tokens (loss mask 1) at buffer index `at` == the current length."""
+        row = self.require(session_id)
+        assert at == row.length, f"sampled tokens at {at} but session {session_id} has {row.length}"
+        self._append_rows(row, [(int(t), 1, float(lp), int(v), int(bool(tr)), None, None) for t, lp, v, tr in records])
+
+    def fill_old_logprobs(self, session_id: str, start: int, values: list[float | None], provenance: str) -> int:
+        """Set old log-probs of sampled tokens [start, start+len); returns rows changed."""
+        rows = [(v, provenance if v is not None or provenance == "missing" else None, session_id, start + i)
+                for i, v in enumerate(values)]
+        cur = self.s.conn.executemany(
+            "UPDATE tokens SET old_logprob=?, provenance=? WHERE session_id=? AND idx=? AND loss_mask=1", rows)
+        return cur.rowcount
+
+    # -- trajectories
+    def finish(self, session_id: str, reward: float, group_id: str | None) -> SessionRow:
+        with self.s.tx(durable=True):
+            row = self.require(session_id)
+            if row.state == "finished":
+                if (row.reward, row.group_id) == (reward, group_id):
+                    return row  # an idempotent replay of the same finish
+                raise Conflict(f"session {session_id!r} already finished", reason="session_finished")
+            (top,) = self.s.execute("SELECT COALESCE(MAX(finish_seq), 0) FROM sessions").fetchone()
+            row.state, row.reward, row.group_id = "finished", reward, group_id
+            row.finish_seq, row.finished_at = top + 1, time.time()
+            self.put(row)
+        return row
+
+    def to_api(self, session_id: str) -> dict[str, Any]:
+        row = self.require(session_id)
+        rows = self.read(session_id)
+        return {
+            "id": row.id, "state": row.state, "reward": row.reward, "group_id": row.group_id,
+            "segment_starts": row.segment_starts,
+            "token_ids": [r[0] for r in rows], "loss_mask": [r[1] for r in rows],
+            "logprobs": [r[2] for r in rows], "versions": [r[3] for r in rows],
+            "old_logprobs": [r[5] for r in rows], "provenance": [r[6] for r in rows],
+        }
+
+    def trajectories(self, cursor: int, limit: int) -> tuple[list[dict[str, Any]], int]:
+        """Finished sessions with finish_seq > cursor, oldest first; returns (items, next cursor)."""
+        q = "SELECT id, finish_seq FROM sessions WHERE finish_seq > ? ORDER BY finish_seq LIMIT ?"
+        rows = self.s.execute(q, (cursor, limit)).fetchall()
+        items = [self.to_api(sid) for sid, _ in rows]
+        return items, (rows[-1][1] if rows else cursor)
+
+    def finished_after(self, cursor: int) -> int:
+        """Finished sessions past `cursor` (trajectories not yet fetched)."""
+        return self.s.execute("SELECT COUNT(*) FROM sessions WHERE finish_seq > ?", (cursor,)).fetchone()[0]
+
+    # -- old log-prob accounting per version
+    def version_counts(self) -> dict[int, dict[str, int]]:
+        """Per behavior version: sampled tokens, exact, missing and unscored counts."""
+        q = "SELECT version, provenance, COUNT(*) FROM tokens WHERE loss_mask=1 GROUP BY version, provenance"
+        out: dict[int, dict[str, int]] = {}
+        for v, prov, n in self.s.execute(q):
+            d = out.setdefault(v, {"generated": 0, "exact": 0, "missing": 0, "unscored": 0})
+            d["generated"] += n
+            d[prov if prov in ("exact", "missing") else "unscored"] += n
+        return out
+
+    def unscored_by_version(self) -> dict[int, int]:
+        """Sampled tokens still without an old log-prob, per version (a small partial index)."""
+        q = "SELECT version, COUNT(*) FROM tokens WHERE loss_mask=1 AND provenance IS NULL GROUP BY version"
+        return dict(self.s.execute(q).fetchall())
+
+    def unscored(self, version: int) -> int:
+        q = "SELECT COUNT(*) FROM tokens WHERE loss_mask=1 AND version=? AND provenance IS NULL"
+        return self.s.execute(q, (version,)).fetchone()[0]

@@ -1,0 +1,175 @@
+"""Flip lifecycle: rollout -> draining -> training -> loading -> rollout, with fake cells."""
+
+from __future__ import annotations
+
+import pytest
+from sched_fakes import FakeCell, hand_over, keep_alive, open_harness, pump, until_held
+
+
+@pytest.fixture
+def harness(tmp_path):
+    yield from open_harness(tmp_path)
+
+
+def _fleet(harness, n: int = 3, **kw) -> list[FakeCell]:
+    cells = [FakeCell(harness.client, f"c{i}", **kw) for i in range(n)]
+    for c in cells:
+        c.register()
+        c.sync()
+    return cells
+
+
+def _flip(harness, **body):
+    return harness.client.post("/v1/flips", json=body)
+
+
+def _state(harness, flip_id: str) -> dict:
+    return harness.client.get(f"/v1/flips/{flip_id}").json()
+
+
+def test_flip_to_training_and_back_with_live_migration(harness):
+    c0, c1, c2 = _fleet(harness)
+    futs = [harness.complete({"prompt_ids": [i, i + 1], "max_tokens": 10}, session=f"s{i}") for i in range(3)]
+    pump([c0, c1, c2], rounds=3)
+    held = sum(len(c.held) for c in (c0, c1, c2))
+    assert held == 3
+    gen = harness.client.get("/v1/cells/c0").json()["generation"]
+    r = _flip(harness, cell="c0", to="training", expected_generation=gen)
+    assert r.status_code == 202 and r.json()["state"] == "pending"
+    fid = r.json()["id"]
+    harness.tick()
+    assert harness.client.get("/v1/cells/c0").json()["state"] == "draining"
+    for c in (c0, c1, c2):
+        c.sync()
+    for mid in list(c0.migrations_out):
+        dst = next(c for c in (c1, c2) if any(x.get("migration_id") == mid for x in c.commands))
+        hand_over(c0, dst, mid)
+    assert not c0.held
+    harness.tick()
+    c0.sync()
+    assert c0.role == "training"  # got set_role
+    harness.tick()  # c0's previous summary still said rollout
+    c0.sync()
+    harness.tick()
+    f = _state(harness, fid)
+    assert f["state"] == "done" and f["migrated"] >= 1 and f["suspended"] == 0 and f["duration_s"] >= 0
+    assert harness.client.get("/v1/cells/c0").json()["state"] == "training"
+    pump([c0, c1, c2], rounds=200, harness=harness, until=futs[-1])
+    for fut in futs:
+        assert len(fut.result().json()["token_ids"]) == 10
+
+    r = _flip(harness, cell="c0", to="rollout")
+    assert r.status_code == 202
+    harness.tick()
+    assert harness.client.get("/v1/cells/c0").json()["state"] == "loading"
+    c0.sync()
+    assert c0.role == "rollout"
+    c0.sync()
+    harness.tick()
+    assert _state(harness, r.json()["id"])["state"] == "done"
+    assert harness.client.get("/v1/cells/c0").json()["state"] == "rollout"
+    text = harness.client.get("/metrics").text
+    assert 'cellflip_flips_total{outcome="done"} 2.0' in text and "cellflip_flip_duration_seconds_count 2.0" in text
+
+
+def test_flip_guards_and_idempotency(harness):
+    c0, c1 = _fleet(harness, 2)
+    assert _flip(harness, cell="nope", to="training").status_code == 404
+    stale = _flip(harness, cell="c0", to="training", expected_generation=0)
+    assert stale.status_code == 409 and stale.json()["reason"] == "stale_generation"
+    bad = _flip(harness, cell="c0", to="rollout")
+    assert bad.status_code == 409 and bad.json()["reason"] == "illegal_transition"
+    key = {"Idempotency-Key": "k1"}
+    first = harness.client.post("/v1/flips", json={"cell": "c0", "to": "training"}, headers=key)
+    again = harness.client.post("/v1/flips", json={"cell": "c0", "to": "training"}, headers=key)
+    assert first.status_code == again.status_code == 202 and first.json() == again.json()
+    other = harness.client.post("/v1/flips", json={"cell": "c1", "to": "training"}, headers=key)
+    assert other.status_code == 409 and other.json()["reason"] == "idempotency_key_reused"
+    busy = _flip(harness, cell="c0", to="training")
+    assert busy.status_code == 409 and busy.json()["reason"] == "flip_in_progress"
+    floor = _flip(harness, cell="c1", to="training")
+    assert floor.status_code == 409 and floor.json()["reason"] == "min_rollout_cells"
+    many = _flip(harness, count=2, to="training")
+    assert many.status_code == 409
+    assert len(harness.client.get("/v1/flips").json()["flips"]) == 1
+    assert harness.client.get("/v1/flips/nope").status_code == 404
+
+
+def test_count_flip_drains_idle_cell_quickly(harness):
+    cells = _fleet(harness, 3)
+    r = _flip(harness, count=2, to="training")
+    assert r.status_code == 202 and len(r.json()["flips"]) == 2
+    for _ in range(3):
+        harness.tick()
+        for c in cells:
+            c.sync()
+    states = sorted(harness.client.get(f"/v1/cells/{c.cell_id}").json()["state"] for c in cells)
+    assert states == ["rollout", "training", "training"]
+
+
+def test_drain_deadline_suspends_then_resumes_elsewhere(harness):
+    c0 = _fleet(harness, 1, max_running=2)[0]
+    fut = harness.complete({"prompt_ids": [9], "max_tokens": 6}, session="d")
+    until_held(c0, fut)
+    c0.step(2), c0.sync()
+    c1 = FakeCell(harness.client, "c1", max_running=1)
+    c1.register(), c1.sync()
+    blocker = harness.complete({"prompt_ids": [8], "max_tokens": 50}, session="blk")
+    until_held(c1, blocker)  # c1 is full: nowhere to migrate
+    fid = _flip(harness, cell="c0", to="training").json()["id"]
+    harness.tick()
+    assert harness.client.get("/v1/cells/c0").json()["state"] == "draining"
+    keep_alive(harness, [c0, c1], 31.0)
+    harness.tick()
+    c0.sync()
+    assert not c0.held and any(x["type"] == "suspend" for x in c0.commands)
+    rid = next(x["request_id"] for x in c0.commands if x["type"] == "suspend")
+    req = harness.ctl.store.owners.get_request(rid)
+    assert req.state == "suspended" and req.epoch == 2
+    assert _state(harness, fid)["suspended"] == 1
+    c1.held.clear()  # free c1 (its request finishes)
+    c1.pending_tokens.append({"request_id": next(iter(harness.ctl.store.owners.requests_on("c1"))).id, "epoch": 1,
+                              "start": 0, "records": [[1, -1.0, 0, False]], "finish_reason": "stop"})
+    c1.sync()
+    harness.tick()
+    c1.sync()
+    assert any(x["type"] == "start" and x["request_id"] == rid and x["num_generated"] == 2 for x in c1.commands)
+    pump([c0, c1], until=fut, harness=harness)
+    assert len(fut.result().json()["token_ids"]) == 6
+
+
+def test_no_kv_export_moves_by_reprefill(harness):
+    c0, c1 = _fleet(harness, 2, kv_export=False)
+    fut = harness.complete({"prompt_ids": [3, 4], "max_tokens": 6}, session="r")
+    for _ in range(500):
+        c0.sync(), c1.sync()
+        if c0.held or c1.held:
+            break
+    src = c0 if c0.held else c1
+    dst = c1 if src is c0 else c0
+    src.step(2), src.sync()
+    fid = _flip(harness, cell=src.cell_id, to="training").json()["id"]
+    harness.tick()
+    src.sync(), dst.sync()
+    assert any(x["type"] == "abort" for x in src.commands)
+    start = [x for x in dst.commands if x["type"] == "start"][-1]
+    assert start["epoch"] == 2 and start["num_generated"] >= 1
+    assert _state(harness, fid)["recomputed"] == 1
+    pump([src, dst], until=fut, harness=harness)
+    assert len(fut.result().json()["token_ids"]) == 6
+    assert 'cellflip_migrations_total{outcome="committed",path="reprefill"} 1.0' in harness.client.get("/metrics").text
+
+
+def test_role_failure_rolls_back(harness):
+    c0, c1 = _fleet(harness, 2)
+    _flip(harness, cell="c0", to="training")
+    harness.tick(), c0.sync(), c0.sync(), harness.tick()
+    assert harness.client.get("/v1/cells/c0").json()["state"] == "training"
+    fid = _flip(harness, cell="c0", to="rollout").json()["id"]
+    harness.tick()
+    c0.role = "training"
+    c0.events.append({"type": "role_failed", "flip_id": fid, "reason": "checksum mismatch"})
+    c0.sync()
+    f = _state(harness, fid)
+    assert f["state"] == "rolled_back" and f["reason"] == "checksum mismatch"
+    assert harness.client.get("/v1/cells/c0").json()["state"] == "training"
