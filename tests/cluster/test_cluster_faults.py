@@ -13,10 +13,10 @@ pytestmark = pytest.mark.slow
 N_TOKENS = 100
 
 
-def _start(cluster, n, seed):
+def _start(cluster, n, seed, max_tokens=N_TOKENS):
     rng = random.Random(seed)
     prompts = [[rng.randrange(1024) for _ in range(rng.randrange(40, 120))] for _ in range(n)]
-    streams = [Streamer(cluster.url, p, max_tokens=N_TOKENS, seed=seed * 100 + i) for i, p in enumerate(prompts)]
+    streams = [Streamer(cluster.url, p, max_tokens=max_tokens, seed=seed * 100 + i) for i, p in enumerate(prompts)]
     for s in streams:
         s.start()
     cluster.wait(lambda: all(len(s.tokens) >= 5 for s in streams), 90, "tokens flowing")
@@ -28,8 +28,8 @@ def _check_exact(cluster, prompts, streams):
         s.join(180)
     for s, p in zip(streams, prompts):
         assert s.error is None, (s.error, cluster.logs())
-        assert len(s.tokens) == N_TOKENS, (s.request_id, len(s.tokens), cluster.logs())
-        assert s.tokens == reference_tokens(cluster.cfg, s.request_id, p, N_TOKENS, s.seed), s.request_id
+        assert len(s.tokens) == s.max_tokens, (s.request_id, len(s.tokens), cluster.logs())
+        assert s.tokens == reference_tokens(cluster.cfg, s.request_id, p, s.max_tokens, s.seed), s.request_id
 
 
 def _busiest(cluster):
@@ -41,9 +41,12 @@ def test_destination_killed_before_commit_source_keeps_decoding(tmp_path):
     env = {i: {"CELLFLIP_FAILPOINTS": "migrate.before_commit=kill"} for i in (1, 2)}
     c = Cluster(tmp_path, num_cells=3, cell_env=env)
     try:
-        prompts, streams = _start(c, 3, seed=2)
-        # put everything on cell-0 first: flip 1 and 2 away is not possible (min rollout), so
-        # flip cell-0, whose requests must try to move to 1 or 2
+        # every request on cell-0: the other two train while the requests start
+        for i in (1, 2):
+            assert c.wait_flip(c.flip(f"cell-{i}", "training")["id"], 60)["state"] == "done"
+        prompts, streams = _start(c, 3, seed=2, max_tokens=1500)  # long enough to outlive two flips
+        for i in (1, 2):
+            assert c.wait_flip(c.flip(f"cell-{i}", "rollout")["id"], 60)["state"] == "done"
         flip = c.flip("cell-0", "training")
         c.wait(lambda: any(c.procs[f"cell-{i}"].poll() is not None for i in (1, 2)), 60,
                "a destination killed at its commit")
