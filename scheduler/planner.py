@@ -222,23 +222,30 @@ def choose_destinations(snapshot: Snapshot,
     (version, node): O((cells + moves) log cells). Results are in the order of `moves`. Pure.
     """
     cells = snapshot.cells
-    index: dict[CellId, int] = {c.cell_id: i for i, c in enumerate(cells)}
-    sources = {index[s] for s, _ in moves if s is not None and s in index}
-    src_nodes = {cells[i].node for i in sources}
+    src_ids = {s for s, _ in moves if s is not None}
+    index: dict[CellId, int] = {c.cell_id: i for i, c in enumerate(cells) if c.cell_id in src_ids}
+    src_nodes = {cells[i].node for i in index.values()}
     n = len(cells)
     inflight = [0] * n
     kv_free = [0] * n
     cap = [0] * n
     by_v: dict[int, list[tuple[int, int]]] = {}
     by_vn: dict[tuple[int, str], list[tuple[int, int]]] = {}  # only the sources' nodes
-    for i, c in enumerate(cells):
-        if c.role != "rollout" or i in sources or c.inflight >= c.capacity or c.kv_blocks_free <= 0:
+    last_v, heap = None, []
+    for i, c in enumerate(cells):  # O(cells): the cost of a call with few moves
+        if c.role != "rollout":
             continue
-        inflight[i], kv_free[i], cap[i] = c.inflight, c.kv_blocks_free, c.capacity
-        entry = (c.inflight, i)
-        by_v.setdefault(c.version, []).append(entry)
+        f, cp, kf = c.inflight, c.capacity, c.kv_blocks_free
+        if f >= cp or kf <= 0 or c.cell_id in src_ids:
+            continue
+        inflight[i], kv_free[i], cap[i] = f, kf, cp
+        v = c.version
+        if v != last_v:
+            heap = by_v.setdefault(v, [])
+            last_v = v
+        heap.append((f, i))
         if c.node in src_nodes:
-            by_vn.setdefault((c.version, c.node), []).append(entry)
+            by_vn.setdefault((v, c.node), []).append((f, i))
     # one version (the usual case): the any-version heap is that version's heap
     any_v = next(iter(by_v.values())) if len(by_v) == 1 else [e for h in by_v.values() for e in h]
     for h in (*by_v.values(), *by_vn.values()):
@@ -263,9 +270,10 @@ def choose_destinations(snapshot: Snapshot,
 
     out: list[Destination | None] = [None] * len(moves)
     block, headroom = cost.block_size, cost.headroom_blocks
-    for k in sorted(range(len(moves)), key=lambda k: -moves[k][1].context_tokens):
+    tokens = [-r.context_tokens for _, r in moves]
+    for k in sorted(range(len(moves)), key=tokens.__getitem__):
         src_id, req = moves[k]
-        si = index.get(src_id) if src_id is not None else None
+        si = index.get(src_id)
         src = cells[si] if si is not None else None
         need = -(-req.context_tokens // block) + headroom
         heap = by_v.get(req.version)
