@@ -142,6 +142,14 @@ class Cluster:
         assert r.status_code == 202, r.text
         return r.json()
 
+    def session(self, session_id: str) -> dict:
+        return self.http.get(f"/v1/sessions/{session_id}").json()
+
+    def sampled_tokens(self, session_id: str) -> list[int]:
+        """The session's sampled tokens (loss mask 1) as the durable store holds them."""
+        s = self.session(session_id)
+        return [t for t, m in zip(s["token_ids"], s["loss_mask"]) if m == 1]
+
     def flip_state(self, flip_id: str) -> dict:
         return self.http.get(f"/v1/flips/{flip_id}").json()
 
@@ -157,9 +165,12 @@ class Streamer(threading.Thread):
         super().__init__(daemon=True)
         self.url, self.prompt, self.max_tokens, self.seed, self.timeout_s = url, prompt, max_tokens, seed, timeout_s
         self.request_id: str | None = None
+        self.session_id: str | None = None
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.times: list[float] = []
+        self.wall_times: list[float] = []
+        """Arrival instants on the wall clock, comparable with the cells' migration marks."""
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.started = threading.Event()
@@ -169,6 +180,7 @@ class Streamer(threading.Thread):
         try:
             with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=self.timeout_s) as r:
                 self.request_id = r.headers.get("X-Request-Id")
+                self.session_id = r.headers.get("X-Session-Id")
                 if r.status_code != 200:
                     self.error = f"{r.status_code}: {r.read()[:300]!r}"
                     return
@@ -176,11 +188,12 @@ class Streamer(threading.Thread):
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
                     msg = json.loads(line[6:])
-                    now = time.monotonic()
+                    now, wall = time.monotonic(), time.time()
                     for t, lp in zip(msg.get("token_ids", []), msg.get("logprobs", [])):
                         self.tokens.append(t)
                         self.logprobs.append(lp)
                         self.times.append(now)
+                        self.wall_times.append(wall)
                     self.started.set()
                     if msg.get("finish_reason"):
                         self.finish_reason = msg["finish_reason"]

@@ -83,3 +83,27 @@ def test_stalled_cell_is_fenced_and_its_requests_resume_elsewhere(tmp_path):
         c.wait(lambda: c.cell(victim)["incarnation"] != inc, 30, "zombie re-registered as a new incarnation")
     finally:
         c.stop()
+
+
+def test_scheduler_killed_mid_flip_restarts_and_finishes_every_request(tmp_path):
+    c = Cluster(tmp_path, num_cells=3)
+    try:
+        prompts, streams = _start(c, 3, seed=5, max_tokens=600)
+        victim = _busiest(c)
+        flip = c.flip(victim, "training")
+        c.kill("scheduler")  # SIGKILL right after the flip was recorded
+        for s in streams:
+            s.join(30)  # their streams die with the scheduler; the requests must not
+        c.start_scheduler()
+        state = c.wait_flip(flip["id"], 120)
+        assert state["state"] in ("done", "rolled_back"), state
+        for s, p in zip(streams, prompts):
+            assert s.session_id, s.error
+            got = c.wait(lambda s=s: (t := c.sampled_tokens(s.session_id)) and len(t) >= s.max_tokens and t,
+                         180, f"{s.request_id} finished after the restart")
+            assert got == reference_tokens(c.cfg, s.request_id, p, s.max_tokens, s.seed), s.request_id
+        flips = c.http.get("/v1/flips").json()
+        flips = flips["flips"] if isinstance(flips, dict) else flips
+        assert sum(f["id"] == flip["id"] for f in flips) == 1  # never runs twice
+    finally:
+        c.stop()
