@@ -17,6 +17,7 @@ registers again as a new incarnation: it never resumes the old one's work.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -77,6 +78,8 @@ class CellAgent:
         self.owned: dict[str, Owned] = {}
         self.events: list[dict] = []
         self._engine_lock = threading.RLock()
+        self._num_waiting = 0  # threads other than the engine loop waiting for the lock
+        self._waiting_lock = threading.Lock()
         self._cv = threading.Condition()
         self.heartbeat_s = cfg.scheduler.heartbeat_s
         self._outcomes: queue.Queue[Outcome] = queue.Queue()
@@ -113,6 +116,19 @@ class CellAgent:
             engine_thread.join(timeout=30)
             self.client.close()
 
+    @contextlib.contextmanager
+    def _access(self):
+        """The engine lock for threads other than the engine loop, which yields to them
+        between steps (Python locks are not fair)."""
+        with self._waiting_lock:
+            self._num_waiting += 1
+        try:
+            with self._engine_lock:
+                yield
+        finally:
+            with self._waiting_lock:
+                self._num_waiting -= 1
+
     def _wake(self) -> None:
         with self._cv:
             self._cv.notify_all()
@@ -120,6 +136,8 @@ class CellAgent:
     def _engine_loop(self, stop: threading.Event) -> None:
         """Decode back to back while there is work; the sync loop ships the tokens."""
         while not stop.is_set():
+            while self._num_waiting and not stop.is_set():
+                time.sleep(0.0002)  # hand the lock over: a bare release/re-acquire starves waiters
             with self._engine_lock:
                 self._reap_outcomes()
                 busy = self.role.state == "rollout" and self.engine.has_work()
@@ -148,7 +166,7 @@ class CellAgent:
             try:
                 self._sync(wait_s)
             except Fenced as e:
-                with self._engine_lock:
+                with self._access():
                     log.warning("cell %s fenced (%s): dropping %d requests, registering anew",
                                 self.cell_id, e, len(self.owned))
                     self._drop_all()
@@ -163,7 +181,7 @@ class CellAgent:
     # -- sync -------------------------------------------------------------------------------
     def _sync(self, wait_s: float):
         batches, sent = [], []
-        with self._engine_lock:
+        with self._access():
             for rid, o in self.owned.items():
                 if o.migrating or not (o.pending or o.finish_reason):
                     continue
@@ -181,11 +199,11 @@ class CellAgent:
             raise
         except Exception as e:  # scheduler unreachable: keep everything, retry shortly
             log.warning("sync failed: %s", e)
-            with self._engine_lock:
+            with self._access():
                 self.events = events + self.events
             time.sleep(min(self.heartbeat_s, 0.5))
             return
-        with self._engine_lock:
+        with self._access():
             rejected = set(resp.rejected)
             for rid, n in sent:
                 o = self.owned.get(rid)
@@ -272,7 +290,7 @@ class CellAgent:
 
     def on_engine(self, fn):
         """Run `fn(engine)` from a migration thread between engine steps; returns its result."""
-        with self._engine_lock:
+        with self._access():
             out = fn(self.engine)
         self._wake()
         return out

@@ -40,6 +40,9 @@ log = logging.getLogger("cellflip.migration")
 
 OnEngine = Callable[[Callable[[], Any]], Any]
 
+CHUNK_BYTES = 64 << 20
+"""Largest KV message of a copy round: bounds how long one export holds the engine lock."""
+
 
 @dataclass
 class Outcome:
@@ -141,23 +144,29 @@ class MigrationSender:
                 ch.close()
 
     def _copy_round(self, ch: PairChannel, rid: str, sent_blocks: int, sent_ids: int) -> tuple[int, int] | None:
-        def grab(e):
-            done = e.num_complete_blocks(rid)
-            if done - sent_blocks < max(self.cfg.stop_copy_blocks, 1):
-                return None
-            snap = e.snapshot(rid, records_from=1 << 62, token_ids_from=sent_ids)
-            return done, e.export_kv(rid, sent_blocks, done), snap.token_ids
-
-        got = self.on_engine(grab)
-        if got is None:
+        """Send the blocks completed since the last round, in chunks of at most CHUNK_BYTES so
+        that each export holds the engine lock briefly and decoding interleaves with the copy."""
+        done = self.on_engine(lambda e: e.num_complete_blocks(rid))
+        if done - sent_blocks < max(self.cfg.stop_copy_blocks, 1):
             return None
-        done, data, ids = got
-        self._send_kv(ch, sent_blocks, data, sent_ids, ids)
-        return done, sent_ids + len(ids)
+        per_chunk = max(1, CHUNK_BYTES // self.on_engine(lambda e: e.pool.bytes_per_block()))
+        while sent_blocks < done:
+            end = min(done, sent_blocks + per_chunk)
+
+            def grab(e, start=sent_blocks, end=end, ids_from=sent_ids):
+                snap = e.snapshot(rid, records_from=1 << 62, token_ids_from=ids_from)
+                return e.export_kv(rid, start, end), snap.token_ids
+
+            data, ids = self.on_engine(grab)
+            self._send_kv(ch, sent_blocks, data, sent_ids, ids)
+            sent_blocks, sent_ids = end, sent_ids + len(ids)
+        return sent_blocks, sent_ids
 
     def _send_kv(self, ch: PairChannel, start: int, data: torch.Tensor, ids_from: int, ids: list[int]) -> None:
         ch.send_json(_kv_header(start, data, ids_from, ids))
         if data.numel():
+            # The receiver says when its buffer is posted, so the timed part is the link alone.
+            ch.recv_tensor(torch.zeros(1, dtype=torch.uint8))
             t = time.perf_counter()
             ch.send_tensor(data)
             self.transfer_s += time.perf_counter() - t
@@ -229,7 +238,12 @@ class MigrationReceiver:
                 ids.extend(msg["token_ids"])
                 data = torch.empty(msg["shape"], dtype=torch.float32)
                 if data.numel():
-                    ch.recv_tensor(data)
+                    if msg["kind"] == "final":
+                        ch.recv_tensor(data)
+                    else:  # a copy round: post the receive, then tell the sender to go
+                        pending = ch.irecv(data)
+                        ch.send_tensor(torch.ones(1, dtype=torch.uint8))
+                        pending.wait()
                     self.bytes += data.numel() * data.element_size()
                 if msg["kind"] == "final":
                     break

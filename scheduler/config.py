@@ -120,6 +120,10 @@ class MigrationConfig(_Strict):
     """Bound on any one transfer; a fresh group is made after an error."""
     headroom_blocks: int = Field(default=8, ge=0)
     """Blocks the destination reserves beyond the current length."""
+    path: Literal["auto", "reprefill"] = "auto"
+    """`auto`: move the KV where both cells export it and serve the same version, else
+    re-prefill; `reprefill`: always abort and re-prefill elsewhere (what systems without live
+    KV migration do; kept for comparison)."""
     version_policy: Literal["same_version", "recompute"] = "same_version"
     """Destination preference when versions differ; otherwise recompute on its version."""
 

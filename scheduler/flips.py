@@ -162,7 +162,8 @@ def _drain(ctl: Controller, fx: Effects, flip: FlipRow, cell: CellRow) -> None:
             dst = ctl.store.fleet.get_cell(choice.cell_id) if choice is not None else None
             if dst is None:
                 continue  # no room now; retried next tick, suspended at the deadline
-            migrations.start(ctl, fx, req, cell, dst, flip, choice.path)
+            hint = "reprefill" if ctl.mig_cfg.path == "reprefill" else choice.path
+            migrations.start(ctl, fx, req, cell, dst, flip, hint)
             snapshot = ownership.bump(snapshot, dst.id)
         ctl.store.fleet.put_flip(flip)
         return

@@ -1,0 +1,92 @@
+"""Flip a cell holding long in-flight rollouts: live KV migration vs abort and re-prefill.
+
+A cell holds REQUESTS requests of CONTEXT tokens each, decoding. It is flipped to training
+(a) with live KV migration and (b), in the same invocation on a fresh cluster with the same
+seed, by aborting and re-prefilling them on the other cells (what systems without live
+migration do: `migration.path: reprefill`). Both are timed from the flip request until every
+request is decoding again, as its client sees it: the first token that reaches the client
+after the request stopped on the source (the stop-and-copy for (a); the flip itself for (b)).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from common import emit, parse_args, set_threads
+
+from cells.localcluster import Cluster, Streamer
+
+MAX_TOKENS = 2048
+
+
+def make_cfg(tmp: Path, path: str) -> dict:
+    return {
+        "scheduler": {"db_path": str(tmp / "db.sqlite"), "lease_s": 60.0, "min_rollout_cells": 1,
+                      "drain_deadline_s": 300.0},
+        "cells": {"count": 3, "engine": {"type": "embedded", "model": {"preset": "tiny"}, "num_blocks": 1400,
+                                         "block_size": 16, "max_running": 8, "prefill_chunk": 2048}},
+        "migration": {"transfer_timeout_s": 60.0, "path": path},
+    }
+
+
+def run(path: str, n: int, context: int) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix=f"cellflip-flip-{path}-"))
+    log = tmp / "migrations.jsonl"
+    env = {i: {"CELLFLIP_MIGRATION_LOG": str(log)} for i in range(3)}
+    c = Cluster(tmp, num_cells=3, cfg=make_cfg(tmp, path), cell_env=env, ready_timeout_s=300)
+    try:
+        for cell in ("cell-1", "cell-2"):  # every request lands on cell-0
+            assert c.wait_flip(c.flip(cell, "training")["id"], 120)["state"] == "done"
+        rng = random.Random(0)
+        streams = [Streamer(c.url, [rng.randrange(8000) for _ in range(context)], MAX_TOKENS, seed=i, timeout_s=900)
+                   for i in range(n)]
+        for s in streams:
+            s.start()
+        c.wait(lambda: all(len(s.tokens) >= 4 for s in streams), 900, "all requests decoding", every=0.01)
+        for cell in ("cell-1", "cell-2"):
+            assert c.wait_flip(c.flip(cell, "rollout")["id"], 120)["state"] == "done"
+        assert all(len(s.tokens) < MAX_TOKENS for s in streams), "requests finished before the flip"
+        t_flip = time.time()
+        flip = c.wait_flip(c.flip("cell-0", "training")["id"], 900)
+        for s in streams:
+            s.join(900)
+        lost = sum(1 for s in streams if s.error or len(s.tokens) != MAX_TOKENS)
+        stops = {}
+        if log.exists():
+            for line in log.read_text().splitlines():
+                r = json.loads(line)
+                if r["role"] == "source" and r["result"] == "committed":
+                    stops[r["request_id"]] = r["marks"]["stopped"]
+        resumed = []
+        for s in streams:
+            stop = stops.get(s.request_id, t_flip)
+            resumed.append(min(t for t in s.wall_times if t > stop) - t_flip)
+        return {"seconds": max(resumed), "lost": lost, "flip": flip}
+    finally:
+        c.stop()
+
+
+def main() -> None:
+    args = parse_args(__doc__)
+    set_threads(1)
+    n, context = 2, 8192
+    live = run("auto", n, context)
+    abort = run("reprefill", n, context)
+    emit({
+        "requests": n,
+        "context_tokens": context,
+        "flip_live_s": round(live["seconds"], 3),
+        "flip_abort_reprefill_s": round(abort["seconds"], 3),
+        "ratio": round(live["seconds"] / abort["seconds"], 4),
+        "lost": live["lost"] + abort["lost"],
+        "migrated": live["flip"]["migrated"],
+        "recomputed": abort["flip"]["recomputed"],
+    }, args.json)
+
+
+if __name__ == "__main__":
+    main()
