@@ -22,6 +22,10 @@ from scheduler.auth import BearerAuth, load_token
 from scheduler.config import CellflipConfig, MigrationConfig, SchedulerConfig
 from scheduler.controller import Controller
 from scheduler.errors import NoCapacity, SchedulerError
+from scheduler.gateway import make_chat_router
+from scheduler.gateway.backend import CallbackCounters
+from scheduler.gateway.config import GatewayConfig
+from scheduler.gateway_backend import ControlPlaneBackend
 from scheduler.limits import BodySizeLimit
 from scheduler.metrics import Metrics
 from scheduler.protocol import ProtocolError
@@ -38,9 +42,9 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
     """Build the app. `tick_interval_s=None` runs no background loop (tests tick by hand);
     `clock` is the monotonic clock of leases and deadlines."""
     if isinstance(config, CellflipConfig):
-        sched, migration = config.scheduler, config.migration
+        sched, migration, gateway = config.scheduler, config.migration, config.gateway
     else:
-        sched, migration = config or SchedulerConfig(), MigrationConfig()
+        sched, migration, gateway = config or SchedulerConfig(), MigrationConfig(), GatewayConfig()
     token = load_token(sched.auth_token_file)
     metrics = Metrics()
 
@@ -66,6 +70,11 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
     app.state.metrics = metrics
     for router in ROUTERS:
         app.include_router(router)
+    # The chat gateway records on the durable session store and decodes on the cells; its
+    # own finish route stays off (the sessions router serves it).
+    counters = CallbackCounters(lambda n: metrics.drift.inc(n), metrics.history_rewrites.inc)
+    app.include_router(make_chat_router(ControlPlaneBackend(app), gateway.renderer, counters=counters,
+                                        **{**gateway.router_kwargs(), "finish_route": False}))
     _install_error_handlers(app)
     # outermost first: refuse unauthenticated requests before reading any body
     app.add_middleware(BodySizeLimit, max_bytes=sched.max_body_bytes)

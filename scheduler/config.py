@@ -8,7 +8,7 @@ torch nor `cells`, so the control plane, the cells and the cluster simulator sha
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -104,7 +104,7 @@ class SGLangEngineConfig(_Strict):
     """Request slots this cell reports to the scheduler."""
 
 
-EngineConfig = Annotated[Union[EmbeddedEngineConfig, SGLangEngineConfig], Field(discriminator="type")]
+EngineConfig = Annotated[EmbeddedEngineConfig | SGLangEngineConfig, Field(discriminator="type")]
 
 
 class MigrationConfig(_Strict):
@@ -175,6 +175,9 @@ class CellsConfig(_Strict):
     """Inference engine of every cell."""
 
 
+from scheduler.gateway.config import GatewayConfig  # noqa: E402  (no tokenizer is loaded here)
+
+
 class CellflipConfig(_Strict):
     """Top-level configuration file."""
 
@@ -186,6 +189,8 @@ class CellflipConfig(_Strict):
     """Live KV migration."""
     versions: VersionsConfig = VersionsConfig()
     """Weight versions and old log-prob scoring."""
+    gateway: GatewayConfig = GatewayConfig()
+    """The OpenAI-compatible chat gateway (`POST /v1/chat/completions`)."""
 
     @model_validator(mode="after")
     def _check(self) -> CellflipConfig:
