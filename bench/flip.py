@@ -5,7 +5,9 @@ A cell holds REQUESTS requests of CONTEXT tokens each, decoding. It is flipped t
 seed, by aborting and re-prefilling them on the other cells (what systems without live
 migration do: `migration.path: reprefill`). Both are timed from the flip request until every
 request is decoding again, as its client sees it: the first token that reaches the client
-after the request stopped on the source (the stop-and-copy for (a); the flip itself for (b)).
+after the request stopped on the source: for (a) the stop-and-copy instant from the source's
+migration record; for (b) the token that ends the longest silence after the flip (the source
+was aborted and the destination re-prefilled).
 """
 
 from __future__ import annotations
@@ -63,8 +65,12 @@ def run(path: str, n: int, context: int) -> dict:
                     stops[r["request_id"]] = r["marks"]["stopped"]
         resumed = []
         for s in streams:
-            stop = stops.get(s.request_id, t_flip)
-            resumed.append(min(t for t in s.wall_times if t > stop) - t_flip)
+            after = [t for t in s.wall_times if t > t_flip]
+            if s.request_id in stops:
+                resumed.append(min(t for t in after if t > stops[s.request_id]) - t_flip)
+            else:
+                gaps = [(b - a, b) for a, b in zip([t_flip, *after], after)]
+                resumed.append(max(gaps)[1] - t_flip)
         return {"seconds": max(resumed), "lost": lost, "flip": flip}
     finally:
         c.stop()

@@ -103,6 +103,10 @@ def cmd_up(args) -> int:
     port = args.port if args.port is not None else sched.get("port", 8700)
     n = args.cells or raw.get("cells", {}).get("count", 3)
     os.makedirs(os.path.dirname(os.path.abspath(sched.get("db_path", "runs/cellflip.sqlite"))), exist_ok=True)
+    def _interrupt(*_):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _interrupt)  # a plain kill stops the children too
     cluster = Cluster("runs", num_cells=n, cfg=raw, port=port)
     url = cluster.url
     print(f"cellflip up: API {url} (OpenAPI {url}/docs), metrics {url}/metrics, logs runs/*.log")

@@ -53,10 +53,10 @@ class Cluster:
     def __init__(self, tmp: Path, num_cells: int = 3, cell_env: dict[int, dict] | None = None,
                  cfg: dict | None = None, port: int | None = None, cell_args: dict[int, list[str]] | None = None,
                  ready_timeout_s: float = 120, **over):
-        self.tmp = Path(tmp)
+        self.tmp = Path(tmp).resolve()
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg if cfg is not None else cluster_config(self.tmp, **over)
-        self.cfg_path = tmp / "cluster.yaml"
+        self.cfg_path = self.tmp / "cluster.yaml"
         self.cfg_path.write_text(yaml.safe_dump(self.cfg))
         self.port = port or find_free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -66,16 +66,21 @@ class Cluster:
         self.cell_args = cell_args or {}
         self.procs: dict[str, subprocess.Popen] = {}
         self.http = httpx.Client(base_url=self.url, timeout=30.0)
-        self.start_scheduler()
-        for i in range(num_cells):
-            self.start_cell(i)
-        self.wait(lambda: len([c for c in self.cells() if c["state"] == "rollout"]) >= num_cells, ready_timeout_s,
-                  "cells up")
+        try:
+            self.start_scheduler()
+            for i in range(num_cells):
+                self.start_cell(i)
+            self.wait(lambda: len([c for c in self.cells() if c["state"] == "rollout"]) >= num_cells,
+                      ready_timeout_s, "cells up")
+        except BaseException:
+            self.stop()  # never leave half a cluster running
+            raise
 
     # -- processes --------------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str], env: dict | None = None) -> None:
         log = open(self.tmp / f"{name}.log", "a")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "cells.cli", *args], cwd=ROOT,
+        # cwd: the caller's, so relative paths in the config mean what they meant to the caller
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "cells.cli", *args], cwd=os.getcwd(),
                                             env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
 
     def start_scheduler(self, env: dict | None = None) -> None:
