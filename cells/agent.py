@@ -245,7 +245,8 @@ class CellAgent:
                 return
             sender = MigrationSender(cmd, cell_id=self.cell_id, incarnation=self.incarnation,
                                      store=self.store_host.store, client=self.client, cfg=self.cfg.migration,
-                                     on_engine=self.on_engine, flushed=lambda rid=cmd.request_id: self._stop_flush(rid))
+                                     on_engine=self.on_engine, flushed=lambda rid=cmd.request_id: self._stop_flush(rid),
+                                     synced=lambda rid=cmd.request_id: self._synced(rid))
             self._spawn(sender.run, f"mig-out-{cmd.request_id}")
         elif isinstance(cmd, MigrateInCmd):
             receiver = MigrationReceiver(cmd, cell_id=self.cell_id, incarnation=self.incarnation, client=self.client,
@@ -294,6 +295,11 @@ class CellAgent:
             out = fn(self.engine)
         self._wake()
         return out
+
+    def _synced(self, rid: str) -> int:
+        """Generated tokens of `rid` already in the store (visible to its client)."""
+        o = self.owned.get(rid)
+        return o.flushed if o is not None else 0
 
     def _stop_flush(self, rid: str) -> int:
         """Called on the loop thread at the stop-and-copy: no more token batches for `rid`

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from cells.client import Refused, SchedulerClient
-from cells.engine.interface import RequestSnapshot
+from cells.engine.interface import EngineError, RequestSnapshot
 from cells.transport.p2p import PairChannel, TransferError
 from cells.transport.store import StoreAddress, connect
 from scheduler.config import MigrationConfig
@@ -73,10 +73,12 @@ class MigrationSender:
     """Source side of one migration."""
 
     def __init__(self, cmd: MigrateOutCmd, *, cell_id: str, incarnation: str, store, client: SchedulerClient,
-                 cfg: MigrationConfig, on_engine: OnEngine, flushed: Callable[[], int]):
+                 cfg: MigrationConfig, on_engine: OnEngine, flushed: Callable[[], int],
+                 synced: Callable[[], int] | None = None):
         self.cmd, self.cell_id, self.incarnation = cmd, cell_id, incarnation
         self.store, self.client, self.cfg, self.on_engine = store, client, cfg, on_engine
-        self.flushed = flushed  # generated tokens the scheduler already holds for this request
+        self.flushed = flushed  # at the stop: generated tokens the store holds; no more syncs after
+        self.synced = synced  # the same count, read-only
         self.bytes = 0
         self.transfer_s = 0.0
         self.marks: dict[str, float] = {}
@@ -112,6 +114,7 @@ class MigrationSender:
                 if self.cfg.on_round_limit == "abort" and self.cfg.max_copy_rounds > 0:
                     ch.send_json({"kind": "abort"})
                     return self._abort_at_scheduler(rid, mid, paused, "round limit")
+            self._settle(rid)
             # Stop-and-copy: only the blocks and records added since the last round travel.
             self.marks["stop_requested"] = time.time()
             stopped = self.on_engine(lambda e: self._stop(e, rid, sent_blocks, sent_ids))
@@ -136,7 +139,8 @@ class MigrationSender:
                 self.on_engine(lambda e: e.release(rid))
                 return Outcome(rid, mid, "source", "committed", epoch=int(result["committed"]), bytes=self.bytes)
             return self._abort_at_scheduler(rid, mid, paused, str(result.get("aborted", "destination aborted")))
-        except (TransferError, OSError, RuntimeError) as e:
+        except (TransferError, OSError, RuntimeError, EngineError) as e:
+            # EngineError: the request finished or was dropped under us; nothing to hand over
             log.warning("migration %s of %s failed at the source: %s", mid, rid, e)
             return self._abort_at_scheduler(rid, mid, paused, f"transfer: {e}")
         finally:
@@ -161,6 +165,18 @@ class MigrationSender:
             self._send_kv(ch, sent_blocks, data, sent_ids, ids)
             sent_blocks, sent_ids = end, sent_ids + len(ids)
         return sent_blocks, sent_ids
+
+    def _settle(self, rid: str, timeout_s: float = 1.0) -> None:
+        """Before stopping, let the request decode one more token and its client see it: a
+        bulk copy round slows the source for a moment, and the stop should cut a stream that
+        is flowing, not one that is already paused by the copy."""
+        if self.synced is None:
+            return
+        target = self.on_engine(lambda e: e.snapshot(rid, records_from=1 << 62).num_tokens
+                                - e.snapshot(rid, records_from=1 << 62).prompt_len) + 1
+        deadline = time.monotonic() + timeout_s
+        while self.synced() < target and time.monotonic() < deadline:
+            time.sleep(0.001)
 
     def _send_kv(self, ch: PairChannel, start: int, data: torch.Tensor, ids_from: int, ids: list[int]) -> None:
         ch.send_json(_kv_header(start, data, ids_from, ids))
