@@ -18,6 +18,7 @@ registers again as a new incarnation: it never resumes the old one's work.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import os
@@ -85,6 +86,7 @@ class CellAgent:
         self._outcomes: queue.Queue[Outcome] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self.num_ticks = 0
+        self._add_request_kwargs = set(inspect.signature(engine.add_request).parameters)
 
     # -- lifecycle --------------------------------------------------------------------------
     def register(self) -> None:
@@ -233,8 +235,10 @@ class CellAgent:
     def _handle(self, cmd) -> None:
         if isinstance(cmd, StartCmd):
             try:
-                self.engine.add_request(cmd.request_id, cmd.token_ids, SamplingParams.from_dict(cmd.params),
-                                        prompt_len=cmd.prompt_len)
+                # resume point and KV reuse across the session's turns, where the engine has them
+                extra = {"prompt_len": cmd.prompt_len, "cache_key": cmd.session_id}
+                extra = {k: v for k, v in extra.items() if k in self._add_request_kwargs}
+                self.engine.add_request(cmd.request_id, cmd.token_ids, SamplingParams.from_dict(cmd.params), **extra)
             except EngineError as e:
                 log.warning("start %s refused: %s", cmd.request_id, e)
                 self.owned[cmd.request_id] = Owned(cmd.epoch, cmd.num_generated, finish_reason=f"error: {e}"[:200])

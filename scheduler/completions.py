@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from scheduler import ownership
 from scheduler.errors import Conflict, Invalid, NoCapacity
-from scheduler.placement import RequestSummary, choose_destination
+from scheduler.placement import RequestSummary, choose_destination, sticky_destination
 from scheduler.store_owners import RequestRow
 
 if TYPE_CHECKING:
@@ -32,7 +32,8 @@ def submit(ctl: Controller, session_id: str | None, prompt_ids: list[int], param
     sid = session_id or f"anon-{rid[4:]}"
     snapshot = ctl.snapshot()
     summary = RequestSummary(rid, len(prompt_ids), snapshot.current_version, sid)
-    dst = choose_destination(snapshot, None, summary)
+    last = ctl.store.owners.last_cell_for_session(sid) if session_id else None
+    dst = sticky_destination(snapshot, last, summary) or choose_destination(snapshot, None, summary)
     if dst is None:
         ctl.metrics.admission_rejected.inc()
         raise NoCapacity("no rollout cell has room", retry_after_s=max(1.0, ctl.cfg.heartbeat_s * 2))

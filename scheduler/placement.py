@@ -128,6 +128,16 @@ def choose_destination(snapshot: Snapshot, source_cell_id: str | None, request: 
     return None if cell_id is None else Choice(cell_id)
 
 
+def sticky_destination(snapshot: Snapshot, cell_id: str | None, request: RequestSummary) -> Choice | None:
+    """The session's previous cell when it can take the request: a later turn then reuses the
+    KV its earlier turns left there (sessions stay on a cell until a migration moves them)."""
+    for c in snapshot.cells:
+        if c.cell_id == cell_id and c.has_room and (
+                c.kv_blocks_total <= 0 or c.free_blocks >= _needed_blocks(c, request.num_tokens)):
+            return Choice(c.cell_id)
+    return None
+
+
 def choose_cells_to_flip(snapshot: Snapshot, to: str, count: int) -> list[str]:
     """Up to `count` cells to flip `to` a role, never dipping under min_rollout_cells."""
     if _planner is not None:

@@ -114,6 +114,12 @@ class OwnerStore:
         r = self.s.execute(q, (session_id,)).fetchone()
         return None if r is None else _req(r)
 
+    def last_cell_for_session(self, session_id: str) -> str | None:
+        """The cell that served the session's latest request (where its KV may still be)."""
+        q = "SELECT cell_id FROM requests WHERE session_id=? AND cell_id IS NOT NULL ORDER BY created_at DESC LIMIT 1"
+        r = self.s.execute(q, (session_id,)).fetchone()
+        return None if r is None else r[0]
+
     def count_requests(self) -> dict[str, int]:
         return dict(self.s.execute("SELECT state, COUNT(*) FROM requests GROUP BY state").fetchall())
 

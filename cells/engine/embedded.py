@@ -6,6 +6,9 @@ One step: schedule → forward → sample → postprocess.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from dataclasses import dataclass
+
 import torch
 
 from scheduler.config import EmbeddedEngineConfig
@@ -30,6 +33,13 @@ from .model_spec import ModelSpec, resolve_spec
 from .sampling import sample
 
 
+@dataclass(slots=True)
+class CachedPrefix:
+    owner: str
+    token_ids: list[int]
+    version: int
+
+
 class EmbeddedEngine(HandoverMixin, Engine):
     def __init__(self, cfg: EmbeddedEngineConfig | None = None, *, spec: ModelSpec | None = None,
                  weights: dict[str, torch.Tensor] | None = None, version: int = 0):
@@ -50,6 +60,12 @@ class EmbeddedEngine(HandoverMixin, Engine):
         self.pool = BlockPool(self.spec, cfg.num_blocks, cfg.block_size)
         self.batcher = Batcher(self.pool, cfg.max_running, cfg.prefill_chunk)
         self.requests: dict[str, Request] = {}
+        # Prefix cache: a finished request's KV stays, keyed by its session, until a later turn
+        # of the same session extends it (KV reuse across turns) or the blocks are needed.
+        self.prefix_cache: OrderedDict[str, CachedPrefix] = OrderedDict()
+        self.batcher.evict = self._evict_one
+        self.num_cached_tokens = 0
+        """Prompt tokens whose KV came from the prefix cache instead of a prefill."""
         self.capabilities = Capabilities(kv_export=True, scoring=True, weight_update="staged",
                                          batch_invariant=cfg.batch_invariant)
         self.num_steps = 0
@@ -89,7 +105,7 @@ class EmbeddedEngine(HandoverMixin, Engine):
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    *, prompt_len: int | None = None) -> None:
+                    *, prompt_len: int | None = None, cache_key: str | None = None) -> None:
         """Queue a request. `prompt_len` < len(prompt_ids) resumes a request whose tokens after
         `prompt_len` were already generated (re-prefill elsewhere): generation continues at
         generated index len(prompt_ids) - prompt_len, with the same noise as if never moved."""
@@ -106,9 +122,10 @@ class EmbeddedEngine(HandoverMixin, Engine):
             raise EngineError(f"prompt plus max_tokens = {total} exceeds max_position {self.spec.max_position}")
         if self.pool.blocks_for(total) > self.pool.num_blocks:
             raise EngineError(f"request needs {self.pool.blocks_for(total)} KV blocks, the pool has {self.pool.num_blocks}")
-        req = Request(request_id, ids, plen, params, records_base=len(ids) - plen)
+        req = Request(request_id, ids, plen, params, records_base=len(ids) - plen, cache_key=cache_key)
         if req.num_generated >= params.max_tokens:
             raise EngineError(f"request already has {req.num_generated} >= max_tokens generated tokens")
+        self._reuse_prefix(req)
         self.requests[request_id] = req
         self.batcher.waiting.append(req)
 
@@ -193,8 +210,42 @@ class EmbeddedEngine(HandoverMixin, Engine):
     def _finish(self, req: Request) -> None:
         req.status = "finished"
         self.batcher.remove(req)
-        self.pool.free(req.request_id)
+        if req.cache_key is not None and req.num_computed > 0:
+            self._cache_prefix(req)
+        else:
+            self.pool.free(req.request_id)
         del self.requests[req.request_id]
+
+    # -- prefix cache (KV reuse across the turns of a session) -------------------------------
+    def _cache_prefix(self, req: Request) -> None:
+        old = self.prefix_cache.pop(req.cache_key, None)
+        if old is not None:
+            self.pool.free(old.owner)
+        owner = f"cache/{req.cache_key}"
+        self.pool.tables[owner] = self.pool.tables.pop(req.request_id)
+        self.prefix_cache[req.cache_key] = CachedPrefix(owner, req.token_ids[: req.num_computed], self._version)
+
+    def _reuse_prefix(self, req: Request) -> None:
+        """Adopt the session's cached blocks when their tokens prefix the new prompt (same
+        weight version only: KV from an old version is never reused)."""
+        hit = self.prefix_cache.pop(req.cache_key, None) if req.cache_key is not None else None
+        if hit is None:
+            return
+        n = len(hit.token_ids)
+        if hit.version != self._version or n == 0 or req.token_ids[:n] != hit.token_ids:
+            self.pool.free(hit.owner)
+            return
+        self.pool.tables[req.request_id] = self.pool.tables.pop(hit.owner)
+        req.num_computed = min(n, len(req.token_ids) - 1)  # at least one token left to compute
+        self.num_cached_tokens += req.num_computed
+
+    def _evict_one(self) -> bool:
+        """Free the least recently cached prefix; False when the cache is empty."""
+        if not self.prefix_cache:
+            return False
+        _, hit = self.prefix_cache.popitem(last=False)
+        self.pool.free(hit.owner)
+        return True
 
     def recompute_all(self) -> int:
         """Drop every request's KV so it is re-prefilled under the current weights (the
@@ -212,9 +263,11 @@ class EmbeddedEngine(HandoverMixin, Engine):
             return token_logprobs(self._prepared(version), ids, temperature, self.tile)
 
     def summary(self) -> dict:
+        cached = sum(len(self.pool.tables.get(h.owner, ())) for h in self.prefix_cache.values())
         return {
             "inflight": len(self.requests),
-            "kv_blocks_used": self.pool.num_used,
+            "kv_blocks_used": self.pool.num_used - cached,  # cached prefixes are reclaimable
+            "kv_blocks_cached": cached,
             "kv_blocks_total": self.pool.num_blocks,
             "version": self._version,
             "request_ids": sorted(self.requests),

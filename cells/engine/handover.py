@@ -90,6 +90,8 @@ class HandoverMixin:
         if request_id in self.requests or request_id in self.pool.tables:
             raise EngineError(f"request {request_id!r} already present")
         need = self.pool.blocks_for(num_tokens) + headroom_blocks
+        while not self.pool.can_allocate(need) and self._evict_one():
+            pass
         if not self.pool.can_allocate(need):
             return False
         self.pool.allocate(request_id, need)
