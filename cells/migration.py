@@ -148,23 +148,27 @@ class MigrationSender:
                 ch.close()
 
     def _copy_round(self, ch: PairChannel, rid: str, sent_blocks: int, sent_ids: int) -> tuple[int, int] | None:
-        """Send the blocks completed since the last round, in chunks of at most CHUNK_BYTES so
-        that each export holds the engine lock briefly and decoding interleaves with the copy."""
-        done = self.on_engine(lambda e: e.num_complete_blocks(rid))
-        if done - sent_blocks < max(self.cfg.stop_copy_blocks, 1):
-            return None
-        per_chunk = max(1, CHUNK_BYTES // self.on_engine(lambda e: e.pool.bytes_per_block()))
-        while sent_blocks < done:
-            end = min(done, sent_blocks + per_chunk)
-
-            def grab(e, start=sent_blocks, end=end, ids_from=sent_ids):
+        """Send the blocks completed since the last round, in messages of at most CHUNK_BYTES
+        so that each export holds the engine lock briefly and decoding interleaves with the copy.
+        One engine-lock acquisition per message: each may wait for a whole decode step."""
+        first = sent_blocks
+        while True:
+            def grab(e, start=sent_blocks, ids_from=sent_ids):
+                done = e.num_complete_blocks(rid)
+                if done - start < max(self.cfg.stop_copy_blocks, 1):
+                    return None
+                end = min(done, start + max(1, CHUNK_BYTES // e.pool.bytes_per_block()))
                 snap = e.snapshot(rid, records_from=1 << 62, token_ids_from=ids_from)
-                return e.export_kv(rid, start, end), snap.token_ids
+                return end, done, e.export_kv(rid, start, end), snap.token_ids
 
-            data, ids = self.on_engine(grab)
+            got = self.on_engine(grab)
+            if got is None:
+                return (sent_blocks, sent_ids) if sent_blocks > first else None
+            end, done, data, ids = got
             self._send_kv(ch, sent_blocks, data, sent_ids, ids)
             sent_blocks, sent_ids = end, sent_ids + len(ids)
-        return sent_blocks, sent_ids
+            if end >= done:
+                return sent_blocks, sent_ids
 
     def _settle(self, rid: str, timeout_s: float = 1.0) -> None:
         """Before stopping, let the request decode one more token and its client see it: a

@@ -60,7 +60,7 @@ def test_source_killed_after_stop_and_copy_request_continues_elsewhere(tmp_path)
     env = {i: {"CELLFLIP_FAILPOINTS": "migrate.after_stop_copy=kill"} for i in range(3)}
     c = Cluster(tmp_path, num_cells=3, cell_env=env)
     try:
-        prompts, streams = _start(c, 3, seed=3)
+        prompts, streams = _start(c, 3, seed=3, max_tokens=1500)  # still decoding when the flip lands
         victim = _busiest(c)
         flip = c.flip(victim, "training")
         c.wait(lambda: c.procs[victim].poll() is not None, 60, "source killed at the failpoint")
@@ -73,7 +73,7 @@ def test_source_killed_after_stop_and_copy_request_continues_elsewhere(tmp_path)
 def test_stalled_cell_is_fenced_and_its_requests_resume_elsewhere(tmp_path):
     c = Cluster(tmp_path, num_cells=2)
     try:
-        prompts, streams = _start(c, 3, seed=4)
+        prompts, streams = _start(c, 3, seed=4, max_tokens=1000)  # outlives the stall
         victim = _busiest(c)
         inc = c.cell(victim)["incarnation"]
         c.kill(victim, signal.SIGSTOP)
