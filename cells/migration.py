@@ -96,7 +96,7 @@ class MigrationSender:
         try:
             ch = PairChannel(self.store, f"mig/{mid}", 0, timeout_s=self.cfg.transfer_timeout_s,
                              connect_timeout_s=self.cfg.transfer_timeout_s)
-            num_tokens = self.on_engine(lambda e: e.snapshot(rid, records_from=1 << 62).num_tokens)
+            num_tokens = self.on_engine(lambda e: e.request_length(rid)[0])
             ch.send_json({"request_id": rid, "num_tokens": num_tokens})
             reply = ch.recv_json()
             if not reply.get("reserved"):
@@ -176,8 +176,8 @@ class MigrationSender:
         is flowing, not one that is already paused by the copy."""
         if self.synced is None:
             return
-        target = self.on_engine(lambda e: e.snapshot(rid, records_from=1 << 62).num_tokens
-                                - e.snapshot(rid, records_from=1 << 62).prompt_len) + 1
+        n, prompt_len = self.on_engine(lambda e: e.request_length(rid))
+        target = n - prompt_len + 1
         deadline = time.monotonic() + timeout_s
         while self.synced() < target and time.monotonic() < deadline:
             time.sleep(0.001)

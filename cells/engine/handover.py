@@ -26,6 +26,11 @@ class HandoverMixin:
             raise EngineError(f"unknown request {request_id!r}")
         return req
 
+    def request_length(self, request_id: str) -> tuple[int, int]:
+        """(tokens so far, prompt length) of a request, without copying its token ids."""
+        req = self._req(request_id)
+        return len(req.token_ids), req.prompt_len
+
     def num_complete_blocks(self, request_id: str) -> int:
         """Blocks whose KV is final (every slot computed); they never change again."""
         return self._req(request_id).num_computed // self.pool.block_size
