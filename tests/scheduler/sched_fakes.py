@@ -218,8 +218,18 @@ def hand_over(src: FakeCell, dst: FakeCell, migration_id: str) -> int:
     return copy.epoch
 
 
-def pump(cells: list[FakeCell], until: Future | None = None, rounds: int = 200, tokens: int = 1, harness: Harness | None = None) -> None:
-    """Sync + decode every cell until `until` is done (or `rounds` pass)."""
+def pump(cells: list[FakeCell], until: Future | list[Future] | None = None, rounds: int = 200, tokens: int = 1,
+         harness: Harness | None = None) -> None:
+    """Sync + decode every cell until `until` (one future or all of a list) is done, or
+    `rounds` pass."""
+    if isinstance(until, list):
+        futs = until
+
+        class _All:
+            def done(self) -> bool:
+                return all(f.done() for f in futs)
+
+        until = _All()
     for _ in range(rounds):
         for c in cells:
             c.sync()
@@ -247,7 +257,7 @@ def until_held(cell: FakeCell, fut: Future | None = None, rounds: int = 500) -> 
         if cell.held:
             return
         if fut is not None and fut.done():
-            raise AssertionError(f"completion ended early: {fut.result().status_code} {fut.result().text}")
+            raise AssertionError(f"completion ended early: {fut.result(timeout=60).status_code} {fut.result(timeout=60).text}")
         time.sleep(0.002)
     raise AssertionError(f"{cell.cell_id} never got a request")
 

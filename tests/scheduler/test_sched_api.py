@@ -116,7 +116,7 @@ def test_429_when_no_rollout_cell_has_room(harness):
     assert "cellflip_admission_rejected_total 2.0" in harness.client.get("/metrics").text
     for _ in range(10):
         cell.step(3), cell.sync()
-    assert fut.result().status_code == 200
+    assert fut.result(timeout=60).status_code == 200
 
 
 def test_session_busy_and_empty_prompt(harness):
@@ -133,7 +133,7 @@ def test_session_busy_and_empty_prompt(harness):
     assert r.status_code == 409 and r.json()["reason"] == "session_busy"
     assert harness.client.post("/v1/sessions/busy/finish", json={"reward": 1}).status_code == 409
     cell.step(2), cell.sync()
-    assert fut.result().status_code == 200
+    assert fut.result(timeout=60).status_code == 200
 
 
 def test_body_limit_counts_declared_and_chunked_bytes(tmp_path):

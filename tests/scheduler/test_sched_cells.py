@@ -82,7 +82,7 @@ def test_dead_owner_requests_reprefill_elsewhere_at_next_epoch(harness):
     a.step(1)
     assert a.sync(expect=409)["reason"] == "fenced"  # the zombie's late tokens are refused
     pump([b], until=fut)
-    out = fut.result().json()
+    out = fut.result(timeout=60).json()
     assert len(out["token_ids"]) == 6 and out["finish_reason"] == "length"
     sess = harness.client.get("/v1/sessions/s1").json()
     assert sess["token_ids"] == [1, 2, 3] + out["token_ids"]
@@ -102,7 +102,7 @@ def test_new_incarnation_fences_old_and_replaces_its_requests(harness):
     b.sync()
     assert any(c["type"] == "start" and c["epoch"] == 2 for c in b.commands)
     pump([a, b], until=fut)
-    assert fut.result().status_code == 200
+    assert fut.result(timeout=60).status_code == 200
     a.incarnation = old_inc
     assert a.sync(expect=409)["reason"] == "stale_incarnation"
 

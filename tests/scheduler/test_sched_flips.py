@@ -54,9 +54,9 @@ def test_flip_to_training_and_back_with_live_migration(harness):
     f = _state(harness, fid)
     assert f["state"] == "done" and f["migrated"] >= 1 and f["suspended"] == 0 and f["duration_s"] >= 0
     assert harness.client.get("/v1/cells/c0").json()["state"] == "training"
-    pump([c0, c1, c2], rounds=200, harness=harness, until=futs[-1])
+    pump([c0, c1, c2], rounds=400, harness=harness, until=futs)
     for fut in futs:
-        assert len(fut.result().json()["token_ids"]) == 10
+        assert len(fut.result(timeout=60).json()["token_ids"]) == 10
 
     r = _flip(harness, cell="c0", to="rollout")
     assert r.status_code == 202
@@ -135,7 +135,7 @@ def test_drain_deadline_suspends_then_resumes_elsewhere(harness):
     c1.sync()
     assert any(x["type"] == "start" and x["request_id"] == rid and x["num_generated"] == 2 for x in c1.commands)
     pump([c0, c1], until=fut, harness=harness)
-    assert len(fut.result().json()["token_ids"]) == 6
+    assert len(fut.result(timeout=60).json()["token_ids"]) == 6
 
 
 def test_no_kv_export_moves_by_reprefill(harness):
@@ -156,7 +156,7 @@ def test_no_kv_export_moves_by_reprefill(harness):
     assert start["epoch"] == 2 and start["num_generated"] >= 1
     assert _state(harness, fid)["recomputed"] == 1
     pump([src, dst], until=fut, harness=harness)
-    assert len(fut.result().json()["token_ids"]) == 6
+    assert len(fut.result(timeout=60).json()["token_ids"]) == 6
     assert 'cellflip_migrations_total{outcome="committed",path="reprefill"} 1.0' in harness.client.get("/metrics").text
 
 

@@ -48,7 +48,7 @@ def test_commit_moves_owner_and_is_idempotent(harness):
     a.pending_tokens = [{"request_id": rid, "epoch": 1, "start": 3, "records": [[5, -1.0, 0, False]], "finish_reason": None}]
     assert rid in a.sync()["rejected"]
     pump([a, b], until=fut, harness=harness)
-    out = fut.result().json()
+    out = fut.result(timeout=60).json()
     assert len(out["token_ids"]) == 12
     text = harness.client.get("/metrics").text
     assert 'cellflip_migrations_total{outcome="committed",path="kv"} 1.0' in text
@@ -125,7 +125,7 @@ def test_source_death_mid_migration_reprefills_and_commit_fails(harness):
     flip = harness.client.get("/v1/flips").json()["flips"][0]
     assert flip["state"] == "failed" and "cell lost" in flip["reason"]
     pump([b], until=fut)
-    assert len(fut.result().json()["token_ids"]) == 12
+    assert len(fut.result(timeout=60).json()["token_ids"]) == 12
 
 
 def test_integrity_check_catches_a_broken_invariant(harness):

@@ -29,7 +29,7 @@ def test_completion_tokens_logprobs_versions_and_session(harness):
     assert start["token_ids"] == [7, 8, 9] and start["prompt_len"] == 3 and start["num_generated"] == 0
     assert start["params"]["seed"] == 3 and start["params"]["max_tokens"] == 5
     pump([c], until=fut, tokens=2)
-    out = fut.result().json()
+    out = fut.result(timeout=60).json()
     assert len(out["token_ids"]) == 5 and out["finish_reason"] == "length" and out["session_id"] == "s1"
     assert out["versions"] == [0] * 5 and all(lp < 0 for lp in out["logprobs"])
     sess = harness.client.get("/v1/sessions/s1").json()
@@ -61,7 +61,7 @@ def test_streaming_sse_matches_store(harness):
     fut = harness.pool.submit(lambda: harness.client.post(
         "/v1/completions", json={"prompt_ids": [5], "max_tokens": 4, "stream": True}, headers={"X-Session-Id": "ss"}))
     pump([c], until=fut)
-    r = fut.result()
+    r = fut.result(timeout=60)
     assert r.headers["content-type"].startswith("text/event-stream")
     events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
     assert events[-1] == "[DONE]"
@@ -116,7 +116,7 @@ def test_other_cell_cannot_write_tokens(harness):
     intruder.pending_tokens.append({"request_id": rid, "epoch": 1, "start": 0, "records": [[1, -1.0, 0, False]], "finish_reason": None})
     assert intruder.sync()["rejected"] == [rid]
     pump([owner], until=fut)
-    assert fut.result().json()["finish_reason"] == "length"
+    assert fut.result(timeout=60).json()["finish_reason"] == "length"
 
 
 def test_finish_session_and_trajectories_cursor(harness):
