@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scheduler.gateway.memory import InMemoryBackend, ReplayEngine  # noqa: E402
+from scheduler.gateway.memory import InMemoryBackend, ReplayEngine, echo_assistant  # noqa: E402
 from scheduler.gateway.render import ChatRenderer, load_renderer  # noqa: E402
 from scheduler.gateway.router import make_chat_router  # noqa: E402
 from scheduler.gateway.tito import naive_rerender_drift  # noqa: E402
@@ -414,38 +414,6 @@ def load_corpus(name: str, limit: int | None = None) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- harness
-def reserialise(arguments: str, mode: str) -> str:
-    """How a harness writes tool-call arguments back into its history."""
-    obj = json.loads(arguments)
-    if mode == "python_repr":
-        return str(obj)  # False / None / single quotes
-    if mode == "json_sorted_compact":
-        return json.dumps(obj, sort_keys=True, separators=(",", ":"))
-    if mode == "json_indent":
-        return json.dumps(obj, indent=2)
-    if mode == "json_default":
-        return json.dumps(obj)
-    return arguments
-
-
-def echo_assistant(message: dict, mode: str) -> dict:
-    """The assistant message as the harness appends it (reasoning dropped)."""
-    out: dict = {"role": "assistant", "content": message.get("content")}
-    if message.get("tool_calls"):
-        out["tool_calls"] = [
-            {
-                "id": tc["id"],
-                "type": "function",
-                "function": {
-                    "name": tc["function"]["name"],
-                    "arguments": reserialise(tc["function"]["arguments"], mode),
-                },
-            }
-            for tc in message["tool_calls"]
-        ]
-    return out
-
-
 def next_messages(messages: list[dict], response: dict, turn: dict, mode: str) -> list[dict]:
     msg = response["choices"][0]["message"]
     out = messages + [echo_assistant(msg, mode)]

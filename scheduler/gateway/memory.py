@@ -13,6 +13,7 @@ few named cells, sticky across turns (the cell's cached prefix is reused) until
 
 from __future__ import annotations
 
+import json
 import zlib
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Iterable
@@ -259,3 +260,39 @@ class InMemoryBackend:
         }
         self.trajectories[session_id] = traj
         return traj
+
+
+# -- a harness writing its history back (for tests and the drift bench) ----------------
+def reserialise(arguments: str, mode: str) -> str:
+    """How a harness writes tool-call arguments back into its history."""
+    obj = json.loads(arguments)
+    if mode == "python_repr":
+        return str(obj)  # False / None / single quotes
+    if mode == "json_sorted_compact":
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    if mode == "json_indent":
+        return json.dumps(obj, indent=2)
+    if mode == "json_default":
+        return json.dumps(obj)
+    return arguments
+
+
+
+def echo_assistant(message: dict, mode: str) -> dict:
+    """The assistant message as the harness appends it (reasoning dropped)."""
+    out: dict = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [
+            {
+                "id": tc["id"],
+                "type": "function",
+                "function": {
+                    "name": tc["function"]["name"],
+                    "arguments": reserialise(tc["function"]["arguments"], mode),
+                },
+            }
+            for tc in message["tool_calls"]
+        ]
+    return out
+
+

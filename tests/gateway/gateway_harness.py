@@ -7,6 +7,8 @@ import threading
 import time
 from pathlib import Path
 
+from scheduler.gateway.memory import echo_assistant
+
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = ROOT / "bench" / "data"
 RENDERER_NAMES = ("qwen3", "deepseek-v3")
@@ -19,37 +21,6 @@ def load_corpus(name: str, ids: list[int] | None = None) -> list[dict]:
         if line.strip()
     ]
     return rows if ids is None else [rows[i] for i in ids]
-
-
-def reserialise(arguments: str, mode: str) -> str:
-    """Arguments as a harness writes them back: other spacing, Python literals, ..."""
-    obj = json.loads(arguments)
-    if mode == "python_repr":
-        return str(obj)
-    if mode == "json_sorted_compact":
-        return json.dumps(obj, sort_keys=True, separators=(",", ":"))
-    if mode == "json_indent":
-        return json.dumps(obj, indent=2)
-    if mode == "json_default":
-        return json.dumps(obj)
-    return arguments
-
-
-def echo_assistant(message: dict, mode: str) -> dict:
-    out: dict = {"role": "assistant", "content": message.get("content")}
-    if message.get("tool_calls"):
-        out["tool_calls"] = [
-            {
-                "id": tc["id"],
-                "type": "function",
-                "function": {
-                    "name": tc["function"]["name"],
-                    "arguments": reserialise(tc["function"]["arguments"], mode),
-                },
-            }
-            for tc in message["tool_calls"]
-        ]
-    return out
 
 
 def next_messages(messages: list[dict], message: dict, turn: dict, mode: str) -> list[dict]:
