@@ -175,7 +175,10 @@ class CellAgent:
                     self.register()
 
     def _has_outgoing(self) -> bool:
-        return bool(self.events) or any((o.pending or o.finish_reason) and not o.migrating for o in self.owned.values())
+        # Read without the engine lock: snapshot the values in one C-level call, since the
+        # engine loop and migration threads may add or remove entries meanwhile.
+        owned = list(self.owned.values())
+        return bool(self.events) or any((o.pending or o.finish_reason) and not o.migrating for o in owned)
 
     def _is_idle(self) -> bool:
         return not self.engine.has_work() and not self._threads
