@@ -66,6 +66,8 @@ class Owned:
     pending: list[list] = field(default_factory=list)
     finish_reason: str | None = None
     migrating: bool = False
+    parked: bool = False
+    """Suspended with its KV in host memory: it stays ours until it moves out."""
 
 
 class CellAgent:
@@ -253,12 +255,15 @@ class CellAgent:
             sender = MigrationSender(cmd, cell_id=self.cell_id, incarnation=self.incarnation,
                                      store=self.store_host.store, client=self.client, cfg=self.cfg.migration,
                                      on_engine=self.on_engine, flushed=lambda rid=cmd.request_id: self._stop_flush(rid),
-                                     synced=lambda rid=cmd.request_id: self._synced(rid))
+                                     synced=None if self.owned[cmd.request_id].parked  # no stream to settle
+                                     else (lambda rid=cmd.request_id: self._synced(rid)))
             self._spawn(sender.run, f"mig-out-{cmd.request_id}")
         elif isinstance(cmd, MigrateInCmd):
             receiver = MigrationReceiver(cmd, cell_id=self.cell_id, incarnation=self.incarnation, client=self.client,
                                          cfg=self.cfg.migration, on_engine=self.on_engine, on_commit=self._adopt)
             self._spawn(receiver.run, f"mig-in-{cmd.request_id}")
+        elif isinstance(cmd, SuspendCmd) and cmd.park:
+            self._park(cmd.request_id)
         elif isinstance(cmd, (AbortCmd, SuspendCmd)):
             self._forget(cmd.request_id, abort_engine=True)
         elif isinstance(cmd, SetRoleCmd):
@@ -268,13 +273,33 @@ class CellAgent:
 
     def _set_role(self, cmd: SetRoleCmd) -> None:
         if cmd.role == "training":
-            for rid in list(self.owned):  # anything left was suspended by the drain deadline
-                self._forget(rid, abort_engine=True)
+            for rid, o in list(self.owned.items()):  # anything else left was suspended by the drain deadline
+                if not o.parked:
+                    self._forget(rid, abort_engine=True)
             self.role.set("training", f"flip {cmd.flip_id}")
         else:
             if self.role.state == "training":
                 self.role.set("loading", f"flip {cmd.flip_id}")
             self.role.set("rollout", f"flip {cmd.flip_id}, version {self.engine.version}")
+
+    def _park(self, rid: str) -> None:
+        """Keep the request's KV in host memory, off the KV pool; its unsynced tokens still
+        ship. If the engine cannot park it (finished meanwhile, no KV export), it is dropped
+        and the scheduler, no longer seeing it reported, re-prefills it from the store."""
+        o = self.owned.get(rid)
+        park = getattr(self.engine, "park", None)
+        try:
+            if o is None or park is None:
+                raise EngineError("nothing to park" if o is None else "this engine cannot park KV")
+            nbytes = park(rid)
+        except EngineError as e:
+            if o is not None and o.finish_reason:
+                return  # it finished first: the finish ships with its last tokens
+            log.warning("park %s failed (%s): dropping it for a re-prefill", rid, e)
+            self._forget(rid, abort_engine=True)
+            return
+        o.parked = True
+        log.info("parked %s (%d bytes of KV in host memory)", rid, nbytes)
 
     def _forget(self, rid: str, abort_engine: bool) -> None:
         self.owned.pop(rid, None)

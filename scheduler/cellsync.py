@@ -25,6 +25,7 @@ from scheduler.protocol import (
 )
 from scheduler.states import CELL, set_state
 from scheduler.store_fleet import CellRow
+from scheduler.store_owners import OWNED_REQUEST_STATES
 
 if TYPE_CHECKING:
     from scheduler.controller import Controller, Effects
@@ -142,7 +143,7 @@ def fence_in_tx(ctl: Controller, fx: Effects, row: CellRow, reason: str) -> None
         if row.id in (mig.src, mig.dst):
             other = mig.dst if mig.src == row.id else mig.src
             migrations.abort_in_tx(ctl, fx, mig, f"{row.id} fenced: {reason}", restore=True, tell=(other,))
-    for req in ctl.store.owners.requests_on(row.id):
+    for req in ctl.store.owners.requests_on(row.id, OWNED_REQUEST_STATES):
         ownership.revoke(ctl, fx, req, f"owner {row.id} fenced: {reason}")
     flip = ctl.store.fleet.active_flip_for(row.id)
     if flip is not None:

@@ -126,6 +126,10 @@ class MigrationConfig(_Strict):
     KV migration do; kept for comparison)."""
     version_policy: Literal["same_version", "recompute"] = "same_version"
     """Destination preference when versions differ; otherwise recompute on its version."""
+    park_on_deadline: bool = True
+    """At a drain deadline, requests that found no destination keep their KV in the draining
+    cell's host memory (parked) and move on by KV migration once a cell has room; off (or a
+    cell that cannot export KV): they are dropped there and re-prefilled later."""
 
 
 class VersionsConfig(_Strict):

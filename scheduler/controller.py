@@ -138,7 +138,7 @@ class Controller:
         counts = self.store.owners.count_requests()
         return Snapshot(tuple(views), versions.current_version(self), self.cfg.min_rollout_cells,
                         finished_waiting=self.store.sessions.finished_after(self.trajectory_cursor),
-                        queued_requests=counts.get("queued", 0) + counts.get("suspended", 0))
+                        queued_requests=counts.get("queued", 0) + counts.get("suspended", 0) + counts.get("parked", 0))
 
     def snapshot_version(self, cell_id: str) -> int | None:
         """The weight version a cell serves, as last reported (else as registered)."""

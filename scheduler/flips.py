@@ -148,8 +148,12 @@ def _drain(ctl: Controller, fx: Effects, flip: FlipRow, cell: CellRow) -> None:
         finish(ctl, fx, flip, "rolled_back", "rollout capacity fell under min_rollout_cells")
         return
     if live and now >= deadline:
+        park = ctl.mig_cfg.park_on_deadline and bool(cell.capabilities.get("kv_export"))
         for req in live:
-            ownership.revoke(ctl, fx, req, f"drain deadline of flip {flip.id}", to="suspended")
+            if park:
+                ownership.park(ctl, fx, req, f"drain deadline of flip {flip.id}")
+            else:
+                ownership.revoke(ctl, fx, req, f"drain deadline of flip {flip.id}", to="suspended")
             flip.suspended += 1
         ctl.store.fleet.put_flip(flip)
         live = []

@@ -52,13 +52,13 @@ def judge(req: RequestRow | None, cell_id: str, batch: TokenBatch, stored: list[
         return Verdict(False, reason="stale_epoch")
     n = req.num_generated
     if batch.start > n:
-        return Verdict(False, reason="gap", revoke=req.is_live)
+        return Verdict(False, reason="gap", revoke=req.is_owned)
     overlap = batch.records[: n - batch.start]
     for s, r in zip(stored, overlap, strict=False):
         if (s[0], s[2], s[3]) != (r[0], float(r[1]), r[2]):
-            return Verdict(False, reason="mismatch", revoke=req.is_live, drift=True)
+            return Verdict(False, reason="mismatch", revoke=req.is_owned, drift=True)
     new = list(batch.records[n - batch.start:])
-    if not req.is_live and new:
+    if not req.is_owned and new:
         return Verdict(False, reason="not_running")
     return Verdict(True, new=new)
 
@@ -91,7 +91,7 @@ def accept_tokens(ctl: Controller, fx: Effects, cell_id: str, batches: list[Toke
             ctl.store.owners.set_num_generated(req.id, req.num_generated)
             fx.later(lambda k=len(v.new): ctl.metrics.tokens_generated.inc(k))
             fx.notify(("req", req.id))
-        if b.finish_reason is not None and req.is_live:
+        if b.finish_reason is not None and req.is_owned:
             finishes.append((req.id, b.finish_reason))
     return rejected, revokes, finishes
 
@@ -100,11 +100,11 @@ def apply_outcomes(ctl: Controller, fx: Effects, revokes: list[tuple[str, str]],
     """Phase 2 (durable txn): ownership changes decided in phase 1."""
     for rid, reason in revokes:
         req = ctl.store.owners.get_request(rid)
-        if req is not None and req.is_live:
+        if req is not None and req.is_owned:
             ownership.revoke(ctl, fx, req, reason)
     for rid, finish_reason in finishes:
         req = ctl.store.owners.get_request(rid)
-        if req is not None and req.is_live:
+        if req is not None and req.is_owned:
             ownership.finish(ctl, fx, req, finish_reason)
 
 

@@ -51,7 +51,7 @@ def start(ctl: Controller, fx: Effects, req: RequestRow, src: CellRow, dst: Cell
     kv = bool(src.capabilities.get("kv_export")) and bool(dst.capabilities.get("kv_export")) and src_v == dst_v
     kv = kv and hint != "reprefill"
     mig = MigrationRow(f"mig-{uuid.uuid4().hex[:16]}", req.id, src.id, dst.id, req.epoch, "pending",
-                       "kv" if kv else "reprefill", flip.id if flip else None)
+                       "kv" if kv else "reprefill", flip.id if flip else None, src_state=req.state)
     mig.history.append(("pending", time.time(), f"{src.id} -> {dst.id}"))
     if not kv:  # ownership moves now; the destination re-prefills from the session store
         set_state(MIGRATION, mig, "committed", "re-prefill: no KV path between these cells")
@@ -86,7 +86,8 @@ def abort_in_tx(ctl: Controller, fx: Effects, mig: MigrationRow, reason: str, *,
     ctl.migration_started.pop(mig.id, None)
     req = ctl.store.owners.get_request(mig.request_id)
     if restore and req is not None and req.state == "migrating":
-        req.state = "running"
+        REQUEST.check("migrating", mig.src_state)
+        req.state = mig.src_state
         ctl.store.owners.put_request(req)
     rid, mid, path = mig.request_id, mig.id, mig.path
     for cell_id in tell:

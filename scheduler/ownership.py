@@ -14,7 +14,7 @@ from scheduler import migrations
 from scheduler.placement import RequestSummary, Snapshot, choose_destination
 from scheduler.protocol import AbortCmd, StartCmd, SuspendCmd
 from scheduler.states import REQUEST
-from scheduler.store_owners import WAITING_REQUEST_STATES, RequestRow
+from scheduler.store_owners import OWNED_REQUEST_STATES, WAITING_REQUEST_STATES, RequestRow
 
 if TYPE_CHECKING:
     from scheduler.controller import Controller, Effects
@@ -55,6 +55,22 @@ def revoke(ctl: Controller, fx: Effects, req: RequestRow, reason: str, to: str =
     ctl.kick()
 
 
+def park(ctl: Controller, fx: Effects, req: RequestRow, reason: str) -> None:
+    """Suspend a request in place: its owner keeps the KV in host memory and stays the owner
+    (same epoch, so the tokens it already sampled still land); a later `place_waiting` moves
+    it out by KV migration. A pending migration is aborted first (the source keeps it)."""
+    pending = ctl.store.owners.pending_migration_for(req.id)
+    if pending is not None:
+        migrations.abort_in_tx(ctl, fx, pending, f"request parked: {reason}", tell=(pending.dst,))
+        req = ctl.store.owners.get_request(req.id)
+    REQUEST.check(req.state, "parked")
+    req.state, req.reason = "parked", reason
+    ctl.store.owners.put_request(req)
+    ctl.assigned_at.pop(req.id, None)
+    rid = req.id
+    fx.send(req.cell_id, lambda i: SuspendCmd(i, rid, park=True))
+
+
 def finish(ctl: Controller, fx: Effects, req: RequestRow, reason: str) -> None:
     """The owner reported a finish reason: close the request (its session stays open)."""
     pending = ctl.store.owners.pending_migration_for(req.id)
@@ -88,18 +104,28 @@ def bump(snapshot: Snapshot, cell_id: str) -> Snapshot:
 
 
 def place_waiting(ctl: Controller) -> int:
-    """Resume queued and suspended requests by re-prefill on cells with room; returns count."""
-    waiting = ctl.store.owners.requests_in(WAITING_REQUEST_STATES, limit=MAX_PLACEMENTS_PER_TICK)
+    """Resume waiting requests on cells with room, oldest first; returns count. Queued and
+    suspended ones re-prefill; parked ones move out of their parked copy by KV migration
+    (re-prefill where the planner finds no KV path)."""
+    waiting = ctl.store.owners.requests_in((*WAITING_REQUEST_STATES, "parked"), limit=MAX_PLACEMENTS_PER_TICK)
     if not waiting:
         return 0
     snapshot = ctl.snapshot()
     placed = 0
     with ctl.txn(durable=True) as fx:
         for req in waiting:
-            dst = choose_destination(snapshot, None, summarize(ctl, req))
+            parked_on = ctl.store.fleet.get_cell(req.cell_id) if req.state == "parked" else None
+            if req.state == "parked" and (parked_on is None or parked_on.id not in ctl.registry.live):
+                continue  # its owner is not live: fencing re-queues it
+            dst = choose_destination(snapshot, req.cell_id, summarize(ctl, req))
             if dst is None:
                 break
-            assign(ctl, fx, req, dst.cell_id)
+            if parked_on is not None:
+                dst_row = ctl.store.fleet.get_cell(dst.cell_id)
+                assert dst_row is not None
+                migrations.start(ctl, fx, req, parked_on, dst_row, None, dst.path)
+            else:
+                assign(ctl, fx, req, dst.cell_id)
             snapshot = bump(snapshot, dst.cell_id)
             placed += 1
     return placed
@@ -119,8 +145,8 @@ def reconcile_reports(ctl: Controller) -> None:
         if entry.summary is None:
             continue
         reported = set(entry.summary.request_ids)
-        owned = ctl.store.owners.requests_on(cell_id)
-        lost = [r for r in owned if r.state == "running" and r.id not in reported
+        owned = ctl.store.owners.requests_on(cell_id, OWNED_REQUEST_STATES)
+        lost = [r for r in owned if r.state in ("running", "parked") and r.id not in reported
                 and entry.summary_at - ctl.assigned_at.get(r.id, ctl.started_at) > lease]
         if lost:
             with ctl.txn(durable=True) as fx:
@@ -143,12 +169,12 @@ def integrity_problems(ctl: Controller) -> list[str]:
     problems = []
     pending = {m.request_id: m for m in ctl.store.owners.pending_migrations()}
     cells = {c.id: c for c in ctl.store.fleet.list_cells()}
-    for req in ctl.store.owners.requests_in(("queued", "suspended", "running", "migrating"), limit=1 << 30):
-        if req.is_live and req.cell_id is None:
+    for req in ctl.store.owners.requests_in((*WAITING_REQUEST_STATES, *OWNED_REQUEST_STATES), limit=1 << 30):
+        if req.is_owned and req.cell_id is None:
             problems.append(f"{req.id} is {req.state} without an owner")
-        if not req.is_live and req.cell_id is not None:
+        if not req.is_owned and req.cell_id is not None:
             problems.append(f"{req.id} is {req.state} but owned by {req.cell_id}")
-        if req.is_live and req.cell_id in cells and cells[req.cell_id].state == "down":
+        if req.is_owned and req.cell_id in cells and cells[req.cell_id].state == "down":
             problems.append(f"{req.id} is owned by down cell {req.cell_id}")
         m = pending.pop(req.id, None)
         if (req.state == "migrating") != (m is not None):

@@ -76,10 +76,12 @@ class AbortCmd(Command):
 
 @dataclass
 class SuspendCmd(Command):
-    """Stop the request and free its blocks; the scheduler resumes it later by re-prefill."""
+    """Stop the request. `park`: keep its KV in host memory (the cell stays its owner and it
+    moves on later by KV migration); otherwise free everything (re-prefilled later)."""
 
     TYPE: ClassVar[str] = "suspend"
     request_id: str
+    park: bool = False
 
 
 @dataclass

@@ -71,7 +71,7 @@ def _refresh_gauges(ctl: Controller, now: float) -> None:
         m.inflight.labels(c.id).set(owned.get(c.id, 0))
         m.kv_blocks_used.labels(c.id).set(entry.summary.kv_blocks_used if entry and entry.summary else 0)
     counts = ctl.store.owners.count_requests()
-    m.waiting.set(counts.get("queued", 0) + counts.get("suspended", 0))
+    m.waiting.set(counts.get("queued", 0) + counts.get("suspended", 0) + counts.get("parked", 0))
     if now - ctl.last_slow_tick < SLOW_GAUGES_EVERY_S:
         return
     ctl.last_slow_tick = now

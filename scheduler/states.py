@@ -98,6 +98,7 @@ REQUEST_TRANSITIONS: dict[str, dict[str, str]] = {
         "migrating": "a migration to another cell is pending",
         "queued": "owner lost or revoked: re-prefill from the session store elsewhere",
         "suspended": "drain deadline passed with no destination",
+        "parked": "drain deadline passed with no destination: KV parked in the owner's host memory",
         "finished": "the owner reported a finish reason",
         "failed": "dropped by policy",
     },
@@ -105,7 +106,14 @@ REQUEST_TRANSITIONS: dict[str, dict[str, str]] = {
         "running": "migration committed (new owner) or aborted (source keeps decoding)",
         "queued": "source lost mid-migration: re-prefill elsewhere",
         "suspended": "drain deadline passed during the migration",
+        "parked": "a move out of the parked copy was aborted: it stays parked",
         "finished": "the source finished the request before the commit",
+        "failed": "dropped by policy",
+    },
+    "parked": {
+        "migrating": "capacity came back: moved out of the parked copy by KV migration",
+        "queued": "parked copy lost (owner fenced) or unusable: re-prefill from the session store",
+        "finished": "the owner finished the request before it parked",
         "failed": "dropped by policy",
     },
     "suspended": {

@@ -48,7 +48,8 @@ CREATE INDEX IF NOT EXISTS requests_session ON requests(session_id, state);
 CREATE TABLE IF NOT EXISTS migrations(
   id TEXT PRIMARY KEY, request_id TEXT NOT NULL, src TEXT NOT NULL, dst TEXT NOT NULL,
   epoch INTEGER NOT NULL, state TEXT NOT NULL, path TEXT NOT NULL, flip_id TEXT, reason TEXT,
-  created_at REAL NOT NULL, finished_at REAL, history TEXT NOT NULL);
+  created_at REAL NOT NULL, finished_at REAL, history TEXT NOT NULL,
+  src_state TEXT NOT NULL DEFAULT 'running');
 CREATE INDEX IF NOT EXISTS migrations_state ON migrations(state, request_id);
 CREATE TABLE IF NOT EXISTS sessions(
   id TEXT PRIMARY KEY, state TEXT NOT NULL, length INTEGER NOT NULL, segment_starts TEXT NOT NULL,

@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     from scheduler.store import Store
 
 LIVE_REQUEST_STATES = ("running", "migrating")
+"""Decoding (or moving) on their owner: what a cell's load and a drain count."""
+OWNED_REQUEST_STATES = (*LIVE_REQUEST_STATES, "parked")
+"""Held by a cell: live ones, and parked ones whose KV waits in the owner's host memory."""
 WAITING_REQUEST_STATES = ("queued", "suspended")
 
 
@@ -41,6 +44,10 @@ class RequestRow:
         return self.state in LIVE_REQUEST_STATES
 
     @property
+    def is_owned(self) -> bool:
+        return self.state in OWNED_REQUEST_STATES
+
+    @property
     def num_tokens(self) -> int:
         """Context length: prompt plus generated so far."""
         return self.base - self.prompt_start + self.num_generated
@@ -60,10 +67,13 @@ class MigrationRow:
     created_at: float = field(default_factory=time.time)
     finished_at: float | None = None
     history: list = field(default_factory=list)
+    src_state: str = "running"
+    """The request's state before the move ("running", or "parked" for a move out of a parked
+    copy): where an aborted migration puts it back."""
 
 
 _REQ_COLS = "id, session_id, base, prompt_start, num_generated, params, cell_id, epoch, state, reason, created_at, updated_at"
-_MIG_COLS = "id, request_id, src, dst, epoch, state, path, flip_id, reason, created_at, finished_at, history"
+_MIG_COLS = "id, request_id, src, dst, epoch, state, path, flip_id, reason, created_at, finished_at, history, src_state"
 
 
 def _req(r: tuple) -> RequestRow:
@@ -71,7 +81,7 @@ def _req(r: tuple) -> RequestRow:
 
 
 def _mig(r: tuple) -> MigrationRow:
-    return MigrationRow(*r[:11], loads(r[11]))
+    return MigrationRow(*r[:11], loads(r[11]), r[12])
 
 
 class OwnerStore:
@@ -130,9 +140,9 @@ class OwnerStore:
 
     def put_migration(self, m: MigrationRow) -> None:
         self.s.execute(
-            f"INSERT OR REPLACE INTO migrations({_MIG_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            f"INSERT OR REPLACE INTO migrations({_MIG_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (m.id, m.request_id, m.src, m.dst, m.epoch, m.state, m.path, m.flip_id, m.reason,
-             m.created_at, m.finished_at, dumps(m.history)),
+             m.created_at, m.finished_at, dumps(m.history), m.src_state),
         )
 
     def pending_migrations(self) -> list[MigrationRow]:

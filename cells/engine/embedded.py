@@ -149,7 +149,7 @@ class EmbeddedEngine(HandoverMixin, Engine):
             self.pool.free(request_id)
 
     def num_inflight(self) -> int:
-        return len(self.requests)
+        return sum(r.status != "parked" for r in self.requests.values())
 
     # -- the step ---------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
@@ -265,7 +265,8 @@ class EmbeddedEngine(HandoverMixin, Engine):
     def summary(self) -> dict:
         cached = sum(len(self.pool.tables.get(h.owner, ())) for h in self.prefix_cache.values())
         return {
-            "inflight": len(self.requests),
+            "inflight": self.num_inflight(),
+            "parked": self.parked(),
             "kv_blocks_used": self.pool.num_used - cached,  # cached prefixes are reclaimable
             "kv_blocks_cached": cached,
             "kv_blocks_total": self.pool.num_blocks,

@@ -5,6 +5,9 @@ Source side: `export_kv` copies a block range while the request keeps decoding (
 send only blocks completed since the last round); `pause` stops it for the stop-and-copy;
 `snapshot` carries position, sampling params and only the records added since a given index;
 `release` frees it after the commit, `resume` continues it after an abort.
+Parking (suspension when no cell has room): `park` copies the KV to host memory and frees the
+request's blocks; a parked request never decodes here again, but every source-side call above
+works on it (exports read the host copy), so it moves on by an ordinary migration.
 Destination side: `reserve` → `import_kv` (per round) → `import_request` (paused) → `resume`.
 A destination never decodes an imported request before `resume`, and `release` drops it
 (watchdog or aborted migration).
@@ -44,12 +47,40 @@ class HandoverMixin:
         req = self._req(request_id)
         if not (0 <= start <= end <= self.pool.blocks_for(req.num_computed)):
             raise EngineError(f"block range [{start}, {end}) outside computed blocks of {request_id}")
+        if req.status == "parked":
+            return req.parked_kv[:, :, start:end]
         return self.pool.export_blocks(request_id, start, end)
+
+    def park(self, request_id: str) -> int:
+        """Suspend a request with its KV kept in host memory and its blocks returned to the
+        pool; returns the bytes parked. Idempotent. A request without KV parks with none."""
+        req = self._req(request_id)
+        if req.status == "parked":
+            return self._parked_bytes(req)
+        self.batcher.remove(req)
+        n = self.pool.blocks_for(req.num_computed)
+        if n > len(self.pool.tables.get(request_id, ())):
+            raise EngineError(f"{request_id}: KV of {req.num_computed} tokens is not resident")
+        data = self.pool.export_blocks(request_id, 0, n)  # a copy, off the pool
+        req.parked_kv = data.cpu() if data.device.type != "cpu" else data
+        self.pool.free(request_id)
+        req.status = "parked"
+        return self._parked_bytes(req)
+
+    @staticmethod
+    def _parked_bytes(req: Request) -> int:
+        t = req.parked_kv
+        return 0 if t is None else t.numel() * t.element_size()
+
+    def parked(self) -> list[str]:
+        return sorted(rid for rid, r in self.requests.items() if r.status == "parked")
 
     def pause(self, request_id: str) -> None:
         """Stop decoding one request, keeping its blocks (stop-and-copy). A request that had
         been preempted (no KV) is paused too: its importer re-prefills."""
         req = self._req(request_id)
+        if req.status == "parked":
+            return  # already still, its KV in host memory
         self.batcher.remove(req)
         req.status = "paused"
 
@@ -81,6 +112,8 @@ class HandoverMixin:
     def resume(self, request_id: str) -> None:
         """Continue a paused request (destination after commit, or source after an abort)."""
         req = self._req(request_id)
+        if req.status == "parked":
+            return  # an aborted move out of the parked copy: it stays parked
         if req.status != "paused":
             raise EngineError(f"request {request_id} is {req.status}, not paused")
         req.status = "running" if req.num_computed else "waiting"

@@ -124,3 +124,44 @@ def test_snapshot_records_do_not_grow_with_context():
     snap = src.snapshot("r", records_from=20, token_ids_from=src.snapshot("r").num_tokens)
     assert len(snap.records) == 5 and snap.records_from == 20 and snap.token_ids == []
     assert snap.to_dict()["params"]["seed"] == 100
+
+
+def test_parked_request_frees_its_blocks_and_moves_on_token_identical():
+    """Suspension with the KV in host memory: the parked request stops, its blocks return to
+    the pool, and a later hand-over from the host copy continues it token for token."""
+    ps = prompts(3, seed=23)
+    pars = [params(i, max_tokens=24) for i in range(3)]
+    ref = _reference(True, ps, pars)
+    src, dst = make_engine(True), make_engine(True)
+    for i in range(3):
+        src.add_request(f"r{i}", ps[i], pars[i])
+    got = {}
+    for _ in range(7):
+        for ev in src.step():
+            got.setdefault(ev.request_id, []).append(ev.record.token_id)
+    before = src.export_kv("r2", 0, src.num_kv_blocks("r2"))
+    used = src.pool.num_used
+    nbytes = src.park("r2")
+    assert nbytes == before.numel() * before.element_size() > 0
+    assert src.park("r2") == nbytes  # idempotent
+    assert src.pool.num_used == used - before.shape[2]
+    assert src.parked() == ["r2"] and src.num_inflight() == 2
+    assert src.summary()["parked"] == ["r2"] and "r2" in src.summary()["request_ids"]
+    for k, evs in run_all(src).items():  # the others finish; the parked one never decodes
+        got.setdefault(k, []).extend(e.record.token_id for e in evs)
+    assert "r2" in src.requests and src.pool.num_used == 0
+    assert torch.equal(src.export_kv("r2", 0, before.shape[2]), before)
+    src.resume("r2")  # an aborted move out: it stays parked
+    assert src.parked() == ["r2"]
+    snap = src.snapshot("r2")
+    assert dst.reserve("r2", snap.num_tokens, headroom_blocks=2)
+    src.pause("r2")
+    dst.import_kv("r2", 0, src.export_kv("r2", 0, src.num_kv_blocks("r2")))
+    dst.import_request(src.snapshot("r2"))
+    dst.resume("r2")
+    src.release("r2")
+    for k, evs in run_all(dst).items():
+        got.setdefault(k, []).extend(e.record.token_id for e in evs)
+    assert got == ref
+    assert src.requests == {} and src.pool.num_used == 0 and dst.pool.num_used == 0
+    src.pool.check_integrity()

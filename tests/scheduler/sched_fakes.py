@@ -26,19 +26,19 @@ class FakeClock:
         self.t += dt
 
 
-def make_config(**sched) -> CellflipConfig:
+def make_config(migration: dict | None = None, **sched) -> CellflipConfig:
     base = {"lease_s": 5.0, "heartbeat_s": 0.5, "min_rollout_cells": 1, "drain_deadline_s": 30.0}
     base.update(sched)
-    return CellflipConfig(scheduler=SchedulerConfig(**base), migration=MigrationConfig())
+    return CellflipConfig(scheduler=SchedulerConfig(**base), migration=MigrationConfig(**(migration or {})))
 
 
 class Harness:
     """A TestClient on an app with a fake clock and no background loop."""
 
-    def __init__(self, db_path: str, clock: FakeClock | None = None, **sched) -> None:
+    def __init__(self, db_path: str, clock: FakeClock | None = None, migration: dict | None = None, **sched) -> None:
         self.db_path = db_path
         self.clock = clock or FakeClock()
-        self.app = create_app(make_config(**sched), db_path=db_path, clock=self.clock, tick_interval_s=None)
+        self.app = create_app(make_config(migration, **sched), db_path=db_path, clock=self.clock, tick_interval_s=None)
         self.client = TestClient(self.app)
         self.client.__enter__()
         self.pool = ThreadPoolExecutor(4)
@@ -92,6 +92,7 @@ class Held:
     synced: int = 0
     """Generated tokens the scheduler acknowledged."""
     stopped: bool = False
+    parked: bool = False
     """Stopped for a migration's stop-and-copy."""
     incoming: str | None = None
     """Migration id when this copy is an import not yet committed."""
@@ -159,6 +160,8 @@ class FakeCell:
             h = Held(cmd["request_id"], cmd["epoch"], cmd["session_id"], cmd["token_ids"][:plen],
                      [[tok, -0.5, self.version or 0, False] for tok in gen], cmd["params"]["max_tokens"], synced=n)
             self.held[h.request_id] = h
+        elif t == "suspend" and cmd.get("park") and cmd["request_id"] in self.held:
+            self.held[cmd["request_id"]].parked = True  # kept, never decoded here again
         elif t in ("abort", "suspend"):
             self.held.pop(cmd["request_id"], None)
         elif t == "set_role":
@@ -177,7 +180,7 @@ class FakeCell:
     def step(self, n: int = 1) -> None:
         """Decode n tokens for every running request (queued for the next sync)."""
         for h in list(self.held.values()):
-            if h.stopped or h.incoming:
+            if h.stopped or h.incoming or h.parked:
                 continue
             start = len(h.tokens)
             new = []

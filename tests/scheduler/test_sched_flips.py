@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from sched_fakes import FakeCell, hand_over, keep_alive, open_harness, pump, until_held
+from sched_fakes import FakeCell, Harness, hand_over, keep_alive, open_harness, pump, until_held
 
 
 @pytest.fixture
@@ -107,7 +107,9 @@ def test_count_flip_drains_idle_cell_quickly(harness):
     assert states == ["rollout", "training", "training"]
 
 
-def test_drain_deadline_suspends_then_resumes_elsewhere(harness):
+def _full_fleet_at_deadline(harness):
+    """c0 holds a request and drains to training while c1, the only other cell, is full;
+    the drain deadline passes. Returns (c0, c1, future, flip id)."""
     c0 = _fleet(harness, 1, max_running=2)[0]
     fut = harness.complete({"prompt_ids": [9], "max_tokens": 6}, session="d")
     until_held(c0, fut)
@@ -122,20 +124,89 @@ def test_drain_deadline_suspends_then_resumes_elsewhere(harness):
     keep_alive(harness, [c0, c1], 31.0)
     harness.tick()
     c0.sync()
-    assert not c0.held and any(x["type"] == "suspend" for x in c0.commands)
-    rid = next(x["request_id"] for x in c0.commands if x["type"] == "suspend")
-    req = harness.ctl.store.owners.get_request(rid)
-    assert req.state == "suspended" and req.epoch == 2
-    assert _state(harness, fid)["suspended"] == 1
+    return c0, c1, fut, fid
+
+
+def _free(harness, c1):
     c1.held.clear()  # free c1 (its request finishes)
     c1.pending_tokens.append({"request_id": next(iter(harness.ctl.store.owners.requests_on("c1"))).id, "epoch": 1,
                               "start": 0, "records": [[1, -1.0, 0, False]], "finish_reason": "stop"})
     c1.sync()
     harness.tick()
-    c1.sync()
-    assert any(x["type"] == "start" and x["request_id"] == rid and x["num_generated"] == 2 for x in c1.commands)
+
+
+def test_drain_deadline_parks_the_kv_then_moves_it_out_when_room_returns(harness):
+    c0, c1, fut, fid = _full_fleet_at_deadline(harness)
+    cmd = next(x for x in c0.commands if x["type"] == "suspend")
+    rid = cmd["request_id"]
+    assert cmd["park"] is True and c0.held[rid].parked  # the KV stays on c0, in host memory
+    req = harness.ctl.store.owners.get_request(rid)
+    assert (req.state, req.cell_id, req.epoch) == ("parked", "c0", 1)
+    assert _state(harness, fid)["suspended"] == 1
+    harness.check()
+    # the flip completes with the parked request still on the (now training) cell
+    for _ in range(5):
+        harness.tick(), c0.sync()
+    assert _state(harness, fid)["state"] == "done" and c0.role == "training"
+    assert c0.held[rid].parked
+    _free(harness, c1)
+    c0.sync(), c1.sync()
+    mid = next(m for m, x in c0.migrations_out.items() if x["request_id"] == rid)
+    assert any(x["type"] == "migrate_in" and x["migration_id"] == mid for x in c1.commands)
+    assert harness.ctl.store.owners.get_request(rid).state == "migrating"
+    assert hand_over(c0, c1, mid) == 2  # KV migration out of the parked copy: no re-prefill
+    assert not any(x["type"] == "start" and x["request_id"] == rid for x in c1.commands)
     pump([c0, c1], until=fut, harness=harness)
     assert len(fut.result(timeout=60).json()["token_ids"]) == 6
+
+
+def test_aborted_move_out_of_a_parked_copy_leaves_it_parked(harness):
+    c0, c1, fut, fid = _full_fleet_at_deadline(harness)
+    rid = next(x for x in c0.commands if x["type"] == "suspend")["request_id"]
+    _free(harness, c1)
+    c0.sync()
+    mid = next(m for m, x in c0.migrations_out.items() if x["request_id"] == rid)
+    assert c1.abort_migration(mid, "no blocks after all").status_code == 200
+    req = harness.ctl.store.owners.get_request(rid)
+    assert (req.state, req.cell_id, req.epoch) == ("parked", "c0", 1)
+    harness.check()
+    c0.migrations_out.clear()
+    harness.tick(), c0.sync(), c1.sync()  # tried again on the next tick
+    mid = next(m for m, x in c0.migrations_out.items() if x["request_id"] == rid)
+    hand_over(c0, c1, mid)
+    pump([c0, c1], until=fut, harness=harness)
+    assert len(fut.result(timeout=60).json()["token_ids"]) == 6
+
+
+def test_parked_copy_lost_with_its_cell_is_re_prefilled(harness):
+    c0, c1, fut, fid = _full_fleet_at_deadline(harness)
+    rid = next(x for x in c0.commands if x["type"] == "suspend")["request_id"]
+    _free(harness, c1)
+    keep_alive(harness, [c1], 6.0)  # c0 goes silent past its lease: fenced, the copy is gone
+    harness.tick(), c1.sync()
+    req = harness.ctl.store.owners.get_request(rid)
+    assert req.cell_id == "c1" and req.epoch == 2
+    assert any(x["type"] == "start" and x["request_id"] == rid and x["num_generated"] == 2 for x in c1.commands)
+    pump([c1], until=fut, harness=harness)
+    assert len(fut.result(timeout=60).json()["token_ids"]) == 6
+
+
+def test_drain_deadline_without_parking_suspends_then_resumes_by_re_prefill(tmp_path):
+    harness = Harness(str(tmp_path / "s.sqlite"), migration={"park_on_deadline": False})
+    try:
+        c0, c1, fut, fid = _full_fleet_at_deadline(harness)
+        assert not c0.held and any(x["type"] == "suspend" for x in c0.commands)
+        rid = next(x["request_id"] for x in c0.commands if x["type"] == "suspend")
+        req = harness.ctl.store.owners.get_request(rid)
+        assert req.state == "suspended" and req.epoch == 2
+        assert _state(harness, fid)["suspended"] == 1
+        _free(harness, c1)
+        c1.sync()
+        assert any(x["type"] == "start" and x["request_id"] == rid and x["num_generated"] == 2 for x in c1.commands)
+        pump([c0, c1], until=fut, harness=harness)
+        assert len(fut.result(timeout=60).json()["token_ids"]) == 6
+    finally:
+        harness.close()
 
 
 def test_no_kv_export_moves_by_reprefill(harness):

@@ -1,0 +1,456 @@
+"""The trainer's version host: every unretired weight version in host memory, broadcast to
+rollout cells and served point to point to cells that missed it.
+
+One line: put → broadcast (trainer = rank 0 of a fresh group) → cells outside it take a
+catch-up ticket → header → buckets → verdict → drop when the version is retired.
+
+Store keys, in the host's own TCPStore (JSON values only, nothing pickled):
+  {ns}/bc/{version}/...     the broadcast's control exchange (see cells/transport/broadcast.py)
+  {ns}/catchup/next         ticket counter; a client takes `n = add(next, 1)`
+  {ns}/catchup/req/{n}      client: {"cell": cell_id, "version": v}; the server deletes it
+                            once read
+  pair/{ns}/catchup/{n}/    rendezvous of ticket n's PairChannel (host rank 0, cell rank 1)
+On that channel the host first sends a JSON header, {"ok": true} or {"ok": false, "error":
+"version 7 is not held (held: [5, 6])"}, then (if ok) the version by `send_version_p2p`.
+
+Guarantees:
+- A held version never changes: `put` keeps its own contiguous CPU copy, and a second `put`
+  of that version must be bitwise identical. A transfer holds its own reference, so a
+  `drop` during a catch-up or broadcast of that version does not disturb it.
+- Tickets are dispatched in ticket order as their requests appear, at most
+  `max_concurrent_catchups` at once, each on its own thread with its own store connection.
+  A ticket whose request does not appear within `request_timeout_s` (a client that died
+  between `add` and `set`) is skipped, and it never delays later tickets meanwhile; a client
+  that dies mid-transfer fails only its own worker, within one op timeout.
+- The cell side returns only tensors whose every bucket matched its CRC32; any other outcome
+  is an exception (`fetch_version`) or a reason (`receive_broadcast`), never a partial
+  version.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed import Store
+
+from cells.transport.broadcast import BroadcastResult, WeightReceiver, WeightSender
+from cells.transport.buckets import DEFAULT_BUCKET_BYTES, Manifest, byte_view
+from cells.transport.catchup import recv_version_p2p, send_version_p2p
+from cells.transport.p2p import PairChannel, TransferError
+from cells.transport.store import POLL_S, StoreAddress, StoreHost, connect, get_json, set_json
+
+log = logging.getLogger("cellflip.versions")
+
+REQUEST_TIMEOUT_S = 5.0
+"""How long a taken ticket may stay without its request before the server skips it: a live
+client writes it right after `add`, so only a dead one takes this long."""
+
+CLOSE_GRACE_S = 5.0
+"""How long `close` waits for catch-ups in flight before leaving them to their own timeouts."""
+
+_ERROR_BACKOFF_S = 0.5
+"""Pause of the server loop after a store error, so that a gone store is not hammered."""
+
+
+class VersionUnavailable(TransferError):
+    """The host does not hold the requested version (never put, or dropped already)."""
+
+
+class Received(NamedTuple):
+    """Outcome of `receive_broadcast`: verified tensors, or None and the reason why not."""
+
+    tensors: dict[str, torch.Tensor] | None
+    error: str | None
+
+
+def _catchup_key(namespace: str, *parts: object) -> str:
+    return "/".join([namespace, "catchup", *map(str, parts)])
+
+
+def _host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A contiguous CPU copy of every tensor, detached from autograd and from the caller's
+    storage: the next optimizer step updates parameters in place."""
+    out = {}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        out[name] = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())
+    return out
+
+
+def _same_content(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Bitwise equality of two versions: names in order, dtypes, shapes and bytes (NaN == NaN)."""
+    return list(a) == list(b) and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(byte_view(a[k]), byte_view(b[k]))
+        for k in a
+    )
+
+
+class VersionHost:
+    """Holds the trainer's unretired weight versions and serves them to rollout cells.
+
+    Lives in the trainer process. `address` is what the trainer tells the scheduler; cells
+    reach the host with `receive_broadcast` (when named in a broadcast) or `fetch_version`
+    (any time, once `start()` has run). `put`/`get`/`drop` may be called from any thread
+    while broadcasts and catch-ups run.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = 30.0,
+        join_timeout_s: float = 30.0,
+        namespace: str = "versions",
+        max_concurrent_catchups: int = 4,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+    ) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        if max_concurrent_catchups < 1:
+            raise ValueError(f"max_concurrent_catchups must be >= 1, got {max_concurrent_catchups}")
+        self.bucket_bytes, self.timeout_s, self.join_timeout_s = bucket_bytes, timeout_s, join_timeout_s
+        self.namespace, self.request_timeout_s = namespace, request_timeout_s
+        self._store_host = StoreHost(host, port, timeout_s=timeout_s)
+        self._address = self._store_host.address
+        self._lock = threading.Lock()
+        self._versions: dict[int, dict[str, torch.Tensor]] = {}
+        self._broadcasting: set[int] = set()
+        self._slots = threading.BoundedSemaphore(max_concurrent_catchups)
+        self._stop = threading.Event()
+        self._server: threading.Thread | None = None
+        self._workers: set[threading.Thread] = set()
+        self._stats = {"dispatched": 0, "served": 0, "refused": 0, "failed": 0, "skipped": 0}
+        self._closed = False
+
+    @property
+    def address(self) -> StoreAddress:
+        """Where cells connect (`cells.transport.store.connect`)."""
+        return self._address
+
+    # -- versions ------------------------------------------------------------------------
+    def put(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Keeps `version` as a contiguous CPU copy of `tensors` (the caller may go on
+        mutating its own). Putting a held version again is a no-op if the content is bitwise
+        identical and a ValueError otherwise: cells may already hold the first one."""
+        version = self._check_version(version)
+        copy = _host_copy(tensors)
+        Manifest.build(version, copy, self.bucket_bytes)  # unsupported dtypes fail here, not at send
+        with self._lock:
+            held = self._versions.get(version)
+            if held is None:
+                self._versions[version] = copy
+                return
+        if not _same_content(held, copy):
+            raise ValueError(f"version {version} is already held with different content: "
+                             "a version's weights never change, put it under a new number")
+
+    def versions(self) -> list[int]:
+        """The held versions, ascending."""
+        with self._lock:
+            return sorted(self._versions)
+
+    def get(self, version: int) -> dict[str, torch.Tensor]:
+        """The held tensors of `version` (a new dict of the host's own tensors: read them, do
+        not modify them; they are what every cell receives). KeyError if not held."""
+        return dict(self._held(version))
+
+    def drop(self, version: int) -> None:
+        """Retires `version`; transfers already under way finish with their own reference."""
+        with self._lock:
+            if version not in self._versions:
+                raise KeyError(self._not_held(version))
+            del self._versions[version]
+
+    def nbytes(self, version: int) -> int:
+        """Host memory that `version` occupies, in bytes."""
+        return sum(t.numel() * t.element_size() for t in self._held(version).values())
+
+    def _held(self, version: int) -> dict[str, torch.Tensor]:
+        with self._lock:
+            tensors = self._versions.get(version)
+            if tensors is None:
+                raise KeyError(self._not_held(version))
+            return tensors
+
+    def _not_held(self, version: object) -> str:
+        """The refusal message; the caller holds `_lock`."""
+        return f"version {version} is not held (held: {sorted(self._versions)})"
+
+    @staticmethod
+    def _check_version(version: int) -> int:
+        # The bucket footer carries the version as u64, and JSON carries it as a number.
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be a non-negative int, got {version!r}")
+        return version
+
+    # -- broadcast -----------------------------------------------------------------------
+    def broadcast(self, version: int, receivers: list[str]) -> BroadcastResult:
+        """Broadcasts held `version` to `receivers` (cell ids, each calling
+        `receive_broadcast`); blocks until each is delivered or given up. Cells in
+        `result.failed` catch up with `fetch_version`. KeyError if the version is not held,
+        ValueError if it is being or has been broadcast already (its keys are single-use)."""
+        tensors = self._held(version)
+        with self._lock:
+            if version in self._broadcasting:
+                raise ValueError(f"version {version} is being broadcast already")
+            self._broadcasting.add(version)
+        try:
+            # Its own connection: gloo's rendezvous blocks on the store client it is given.
+            sender = WeightSender(
+                connect(self._address, timeout_s=self.timeout_s),
+                bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s,
+                join_timeout_s=self.join_timeout_s, namespace=f"{self.namespace}/bc",
+            )
+            result = sender.send_version(version, tensors, receivers)
+        finally:
+            with self._lock:
+                self._broadcasting.discard(version)
+        log.info("version %d broadcast: %d delivered, %d failed in %.2fs (attempts: %d)",
+                 version, len(result.delivered), len(result.failed), result.seconds, result.num_attempts)
+        for cell, why in result.failed.items():
+            log.warning("version %d: %s has no verified copy (%s); it must catch up", version, cell, why)
+        return result
+
+    # -- catch-up server -----------------------------------------------------------------
+    def start(self) -> None:
+        """Starts serving catch-ups on a daemon thread; a second call does nothing."""
+        if self._closed:
+            raise RuntimeError("VersionHost is closed")
+        if self._server is None:
+            self._server = threading.Thread(target=self._serve, daemon=True, name="versions-catchup")
+            self._server.start()
+
+    def catchup_stats(self) -> dict[str, int]:
+        """Counts of catch-up tickets: dispatched to a worker; served (verified by the cell);
+        refused (version not held, or a malformed request); failed (transport, checksum or a
+        dead client); skipped (no request within `request_timeout_s`)."""
+        with self._lock:
+            return dict(self._stats)
+
+    def close(self, grace_s: float = CLOSE_GRACE_S) -> None:
+        """Stops the server, waits at most `grace_s` for catch-ups in flight (the rest end on
+        their own op timeouts), and closes the store. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        deadline = time.monotonic() + grace_s
+        if self._server is not None:
+            self._server.join(timeout=max(0.0, deadline - time.monotonic()) + 2 * _ERROR_BACKOFF_S)
+        with self._lock:
+            workers = list(self._workers)
+        for w in workers:
+            w.join(timeout=max(0.0, deadline - time.monotonic()))
+        if any(w.is_alive() for w in workers):
+            log.warning("closing with catch-ups still in flight; they end within their op timeout")
+        self._store_host.close()
+
+    def __enter__(self) -> VersionHost:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self._stats[what] += 1
+
+    def _serve(self) -> None:
+        """Watches the ticket counter; dispatches each ticket, in order, once its request is
+        there and a slot is free; skips tickets whose request never comes."""
+        store: Store | None = None
+        pending: dict[int, float] = {}  # ticket -> when it was first seen taken
+        seen = 0
+        while not self._stop.is_set():
+            try:
+                if store is None:
+                    store = connect(self._address, timeout_s=self.timeout_s)
+                issued = store.add(_catchup_key(self.namespace, "next"), 0)
+                now = time.monotonic()
+                for n in range(seen + 1, issued + 1):
+                    pending[n] = now
+                seen = max(seen, issued)
+                self._dispatch_ready(store, pending, now)
+            except Exception as e:  # the store went away (closing) or a transient error
+                if self._stop.is_set():
+                    break
+                log.warning("catch-up server: store error: %s", e)
+                store = None
+                self._stop.wait(_ERROR_BACKOFF_S)
+                continue
+            self._stop.wait(POLL_S)
+
+    def _dispatch_ready(self, store: Store, pending: dict[int, float], now: float) -> None:
+        for n in sorted(pending):
+            if self._stop.is_set():
+                return
+            req_key = _catchup_key(self.namespace, "req", n)
+            if not store.check([req_key]):
+                if now - pending[n] > self.request_timeout_s:
+                    del pending[n]
+                    self._count("skipped")
+                    log.warning("catch-up ticket %d: no request within %.1fs, skipped", n, self.request_timeout_s)
+                continue
+            if not self._slots.acquire(blocking=False):
+                return  # all slots busy: later tickets wait too, so order holds
+            try:
+                request = get_json(store, req_key)
+            except BaseException:  # the store failed: the ticket stays pending for the retry
+                self._slots.release()
+                raise
+            del pending[n]
+            self._start_worker(n, request)  # releases the slot when the transfer ends
+            store.delete_key(req_key)
+
+    def _start_worker(self, ticket: int, request: object) -> None:
+        cell, version, refusal = "?", None, None
+        if isinstance(request, dict) and isinstance(request.get("version"), int):
+            cell, version = str(request.get("cell", "?")), request["version"]
+        else:
+            refusal = f"malformed catch-up request: {request!r:.200}"
+        tensors = None
+        if refusal is None:
+            # The reference is taken now: a drop from here on does not affect this transfer.
+            with self._lock:
+                tensors = self._versions.get(version)
+                if tensors is None:
+                    refusal = self._not_held(version)
+        w = threading.Thread(
+            target=self._serve_ticket, args=(ticket, cell, version, tensors, refusal),
+            daemon=True, name=f"versions-catchup-{ticket}",
+        )
+        with self._lock:
+            self._stats["dispatched"] += 1
+            self._workers.add(w)
+        w.start()
+
+    def _serve_ticket(self, ticket: int, cell: str, version: int | None,
+                      tensors: dict[str, torch.Tensor] | None, refusal: str | None) -> None:
+        """One catch-up: header, then the version. Failures end here, logged and counted."""
+        outcome = "failed"
+        channel = None
+        try:
+            store = connect(self._address, timeout_s=self.timeout_s)
+            channel = PairChannel(store, _catchup_key(self.namespace, ticket), 0,
+                                  timeout_s=self.timeout_s, connect_timeout_s=self.timeout_s)
+            if refusal is not None or tensors is None:
+                channel.send_json({"ok": False, "error": refusal})
+                outcome = "refused"
+                log.info("catch-up ticket %d (%s): refused: %s", ticket, cell, refusal)
+                return
+            t0 = time.monotonic()
+            channel.send_json({"ok": True})
+            send_version_p2p(channel, version, tensors, bucket_bytes=self.bucket_bytes)
+            outcome = "served"
+            log.info("catch-up ticket %d: %s has version %d (%.2fs)", ticket, cell, version, time.monotonic() - t0)
+        except TransferError as e:
+            log.warning("catch-up ticket %d (%s, version %s) failed: %s", ticket, cell, version, e)
+        except Exception:
+            log.exception("catch-up ticket %d (%s, version %s) failed", ticket, cell, version)
+        finally:
+            if channel is not None:
+                channel.close()
+            self._count(outcome)
+            with self._lock:
+                self._workers.discard(threading.current_thread())
+            self._slots.release()
+
+
+# -- cell side -----------------------------------------------------------------------------
+
+def fetch_version(
+    address: StoreAddress,
+    cell_id: str,
+    version: int,
+    *,
+    staging: dict[str, torch.Tensor] | None = None,
+    timeout_s: float = 30.0,
+    namespace: str = "versions",
+    connect_timeout_s: float | None = None,
+) -> dict[str, torch.Tensor]:
+    """Catches this cell up to `version` from the trainer's version host.
+
+    Returns the tensors (in `staging`, mutated even on failure, or freshly allocated) only
+    after every bucket matched its CRC32. Raises VersionUnavailable if the host does not
+    hold the version, ChecksumError on a corrupt bucket, TransferError on any transport
+    failure or deadline. `timeout_s` bounds each op; `connect_timeout_s` (default
+    `timeout_s`) bounds the wait for the host to take the ticket up, which includes time
+    queued behind other cells' catch-ups. Blocks: call it off the engine's step loop.
+    """
+    store = _connect(address, timeout_s)
+    channel = None
+    try:
+        ticket = store.add(_catchup_key(namespace, "next"), 1)
+        set_json(store, _catchup_key(namespace, "req", ticket), {"cell": cell_id, "version": version})
+        wait_s = timeout_s if connect_timeout_s is None else connect_timeout_s
+        try:
+            channel = PairChannel(store, _catchup_key(namespace, ticket), 1,
+                                  timeout_s=timeout_s, connect_timeout_s=wait_s)
+        except TransferError as e:
+            raise TransferError(f"version host {address.host}:{address.port} did not take up "
+                                f"catch-up ticket {ticket} within {wait_s}s: {e}") from e
+        header = channel.recv_json()
+        if not isinstance(header, dict):
+            raise TransferError(f"{channel.name}: malformed catch-up header {header!r:.200}")
+        if not header.get("ok"):
+            raise VersionUnavailable(f"{cell_id}: {header.get('error') or 'refused by the version host'}")
+        got, tensors = recv_version_p2p(channel, staging=staging)
+        if got != version:
+            raise TransferError(f"{channel.name}: asked for version {version}, host sent {got}")
+        return tensors
+    except dist.DistError as e:  # the host's store went away with the trainer
+        raise TransferError(f"version host {address.host}:{address.port}: store unreachable: {e}") from e
+    finally:
+        if channel is not None:
+            channel.close()
+        del store  # a TCPStore client's socket closes with the object
+
+
+def receive_broadcast(
+    address: StoreAddress,
+    cell_id: str,
+    version: int,
+    *,
+    staging: dict[str, torch.Tensor] | None = None,
+    timeout_s: float = 30.0,
+    join_timeout_s: float = 60.0,
+    namespace: str = "versions",
+) -> Received:
+    """Receives `version` from the host's `broadcast` naming this cell.
+
+    Returns `Received(tensors, None)` once every bucket matched its CRC32, or
+    `Received(None, reason)` (not planned in, sender gone, checksum mismatch, store
+    unreachable...): the cell then keeps its old version and catches up with
+    `fetch_version`. Never raises for a transfer failure. `staging` is mutated even on
+    failure.
+    """
+    try:
+        store = _connect(address, timeout_s)
+    except TransferError as e:
+        log.warning("%s: version %d broadcast: %s", cell_id, version, e)
+        return Received(None, str(e))
+    try:
+        rx = WeightReceiver(store, cell_id, timeout_s=timeout_s, join_timeout_s=join_timeout_s,
+                            namespace=f"{namespace}/bc")
+        if rx.receive_version(version, staging):
+            return Received(rx.received_tensors(), None)
+        reason = rx.last_error or "not received"
+        log.warning("%s: version %d broadcast not received: %s", cell_id, version, reason)
+        return Received(None, reason)
+    finally:
+        del store
+
+
+def _connect(address: StoreAddress, timeout_s: float) -> Store:
+    try:
+        return connect(address, timeout_s=timeout_s)
+    except dist.DistError as e:
+        raise TransferError(f"version host {address.host}:{address.port}: store unreachable: {e}") from e
