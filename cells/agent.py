@@ -33,14 +33,18 @@ from cells.engine.interface import EngineError, SamplingParams
 from cells.migration import MigrationReceiver, MigrationSender, Outcome, migration_event
 from cells.roles import CellRole
 from cells.transport.store import StoreHost
+from cells.versions import CellVersions
 from scheduler.config import CellflipConfig
 from scheduler.protocol import (
     AbortCmd,
     CancelMigrationCmd,
     Capabilities,
+    DropVersionCmd,
+    LoadVersionCmd,
     MigrateInCmd,
     MigrateOutCmd,
     RegisterRequest,
+    ScoreCmd,
     SetRoleCmd,
     StartCmd,
     Summary,
@@ -89,6 +93,13 @@ class CellAgent:
         self._threads: list[threading.Thread] = []
         self.num_ticks = 0
         self._add_request_kwargs = set(inspect.signature(engine.add_request).parameters)
+        self.versions = CellVersions(cell_id, emit=self.events_append, wake=self._wake,
+                                     timeout_s=cfg.migration.transfer_timeout_s)
+
+    def events_append(self, event: dict) -> None:
+        """Queue an event for the next sync (any thread)."""
+        self.events.append(event)
+        self._wake()
 
     # -- lifecycle --------------------------------------------------------------------------
     def register(self) -> None:
@@ -119,6 +130,7 @@ class CellAgent:
             self._wake()
             engine_thread.join(timeout=30)
             self.client.close()
+            self.versions.close()
 
     @contextlib.contextmanager
     def _access(self):
@@ -144,6 +156,8 @@ class CellAgent:
                 time.sleep(0.0002)  # hand the lock over: a bare release/re-acquire starves waiters
             with self._engine_lock:
                 self._reap_outcomes()
+                if self.versions.has_staged():  # a verified version: install it between steps
+                    self.versions.activate_staged(self.engine)
                 busy = self.role.state == "rollout" and self.engine.has_work()
                 if busy:
                     self._collect(self.engine.step())
@@ -199,7 +213,9 @@ class CellAgent:
         req = SyncRequest(self.incarnation, Summary(
             inflight=summary["inflight"], kv_blocks_used=summary["kv_blocks_used"],
             kv_blocks_total=summary["kv_blocks_total"], version=summary["version"],
-            request_ids=summary["request_ids"], role=self.role.ready_role()), batches, events, wait_s)
+            request_ids=summary["request_ids"], role=self.role.ready_role(),
+            versions_held=summary.get("versions_held", [summary["version"]]),
+            loading=sorted(self.versions.loading), parked=summary.get("parked", [])), batches, events, wait_s)
         try:
             resp = self.client.sync(self.cell_id, req)
         except Fenced:
@@ -270,6 +286,18 @@ class CellAgent:
             self._set_role(cmd)
         elif isinstance(cmd, CancelMigrationCmd):
             pass  # the migration threads settle it through the scheduler's compare-and-set
+        elif isinstance(cmd, LoadVersionCmd):
+            self.versions.load(cmd, self._held(), self.engine.version)
+        elif isinstance(cmd, ScoreCmd):
+            scorer = getattr(self.engine, "scorer", None)
+            self.versions.score(cmd, scorer(cmd.version) if scorer and cmd.version in self._held() else None)
+        elif isinstance(cmd, DropVersionCmd):
+            if cmd.version != self.engine.version and cmd.version in self._held():
+                self.engine.drop_version(cmd.version)
+                log.info("dropped version %d", cmd.version)
+
+    def _held(self) -> list[int]:
+        return list(getattr(self.engine, "versions_held", [self.engine.version]))
 
     def _set_role(self, cmd: SetRoleCmd) -> None:
         if cmd.role == "training":

@@ -42,7 +42,7 @@ def cluster_config(tmp: Path, **over) -> dict:
     }
     for key, val in over.items():
         section, _, field = key.partition("__")
-        cfg[section][field] = val
+        cfg.setdefault(section, {})[field] = val
     return cfg
 
 

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from scheduler.api import ROUTERS
 from scheduler.auth import BearerAuth, load_token
-from scheduler.config import CellflipConfig, MigrationConfig, SchedulerConfig
+from scheduler.config import CellflipConfig, MigrationConfig, SchedulerConfig, VersionsConfig
 from scheduler.controller import Controller
 from scheduler.errors import NoCapacity, SchedulerError
 from scheduler.gateway import make_chat_router
@@ -42,16 +42,16 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
     """Build the app. `tick_interval_s=None` runs no background loop (tests tick by hand);
     `clock` is the monotonic clock of leases and deadlines."""
     if isinstance(config, CellflipConfig):
-        sched, migration, gateway = config.scheduler, config.migration, config.gateway
+        sched, migration, gateway, vers = config.scheduler, config.migration, config.gateway, config.versions
     else:
-        sched, migration, gateway = config or SchedulerConfig(), MigrationConfig(), GatewayConfig()
+        sched, migration, gateway, vers = config or SchedulerConfig(), MigrationConfig(), GatewayConfig(), VersionsConfig()
     token = load_token(sched.auth_token_file)
     metrics = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = Store(db_path or sched.db_path)
-        ctl = Controller(store, sched, migration, clock=clock, metrics=metrics)
+        ctl = Controller(store, sched, migration, clock=clock, metrics=metrics, versions=vers)
         app.state.controller = ctl
         task = asyncio.create_task(ctl.run(tick_interval_s)) if tick_interval_s else None
         try:

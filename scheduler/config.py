@@ -141,6 +141,21 @@ class VersionsConfig(_Strict):
     """In-flight requests across an update: continue on stale KV, or re-prefill."""
     logprob_strategy: Literal["per_cell", "snapshot"] = "per_cell"
     """Exact old log-probs from the cells that hold the version, or later from the trainer's copy."""
+    score_batch_tokens: int = Field(default=256, gt=0)
+    """A request still generating under a version is scored once this many of its tokens wait
+    (ended requests and switched versions are scored at once)."""
+    score_interval_s: float = Field(default=0.2, gt=0)
+    """How often the scheduler hands out scoring tasks."""
+    max_tasks_per_cell: int = Field(default=2, gt=0)
+    """Scoring tasks outstanding per cell (scoring runs at low priority beside decoding)."""
+    task_timeout_s: float = Field(default=60.0, gt=0)
+    """A scoring task (or scoring-only fetch) unanswered for this long is handed out again."""
+    max_ranges_per_pass: int = Field(default=256, gt=0)
+    """Unscored (request, version) ranges considered per pass."""
+    auto_retire: bool = True
+    """Retire a superseded version as soon as no cell serves it and every token is scored."""
+    load_timeout_s: float = Field(default=60.0, gt=0)
+    """A cell that has not reported a version it was told to load is told again after this."""
 
 
 class SchedulerConfig(_Strict):

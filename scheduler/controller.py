@@ -20,8 +20,8 @@ from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from scheduler import cellsync, completions, flips, migrations, reconcile, versions
-from scheduler.config import MigrationConfig, SchedulerConfig
+from scheduler import cellsync, completions, flips, migrations, reconcile, scoring, versions
+from scheduler.config import MigrationConfig, SchedulerConfig, VersionsConfig
 from scheduler.metrics import Metrics
 from scheduler.notify import Notifier
 from scheduler.placement import CellView, Snapshot
@@ -58,10 +58,15 @@ class Effects:
 
 class Controller:
     def __init__(self, store: Store, cfg: SchedulerConfig, migration: MigrationConfig | None = None,
-                 *, clock: Callable[[], float] = time.monotonic, metrics: Metrics | None = None) -> None:
+                 *, clock: Callable[[], float] = time.monotonic, metrics: Metrics | None = None,
+                 versions: VersionsConfig | None = None) -> None:
         self.store = store
         self.cfg = cfg
         self.mig_cfg = migration or MigrationConfig()
+        self.ver_cfg = versions or VersionsConfig()
+        self.scoring = scoring.ScoringState()
+        self.version_sent: dict[tuple[str, int], float] = {}
+        """(cell, version) → when the cell was told to load the version."""
         self.clock = clock
         self.metrics = metrics or Metrics()
         self.notifier = Notifier()

@@ -18,7 +18,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from scheduler import migrations, ownership, placement
+from scheduler import migrations, ownership, placement, scoring, versions
 from scheduler.errors import Conflict, NotFound
 from scheduler.failpoints import failpoint
 from scheduler.protocol import SetRoleCmd
@@ -171,6 +171,8 @@ def _drain(ctl: Controller, fx: Effects, flip: FlipRow, cell: CellRow) -> None:
             snapshot = ownership.bump(snapshot, dst.id)
         ctl.store.fleet.put_flip(flip)
         return
+    if scoring.sole_holder_with_backlog(ctl, cell.id) and now < deadline + ctl.cfg.drain_deadline_s:
+        return  # the final pass: tokens only this cell can score exactly, before it drops its weights
     if _reported_role(ctl, cell.id) == "training":
         _set_cell(ctl, cell, "training", f"flip {flip.id} done")
         finish(ctl, fx, flip, "done")
@@ -179,13 +181,18 @@ def _drain(ctl: Controller, fx: Effects, flip: FlipRow, cell: CellRow) -> None:
 
 
 def _load(ctl: Controller, fx: Effects, flip: FlipRow, cell: CellRow) -> None:
+    """Loading: the cell fetches the target version (versions.catch_up tells it), then takes
+    the rollout role serving it."""
     if _reported_role(ctl, cell.id) == "rollout":
         _set_cell(ctl, cell, "rollout", f"flip {flip.id} done")
         finish(ctl, fx, flip, "done")
-    else:
-        from scheduler.versions import current_version
-
-        _send_role(ctl, fx, cell.id, "rollout", flip.id, current_version(ctl))
+        return
+    want = versions.target(ctl)
+    entry = ctl.registry.live.get(cell.id)
+    have = entry.summary.version if entry is not None and entry.summary is not None else None
+    if want is not None and have != want.v:
+        return  # still fetching it
+    _send_role(ctl, fx, cell.id, "rollout", flip.id, have)
 
 
 def _reported_role(ctl: Controller, cell_id: str) -> str | None:

@@ -8,10 +8,11 @@ functions below apply.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scheduler import flips, ownership
+from scheduler import flips, ownership, scoring
 from scheduler.errors import Invalid
 from scheduler.protocol import (
     BroadcastEvent,
@@ -24,6 +25,8 @@ from scheduler.protocol import (
     dispatch,
 )
 from scheduler.store_owners import RequestRow
+
+log = logging.getLogger("cellflip.scheduler")
 
 if TYPE_CHECKING:
     from scheduler.controller import Controller, Effects
@@ -138,10 +141,13 @@ def _on_migration(ctl: Controller, fx: Effects, e: MigrationEvent) -> None:
 
 
 def _on_scored(ctl: Controller, e: ScoredEvent) -> None:
-    if ctl.store.sessions.get(e.session_id) is not None:
-        ctl.store.sessions.fill_old_logprobs(e.session_id, e.start, e.old_logprobs, e.provenance)
+    scoring.on_scored(ctl, e)
 
 
 def _on_broadcast(ctl: Controller, fx: Effects, e: BroadcastEvent) -> None:
     if e.ok and e.seconds >= 0:
         fx.later(lambda: ctl.metrics.broadcast.observe(e.seconds))
+    if not e.ok:
+        log.warning("version %d did not arrive by %s: %s", e.version, e.mode, e.reason)
+        if not e.activate:
+            scoring.on_fetch_failed(ctl, e.version, e.reason)

@@ -49,10 +49,13 @@ from scheduler.protocol_commands import (
     BroadcastEvent,
     CancelMigrationCmd,
     Command,
+    DropVersionCmd,
+    LoadVersionCmd,
     MigrateInCmd,
     MigrateOutCmd,
     MigrationEvent,
     RoleFailedEvent,
+    ScoreCmd,
     ScoredEvent,
     SetRoleCmd,
     StartCmd,
@@ -61,7 +64,8 @@ from scheduler.protocol_commands import (
 
 __all__ = [
     "COMMANDS", "EVENTS", "MAX_WAIT_S", "AbortCmd", "AbortMigrationRequest", "BroadcastEvent", "CancelMigrationCmd",
-    "Capabilities", "Command", "CommitRequest", "CommitResponse", "Message", "MigrateInCmd", "MigrateOutCmd",
+    "Capabilities", "Command", "CommitRequest", "CommitResponse", "DropVersionCmd", "LoadVersionCmd", "Message",
+    "MigrateInCmd", "MigrateOutCmd", "ScoreCmd",
     "MigrationEvent", "ProtocolError", "RegisterRequest", "RegisterResponse", "RoleFailedEvent", "ScoredEvent",
     "SetRoleCmd", "StartCmd", "Summary", "SuspendCmd", "SyncRequest", "SyncResponse", "Tail", "TokenBatch",
     "TokenRecord", "decode_command", "decode_event", "dispatch",
@@ -118,6 +122,12 @@ class Summary(Message):
     """Every request the cell holds (decoding, stopped for migration, or imported)."""
     role: str | None = None
     """"rollout" or "training": the role the cell is ready for (after set_role completes)."""
+    versions_held: list[int] = field(default_factory=list)
+    """Weight versions in memory (the served one and older ones kept for scoring)."""
+    loading: list[int] = field(default_factory=list)
+    """Versions being received now."""
+    parked: list[str] = field(default_factory=list)
+    """Requests suspended here with their KV in host memory."""
 
 
 @dataclass

@@ -97,6 +97,47 @@ class SetRoleCmd(Command):
 
 
 @dataclass
+class LoadVersionCmd(Command):
+    """Get weight version `version` from the trainer's version host at `source`:
+    "broadcast" joins the trainer's broadcast of it, "fetch" catches up point-to-point (a cell
+    that missed the broadcast, or enters rollout later). `activate`: serve it once verified
+    (between engine steps, under `inflight_policy`); otherwise hold it for scoring only."""
+
+    TYPE: ClassVar[str] = "load_version"
+    version: int
+    source: dict
+    mode: str = "broadcast"
+    activate: bool = True
+    inflight_policy: str = "keep_kv"
+
+
+@dataclass
+class ScoreCmd(Command):
+    """Log-prob service: score the sampled tokens of `version` at session indices
+    [start, end) with that version's weights; `token_ids` is the context from session index
+    `context_start` up to `end`. Answered by a ScoredEvent with the same task id."""
+
+    TYPE: ClassVar[str] = "score"
+    task_id: str
+    session_id: str
+    version: int
+    context_start: int
+    start: int
+    end: int
+    token_ids: list[int]
+    temperature: float = 1.0
+
+
+@dataclass
+class DropVersionCmd(Command):
+    """Every token of `version` this cell could score is scored (or the version is retired):
+    free its weights. Never the version the cell serves."""
+
+    TYPE: ClassVar[str] = "drop_version"
+    version: int
+
+
+@dataclass
 class CancelMigrationCmd(Command):
     """The migration was aborted: the source resumes decoding (it is still the owner), the
     destination frees its reservation and must not commit."""
@@ -107,7 +148,8 @@ class CancelMigrationCmd(Command):
 
 
 COMMANDS: dict[str, type[Command]] = {
-    c.TYPE: c for c in (StartCmd, MigrateOutCmd, MigrateInCmd, AbortCmd, SuspendCmd, SetRoleCmd, CancelMigrationCmd)
+    c.TYPE: c for c in (StartCmd, MigrateOutCmd, MigrateInCmd, AbortCmd, SuspendCmd, SetRoleCmd, CancelMigrationCmd,
+                        LoadVersionCmd, ScoreCmd, DropVersionCmd)
 }
 
 
@@ -137,6 +179,11 @@ class ScoredEvent(Message):
     old_logprobs: list[float | None]
     provenance: str = "exact"
     """"exact" or "missing" (exact scoring became impossible)."""
+    version: int | None = None
+    """Only tokens sampled under this version are written (None: any sampled token)."""
+    task_id: str | None = None
+    seconds: float = 0.0
+    """Scoring time on the cell (the scoring cost the bench reports)."""
 
 
 @dataclass
@@ -147,6 +194,13 @@ class BroadcastEvent(Message):
     version: int
     seconds: float
     ok: bool = True
+    reason: str = ""
+    mode: str = "broadcast"
+    """How it came: "broadcast" or "fetch" (point-to-point catch-up)."""
+    activate: bool = True
+    """False: fetched for scoring only."""
+    pause_s: float = 0.0
+    """Engine-loop time the installation took (decoding paused for it)."""
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from scheduler import cellsync, flips, migrations, ownership, versions
+from scheduler import cellsync, flips, migrations, ownership, scoring, versions
 
 if TYPE_CHECKING:
     from scheduler.controller import Controller
@@ -30,6 +30,7 @@ def sync_from(ctl: Controller) -> None:
         known = [e for e in ctl.registry.live.values()]
         ctl.ready = all(e.seen for e in known) or now - ctl.started_at > ctl.cfg.lease_s
     versions.progress(ctl)
+    versions.auto_retire(ctl)
     _refresh_gauges(ctl, now)
 
 
@@ -38,6 +39,8 @@ def step_next(ctl: Controller) -> None:
     flips.step(ctl)
     ownership.reconcile_reports(ctl)
     ownership.place_waiting(ctl)
+    versions.catch_up(ctl)
+    scoring.step(ctl)
     if ctl.cfg.auto_flip:
         flips.autonomous(ctl)
 

@@ -35,7 +35,8 @@ CREATE TABLE IF NOT EXISTS flips(
   recomputed INTEGER NOT NULL, created_at REAL NOT NULL, finished_at REAL, history TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS flips_state ON flips(state);
 CREATE TABLE IF NOT EXISTS versions(
-  v INTEGER PRIMARY KEY, state TEXT NOT NULL, created_at REAL NOT NULL, history TEXT NOT NULL);
+  v INTEGER PRIMARY KEY, state TEXT NOT NULL, created_at REAL NOT NULL, history TEXT NOT NULL,
+  source TEXT);
 CREATE TABLE IF NOT EXISTS idempotency(
   scope TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL, response TEXT NOT NULL,
   created_at REAL NOT NULL, PRIMARY KEY(scope, key));

@@ -76,10 +76,17 @@ class VersionRow:
     state: str
     created_at: float
     history: list = field(default_factory=list)
+    source: dict | None = None
+    """Where cells fetch the weights: the trainer's version host {"host", "port", "namespace"}
+    (None: the version is recorded only, cells load it by other means)."""
 
 
 _CELL_COLS = "id, incarnation, state, generation, version, address, store_port, capabilities, kv_blocks_total, kv_blocks_used, max_running, history"
 _FLIP_COLS = "id, cell_id, to_role, state, idem_key, reason, migrated, suspended, recomputed, created_at, finished_at, history"
+
+
+def _version(r: tuple) -> VersionRow:
+    return VersionRow(r[0], r[1], r[2], loads(r[3]), loads(r[4]) if r[4] else None)
 
 
 def _cell(r: tuple) -> CellRow:
@@ -135,17 +142,17 @@ class FleetStore:
 
     # -- versions
     def get_version(self, v: int) -> VersionRow | None:
-        r = self.s.execute("SELECT v, state, created_at, history FROM versions WHERE v=?", (v,)).fetchone()
-        return None if r is None else VersionRow(r[0], r[1], r[2], loads(r[3]))
+        r = self.s.execute("SELECT v, state, created_at, history, source FROM versions WHERE v=?", (v,)).fetchone()
+        return None if r is None else _version(r)
 
     def list_versions(self) -> list[VersionRow]:
-        rows = self.s.execute("SELECT v, state, created_at, history FROM versions ORDER BY v")
-        return [VersionRow(r[0], r[1], r[2], loads(r[3])) for r in rows]
+        rows = self.s.execute("SELECT v, state, created_at, history, source FROM versions ORDER BY v")
+        return [_version(r) for r in rows]
 
     def put_version(self, row: VersionRow) -> None:
         self.s.execute(
-            "INSERT OR REPLACE INTO versions(v, state, created_at, history) VALUES (?,?,?,?)",
-            (row.v, row.state, row.created_at, dumps(row.history)),
+            "INSERT OR REPLACE INTO versions(v, state, created_at, history, source) VALUES (?,?,?,?,?)",
+            (row.v, row.state, row.created_at, dumps(row.history), dumps(row.source) if row.source else None),
         )
 
     # -- idempotency keys

@@ -118,13 +118,36 @@ class SessionStore:
         assert at == row.length, f"sampled tokens at {at} but session {session_id} has {row.length}"
         self._append_rows(row, [(int(t), 1, float(lp), int(v), int(bool(tr)), None, None) for t, lp, v, tr in records])
 
-    def fill_old_logprobs(self, session_id: str, start: int, values: list[float | None], provenance: str) -> int:
-        """Set old log-probs of sampled tokens [start, start+len); returns rows changed."""
+    def fill_old_logprobs(self, session_id: str, start: int, values: list[float | None], provenance: str,
+                          version: int | None = None) -> int:
+        """Set old log-probs of sampled tokens [start, start+len) — only those sampled under
+        `version` when given (a range may span an update); returns rows changed."""
         rows = [(v, provenance if v is not None or provenance == "missing" else None, session_id, start + i)
-                for i, v in enumerate(values)]
-        cur = self.s.conn.executemany(
-            "UPDATE tokens SET old_logprob=?, provenance=? WHERE session_id=? AND idx=? AND loss_mask=1", rows)
+                for i, v in enumerate(values) if v is not None or provenance == "missing"]
+        q = "UPDATE tokens SET old_logprob=?, provenance=? WHERE session_id=? AND idx=? AND loss_mask=1"
+        if version is not None:
+            q += " AND version=?"
+            rows = [(*r, version) for r in rows]
+        cur = self.s.conn.executemany(q, rows)
         return cur.rowcount
+
+    def mark_missing(self, session_id: str, version: int, start: int, end: int) -> int:
+        """Exact scoring of these tokens became impossible: provenance `missing` (counted)."""
+        cur = self.s.execute(
+            "UPDATE tokens SET provenance='missing', old_logprob=NULL WHERE session_id=? AND version=? AND idx>=? "
+            "AND idx<? AND loss_mask=1 AND provenance IS NULL", (session_id, version, start, end))
+        return cur.rowcount
+
+    def unscored_ranges(self, limit: int = 256) -> list[tuple]:
+        """Per (request, version) with unscored sampled tokens: (request id, session id,
+        prompt_start, base, num_generated, params, state, owner cell, version, first index,
+        last index, count), oldest requests first."""
+        q = ("SELECT r.id, r.session_id, r.prompt_start, r.base, r.num_generated, r.params, r.state, r.cell_id,"
+             " t.version, MIN(t.idx), MAX(t.idx), COUNT(*) FROM tokens t JOIN requests r"
+             " ON t.session_id = r.session_id AND t.idx >= r.base AND t.idx < r.base + r.num_generated"
+             " WHERE t.loss_mask = 1 AND t.provenance IS NULL"
+             " GROUP BY r.id, t.version ORDER BY r.created_at LIMIT ?")
+        return self.s.execute(q, (limit,)).fetchall()
 
     # -- trajectories
     def finish(self, session_id: str, reward: float, group_id: str | None) -> SessionRow:

@@ -1,9 +1,13 @@
 """Weight versions: broadcasting → active → retiring → retired.
 
-The trainer publishes an integer version (broadcasting); it becomes active once every live
-rollout cell reports serving it (older active versions then start retiring). A version is
-retired only on request and only when no live cell serves it and every token sampled under it
-has an old log-prob (exact, or counted as missing) — otherwise 409, so a version is never
+The trainer puts version v in its version host (host memory) and publishes it with the host's
+address (`source`); every live rollout cell is told to join the trainer's broadcast of it
+(`load_version`, mode "broadcast"), and the answer names them (`receivers`) so the trainer
+knows whom to wait for. v becomes active once every live rollout cell reports serving it
+(older active versions then start retiring). A cell that missed the broadcast (failed, late,
+or entering rollout from training) is told to fetch it point-to-point. A version is retired
+(on request, or automatically) only when no live cell serves it and every token sampled under
+it has an old log-prob (exact, or counted as missing) — otherwise 409, so a version is never
 dropped while the log-prob service still needs it.
 """
 
@@ -13,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from scheduler.errors import Conflict, NotFound
+from scheduler.protocol import LoadVersionCmd
 from scheduler.states import VERSION, set_state
 from scheduler.store_fleet import VersionRow
 
@@ -39,17 +44,58 @@ def serving(ctl: Controller) -> dict[int, list[str]]:
     return out
 
 
-def publish(ctl: Controller, version: int) -> dict[str, Any]:
-    with ctl.txn(durable=True):
+def target(ctl: Controller) -> VersionRow | None:
+    """The version rollout cells should serve: the newest broadcasting or active one that
+    cells can fetch (has a source)."""
+    rows = [r for r in ctl.store.fleet.list_versions() if r.state in ("broadcasting", "active") and r.source]
+    return max(rows, key=lambda r: r.v) if rows else None
+
+
+def _rollout_cells(ctl: Controller, states=("rollout", "draining")) -> list[str]:
+    out = []
+    for c in ctl.store.fleet.list_cells():
+        e = ctl.registry.live.get(c.id)
+        if c.state in states and e is not None and e.seen:
+            out.append(c.id)
+    return out
+
+
+def publish(ctl: Controller, version: int, source: dict | None = None) -> dict[str, Any]:
+    now = ctl.clock()
+    with ctl.txn(durable=True) as fx:
         rows = ctl.store.fleet.list_versions()
         if any(r.v == version for r in rows):
             raise Conflict(f"version {version} exists", reason="version_exists")
         if rows and version < max(r.v for r in rows):
             raise Conflict(f"version {version} is older than {max(r.v for r in rows)}", reason="version_not_newer")
-        row = VersionRow(version, "broadcasting", time.time(), [("broadcasting", time.time(), "published")])
+        row = VersionRow(version, "broadcasting", time.time(), [("broadcasting", time.time(), "published")],
+                         source=source)
         ctl.store.fleet.put_version(row)
+        receivers = _rollout_cells(ctl) if source else []
+        policy = ctl.ver_cfg.inflight_policy
+        for cell_id in receivers:
+            ctl.version_sent[(cell_id, version)] = now
+            fx.send(cell_id, lambda i: LoadVersionCmd(i, version, source, "broadcast", True, policy))
     ctl.kick()
-    return _to_api(ctl, row, {}, serving(ctl))
+    return {**_to_api(ctl, row, {}, serving(ctl)), "receivers": receivers}
+
+
+def catch_up(ctl: Controller) -> None:
+    """Active: tell every rollout (or loading) cell that serves neither the target version nor
+    is receiving it to fetch it point-to-point; again after `load_timeout_s` if still not."""
+    t = target(ctl)
+    if t is None:
+        return
+    now = ctl.clock()
+    v, source, policy = t.v, t.source, ctl.ver_cfg.inflight_policy
+    for cell_id in _rollout_cells(ctl, ("rollout", "draining", "loading")):
+        s = ctl.registry.live[cell_id].summary
+        if s is None or s.version == t.v or t.v in s.loading:
+            continue
+        if now - ctl.version_sent.get((cell_id, t.v), float("-inf")) < ctl.ver_cfg.load_timeout_s:
+            continue
+        ctl.version_sent[(cell_id, t.v)] = now
+        ctl.registry.send(cell_id, lambda i: LoadVersionCmd(i, v, source, "fetch", True, policy))
 
 
 def progress(ctl: Controller) -> None:
@@ -73,6 +119,22 @@ def progress(ctl: Controller) -> None:
                 if old.v < row.v and old.state == "active":
                     set_state(VERSION, old, "retiring", f"version {row.v} active")
                     ctl.store.fleet.put_version(old)
+
+
+def auto_retire(ctl: Controller) -> None:
+    """Retire superseded versions that no cell serves and whose tokens are all scored."""
+    if not ctl.ver_cfg.auto_retire:
+        return
+    rows = [r for r in ctl.store.fleet.list_versions() if r.state == "retiring"]
+    if not rows:
+        return
+    cells, backlog = serving(ctl), ctl.store.sessions.unscored_by_version()
+    for row in rows:
+        if cells.get(row.v) or backlog.get(row.v, 0):
+            continue
+        with ctl.txn(durable=True):
+            set_state(VERSION, row, "retired", "no cell serves it; every token has an old log-prob")
+            ctl.store.fleet.put_version(row)
 
 
 def retire(ctl: Controller, version: int) -> dict[str, Any]:
@@ -101,9 +163,14 @@ def list_all(ctl: Controller) -> list[dict[str, Any]]:
 
 def _to_api(ctl: Controller, row: VersionRow, counts: dict, cells: dict) -> dict[str, Any]:
     c = counts.get(row.v, {})
+    passes = ctl.scoring.final_pass_s.get(row.v, [])
+    when = {h[0]: h[1] for h in row.history}
+    lifetime = when["retiring"] - when["active"] if "active" in when and "retiring" in when else None
     return {
         "version": row.v, "state": row.state, "cells": sorted(cells.get(row.v, [])),
         "tokens_generated": c.get("generated", 0), "tokens_scored": c.get("exact", 0),
         "tokens_missing": c.get("missing", 0), "tokens_unscored": c.get("unscored", 0),
+        "source": row.source, "lifetime_s": lifetime,
+        "final_pass_s": sum(passes) / len(passes) if passes else None, "final_passes": len(passes),
         "history": [list(h) for h in row.history],
     }

@@ -92,6 +92,25 @@ class EmbeddedEngine(HandoverMixin, Engine):
         self._versions[version] = prep
         self._version = version
 
+    def hold_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep `version` for scoring only (the served version does not change)."""
+        check_weights(self.spec, tensors)
+        if version not in self._versions:
+            self._versions[version] = prepare(
+                self.spec, {k: t.detach().to(torch.float32).contiguous() for k, t in tensors.items()}, self._rope)
+
+    def scorer(self, version: int):
+        """`fn(token_ids, temperature) -> log-probs of tokens 1..L-1` with `version`'s weights,
+        independent of later engine calls (it keeps its own reference to the weights), so a
+        background thread may run it beside decoding without the engine lock."""
+        prep, tile = self._prepared(version), self.tile
+
+        def run(token_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+            ids = torch.tensor(self._check_ids(token_ids))
+            with torch.no_grad():
+                return token_logprobs(prep, ids, temperature, tile)
+        return run
+
     def drop_version(self, version: int) -> None:
         if version == self._version:
             raise EngineError(f"cannot drop the served version {version}")
@@ -271,6 +290,7 @@ class EmbeddedEngine(HandoverMixin, Engine):
             "kv_blocks_cached": cached,
             "kv_blocks_total": self.pool.num_blocks,
             "version": self._version,
+            "versions_held": self.versions_held,
             "request_ids": sorted(self.requests),
             "max_running": self.cfg.max_running,
         }

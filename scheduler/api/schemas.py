@@ -33,8 +33,19 @@ class FlipCreate(_Body):
         return self
 
 
+class VersionSource(_Body):
+    """The trainer's version host: cells join its broadcast and fetch from it there."""
+
+    host: str = Field(min_length=1, max_length=255)
+    port: int = Field(gt=0, lt=65536)
+    namespace: str = Field(default="versions", min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_./-]+$")
+
+
 class VersionCreate(_Body):
     version: int = Field(ge=0, lt=1 << 62)
+    source: VersionSource | None = None
+    """Where cells get the weights; without it the version is only recorded (cells that
+    load it by other means report it)."""
 
 
 class SessionFinish(_Body):

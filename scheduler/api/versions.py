@@ -17,7 +17,7 @@ async def list_versions(ctl: Ctl) -> dict:
 
 @router.post("", status_code=201)
 async def publish_version(body: VersionCreate, ctl: Ctl) -> dict:
-    return ctl.publish_version(body.version)
+    return ctl.publish_version(body.version, body.source.model_dump() if body.source else None)
 
 
 @router.delete("/{version}")

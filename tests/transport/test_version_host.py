@@ -36,7 +36,9 @@ torch.set_num_threads(1)
 
 BUCKET_BYTES = 32 << 10
 """About ten buckets for the ~290 KB toy version, so the pipeline really runs."""
-REQUEST_TIMEOUT_S = 1.0
+REQUEST_TIMEOUT_S = 3.0
+"""Long against one catch-up of the toy version, so a later client is provably served while
+an abandoned ticket is still pending."""
 SLACK_S = 3.0
 """Scheduling slack on a loaded 2-core machine on top of an op timeout."""
 WORKERS = ("w0", "w1", "w2")
@@ -252,7 +254,7 @@ def test_ticket_without_request_does_not_block_later_clients(host, workers):
     _fetch(workers, "w1", 4)
     r = workers.result("w1")
     assert r["kind"] is None and r["equal"] is True, r
-    assert r["elapsed"] < REQUEST_TIMEOUT_S + SLACK_S, r
+    assert host.catchup_stats()["skipped"] == skipped  # served while the dead ticket still waited
     stats = _wait_stat(host, "skipped", skipped + 1, REQUEST_TIMEOUT_S + SLACK_S)
     assert stats["skipped"] == skipped + 1, stats
 
@@ -324,6 +326,6 @@ def test_versions_bookkeeping_in_process():
         assert time.monotonic() - t0 < 3.0
     # a host that is gone: an exception for the catch-up, a reason for the broadcast
     with pytest.raises(TransferError, match="unreachable"):
-        fetch_version(address, "c0", 7, timeout_s=1.0)
-    tensors, error = receive_broadcast(address, "c0", 7, timeout_s=1.0, join_timeout_s=1.0)
+        fetch_version(address, "c0", 7, timeout_s=0.5)
+    tensors, error = receive_broadcast(address, "c0", 7, timeout_s=0.5, join_timeout_s=0.5)
     assert tensors is None and "unreachable" in error
