@@ -114,6 +114,8 @@ class FakeCell:
         self.events: list[dict] = []
         self.rejected: list[str] = []
         self.migrations_out: dict[str, dict] = {}
+        self.versions_held: list[int] | None = None
+        """Reported weight versions in memory (None: only the served one)."""
 
     def register(self, expect: int = 200) -> dict:
         r = self.client.post("/internal/v1/cells/register", headers=self.headers, json={
@@ -125,8 +127,10 @@ class FakeCell:
         return r.json()
 
     def summary(self) -> dict:
+        held = self.versions_held if self.versions_held is not None else [self.version]
         return {"inflight": len(self.held), "kv_blocks_used": len(self.held), "kv_blocks_total": self.kv_blocks_total,
-                "version": self.version, "request_ids": sorted(self.held), "role": self.role}
+                "version": self.version, "request_ids": sorted(self.held), "role": self.role,
+                "versions_held": [v for v in held if v is not None]}
 
     def sync(self, expect: int = 200, wait_s: float = 0.0) -> dict:
         tokens, self.pending_tokens = self.pending_tokens, []
