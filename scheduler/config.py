@@ -146,7 +146,7 @@ class VersionsConfig(_Strict):
     (ended requests and switched versions are scored at once)."""
     score_interval_s: float = Field(default=0.2, gt=0)
     """How often the scheduler hands out scoring tasks."""
-    max_tasks_per_cell: int = Field(default=2, gt=0)
+    max_tasks_per_cell: int = Field(default=4, gt=0)
     """Scoring tasks outstanding per cell (scoring runs at low priority beside decoding)."""
     task_timeout_s: float = Field(default=60.0, gt=0)
     """A scoring task (or scoring-only fetch) unanswered for this long is handed out again."""

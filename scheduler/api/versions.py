@@ -12,7 +12,9 @@ router = APIRouter(prefix="/v1/versions", tags=["versions"])
 
 @router.get("")
 async def list_versions(ctl: Ctl) -> dict:
-    return {"versions": ctl.list_versions()}
+    st = ctl.scoring
+    return {"versions": ctl.list_versions(),
+            "scoring": {"tokens": st.scored_tokens, "seconds": round(st.scoring_seconds, 6), "tasks": len(st.tasks)}}
 
 
 @router.post("", status_code=201)
