@@ -96,11 +96,13 @@ class MigrationSender:
         try:
             ch = PairChannel(self.store, f"mig/{mid}", 0, timeout_s=self.cfg.transfer_timeout_s,
                              connect_timeout_s=self.cfg.transfer_timeout_s)
+            self.marks["joined"] = time.time()
             num_tokens = self.on_engine(lambda e: e.request_length(rid)[0])
             ch.send_json({"request_id": rid, "num_tokens": num_tokens})
             reply = ch.recv_json()
             if not reply.get("reserved"):
                 return self._abort_at_scheduler(rid, mid, paused, "destination refused the reservation")
+            self.marks["reserved"] = time.time()
             sent_blocks, sent_ids = 0, 0
             for _ in range(self.cfg.max_copy_rounds):
                 # Each round sends the blocks completed since the last one, while decoding
@@ -114,6 +116,7 @@ class MigrationSender:
                 if self.cfg.on_round_limit == "abort" and self.cfg.max_copy_rounds > 0:
                     ch.send_json({"kind": "abort"})
                     return self._abort_at_scheduler(rid, mid, paused, "round limit")
+            self.marks["copied"] = time.time()
             self._settle(rid)
             # Stop-and-copy: only the blocks and records added since the last round travel.
             self.marks["stop_requested"] = time.time()

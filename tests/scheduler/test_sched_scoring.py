@@ -113,3 +113,26 @@ def test_flip_to_training_waits_for_the_final_pass_of_a_sole_holder(harness):
     for _ in range(3):
         harness.tick(), c1.sync(), c2.sync()
     assert c1.role == "training"
+
+
+def test_no_holder_fetches_from_the_trainer_for_scoring_and_missing_if_that_fails(harness):
+    c = _cell(harness)
+    src = {"host": "127.0.0.1", "port": 29999}
+    assert harness.client.post("/v1/versions", json={"version": 1, "source": src}).status_code == 201
+    c.version = 1
+    _run(harness, c, "s")
+    c.version, c.versions_held = 2, [2]  # version 1 gone from the cell; the trainer still has it
+    c.sync()
+    harness.tick(), c.sync()
+    first, load = [x for x in c.commands if x["type"] == "load_version" and x["version"] == 1]
+    assert first["mode"] == "broadcast" and first["activate"] is True  # at publish
+    assert load["mode"] == "fetch" and load["activate"] is False and load["source"]["port"] == 29999
+    harness.tick(), c.sync()
+    assert len([x for x in c.commands if x["type"] == "load_version" and x["version"] == 1]) == 2  # under way
+    c.events.append({"type": "broadcast", "version": 1, "seconds": 0.1, "ok": False, "mode": "fetch",
+                     "activate": False, "reason": "unavailable: not held"})
+    c.sync()
+    harness.clock.advance(1.0)
+    harness.tick(), c.sync()
+    sess = harness.client.get("/v1/sessions/s").json()
+    assert set(sess["provenance"][3:]) == {"missing"}
