@@ -94,7 +94,8 @@ class CellAgent:
         self.num_ticks = 0
         self._add_request_kwargs = set(inspect.signature(engine.add_request).parameters)
         self.versions = CellVersions(cell_id, emit=self.events_append, wake=self._wake,
-                                     timeout_s=cfg.migration.transfer_timeout_s)
+                                     timeout_s=cfg.migration.transfer_timeout_s,
+                                     prepare=getattr(engine, "prepare_weights", None))
 
     def events_append(self, event: dict) -> None:
         """Queue an event for the next sync (any thread)."""

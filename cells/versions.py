@@ -37,7 +37,10 @@ SCORING_NICE = 10
 @dataclass
 class Staged:
     version: int
-    tensors: dict
+    tensors: object
+    """Prepared weights (the engine's `prepare_weights`), or raw tensors where the engine
+    cannot prepare ahead."""
+    prepared: bool
     activate: bool
     policy: str
     mode: str
@@ -49,8 +52,11 @@ class CellVersions:
     nudges the engine loop to activate a staged version."""
 
     def __init__(self, cell_id: str, emit: Callable[[dict], None], wake: Callable[[], None],
-                 timeout_s: float = 30.0) -> None:
+                 timeout_s: float = 30.0, prepare: Callable | None = None) -> None:
         self.cell_id, self.emit, self.wake, self.timeout_s = cell_id, emit, wake, timeout_s
+        self.prepare = prepare
+        """The engine's `prepare_weights`: run on the loader thread, so that activation on the
+        engine loop is a swap, not a rebuild of every weight."""
         self.loading: set[int] = set()
         self._staged: list[Staged] = []
         self._lock = threading.Lock()
@@ -90,13 +96,23 @@ class CellVersions:
             if tensors is None:
                 with self._lock:
                     self.loading.discard(cmd.version)
+        if tensors is not None and self.prepare is not None:
+            try:
+                tensors, prepared = self.prepare(tensors), True
+            except Exception as e:  # wrong shapes: keep serving the old version, say so
+                tensors, why = None, f"install: {e}"
+                with self._lock:
+                    self.loading.discard(cmd.version)
+        else:
+            prepared = False
         seconds = time.perf_counter() - t0
         if tensors is None:
             self.emit(BroadcastEvent(cmd.version, seconds, ok=False, reason=why[:500], mode=mode,
                                      activate=cmd.activate).to_dict())
             return
         with self._lock:
-            self._staged.append(Staged(cmd.version, tensors, cmd.activate, cmd.inflight_policy, mode, seconds))
+            self._staged.append(Staged(cmd.version, tensors, prepared, cmd.activate, cmd.inflight_policy, mode,
+                                       seconds))
         self.wake()
 
     def _fetch(self, address: StoreAddress, ns: str, version: int) -> tuple[dict | None, str]:
@@ -119,12 +135,16 @@ class CellVersions:
         for s in staged:
             t0 = time.perf_counter()
             try:
-                if s.activate and s.version > engine.version:
+                activate = s.activate and s.version > engine.version
+                if s.prepared:
+                    if activate or s.version != engine.version:
+                        engine.install_prepared(s.version, s.tensors, activate=activate)
+                elif activate:
                     engine.load_weights(s.version, s.tensors, keep_previous=True)
-                    if s.policy == "recompute":
-                        engine.recompute_all()
                 elif s.version != engine.version:
                     engine.hold_weights(s.version, s.tensors)
+                if activate and s.policy == "recompute":
+                    engine.recompute_all()
             except Exception as e:  # a bad version (shapes): keep serving the old one, say so
                 log.error("version %d not installed: %s", s.version, e)
                 self.emit(BroadcastEvent(s.version, s.seconds, ok=False, reason=f"install: {e}"[:500], mode=s.mode,

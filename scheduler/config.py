@@ -139,8 +139,9 @@ class VersionsConfig(_Strict):
     """Bytes per broadcast bucket."""
     inflight_policy: Literal["keep_kv", "recompute"] = "keep_kv"
     """In-flight requests across an update: continue on stale KV, or re-prefill."""
-    logprob_strategy: Literal["per_cell", "snapshot"] = "per_cell"
-    """Exact old log-probs from the cells that hold the version, or later from the trainer's copy."""
+    logprob_strategy: Literal["per_cell"] = "per_cell"
+    """Exact old log-probs from the cells that hold the version (the only strategy built; a
+    version no live cell holds is fetched from the trainer's copy for scoring)."""
     score_batch_tokens: int = Field(default=256, gt=0)
     """A request still generating under a version is scored once this many of its tokens wait
     (ended requests and switched versions are scored at once)."""
@@ -197,6 +198,43 @@ class CellsConfig(_Strict):
 from scheduler.gateway.config import GatewayConfig  # noqa: E402  (no tokenizer is loaded here)
 
 
+class TrainerConfig(_Strict):
+    """The built-in trainer and the toy agentic task that `cellflip up` runs."""
+
+    enabled: bool = False
+    """Run the trainer and the agents (off: `cellflip up` serves the API only)."""
+    steps: int = Field(default=20, ge=0)
+    """RL steps; each flips cells to training, trains on a batch, publishes a version."""
+    batch_episodes: int = Field(default=16, gt=0)
+    """Finished episodes (trajectories) per RL step."""
+    group_size: int = Field(default=4, gt=0)
+    """Episodes per task instance (a GRPO/RLOO group)."""
+    train_cells: int = Field(default=1, ge=0)
+    """Cells flipped to training for each step (they hand their rollouts over live)."""
+    lr: float = Field(default=3e-3, ge=0)
+    """Adam learning rate (0: a control run that never learns)."""
+    warmup_steps: int = Field(default=100, ge=0)
+    """Supervised warm-up steps on synthetic demonstrations before RL."""
+    warmup_batch: int = Field(default=16, gt=0)
+    seed: int = 0
+    """Seeds the task stream, the warm-up and the sampling seeds of the agents."""
+    agents: int = Field(default=8, gt=0)
+    """Episodes in flight at once."""
+    max_turns: int = Field(default=6, gt=0)
+    temperature: float = Field(default=1.0, ge=0)
+    max_tokens_per_turn: int = Field(default=64, gt=0)
+    branch_fraction: float = Field(default=0.25, ge=0, le=1)
+    """Share of episodes that fork into sub-agent branches (tree rollouts)."""
+    checkpoint_dir: str | None = "runs/trainer"
+    """Checkpoints (parameters, optimizer, RNG, data cursor, version); None: none."""
+    checkpoint_every: int = Field(default=5, gt=0)
+    host: str = "127.0.0.1"
+    """Address cells reach the trainer's version host at."""
+    objective: dict[str, Any] = Field(default_factory=dict)
+    """The RL objective (cells/trainer/objectives/config.py: advantages, correction, PPO
+    clip, EWMA, KL); validated by the trainer at start-up."""
+
+
 class CellflipConfig(_Strict):
     """Top-level configuration file."""
 
@@ -210,6 +248,8 @@ class CellflipConfig(_Strict):
     """Weight versions and old log-prob scoring."""
     gateway: GatewayConfig = GatewayConfig()
     """The OpenAI-compatible chat gateway (`POST /v1/chat/completions`)."""
+    trainer: TrainerConfig = TrainerConfig()
+    """The built-in trainer and toy task (`cellflip up`)."""
 
     @model_validator(mode="after")
     def _check(self) -> CellflipConfig:

@@ -92,6 +92,19 @@ class EmbeddedEngine(HandoverMixin, Engine):
         self._versions[version] = prep
         self._version = version
 
+    def prepare_weights(self, tensors: dict[str, torch.Tensor]) -> Prepared:
+        """Check and prepare a version's weights without touching the engine's state, so a
+        loader thread can do it beside decoding; `install_prepared` then only swaps it in."""
+        check_weights(self.spec, tensors)
+        return prepare(self.spec, {k: t.detach().to(torch.float32).contiguous() for k, t in tensors.items()}, self._rope)
+
+    def install_prepared(self, version: int, prep: Prepared, *, activate: bool = True) -> None:
+        """Between steps: serve `prep` as `version` (older versions stay for scoring until
+        `drop_version`), or with `activate=False` hold it for scoring only."""
+        self._versions.setdefault(version, prep)
+        if activate:
+            self._version = version
+
     def hold_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Keep `version` for scoring only (the served version does not change)."""
         check_weights(self.spec, tensors)

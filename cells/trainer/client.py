@@ -1,0 +1,130 @@
+"""The trainer's client of the scheduler's REST API: flips, versions, trajectories.
+
+What an external trainer needs, and all the built-in trainer uses (so the main job exercises
+the public API itself): request flips and wait for them, publish a version from a version
+host, wait until a version's tokens are scored, fetch finished trajectories with their old
+log-probs, retire versions. Every call has a timeout; errors carry the API's reason.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import httpx
+
+FINISHED_FLIP_STATES = ("done", "failed", "rolled_back")
+
+
+class ApiError(RuntimeError):
+    def __init__(self, status: int, reason: str | None, detail: str) -> None:
+        super().__init__(f"{status} {reason or ''}: {detail}".strip())
+        self.status, self.reason, self.detail = status, reason, detail
+
+
+class TrainerClient:
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s)
+        self.cursor = 0
+        """Trajectories up to this cursor have been fetched."""
+
+    def close(self) -> None:
+        self.http.close()
+
+    def _call(self, method: str, path: str, **kw) -> Any:
+        r = self.http.request(method, path, **kw)
+        if r.status_code >= 400:
+            try:
+                body = r.json()
+            except ValueError:
+                body = {"detail": r.text}
+            raise ApiError(r.status_code, body.get("reason"), str(body.get("detail", body)))
+        return r.json()
+
+    # -- cells and flips ----------------------------------------------------------------------
+    def cells(self) -> list[dict]:
+        return self._call("GET", "/v1/cells")["cells"]
+
+    def flip(self, to: str, *, cell: str | None = None, count: int | None = None,
+             key: str | None = None) -> list[dict]:
+        """Request flips (one cell, or `count` cells the planner picks); idempotent per key."""
+        body: dict[str, Any] = {"to": to}
+        if cell is not None:
+            body["cell"] = cell
+        if count is not None:
+            body["count"] = count
+        headers = {"Idempotency-Key": key or uuid.uuid4().hex}
+        return self._call("POST", "/v1/flips", json=body, headers=headers)["flips"]
+
+    def wait_flips(self, flips: list[dict], timeout_s: float = 300.0) -> list[dict]:
+        """Wait until every flip finished; returns their final records."""
+        deadline, out = time.monotonic() + timeout_s, {}
+        while len(out) < len(flips):
+            for f in flips:
+                if f["id"] not in out:
+                    cur = self._call("GET", f"/v1/flips/{f['id']}")
+                    if cur["state"] in FINISHED_FLIP_STATES:
+                        out[f["id"]] = cur
+            if len(out) < len(flips):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"flips not finished after {timeout_s}s: {sorted(set(f['id'] for f in flips) - set(out))}")
+                time.sleep(0.1)
+        return [out[f["id"]] for f in flips]
+
+    # -- versions -----------------------------------------------------------------------------
+    def publish(self, version: int, host: str, port: int, namespace: str = "versions") -> dict:
+        """Record `version` and tell the rollout cells to join its broadcast; the answer's
+        `receivers` are the cells to broadcast to."""
+        return self._call("POST", "/v1/versions", json={
+            "version": version, "source": {"host": host, "port": port, "namespace": namespace}})
+
+    def versions(self) -> dict:
+        return self._call("GET", "/v1/versions")
+
+    def version(self, v: int) -> dict | None:
+        return next((x for x in self.versions()["versions"] if x["version"] == v), None)
+
+    def wait_active(self, v: int, timeout_s: float = 300.0) -> dict:
+        return self._wait(lambda: (x := self.version(v)) is not None and x["state"] in ("active", "retiring", "retired")
+                          and x, timeout_s, f"version {v} active")
+
+    def retire(self, v: int) -> dict:
+        return self._call("DELETE", f"/v1/versions/{v}")
+
+    # -- trajectories -------------------------------------------------------------------------
+    def trajectories(self, limit: int = 64) -> list[dict]:
+        """Finished sessions after the cursor (oldest first); advances the cursor."""
+        body = self._call("GET", "/v1/trajectories", params={"cursor": self.cursor, "limit": limit})
+        self.cursor = body["next_cursor"]
+        return body["trajectories"]
+
+    def session(self, session_id: str) -> dict:
+        return self._call("GET", f"/v1/sessions/{session_id}")
+
+    def wait_scored(self, trajectories: list[dict], timeout_s: float = 300.0) -> list[dict]:
+        """Re-read trajectories until every sampled token has an old log-prob (exact or
+        missing): what the decoupled objective needs. Returns the fresh copies."""
+        fresh = {t["id"]: t for t in trajectories}
+
+        def done() -> bool:
+            for sid, t in list(fresh.items()):
+                if any(m and p is None for m, p in zip(t["loss_mask"], t["provenance"], strict=True)):
+                    fresh[sid] = self.session(sid)
+            return all(not any(m and p is None for m, p in zip(t["loss_mask"], t["provenance"], strict=True))
+                       for t in fresh.values())
+
+        self._wait(done, timeout_s, "old log-probs of the batch")
+        return [fresh[t["id"]] for t in trajectories]
+
+    @staticmethod
+    def _wait(pred, timeout_s: float, what: str, every: float = 0.2):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            got = pred()
+            if got:
+                return got
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+            time.sleep(every)
