@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from cells.trainer.versions_host import VersionUnavailable, fetch_version, receive_broadcast
 from cells.transport.p2p import TransferError
 from cells.transport.store import StoreAddress
+from scheduler.failpoints import failpoint
 from scheduler.protocol import BroadcastEvent, LoadVersionCmd, ScoreCmd, ScoredEvent
 
 log = logging.getLogger("cellflip.versions")
@@ -185,6 +186,7 @@ class CellVersions:
             if item is None:
                 return
             cmd, scorer = item
+            failpoint("logprob.final_pass")  # a scoring task (the final pass is made of these)
             t0 = time.perf_counter()
             try:
                 lp = scorer(cmd.token_ids, cmd.temperature)

@@ -25,7 +25,7 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     """Model architecture (Qwen3 family) or a preset name, optionally a checkpoint path."""
 
-    preset: Literal["tiny", "small", "qwen3-vocab"] | None = "tiny"
+    preset: Literal["tiny", "small", "qwen3-vocab", "toy"] | None = "tiny"
     """Named size preset; explicit fields below override it."""
     path: str | None = None
     """Hugging Face checkpoint directory (config.json + *.safetensors); random-init if unset."""

@@ -39,6 +39,7 @@ from cells.transport.buckets import (
 from cells.transport.catchup import recv_version_p2p, send_version_p2p  # noqa: F401 (re-export)
 from cells.transport.p2p import TransferError, discard, join_group, wait_work
 from cells.transport.store import POLL_S, get_json, set_json, wait_json, wait_keys
+from scheduler.failpoints import failpoint
 
 
 @dataclass
@@ -171,6 +172,7 @@ class WeightSender:
         def finish(i: int) -> None:
             if self.bucket_hook is not None:
                 self.bucket_hook(i)
+            failpoint("broadcast.mid_bucket")
 
         # Bucket i+2 is packed (and its CRC computed) into bucket i's buffer while i+1 travels.
         _pipeline(manifest.num_buckets, lambda i: _bcast(backend, packer.pack(i, bufs[i % 2])),
@@ -288,6 +290,7 @@ class WeightReceiver:
                 if self.bucket_hook is not None:
                     self.bucket_hook(i, wire(i))
                 unpacker.unpack(i, wire(i))  # a mismatch is recorded; keep the collective going
+                failpoint("broadcast.mid_bucket")
 
             _pipeline(manifest.num_buckets, lambda i: _bcast(backend, wire(i)), finish, self.timeout_s)
             broken = False
