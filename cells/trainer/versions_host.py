@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch.distributed import Store
 
 from cells.transport.broadcast import BroadcastResult, WeightReceiver, WeightSender
-from cells.transport.buckets import DEFAULT_BUCKET_BYTES, Manifest, byte_view
+from cells.transport.buckets import DEFAULT_BUCKET_BYTES, FlatVersion, byte_view
 from cells.transport.catchup import recv_version_p2p, send_version_p2p
 from cells.transport.p2p import PairChannel, TransferError
 from cells.transport.store import POLL_S, StoreAddress, StoreHost, connect, get_json, set_json
@@ -72,15 +72,10 @@ def _catchup_key(namespace: str, *parts: object) -> str:
     return "/".join([namespace, "catchup", *map(str, parts)])
 
 
-def _host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A contiguous CPU copy of every tensor, detached from autograd and from the caller's
-    storage: the next optimizer step updates parameters in place."""
-    out = {}
+def _check_tensors(tensors: dict[str, torch.Tensor]) -> None:
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-        out[name] = torch.empty(t.shape, dtype=t.dtype).copy_(t.detach())
-    return out
 
 
 def _same_content(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -122,6 +117,7 @@ class VersionHost:
         self._address = self._store_host.address
         self._lock = threading.Lock()
         self._versions: dict[int, dict[str, torch.Tensor]] = {}
+        self._flats: dict[int, FlatVersion] = {}
         self._broadcasting: set[int] = set()
         self._slots = threading.BoundedSemaphore(max_concurrent_catchups)
         self._stop = threading.Event()
@@ -141,12 +137,16 @@ class VersionHost:
         mutating its own). Putting a held version again is a no-op if the content is bitwise
         identical and a ValueError otherwise: cells may already hold the first one."""
         version = self._check_version(version)
-        copy = _host_copy(tensors)
-        Manifest.build(version, copy, self.bucket_bytes)  # unsupported dtypes fail here, not at send
+        # One flat copy with every bucket's checksum computed once: broadcasts send straight
+        # from it; `copy` holds views of it (unsupported dtypes fail here, not at send).
+        _check_tensors(tensors)
+        flat = FlatVersion.from_tensors(version, tensors, self.bucket_bytes)
+        copy = flat.tensors()
         with self._lock:
             held = self._versions.get(version)
             if held is None:
                 self._versions[version] = copy
+                self._flats[version] = flat
                 return
         if not _same_content(held, copy):
             raise ValueError(f"version {version} is already held with different content: "
@@ -168,6 +168,7 @@ class VersionHost:
             if version not in self._versions:
                 raise KeyError(self._not_held(version))
             del self._versions[version]
+            self._flats.pop(version, None)
 
     def nbytes(self, version: int) -> int:
         """Host memory that `version` occupies, in bytes."""
@@ -197,8 +198,9 @@ class VersionHost:
         `receive_broadcast`); blocks until each is delivered or given up. Cells in
         `result.failed` catch up with `fetch_version`. KeyError if the version is not held,
         ValueError if it is being or has been broadcast already (its keys are single-use)."""
-        tensors = self._held(version)
+        self._held(version)
         with self._lock:
+            tensors = self._flats[version]
             if version in self._broadcasting:
                 raise ValueError(f"version {version} is being broadcast already")
             self._broadcasting.add(version)

@@ -34,6 +34,7 @@ from cells.transport.buckets import (
     FOOTER,
     BucketPacker,
     BucketUnpacker,
+    FlatVersion,
     Manifest,
 )
 from cells.transport.catchup import recv_version_p2p, send_version_p2p  # noqa: F401 (re-export)
@@ -84,10 +85,13 @@ def _parse_manifest(d: dict) -> Manifest:
 
 
 def _pipeline(num_buckets: int, post: Callable[[int], object], finish: Callable[[int], None], timeout_s):
-    """Keeps bucket i+1 in flight while bucket i is finished (staged, or its buffer reused)."""
+    """Keeps bucket i+1 in flight while bucket i is finished (staged, or its buffer reused).
+    `post` returns one work or a tuple of works (the split format's payload and footer)."""
     works = {i: post(i) for i in range(min(2, num_buckets))}
     for i in range(num_buckets):
-        wait_work(works.pop(i), timeout_s, f"bucket {i}/{num_buckets}")
+        w = works.pop(i)
+        for one in (w if isinstance(w, tuple) else (w,)):
+            wait_work(one, timeout_s, f"bucket {i}/{num_buckets}")
         finish(i)
         if i + 2 < num_buckets:
             works[i + 2] = post(i + 2)
@@ -116,11 +120,19 @@ class WeightSender:
         self.device = torch.device(device)
         self.bucket_hook = bucket_hook  # fault injection: called after bucket i left
 
-    def send_version(self, version: int, tensors: dict[str, torch.Tensor], receivers: list[str]) -> BroadcastResult:
-        """Broadcasts `tensors` as `version` to `receivers` (cell ids). Does not modify tensors."""
+    def send_version(self, version: int, tensors: dict[str, torch.Tensor] | FlatVersion,
+                     receivers: list[str]) -> BroadcastResult:
+        """Broadcasts `tensors` as `version` to `receivers` (cell ids). Does not modify tensors.
+        A FlatVersion (checksums computed once, e.g. when the trainer stored the version)
+        goes out in the split format: payloads straight from its buffer, no packing."""
         t0 = time.monotonic()
-        manifest = Manifest.build(version, tensors, self.bucket_bytes)
-        packer = BucketPacker(manifest, tensors)
+        if isinstance(tensors, FlatVersion):
+            if tensors.manifest.version != version:
+                raise ValueError(f"flat version {tensors.manifest.version} sent as {version}")
+            manifest, packer = tensors.manifest, tensors
+        else:
+            manifest = Manifest.build(version, tensors, self.bucket_bytes)
+            packer = BucketPacker(manifest, tensors)
         key = lambda *p: "/".join([self.namespace, str(version), *map(str, p)])
         if self.store.check([key("plan", 0)]):
             raise ValueError(f"version {version} was already broadcast under {self.namespace!r}: "
@@ -163,7 +175,9 @@ class WeightSender:
         set_json(self.store, key("plan", attempt), {"members": [], "retry_within_s": 0})  # release waiters
         return self._finish(result, t0)
 
-    def _run(self, backend, manifest: Manifest, packer: BucketPacker, keep: list) -> None:
+    def _run(self, backend, manifest: Manifest, packer: BucketPacker | FlatVersion, keep: list) -> None:
+        if isinstance(packer, FlatVersion):
+            return self._run_split(backend, packer, keep)
         _bcast_json(backend, manifest.to_dict(), self.timeout_s, self.device, keep)
         bufs = [torch.empty(manifest.bucket_bytes + FOOTER.size, dtype=torch.uint8, device=self.device)
                 for _ in range(2)]
@@ -177,6 +191,21 @@ class WeightSender:
         # Bucket i+2 is packed (and its CRC computed) into bucket i's buffer while i+1 travels.
         _pipeline(manifest.num_buckets, lambda i: _bcast(backend, packer.pack(i, bufs[i % 2])),
                   finish, self.timeout_s)
+
+    def _run_split(self, backend, flat: FlatVersion, keep: list) -> None:
+        _bcast_json(backend, {**flat.manifest.to_dict(), "wire": "split"}, self.timeout_s, self.device, keep)
+
+        def post(i: int):
+            footer = flat.footer(i)
+            keep.append(footer)
+            return _bcast(backend, flat.payload(i)), _bcast(backend, footer)
+
+        def finish(i: int) -> None:
+            if self.bucket_hook is not None:
+                self.bucket_hook(i)
+            failpoint("broadcast.mid_bucket")
+
+        _pipeline(flat.manifest.num_buckets, post, finish, self.timeout_s)
 
     def _settle(self, result: BroadcastResult, members: list[str], attempt: int, key, error: str) -> list[str]:
         """Sorts members into delivered / failed / retry from their reports; returns retries."""
@@ -204,6 +233,29 @@ class WeightSender:
     def _finish(self, result: BroadcastResult, t0: float) -> BroadcastResult:
         result.seconds = time.monotonic() - t0
         return result
+
+
+class _FlatReceipt:
+    """What `_receive_split` hands back: the unpacker's surface (`is_verified`, `bad`,
+    `staging`) over a flat buffer."""
+
+    def __init__(self, flat: FlatVersion, staging: dict[str, torch.Tensor] | None) -> None:
+        self.flat, self.given, self.bad, self.num_unpacked = flat, staging, [], 0
+        self.staging: dict[str, torch.Tensor] = {}
+
+    @property
+    def is_verified(self) -> bool:
+        return not self.bad and self.num_unpacked == self.flat.manifest.num_buckets
+
+    def finish(self) -> None:
+        views = self.flat.tensors()
+        if self.given is None:
+            self.staging = views
+            return
+        for name, t in views.items():
+            if self.is_verified:
+                self.given[name].copy_(t)
+        self.staging = self.given
 
 
 class WeightReceiver:
@@ -263,6 +315,29 @@ class WeightReceiver:
             self.last_error = f"store unreachable: {e}"
             return False
 
+    def _receive_split(self, backend, manifest: Manifest, staging, keep: list) -> _FlatReceipt:
+        """Payloads land straight in one flat buffer and are checked there (no unpacking copy);
+        a given `staging` dict gets a copy of the verified tensors at the end."""
+        flat = FlatVersion.empty(manifest, self.device)
+        footers = [torch.empty(FOOTER.size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        keep.extend([flat.buf, *footers])
+        receipt = _FlatReceipt(flat, staging)
+
+        def post(i: int):
+            return _bcast(backend, flat.payload(i)), _bcast(backend, footers[i % 2])
+
+        def finish(i: int) -> None:
+            if self.bucket_hook is not None:
+                self.bucket_hook(i, flat.payload(i))
+            receipt.num_unpacked += 1
+            if not flat.check(i, footers[i % 2]):
+                receipt.bad.append(i)  # recorded; keep the collective going
+            failpoint("broadcast.mid_bucket")
+
+        _pipeline(manifest.num_buckets, post, finish, self.timeout_s)
+        receipt.finish()
+        return receipt
+
     def received_tensors(self) -> dict[str, torch.Tensor]:
         """The verified tensors of `self.version`; raises TransferError if none is complete."""
         if self.version is None or self._staging is None:
@@ -277,9 +352,14 @@ class WeightReceiver:
         keep: list[torch.Tensor] = []
         broken = True
         try:
-            manifest = _parse_manifest(_bcast_json(backend, None, self.timeout_s, self.device, keep))
+            head = _bcast_json(backend, None, self.timeout_s, self.device, keep)
+            manifest = _parse_manifest(head)
             if manifest.version != version:
                 raise TransferError(f"expected version {version}, sender sent {manifest.version}")
+            if head.get("wire") == "split":
+                unpacker = self._receive_split(backend, manifest, staging, keep)
+                broken = False
+                return unpacker
             unpacker = BucketUnpacker(manifest, staging, self.device)
             bufs = [torch.empty(manifest.bucket_bytes + FOOTER.size, dtype=torch.uint8, device=self.device)
                     for _ in range(2)]

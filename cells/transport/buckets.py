@@ -201,3 +201,61 @@ class BucketUnpacker:
     @property
     def is_verified(self) -> bool:
         return not self.bad and self.num_unpacked == self.manifest.num_buckets
+
+
+class FlatVersion:
+    """A version as one flat byte buffer in manifest order, each bucket's CRC32 computed once.
+
+    The sender's side of the split wire format: a broadcast sends payload slices straight
+    from the buffer and a 16-byte footer per bucket, so nothing is packed or checksummed per
+    send. The receiver's side: `empty(manifest)` allocates the buffer the payloads land in,
+    `check` verifies one bucket in place, `tensors` are views of it — no unpacking copy.
+    """
+
+    def __init__(self, manifest: Manifest, buf: torch.Tensor, crcs: list[int] | None = None) -> None:
+        assert buf.dtype == torch.uint8 and buf.numel() == manifest.total_bytes and buf.is_contiguous()
+        self.manifest, self.buf, self.crcs = manifest, buf, crcs
+
+    @classmethod
+    def from_tensors(cls, version: int, tensors: dict[str, torch.Tensor], bucket_bytes: int) -> FlatVersion:
+        manifest = Manifest.build(version, tensors, bucket_bytes)
+        buf = torch.empty(manifest.total_bytes, dtype=torch.uint8)
+        for s in manifest.tensors:
+            buf[s.offset:s.offset + s.nbytes].copy_(byte_view(tensors[s.name]).cpu())
+        flat = cls(manifest, buf)
+        flat.crcs = [_crc(flat.payload(i)) for i in range(manifest.num_buckets)]
+        return flat
+
+    @classmethod
+    def empty(cls, manifest: Manifest, device="cpu") -> FlatVersion:
+        return cls(manifest, torch.empty(manifest.total_bytes, dtype=torch.uint8, device=device))
+
+    def payload(self, index: int) -> torch.Tensor:
+        a, b = self.manifest.bucket_range(index)
+        return self.buf[a:b]
+
+    def footer(self, index: int) -> torch.Tensor:
+        assert self.crcs is not None, "footers need the sender's checksums"
+        data = FOOTER.pack(self.crcs[index], index, self.manifest.version)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.buf.device)
+
+    def check(self, index: int, footer: torch.Tensor) -> bool:
+        """Whether the payload of bucket `index` matches the footer that came with it."""
+        crc, got_index, got_version = FOOTER.unpack(bytes(footer.cpu().numpy()))
+        return (got_index, got_version) == (index, self.manifest.version) and crc == _crc(self.payload(index))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Views of the buffer (a copy only for a tensor whose offset is not aligned to its
+        element size)."""
+        out = {}
+        for s in self.manifest.tensors:
+            dtype = _DTYPES[s.dtype]
+            raw = self.buf[s.offset:s.offset + s.nbytes]
+            if s.offset % dtype.itemsize:
+                raw = raw.clone()
+            out[s.name] = raw.view(dtype).reshape(s.shape)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.manifest.total_bytes
