@@ -39,7 +39,10 @@ class BearerAuth:
         if hmac.compare_digest(got, self._expected):
             await self.app(scope, receive, send)
             return
-        body = json.dumps({"detail": "missing or invalid bearer token", "reason": "unauthorized"}).encode()
+        # the API's {detail, reason} and, for the OpenAI-compatible gateway, an OpenAI error object
+        msg = "missing or invalid bearer token"
+        body = json.dumps({"detail": msg, "reason": "unauthorized", "error": {
+            "message": msg, "type": "authentication_error", "param": None, "code": "invalid_api_key"}}).encode()
         await send({"type": "http.response.start", "status": 401, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"www-authenticate", b"Bearer")]})

@@ -11,7 +11,10 @@ import json
 
 
 async def _reply_413(send, limit: int) -> None:
-    body = json.dumps({"detail": f"request body exceeds {limit} bytes", "reason": "too_large"}).encode()
+    # the API's {detail, reason} and, for the OpenAI-compatible gateway, an OpenAI error object
+    msg = f"request body exceeds {limit} bytes"
+    body = json.dumps({"detail": msg, "reason": "too_large", "error": {
+        "message": msg, "type": "invalid_request_error", "param": None, "code": "body_too_large"}}).encode()
     await send({"type": "http.response.start", "status": 413, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
         (b"connection", b"close")]})

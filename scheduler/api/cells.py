@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from scheduler.api.deps import Ctl
+from scheduler.api.deps import ApiRoute, Ctl
+from scheduler.api.schemas import errors
 from scheduler.errors import NotFound
 
-router = APIRouter(prefix="/v1/cells", tags=["cells"])
+router = APIRouter(prefix="/v1/cells", tags=["cells"], route_class=ApiRoute, responses=errors(401))
 
 
 @router.get("")
@@ -15,7 +16,7 @@ async def list_cells(ctl: Ctl) -> dict:
     return {"cells": ctl.cell_view()}
 
 
-@router.get("/{cell_id}")
+@router.get("/{cell_id}", responses=errors(404))
 async def get_cell(cell_id: str, ctl: Ctl) -> dict:
     found = ctl.cell_view(cell_id)
     if not found:

@@ -9,10 +9,10 @@ from typing import Annotated
 from fastapi import APIRouter, Header
 from fastapi.responses import StreamingResponse
 
-from scheduler.api.deps import Ctl
-from scheduler.api.schemas import CompletionCreate
+from scheduler.api.deps import ApiRoute, Ctl
+from scheduler.api.schemas import CompletionCreate, errors
 
-router = APIRouter(tags=["completions"])
+router = APIRouter(tags=["completions"], route_class=ApiRoute, responses=errors(401))
 
 SessionId = Annotated[str | None, Header(alias="X-Session-Id", max_length=256, pattern=r"^[A-Za-z0-9._:@/-]+$")]
 
@@ -22,7 +22,7 @@ def _chunk(rid: str, rows: list[tuple]) -> dict:
             "versions": [r[3] for r in rows]}
 
 
-@router.post("/v1/completions", response_model=None)
+@router.post("/v1/completions", response_model=None, responses=errors(404, 409, 413, 422, 429))
 async def create_completion(body: CompletionCreate, ctl: Ctl, session_id: SessionId = None) -> dict | StreamingResponse:
     req = ctl.submit_completion(session_id, list(body.prompt_ids), body.params())
     head = {"X-Session-Id": req.session_id, "X-Request-Id": req.id}

@@ -1,12 +1,22 @@
-"""Dependencies: the controller lives on app.state (built by the lifespan), never in a global."""
+"""Dependencies: the controller lives on app.state (built by the lifespan), never in a global.
+
+`ApiRoute` is the route class of every router here: malformed input is always a 422 whose
+answer can be serialized (see its docstring)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+import dataclasses
+import math
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
 
 from scheduler.controller import Controller
+from scheduler.errors import Invalid
 
 
 def get_controller(request: Request) -> Controller:
@@ -14,3 +24,69 @@ def get_controller(request: Request) -> Controller:
 
 
 Ctl = Annotated[Controller, Depends(get_controller)]
+
+_BODY_PARSE_ERROR = "There was an error parsing the body"
+"""FastAPI's 400 for a body it could not read as JSON text (not UTF-8, nested too deep)."""
+
+
+_ECHO_DEPTH = 16
+"""How deep a validation error echoes its input (deeper parts become "..."): the echo stays
+small and is rendered without deep recursion, whatever nesting the body had."""
+
+
+def _json_safe(value: Any, depth: int = 0) -> Any:
+    """`value` with NaN/±Infinity as strings and nesting cut at `_ECHO_DEPTH`: Python's json
+    reads non-finite numbers from a request, and a validation error echoes its input, but a
+    JSON answer cannot carry them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict | list | tuple) and depth >= _ECHO_DEPTH:
+        return "..."
+    if isinstance(value, dict):
+        return {k: _json_safe(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v, depth + 1) for v in value]
+    return value
+
+
+class ApiRoute(APIRoute):
+    """A route whose malformed requests are answered 422, never 400 or 500: a body that is
+    not JSON text is an `Invalid`; a validation error has its non-finite inputs quoted."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except HTTPException as e:
+                if e.status_code == 400 and e.detail == _BODY_PARSE_ERROR:
+                    raise Invalid("request body is not valid JSON text") from None
+                raise
+            except RequestValidationError as e:
+                raise RequestValidationError(_json_safe(list(e.errors())), body=e.body) from None
+
+        return route
+
+
+INT64_MAX = (1 << 63) - 1
+
+
+def check_int64(msg: Any) -> None:
+    """Every integer in `msg` (dataclasses, lists, dicts; walked without recursion) fits
+    SQLite's 64-bit INTEGER: a larger id, count or port from a cell is malformed input (422),
+    not a store error."""
+    stack = [msg]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, bool):
+            continue
+        if isinstance(v, int):
+            if not -INT64_MAX - 1 <= v <= INT64_MAX:
+                raise Invalid(f"integer {v} is out of the 64-bit range")
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            stack.extend(getattr(v, f.name) for f in dataclasses.fields(v))
+        elif isinstance(v, list | tuple):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())

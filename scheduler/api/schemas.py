@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -12,7 +12,27 @@ MAX_PROMPT_TOKENS = 1 << 20
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # strict: JSON `true`/`"3"`/`3.0` are not the integer 3 (an int is still a valid float);
+    # NaN/Infinity (Python's json reads them) are no number
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class ApiError(BaseModel):
+    """Every error answer: `detail` (a message; a list of pydantic errors when the request
+    does not match its schema) and the machine-readable `reason` (absent on those)."""
+
+    detail: str | list[dict[str, Any]]
+    reason: str | None = None
+
+
+_PHRASES = {401: "Missing or invalid bearer token", 404: "Unknown id", 409: "Conflict (illegal transition, stale "
+            "generation/epoch/incarnation, reused Idempotency-Key)", 413: "Request body over the limit",
+            422: "Malformed request", 429: "No capacity (see Retry-After)"}
+
+
+def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """`responses=` of a route: the error statuses it can answer, each with ApiError."""
+    return {code: {"model": ApiError, "description": _PHRASES[code]} for code in codes}
 
 
 class FlipCreate(_Body):

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
 
-from scheduler.api.deps import Ctl
-from scheduler.api.schemas import VersionCreate
+from fastapi import APIRouter, Path
 
-router = APIRouter(prefix="/v1/versions", tags=["versions"])
+from scheduler.api.deps import ApiRoute, Ctl
+from scheduler.api.schemas import VersionCreate, errors
+
+router = APIRouter(prefix="/v1/versions", tags=["versions"], route_class=ApiRoute, responses=errors(401))
 
 
 @router.get("")
@@ -17,11 +19,11 @@ async def list_versions(ctl: Ctl) -> dict:
             "scoring": {"tokens": st.scored_tokens, "seconds": round(st.scoring_seconds, 6), "tasks": len(st.tasks)}}
 
 
-@router.post("", status_code=201)
+@router.post("", status_code=201, responses=errors(409, 413, 422))
 async def publish_version(body: VersionCreate, ctl: Ctl) -> dict:
     return ctl.publish_version(body.version, body.source.model_dump() if body.source else None)
 
 
-@router.delete("/{version}")
-async def retire_version(version: int, ctl: Ctl) -> dict:
+@router.delete("/{version}", responses=errors(404, 409, 422))
+async def retire_version(version: Annotated[int, Path(ge=0, lt=1 << 62)], ctl: Ctl) -> dict:
     return ctl.retire_version(version)

@@ -1,0 +1,111 @@
+"""Schemathesis against the served OpenAPI document: no 5xx, every answer matches its schema.
+
+Runs in-process over ASGI (`schemathesis.openapi.from_dict` of the document the app serves at
+/openapi.json, bound to the app) with a fixed seed and a bounded
+number of examples (positive and negative data, schemathesis' default phases), so a run is
+reproducible and takes well under a minute on two slow cores.
+
+Two apps, so that nothing blocks: the public API and the gateway run with no cell ever
+registered (POST /v1/completions and /v1/chat/completions answer 429 at once instead of
+waiting for a cell to decode), and the cell protocol (/internal/...) runs on an app of its
+own, where the cells it registers never see a completion. Every call has a read timeout,
+so a hang is a failure, not a stall.
+
+Checks: not_a_server_error, status_code_conformance, content_type_conformance,
+response_schema_conformance, response_headers_conformance. Not run: negative_data_rejection
+and positive_data_acceptance (the cell protocol's dataclasses validate in pydantic's lax
+mode, so e.g. `"version": false` reads as 0 there; the public bodies are strict) and
+unsupported_method (Starlette's 405 lists only the first matching route's methods).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+schemathesis = pytest.importorskip("schemathesis")
+
+from fastapi.testclient import TestClient  # noqa: E402
+from hypothesis import HealthCheck, Phase, seed, settings  # noqa: E402
+from schemathesis.checks import (  # noqa: E402
+    content_type_conformance,
+    not_a_server_error,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from scheduler.app import create_app  # noqa: E402
+from scheduler.gateway.openai_schema import ChatCompletionRequest  # noqa: E402
+from tests.scheduler.sched_fakes import make_config  # noqa: E402
+
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
+          response_headers_conformance]
+MAX_EXAMPLES = 25
+MAX_EXAMPLES_PROTOCOL = 100
+"""The cell protocol has 4 operations with big bodies: more examples each."""
+SEED = 1234
+"""With these bounds and this seed the runs find the bugs they were written against (since
+fixed): integers past 64 bits in DELETE /v1/versions/{version} and in a cell's register."""
+READ_TIMEOUT_S = 20
+
+
+def _dangling_refs(doc: dict) -> set[str]:
+    refs = set(re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(doc)))
+    return refs - set(doc.get("components", {}).get("schemas", {}))
+
+
+def _served_document(app) -> dict:
+    r = TestClient(app).get("/openapi.json")  # no lifespan needed to serve the document
+    assert r.status_code == 200
+    return r.json()
+
+
+def _loaded(tmp_path):
+    app = create_app(make_config(), db_path=str(tmp_path / "st.sqlite"), tick_interval_s=None)
+    doc = _served_document(app)
+    # Known gap (scheduler/gateway/router.py): the chat request schema is inlined with its
+    # $defs dropped, so its $refs point at components the document lacks. Supply exactly
+    # those, so the gateway is fuzzed too; test_served_document_refs_resolve tracks the gap.
+    missing = _dangling_refs(doc)
+    defs = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {})
+    assert missing <= set(defs), f"unresolvable $refs in /openapi.json: {sorted(missing - set(defs))}"
+    doc["components"]["schemas"].update({k: defs[k] for k in missing})
+    schema = schemathesis.openapi.from_dict(doc)
+    schema.app = app  # what from_asgi does: calls go to the app in-process
+    schema.location = "/openapi.json"
+    return schema
+
+
+@pytest.fixture
+def api_schema(tmp_path):
+    return _loaded(tmp_path)
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+# No shrinking: a failure is reported (with its curl reproduction) in seconds, not minutes.
+FUZZ = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck),
+            phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target])
+
+
+@schema.exclude(path_regex="^/internal/").parametrize()
+@seed(SEED)
+@settings(max_examples=MAX_EXAMPLES, **FUZZ)
+def test_public_api_and_gateway(case):
+    case.call_and_validate(checks=CHECKS, timeout=READ_TIMEOUT_S)
+
+
+@schema.include(path_regex="^/internal/").parametrize()
+@seed(SEED)
+@settings(max_examples=MAX_EXAMPLES_PROTOCOL, **FUZZ)
+def test_cell_protocol(case):
+    case.call_and_validate(checks=CHECKS, timeout=READ_TIMEOUT_S)
+
+
+@pytest.mark.xfail(strict=True, reason="scheduler/gateway/router.py inlines ChatCompletionRequest's schema "
+                   "without its $defs: /openapi.json has dangling $refs (remove this mark once fixed)")
+def test_served_document_refs_resolve(tmp_path):
+    app = create_app(make_config(), db_path=str(tmp_path / "doc.sqlite"), tick_interval_s=None)
+    assert _dangling_refs(_served_document(app)) == set()
