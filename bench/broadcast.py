@@ -97,7 +97,9 @@ class _Cell:
         self.address = StoreAddress(address["host"], int(address["port"]))
         self.engine = EmbeddedEngine(_engine_cfg())
         self.events: list[dict] = []
-        self.versions = CellVersions(self.cell_id, emit=self.events.append, wake=lambda: None, timeout_s=TIMEOUT_S)
+        # as the cell agent does: weights are prepared on the loader thread, installed by a swap
+        self.versions = CellVersions(self.cell_id, emit=self.events.append, wake=lambda: None, timeout_s=TIMEOUT_S,
+                                     prepare=self.engine.prepare_weights)
         self.lock = threading.Lock()
         self.num_waiting = 0
         self.waiting_lock = threading.Lock()
