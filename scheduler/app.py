@@ -76,11 +76,33 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
     app.include_router(make_chat_router(ControlPlaneBackend(app), gateway.renderer, counters=counters,
                                         **{**gateway.router_kwargs(), "finish_route": False}))
     _install_error_handlers(app)
+    _publish_chat_schemas(app)
     # outermost first: refuse unauthenticated requests before reading any body
     app.add_middleware(BodySizeLimit, max_bytes=sched.max_body_bytes)
     if token is not None:
         app.add_middleware(BearerAuth, token=token)
     return app
+
+
+def _publish_chat_schemas(app: FastAPI) -> None:
+    """The chat route's request schema is given inline (its body is read raw, to count and
+    refuse it before parsing): its nested models join the document's components, so every
+    `$ref` in /openapi.json resolves."""
+    from scheduler.gateway.openai_schema import ChatCompletionRequest
+
+    base = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = base()
+            defs = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {})
+            known = doc.setdefault("components", {}).setdefault("schemas", {})
+            for name, schema in defs.items():
+                known.setdefault(name, schema)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -38,7 +38,6 @@ from schemathesis.checks import (  # noqa: E402
 )
 
 from scheduler.app import create_app  # noqa: E402
-from scheduler.gateway.openai_schema import ChatCompletionRequest  # noqa: E402
 from tests.scheduler.sched_fakes import make_config  # noqa: E402
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
@@ -66,13 +65,7 @@ def _served_document(app) -> dict:
 def _loaded(tmp_path):
     app = create_app(make_config(), db_path=str(tmp_path / "st.sqlite"), tick_interval_s=None)
     doc = _served_document(app)
-    # Known gap (scheduler/gateway/router.py): the chat request schema is inlined with its
-    # $defs dropped, so its $refs point at components the document lacks. Supply exactly
-    # those, so the gateway is fuzzed too; test_served_document_refs_resolve tracks the gap.
-    missing = _dangling_refs(doc)
-    defs = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {})
-    assert missing <= set(defs), f"unresolvable $refs in /openapi.json: {sorted(missing - set(defs))}"
-    doc["components"]["schemas"].update({k: defs[k] for k in missing})
+    assert not _dangling_refs(doc)  # the gateway's request models are in the components too
     schema = schemathesis.openapi.from_dict(doc)
     schema.app = app  # what from_asgi does: calls go to the app in-process
     schema.location = "/openapi.json"
@@ -104,8 +97,6 @@ def test_cell_protocol(case):
     case.call_and_validate(checks=CHECKS, timeout=READ_TIMEOUT_S)
 
 
-@pytest.mark.xfail(strict=True, reason="scheduler/gateway/router.py inlines ChatCompletionRequest's schema "
-                   "without its $defs: /openapi.json has dangling $refs (remove this mark once fixed)")
 def test_served_document_refs_resolve(tmp_path):
     app = create_app(make_config(), db_path=str(tmp_path / "doc.sqlite"), tick_interval_s=None)
     assert _dangling_refs(_served_document(app)) == set()
