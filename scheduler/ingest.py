@@ -9,6 +9,7 @@ functions below apply.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -53,6 +54,8 @@ def judge(req: RequestRow | None, cell_id: str, batch: TokenBatch, stored: list[
         return Verdict(False, reason="not_owner")
     if req.epoch != batch.epoch:
         return Verdict(False, reason="stale_epoch")
+    if not all(math.isfinite(float(r[1])) and r[1] <= 0 for r in batch.records):
+        return Verdict(False, reason="invalid", revoke=req.is_owned)  # a log-prob must be finite and <= 0
     n = req.num_generated
     if batch.start > n:
         return Verdict(False, reason="gap", revoke=req.is_owned)

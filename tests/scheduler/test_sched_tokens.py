@@ -162,3 +162,24 @@ def test_version_retire_waits_for_old_logprobs(harness):
     r = harness.client.delete("/v1/versions/0")
     assert r.status_code == 200 and r.json()["state"] == "retired" and r.json()["tokens_scored"] == 3
     assert harness.client.delete("/v1/versions/7").status_code == 404
+
+
+def test_non_finite_logprob_is_refused_and_the_request_taken_away(harness):
+    c = _one_cell(harness)
+    fut = harness.complete({"prompt_ids": [1, 2], "max_tokens": 3}, session="nf")
+    until_held(c, fut)
+    rid = c.commands[-1]["request_id"]
+    raw = json.dumps({"incarnation": c.incarnation, "summary": c.summary(), "events": [], "wait_s": 0.0,
+                      "tokens": [{"request_id": rid, "epoch": 1, "start": 0,
+                                  "records": [[5, float("-inf"), 0, False]], "finish_reason": "length"}]})
+    r = harness.client.post(f"/internal/v1/cells/{c.cell_id}/sync", content=raw,
+                            headers={"Content-Type": "application/json"})
+    assert r.status_code == 200 and rid in r.json()["rejected"], r.text
+    req = harness.ctl.store.owners.get_request(rid)
+    assert req.num_generated == 0 and req.epoch == 2  # nothing stored; re-placed at a new epoch
+    assert harness.client.get("/v1/sessions/nf").json()["logprobs"] == [None, None]
+    c.held.clear()
+    for cmd in r.json()["commands"]:
+        c.handle(cmd)
+    pump([c], until=fut, harness=harness)
+    assert len(fut.result(timeout=60).json()["token_ids"]) == 3
