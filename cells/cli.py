@@ -1,4 +1,4 @@
-"""`cellflip` command line: up | scheduler | cell | status.
+"""`cellflip` command line: up | scheduler | cell | trainer | status.
 
 Imports are lazy so that `cellflip scheduler` and `cellflip status` never load torch.
 """
@@ -25,7 +25,10 @@ def _read_token(path: str | None) -> str | None:
     if not path:
         return None
     with open(path) as f:  # unreadable: fail closed
-        return f.read().strip()
+        token = f.read().strip()
+    if not token:
+        raise SystemExit(f"token file {path} is empty")  # fail closed, not 401s later
+    return token
 
 
 def cmd_scheduler(args) -> int:
@@ -96,22 +99,37 @@ def cmd_up(args) -> int:
 
     from cells.localcluster import Cluster
 
-    _load(args.config)  # validate before starting anything
+    cfg = _load(args.config)  # validate before starting anything
     with open(args.config) as f:
         raw = yaml.safe_load(f) or {}
     sched = raw.setdefault("scheduler", {})
     port = args.port if args.port is not None else sched.get("port", 8700)
     n = args.cells or raw.get("cells", {}).get("count", 3)
+    run_dir = os.path.abspath(args.run_dir)
+    os.makedirs(run_dir, exist_ok=True)
     os.makedirs(os.path.dirname(os.path.abspath(sched.get("db_path", "runs/cellflip.sqlite"))), exist_ok=True)
+    train = cfg.trainer.enabled and not args.no_trainer
+    if args.steps is not None:
+        raw.setdefault("trainer", {})["steps"] = args.steps
+    if train:
+        _prepare_toy(raw)
     def _interrupt(*_):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _interrupt)  # a plain kill stops the children too
-    cluster = Cluster("runs", num_cells=n, cfg=raw, port=port)
+    cluster = Cluster(run_dir, num_cells=n, cfg=raw, port=port)
     url = cluster.url
-    print(f"cellflip up: API {url} (OpenAPI {url}/docs), metrics {url}/metrics, logs runs/*.log")
-    print(f"  {n} cells in rollout; `cellflip status --scheduler {url}`; Ctrl-C stops everything")
+    print(f"cellflip up: API {url} (OpenAPI {url}/docs), metrics {url}/metrics, logs {run_dir}/*.log", flush=True)
+    print(f"  {n} cells in rollout; `cellflip status --scheduler {url}`; Ctrl-C stops everything", flush=True)
+    status = os.path.join(run_dir, "trainer.jsonl")
     try:
+        if train:
+            if os.path.exists(status):
+                os.replace(status, status + ".prev")
+            cluster._spawn("trainer", ["trainer", "--config", str(cluster.cfg_path), "--scheduler", url,
+                                       "--run-dir", run_dir])
+            return _follow_trainer(cluster, url, status, raw.get("trainer", {}).get("steps", cfg.trainer.steps),
+                                   args.no_display)
         while all(p.poll() is None for p in cluster.procs.values()):
             time.sleep(0.5)
         print("a process exited; shutting down", file=sys.stderr)
@@ -120,6 +138,79 @@ def cmd_up(args) -> int:
         return 0
     finally:
         cluster.stop()
+
+
+def _prepare_toy(raw: dict) -> None:
+    """The toy task's chat format and output vocabulary, unless the config sets them: the
+    cells sample, and the trainer trains, over exactly the ids the task can use."""
+    from cells.trainer.toy_task import TOY_RENDERER, output_token_ids
+
+    model = raw.setdefault("cells", {}).setdefault("engine", {}).setdefault("model", {})
+    if model.get("output_id_ranges") is None:
+        ids = sorted(set(output_token_ids()))
+        ranges, start = [], ids[0]
+        for a, b in zip(ids, ids[1:] + [None]):
+            if b != a + 1:
+                ranges.append([start, a + 1])
+                start = b
+        model["output_id_ranges"] = ranges
+    raw.setdefault("gateway", {}).setdefault("renderer", TOY_RENDERER)
+
+
+def _follow_trainer(cluster, url: str, status: str, steps: int, plain: bool) -> int:
+    """Until the trainer exits: the live view (or, with `plain`, its status lines); then the
+    summary. Non-zero if any process died."""
+    from pathlib import Path
+
+    from cells import display
+
+    procs = cluster.procs
+    done = lambda: procs["trainer"].poll() is not None or any(
+        p.poll() is not None for name, p in procs.items() if name != "trainer")
+    if plain:
+        seen = 0
+        while not done():
+            lines = display.read_status(Path(status))
+            for rec in lines[seen:]:
+                print(json.dumps(rec), flush=True)
+            seen = len(lines)
+            time.sleep(0.5)
+        for rec in display.read_status(Path(status))[seen:]:
+            print(json.dumps(rec), flush=True)
+        last = None
+    else:
+        last = display.watch(url, Path(status), steps, done)
+    rc = procs["trainer"].poll()
+    if last is not None:
+        from rich.console import Console
+
+        Console().print(display.summary_table(last))
+    if rc != 0:
+        print(f"trainer exited with {rc}; see the logs", file=sys.stderr)
+        return 1
+    print("cellflip up: training finished; Ctrl-C stops the cluster", flush=True)
+    while all(p.poll() is None for name, p in procs.items() if name != "trainer"):
+        time.sleep(0.5)
+    return 1
+
+
+def cmd_trainer(args) -> int:
+    import torch
+
+    from cells.trainer.trainer import Trainer
+
+    torch.set_num_threads(1)
+    cfg = _load(args.config)
+    trainer = Trainer(cfg, args.scheduler, run_dir=args.run_dir, token=_read_token(cfg.scheduler.auth_token_file),
+                      tag=args.tag)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        summary = trainer.run(stop)
+    except KeyboardInterrupt:
+        return 0
+    print(json.dumps({"summary": summary}), flush=True)
+    return 0
 
 
 def cmd_status(args) -> int:
@@ -147,6 +238,15 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--config", default="configs/local.yaml")
     up.add_argument("--port", type=int)
     up.add_argument("--cells", type=int)
+    up.add_argument("--steps", type=int, help="RL steps (overrides trainer.steps)")
+    up.add_argument("--run-dir", default="runs", help="logs, the store, trainer status and checkpoints")
+    up.add_argument("--no-trainer", action="store_true", help="serve the API only")
+    up.add_argument("--no-display", action="store_true", help="print status lines instead of the live view")
+    tr = sub.add_parser("trainer", help="run the trainer and the toy task's agents against a scheduler")
+    tr.add_argument("--config")
+    tr.add_argument("--scheduler", required=True, help="scheduler URL")
+    tr.add_argument("--run-dir", default="runs")
+    tr.add_argument("--tag", default="run", help="prefix of session ids")
     sc = sub.add_parser("scheduler", help="run the control plane")
     sc.add_argument("--config")
     sc.add_argument("--host")
@@ -164,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    return {"up": cmd_up, "scheduler": cmd_scheduler, "cell": cmd_cell, "status": cmd_status}[args.cmd](args)
+    return {"up": cmd_up, "scheduler": cmd_scheduler, "cell": cmd_cell, "trainer": cmd_trainer,
+            "status": cmd_status}[args.cmd](args)
 
 
 if __name__ == "__main__":

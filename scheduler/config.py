@@ -211,10 +211,19 @@ class TrainerConfig(_Strict):
     """Episodes per task instance (a GRPO/RLOO group)."""
     train_cells: int = Field(default=1, ge=0)
     """Cells flipped to training for each step (they hand their rollouts over live)."""
-    lr: float = Field(default=3e-3, ge=0)
-    """Adam learning rate (0: a control run that never learns)."""
-    warmup_steps: int = Field(default=100, ge=0)
+    train_cell_choice: Literal["planner", "busiest"] = "planner"
+    """Which cells train: the planner's pick (the cheapest to drain), or the rollout cells
+    with the most requests in flight (every flip then moves live rollouts: the demo's
+    choice, to show live migration under load)."""
+    lr: float = Field(default=2e-3, ge=0)
+    """RL learning rate (0: a control run whose weights never move after the warm-up)."""
+    warmup_lr: float = Field(default=3e-3, ge=0)
+    """Learning rate of the supervised warm-up (the optimizer state carries over into RL)."""
+    warmup_steps: int = Field(default=300, ge=0)
     """Supervised warm-up steps on synthetic demonstrations before RL."""
+    init_std: float = Field(default=0.1, gt=0)
+    """Initial weight scale of the trainer's model (small toy models need more than 0.02 to
+    learn to copy within a CPU warm-up)."""
     warmup_batch: int = Field(default=16, gt=0)
     seed: int = 0
     """Seeds the task stream, the warm-up and the sampling seeds of the agents."""
@@ -225,6 +234,11 @@ class TrainerConfig(_Strict):
     max_tokens_per_turn: int = Field(default=64, gt=0)
     branch_fraction: float = Field(default=0.25, ge=0, le=1)
     """Share of episodes that fork into sub-agent branches (tree rollouts)."""
+    long_fraction: float = Field(default=0.0, ge=0, le=1)
+    """Share of episodes followed by a long continuation (a few hundred to a few thousand
+    sampled tokens, long-tailed) on a session of its own, never trained on: the toy task's
+    turns are short, and these are the long rollouts a flip must move live."""
+    long_max_tokens: int = Field(default=2048, gt=0)
     checkpoint_dir: str | None = "runs/trainer"
     """Checkpoints (parameters, optimizer, RNG, data cursor, version); None: none."""
     checkpoint_every: int = Field(default=5, gt=0)

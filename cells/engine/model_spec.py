@@ -58,6 +58,17 @@ class ModelSpec:
         return sorted(ids)
 
 
+# Token ids of the toy task's completions (digits, JSON punctuation, the code words, the
+# tool-call and turn-closing tokens) as half-open ranges.
+TOY_OUTPUT_ID_RANGES: tuple[tuple[int, int], ...] = (
+    (11, 12), (16, 26), (198, 199), (220, 221), (330, 331), (497, 498), (606, 607), (788, 789),
+    (1203, 1204), (1851, 1852), (2518, 2519), (3691, 3692), (4158, 4159), (4913, 4914),
+    (5212, 5213), (6176, 6177), (6303, 6304), (6623, 6624), (9278, 9279), (9788, 9789),
+    (11248, 11249), (11794, 11795), (13876, 13877), (14961, 14962), (16009, 16010), (16370, 16371),
+    (17545, 17546), (18217, 18218), (21020, 21021), (25814, 25815), (41719, 41720),
+    (45207, 45208), (67605, 67606), (151643, 151644), (151645, 151646), (151657, 151659),
+)
+
 PRESETS: dict[str, ModelSpec] = {
     # CPU demos: Qwen3 vocabulary in the embedding, output restricted to the frequent BPE
     # ranks plus the chat special tokens so the output layer does not dominate CPU time.
@@ -70,6 +81,15 @@ PRESETS: dict[str, ModelSpec] = {
         hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
         intermediate_size=1536, vocab_size=QWEN3_VOCAB,
         output_id_ranges=((0, 16384), (QWEN3_SPECIAL_FIRST, QWEN3_SPECIAL_END)),
+    ),
+    # The toy agentic task (cells/trainer/toy_task.py), trainable on CPU in minutes: Qwen3
+    # vocabulary in the embedding (the real tokenizer and chat template work), output
+    # restricted to the ids its completions use (toy_task.output_token_ids(); a test keeps
+    # them in sync), so the output layer is 46 rows.
+    "toy": ModelSpec(
+        hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=192, vocab_size=QWEN3_VOCAB, max_position=4096,
+        output_id_ranges=TOY_OUTPUT_ID_RANGES,
     ),
     # The tokenizer's full vocabulary as output (what the gateway's tokenizer can produce).
     "qwen3-vocab": ModelSpec(

@@ -1,0 +1,657 @@
+"""The learning core: fp32 parameters, AdamW, and the decoupled PPO step over stored trajectories.
+
+Every sequence is scored by its own cache-free forward, `token_logprobs(prepare(spec, params),
+ids, temperature, tile)` -- the function the cells' batch-invariant engine scores with, at the
+same row tile -- so at the first update on a version sampled and scored in batch-invariant
+mode lp_theta equals the cells' old log-probs bitwise (reported as `frac_bitwise_equal`).
+
+One `rl_step` is one optimizer step over a batch of trajectories in the store's `to_api`
+format: group-relative advantages per `group_id`, each segment of a session its own sequence,
+the decoupled PPO loss of objectives/ with lp_prox = the parameters at the start of the step,
+the PPO-EWMA stand-in where old log-probs are missing or unscored, and KL to the reference
+when configured. Gradients accumulate over micro-batches of sequences with the batch's global
+N0 (and self-normalisation mean), so the loss is the whole-batch loss.
+
+Why the forward runs on a compacted vocabulary when the output ids are restricted: the
+embedding (tied to the output layer) has 151,936 rows, and autograd through `index_select`
+materialises a dense gradient of the whole table per use -- on CPU most of a step's time.
+Each micro-batch therefore uses a leaf copy of only the rows its tokens and the output ids
+touch, ids remapped monotonically; the same rows in the same order enter the same kernels, so
+the log-probs are bitwise those of the full model (tested), and the rows' gradient is added
+back into the full table once.
+
+    python -m cells.trainer.learner --selfcheck     # warm-up, then RL vs an lr = 0 control
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from cells.engine.layers import rope_tables
+from cells.engine.model import check_weights, prepare, token_logprobs
+from cells.engine.model_spec import ModelSpec
+from cells.trainer.objectives import (
+    PPOEWMA,
+    GRPOAdvantage,
+    KLInReward,
+    ObjectiveConfig,
+    RLOOAdvantage,
+    add_kl_to_rewards,
+    apply_correction,
+    compute_advantages,
+    decoupled_ppo_loss,
+    token_weights,
+)
+
+STATE_FORMAT = 1
+EXACT, MISSING = "exact", "missing"
+"""Provenance values of the store's trajectories (None: not scored yet)."""
+_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def id_ranges(ids: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Token ids as sorted half-open ranges (the form of ModelSpec.output_id_ranges)."""
+    out: list[list[int]] = []
+    for i in sorted(set(ids)):
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return tuple((a, b) for a, b in out)
+
+
+class Learner:
+    """Parameters, optimizer, reference and PPO-EWMA copies, and the two kinds of step."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        weights: dict[str, Tensor],
+        *,
+        lr: float,
+        objective: ObjectiveConfig | None = None,
+        tile: int | None = 4,
+        output_ids: Sequence[int] | None = None,
+        temperature: float = 1.0,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        max_grad_norm: float | None = 1.0,
+        micro_batch: int = 16,
+        sft_tile: int | None = None,
+        version: int = 0,
+        seed: int = 0,
+        reference: dict[str, Tensor] | None = None,
+    ) -> None:
+        """`tile` must be the cells' row tile (batch-invariant mode) for bitwise old log-probs,
+        `temperature` their sampling temperature; `output_ids` overrides the spec's output
+        vocabulary; `reference` (the KL anchor) defaults to `weights`. `sft_tile` is the row
+        tile of the warm-up forward: None runs the fast kernels (warm-up needs no bitwise
+        match)."""
+        if output_ids is not None:
+            spec = replace(spec, output_id_ranges=id_ranges(output_ids))
+        check_weights(spec, weights)
+        self.spec = spec
+        self.objective = objective or ObjectiveConfig()
+        self.tile = tile
+        self.temperature = temperature
+        self.max_grad_norm = max_grad_norm
+        self.micro_batch = micro_batch
+        self.sft_tile = sft_tile
+        # Sorted names: the optimizer's state is indexed by position, checkpoints by name.
+        self.params: dict[str, Tensor] = {
+            k: weights[k].detach().to(torch.float32).clone().requires_grad_(True)
+            for k in sorted(weights)
+        }
+        self.optimizer = torch.optim.AdamW(
+            list(self.params.values()), lr=lr, betas=betas, weight_decay=weight_decay)
+        self.reference: dict[str, Tensor] = {}
+        self.set_reference(reference if reference is not None else weights)
+        ew = self.objective.ewma
+        self.ewma = PPOEWMA(self.params, staleness_window=ew.staleness_window,
+                            reset_threshold=ew.reset_threshold)
+        self.version = version
+        """Version of the current parameters (what `weights()` publishes)."""
+        self.step = 0
+        """Optimizer steps taken."""
+        self.cursor = 0
+        """The caller's data cursor (e.g. the store's trajectory cursor); checkpointed."""
+        self.generator = torch.Generator().manual_seed(seed)
+        """The caller's RNG for data order (checkpointed)."""
+        self._rope = rope_tables(spec.head_dim, spec.max_position, spec.rope_theta)
+        out = spec.output_ids()
+        self._out_ids = torch.tensor(out, dtype=torch.long) if out is not None else None
+
+    # -- parameters ------------------------------------------------------------------------
+    @property
+    def lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        for g in self.optimizer.param_groups:
+            g["lr"] = value
+
+    def weights(self) -> dict[str, Tensor]:
+        """A detached copy of the parameters, for publishing as version `self.version`."""
+        return {k: v.detach().clone() for k, v in self.params.items()}
+
+    def set_reference(self, weights: dict[str, Tensor] | None = None) -> None:
+        """The KL reference: `weights`, or the current parameters (e.g. when RL starts after
+        a warm-up)."""
+        src = self.params if weights is None else weights
+        self.reference = {k: src[k].detach().to(torch.float32).clone() for k in sorted(src)}
+
+    # -- the forward -------------------------------------------------------------------------
+    def _compact(self, weights: dict[str, Tensor], seqs: Sequence[Tensor], grad: bool
+                 ) -> tuple[ModelSpec, dict[str, Tensor], Tensor | None, list[Tensor]]:
+        """The model restricted to the vocabulary rows that `seqs` and the output ids use.
+
+        Returns (spec, weights with leaf copies of those rows when `grad`, the rows, the
+        remapped ids). Without restricted output ids the softmax spans the whole vocabulary,
+        so nothing is compacted (rows None)."""
+        if self._out_ids is None:
+            w = {k: (v if grad else v.detach()) for k, v in weights.items()}
+            return self.spec, w, None, list(seqs)
+        rows = torch.unique(torch.cat([*seqs, self._out_ids]))  # sorted: output order kept
+        out = torch.searchsorted(rows, self._out_ids).tolist()
+        spec = replace(self.spec, vocab_size=len(rows), output_id_ranges=id_ranges(out))
+        w = dict(weights)
+        for name in (_EMBED, _HEAD):
+            if name in w:
+                sub = w[name].detach().index_select(0, rows)
+                w[name] = sub.requires_grad_(True) if grad else sub
+        return spec, w, rows, [torch.searchsorted(rows, s) for s in seqs]
+
+    def _logprobs(self, weights: dict[str, Tensor], seqs: Sequence[Tensor], grad: bool,
+                  tile: int | None | str = "cells"
+                  ) -> tuple[list[Tensor], dict[str, Tensor], Tensor | None]:
+        """Per-token log-probs (index t = token t, 0 at t = 0) of each sequence, with the
+        cells' row tile unless `tile` says otherwise."""
+        tile = self.tile if tile == "cells" else tile
+        spec, w, rows, remapped = self._compact(weights, seqs, grad)
+        with torch.set_grad_enabled(grad):
+            prep = prepare(spec, w, self._rope)
+            out = []
+            for ids in remapped:
+                lp = token_logprobs(prep, ids, self.temperature, tile)
+                out.append(torch.cat([lp.new_zeros(1), lp]))
+        return out, w, rows
+
+    def logprobs(self, token_ids: Sequence[int], which: str = "current") -> Tensor:
+        """Log-probs of tokens 1..L−1 under the current, reference or EWMA parameters (the
+        layout of `token_logprobs`), without gradient."""
+        weights = {"current": self.params, "reference": self.reference,
+                   "ewma": self.ewma.params}[which]
+        ids = torch.tensor(list(token_ids), dtype=torch.long)
+        (lp,), _, _ = self._logprobs(weights, [ids], grad=False)
+        return lp[1:].detach()
+
+    def _accumulate_rows(self, w: dict[str, Tensor], rows: Tensor | None) -> None:
+        """Add the compact rows' gradients into the full tables' gradients."""
+        if rows is None:
+            return
+        for name in (_EMBED, _HEAD):
+            if name in w and w[name].grad is not None:
+                full = self.params[name]
+                if full.grad is None:
+                    full.grad = torch.zeros_like(full)
+                full.grad.index_add_(0, rows, w[name].grad)
+
+    def _optimizer_step(self) -> float:
+        """Clip, step, and advance the version; returns the gradient norm before clipping."""
+        params = [p for p in self.params.values() if p.grad is not None]
+        if not params:
+            raise ValueError("no gradient to apply")
+        if self.max_grad_norm is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.version += 1
+        return norm
+
+    # -- supervised warm-up ----------------------------------------------------------------
+    def sft_step(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> dict[str, float]:
+        """One optimizer step of the token-mean negative log-likelihood of the loss-masked
+        tokens of `batch` ((token ids, loss mask) pairs)."""
+        seqs = []
+        for ids, m in batch:
+            mask = torch.tensor([bool(x) for x in m])
+            if len(mask) != len(ids):
+                raise ValueError(f"loss mask has {len(mask)} entries for {len(ids)} tokens")
+            mask[0] = False  # nothing predicts the first token
+            seqs.append((torch.tensor(list(ids), dtype=torch.long), mask))
+        n_tok = sum(int(m.sum()) for _, m in seqs)
+        if n_tok == 0:
+            raise ValueError("the batch has no loss-masked tokens")
+        total = 0.0
+        for i in range(0, len(seqs), self.micro_batch):
+            chunk = seqs[i : i + self.micro_batch]
+            lps, w, rows = self._logprobs(self.params, [s for s, _ in chunk], True, self.sft_tile)
+            loss = -sum(torch.where(m, lp, 0.0).sum() for lp, (_, m) in zip(lps, chunk)) / n_tok
+            if not torch.isfinite(loss):
+                raise ValueError("a loss-masked token lies outside the model's output ids")
+            loss.backward()
+            self._accumulate_rows(w, rows)
+            total += float(loss.detach())
+        norm = self._optimizer_step()
+        self.ewma.update(self.params)
+        return {"loss": total, "tokens": float(n_tok), "grad_norm": norm, "lr": self.lr,
+                "version": float(self.version)}
+
+    # -- the RL step -------------------------------------------------------------------------
+    def rl_step(self, trajectories: Sequence[dict[str, Any]], *, cursor: int | None = None
+                ) -> dict[str, float]:
+        """One optimizer step of the decoupled PPO objective over finished `trajectories`
+        (the store's `to_api` format); returns the step's metrics.
+
+        Trajectories whose group has fewer than two members are dropped (their advantage is
+        undefined; counted in `num_dropped`). `cursor`, when given, becomes the checkpointed
+        data cursor."""
+        cfg = self.objective
+        t0 = time.perf_counter()
+        trajs, dropped = _usable(trajectories)
+        if not trajs:
+            raise ValueError("no group in the batch has two or more trajectories")
+        b = _Batch.build(trajs)
+        version0 = self.version
+
+        # Detached forwards: the EWMA stand-in where lp_old is missing, the reference for KL.
+        lp_stand = torch.zeros_like(b.behav)
+        need = [i for i in range(b.size) if bool(b.missing[i].any())]
+        if need:
+            stand, _, _ = self._logprobs(self.ewma.params, [b.ids[i] for i in need], False)
+            for i, lp in zip(need, stand):
+                lp_stand[i, : len(lp)] = lp
+        lp_ref = None
+        if cfg.kl is not None:
+            lp_ref = _pad(self._logprobs(self.reference, b.ids, False)[0], b.length, 0.0)
+
+        rewards = b.rewards
+        if isinstance(cfg.kl, KLInReward):
+            lp_prox0 = _pad(self._logprobs(self.params, b.ids, False)[0], b.length, 0.0)
+            weight = token_weights(lp_prox0, b.behav, b.mask, cfg, lp_old=b.old,
+                                   provenance=b.missing, lp_stand=lp_stand).weight
+            per_seq = add_kl_to_rewards(torch.zeros(b.size), lp_prox0, lp_ref, weight, b.mask,
+                                        coef=cfg.kl.coef, estimator=cfg.kl.estimator)
+            rewards = rewards + torch.zeros_like(rewards).index_add_(0, b.traj, per_seq)
+        adv_traj = compute_advantages(rewards, cfg.advantage, b.groups)
+        adv = adv_traj[b.traj]
+
+        n0 = b.mask.sum()
+        normalizer = self._normalizer(b, lp_stand) if cfg.self_normalize else None
+        lp_theta = torch.zeros_like(b.behav)
+        for lo in range(0, b.size, self.micro_batch):
+            sl = slice(lo, min(b.size, lo + self.micro_batch))
+            lps, w, rows = self._logprobs(self.params, b.ids[sl], grad=True)
+            lt = _pad(lps, b.length, 0.0)
+            loss, _ = decoupled_ppo_loss(
+                lt, lt.detach(), b.behav[sl], adv[sl], b.mask[sl], cfg,
+                lp_old=b.old[sl], provenance=b.missing[sl], lp_stand=lp_stand[sl],
+                lp_ref=None if lp_ref is None else lp_ref[sl],
+                num_tokens=n0, normalizer=normalizer)
+            loss.backward()
+            self._accumulate_rows(w, rows)
+            lp_theta[sl] = lt.detach()
+
+        # Whole-batch loss terms and metrics (no forward: the log-probs are kept).
+        with torch.no_grad():
+            _, metrics = decoupled_ppo_loss(
+                lp_theta, lp_theta, b.behav, adv, b.mask, cfg, lp_old=b.old,
+                provenance=b.missing, lp_stand=lp_stand, lp_ref=lp_ref, num_tokens=n0,
+                normalizer=normalizer)
+        grad_norm = self._optimizer_step()
+        if self.ewma.should_reset(metrics["num_missing_kept"], metrics["num_missing"]):
+            self.ewma.reset(self.params)
+        else:
+            self.ewma.update(self.params)
+        if cursor is not None:
+            self.cursor = cursor
+        metrics.update(b.metrics(lp_theta, version0))
+        metrics.update({
+            "grad_norm": grad_norm,
+            "reward_mean": float(b.rewards.mean()),
+            "reward_std": float(b.rewards.std()) if len(b.rewards) > 1 else 0.0,
+            "adv_abs_mean": float(adv_traj.abs().mean()),
+            "num_trajectories": float(len(trajs)),
+            "num_dropped": float(dropped),
+            "ewma_resets": float(self.ewma.num_resets),
+            "version": float(self.version),
+            "lr": self.lr,
+            "step_s": time.perf_counter() - t0,
+        })
+        return metrics
+
+    def _normalizer(self, b: _Batch, lp_stand: Tensor) -> Tensor:
+        """The batch-wide mean of the kept correction weights c (for self-normalisation);
+        c depends only on the anchor and the behaviour log-probs, not on the parameters."""
+        cfg = self.objective
+        anchor = torch.where(b.missing, lp_stand, b.old)
+        corr = apply_correction(torch.where(b.mask, anchor - b.behav, 0.0), b.mask,
+                                cfg.correction, reject_below=cfg.reject_below)
+        kept = corr.keep.sum()
+        return corr.weight.sum() / kept if kept > 0 else torch.tensor(1.0)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Parameters, reference, EWMA, optimizer, RNG, version and data cursor: tensors and
+        JSON-able metadata only (loadable with `torch.load(weights_only=True)`)."""
+        return {
+            "params": {k: v.detach().clone() for k, v in self.params.items()},
+            "reference": {k: v.clone() for k, v in self.reference.items()},
+            "ewma": {k: v.clone() for k, v in self.ewma.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "rng": self.generator.get_state(),
+            "meta": {
+                "format": STATE_FORMAT,
+                "version": self.version,
+                "step": self.step,
+                "cursor": self.cursor,
+                "ewma_num_resets": self.ewma.num_resets,
+                "param_names": list(self.params),
+                "spec": json.dumps(self.spec.signature(), sort_keys=True),
+                "objective": self.objective.model_dump_json(),
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()`; the model spec and parameter names must match."""
+        meta = state["meta"]
+        if meta.get("format") != STATE_FORMAT:
+            raise ValueError(f"unknown learner state format {meta.get('format')!r}")
+        if meta["spec"] != json.dumps(self.spec.signature(), sort_keys=True):
+            raise ValueError("the checkpoint was written for another model spec")
+        if list(meta["param_names"]) != list(self.params):
+            raise ValueError("the checkpoint's parameter names differ from this learner's")
+        with torch.no_grad():
+            for k, p in self.params.items():
+                p.copy_(state["params"][k])
+        self.set_reference(state["reference"])
+        self.ewma.load_state_dict(state["ewma"])
+        self.ewma.num_resets = int(meta["ewma_num_resets"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.generator.set_state(state["rng"])
+        self.version, self.step = int(meta["version"]), int(meta["step"])
+        self.cursor = int(meta["cursor"])
+
+
+# -- batch assembly ---------------------------------------------------------------------------
+@dataclass
+class _Batch:
+    """Sequences (one per trajectory segment with sampled tokens) as padded (B, T) tensors;
+    token t of a row is at column t."""
+
+    ids: list[Tensor]
+    mask: Tensor
+    """Bool: sampled by the policy (never column 0: nothing predicts it)."""
+    behav: Tensor
+    old: Tensor
+    """lp_old where exact, else 0."""
+    missing: Tensor
+    """Bool, within `mask`: lp_old missing or not yet scored (the EWMA stand-in is used)."""
+    unscored: Tensor
+    versions: Tensor
+    """Behaviour version per sampled token (−1 elsewhere)."""
+    traj: Tensor
+    """The trajectory of each row."""
+    rewards: Tensor
+    """Per trajectory."""
+    groups: Tensor
+    """Group index per trajectory."""
+
+    @property
+    def size(self) -> int:
+        return len(self.ids)
+
+    @property
+    def length(self) -> int:
+        return self.mask.shape[1]
+
+    @classmethod
+    def build(cls, trajs: Sequence[dict[str, Any]]) -> _Batch:
+        rows = [r for i, t in enumerate(trajs) for r in _segments(i, t)]
+        if not rows:
+            raise ValueError("the batch has no sampled tokens")
+        T = max(len(r["ids"]) for r in rows)
+        for t in trajs:
+            if t.get("reward") is None:
+                raise ValueError(f"trajectory {t.get('id')} has no reward (not finished?)")
+        index: dict[Any, int] = {}
+        return cls(
+            ids=[r["ids"] for r in rows],
+            mask=_pad([r["mask"] for r in rows], T, False),
+            behav=_pad([r["behav"] for r in rows], T, 0.0),
+            old=_pad([r["old"] for r in rows], T, 0.0),
+            missing=_pad([r["missing"] for r in rows], T, False),
+            unscored=_pad([r["unscored"] for r in rows], T, False),
+            versions=_pad([r["versions"] for r in rows], T, -1),
+            traj=torch.tensor([r["traj"] for r in rows]),
+            rewards=torch.tensor([float(t["reward"]) for t in trajs], dtype=torch.float32),
+            groups=torch.tensor([index.setdefault(t["group_id"], len(index)) for t in trajs]),
+        )
+
+    def metrics(self, lp_theta: Tensor, version: int) -> dict[str, float]:
+        """Provenance counts, staleness (in versions, against `version`) and how many exact
+        old log-probs lp_theta reproduces bitwise."""
+        exact = self.mask & ~self.missing
+        stale = (version - self.versions)[self.mask].to(torch.float64)
+        return {
+            "num_sequences": float(self.size),
+            "tokens_exact": float(exact.sum()),
+            "tokens_missing": float((self.missing & ~self.unscored).sum()),
+            "tokens_unscored": float(self.unscored.sum()),
+            "staleness_mean": float(stale.mean()) if stale.numel() else 0.0,
+            "staleness_max": float(stale.max()) if stale.numel() else 0.0,
+            "frac_bitwise_equal": float((lp_theta == self.old)[exact].double().mean())
+            if bool(exact.any()) else float("nan"),
+        }
+
+
+def _usable(trajectories: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """Trajectories whose group has at least two members, and how many were dropped."""
+    counts: dict[Any, int] = {}
+    for t in trajectories:
+        counts[t.get("group_id")] = counts.get(t.get("group_id"), 0) + 1
+    keep = [t for t in trajectories
+            if t.get("group_id") is not None and counts[t["group_id"]] >= 2]
+    return keep, len(trajectories) - len(keep)
+
+
+def _segments(traj_index: int, t: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each segment of a trajectory that has sampled tokens, as per-token tensors."""
+    n = len(t["token_ids"])
+    for key in ("loss_mask", "logprobs", "versions", "old_logprobs", "provenance"):
+        if len(t[key]) != n:
+            raise ValueError(f"trajectory {t.get('id')}: {key} has {len(t[key])} entries "
+                             f"for {n} tokens")
+    starts = list(t.get("segment_starts") or [0]) + [n]
+    out = []
+    for a, b in zip(starts, starts[1:]):
+        mask = [bool(x) for x in t["loss_mask"][a:b]]
+        if b - a < 2 or not any(mask[1:]):
+            continue
+        mask[0] = False
+        behav, old, miss, unsc, vers = [], [], [], [], []
+        for i in range(a, b):
+            m = mask[i - a]
+            lp, o, prov = t["logprobs"][i], t["old_logprobs"][i], t["provenance"][i]
+            if m and lp is None:
+                raise ValueError(f"trajectory {t.get('id')}: sampled token {i} has no log-prob")
+            exact = m and prov == EXACT and o is not None
+            behav.append(float(lp) if m else 0.0)
+            old.append(float(o) if exact else 0.0)
+            miss.append(m and not exact)
+            unsc.append(m and prov is None)
+            vers.append(int(t["versions"][i]) if m and t["versions"][i] is not None else -1)
+        out.append({
+            "traj": traj_index, "ids": torch.tensor(t["token_ids"][a:b], dtype=torch.long),
+            "mask": torch.tensor(mask), "behav": torch.tensor(behav, dtype=torch.float32),
+            "old": torch.tensor(old, dtype=torch.float32), "missing": torch.tensor(miss),
+            "unscored": torch.tensor(unsc), "versions": torch.tensor(vers, dtype=torch.long),
+        })
+    return out
+
+
+def _pad(rows: Sequence[Tensor], length: int, value: Any) -> Tensor:
+    """Stack 1-D tensors right-padded with `value` to `length`."""
+    out = torch.full((len(rows), length), value, dtype=rows[0].dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+# -- the learnability check ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckConfig:
+    """Knobs of the learnability check (defaults: a few CPU minutes on one thread)."""
+
+    seed: int = 0
+    preset: str = "toy"
+    init_std: float = 0.1
+    """Initial weight scale: at 0.1 (not the engine's 0.02) the warm-up finds the circuits
+    that copy item numbers and codes within ~250 steps."""
+    warmup_steps: int = 300
+    warmup_batch: int = 16
+    warmup_lr: float = 3e-3
+    num_demos: int = 512
+    rl_steps: int = 10
+    rl_lr: float = 2e-3
+    groups: int = 16
+    """Episodes per RL step (each a GRPO group)."""
+    samples: int = 8
+    """Sessions per episode."""
+    eval_episodes: int = 64
+    eval_samples: int = 2
+    advantage: str = "grpo"
+    """`grpo` or `rloo`."""
+    tile: int = 4
+    max_turns: int = 6
+
+    def objective(self) -> ObjectiveConfig:
+        adv = GRPOAdvantage() if self.advantage == "grpo" else RLOOAdvantage()
+        return ObjectiveConfig(advantage=adv)
+
+
+def evaluate(sampler: Any, episodes: Sequence[Any], samples: int, tag: str, max_turns: int
+             ) -> dict[str, float]:
+    """Mean reward and success rate of the served weights on fixed episodes and session ids
+    (the sampler is deterministic: equal weights give equal rollouts)."""
+    _, stats = sampler.rollouts(episodes, samples=samples, tag=tag, max_turns=max_turns)
+    n = len(stats)
+    return {"reward": sum(s["reward"] for s in stats) / n,
+            "solved": sum(s["solved"] for s in stats) / n}
+
+
+def selfcheck(cfg: CheckConfig | None = None, log: Any = print) -> dict[str, Any]:
+    """Warm-up, then RL against the lr = 0 control, on the toy task (see `rl_check`)."""
+    from cells.engine.model import init_weights
+    from cells.engine.model_spec import PRESETS
+    from cells.trainer.toy_task import TaskSpec
+    from cells.trainer.warmup import run_warmup
+
+    cfg = cfg or CheckConfig()
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    spec = PRESETS[cfg.preset]
+    learner = Learner(spec, init_weights(spec, cfg.seed, cfg.init_std), lr=cfg.warmup_lr,
+                      objective=cfg.objective(), tile=cfg.tile, seed=cfg.seed)
+    warm = run_warmup(learner, steps=cfg.warmup_steps, batch_size=cfg.warmup_batch,
+                      num_demos=cfg.num_demos, seed=cfg.seed, spec=TaskSpec(seed=cfg.seed))
+    log(json.dumps({"warmup_loss_first": round(warm["first_loss"], 4),
+                    "warmup_loss_final": round(warm["final_loss"], 4),
+                    "warmup_s": round(warm["wall_s"], 1)}))
+    out = rl_check(learner, cfg, log)
+    out.update({"warmup_final_loss": warm["final_loss"], "warmup_s": warm["wall_s"],
+                "wall_s": time.perf_counter() - t0, "config": dict(cfg.__dict__)})
+    return out
+
+
+def rl_check(learner: Learner, cfg: CheckConfig, log: Any = print) -> dict[str, Any]:
+    """RL from a warmed-up learner (its weights, version and optimizer state) versus the
+    lr = 0 control.
+
+    The control is the same learner restored from `state_dict()` with lr = 0, stepped on
+    the first RL batch: its weights stay bitwise equal to the warm-up weights (checked), so
+    every later control batch would be sampled from those same weights, and its final
+    evaluation is that of the warm-up weights on the same episodes and session ids (the
+    sampler is deterministic)."""
+    from cells.trainer.toy_task import TaskSpec, ToySampler, make_episodes
+
+    task = TaskSpec(seed=cfg.seed)
+    learner.set_reference()  # KL (when configured) anchors at the warmed-up policy
+    w0, v0 = learner.weights(), learner.version
+    control = Learner(learner.spec, w0, lr=0.0, objective=learner.objective, tile=learner.tile)
+    control.load_state_dict(learner.state_dict())
+    control.lr = 0.0
+    learner.lr = cfg.rl_lr
+    sampler = ToySampler(learner.spec, w0, version=v0, row_tile=cfg.tile)
+    # The engine falls back to single rows when its start-up probe fails: score as it does.
+    learner.tile = control.tile = sampler.engine.tile
+    try:
+        evals = make_episodes(task, cfg.eval_episodes, start=10_000_000)
+        t_eval = time.perf_counter()
+        before = evaluate(sampler, evals, cfg.eval_samples, "eval-", cfg.max_turns)
+        log(json.dumps({"warmup_eval": before, "eval_s": round(time.perf_counter() - t_eval, 1)}))
+        t_rl = time.perf_counter()
+        history = []
+        for step in range(cfg.rl_steps):
+            eps = make_episodes(task, cfg.groups, start=step * cfg.groups)
+            trajs, _ = sampler.rollouts(eps, samples=cfg.samples, tag=f"rl{step}-",
+                                        max_turns=cfg.max_turns)
+            if step == 0:
+                control_metrics = control.rl_step(trajs)
+            m = learner.rl_step(trajs)
+            sampler.load(learner.version, learner.weights())
+            row = {"rl_step": step, "batch_reward": round(m["reward_mean"], 4),
+                   "loss": round(m["loss"], 5), "bitwise": m["frac_bitwise_equal"],
+                   "staleness": m["staleness_mean"], "tokens": m["num_tokens"],
+                   "grad_norm": round(m["grad_norm"], 3), "step_s": round(m["step_s"], 2)}
+            history.append(row)
+            log(json.dumps(row))
+        rl_s = time.perf_counter() - t_rl
+        unchanged = all(torch.equal(control.params[k].detach(), w0[k]) for k in w0)
+        after = evaluate(sampler, evals, cfg.eval_samples, "eval-", cfg.max_turns)
+    finally:
+        sampler.close()
+    return {
+        "warmup_reward": before["reward"],
+        "control_reward": before["reward"],
+        "rl_reward": after["reward"],
+        "gain_over_control": after["reward"] - before["reward"],
+        "warmup_solved": before["solved"],
+        "rl_solved": after["solved"],
+        "control_weights_unchanged": unchanged,
+        "control_bitwise_first_step": control_metrics["frac_bitwise_equal"],
+        "rl_s": rl_s,
+        "history": history,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--selfcheck", action="store_true", help="run the learnability check")
+    for f in CheckConfig.__dataclass_fields__.values():
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
+    args = p.parse_args(argv)
+    if not args.selfcheck:
+        p.print_help()
+        return
+    cfg = CheckConfig(**{f: getattr(args, f) for f in CheckConfig.__dataclass_fields__})
+    out = selfcheck(cfg)
+    print(json.dumps({k: v for k, v in out.items() if k != "history"}, indent=1))
+    if out["gain_over_control"] < 0.1 or not out["control_weights_unchanged"]:
+        raise SystemExit("learnability check failed")
+
+
+if __name__ == "__main__":
+    main()

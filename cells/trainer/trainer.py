@@ -1,0 +1,238 @@
+"""The trainer process: owns what must outlive any cell's role, and drives the RL loop through
+the public REST API (the same client an external trainer uses).
+
+State it owns: parameters and optimizer state (the Learner), every unretired version in host
+memory (its VersionHost, which cells broadcast from and catch up from), the reference and
+PPO-EWMA copies, the data cursor; checkpointed every few steps and resumed from.
+
+One step:
+    batch   = the next `batch_episodes` finished trajectories (agents keep playing meanwhile)
+    flip    `train_cells` cells to training — their in-flight rollouts move live to other cells
+    wait    until every sampled token of the batch has its old log-prob (exact, or missing)
+    train   one RL step (decoupled PPO, advantages by group) on the batch
+    publish version v+1: host copy → POST /v1/versions → broadcast to the rollout cells
+    flip    the training cells back to rollout (loading: they fetch v+1 first)
+    retire  superseded versions leave the host once the scheduler retired them (all scored)
+The training compute runs in this process; cells in the training role hand over their
+rollout capacity for it (multi-cell data-parallel training is not built).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cells.engine.layers import probe_row_invariance
+from cells.engine.model import init_weights
+from cells.engine.model_spec import resolve_spec
+from cells.trainer.agents import AgentPool
+from cells.trainer.client import TrainerClient
+from cells.trainer.learner import Learner
+from cells.trainer.objectives.config import ObjectiveConfig
+from cells.trainer.versions_host import VersionHost
+from cells.trainer.warmup import run_warmup
+from scheduler.config import CellflipConfig, EmbeddedEngineConfig
+
+log = logging.getLogger("cellflip.trainer")
+
+CHECKPOINT = "trainer.pt"
+
+
+def engine_tile(cfg: CellflipConfig) -> int | None:
+    """The cells' row tile (what makes scoring and training numerics bitwise equal)."""
+    eng = cfg.cells.engine
+    if not isinstance(eng, EmbeddedEngineConfig) or not eng.batch_invariant:
+        return None
+    return eng.row_tile if probe_row_invariance(tile=eng.row_tile) else 1
+
+
+class Trainer:
+    def __init__(self, cfg: CellflipConfig, url: str, *, run_dir: str | Path = "runs",
+                 token: str | None = None, tag: str = "run") -> None:
+        self.cfg, self.tc, self.url = cfg, cfg.trainer, url
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.status_path = self.run_dir / "trainer.jsonl"
+        self.client = TrainerClient(url, token)
+        model = cfg.cells.engine.model
+        self.spec = resolve_spec(model)
+        torch.manual_seed(self.tc.seed)
+        self.learner = Learner(self.spec, init_weights(self.spec, model.seed, std=self.tc.init_std), lr=self.tc.warmup_lr,
+                               objective=ObjectiveConfig.model_validate(self.tc.objective),
+                               tile=engine_tile(cfg), temperature=self.tc.temperature, seed=self.tc.seed)
+        self.host = VersionHost(self.tc.host, 0, bucket_bytes=cfg.versions.bucket_bytes)
+        self.agents = AgentPool(url, self.tc, token=token, run_tag=tag)
+        self.history: list[dict[str, Any]] = []
+        self.batch: list[dict] = []
+        self.rl_step = 0
+        """RL steps taken (the learner's own count includes the warm-up's steps)."""
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
+        stop = stop or threading.Event()
+        self.host.start()
+        try:
+            resumed = self._resume()
+            if not resumed:
+                self._emit({"event": "warmup_start", "steps": self.tc.warmup_steps})
+                w = run_warmup(self.learner, steps=self.tc.warmup_steps, batch_size=self.tc.warmup_batch,
+                               seed=self.tc.seed)
+                self._emit({"event": "warmup_done", "loss": w["final_loss"], "wall_s": round(w["wall_s"], 1)})
+                self._publish()
+            self.learner.lr = self.tc.lr
+            self.agents.start()
+            while self.rl_step < self.tc.steps and not stop.is_set():
+                self._step(stop)
+            return self.summary()
+        finally:
+            self.agents.close()
+            self.host.close()
+            self.client.close()
+
+    def _resume(self) -> bool:
+        path = self._ckpt_path()
+        if path is None or not path.exists():
+            return False
+        state = torch.load(path, weights_only=True)
+        self.learner.load_state_dict(state["learner"])
+        self.rl_step = int(state["rl_step"])
+        self.client.cursor = self.learner.cursor
+        self._publish()  # cells may hold anything: give them these weights
+        self._emit({"event": "resumed", "step": self.rl_step, "version": self.learner.version})
+        return True
+
+    def _ckpt_path(self) -> Path | None:
+        return Path(self.tc.checkpoint_dir) / CHECKPOINT if self.tc.checkpoint_dir else None
+
+    def _checkpoint(self) -> None:
+        path = self._ckpt_path()
+        if path is None:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        self.learner.cursor = self.client.cursor
+        torch.save({"learner": self.learner.state_dict(), "rl_step": self.rl_step}, tmp)
+        os.replace(tmp, path)  # a crash mid-write leaves the previous checkpoint
+
+    # -- one RL step ------------------------------------------------------------------------
+    def _step(self, stop: threading.Event) -> None:
+        t0 = time.monotonic()
+        batch: list[dict] = []
+        while len(batch) < self.tc.batch_episodes and not stop.is_set():
+            self.batch += self.client.trajectories(limit=64)
+            batch = self._complete_groups()
+            if len(batch) < self.tc.batch_episodes:
+                time.sleep(0.2)
+        if stop.is_set():
+            return
+        taken = {id(t) for t in batch}
+        self.batch = [t for t in self.batch if id(t) not in taken]
+        t_batch = time.monotonic()
+        flipped = self._flip_to_training()
+        t_flip = time.monotonic()
+        batch = self.client.wait_scored(batch, timeout_s=600)
+        t_scored = time.monotonic()
+        metrics = self.learner.rl_step(batch, cursor=self.client.cursor)
+        self.rl_step += 1
+        t_train = time.monotonic()
+        self._publish()
+        back = self._flip_back(flipped)
+        self._drop_retired()
+        if self.rl_step % self.tc.checkpoint_every == 0:
+            self._checkpoint()
+        rewards = [t["reward"] for t in batch]
+        prov = [p for t in batch for m, p in zip(t["loss_mask"], t["provenance"], strict=True) if m]
+        rec = {
+            **{k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k not in ("step", "version")},
+            "event": "step", "step": self.rl_step, "version": self.learner.version,
+            "reward": sum(rewards) / len(rewards), "episodes": len(batch),
+            "tokens": len(prov), "exact": sum(p == "exact" for p in prov), "missing": sum(p == "missing" for p in prov),
+            "flips": len(flipped) + len(back), "migrated": sum(f.get("migrated", 0) for f in flipped),
+            "suspended": sum(f.get("suspended", 0) for f in flipped),
+            "wait_batch_s": round(t_batch - t0, 2), "flip_s": round(t_flip - t_batch, 2),
+            "wait_scored_s": round(t_scored - t_flip, 2), "train_s": round(t_train - t_scored, 2),
+            "step_s": round(time.monotonic() - t0, 2),
+            "agents": {"episodes": self.agents.stats.episodes, "lost": self.agents.stats.lost,
+                       "retries": self.agents.stats.retries},
+        }
+        self.history.append(rec)
+        self._emit(rec)
+
+    def _complete_groups(self) -> list[dict]:
+        """Trajectories of groups that have at least two members (advantages compare within a
+        group), oldest groups first; singletons wait for their siblings."""
+        groups: dict[str, list[dict]] = {}
+        for t in self.batch:
+            groups.setdefault(t.get("group_id") or t["id"], []).append(t)
+        out: list[dict] = []
+        for members in groups.values():
+            if len(members) >= 2 and len(out) < self.tc.batch_episodes:
+                out += members
+        return out
+
+    def _flip_to_training(self) -> list[dict]:
+        if self.tc.train_cells <= 0:
+            return []
+        try:
+            if self.tc.train_cell_choice == "busiest":
+                cells = sorted((c for c in self.client.cells() if c["state"] == "rollout"),
+                               key=lambda c: -c.get("inflight", 0))[: self.tc.train_cells]
+                flips = [f for c in cells for f in self.client.flip("training", cell=c["id"])]
+            else:
+                flips = self.client.flip("training", count=self.tc.train_cells)
+        except Exception as e:  # e.g. min_rollout_cells: train without taking a cell
+            self._emit({"event": "flip_refused", "reason": str(e)[:200]})
+            return []
+        return self.client.wait_flips(flips, timeout_s=600)
+
+    def _flip_back(self, done: list[dict]) -> list[dict]:
+        cells = [f["cell"] for f in done if f["state"] == "done"]
+        flips = [f for c in cells for f in self.client.flip("rollout", cell=c)]
+        return self.client.wait_flips(flips, timeout_s=600) if flips else []
+
+    def _publish(self) -> None:
+        """Publish the current parameters. Version numbers follow the learner's (one per
+        optimizer step, what staleness is measured in), and are always newer than any the
+        scheduler has seen (a resumed trainer never reuses one)."""
+        t0 = time.monotonic()
+        known = [v["version"] for v in self.client.versions()["versions"]]
+        version = max(self.learner.version, max(known, default=-1) + 1)
+        self.host.put(version, self.learner.weights())
+        a = self.host.address
+        r = self.client.publish(version, a.host, a.port, self.host.namespace)
+        res = self.host.broadcast(version, r["receivers"])
+        self.learner.version = version
+        self._emit({"event": "published", "version": version, "receivers": len(r["receivers"]),
+                    "delivered": len(res.delivered), "failed": sorted(res.failed),
+                    "seconds": round(time.monotonic() - t0, 2)})
+
+    def _drop_retired(self) -> None:
+        held = set(self.host.versions())
+        for v in self.client.versions()["versions"]:
+            if v["state"] == "retired" and v["version"] in held:
+                self.host.drop(v["version"])
+
+    # -- reporting --------------------------------------------------------------------------
+    def _emit(self, rec: dict[str, Any]) -> None:
+        rec = {"t": round(time.time(), 3), **rec}
+        with open(self.status_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        log.info("%s", json.dumps(rec))
+
+    def summary(self) -> dict[str, Any]:
+        steps = [h for h in self.history if h["event"] == "step"]
+        tokens = sum(h["tokens"] for h in steps)
+        return {
+            "steps": len(steps), "rewards": [round(h["reward"], 4) for h in steps],
+            "flips": sum(h["flips"] for h in steps), "migrations": sum(h["migrated"] for h in steps),
+            "lost_rollouts": self.agents.stats.lost,
+            "exact_frac": (sum(h["exact"] for h in steps) / tokens) if tokens else None,
+            "version": self.learner.version,
+        }
