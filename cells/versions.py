@@ -61,8 +61,10 @@ class CellVersions:
         self.loading: set[int] = set()
         self._staged: list[Staged] = []
         self._lock = threading.Lock()
-        self._tasks: queue.Queue[tuple[ScoreCmd, Callable] | None] = queue.Queue()
-        self._scorer_thread: threading.Thread | None = None
+        # Two workers: background scoring at low OS priority, and the final pass (tokens of a
+        # version this cell has switched off) at normal priority, since it holds up a drop.
+        self._tasks = {False: queue.Queue(), True: queue.Queue()}
+        self._workers: dict[bool, threading.Thread] = {}
         self.pause_s = 0.0
         """Engine-loop time spent activating versions (decoding paused)."""
 
@@ -171,18 +173,22 @@ class CellVersions:
         if scorer is None:
             log.warning("score task %s: version %d is not held here", cmd.task_id, cmd.version)
             return  # the scheduler hands it to a holder after its timeout
-        if self._scorer_thread is None or not self._scorer_thread.is_alive():
-            self._scorer_thread = threading.Thread(target=self._score_loop, name="scoring", daemon=True)
-            self._scorer_thread.start()
-        self._tasks.put((cmd, scorer))
+        urgent = bool(cmd.urgent)
+        w = self._workers.get(urgent)
+        if w is None or not w.is_alive():
+            w = self._workers[urgent] = threading.Thread(target=self._score_loop, args=(urgent,),
+                                                         name="scoring-final" if urgent else "scoring", daemon=True)
+            w.start()
+        self._tasks[urgent].put((cmd, scorer))
 
-    def _score_loop(self) -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SCORING_NICE)
-        except (AttributeError, OSError):
-            pass  # not Linux, or not allowed: plain priority
+    def _score_loop(self, urgent: bool) -> None:
+        if not urgent:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SCORING_NICE)
+            except (AttributeError, OSError):
+                pass  # not Linux, or not allowed: plain priority
         while True:
-            item = self._tasks.get()
+            item = self._tasks[urgent].get()
             if item is None:
                 return
             cmd, scorer = item
@@ -200,4 +206,5 @@ class CellVersions:
                                   task_id=cmd.task_id, seconds=time.perf_counter() - t0).to_dict())
 
     def close(self) -> None:
-        self._tasks.put(None)
+        for q in self._tasks.values():
+            q.put(None)

@@ -126,6 +126,8 @@ class ScoreCmd(Command):
     end: int
     token_ids: list[int]
     temperature: float = 1.0
+    urgent: bool = False
+    """Part of a final pass (a version its holder no longer serves): run at normal priority."""
 
 
 @dataclass

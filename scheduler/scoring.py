@@ -107,12 +107,14 @@ def _assign(ctl: Controller, now: float) -> None:
             rid, sid, prompt_start, base, num_gen, params, state, owner, v, lo, hi, n = row
             if st.busy((rid, v)):
                 continue
-            frozen = state not in ("running", "migrating", "parked") or (owner is not None and _serving(ctl, owner) != v)
+            switched = owner is not None and _serving(ctl, owner) != v
+            frozen = state not in ("running", "migrating", "parked") or switched
             if not frozen and n < cfg.score_batch_tokens:
                 continue
             if v not in holders:
                 holders[v] = _holders(ctl, v)
-            cells = [c for c in holders[v] if st.load(c) < cfg.max_tasks_per_cell]
+            # the cap keeps background scoring light; a final pass is not held back by it
+            cells = [c for c in holders[v] if _serving(ctl, c) != v or st.load(c) < cfg.max_tasks_per_cell]
             if not holders[v]:
                 _no_holder(ctl, fx, v, sid, lo, hi, now)
                 continue
@@ -120,13 +122,14 @@ def _assign(ctl: Controller, now: float) -> None:
             if not cells:
                 continue
             cell = owner if owner in cells else min(cells, key=st.load)
+            urgent = _serving(ctl, cell) != v  # the final pass of a version this cell switched off
             temperature = float(json.loads(params).get("temperature", 1.0)) if isinstance(params, str) else \
                 float(params.get("temperature", 1.0))
             ids = ctl.store.sessions.token_ids(sid, prompt_start, hi + 1)
             tid = uuid.uuid4().hex[:16]
             st.tasks[tid] = Task(cell, rid, sid, v, lo, hi + 1, now)
-            fx.send(cell, lambda i, tid=tid, sid=sid, v=v, ps=prompt_start, lo=lo, hi=hi, ids=ids, t=temperature:
-                    ScoreCmd(i, tid, sid, v, ps, lo, hi + 1, ids, t))
+            fx.send(cell, lambda i, tid=tid, sid=sid, v=v, ps=prompt_start, lo=lo, hi=hi, ids=ids, t=temperature,
+                    u=urgent: ScoreCmd(i, tid, sid, v, ps, lo, hi + 1, ids, t, u))
 
 
 def _no_holder(ctl: Controller, fx: Effects, version: int, session_id: str, lo: int, hi: int, now: float) -> None:
