@@ -25,32 +25,23 @@ from pathlib import Path
 from common import emit, parse_args, set_threads
 
 from cells.localcluster import Cluster
-from cells.trainer.toy_task import TOY_RENDERER, output_token_ids
+from cells.trainer.toy_task import TOY_RENDERER
 from scheduler.config import parse_config
 
 WINDOW = 3
 
 
-def _ranges(ids: list[int]) -> list[list[int]]:
-    ids = sorted(set(ids))
-    out, start = [], ids[0]
-    for a, b in zip(ids, ids[1:] + [None]):
-        if b != a + 1:
-            out.append([start, a + 1])
-            start = b
-    return out
-
-
 def make_cfg(tmp: Path, seed: int, steps: int, lr: float | None, quick: bool) -> dict:
     trainer = {"enabled": True, "steps": steps, "seed": seed, "checkpoint_dir": None,
-               "batch_episodes": 16 if quick else 24, "agents": 8, "group_size": 4, "train_cells": 1}
+               "batch_episodes": 64, "agents": 16, "group_size": 8, "train_cells": 1,
+               "train_cell_choice": "busiest", "long_fraction": 0.1}
     if lr is not None:
         trainer["lr"] = lr
     return {
         "scheduler": {"db_path": str(tmp / "db.sqlite"), "lease_s": 10.0, "heartbeat_s": 0.25,
                       "min_rollout_cells": 1, "drain_deadline_s": 60.0},
-        "cells": {"count": 3, "engine": {"type": "embedded", "model": {"preset": "toy", "output_id_ranges": _ranges(output_token_ids())},
-                                         "num_blocks": 1024, "block_size": 16, "max_running": 16,
+        "cells": {"count": 3, "engine": {"type": "embedded", "model": {"preset": "toy"},
+                                         "num_blocks": 1024, "block_size": 16, "max_running": 8,
                                          "batch_invariant": True}},
         "migration": {"transfer_timeout_s": 20.0},
         "gateway": {"renderer": TOY_RENDERER},
