@@ -56,6 +56,9 @@ def register(ctl: Controller, msg: RegisterRequest) -> RegisterResponse:
         row.address, row.store_port, row.capabilities = msg.address, msg.store_port, caps
         row.kv_blocks_total, row.max_running, row.version = msg.kv_blocks_total, msg.max_running, msg.version
         ctl.store.fleet.put_cell(row)
+    if row.state == "joining":  # a new process: what the old one was told to load does not carry over
+        for key in [k for k in ctl.version_sent if k[0] == msg.cell_id]:
+            del ctl.version_sent[key]
     entry = ctl.registry.live.get(msg.cell_id)
     if entry is not None and row.state != "joining":
         entry.lease_deadline, entry.seen = ctl.clock() + ctl.cfg.lease_s, True

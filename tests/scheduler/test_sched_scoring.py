@@ -136,3 +136,17 @@ def test_no_holder_fetches_from_the_trainer_for_scoring_and_missing_if_that_fail
     harness.tick(), c.sync()
     sess = harness.client.get("/v1/sessions/s").json()
     assert set(sess["provenance"][3:]) == {"missing"}
+
+
+def test_a_restarted_cell_is_told_to_fetch_the_current_version_at_once(harness):
+    c = _cell(harness)
+    src = {"host": "127.0.0.1", "port": 29999}
+    assert harness.client.post("/v1/versions", json={"version": 1, "source": src}).status_code == 201
+    c.sync()
+    assert [x["mode"] for x in c.commands if x["type"] == "load_version"] == ["broadcast"]
+    c2 = FakeCell(harness.client, "c1")  # the same cell id, a new process serving version 0
+    c2.register()
+    c2.sync()
+    harness.tick(), c2.sync()
+    loads = [x for x in c2.commands if x["type"] == "load_version"]
+    assert [(x["version"], x["mode"]) for x in loads] == [(1, "fetch")]

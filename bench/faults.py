@@ -1,0 +1,91 @@
+"""Fault campaign (Jepsen style): a seeded run of every fault scenario against a real local
+cluster, a history of every operation, invariants I1–I5 checked over it, then a canary run.
+
+One started cluster (a scheduler with its SQLite store, 3 cells of the tiny preset in
+batch-invariant mode, a trainer-side version host) serves every run; a process a fault kills
+is restarted (a cell as a new incarnation, the scheduler on the same store, the trainer as the
+next version). Scenarios, their runs round-robin in a seeded order (cells/faults/campaign.py):
+  mig_kill_source / mig_kill_destination  SIGKILL of the migration's source (after a copy round,
+      before / after the stop-and-copy, before it frees) or destination (inside the transfer,
+      before / after its commit); restarted at once or after its lease
+  mig_raise                 `raise` at each of those seven failpoints
+  partition_transfer        `block` inside the destination's KV transfer: no bytes flow until
+                            the source's own timeout fires
+  zombie_cell               SIGSTOP of a cell with requests past its lease, then SIGCONT
+  zombie_destination        the destination stops itself right after its commit (SIGCONT after
+                            the lease and the source's transfer timeout)
+  scheduler_kill_flip       scheduler SIGKILLed between recording a flip and acting on it
+  scheduler_kill_migration  scheduler SIGKILLed while a cell is held at a migration failpoint
+  trainer_kill_broadcast    the trainer process dies mid-bucket of a broadcast
+  broadcast_receiver        a receiving cell dies, or stalls past the op timeout, mid-bucket
+  scoring_fault             a cell dies, or its scorer fails, at a scoring task of the final pass
+
+Fields of the JSON line:
+- scenarios, runs: counts of distinct scenarios and of runs (canary runs not included).
+- faults_fired: faults that demonstrably happened: a failpoint reached (its process died by
+  SIGKILL, was seen stopped, or logged the failpoint's error), a signal delivered, a broadcast
+  that had to retry around a stalled receiver.
+- invariant_violations: violations of I1–I5 found by cells/faults/checker.py over the history
+  and the store snapshots (sampled every 0.1 s, read-only): I1 every accepted request ends
+  finished or failed-with-reason, no token doubled or dropped between cell, store and client,
+  token-exact against a fault-free run where one version served it; I2 one owner per request
+  at every snapshot and as the cells acted (never source and destination both continuing); I3 no
+  version retired while a token of it lacks an old log-prob; I4 no cell serves and no token
+  carries a version not completely delivered; I5 a restarted scheduler extends the last
+  committed state (flips, versions, token buffers, requests).
+- lost_requests: accepted requests that never reached a terminal state.
+- hangs: runs in which a bounded wait ran out (a request, a flip, or the recovery to healthy).
+- max_recovery_s: over all runs, seconds from the fault until every request unfinished at the
+  fault commits a token again (or ends); each scenario's own in by_scenario (with the mean, and
+  max_healthy_s: until the whole cluster is healthy again, restarts and catch-ups included).
+- canary_violations: violations the same checkers report in the canary runs, where the
+  scheduler runs with the test-only CELLFLIP_CANARY_NO_FENCING=1 (scheduler/migrations.py: a
+  source's abort after the destination's commit won is accepted, fenced parties are not
+  refused) over the fencing-sensitive scenarios. Must be > 0: the checkers can fail.
+- requests: completions started over the main runs; history: the JSON-lines history file.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import emit, parse_args, set_threads
+
+from cells.faults.campaign import CANARY_PLAN, Campaign, summarize
+
+
+def _extra(ap) -> None:
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", type=int, help="main runs (default 55 with --quick, else 110)")
+    ap.add_argument("--canary-rounds", type=int, help="rounds of the canary plan (default 1 with --quick, else 2)")
+    ap.add_argument("--workdir", help="where the cluster, its logs and the history go (default: a temp dir)")
+
+
+def main() -> None:
+    args = parse_args(__doc__, _extra)
+    set_threads(1)
+    runs = args.runs or (55 if args.quick else 110)
+    rounds = args.canary_rounds if args.canary_rounds is not None else (1 if args.quick else 2)
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="cellflip-faults-"))
+    print(f"work dir {workdir}", flush=True)
+    t0 = time.monotonic()
+    camp = Campaign(workdir, seed=args.seed, log=lambda m: print(m, flush=True))
+    try:
+        main_runs = camp.execute(camp.plan(runs))
+        canary_runs = camp.execute(CANARY_PLAN * rounds, canary=True) if rounds else []
+    finally:
+        camp.close()
+    result = summarize(main_runs, canary_runs)
+    result["requests"] = sum(len(r.clients) for r in main_runs)
+    result["seed"] = args.seed
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    result["history"] = str(workdir / "history.jsonl")
+    emit(result, args.json)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""The fault campaign's scenarios, one run each on one shared cluster (bench/faults.py runs
+them many times): the fault must fire, and no invariant may break — then the canary run with
+fencing switched off must be caught by the same checkers."""
+
+import pytest
+
+from cells.faults.campaign import CANARY_PLAN, SCENARIOS, Campaign
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def campaign(tmp_path_factory):
+    camp = Campaign(tmp_path_factory.mktemp("faults"), seed=7, log=print)
+    try:
+        yield camp
+    finally:
+        camp.close()
+
+
+def _why(camp, run) -> str:
+    return f"{run.summary()}\n{camp.cluster.logs()[-4000:]}"
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_scenario_keeps_every_invariant(campaign, name):
+    (run,) = campaign.execute([(name, 0)])
+    assert run.faults, _why(campaign, run)  # the fault really happened
+    assert not run.hangs, _why(campaign, run)
+    assert run.lost == 0, _why(campaign, run)
+    assert run.violations == [], _why(campaign, run)
+    assert run.recovery_s is not None, _why(campaign, run)
+    accepted = [c for c in run.clients if c.stream.request_id]
+    assert accepted, _why(campaign, run)
+
+
+def test_canary_without_fencing_is_caught(campaign):
+    runs = campaign.execute(CANARY_PLAN[:1], canary=True)
+    assert runs[0].faults, _why(campaign, runs[0])
+    assert any(v.startswith("I2:") for v in runs[0].violations), _why(campaign, runs[0])
+    assert not campaign.nem.scheduler_env  # the switch is off again for whatever runs next
