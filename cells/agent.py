@@ -278,7 +278,8 @@ class CellAgent:
         elif isinstance(cmd, MigrateInCmd):
             receiver = MigrationReceiver(cmd, cell_id=self.cell_id, incarnation=self.incarnation, client=self.client,
                                          cfg=self.cfg.migration, on_engine=self.on_engine, on_commit=self._adopt)
-            self._spawn(receiver.run, f"mig-in-{cmd.request_id}")
+            self._spawn(receiver.run, f"mig-in-{cmd.request_id}",
+                        on_crash=lambda rid=cmd.request_id: self._settle_crashed_import(rid))
         elif isinstance(cmd, SuspendCmd) and cmd.park:
             self._park(cmd.request_id)
         elif isinstance(cmd, (AbortCmd, SuspendCmd)):
@@ -341,14 +342,32 @@ class CellAgent:
         self.owned.clear()
 
     # -- migrations -------------------------------------------------------------------------
-    def _spawn(self, fn, name: str) -> None:
+    def _spawn(self, fn, name: str, on_crash=None) -> None:
         def body():
-            self._outcomes.put(fn())
+            try:
+                self._outcomes.put(fn())
+            except Exception:  # a bug or an injected fault: never leave the request hanging
+                log.exception("%s crashed", name)
+                if on_crash is not None:
+                    on_crash()
             self._wake()
 
         t = threading.Thread(target=body, name=name, daemon=True)
         self._threads.append(t)
         t.start()
+
+    def _settle_crashed_import(self, rid: str) -> None:
+        """The destination's migration thread died. After its commit the request is ours
+        (adopted): resume it. Before: free the reservation; the source keeps the request
+        (its abort wins at the scheduler)."""
+        with self._access():
+            req = getattr(self.engine, "requests", {}).get(rid)
+            if rid in self.owned:
+                if req is not None and getattr(req, "status", None) == "paused":
+                    self.engine.resume(rid)
+                    log.warning("resumed %s after its import thread crashed past the commit", rid)
+            else:
+                self.engine.release(rid)
 
     def on_engine(self, fn):
         """Run `fn(engine)` from a migration thread between engine steps; returns its result."""

@@ -107,3 +107,19 @@ def test_scheduler_killed_mid_flip_restarts_and_finishes_every_request(tmp_path)
         assert sum(f["id"] == flip["id"] for f in flips) == 1  # never runs twice
     finally:
         c.stop()
+
+
+def test_destination_failing_between_commit_and_resume_loses_nothing(tmp_path):
+    # the import thread of cells 1 and 2 fails right after winning the commit
+    env = {i: {"CELLFLIP_FAILPOINTS": "migrate.after_commit=1*raise"} for i in (1, 2)}
+    c = Cluster(tmp_path, num_cells=3, cell_env=env)
+    try:
+        for i in (1, 2):
+            assert c.wait_flip(c.flip(f"cell-{i}", "training")["id"], 60)["state"] == "done"
+        prompts, streams = _start(c, 2, seed=4, max_tokens=1200)
+        for i in (1, 2):
+            assert c.wait_flip(c.flip(f"cell-{i}", "rollout")["id"], 60)["state"] == "done"
+        c.wait_flip(c.flip("cell-0", "training")["id"], 120)
+        _check_exact(c, prompts, streams)  # re-placed from the store once the cell drops it
+    finally:
+        c.stop()
