@@ -199,6 +199,18 @@ def _wait_stat(host: VersionHost, key: str, at_least: int, timeout_s: float) -> 
         time.sleep(0.02)
 
 
+def _settled(host: VersionHost, timeout_s: float = OP_TIMEOUT_S + SLACK_S) -> dict:
+    """The host's counts once every dispatched ticket has an outcome: a client that has its
+    version may finish before the host's worker counts the ticket, so a baseline read right
+    after the previous test could miss that count."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = host.catchup_stats()
+        if s["dispatched"] == s["served"] + s["refused"] + s["failed"] or time.monotonic() >= deadline:
+            return s
+        time.sleep(0.02)
+
+
 def _fetch(workers: Workers, name: str, version: int, seed: int | None = None) -> None:
     workers.submit(name, "fetch", cell=f"cell-{name}", version=version, seed=version if seed is None else seed)
 
@@ -238,7 +250,7 @@ def test_version_not_held_is_refused_and_the_next_client_is_served(host, workers
 
 def test_three_concurrent_catchups_all_succeed(host, workers):
     host.put(4, make_tensors(4))
-    served = host.catchup_stats()["served"]
+    served = _settled(host)["served"]
     for name in WORKERS:
         _fetch(workers, name, 4)
     for name in WORKERS:
@@ -248,7 +260,7 @@ def test_three_concurrent_catchups_all_succeed(host, workers):
 
 
 def test_ticket_without_request_does_not_block_later_clients(host, workers):
-    skipped = host.catchup_stats()["skipped"]
+    skipped = _settled(host)["skipped"]
     workers.submit("w0", "take_ticket")
     assert workers.result("w0")["ticket"] > 0
     _fetch(workers, "w1", 4)
@@ -267,7 +279,7 @@ def test_put_keeps_its_own_copy_and_drop_spares_a_transfer_in_flight(host, worke
     _fetch(workers, "w0", 5)
     r = workers.result("w0")
     assert r["kind"] is None and r["equal"] is True, r  # what was put, not what it became
-    dispatched = host.catchup_stats()["dispatched"]
+    dispatched = _settled(host)["dispatched"]
     _fetch(workers, "w1", 5)
     assert _wait_stat(host, "dispatched", dispatched + 1, 20)["dispatched"] == dispatched + 1
     host.drop(5)  # while (or just after) the worker sends it
@@ -279,7 +291,7 @@ def test_put_keeps_its_own_copy_and_drop_spares_a_transfer_in_flight(host, worke
 
 
 def test_client_dying_mid_transfer_fails_only_its_own_worker(host, workers):
-    failed = host.catchup_stats()["failed"]
+    failed = _settled(host)["failed"]
     workers.submit("w2", "die_mid_fetch", cell="cell-w2", version=4)
     _fetch(workers, "w0", 4)  # concurrently with the doomed one
     r = workers.result("w0")
