@@ -85,6 +85,14 @@ class Capabilities(Message):
     batch_invariant: bool = False
     block_size: int = 16
     """Tokens per KV block (sizes `reserve_tokens` headroom)."""
+    kv_store: str | None = None
+    """Identity of a shared hierarchical KV store the engine reads and writes (SGLang HiCache
+    with a storage backend); two cells with the same identity can move a request by the
+    `kv_store` path. None: no shared store."""
+    update_ranks: int = 0
+    """Ranks the cell adds to a version's update group when it receives versions through its
+    engine's own collective (SGLang: tp ranks, plus the scoring copy). 0: the cell receives
+    the trainer's bucketed broadcast itself (embedded engine)."""
 
 
 @dataclass

@@ -77,7 +77,9 @@ def publish(ctl: Controller, version: int, source: dict | None = None) -> dict[s
             ctl.version_sent[(cell_id, version)] = now
             fx.send(cell_id, lambda i: LoadVersionCmd(i, version, source, "broadcast", True, policy))
     ctl.kick()
-    return {**_to_api(ctl, row, {}, serving(ctl)), "receivers": receivers}
+    ranks = {c.id: int(c.capabilities.get("update_ranks") or 0) for c in ctl.store.fleet.list_cells()
+             if c.id in receivers}
+    return {**_to_api(ctl, row, {}, serving(ctl)), "receivers": receivers, "receiver_ranks": ranks}
 
 
 def catch_up(ctl: Controller) -> None:
