@@ -139,7 +139,7 @@ class Controller:
                 kv_blocks_total=(s.kv_blocks_total if s and s.kv_blocks_total else c.kv_blocks_total),
                 kv_export=bool(c.capabilities.get("kv_export")),
                 block_size=int(c.capabilities.get("block_size") or 16), generation=c.generation,
-                node=c.address.rsplit(":", 1)[0]))
+                node=c.address.rsplit(":", 1)[0], kv_store=c.capabilities.get("kv_store") or None))
         counts = self.store.owners.count_requests()
         return Snapshot(tuple(views), versions.current_version(self), self.cfg.min_rollout_cells,
                         finished_waiting=self.store.sessions.finished_after(self.trajectory_cursor),

@@ -42,7 +42,7 @@ class Metrics:
         self.tokens_rejected = Counter(p + "tokens_rejected", "Token batches refused at sync, by reason.", ["reason"], registry=r)
         self.fenced = Counter(p + "cells_fenced", "Cell incarnations fenced (lease lost or replaced).", ["reason"], registry=r)
         for outcome in ("committed", "aborted"):
-            for path in ("kv", "reprefill"):
+            for path in ("kv", "kv_store", "reprefill"):
                 self.migrations.labels(outcome, path)
         for outcome in ("done", "failed", "rolled_back"):
             self.flips.labels(outcome)

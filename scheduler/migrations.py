@@ -5,8 +5,13 @@ resume → free. The scheduler's part is the "record owner" step: the destinatio
 moves ownership (src, e) → (dst, e + 1) and the migration pending → committed in one durable
 transaction; the source keeps ownership (and keeps decoding) on any failure before that.
 
-Paths: "kv" when both cells export KV and serve the same version; otherwise "reprefill":
-ownership moves at once (epoch + 1) and the destination re-prefills from the session store
+Paths (`path_for`): "kv" when both cells export KV and serve the same version; "kv_store"
+when both read and write the same shared KV store (SGLang HiCache with a storage backend) and
+serve the same version; otherwise "reprefill". On the last two, ownership moves at once
+(epoch + 1) and the destination re-submits the session's token buffer: on "kv_store" its
+prefix match loads the blocks the source's engine wrote to the store and recomputes only what
+the store lacks (the source's abort and the destination's start are not ordered, so a block
+written late is recomputed: the same tokens, only slower); on "reprefill" it recomputes all
 (on its own version when versions differ: the per-token versions record the truth).
 """
 
@@ -50,27 +55,49 @@ def timeout_s(ctl: Controller) -> float:
     return ctl.mig_cfg.transfer_timeout_s * (ctl.mig_cfg.max_copy_rounds + 2)
 
 
+def path_for(ctl: Controller, src: CellRow, dst: CellRow, hint: str | None = None) -> str:
+    """The path a move from `src` to `dst` takes: the planner's `hint` where both ends support
+    it, else the best path they do. KV (copied or from a store) is reused only between cells
+    serving the same version."""
+    src_v, dst_v = ctl.snapshot_version(src.id), ctl.snapshot_version(dst.id)
+    same_version = src_v is not None and src_v == dst_v
+    kv = same_version and bool(src.capabilities.get("kv_export")) and bool(dst.capabilities.get("kv_export"))
+    store = src.capabilities.get("kv_store")
+    kv_store = same_version and bool(store) and store == dst.capabilities.get("kv_store")
+    if hint == "reprefill":
+        return "reprefill"
+    if hint == "kv_store" and kv_store:
+        return "kv_store"
+    return "kv" if kv else "kv_store" if kv_store else "reprefill"
+
+
+_RESUBMIT_REASONS = {
+    "kv_store": "kv store: the destination loads the shared prefix, recomputing what is missing",
+    "reprefill": "re-prefill: no KV path between these cells",
+}
+
+
 def start(ctl: Controller, fx: Effects, req: RequestRow, src: CellRow, dst: CellRow, flip: FlipRow | None,
           hint: str | None = None) -> str:
-    """Move `req` from `src` to `dst`; returns the path taken. Runs inside a durable txn.
-    `hint` is the planner's path; KV is used only where both cells export KV and serve the
-    same version, whatever the hint."""
-    src_v, dst_v = ctl.snapshot_version(src.id), ctl.snapshot_version(dst.id)
-    kv = bool(src.capabilities.get("kv_export")) and bool(dst.capabilities.get("kv_export")) and src_v == dst_v
-    kv = kv and hint != "reprefill"
+    """Move `req` from `src` to `dst`; returns the path taken (`path_for`). Runs inside a
+    durable txn."""
+    path = path_for(ctl, src, dst, hint)
     mig = MigrationRow(f"mig-{uuid.uuid4().hex[:16]}", req.id, src.id, dst.id, req.epoch, "pending",
-                       "kv" if kv else "reprefill", flip.id if flip else None, src_state=req.state)
+                       path, flip.id if flip else None, src_state=req.state)
     mig.history.append(("pending", time.time(), f"{src.id} -> {dst.id}"))
-    if not kv:  # ownership moves now; the destination re-prefills from the session store
-        set_state(MIGRATION, mig, "committed", "re-prefill: no KV path between these cells")
+    if path != "kv":  # ownership moves now; the destination re-submits the session's tokens
+        set_state(MIGRATION, mig, "committed", _RESUBMIT_REASONS[path])
         mig.finished_at = time.time()
         ctl.store.owners.put_migration(mig)
-        ownership.revoke(ctl, fx, req, f"re-prefill on {dst.id}")
-        ownership.assign(ctl, fx, req, dst.id)
-        fx.later(lambda: ctl.metrics.migrations.labels("committed", "reprefill").inc())
+        ownership.revoke(ctl, fx, req, f"{path} on {dst.id}")
+        ownership.assign(ctl, fx, req, dst.id, path=path)
+        fx.later(lambda: ctl.metrics.migrations.labels("committed", path).inc())
         if flip is not None:
-            flip.recomputed += 1
-        return "reprefill"
+            if path == "kv_store":
+                flip.kv_store += 1
+            else:
+                flip.recomputed += 1
+        return path
     REQUEST.check(req.state, "migrating")
     req.state = "migrating"
     ctl.store.owners.put_request(req)

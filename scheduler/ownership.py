@@ -23,8 +23,9 @@ MAX_PLACEMENTS_PER_TICK = 256
 """Bounds one tick's work when a dead cell leaves many requests to re-prefill."""
 
 
-def assign(ctl: Controller, fx: Effects, req: RequestRow, cell_id: str) -> None:
-    """Give a request without owner to `cell_id` and send it `start` with the full buffer."""
+def assign(ctl: Controller, fx: Effects, req: RequestRow, cell_id: str, path: str | None = None) -> None:
+    """Give a request without owner to `cell_id` and send it `start` with the full buffer;
+    `path` says how a moved request came ("reprefill", "kv_store"; None: placed afresh)."""
     assert req.cell_id is None, f"assign of {req.id} still owned by {req.cell_id}"
     REQUEST.check(req.state, "running")
     req.cell_id, req.state, req.reason = cell_id, "running", None
@@ -32,7 +33,7 @@ def assign(ctl: Controller, fx: Effects, req: RequestRow, cell_id: str) -> None:
     token_ids = ctl.store.sessions.token_ids(req.session_id, req.prompt_start, req.base + req.num_generated)
     prompt_len = req.base - req.prompt_start
     rid, epoch, sid, n, params = req.id, req.epoch, req.session_id, req.num_generated, dict(req.params)
-    fx.send(cell_id, lambda i: StartCmd(i, rid, epoch, sid, token_ids, prompt_len, n, params))
+    fx.send(cell_id, lambda i: StartCmd(i, rid, epoch, sid, token_ids, prompt_len, n, params, path))
     ctl.assigned_at[req.id] = ctl.clock()
 
 

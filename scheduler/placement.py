@@ -39,6 +39,8 @@ class CellView:
     generation: int = 0
     node: str = ""
     """Host of the cell (cells on one host share the fast link)."""
+    kv_store: str | None = None
+    """Shared KV store identity (see `Capabilities.kv_store`)."""
 
     @property
     def free_blocks(self) -> int:
@@ -74,7 +76,8 @@ class RequestSummary:
 
 @dataclass(frozen=True, slots=True)
 class Choice:
-    """A destination and the planner's path hint ("kv", "reprefill"; None: decide by capabilities)."""
+    """A destination and the planner's path hint ("kv", "kv_store", "reprefill"; None: decide
+    by capabilities)."""
 
     cell_id: str
     path: str | None = None
@@ -108,7 +111,8 @@ def _to_planner(snapshot: Snapshot):
         cell_id=c.cell_id, node=c.node, role=c.state,
         version=UNKNOWN_VERSION if c.version is None else c.version, inflight=c.inflight,
         capacity=c.max_running, kv_blocks_free=c.free_blocks if c.kv_blocks_total > 0 else 1 << 40,
-        kv_blocks_total=c.kv_blocks_total, generation=c.generation, can_export_kv=c.kv_export)
+        kv_blocks_total=c.kv_blocks_total, generation=c.generation, can_export_kv=c.kv_export,
+        kv_store=c.kv_store)
         for c in snapshot.cells)
     return _pt.Snapshot(
         cells=cells, finished_waiting=snapshot.finished_waiting, batch_size=TRAINING_BATCH_SIZE,

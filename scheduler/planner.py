@@ -164,9 +164,9 @@ def choose_cells_to_flip(snapshot: Snapshot, to: FlipTarget, count: int,
 
 def _cheapest_rollout(snapshot: Snapshot, count: int) -> list[int]:
     """Indices of up to `count` rollout cells, cheapest to drain first, keeping the minimum."""
-    kv_s = DEFAULT_COST.kv_bytes_per_token / DEFAULT_COST.inter_node_bytes_per_s
-    prefill_s = 1.0 / DEFAULT_COST.prefill_tokens_per_s
-    keys = [(c.inflight_tokens * (kv_s if c.can_export_kv else prefill_s), c.inflight, i)
+    per_token = {path: move_seconds(1, False, path) for path in ("kv", "kv_store", "reprefill")}
+    keys = [(c.inflight_tokens * per_token["kv" if c.can_export_kv else "kv_store" if c.kv_store else "reprefill"],
+             c.inflight, i)
             for i, c in enumerate(snapshot.cells) if c.role == "rollout"]
     count = min(count, len(keys) - snapshot.min_rollout_cells)
     if count <= 0:
@@ -195,13 +195,19 @@ def _within_budget(cells: Sequence[CellSummary], chosen: list[int], room: float,
 
 def move_seconds(context_tokens: int, same_node: bool, path: str,
                  cost: LinkCostModel = DEFAULT_COST) -> float:
-    """Estimated seconds to move a request by `path` ('kv' copy or 'reprefill')."""
+    """Estimated seconds to move a request by `path`: 'kv' (cell-to-cell copy), 'kv_store'
+    (the destination loads the share of the context the shared store holds and recomputes
+    the rest) or 'reprefill' (the destination recomputes it all)."""
     if path == "kv":
         bw = cost.intra_node_bytes_per_s if same_node else cost.inter_node_bytes_per_s
         return context_tokens * cost.kv_bytes_per_token / bw
+    if path == "kv_store":
+        hit = cost.store_hit_ratio
+        return context_tokens * (hit * cost.kv_bytes_per_token / cost.store_bytes_per_s
+                                 + (1.0 - hit) / cost.prefill_tokens_per_s)
     if path == "reprefill":
         return context_tokens / cost.prefill_tokens_per_s
-    raise ValueError(f"path must be 'kv' or 'reprefill', got {path!r}")
+    raise ValueError(f"path must be 'kv', 'kv_store' or 'reprefill', got {path!r}")
 
 
 def choose_destination(snapshot: Snapshot, source_cell_id: CellId | None, request: RequestSummary,
@@ -311,13 +317,21 @@ def choose_destinations(snapshot: Snapshot,
 
 def _path(src: CellSummary | None, dst: CellSummary, req: RequestSummary,
           cost: LinkCostModel) -> Destination:
-    """KV copy when both engines can and the versions match, unless re-prefill is cheaper."""
+    """The cheapest path both ends support: a KV copy (both engines export KV), a load from a
+    shared KV store (both use the same one), or re-prefill. KV is reused only under the
+    version it was computed with, so both KV paths need the request's version at the
+    destination. Ties go to the earlier path in that order."""
     tokens = req.context_tokens
-    prefill = tokens / cost.prefill_tokens_per_s
-    if (src is not None and src.can_export_kv and dst.can_export_kv
-            and req.version == dst.version):
-        bw = cost.intra_node_bytes_per_s if src.node == dst.node else cost.inter_node_bytes_per_s
-        kv = tokens * cost.kv_bytes_per_token / bw
-        if kv <= prefill:
-            return Destination(dst.cell_id, "kv", kv)
-    return Destination(dst.cell_id, "reprefill", prefill)
+    best = Destination(dst.cell_id, "reprefill", move_seconds(tokens, False, "reprefill", cost))
+    if src is None or req.version != dst.version:
+        return best
+    same_node = src.node == dst.node
+    if src.kv_store is not None and src.kv_store == dst.kv_store:
+        s = move_seconds(tokens, same_node, "kv_store", cost)
+        if s <= best.seconds:
+            best = Destination(dst.cell_id, "kv_store", s)
+    if src.can_export_kv and dst.can_export_kv:
+        s = move_seconds(tokens, same_node, "kv", cost)
+        if s <= best.seconds:
+            best = Destination(dst.cell_id, "kv", s)
+    return best

@@ -15,7 +15,7 @@ Role = Literal["joining", "rollout", "draining", "training", "loading", "down"]
 """Cell roles: joining -> rollout <-> draining -> training <-> loading -> rollout, plus down."""
 
 FlipTarget = Literal["training", "rollout"]
-Path = Literal["kv", "reprefill", "suspend"]
+Path = Literal["kv", "kv_store", "reprefill", "suspend"]
 CellId = int | str
 """Opaque, hashable cell id (the controller uses strings, the simulator ints)."""
 
@@ -49,6 +49,9 @@ class CellSummary:
     """Training cells: part of a running step (flipping it away would stall the step)."""
     inflight_tokens: int = 0
     """Context tokens of the in-flight sessions (the cost of moving them); 0 = unknown."""
+    kv_store: str | None = None
+    """Identity of the shared KV store the cell's engine reads and writes (SGLang HiCache with
+    a storage backend); two cells with the same identity can move a request by `kv_store`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +119,11 @@ class LinkCostModel:
     """Cell-to-cell bandwidth between nodes."""
     prefill_tokens_per_s: float = 20_000.0
     """Re-prefill rate of a destination cell."""
+    store_bytes_per_s: float = 5e9
+    """Read rate of a shared KV store into a destination cell (the `kv_store` path)."""
+    store_hit_ratio: float = 0.9
+    """Share of a moved context found in the shared store; the rest is recomputed (blocks not
+    yet written back, or evicted)."""
     block_size: int = 16
     """Tokens per KV block."""
     headroom_blocks: int = 0

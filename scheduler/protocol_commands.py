@@ -36,6 +36,9 @@ class StartCmd(Command):
     prompt_len: int
     num_generated: int
     params: dict[str, Any]
+    path: str | None = None
+    """How a moved request came here: "reprefill" or "kv_store" (the destination's prefix
+    match may load the shared store's blocks); None for a request placed afresh."""
 
 
 @dataclass

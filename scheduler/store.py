@@ -32,7 +32,8 @@ CREATE TABLE IF NOT EXISTS cells(
 CREATE TABLE IF NOT EXISTS flips(
   id TEXT PRIMARY KEY, cell_id TEXT NOT NULL, to_role TEXT NOT NULL, state TEXT NOT NULL,
   idem_key TEXT, reason TEXT, migrated INTEGER NOT NULL, suspended INTEGER NOT NULL,
-  recomputed INTEGER NOT NULL, created_at REAL NOT NULL, finished_at REAL, history TEXT NOT NULL);
+  recomputed INTEGER NOT NULL, created_at REAL NOT NULL, finished_at REAL, history TEXT NOT NULL,
+  kv_store INTEGER NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS flips_state ON flips(state);
 CREATE TABLE IF NOT EXISTS versions(
   v INTEGER PRIMARY KEY, state TEXT NOT NULL, created_at REAL NOT NULL, history TEXT NOT NULL,
@@ -64,6 +65,13 @@ CREATE INDEX IF NOT EXISTS tokens_version ON tokens(version, provenance) WHERE l
 CREATE INDEX IF NOT EXISTS tokens_unscored ON tokens(version) WHERE loss_mask = 1 AND provenance IS NULL;
 """
 
+ADDED_COLUMNS = (
+    ("migrations", "src_state", "TEXT NOT NULL DEFAULT 'running'"),
+    ("flips", "kv_store", "INTEGER NOT NULL DEFAULT 0"),
+)
+"""Columns added after a table's first release: a store written by an older scheduler gets
+them (with their defaults) when it is opened, so a restart across an upgrade keeps its state."""
+
 
 def dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"))
@@ -89,6 +97,7 @@ class Store:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=FULL")
         self.conn.executescript(SCHEMA)
+        self._add_missing_columns()
         self._depth = 0
         self._durable = True
         self.fleet = FleetStore(self)
@@ -120,6 +129,12 @@ class Store:
             self.conn.execute("COMMIT")
         finally:
             self._depth = 0
+
+    def _add_missing_columns(self) -> None:
+        for table, column, decl in ADDED_COLUMNS:
+            have = {r[1] for r in self.conn.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self.conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
     def execute(self, sql: str, params: tuple | list = ()) -> sqlite3.Cursor:
         return self.conn.execute(sql, params)

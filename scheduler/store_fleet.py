@@ -59,12 +59,16 @@ class FlipRow:
     created_at: float = 0.0
     finished_at: float | None = None
     history: list = field(default_factory=list)
+    kv_store: int = 0
+    """Requests moved by the `kv_store` path (the destination loaded the shared prefix);
+    `migrated` counts KV copies, `recomputed` re-prefills."""
 
     def to_api(self, now: float | None = None) -> dict[str, Any]:
         end = self.finished_at if self.finished_at is not None else (now or time.time())
         return {
             "id": self.id, "cell": self.cell_id, "to": self.to_role, "state": self.state,
-            "migrated": self.migrated, "suspended": self.suspended, "recomputed": self.recomputed,
+            "migrated": self.migrated, "kv_store": self.kv_store, "suspended": self.suspended,
+            "recomputed": self.recomputed,
             "duration_s": max(0.0, end - self.created_at), "reason": self.reason,
             "history": [list(h) for h in self.history],
         }
@@ -82,7 +86,8 @@ class VersionRow:
 
 
 _CELL_COLS = "id, incarnation, state, generation, version, address, store_port, capabilities, kv_blocks_total, kv_blocks_used, max_running, history"
-_FLIP_COLS = "id, cell_id, to_role, state, idem_key, reason, migrated, suspended, recomputed, created_at, finished_at, history"
+_FLIP_COLS = ("id, cell_id, to_role, state, idem_key, reason, migrated, suspended, recomputed, created_at, "
+              "finished_at, history, kv_store")
 
 
 def _version(r: tuple) -> VersionRow:
@@ -94,7 +99,7 @@ def _cell(r: tuple) -> CellRow:
 
 
 def _flip(r: tuple) -> FlipRow:
-    return FlipRow(*r[:11], loads(r[11]))
+    return FlipRow(*r[:11], loads(r[11]), r[12])
 
 
 class FleetStore:
@@ -135,9 +140,9 @@ class FleetStore:
 
     def put_flip(self, f: FlipRow) -> None:
         self.s.execute(
-            f"INSERT OR REPLACE INTO flips({_FLIP_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            f"INSERT OR REPLACE INTO flips({_FLIP_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (f.id, f.cell_id, f.to_role, f.state, f.idem_key, f.reason, f.migrated, f.suspended,
-             f.recomputed, f.created_at, f.finished_at, dumps(f.history)),
+             f.recomputed, f.created_at, f.finished_at, dumps(f.history), f.kv_store),
         )
 
     # -- versions

@@ -176,6 +176,40 @@ def test_destination_paths():
     assert move_seconds(1000, False, "kv", slow) > move_seconds(1000, False, "reprefill", slow)
 
 
+def test_kv_store_path_weighed_against_copy_and_reprefill():
+    def sgl(i, store="s", **kw):
+        return replace(cell(i, export=False, **kw), kv_store=store)
+
+    r = req(tokens=8000)
+    # two SGLang cells on one shared store: load from the store (cheaper than recomputing)
+    assert choose_destination(snap([sgl(0), sgl(1, inflight=0)]), 0, r).path == "kv_store"
+    # another store, no store, or another version: nothing to reuse
+    assert choose_destination(snap([sgl(0), sgl(1, "t", inflight=0)]), 0, r).path == "reprefill"
+    assert choose_destination(snap([sgl(0), sgl(1, None, inflight=0)]), 0, r).path == "reprefill"
+    assert choose_destination(snap([sgl(0), sgl(1, inflight=0, version=1)]), 0, r).path == "reprefill"
+    # a store slower than recomputing loses to re-prefill
+    slow = LinkCostModel(store_bytes_per_s=1e6)
+    d = choose_destination(snap([sgl(0), sgl(1, inflight=0)]), 0, r, slow)
+    assert d.path == "reprefill" and d.seconds == move_seconds(8000, False, "reprefill", slow)
+    # both ends export KV and share a store: the cheaper of the two KV paths
+    both = [replace(cell(0), kv_store="s"), replace(cell(1, inflight=0), kv_store="s")]
+    assert choose_destination(snap(both), 0, r).path == "kv"
+    fast_store = LinkCostModel(store_bytes_per_s=1e15, store_hit_ratio=1.0)
+    assert choose_destination(snap(both), 0, r, fast_store).path == "kv_store"
+    # the cost: the share found in the store is read, the rest recomputed
+    c = LinkCostModel(kv_bytes_per_token=1000, store_bytes_per_s=1e6, store_hit_ratio=0.75,
+                      prefill_tokens_per_s=100.0)
+    assert move_seconds(400, False, "kv_store", c) == pytest.approx(300 * 1e-3 + 100 / 100.0)
+    with pytest.raises(ValueError, match="kv_store"):
+        move_seconds(1, False, "carrier_pigeon")
+
+
+def test_cheapest_rollout_counts_a_shared_store_as_cheaper_to_drain():
+    cells = [cell(0, export=False, tokens=10_000), replace(cell(1, export=False, tokens=10_000), kv_store="s"),
+             cell(2, export=False, tokens=10_000)]
+    assert choose_cells_to_flip(snap(cells, min_rollout=2), "training", 1) == [1]
+
+
 def test_batched_uses_up_room_and_keeps_input_order():
     cells = [cell(0), cell(1, inflight=15, blocks_free=9999), cell(2, inflight=14, blocks_free=9999),
              cell(3, inflight=15, blocks_free=9999)]

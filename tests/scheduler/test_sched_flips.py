@@ -231,6 +231,72 @@ def test_no_kv_export_moves_by_reprefill(harness):
     assert 'cellflip_migrations_total{outcome="committed",path="reprefill"} 1.0' in harness.client.get("/metrics").text
 
 
+def _flip_owner_of_one_request(harness, cells: list[FakeCell]) -> tuple[FakeCell, FakeCell, str, object]:
+    """Start one request, let its owner sample 2 tokens, flip the owner to training; returns
+    (source, destination, flip id, the completion's future) once both cells saw the move."""
+    fut = harness.complete({"prompt_ids": [3, 4], "max_tokens": 6}, session="s")
+    for _ in range(500):
+        for c in cells:
+            c.sync()
+        if any(c.held for c in cells):
+            break
+    src = next(c for c in cells if c.held)
+    src.step(2), src.sync()
+    fid = _flip(harness, cell=src.cell_id, to="training").json()["id"]
+    harness.tick()
+    for c in cells:
+        c.sync()
+    dst = next(c for c in cells if c is not src and any(x["type"] == "start" for x in c.commands))
+    return src, dst, fid, fut
+
+
+def test_shared_kv_store_moves_by_kv_store_path(harness):
+    cells = _fleet(harness, 2, kv_export=False, kv_store="hicache:abc")
+    src, dst, fid, fut = _flip_owner_of_one_request(harness, cells)
+    assert any(x["type"] == "abort" for x in src.commands)
+    start = [x for x in dst.commands if x["type"] == "start"][-1]
+    assert start["path"] == "kv_store" and start["epoch"] == 2 and start["num_generated"] >= 1
+    flip = _state(harness, fid)
+    assert (flip["kv_store"], flip["recomputed"], flip["migrated"]) == (1, 0, 0)
+    pump([src, dst], until=fut, harness=harness)
+    assert len(fut.result(timeout=60).json()["token_ids"]) == 6
+    text = harness.client.get("/metrics").text
+    assert 'cellflip_migrations_total{outcome="committed",path="kv_store"} 1.0' in text
+    assert 'cellflip_migrations_total{outcome="committed",path="reprefill"} 0.0' in text
+
+
+def test_different_kv_stores_or_versions_fall_back_to_reprefill(harness):
+    c0 = FakeCell(harness.client, "c0", kv_export=False, kv_store="hicache:abc")
+    c1 = FakeCell(harness.client, "c1", kv_export=False, kv_store="hicache:other")
+    for c in (c0, c1):
+        c.register(), c.sync()
+    src, dst, fid, fut = _flip_owner_of_one_request(harness, [c0, c1])
+    start = [x for x in dst.commands if x["type"] == "start"][-1]
+    assert start["path"] == "reprefill"
+    assert (_state(harness, fid)["kv_store"], _state(harness, fid)["recomputed"]) == (0, 1)
+    pump([src, dst], until=fut, harness=harness)
+    assert len(fut.result(timeout=60).json()["token_ids"]) == 6
+
+
+def test_kv_store_path_needs_the_same_version(harness):
+    from scheduler import migrations
+
+    c0 = FakeCell(harness.client, "c0", kv_export=False, kv_store="s", version=1)
+    c1 = FakeCell(harness.client, "c1", kv_export=False, kv_store="s", version=2)
+    c2 = FakeCell(harness.client, "c2", kv_export=True, kv_store="s", version=1)
+    c3 = FakeCell(harness.client, "c3", kv_export=True, kv_store=None, version=1)
+    for c in (c0, c1, c2, c3):
+        c.register(), c.sync()
+    ctl = harness.ctl
+    row = {c.cell_id: ctl.store.fleet.get_cell(c.cell_id) for c in (c0, c1, c2, c3)}
+    assert migrations.path_for(ctl, row["c0"], row["c1"]) == "reprefill"  # KV of v1 is no use to v2
+    assert migrations.path_for(ctl, row["c0"], row["c2"]) == "kv_store"
+    assert migrations.path_for(ctl, row["c2"], row["c3"]) == "kv"
+    assert migrations.path_for(ctl, row["c2"], row["c3"], hint="reprefill") == "reprefill"
+    assert migrations.path_for(ctl, row["c0"], row["c2"], hint="kv") == "kv_store"  # the best both support
+    assert migrations.path_for(ctl, row["c2"], row["c0"], hint="kv_store") == "kv_store"
+
+
 def test_role_failure_rolls_back(harness):
     c0, c1 = _fleet(harness, 2)
     _flip(harness, cell="c0", to="training")

@@ -124,3 +124,33 @@ def test_pending_flip_survives_restart(tmp_path):
         _all_finished(h)
     finally:
         h.close()
+
+
+def test_store_from_before_added_columns_opens_with_their_defaults(tmp_path):
+    """A store an older scheduler wrote (tables without the columns added since) is upgraded
+    in place when opened: its rows read back with the new columns' defaults, and writes work."""
+    import sqlite3
+
+    from scheduler.store import ADDED_COLUMNS, SCHEMA, Store
+    from scheduler.store_fleet import FlipRow
+
+    old = SCHEMA
+    for table, column, decl in ADDED_COLUMNS:
+        old = old.replace(f",\n  {column} {decl})", ")")
+        assert f"{column} {decl}" not in old, (table, column)
+    db = tmp_path / "old.db"
+    conn = sqlite3.connect(db)
+    conn.executescript(old)
+    conn.execute("INSERT INTO flips VALUES ('f1','c0','training','done',NULL,NULL,2,0,1,1.0,2.0,'[]')")
+    conn.commit()
+    conn.close()
+
+    store = Store(db)
+    flip = store.fleet.get_flip("f1")
+    assert (flip.migrated, flip.recomputed, flip.kv_store) == (2, 1, 0)
+    with store.tx():
+        store.fleet.put_flip(FlipRow("f2", "c1", "training", "done", kv_store=3))
+    store.close()
+    again = Store(db)  # a second open adds nothing twice
+    assert again.fleet.get_flip("f2").kv_store == 3 and again.fleet.get_flip("f1").kv_store == 0
+    again.close()
