@@ -7,6 +7,14 @@ the stale KV, `recompute` re-prefills every running request under the new weight
 `broadcast` event. The engine never serves a half-received version: only tensors whose every
 bucket matched its CRC32 are staged, and activation is one call under the engine lock.
 
+Cells whose engine receives versions through its own collective (`engine.num_update_ranks`
+> 0, SGLang), one line: `load_version` (broadcast) → the loader thread waits (bounded) for
+this cell's update-group spec and bucket plan from the trainer → staged → the engine loop,
+between two steps, has the engine receive it (`engine.receive_version`: paused, updated in
+place, verified, continued) → reported to the trainer → a `broadcast` event. A failed update
+asks the trainer once for a fresh group, then falls back to a point-to-point fetch, which
+such an engine installs in place (`engine.load_weights`).
+
 Scoring, one line: `score` task → a low-priority worker thread runs the engine's scoring
 primitive (the trainer's forward path, cache-free) with that version's weights, beside
 decoding and without the engine lock → a `scored` event with provenance `exact`.
@@ -14,6 +22,7 @@ decoding and without the engine lock → a `scored` event with provenance `exact
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import queue
@@ -22,7 +31,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cells.trainer.versions_host import VersionUnavailable, fetch_version, receive_broadcast
+from cells.trainer.versions_host import (
+    GROUP_RETRIES,
+    UpdateAssignment,
+    VersionUnavailable,
+    await_update_group,
+    fetch_version,
+    receive_broadcast,
+    report_update,
+)
 from cells.transport.p2p import TransferError
 from cells.transport.store import StoreAddress
 from scheduler.failpoints import failpoint
@@ -46,6 +63,34 @@ class Staged:
     policy: str
     mode: str
     seconds: float
+    update: UpdateAssignment | None = None
+    """An engine-collective update: the engine receives the version itself when activated
+    (`tensors` is None); `cmd` and `t0` let a failure retry or fall back to a fetch."""
+    cmd: LoadVersionCmd | None = None
+    t0: float = 0.0
+
+
+def update_ranks(engine: object | None) -> int:
+    """Ranks `engine` adds to a version's update group (0: it takes tensors, no collective)."""
+    n = getattr(engine, "num_update_ranks", 0) or 0
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
+
+
+def _call_keeping_previous(install: Callable, *args) -> None:
+    """Install a version, keeping the previous one for scoring where the engine can
+    (`keep_previous=True`); an engine without that option holds only the served version."""
+    try:
+        keeps = "keep_previous" in inspect.signature(install).parameters
+    except (TypeError, ValueError):  # no introspectable signature
+        keeps = False
+    if keeps:
+        install(*args, keep_previous=True)
+    else:
+        install(*args)
+
+
+def _source(cmd: LoadVersionCmd) -> tuple[StoreAddress, str]:
+    return StoreAddress(cmd.source["host"], int(cmd.source["port"])), cmd.source.get("namespace", "versions")
 
 
 class CellVersions:
@@ -53,11 +98,17 @@ class CellVersions:
     nudges the engine loop to activate a staged version."""
 
     def __init__(self, cell_id: str, emit: Callable[[dict], None], wake: Callable[[], None],
-                 timeout_s: float = 30.0, prepare: Callable | None = None) -> None:
+                 timeout_s: float = 30.0, prepare: Callable | None = None, *,
+                 engine: object | None = None, join_timeout_s: float = 60.0) -> None:
         self.cell_id, self.emit, self.wake, self.timeout_s = cell_id, emit, wake, timeout_s
         self.prepare = prepare
         """The engine's `prepare_weights`: run on the loader thread, so that activation on the
         engine loop is a swap, not a rebuild of every weight."""
+        self.engine = engine
+        """The cell's engine, read here only for `num_update_ranks` (which path a broadcast
+        takes); every engine call happens in `activate_staged`, on the engine loop."""
+        self.join_timeout_s = join_timeout_s
+        """How long a broadcast waits for the trainer's plan naming this cell."""
         self.loading: set[int] = set()
         self._staged: list[Staged] = []
         self._lock = threading.Lock()
@@ -81,12 +132,15 @@ class CellVersions:
 
     def _receive(self, cmd: LoadVersionCmd) -> None:
         t0 = time.perf_counter()
-        address = StoreAddress(cmd.source["host"], int(cmd.source["port"]))
-        ns = cmd.source.get("namespace", "versions")
+        if cmd.mode == "broadcast" and cmd.activate and update_ranks(self.engine) > 0:
+            self._await_group(cmd, 0, t0, self.join_timeout_s)
+            return
+        address, ns = _source(cmd)
         tensors, mode, why = None, cmd.mode, ""
         try:
             if cmd.mode == "broadcast":
-                got = receive_broadcast(address, self.cell_id, cmd.version, timeout_s=self.timeout_s, namespace=ns)
+                got = receive_broadcast(address, self.cell_id, cmd.version, timeout_s=self.timeout_s,
+                                        join_timeout_s=self.join_timeout_s, namespace=ns)
                 tensors, why = got.tensors, got.error or ""
                 if tensors is None:
                     log.warning("version %d: broadcast failed here (%s); catching up point-to-point", cmd.version, why)
@@ -99,6 +153,11 @@ class CellVersions:
             if tensors is None:
                 with self._lock:
                     self.loading.discard(cmd.version)
+        self._stage(cmd, t0, tensors, mode, why)
+
+    def _stage(self, cmd: LoadVersionCmd, t0: float, tensors: dict | None, mode: str, why: str) -> None:
+        """Loader thread: prepare and stage verified tensors for the engine loop, or report
+        why there are none."""
         if tensors is not None and self.prepare is not None:
             try:
                 tensors, prepared = self.prepare(tensors), True
@@ -118,6 +177,89 @@ class CellVersions:
                                        seconds))
         self.wake()
 
+    # -- engine-collective updates (update_ranks > 0) ----------------------------------------
+    def _await_group(self, cmd: LoadVersionCmd, attempt: int, t0: float, wait_s: float) -> None:
+        """Loader thread: wait for this cell's part in the update group, then stage it for the
+        engine loop; not planned in (or the trainer gone): fall back to a fetch."""
+        address, ns = _source(cmd)
+        assignment, why = await_update_group(address, self.cell_id, cmd.version, attempt=attempt, wait_s=wait_s,
+                                             timeout_s=self.timeout_s, namespace=ns)
+        if assignment is None:
+            self._group_failed(cmd, t0, why or "not received")
+            return
+        with self._lock:
+            self._staged.append(Staged(cmd.version, None, False, cmd.activate, cmd.inflight_policy, "broadcast",
+                                       time.perf_counter() - t0, update=assignment, cmd=cmd, t0=t0))
+        self.wake()
+
+    def _group_failed(self, cmd: LoadVersionCmd, t0: float, why: str) -> None:
+        """Any thread but the engine loop: the broadcast did not reach this cell; say so and
+        catch up point-to-point (installed in place by `activate_staged`)."""
+        log.warning("version %d: update group failed here (%s); catching up point-to-point", cmd.version, why)
+        self.emit(BroadcastEvent(cmd.version, time.perf_counter() - t0, ok=False, reason=why[:500],
+                                 mode="broadcast", activate=cmd.activate).to_dict())
+        address, ns = _source(cmd)
+        tensors = None
+        try:
+            tensors, why = self._fetch(address, ns, cmd.version)
+        finally:
+            if tensors is None:
+                with self._lock:
+                    self.loading.discard(cmd.version)
+        self._stage(cmd, t0, tensors, "fetch", why)
+
+    def _install_update(self, engine, s: Staged) -> None:
+        """Engine loop: the engine receives the staged update through its collective (paused
+        meanwhile); the outcome goes to the trainer and the scheduler."""
+        a, cmd = s.update, s.cmd
+        assert a is not None and cmd is not None
+        t0 = time.perf_counter()
+        if s.version <= engine.version:  # a newer one arrived meanwhile: do not go back
+            self._report(cmd, a, False, f"serving version {engine.version} already")
+            with self._lock:
+                self.loading.discard(s.version)
+            ok = s.version == engine.version
+            self.emit(BroadcastEvent(s.version, s.seconds, ok=ok, reason="" if ok else f"serving version {engine.version}",
+                                     mode="broadcast", activate=s.activate).to_dict())
+            return
+        try:
+            _call_keeping_previous(engine.receive_version, s.version, a.group, list(a.buckets))
+        except Exception as e:  # the engine says whether it still serves the old version
+            pause = time.perf_counter() - t0
+            self.pause_s += pause
+            log.warning("version %d: update group attempt %d failed: %s", s.version, a.attempt, e)
+            threading.Thread(target=self._after_failed_update, args=(s, str(e)), daemon=True,
+                             name=f"version-{s.version}-retry").start()
+            return
+        pause = time.perf_counter() - t0
+        self.pause_s += pause
+        self._report(cmd, a, True, "")
+        with self._lock:
+            self.loading.discard(s.version)
+        log.info("version %d active in %.2fs (update group, attempt %d), installed in %.3fs",
+                 s.version, s.seconds + pause, a.attempt, pause)
+        self.emit(BroadcastEvent(s.version, s.seconds + pause, ok=True, mode="broadcast", activate=s.activate,
+                                 pause_s=pause).to_dict())
+
+    def _after_failed_update(self, s: Staged, why: str) -> None:
+        """Off the engine loop: ask for a fresh group (at most `GROUP_RETRIES` times), else
+        tell the trainer and catch up point-to-point."""
+        a, cmd = s.update, s.cmd
+        if a.attempt < GROUP_RETRIES:
+            self._await_group(cmd, a.attempt + 1, s.t0, a.retry_within_s)
+            return
+        address, ns = _source(cmd)
+        report_update(address, self.cell_id, a, False, why, timeout_s=self.timeout_s, namespace=ns)
+        self._group_failed(cmd, s.t0, why)
+
+    def _report(self, cmd: LoadVersionCmd, a: UpdateAssignment, ok: bool, reason: str) -> None:
+        """Tell the trainer from a short thread: its store may be slow or gone, the engine
+        loop must not wait for it."""
+        address, ns = _source(cmd)
+        threading.Thread(target=report_update, args=(address, self.cell_id, a, ok, reason),
+                         kwargs={"timeout_s": self.timeout_s, "namespace": ns}, daemon=True,
+                         name=f"version-{a.version}-report").start()
+
     def _fetch(self, address: StoreAddress, ns: str, version: int) -> tuple[dict | None, str]:
         why = ""
         for attempt in range(FETCH_ATTEMPTS):
@@ -136,6 +278,9 @@ class CellVersions:
         with self._lock:
             staged, self._staged = self._staged, []
         for s in staged:
+            if s.update is not None:
+                self._install_update(engine, s)
+                continue
             t0 = time.perf_counter()
             try:
                 activate = s.activate and s.version > engine.version
@@ -143,11 +288,11 @@ class CellVersions:
                     if activate or s.version != engine.version:
                         engine.install_prepared(s.version, s.tensors, activate=activate)
                 elif activate:
-                    engine.load_weights(s.version, s.tensors, keep_previous=True)
+                    _call_keeping_previous(engine.load_weights, s.version, s.tensors)
                 elif s.version != engine.version:
                     engine.hold_weights(s.version, s.tensors)
-                if activate and s.policy == "recompute":
-                    engine.recompute_all()
+                if activate and s.policy == "recompute" and hasattr(engine, "recompute_all"):
+                    engine.recompute_all()  # engines that update in place restart requests anyway
             except Exception as e:  # a bad version (shapes): keep serving the old one, say so
                 log.error("version %d not installed: %s", s.version, e)
                 self.emit(BroadcastEvent(s.version, s.seconds, ok=False, reason=f"install: {e}"[:500], mode=s.mode,

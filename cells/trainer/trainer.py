@@ -207,7 +207,7 @@ class Trainer:
         self.host.put(version, self.learner.weights())
         a = self.host.address
         r = self.client.publish(version, a.host, a.port, self.host.namespace)
-        res = self.host.broadcast(version, r["receivers"])
+        res = self.host.broadcast(version, r["receivers"], r.get("receiver_ranks", {}))
         self.learner.version = version
         self._emit({"event": "published", "version": version, "receivers": len(r["receivers"]),
                     "delivered": len(res.delivered), "failed": sorted(res.failed),

@@ -4,8 +4,24 @@ rollout cells and served point to point to cells that missed it.
 One line: put → broadcast (trainer = rank 0 of a fresh group) → cells outside it take a
 catch-up ticket → header → buckets → verdict → drop when the version is retired.
 
+Two kinds of receivers share one publish (`broadcast(version, receivers, receiver_ranks)`):
+- embedded cells (`update_ranks` 0) join the bucketed, CRC-checked broadcast of
+  cells/transport/broadcast.py;
+- cells whose engine receives through its own collective (SGLang: `update_ranks` > 0) are
+  served afterwards over an update group (one per attempt): ready → plan (each member's group
+  spec and the bucket plan) → the engine's ranks join a TCP rendezvous at the trainer → one
+  flattened bucket per `update_weights_from_distributed` → each member reports.
+
 Store keys, in the host's own TCPStore (JSON values only, nothing pickled):
   {ns}/bc/{version}/...     the broadcast's control exchange (see cells/transport/broadcast.py)
+  {ns}/ug/{version}/...     the update-group exchange of engine-collective cells:
+    ready/{a}/{cell}        cell: alive and waiting for attempt a (after a failed attempt it
+                            writes ready/{a+1} at once: "retry me", at most `GROUP_RETRIES` times)
+    spec/{a}/{cell}         trainer: {"group": UpdateGroup, "buckets": [BucketSpec]}, written
+                            before plan/{a} names the cell
+    plan/{a}                trainer: {"members": [...], "retry_within_s": s}; members in rank
+                            order; an empty list ends the exchange for whoever still waits
+    result/{a}/{cell}       cell: {"ok": bool, "reason": str} once its engine is done
   {ns}/catchup/next         ticket counter; a client takes `n = add(next, 1)`
   {ns}/catchup/req/{n}      client: {"cell": cell_id, "version": v}; the server deletes it
                             once read
@@ -32,17 +48,38 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed import Store
+from torch.distributed import Store, TCPStore
 
+from cells.engine.interface import EngineError
+from cells.engine.sglang_weights import (
+    BucketSpec,
+    TensorMeta,
+    UpdateGroup,
+    broadcast_bucket,
+    bucket_crc32,
+    flatten_bucket,
+    plan_buckets,
+)
 from cells.transport.broadcast import BroadcastResult, WeightReceiver, WeightSender
 from cells.transport.buckets import DEFAULT_BUCKET_BYTES, FlatVersion, byte_view
 from cells.transport.catchup import recv_version_p2p, send_version_p2p
-from cells.transport.p2p import PairChannel, TransferError
-from cells.transport.store import POLL_S, StoreAddress, StoreHost, connect, get_json, set_json
+from cells.transport.p2p import PairChannel, TransferError, _nccl_error_mode, discard
+from cells.transport.store import (
+    POLL_S,
+    StoreAddress,
+    StoreHost,
+    connect,
+    get_json,
+    set_json,
+    wait_json,
+    wait_keys,
+)
 
 log = logging.getLogger("cellflip.versions")
 
@@ -55,6 +92,16 @@ CLOSE_GRACE_S = 5.0
 
 _ERROR_BACKOFF_S = 0.5
 """Pause of the server loop after a store error, so that a gone store is not hammered."""
+
+GROUP_ATTEMPTS = 3
+"""Update groups the trainer forms for one version at most (the first, then retries)."""
+
+GROUP_RETRIES = 1
+"""Retries a cell asks for after its engine failed an update (a fresh group each). A cell
+that cannot take part at all (a refused update) must not hold its peers' retries up, so it
+asks only this often; after that it catches up point-to-point."""
+
+UPDATE_BACKENDS = ("gloo", "nccl")
 
 
 class VersionUnavailable(TransferError):
@@ -72,6 +119,23 @@ def _catchup_key(namespace: str, *parts: object) -> str:
     return "/".join([namespace, "catchup", *map(str, parts)])
 
 
+def _group_key(namespace: str, version: int, *parts: object) -> str:
+    return "/".join([namespace, "ug", str(version), *map(str, parts)])
+
+
+@dataclass(frozen=True)
+class UpdateAssignment:
+    """A cell's part in one attempt of a version's update group: where to join (its own
+    `rank_offset`) and the buckets, in order, that its engine receives."""
+
+    version: int
+    attempt: int
+    group: UpdateGroup
+    buckets: tuple[BucketSpec, ...]
+    retry_within_s: float
+    """How long to wait for the next attempt's plan after this one failed."""
+
+
 def _check_tensors(tensors: dict[str, torch.Tensor]) -> None:
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
@@ -86,12 +150,55 @@ def _same_content(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> boo
     )
 
 
+def _receiver_ranks(receivers: list[str], receiver_ranks: dict[str, int] | None) -> dict[str, int]:
+    """Cell → update ranks (0: the cell receives the bucketed broadcast itself)."""
+    out: dict[str, int] = {}
+    for c in receivers:
+        n = (receiver_ranks or {}).get(c, 0) or 0
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"receiver_ranks[{c!r}] must be an int >= 0, got {n!r}")
+        out[c] = n
+    return out
+
+
+def _merge(into: BroadcastResult, other: BroadcastResult) -> None:
+    into.delivered.extend(other.delivered)
+    into.failed.update(other.failed)
+    into.num_attempts = max(into.num_attempts, other.num_attempts)
+
+
+def _update_plan(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[BucketSpec]:
+    """The buckets engines receive, in order, each with the CRC32 of its flattened bytes (the
+    engine's verifying rank checks it). EngineError for a dtype the engines cannot load."""
+    metas = [TensorMeta.of(n, t) for n, t in tensors.items()]
+    return [BucketSpec(b.names, b.dtypes, b.shapes, bucket_crc32(flatten_bucket([tensors[n] for n in b.names])))
+            for b in plan_buckets(metas, bucket_bytes)]
+
+
+def _join_update_group_as_sender(master: Store, group_name: str, world_size: int, backend: str,
+                                 timeout_s: float):
+    """Rank 0 of an update group over the trainer's own rendezvous store, with the store
+    layout of `join_update_group` (prefix `group_name`, then `group_name/`, then `cpu/` for
+    gloo or `cuda/` for nccl) that the engines' ranks use. Blocks until every rank joined,
+    at most `timeout_s`."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, master))
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), 0, world_size, timeout)
+    _nccl_error_mode()
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = False
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", store), 0, world_size, opts)
+
+
 class VersionHost:
     """Holds the trainer's unretired weight versions and serves them to rollout cells.
 
     Lives in the trainer process. `address` is what the trainer tells the scheduler; cells
-    reach the host with `receive_broadcast` (when named in a broadcast) or `fetch_version`
-    (any time, once `start()` has run). `put`/`get`/`drop` may be called from any thread
+    reach the host with `receive_broadcast` (when named in a broadcast), `await_update_group`
+    (the same, for cells whose engine receives through its own collective) or
+    `fetch_version` (any time, once `start()` has run). `put`/`get`/`drop` may be called from any thread
     while broadcasts and catch-ups run.
     """
 
@@ -106,13 +213,19 @@ class VersionHost:
         namespace: str = "versions",
         max_concurrent_catchups: int = 4,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
+        update_backend: str = "gloo",
     ) -> None:
+        """`update_backend`: the collective of update groups (engine-collective cells): "gloo"
+        sends from host memory; "nccl" stages each bucket on this process's GPU first."""
+        if update_backend not in UPDATE_BACKENDS:
+            raise ValueError(f"update_backend must be one of {UPDATE_BACKENDS}, got {update_backend!r}")
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         if max_concurrent_catchups < 1:
             raise ValueError(f"max_concurrent_catchups must be >= 1, got {max_concurrent_catchups}")
         self.bucket_bytes, self.timeout_s, self.join_timeout_s = bucket_bytes, timeout_s, join_timeout_s
         self.namespace, self.request_timeout_s = namespace, request_timeout_s
+        self.update_backend = update_backend
         self._store_host = StoreHost(host, port, timeout_s=timeout_s)
         self._address = self._store_host.address
         self._lock = threading.Lock()
@@ -193,33 +306,192 @@ class VersionHost:
         return version
 
     # -- broadcast -----------------------------------------------------------------------
-    def broadcast(self, version: int, receivers: list[str]) -> BroadcastResult:
-        """Broadcasts held `version` to `receivers` (cell ids, each calling
-        `receive_broadcast`); blocks until each is delivered or given up. Cells in
-        `result.failed` catch up with `fetch_version`. KeyError if the version is not held,
-        ValueError if it is being or has been broadcast already (its keys are single-use)."""
-        self._held(version)
+    def broadcast(self, version: int, receivers: list[str],
+                  receiver_ranks: dict[str, int] | None = None) -> BroadcastResult:
+        """Broadcasts held `version` to `receivers` (cell ids); blocks until each is delivered
+        or given up. `receiver_ranks` (cell → ranks, the scheduler's answer to the publish)
+        names the cells that receive through their engine's own collective (ranks > 0, each
+        calling `await_update_group`): they are served over update groups
+        (`_send_update_groups`) on a second thread while the others (each calling
+        `receive_broadcast`) get the bucketed broadcast, so neither kind waits out the other's
+        transfer. Cells in `result.failed` catch up with `fetch_version`. KeyError if the version is not held, ValueError if it is
+        being or has been broadcast already (its keys are single-use)."""
+        ranks = _receiver_ranks(receivers, receiver_ranks)
+        embedded = [c for c in receivers if ranks.get(c, 0) == 0]
+        engine_cells = list(dict.fromkeys(c for c in receivers if ranks.get(c, 0) > 0))
         with self._lock:
-            tensors = self._flats[version]
+            tensors, flat = self._versions.get(version), self._flats.get(version)
+            if tensors is None or flat is None:
+                raise KeyError(self._not_held(version))
             if version in self._broadcasting:
                 raise ValueError(f"version {version} is being broadcast already")
             self._broadcasting.add(version)
+        t0 = time.monotonic()
         try:
-            # Its own connection: gloo's rendezvous blocks on the store client it is given.
-            sender = WeightSender(
-                connect(self._address, timeout_s=self.timeout_s),
-                bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s,
-                join_timeout_s=self.join_timeout_s, namespace=f"{self.namespace}/bc",
-            )
-            result = sender.send_version(version, tensors, receivers)
+            if engine_cells:
+                self._check_group_unused(version)
+            result = self._send_both(version, flat, tensors, embedded, engine_cells, ranks)
         finally:
             with self._lock:
                 self._broadcasting.discard(version)
+        result.seconds = time.monotonic() - t0
         log.info("version %d broadcast: %d delivered, %d failed in %.2fs (attempts: %d)",
                  version, len(result.delivered), len(result.failed), result.seconds, result.num_attempts)
         for cell, why in result.failed.items():
             log.warning("version %d: %s has no verified copy (%s); it must catch up", version, cell, why)
         return result
+
+    def _send_both(self, version: int, flat: FlatVersion, tensors: dict[str, torch.Tensor], embedded: list[str],
+                   engine_cells: list[str], ranks: dict[str, int]) -> BroadcastResult:
+        """The bucketed broadcast here, the update groups on a thread; one merged result.
+        Without engine-collective cells this is exactly the bucketed broadcast."""
+        if not engine_cells:
+            return self._send_embedded(version, flat, embedded)
+        box: dict[str, object] = {}
+
+        def groups() -> None:
+            try:
+                box["result"] = self._send_update_groups(version, tensors, engine_cells, ranks)
+            except BaseException as e:  # re-raised by the caller's thread
+                box["error"] = e
+
+        t = threading.Thread(target=groups, name=f"versions-ug-{version}", daemon=True)
+        t.start()
+        try:
+            result = self._send_embedded(version, flat, embedded) if embedded else BroadcastResult(version)
+        finally:
+            t.join()  # bounded: every wait of the update groups has its own deadline
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        _merge(result, box["result"])  # type: ignore[arg-type]
+        return result
+
+    def _send_embedded(self, version: int, flat: FlatVersion, receivers: list[str]) -> BroadcastResult:
+        """The bucketed broadcast to cells that receive it themselves (`receive_broadcast`)."""
+        # Its own connection: gloo's rendezvous blocks on the store client it is given.
+        sender = WeightSender(
+            connect(self._address, timeout_s=self.timeout_s),
+            bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s,
+            join_timeout_s=self.join_timeout_s, namespace=f"{self.namespace}/bc",
+        )
+        return sender.send_version(version, flat, receivers)
+
+    def _check_group_unused(self, version: int) -> None:
+        store = connect(self._address, timeout_s=self.timeout_s)
+        if store.check([_group_key(self.namespace, version, "plan", 0)]):
+            raise ValueError(f"version {version} was already sent over update groups: "
+                             "catch cells up with fetch_version")
+
+    # -- update groups (cells whose engine receives through its own collective) -----------
+    def _send_update_groups(self, version: int, tensors: dict[str, torch.Tensor], cells: list[str],
+                            ranks: dict[str, int]) -> BroadcastResult:
+        """Sends `version` to `cells` over update groups: a fresh group per attempt, with the
+        members that said they are ready; after a failed attempt the members that asked for a
+        retry get another group, up to `GROUP_ATTEMPTS`. Every wait is bounded: a cell that is
+        late, dead, or whose engine never joins ends in `failed`, never hangs the trainer."""
+        t0 = time.monotonic()
+        result = BroadcastResult(version)
+        store = connect(self._address, timeout_s=self.timeout_s)
+        key = lambda *p: _group_key(self.namespace, version, *p)  # noqa: E731
+        try:
+            buckets = _update_plan(tensors, self.bucket_bytes)
+        except EngineError as e:  # a dtype the engines cannot load: release the waiters at once
+            set_json(store, key("plan", 0), {"members": [], "retry_within_s": 0})
+            result.failed = {c: f"no update plan: {e}" for c in cells}
+            return result
+        # A member learns of a failure within one op timeout; it then reports in.
+        settle_s = self.timeout_s + 5.0
+        retry_s = self.join_timeout_s + self.timeout_s + settle_s + 2.0
+        pending, attempt, join_wait = list(cells), 0, self.join_timeout_s
+        while pending and attempt < GROUP_ATTEMPTS:
+            present = set(wait_keys(store, [key("ready", attempt, c) for c in pending], join_wait))
+            members = [c for c in pending if key("ready", attempt, c) in present]
+            for c in pending:
+                if c not in members:
+                    result.failed[c] = "did not join" if attempt == 0 else "silent after a failed attempt"
+            result.num_attempts = attempt + 1
+            if not members:
+                pending = []
+                break
+            backend, keep, error = self._run_update_group(store, key, version, attempt, members, ranks,
+                                                          buckets, tensors, retry_s)
+            if error and backend is not None:  # fail the members still waiting on us now
+                discard(backend, keep, broken=True)
+            pending = self._settle_group(store, key, result, members, attempt, error, settle_s)
+            if not error and backend is not None:  # members have the tail: close cleanly
+                discard(backend, keep, broken=False)
+            attempt, join_wait = attempt + 1, 0.0  # retries wrote ready/{attempt+1} already
+        for c in pending:
+            result.failed[c] = f"gave up after {GROUP_ATTEMPTS} attempts"
+        set_json(store, key("plan", attempt), {"members": [], "retry_within_s": 0})  # release waiters
+        result.seconds = time.monotonic() - t0
+        return result
+
+    def _run_update_group(self, store: Store, key, version: int, attempt: int, members: list[str],
+                          ranks: dict[str, int], buckets: list[BucketSpec],
+                          tensors: dict[str, torch.Tensor], retry_s: float) -> tuple[object, list, str]:
+        """One attempt: rendezvous, specs and plan, join as rank 0, every bucket. Returns the
+        backend (None if the join failed), buffers an unfinished op may still touch, and the
+        error ("" if every bucket left)."""
+        world = 1 + sum(ranks[c] for c in members)
+        # The trainer binds the rendezvous first, on a free port, so the port it publishes is
+        # one it holds; joins wait on the backend's own deadline, not on this store.
+        try:
+            master = TCPStore(self._address.host, 0, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=self.join_timeout_s))
+        except Exception as e:  # nothing to join: release the members at once
+            set_json(store, key("plan", attempt), {"members": [], "retry_within_s": 0})
+            return None, [], f"update-group rendezvous could not listen on {self._address.host}: {e}"[:500]
+        name = f"{self.namespace}-v{version}-a{attempt}"
+        plan = [b.to_dict() for b in buckets]
+        offset = 1
+        for c in members:
+            group = UpdateGroup(self._address.host, master.port, offset, world, name, self.update_backend)
+            set_json(store, key("spec", attempt, c), {"group": group.to_dict(), "buckets": plan})
+            offset += ranks[c]
+        set_json(store, key("plan", attempt), {"members": members, "retry_within_s": retry_s})
+        device = torch.device("cuda" if self.update_backend == "nccl" else "cpu")
+        backend, keep = None, []
+        try:
+            backend = _join_update_group_as_sender(master, name, world, self.update_backend,
+                                                   self.join_timeout_s)
+            for i, b in enumerate(buckets):
+                flat = flatten_bucket([tensors[n] for n in b.names]).to(device)
+                keep[:] = [flat]  # an op that timed out may still read it
+                try:
+                    broadcast_bucket(backend, flat, self.timeout_s)
+                except Exception as e:
+                    raise TransferError(f"bucket {i}/{len(buckets)}: {e}") from e
+            keep.clear()
+            return backend, keep, ""
+        except Exception as e:  # rendezvous, backend setup or a bucket: this attempt failed
+            why = str(e) if isinstance(e, TransferError) else f"group join failed: {e}"
+            log.warning("version %d update group %s (%d ranks): %s", version, name, world, why)
+            return backend, keep, why[:500]
+
+    def _settle_group(self, store: Store, key, result: BroadcastResult, members: list[str], attempt: int,
+                      error: str, settle_s: float) -> list[str]:
+        """Sorts members into delivered / failed / retry from their reports; returns retries."""
+        deadline = time.monotonic() + settle_s
+        todo, retry = list(members), []
+        while todo:
+            for c in list(todo):
+                if store.check([key("result", attempt, c)]):
+                    r = get_json(store, key("result", attempt, c))
+                    if isinstance(r, dict) and r.get("ok") is True:
+                        result.delivered.append(c)
+                    else:
+                        result.failed[c] = str(r.get("reason") if isinstance(r, dict) else r)[:500]
+                    todo.remove(c)
+                elif store.check([key("ready", attempt + 1, c)]):
+                    retry.append(c)
+                    todo.remove(c)
+            if not todo or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+        for c in todo:
+            result.failed[c] = f"no report after attempt {attempt}" + (f" ({error})" if error else "")
+        return retry
 
     # -- catch-up server -----------------------------------------------------------------
     def start(self) -> None:
@@ -449,6 +721,72 @@ def receive_broadcast(
         return Received(None, reason)
     finally:
         del store
+
+
+def await_update_group(
+    address: StoreAddress,
+    cell_id: str,
+    version: int,
+    *,
+    attempt: int = 0,
+    wait_s: float = 60.0,
+    timeout_s: float = 30.0,
+    namespace: str = "versions",
+) -> tuple[UpdateAssignment | None, str | None]:
+    """Tells the trainer that this cell waits for attempt `attempt` of `version`'s update
+    group (after a failed attempt: asks for a retry), and waits at most `wait_s` for the plan.
+
+    Returns `(assignment, None)` when this cell is a member: its engine then joins
+    `assignment.group` and receives `assignment.buckets`, and the cell reports with
+    `report_update`. Otherwise `(None, reason)` (not planned in, trainer gone, malformed plan,
+    store unreachable): the cell keeps its version and catches up with `fetch_version`.
+    Never raises for a transfer failure. Blocks: call it off the engine's step loop.
+    """
+    try:
+        store = _connect(address, timeout_s)
+    except TransferError as e:
+        return None, str(e)
+    key = lambda *p: _group_key(namespace, version, *p)  # noqa: E731
+    try:
+        set_json(store, key("ready", attempt, cell_id), {})
+        plan = wait_json(store, key("plan", attempt), wait_s)
+        if plan is None:
+            return None, f"no update plan for attempt {attempt} within {wait_s:.1f}s (trainer gone)"
+        if cell_id not in plan["members"]:
+            return None, f"not in the update plan of attempt {attempt}"
+        spec = get_json(store, key("spec", attempt, cell_id))
+        group = UpdateGroup(**spec["group"])
+        buckets = tuple(BucketSpec.from_dict(b) for b in spec["buckets"])
+        return UpdateAssignment(version, attempt, group, buckets, float(plan["retry_within_s"])), None
+    except dist.DistError as e:  # the trainer's store went away with the trainer
+        return None, f"store unreachable: {e}"
+    except (KeyError, TypeError, ValueError) as e:  # a trainer speaking another protocol
+        return None, f"malformed update plan: {e!r}"
+    finally:
+        del store
+
+
+def report_update(
+    address: StoreAddress,
+    cell_id: str,
+    assignment: UpdateAssignment,
+    ok: bool,
+    reason: str = "",
+    *,
+    timeout_s: float = 30.0,
+    namespace: str = "versions",
+) -> bool:
+    """Tells the trainer how this cell's engine ended `assignment` (final: a cell that wants
+    another attempt calls `await_update_group` with the next attempt instead). Returns False
+    if the trainer could not be told (it then counts the cell as silent)."""
+    try:
+        store = _connect(address, timeout_s)
+        key = _group_key(namespace, assignment.version, "result", assignment.attempt, cell_id)
+        set_json(store, key, {"ok": bool(ok), "reason": reason[:500]})
+        return True
+    except (TransferError, dist.DistError) as e:
+        log.warning("%s: version %d: could not report the update: %s", cell_id, assignment.version, e)
+        return False
 
 
 def _connect(address: StoreAddress, timeout_s: float) -> Store:
