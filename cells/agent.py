@@ -44,6 +44,7 @@ from scheduler.protocol import (
     MigrateInCmd,
     MigrateOutCmd,
     RegisterRequest,
+    RoleFailedEvent,
     ScoreCmd,
     SetRoleCmd,
     StartCmd,
@@ -95,7 +96,7 @@ class CellAgent:
         self._add_request_kwargs = set(inspect.signature(engine.add_request).parameters)
         self.versions = CellVersions(cell_id, emit=self.events_append, wake=self._wake,
                                      timeout_s=cfg.migration.transfer_timeout_s,
-                                     prepare=getattr(engine, "prepare_weights", None))
+                                     prepare=getattr(engine, "prepare_weights", None), engine=engine)
 
     def events_append(self, event: dict) -> None:
         """Queue an event for the next sync (any thread)."""
@@ -105,16 +106,12 @@ class CellAgent:
     # -- lifecycle --------------------------------------------------------------------------
     def register(self) -> None:
         self.incarnation = uuid.uuid4().hex
-        caps = self.engine.capabilities
-        block = getattr(getattr(self.engine, "pool", None), "block_size", 16)
         summary = self.engine.summary()
         resp = self.client.register(RegisterRequest(
             cell_id=self.cell_id, incarnation=self.incarnation, address=f"{self.host}:0",
-            store_port=self.store_host.address.port,
-            capabilities=Capabilities(kv_export=caps.kv_export, scoring=caps.scoring, weight_update=caps.weight_update,
-                                      batch_invariant=caps.batch_invariant, block_size=block),
-            kv_blocks_total=summary["kv_blocks_total"], max_running=summary.get("max_running", getattr(self.engine.cfg, "max_running", 1)),
-            version=self.engine.version))
+            store_port=self.store_host.address.port, capabilities=engine_capabilities(self.engine, summary),
+            kv_blocks_total=summary["kv_blocks_total"], max_running=summary.get("max_running", 1),
+            version=summary["version"]))
         self.heartbeat_s = resp.heartbeat_s
         self.role.set("rollout", f"registered at generation {resp.generation}")
         log.info("cell %s registered as %s", self.cell_id, self.incarnation[:8])
@@ -258,7 +255,7 @@ class CellAgent:
         if isinstance(cmd, StartCmd):
             try:
                 # resume point and KV reuse across the session's turns, where the engine has them
-                extra = {"prompt_len": cmd.prompt_len, "cache_key": cmd.session_id}
+                extra = {"prompt_len": cmd.prompt_len, "cache_key": cmd.session_id, "path": cmd.path}
                 extra = {k: v for k, v in extra.items() if k in self._add_request_kwargs}
                 self.engine.add_request(cmd.request_id, cmd.token_ids, SamplingParams.from_dict(cmd.params), **extra)
             except EngineError as e:
@@ -295,7 +292,11 @@ class CellAgent:
             self.versions.score(cmd, scorer(cmd.version) if scorer and cmd.version in self._held() else None)
         elif isinstance(cmd, DropVersionCmd):
             if cmd.version != self.engine.version and cmd.version in self._held():
-                self.engine.drop_version(cmd.version)
+                try:
+                    self.engine.drop_version(cmd.version)
+                except EngineError as e:  # still needed here; the scheduler asks again later
+                    log.warning("version %d not dropped: %s", cmd.version, e)
+                    return
                 log.info("dropped version %d", cmd.version)
 
     def _held(self) -> list[int]:
@@ -306,11 +307,30 @@ class CellAgent:
             for rid, o in list(self.owned.items()):  # anything else left was suspended by the drain deadline
                 if not o.parked:
                     self._forget(rid, abort_engine=True)
-            self.role.set("training", f"flip {cmd.flip_id}")
+            if self._engine_role("training", cmd.flip_id):
+                self.role.set("training", f"flip {cmd.flip_id}")
         else:
             if self.role.state == "training":
                 self.role.set("loading", f"flip {cmd.flip_id}")
-            self.role.set("rollout", f"flip {cmd.flip_id}, version {self.engine.version}")
+            if self._engine_role("rollout", cmd.flip_id):
+                self.role.set("rollout", f"flip {cmd.flip_id}, version {self.engine.version}")
+            elif self.role.state == "loading":
+                self.role.set("training", f"flip {cmd.flip_id} failed on the engine")
+
+    def _engine_role(self, role: str, flip_id: str) -> bool:
+        """Hand the engine's memory over for `role` where the engine does (`enter_role`:
+        SGLang releases its GPU memory to training and takes it back). False, with a
+        `role_failed` event that rolls the flip back, when the engine refuses."""
+        enter = getattr(self.engine, "enter_role", None)
+        if enter is None:
+            return True
+        try:
+            enter(role)
+        except EngineError as e:
+            log.warning("cell %s cannot take the %s role: %s", self.cell_id, role, e)
+            self.events_append(RoleFailedEvent(flip_id, f"{role}: {e}"[:500]).to_dict())
+            return False
+        return True
 
     def _park(self, rid: str) -> None:
         """Keep the request's KV in host memory, off the KV pool; its unsynced tokens still
@@ -410,3 +430,17 @@ class CellAgent:
             if log_path:  # per-migration records for benchmarks and post-mortems
                 with open(log_path, "a") as f:
                     f.write(json.dumps({"cell": self.cell_id, **o.__dict__}) + "\n")
+
+
+def engine_capabilities(engine, summary: dict) -> Capabilities:
+    """What the cell reports at registration, read from the engine's duck-typed surface: its
+    `capabilities`, the KV block size (`summary()["block_size"]`, else its KV pool's), the
+    shared KV store it reads and writes (`migration_endpoint.kv_store`; None without one) and
+    the ranks it adds to a version's update group (`num_update_ranks`; 0: it takes tensors)."""
+    caps = engine.capabilities
+    block = summary.get("block_size") or getattr(getattr(engine, "pool", None), "block_size", None) or 16
+    endpoint = getattr(engine, "migration_endpoint", None)
+    return Capabilities(kv_export=caps.kv_export, scoring=caps.scoring, weight_update=caps.weight_update,
+                        batch_invariant=caps.batch_invariant, block_size=int(block),
+                        kv_store=getattr(endpoint, "kv_store", None),
+                        update_ranks=int(getattr(engine, "num_update_ranks", 0) or 0))

@@ -44,27 +44,71 @@ def cmd_scheduler(args) -> int:
     return 0
 
 
-def cmd_cell(args) -> int:
-    import torch
+def cell_config(args, cfg):
+    """`cfg` with the cell's engine overridden by `--engine`, `--model-path` and `--tp`.
+    `--engine sglang` keeps the config's SGLang settings (scoring, server args…) where the
+    config already selects SGLang; `--model-path` is the embedded model's checkpoint path
+    or SGLang's model path. Raises SystemExit naming the flag on a bad combination."""
+    from pydantic import ValidationError
 
-    from cells.agent import CellAgent
-    from cells.engine.embedded import EmbeddedEngine
+    from scheduler.config import EmbeddedEngineConfig, SGLangEngineConfig
+
+    base = cfg.cells.engine
+    kind = args.engine or base.type
+    if kind == "sglang":
+        fields = base.model_dump() if isinstance(base, SGLangEngineConfig) else {}
+        if args.model_path is not None:
+            fields["model_path"] = args.model_path
+        if args.tp is not None:
+            fields["tp"] = args.tp
+        if "model_path" not in fields:
+            raise SystemExit("cellflip cell: --engine sglang needs --model-path (or cells.engine.model_path "
+                             "in the config)")
+        make = lambda: SGLangEngineConfig(**fields)  # noqa: E731
+    else:
+        if args.tp is not None:
+            raise SystemExit("cellflip cell: --tp applies to --engine sglang only")
+        fields = base.model_dump() if isinstance(base, EmbeddedEngineConfig) else {}
+        if args.model_path is not None:
+            fields["model"] = {**fields.get("model", {}), "path": args.model_path}
+        make = lambda: EmbeddedEngineConfig(**fields)  # noqa: E731
+    try:
+        eng_cfg = make()
+    except ValidationError as e:
+        raise SystemExit(f"cellflip cell: bad engine settings: {e}") from None
+    return cfg.model_copy(update={"cells": cfg.cells.model_copy(update={"engine": eng_cfg})})
+
+
+def build_engine(eng_cfg):
+    """The cell's engine. SGLang that cannot run here (not installed, a wrong version, a
+    setting that changes what log-probs mean) exits with the adapter's message."""
     from scheduler.config import EmbeddedEngineConfig
 
-    # Short GIL hand-offs: transfer threads wake promptly while the engine loop computes.
-    sys.setswitchinterval(0.0005)
-    cfg = _load(args.config)
+    if isinstance(eng_cfg, EmbeddedEngineConfig):
+        import torch
+
+        from cells.engine.embedded import EmbeddedEngine
+
+        torch.set_num_threads(eng_cfg.threads)
+        return EmbeddedEngine(eng_cfg)
+    from cells.engine.interface import EngineError
+    from cells.engine.sglang_engine import SGLangEngine  # SGLang itself is imported lazily
+
+    try:
+        return SGLangEngine(eng_cfg)
+    except EngineError as e:
+        raise SystemExit(f"cellflip cell: {e}") from None
+
+
+def cmd_cell(args) -> int:
+    from cells.agent import CellAgent
+
+    cfg = cell_config(args, _load(args.config))
     if args.p2p_probe:
         _p2p_probe(json.loads(args.p2p_probe))
-    eng_cfg = cfg.cells.engine
-    if not isinstance(eng_cfg, EmbeddedEngineConfig):
-        from cells.engine.sglang_engine import SGLangEngine  # needs the `gpu` extra
-
-        engine = SGLangEngine(eng_cfg, server_args=eng_cfg.server_args, kv_store=eng_cfg.kv_store,
-                              max_running=eng_cfg.max_running)
-    else:
-        torch.set_num_threads(eng_cfg.threads)
-        engine = EmbeddedEngine(eng_cfg)
+    engine = build_engine(cfg.cells.engine)
+    # Short GIL hand-offs: transfer threads wake promptly while the engine loop computes.
+    sys.setswitchinterval(0.0005)
     agent = CellAgent(cfg, cell_id=args.cell_id, scheduler_url=args.scheduler, engine=engine, host=args.host,
                       token=_read_token(cfg.scheduler.auth_token_file))
     stop = threading.Event()
@@ -257,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     ce.add_argument("--scheduler", required=True, help="scheduler URL")
     ce.add_argument("--cell-id", required=True)
     ce.add_argument("--host", default="127.0.0.1", help="address peers use for transfers")
+    ce.add_argument("--engine", choices=("embedded", "sglang"), help="inference engine (overrides cells.engine.type)")
+    ce.add_argument("--model-path", help="model directory: SGLang's model path, or the embedded model's checkpoint")
+    ce.add_argument("--tp", type=int, help="SGLang tensor-parallel degree (overrides cells.engine.tp)")
     ce.add_argument("--p2p-probe", help=argparse.SUPPRESS)  # JSON spec; benchmarks only
     st = sub.add_parser("status", help="print the cells as a table")
     st.add_argument("--scheduler", default="http://127.0.0.1:8700")

@@ -47,22 +47,37 @@ class ControlMixin:
         """`serving`, `paused` (by `pause()`) or `broken` (a version failed half-way)."""
         return self._state
 
-    def pause(self) -> None:
-        """Freeze decoding, keeping every request and its KV (SGLang `in_place`)."""
+    def pause(self, request_id: str | None = None) -> None:
+        """Freeze decoding, keeping every request and its KV (SGLang `in_place`).
+
+        With a `request_id` (the embedded engine's per-request stop-and-copy): refused, since
+        SGLang cannot stop one request and hand its KV over; such requests move by re-prefill
+        or through a shared KV store (`migration_endpoint`)."""
+        if request_id is not None:
+            raise EngineError(f"cannot pause request {request_id!r} alone: SGLang has no per-request KV "
+                              "export; it moves by re-prefill or through a shared KV store")
         if self._state == "broken":
             raise EngineError("cell is broken; nothing decodes")
         if self._state == "serving":
             self._tm_call(self._tm.pause_generation(self._modules.io_struct.PauseGenerationReqInput(mode="in_place")))
             self._state = "paused"
 
-    def resume(self) -> None:
+    def resume(self, request_id: str | None = None) -> None:
+        """Continue decoding after `pause()`. With a `request_id` (the embedded engine's
+        per-request resume after a migration's commit): start the imported request
+        (`resume_request`)."""
+        if request_id is not None:
+            self.resume_request(request_id)
+            return
         if self._state == "paused":
             self._continue()
             self._state = "serving"
 
     def receive_version(self, version: int, group: UpdateGroup,
-                        buckets: Sequence[BucketSpec | Mapping]) -> None:
-        """Receive `version` from the sender of `group`, bucket by bucket (module docstring)."""
+                        buckets: Sequence[BucketSpec | Mapping], *, keep_previous: bool = False) -> None:
+        """Receive `version` from the sender of `group`, bucket by bucket (module docstring).
+        `keep_previous`: the scoring copy keeps the version it served for scoring, until
+        `drop_version` (SGLang itself holds only the served version)."""
         buckets = [b if isinstance(b, BucketSpec) else BucketSpec.from_dict(b) for b in buckets]
         self._check_update(version, [m for b in buckets for m in b.metas()])
         if group.rank_offset < 1 or group.rank_offset + self.num_update_ranks > group.world_size:
@@ -91,16 +106,19 @@ class ControlMixin:
                 self._control("end_weight_update")
                 begun = False
                 if receiver is not None:
-                    self._scorer.load_weights(version, receiver.result(self.transfer_timeout_s))
+                    self._scoring.load(version, receiver.result(self.transfer_timeout_s), keep_previous=keep_previous)
             finally:
                 self._leave_group(group.group_name)
         except Exception as e:
             self._fail_update(version, begun, touched, prev, e)
         self._activate(version, prev)
 
-    def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, version: int, tensors: dict[str, torch.Tensor], *, keep_previous: bool = False) -> None:
         """Update in place from tensors in this process (on the cell's GPU: SGLang hands them
-        to its scheduler by CUDA IPC). Names/shapes are checked against the checkpoint first."""
+        to its scheduler by CUDA IPC): paused (`retract`) for the update, continued after,
+        every in-flight request restarted under the new version. Names/shapes are checked
+        against the checkpoint first. `keep_previous`: the scoring copy keeps the version it
+        served for scoring until `drop_version`; SGLang's own weights are replaced either way."""
         self._check_update(version, [TensorMeta.of(n, t) for n, t in tensors.items()])
         prev = self._state
         self._pause_for_update()
@@ -111,8 +129,8 @@ class ControlMixin:
             self._control("update_weights_from_tensor", named_tensors=list(tensors.items()), flush_cache=True)
             self._control("end_weight_update")
             begun = False
-            if self._scorer is not None:
-                self._scorer.load_weights(version, tensors)
+            if self._scoring is not None:
+                self._scoring.load(version, tensors, keep_previous=keep_previous)
         except Exception as e:
             self._fail_update(version, begun, touched, prev, e)
         self._activate(version, prev)

@@ -15,7 +15,8 @@ version's cache salt). So a token's version is its submission's version, exactly
 KV computed under one version is never keyed under another's salt (the radix cache is
 also flushed; a HiCache store is not, hence the salt). In-flight requests are therefore
 recomputed at every update on SGLang cells, whatever `versions.inflight_policy` says.
-Version updates and memory handover live in `sglang_control.py`.
+Version updates and memory handover live in `sglang_control.py`; the names the cell agent
+calls (versions for scoring, role flips) in `sglang_cell.py`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from cells.engine.interface import (
     TokenEvent,
     TokenRecord,
 )
+from cells.engine.sglang_cell import NO_VERSION, CellMixin
 from cells.engine.sglang_control import ControlMixin
 from cells.engine.sglang_migration import (
     MigrationEndpoint,
@@ -46,24 +48,25 @@ from cells.engine.sglang_migration import (
     kv_store_identity,
 )
 from cells.engine.sglang_requests import RequestState, request_from_snapshot, snapshot_of
-from cells.engine.sglang_scoring import ScoringCopy, default_scoring_copy
+from cells.engine.sglang_scoring import ScoringCopy, ScoringVersions, default_scoring_copy
 from cells.engine.sglang_weights import read_checkpoint_manifest
 from scheduler.config import SGLangEngineConfig
 
 
-class SGLangEngine(ControlMixin, Engine):
+class SGLangEngine(CellMixin, ControlMixin, Engine):
     """A GPU cell's model replica served by SGLang (see the module docstring)."""
 
     def __init__(self, config: SGLangEngineConfig, *, version: int = 0,
                  server_args: Mapping[str, Any] | None = None, scorer: ScoringCopy | None = None,
-                 kv_store: str | None = None, max_running: int = 256, poll_s: float = 0.01,
+                 kv_store: str | None = None, max_running: int | None = None, poll_s: float = 0.01,
                  transfer_timeout_s: float = 120.0, modules: sb.SGLangModules | None = None) -> None:
-        """`server_args`: extra `sglang.Engine` arguments (HiCache, deterministic inference…).
-        `scorer`: the scoring copy for `scoring: cell_copy` (default: the embedded model on
-        the CPU, sglang_scoring.py); ignored with `trainer_copy`. `kv_store`: name of a shared
-        HiCache store when its backend config alone does not identify it. `max_running`: the
-        request slots reported to the scheduler. `modules`: SGLang's entry points (None:
-        import the installed package)."""
+        """`server_args`: extra `sglang.Engine` arguments (HiCache, deterministic inference…)
+        over the config's. `scorer`: the scoring copy for `scoring: cell_copy` (default: the
+        embedded model on the CPU, sglang_scoring.py); ignored with `trainer_copy`.
+        `kv_store`: name of a shared HiCache store when its backend config alone does not
+        identify it (default: the config's). `max_running`: the request slots reported to the
+        scheduler (default: the config's). `modules`: SGLang's entry points (None: import the
+        installed package)."""
         sb.check_environment()
         self._modules = modules if modules is not None else sb.load_sglang()
         if config.scoring == "trainer_copy":
@@ -71,17 +74,21 @@ class SGLangEngine(ControlMixin, Engine):
         elif scorer is None:
             scorer = default_scoring_copy(config.model_path, version)
         self.config = config
-        self.server_args = sb.server_kwargs(config.model_path, config.tp, config.mem_fraction_static, server_args)
+        self.server_args = sb.server_kwargs(config.model_path, config.tp, config.mem_fraction_static,
+                                            {**config.server_args, **(server_args or {})})
         self.capabilities = Capabilities(
             kv_export=False, scoring=config.scoring == "cell_copy", weight_update="in_place",
             batch_invariant=bool(self.server_args.get("enable_deterministic_inference", False)))
         store = kv_store_identity(self.server_args)
+        kv_store = kv_store if kv_store is not None else config.kv_store
         if kv_store is not None and store is None:
             raise EngineError("kv_store names a shared store but HiCache with a storage backend is not "
                               "configured (enable_hierarchical_cache, hicache_storage_backend)")
         self._kv_store = kv_store or store
         self._scorer = scorer
-        self.max_running = max_running
+        self._scoring = ScoringVersions(scorer, version) if scorer is not None else None
+        """The versions the scoring copy holds (None: `trainer_copy`)."""
+        self.max_running = max_running if max_running is not None else config.max_running
         self.poll_s = poll_s
         self.transfer_timeout_s = transfer_timeout_s
         self.manifest = read_checkpoint_manifest(config.model_path)
@@ -99,6 +106,8 @@ class SGLangEngine(ControlMixin, Engine):
         self._weights_valid = True
         self._released: set[str] = set()
         self._state = "serving"  # serving | paused | broken
+        self._deferred: tuple[int, dict[str, torch.Tensor]] | None = None
+        """A version that arrived while the weights' memory was released (sglang_cell.py)."""
         self.migrations_total: Counter[str] = Counter()
         """Migrations into this cell by path (`kv_store` | `reprefill`)."""
         self.version_tag_mismatches = 0
@@ -109,18 +118,27 @@ class SGLangEngine(ControlMixin, Engine):
 
     # -- engine interface --------------------------------------------------------------
 
-    @property
-    def version(self) -> int:
-        return self._version
-
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+                    prompt_len: int | None = None, path: MigrationPath | None = None) -> None:
+        """Submit a request. `prompt_len` < len(prompt_ids) resumes a request moved here by
+        the scheduler (re-prefill, or a load from a shared KV store): the tokens after
+        `prompt_len` were generated elsewhere, generation continues at generated index
+        len(prompt_ids) - prompt_len with the same noise, and `max_tokens` counts them too.
+        `path` says how a moved request came (counted in `migrations_total`)."""
         if not isinstance(params, SamplingParams):
             raise EngineError("params must be SamplingParams")
         if not prompt_ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in prompt_ids):
             raise EngineError("prompt_ids must be a non-empty list of non-negative ints")
-        req = RequestState(request_id, len(prompt_ids), params, list(prompt_ids), [], params.max_tokens)
+        plen = len(prompt_ids) if prompt_len is None else prompt_len
+        if not isinstance(plen, int) or not 1 <= plen <= len(prompt_ids):
+            raise EngineError(f"prompt_len {prompt_len!r} outside [1, {len(prompt_ids)}]")
+        if len(prompt_ids) - plen >= params.max_tokens:
+            raise EngineError(f"request already has {len(prompt_ids) - plen} >= max_tokens generated tokens")
+        req = RequestState(request_id, plen, params, list(prompt_ids), [], params.max_tokens)
         self._admit(req)
         self._submit(req)
+        if path is not None:
+            self.migrations_total[path] += 1
 
     def step(self) -> list[TokenEvent]:
         if not self._pending and any(r.submitted and not r.done for r in self._reqs.values()):
@@ -131,7 +149,8 @@ class SGLangEngine(ControlMixin, Engine):
         return self._deliver()
 
     def has_work(self) -> bool:
-        return bool(self._pending) or any(not r.done for r in self._reqs.values())
+        # list(): the agent's sync thread asks without the engine lock
+        return bool(self._pending) or any(not r.done for r in list(self._reqs.values()))
 
     def abort(self, request_id: str) -> None:
         self._imports.pop(request_id, None)
@@ -153,11 +172,16 @@ class SGLangEngine(ControlMixin, Engine):
         return self._reqs
 
     def summary(self) -> dict:
-        """The cell agent's heartbeat view. SGLang's KV pool is not visible per request, so
-        the block counts are request slots: in flight / `max_running`."""
-        return {"inflight": len(self._reqs), "kv_blocks_used": len(self._reqs),
-                "kv_blocks_total": self.max_running, "version": self._version,
-                "request_ids": sorted(self._reqs)}
+        """The cell agent's heartbeat view (every key it reads). SGLang's KV pool is not
+        visible per request: the block counts are 0, which the scheduler reads as "no KV
+        accounting", so placement is bounded by `max_running` request slots alone.
+        `version` is None while no complete version is loaded; `versions_held` are the
+        versions this cell can score; nothing is ever parked (no KV export)."""
+        version = self.version
+        return {"inflight": len(self._reqs), "kv_blocks_used": 0, "kv_blocks_total": 0,
+                "version": None if version == NO_VERSION else version, "versions_held": self.versions_held,
+                "request_ids": sorted([*self._reqs, *self._imports]), "parked": [],
+                "max_running": self.max_running, "block_size": self.block_size}
 
     # -- migration ---------------------------------------------------------------------
 

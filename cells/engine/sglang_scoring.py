@@ -8,11 +8,17 @@ trainer uses), loaded from the cell's checkpoint into host memory (4 B × parame
 and run on the CPU: right for small models; a deployment with large ones passes its own
 GPU-resident copy as `scorer=` (anything with `score` and `load_weights`), or chooses
 `trainer_copy`.
+
+`ScoringVersions` keeps the cell's scoring versions: the served one and, with a copy that
+holds several (the default one does), older ones until the scheduler drops them after their
+final pass.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -35,6 +41,71 @@ class ScoringCopy(Protocol):
     def score(self, token_ids: list[int], *, temperature: float = 1.0) -> torch.Tensor: ...
 
     def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None: ...
+
+
+MULTI_VERSION_SURFACE = ("versions_held", "hold_weights", "scorer", "drop_version")
+"""What a scoring copy needs to hold several versions (the embedded engine's version surface)."""
+
+
+class ScoringVersions:
+    """The versions a cell's scoring copy can score, and the scorers the log-prob service
+    runs beside decoding (without the engine lock).
+
+    A copy with the embedded engine's version surface (`MULTI_VERSION_SURFACE`; the default
+    copy has it) holds the served version and older ones until `drop`; its scorers keep
+    their own reference to their version's weights. Any other copy (`score` and
+    `load_weights` only) holds the served version only: its scorer checks, under a lock that
+    a version change also takes, that the copy still holds that version, so a log-prob is
+    never computed with another version's weights."""
+
+    def __init__(self, copy: ScoringCopy, version: int) -> None:
+        self.copy = copy
+        self.multi = all(hasattr(copy, name) for name in MULTI_VERSION_SURFACE)
+        self._version = version
+        """The version a single-version copy holds."""
+        self._lock = threading.Lock()
+
+    @property
+    def held(self) -> list[int]:
+        return sorted(self.copy.versions_held) if self.multi else [self._version]
+
+    def load(self, version: int, tensors: dict[str, torch.Tensor], *, keep_previous: bool) -> None:
+        """The served version became `version` (the tensors SGLang received). With
+        `keep_previous` a multi-version copy keeps the one it served for scoring."""
+        with self._lock:
+            if self.multi and "keep_previous" in inspect.signature(self.copy.load_weights).parameters:
+                self.copy.load_weights(version, tensors, keep_previous=keep_previous)
+            else:
+                self.copy.load_weights(version, tensors)
+            self._version = version
+
+    def hold(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep `version` for scoring only (SGLang's weights do not change)."""
+        if not self.multi:
+            raise EngineError(f"the scoring copy holds one version only (it lacks {list(MULTI_VERSION_SURFACE)}); "
+                              f"version {version} cannot be kept beside the served one")
+        self.copy.hold_weights(version, tensors)
+
+    def scorer(self, version: int) -> Callable[..., torch.Tensor] | None:
+        """`fn(token_ids, temperature) -> log-probs of tokens 1..L-1` under `version`, or
+        None where the copy does not hold it."""
+        if version not in self.held:
+            return None
+        if self.multi:
+            return self.copy.scorer(version)
+
+        def run(token_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+            with self._lock:
+                if self._version != version:
+                    raise EngineError(f"version {version} left the scoring copy (it holds {self._version} now)")
+                return self.copy.score(token_ids, temperature=temperature)
+        return run
+
+    def drop(self, version: int) -> None:
+        """Free `version` from the copy. The version the copy serves (the cell's last
+        installed one) stays until a newer one replaces it, as does a single-version copy's."""
+        if self.multi and version != self._version and version in self.held:
+            self.copy.drop_version(version)
 
 
 def default_scoring_copy(model_path: str, version: int) -> ScoringCopy:

@@ -8,7 +8,8 @@ response key read from it. The contract test
 checks the recording against the pinned SGLang source; the unit tests check the adapter's
 logic against the behaviour modelled here:
 
-- generation: one token per request per loop turn while not paused; the "model" is a pure
+- generation: one token per request per loop turn (or per `token_delay_s`, to give tests
+  time to act mid-decode) while not paused; the "model" is a pure
   function of (weights fingerprint, context, sampling seed, position), so a re-prefill on
   another fake with the same weights continues token for token;
 - streaming chunks as SGLang yields them with `skip_tokenizer_init` (cumulative lists by
@@ -157,8 +158,12 @@ class FakeTokenizerManager:
 class FakeEngine:
     """`sglang.Engine` with the methods the adapter calls (see the module docstring)."""
 
-    def __init__(self, *, rec: Recorder | None = None, store: SharedStore | None = None, **server_args):
+    def __init__(self, *, rec: Recorder | None = None, store: SharedStore | None = None,
+                 token_delay_s: float = 0.0, eos: int = EOS, **server_args):
+        """`token_delay_s`: seconds between two tokens of a request (0: one per loop turn).
+        `eos`: the model's end-of-sequence id (always a stop token; -1: none)."""
         self.rec = rec if rec is not None else Recorder()
+        self.token_delay_s, self.eos = token_delay_s, eos
         self.rec.add("fields", "ServerArgs", "", server_args)
         self.server_args = server_args
         self._loop = asyncio.new_event_loop()
@@ -238,9 +243,9 @@ class FakeEngine:
     async def _stream(self, g: _Gen):
         sp = g.sp
         lps: list = []
-        stops = set(sp.get("stop_token_ids") or []) | {EOS}
+        stops = set(sp.get("stop_token_ids") or []) | {self.eos}
         while True:
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.token_delay_s)
             while self.paused and not g.aborted:
                 await asyncio.sleep(0.001)
             reason = None
@@ -391,12 +396,14 @@ def _spans(labels: list[str]) -> list[dict]:
     return spans
 
 
-def fake_modules(rec: Recorder | None = None, store: SharedStore | None = None) -> tuple[SGLangModules, Recorder]:
-    """SGLang entry points backed by the fake; every engine built from them records into `rec`."""
+def fake_modules(rec: Recorder | None = None, store: SharedStore | None = None, *, token_delay_s: float = 0.0,
+                 eos: int = EOS) -> tuple[SGLangModules, Recorder]:
+    """SGLang entry points backed by the fake; every engine built from them records into `rec`
+    (`token_delay_s`, `eos`: see `FakeEngine`)."""
     rec = rec if rec is not None else Recorder()
 
     class Engine(FakeEngine):
         def __init__(self, **server_args):
-            super().__init__(rec=rec, store=store, **server_args)
+            super().__init__(rec=rec, store=store, token_delay_s=token_delay_s, eos=eos, **server_args)
 
     return SGLangModules(Engine=Engine, io_struct=FakeIoStruct(rec), version="fake"), rec

@@ -592,8 +592,138 @@ def test_default_scoring_copy_is_the_embedded_model_fed_by_the_broadcast(tmp_pat
 
 
 def test_summary_for_the_cell_agent():
-    eng, _ = make(max_running=4)
+    eng, _ = make(max_running=4, server_args={"page_size": 16})
     eng.add_request("a", [1], SamplingParams(max_tokens=50))
-    assert eng.summary() == {"inflight": 1, "kv_blocks_used": 1, "kv_blocks_total": 4, "version": 0,
-                             "request_ids": ["a"]}
+    assert eng.summary() == {"inflight": 1, "kv_blocks_used": 0, "kv_blocks_total": 0, "version": 0,
+                             "versions_held": [], "request_ids": ["a"], "parked": [], "max_running": 4,
+                             "block_size": 16}
     assert list(eng.requests) == ["a"]
+    eng, _ = make(scoring="cell_copy", scorer=Scorer())
+    assert eng.summary()["versions_held"] == [0] and eng.summary()["max_running"] == 256  # the config's
+
+
+# -- the cell agent's surface (sglang_cell.py) ----------------------------------------
+
+def test_a_moved_request_continues_where_it_left_off():
+    params = SamplingParams(max_tokens=20, seed=5)
+    want = _reference([7, 8, 9], params)
+    eng, _ = make()
+    eng.add_request("r", [7, 8, 9] + want[:6], params, prompt_len=3, path="reprefill")
+    tail = drain(eng)
+    assert [e.index for e in tail] == list(range(6, 20)) and [e.record.token_id for e in tail] == want[6:]
+    assert eng.migrations_total == {"reprefill": 1}
+    with pytest.raises(EngineError, match="max_tokens"):
+        eng.add_request("s", [7, 8, 9] + want, params, prompt_len=3)
+    with pytest.raises(EngineError, match="prompt_len"):
+        eng.add_request("s", [7], params, prompt_len=2)
+
+
+def test_per_request_handover_names():
+    eng, fake = make()
+    eng.add_request("a", [1], SamplingParams(max_tokens=50))
+    with pytest.raises(EngineError, match="re-prefill"):
+        eng.pause("a")  # no stop-and-copy: SGLang cannot hand one request's KV over
+    with pytest.raises(EngineError, match="no imported request"):
+        eng.resume("a")
+    sgl_rid = eng.requests["a"].sgl_rid
+    eng.release("a")
+    assert not eng.has_work() and fake.log[-1] == ("abort", sgl_rid)
+    eng.release("unknown")  # ignored
+    assert eng.recompute_all() == 0  # every update already re-submits what is in flight
+
+
+def test_role_flips_hand_gpu_memory_over_and_install_what_arrived_meanwhile(checkpoint):
+    eng, fake = make(model_path=checkpoint)
+    eng.add_request("a", [1], SamplingParams(max_tokens=50))
+    drain_n(eng, 1)
+    with pytest.raises(EngineError, match="requests remain"):
+        eng.enter_role("training")
+    assert fake.released == set()
+    eng.abort("a")
+    eng.enter_role("training")
+    assert fake.released == {"weights", "kv_cache"} and eng.state == "paused"
+    assert eng.summary()["version"] is None  # released without a CPU backup: the weights come back empty
+    with pytest.raises(EngineError, match="no complete weight version"):
+        eng.enter_role("rollout")
+    assert fake.released == {"weights", "kv_cache"}  # refused: the memory stays with training
+    full = {"w": torch.ones(2, 2, dtype=torch.bfloat16), "b": torch.ones(3)}
+    with pytest.raises(EngineError, match="full version"):
+        eng.install_prepared(1, eng.prepare_weights({"w": full["w"]}))
+    fake.log.clear()
+    eng.install_prepared(1, eng.prepare_weights(full))
+    assert eng.version == 1 and eng.summary()["version"] == 1 and fake.log == []  # kept until the flip back
+    eng.enter_role("rollout")
+    order = names(fake.log)
+    assert order.index("resume_memory_occupation") < order.index("update_weights_from_tensor") \
+        < max(i for i, n in enumerate(order) if n == "resume_memory_occupation") < order.index("continue")
+    assert fake.released == set() and eng.state == "serving" and torch.equal(fake.weights["b"], full["b"])
+    eng.enter_role("rollout")  # idempotent
+    eng.add_request("b", [1], SamplingParams(max_tokens=3))
+    assert [e.record.version for e in drain(eng)] == [1, 1, 1]
+    with pytest.raises(EngineError, match="unknown role"):
+        eng.enter_role("draining")
+
+
+def test_a_cpu_weight_backup_serves_the_same_version_after_a_flip():
+    eng, fake = make(server_args={"enable_weights_cpu_backup": True})
+    eng.enter_role("training")
+    eng.enter_role("training")  # idempotent: nothing released twice
+    assert sum(e == ("release_memory_occupation",) for e in fake.log) == 1
+    assert eng.summary()["version"] == 0
+    eng.enter_role("rollout")
+    assert fake.released == set() and eng.state == "serving"
+    eng.add_request("a", [1], SamplingParams(max_tokens=2))
+    assert len(drain(eng)) == 2
+
+
+def test_trainer_copy_holds_nothing_for_scoring():
+    eng, _ = make()
+    assert eng.versions_held == [] and eng.scorer(0) is None
+    with pytest.raises(EngineError, match="trainer"):
+        eng.install_prepared(1, {"w": torch.ones(2)}, activate=False)
+    with pytest.raises(EngineError, match="served"):
+        eng.drop_version(0)
+    eng.drop_version(3)  # not held: nothing to free
+
+
+def test_a_single_version_scoring_copy_never_scores_with_another_versions_weights():
+    scorer = Scorer()
+    eng, _ = make(scoring="cell_copy", scorer=scorer)
+    old = eng.scorer(0)
+    assert eng.versions_held == [0] and old([1, 2, 3], 0.5).tolist() == [-0.5, -0.5]
+    eng.install_prepared(1, {"w": torch.ones(2)})
+    assert eng.versions_held == [1] and eng.scorer(0) is None and scorer.loaded[-1][0] == 1
+    with pytest.raises(EngineError, match="left the scoring copy"):
+        old([1, 2, 3])
+    with pytest.raises(EngineError, match="one version"):
+        eng.hold_weights(2, {"w": torch.ones(2)})
+
+
+def test_the_default_scoring_copy_keeps_old_versions_until_dropped(tmp_path):
+    from cells.engine.checkpoint import save_checkpoint
+    from cells.engine.model import init_weights
+    from cells.engine.model_spec import PRESETS
+
+    spec = PRESETS["tiny"]
+    save_checkpoint(tmp_path, spec, init_weights(spec, seed=0), dtype=torch.bfloat16)
+    eng, fake = make(model_path=str(tmp_path), scoring="cell_copy")
+    v1 = {k: v.to(torch.bfloat16) for k, v in init_weights(spec, seed=1).items() if k in eng.manifest}
+    with pytest.raises(EngineError, match="shape mismatch"):
+        eng.prepare_weights({"model.norm.weight": torch.ones(3)})
+    ids = [3, 1, 4, 1, 5]
+    before = eng.scorer(0)(ids, 1.0)
+    eng.install_prepared(1, eng.prepare_weights(v1))
+    assert eng.version == 1 and ("update_weights_from_tensor",) in fake.log
+    assert eng.versions_held == [0, 1] and eng.summary()["versions_held"] == [0, 1]
+    assert torch.equal(eng.scorer(0)(ids, 1.0), before) and not torch.equal(eng.scorer(1)(ids, 1.0), before)
+    eng.install_prepared(2, v1, activate=False)  # held for scoring only: SGLang is not touched
+    assert eng.versions_held == [0, 1, 2] and eng.version == 1
+    eng.drop_version(0)
+    eng.drop_version(2)
+    assert eng.versions_held == [1] and eng.scorer(0) is None
+    eng.enter_role("training")  # weights released without a backup: version 3 waits for the flip back
+    eng.install_prepared(3, eng.prepare_weights({**v1, "model.norm.weight": torch.zeros_like(v1["model.norm.weight"])}))
+    eng.drop_version(1)  # the copy still serves 1 until 3 is installed: kept
+    assert eng.version == 3 and eng.versions_held == [1]
+    eng.enter_role("rollout")
+    assert eng.versions_held == [1, 3] and eng.summary()["version"] == 3
