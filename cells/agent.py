@@ -434,11 +434,11 @@ class CellAgent:
 
 def engine_capabilities(engine, summary: dict) -> Capabilities:
     """What the cell reports at registration, read from the engine's duck-typed surface: its
-    `capabilities`, the KV block size (`summary()["block_size"]`, else its KV pool's), the
+    `capabilities`, the KV block size (`summary()["block_size"]`), the
     shared KV store it reads and writes (`migration_endpoint.kv_store`; None without one) and
     the ranks it adds to a version's update group (`num_update_ranks`; 0: it takes tensors)."""
     caps = engine.capabilities
-    block = summary.get("block_size") or getattr(getattr(engine, "pool", None), "block_size", None) or 16
+    block = summary.get("block_size") or 16
     endpoint = getattr(engine, "migration_endpoint", None)
     return Capabilities(kv_export=caps.kv_export, scoring=caps.scoring, weight_update=caps.weight_update,
                         batch_invariant=caps.batch_invariant, block_size=int(block),

@@ -102,7 +102,9 @@ class Cluster:
         except httpx.HTTPError:
             return False
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 10.0) -> list[str]:
+        """SIGTERM every process, then SIGKILL what is still there after `grace_s`; returns the
+        names of the processes that had to be killed (none, when shutdown is clean)."""
         for p in self.procs.values():
             if p.poll() is None:
                 try:
@@ -110,13 +112,17 @@ class Cluster:
                 except ProcessLookupError:
                     pass
                 p.terminate()
-        for p in self.procs.values():
+        killed = []
+        deadline = time.monotonic() + grace_s
+        for name, p in self.procs.items():
             try:
-                p.wait(timeout=10)
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=5)
+                killed.append(name)
         self.http.close()
+        return killed
 
     def logs(self) -> str:
         return "\n".join(f"== {f.name}\n{f.read_text()[-3000:]}" for f in sorted(self.tmp.glob("*.log")))

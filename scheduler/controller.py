@@ -161,7 +161,9 @@ class Controller:
             reconcile.step_next(self)
 
     async def run(self, interval_s: float) -> None:
-        while True:
+        """The control loop, until `close()`: it ends by itself then, since a cancel that lands
+        while the wait it interrupts is also being woken can be lost."""
+        while not self.closing:
             try:
                 self.tick()
             except Exception:  # the loop's boundary: log the reason and keep going

@@ -140,17 +140,21 @@ def _no_holder(ctl: Controller, fx: Effects, version: int, session_id: str, lo: 
     if source is not None and version not in st.fetch_failed:
         if any(v == version and now - t < ctl.ver_cfg.task_timeout_s for (_, v), t in st.fetch_sent.items()):
             return  # a fetch is under way
-        cands = [c.id for c in ctl.store.fleet.list_cells() if c.state == "rollout" and c.id in ctl.registry.live]
+        live = [c for c in ctl.store.fleet.list_cells() if c.id in ctl.registry.live]
+        scorers = [c for c in live if c.capabilities.get("scoring")]  # SGLang `trainer_copy` cells cannot
+        cands = [c.id for c in scorers if c.state == "rollout"]
         if cands:
             cell = min(cands, key=st.load)
             st.fetch_sent[(cell, version)] = now
             fx.send(cell, lambda i: LoadVersionCmd(i, version, source, mode="fetch", activate=False))
             return
-        return  # no rollout cell now: wait for one
+        if scorers or not live:
+            return  # no rollout cell that scores now: wait for one
     since = st.no_holder_since.setdefault(version, now)
     if version not in st.fetch_failed and now - since < ctl.ver_cfg.task_timeout_s:
         return  # cells may not have reported yet (a restart); wait before giving up
-    why = st.fetch_failed.get(version, "no cell holds it and it has no source")
+    why = st.fetch_failed.get(version, "no cell holds it and it has no source" if source is None else
+                              "no live cell can score it (no engine with a scoring copy)")
     n = ctl.store.sessions.mark_missing(session_id, version, lo, hi + 1)
     if n:
         fx.later(lambda: ctl.metrics.logprob_missing.inc(n))

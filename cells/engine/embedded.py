@@ -306,4 +306,5 @@ class EmbeddedEngine(HandoverMixin, Engine):
             "versions_held": self.versions_held,
             "request_ids": sorted(self.requests),
             "max_running": self.cfg.max_running,
+            "block_size": self.pool.block_size,
         }

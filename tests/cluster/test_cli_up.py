@@ -10,7 +10,7 @@ import httpx
 import pytest
 import yaml
 
-from cells.localcluster import ROOT, SMALL_MODEL, find_free_port
+from cells.localcluster import ROOT, SMALL_MODEL, Cluster, find_free_port
 
 pytestmark = pytest.mark.slow
 
@@ -43,3 +43,19 @@ def test_up_serves_the_api_and_stops_cleanly_on_ctrl_c(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_cluster_stop_is_a_clean_sigterm_shutdown(tmp_path):
+    """The scheduler (with cells long-polling it) and the cells end on SIGTERM by themselves:
+    nothing is left for the SIGKILL after the grace."""
+    cfg = {"scheduler": {"db_path": str(tmp_path / "db.sqlite")},
+           "cells": {"count": 1, "engine": {"type": "embedded", "model": SMALL_MODEL, "num_blocks": 64}}}
+    c = Cluster(tmp_path, num_cells=1, cfg=cfg)
+    procs = dict(c.procs)
+    try:
+        time.sleep(1.0)  # the cell is in its idle long-poll
+    finally:
+        t0 = time.monotonic()
+        killed = c.stop(grace_s=8.0)
+    assert killed == [] and time.monotonic() - t0 < 8.0, (killed, c.logs())
+    assert all(p.returncode is not None for p in procs.values())

@@ -103,12 +103,12 @@ class FakeCell:
 
     def __init__(self, client: TestClient, cell_id: str, *, kv_export: bool = True, max_running: int = 4,
                  kv_blocks_total: int = 64, version: int | None = 0, headers: dict | None = None,
-                 kv_store: str | None = None) -> None:
+                 kv_store: str | None = None, scoring: bool = True) -> None:
         self.client, self.cell_id = client, cell_id
         self.incarnation = uuid.uuid4().hex[:8]
         self.kv_export, self.max_running, self.kv_blocks_total = kv_export, max_running, kv_blocks_total
         self.version, self.role = version, "rollout"
-        self.kv_store = kv_store
+        self.kv_store, self.scoring = kv_store, scoring
         self.headers = headers or {}
         self.held: dict[str, Held] = {}
         self.commands: list[dict] = []
@@ -122,7 +122,7 @@ class FakeCell:
     def register(self, expect: int = 200) -> dict:
         r = self.client.post("/internal/v1/cells/register", headers=self.headers, json={
             "cell_id": self.cell_id, "incarnation": self.incarnation, "address": f"127.0.0.1:{hash(self.cell_id) % 1000 + 9000}",
-            "store_port": 29500, "capabilities": {"kv_export": self.kv_export, "scoring": True, "weight_update": "staged",
+            "store_port": 29500, "capabilities": {"kv_export": self.kv_export, "scoring": self.scoring, "weight_update": "staged",
                                                   "batch_invariant": True, "block_size": 16,
                                                   "kv_store": self.kv_store},
             "kv_blocks_total": self.kv_blocks_total, "max_running": self.max_running, "version": self.version})

@@ -138,6 +138,28 @@ def test_no_holder_fetches_from_the_trainer_for_scoring_and_missing_if_that_fail
     assert set(sess["provenance"][3:]) == {"missing"}
 
 
+def test_no_fetch_for_scoring_to_a_cell_that_cannot_score_then_missing_after_the_grace(harness):
+    """Cells whose engine has no scoring copy (SGLang with `trainer_copy`) are never sent a
+    version to score; with no other cell, the tokens become `missing` after the grace."""
+    c = _cell(harness, scoring=False)
+    src = {"host": "127.0.0.1", "port": 29999}
+    assert harness.client.post("/v1/versions", json={"version": 1, "source": src}).status_code == 201
+    c.version = 1
+    _run(harness, c, "s")
+    assert harness.client.post("/v1/versions", json={"version": 2, "source": src}).status_code == 201
+    c.version, c.versions_held = 2, []
+    c.sync()
+    harness.tick(), c.sync()
+    sess = harness.client.get("/v1/sessions/s").json()
+    assert "missing" not in sess["provenance"]  # the grace: a scoring cell may still come
+    keep_alive(harness, [c], harness.ctl.ver_cfg.task_timeout_s + 1.0)
+    harness.tick(), c.sync()
+    assert [x["mode"] for x in c.commands if x["type"] == "load_version" and x["version"] == 1] == ["broadcast"]
+    assert not _scores(c)
+    sess = harness.client.get("/v1/sessions/s").json()
+    assert set(sess["provenance"][3:]) == {"missing"}
+
+
 def test_a_restarted_cell_is_told_to_fetch_the_current_version_at_once(harness):
     c = _cell(harness)
     src = {"host": "127.0.0.1", "port": 29999}
