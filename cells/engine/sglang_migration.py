@@ -13,7 +13,8 @@ Paths, best first:
 
 Both KV paths need the same model and the same weight version at both ends: KV computed
 under another version must never be reused (the prefix cache is salted per version for
-the same reason). The planner weighs the paths with `MigrationCostModel`.
+the same reason). The scheduler decides the path of each move the same way, weighing the
+paths' costs (`scheduler.planner.move_seconds`, `LinkCostModel`); this is the cell's view.
 This module imports neither torch nor the engines, so the control plane can share it.
 """
 
@@ -60,39 +61,6 @@ def choose_migration_path(src: MigrationEndpoint, dst: MigrationEndpoint) -> Mig
     if same_kv and src.kv_store is not None and src.kv_store == dst.kv_store:
         return "kv_store"
     return "reprefill"
-
-
-@dataclass(frozen=True)
-class MigrationCostModel:
-    """Seconds a migration of `num_tokens` costs on each path (for the planner to weigh).
-
-    Defaults are placeholders of the right order for one 8-GPU node serving a ~30B model;
-    a deployment measures its own."""
-
-    prefill_tokens_per_s: float = 20_000.0
-    """Re-prefill throughput of the destination."""
-    kv_bytes_per_token: float = 160_000.0
-    """KV bytes per token (layers × kv heads × head dim × 2 × dtype bytes)."""
-    link_bytes_per_s: float = 25e9
-    """Cell-to-cell transfer bandwidth (the `kv` path)."""
-    store_bytes_per_s: float = 5e9
-    """KV store read bandwidth into the destination (the `kv_store` path)."""
-    store_hit_ratio: float = 0.9
-    """Share of the prefix found in the store; the rest is recomputed."""
-
-    def seconds(self, path: MigrationPath, num_tokens: int) -> float:
-        if path not in MIGRATION_PATHS:
-            raise ValueError(f"unknown migration path {path!r}; supported: {MIGRATION_PATHS}")
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        kv_bytes = num_tokens * self.kv_bytes_per_token
-        recompute = num_tokens / self.prefill_tokens_per_s
-        if path == "kv":
-            return kv_bytes / self.link_bytes_per_s
-        if path == "kv_store":
-            hit = self.store_hit_ratio
-            return hit * kv_bytes / self.store_bytes_per_s + (1.0 - hit) * recompute
-        return recompute
 
 
 def kv_store_identity(server_args: Mapping) -> str | None:

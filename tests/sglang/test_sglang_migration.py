@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from cells.engine.sglang_migration import (
-    MigrationCostModel,
     MigrationEndpoint,
     choose_migration_path,
     kv_store_identity,
@@ -38,15 +37,12 @@ def test_endpoint_json_roundtrip():
         MigrationEndpoint.from_dict({"kv_export": True})
 
 
-def test_cost_model_orders_paths_for_long_contexts():
-    c = MigrationCostModel()
-    kv, store, re = (c.seconds(p, 100_000) for p in ("kv", "kv_store", "reprefill"))
+def test_planner_cost_orders_paths_for_long_contexts():
+    from scheduler.planner import move_seconds
+
+    kv, store, re = (move_seconds(100_000, False, p) for p in ("kv", "kv_store", "reprefill"))
     assert kv < store < re
-    assert c.seconds("reprefill", 0) == 0
-    with pytest.raises(ValueError):
-        c.seconds("teleport", 1)
-    with pytest.raises(ValueError):
-        c.seconds("kv", -1)
+    assert move_seconds(0, False, "reprefill") == 0
 
 
 def test_store_identity_needs_hicache_with_a_backend():
