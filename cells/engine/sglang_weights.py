@@ -221,21 +221,26 @@ class UpdateGroup:
                 ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend")}
 
 
-def join_update_group(group: UpdateGroup, rank: int, timeout_s: float):
+def join_update_group(group: UpdateGroup, rank: int, timeout_s: float, *, store=None):
     """Join `group` as `rank` and return the backend object (broadcast with `broadcast_bucket`).
 
     Store layout as in SGLang's `init_custom_process_group` over torch's group helper:
     TCPStore at the sender → prefix `group_name` → prefix `group_name/` → prefix `cpu/`
-    (gloo) or `cuda/` (nccl). Rank 0 hosts the store."""
+    (gloo) or `cuda/` (nccl). Rank 0 hosts the store; a sender that already serves the
+    rendezvous store at `master_address:master_port` passes it as `store`."""
     timeout = timedelta(seconds=timeout_s)
-    store = torch.distributed.TCPStore(group.master_address, group.master_port, group.world_size,
-                                       is_master=(rank == 0), timeout=timeout, multi_tenant=True)
+    if store is None:
+        store = torch.distributed.TCPStore(group.master_address, group.master_port, group.world_size,
+                                           is_master=(rank == 0), timeout=timeout, multi_tenant=True)
     store = torch.distributed.PrefixStore(group.group_name, store)
     store = torch.distributed.PrefixStore(f"{group.group_name}/", store)
     if group.backend == "gloo":
         return torch.distributed.ProcessGroupGloo(
             torch.distributed.PrefixStore("cpu/", store), rank, group.world_size, timeout)
     if group.backend == "nccl":
+        from cells.transport.p2p import _nccl_error_mode
+
+        _nccl_error_mode()  # a peer's failure raises here instead of tearing the process down
         opts = torch.distributed.ProcessGroupNCCL.Options()
         opts.is_high_priority_stream = False
         opts._timeout = timeout

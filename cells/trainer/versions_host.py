@@ -64,12 +64,13 @@ from cells.engine.sglang_weights import (
     broadcast_bucket,
     bucket_crc32,
     flatten_bucket,
+    join_update_group,
     plan_buckets,
 )
 from cells.transport.broadcast import BroadcastResult, WeightReceiver, WeightSender
 from cells.transport.buckets import DEFAULT_BUCKET_BYTES, FlatVersion, byte_view
 from cells.transport.catchup import recv_version_p2p, send_version_p2p
-from cells.transport.p2p import PairChannel, TransferError, _nccl_error_mode, discard
+from cells.transport.p2p import PairChannel, TransferError, discard
 from cells.transport.store import (
     POLL_S,
     StoreAddress,
@@ -173,23 +174,6 @@ def _update_plan(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[Bu
     metas = [TensorMeta.of(n, t) for n, t in tensors.items()]
     return [BucketSpec(b.names, b.dtypes, b.shapes, bucket_crc32(flatten_bucket([tensors[n] for n in b.names])))
             for b in plan_buckets(metas, bucket_bytes)]
-
-
-def _join_update_group_as_sender(master: Store, group_name: str, world_size: int, backend: str,
-                                 timeout_s: float):
-    """Rank 0 of an update group over the trainer's own rendezvous store, with the store
-    layout of `join_update_group` (prefix `group_name`, then `group_name/`, then `cpu/` for
-    gloo or `cuda/` for nccl) that the engines' ranks use. Blocks until every rank joined,
-    at most `timeout_s`."""
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, master))
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), 0, world_size, timeout)
-    _nccl_error_mode()
-    opts = dist.ProcessGroupNCCL.Options()
-    opts.is_high_priority_stream = False
-    opts._timeout = timeout
-    return dist.ProcessGroupNCCL(dist.PrefixStore("cuda/", store), 0, world_size, opts)
 
 
 class VersionHost:
@@ -453,8 +437,8 @@ class VersionHost:
         device = torch.device("cuda" if self.update_backend == "nccl" else "cpu")
         backend, keep = None, []
         try:
-            backend = _join_update_group_as_sender(master, name, world, self.update_backend,
-                                                   self.join_timeout_s)
+            group = UpdateGroup(self._address.host, master.port, 0, world, name, self.update_backend)
+            backend = join_update_group(group, 0, self.join_timeout_s, store=master)
             for i, b in enumerate(buckets):
                 flat = flatten_bucket([tensors[n] for n in b.names]).to(device)
                 keep[:] = [flat]  # an op that timed out may still read it
