@@ -137,6 +137,9 @@ class VersionsConfig(_Strict):
 
     bucket_bytes: int = Field(default=8 << 20, gt=0)
     """Bytes per broadcast bucket."""
+    update_backend: Literal["gloo", "nccl"] = "gloo"
+    """Collective of the update groups that carry versions to cells receiving them through
+    their engine's own group (SGLang cells): `nccl` on GPU clusters, `gloo` on CPU."""
     inflight_policy: Literal["keep_kv", "recompute"] = "keep_kv"
     """In-flight requests across an update: continue on stale KV, or re-prefill."""
     logprob_strategy: Literal["per_cell"] = "per_cell"

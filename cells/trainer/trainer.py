@@ -67,7 +67,8 @@ class Trainer:
         self.learner = Learner(self.spec, init_weights(self.spec, model.seed, std=self.tc.init_std), lr=self.tc.warmup_lr,
                                objective=ObjectiveConfig.model_validate(self.tc.objective),
                                tile=engine_tile(cfg), temperature=self.tc.temperature, seed=self.tc.seed)
-        self.host = VersionHost(self.tc.host, 0, bucket_bytes=cfg.versions.bucket_bytes)
+        self.host = VersionHost(self.tc.host, 0, bucket_bytes=cfg.versions.bucket_bytes,
+                                update_backend=cfg.versions.update_backend)
         self.agents = AgentPool(url, self.tc, token=token, run_tag=tag)
         self.history: list[dict[str, Any]] = []
         self.batch: list[dict] = []
