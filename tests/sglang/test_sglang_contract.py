@@ -39,7 +39,8 @@ from scheduler.config import SGLangEngineConfig
 
 WHEEL = f"sglang-{sb.PINNED_SGLANG_VERSION}-cp311-cp311-manylinux_2_34_x86_64.whl"
 WHEEL_SHA256 = "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937"
-ADAPTER_FILES = ("sglang_engine.py", "sglang_control.py", "sglang_backend.py")
+ADAPTER_GLOB = "sglang_*.py"
+"""Every module of the adapter (cells/engine/sglang_*.py): a new one is read without a list to update."""
 
 # Where each recorded owner lives in SGLang's source.
 ANCHORS = {
@@ -315,8 +316,8 @@ def adapter_sglang_names() -> dict[str, set[str]]:
     the engine, and io_struct classes."""
     out: dict[str, set[str]] = {"Engine": set(), "TokenizerManager": set(), "io_struct": set(), "attr": set()}
     root = Path(sb.__file__).parent
-    for fname in ADAPTER_FILES:
-        for node in ast.walk(ast.parse((root / fname).read_text())):
+    for path in sorted(root.glob(ADAPTER_GLOB)):
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 target, attr = node.func.value, node.func.attr
                 holder = target.attr if isinstance(target, ast.Attribute) else getattr(target, "id", "")
