@@ -9,7 +9,8 @@ checks it):
   `install_prepared` → in-place `load_weights` (paused for the update, continued after).
   SGLang holds only the served version; older ones live on in the scoring copy
   (`scoring: cell_copy`) until `drop_version`. With `trainer_copy` the cell holds no
-  version for scoring (`versions_held` is empty, `scorer` None): the trainer scores.
+  version for scoring (`versions_held` is empty, `scorer` None): the scheduler has a cell
+  that can score fetch the version from the trainer's kept copy (docs/GPU.md section 6).
 - `recompute_all`: nothing to do, every in-flight request is already re-submitted under the
   new version at each update (sglang_engine.py's module docstring).
 - roles: `enter_role("training")` releases GPU memory (once no request remains) and pauses;
@@ -55,7 +56,7 @@ class CellMixin:
     @property
     def versions_held(self) -> list[int]:
         """Versions this cell can score: the scoring copy's (`cell_copy`); none with
-        `trainer_copy`, whose versions the trainer scores from its kept copy."""
+        `trainer_copy` (another cell scores them, from the trainer's kept copy)."""
         return self._scoring.held if self._scoring is not None else []
 
     def prepare_weights(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

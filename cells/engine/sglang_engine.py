@@ -160,8 +160,8 @@ class SGLangEngine(CellMixin, ControlMixin, Engine):
 
     def score(self, token_ids: list[int], *, temperature: float = 1.0) -> torch.Tensor:
         if self._scorer is None:
-            raise EngineError("this cell does not score (scoring: trainer_copy): the trainer scores "
-                              f"version {self._version} from its kept copy")
+            raise EngineError("this cell does not score (scoring: trainer_copy): a cell that can score "
+                              f"fetches version {self._version} from the trainer's kept copy")
         if not self._weights_valid:
             raise EngineError("no complete weight version on this cell to score with")
         return self._scorer.score(token_ids, temperature=temperature)
