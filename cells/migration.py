@@ -174,19 +174,16 @@ class MigrationSender:
                 return sent_blocks, sent_ids
 
     def _settle(self, rid: str, timeout_s: float = 1.0) -> None:
-        """Before stopping, let the request decode one more token: a bulk copy round slows the
-        source for a moment, and the stop should cut a stream that is flowing, not one that is
-        already paused by the copy. Only the decode is awaited, not its sync to the client:
-        that token travels in the commit's tail if it was not synced yet, and waiting for a
-        sync round trip would hold every move (and the flip) back by it."""
+        """Before stopping, let the request decode one more token and its client see it: a
+        bulk copy round slows the source for a moment, and the stop should cut a stream that
+        is flowing, not one that is already paused by the copy."""
         if self.synced is None:
             return
-        n0 = self.on_engine(lambda e: e.request_length(rid)[0])
+        n, prompt_len = self.on_engine(lambda e: e.request_length(rid))
+        target = n - prompt_len + 1
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while self.synced() < target and time.monotonic() < deadline:
             time.sleep(0.001)
-            if self.on_engine(lambda e: e.request_length(rid)[0]) > n0:
-                return
 
     def _send_kv(self, ch: PairChannel, start: int, data: torch.Tensor, ids_from: int, ids: list[int]) -> None:
         ch.send_json(_kv_header(start, data, ids_from, ids))
