@@ -732,22 +732,24 @@ def _maybe_wait_lease(camp: Campaign, run: Run) -> None:
         run.params["restart"] = "at_once"
 
 
-def scn_mig_kill_source(camp: Campaign, run: Run, k: int) -> None:
-    fp = SRC_FPS[k % len(SRC_FPS)]
+def _mig_kill(camp: Campaign, run: Run, k: int, side: str, fps: list[str]) -> None:
+    """SIGKILL the migration's source ("S") or destination ("D") at the k-th of its failpoints,
+    then restart it (after its lease ran out, or at once)."""
+    fp = fps[k % len(fps)]
     run.params["failpoint"] = fp
-    S, D, X, _ = _migration_setup(camp, run, {"S": {fp: "1*kill"}})
-    if camp.await_fault(run, lambda: camp.nem.killed(S), 30, "SIGKILL", S, failpoint=fp):
+    S, D, X, _ = _migration_setup(camp, run, {side: {fp: "1*kill"}})
+    victim = S if side == "S" else D
+    if camp.await_fault(run, lambda: camp.nem.killed(victim), 30, "SIGKILL", victim, failpoint=fp):
         _maybe_wait_lease(camp, run)
-        camp.restart({S: None})
+        camp.restart({victim: None})
+
+
+def scn_mig_kill_source(camp: Campaign, run: Run, k: int) -> None:
+    _mig_kill(camp, run, k, "S", SRC_FPS)
 
 
 def scn_mig_kill_destination(camp: Campaign, run: Run, k: int) -> None:
-    fp = DST_FPS[k % len(DST_FPS)]
-    run.params["failpoint"] = fp
-    S, D, X, _ = _migration_setup(camp, run, {"D": {fp: "1*kill"}})
-    if camp.await_fault(run, lambda: camp.nem.killed(D), 30, "SIGKILL", D, failpoint=fp):
-        _maybe_wait_lease(camp, run)
-        camp.restart({D: None})
+    _mig_kill(camp, run, k, "D", DST_FPS)
 
 
 def scn_mig_raise(camp: Campaign, run: Run, k: int) -> None:

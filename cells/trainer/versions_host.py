@@ -67,7 +67,7 @@ from cells.engine.sglang_weights import (
     join_update_group,
     plan_buckets,
 )
-from cells.transport.broadcast import BroadcastResult, WeightReceiver, WeightSender
+from cells.transport.broadcast import BroadcastResult, WeightReceiver, WeightSender, settle_reports
 from cells.transport.buckets import DEFAULT_BUCKET_BYTES, FlatVersion, byte_view
 from cells.transport.catchup import recv_version_p2p, send_version_p2p
 from cells.transport.p2p import PairChannel, TransferError, discard
@@ -401,7 +401,7 @@ class VersionHost:
                                                           buckets, tensors, retry_s)
             if error and backend is not None:  # fail the members still waiting on us now
                 discard(backend, keep, broken=True)
-            pending = self._settle_group(store, key, result, members, attempt, error, settle_s)
+            pending = settle_reports(store, key, result, members, attempt, error, settle_s)
             if not error and backend is not None:  # members have the tail: close cleanly
                 discard(backend, keep, broken=False)
             attempt, join_wait = attempt + 1, 0.0  # retries wrote ready/{attempt+1} already
@@ -452,30 +452,6 @@ class VersionHost:
             why = str(e) if isinstance(e, TransferError) else f"group join failed: {e}"
             log.warning("version %d update group %s (%d ranks): %s", version, name, world, why)
             return backend, keep, why[:500]
-
-    def _settle_group(self, store: Store, key, result: BroadcastResult, members: list[str], attempt: int,
-                      error: str, settle_s: float) -> list[str]:
-        """Sorts members into delivered / failed / retry from their reports; returns retries."""
-        deadline = time.monotonic() + settle_s
-        todo, retry = list(members), []
-        while todo:
-            for c in list(todo):
-                if store.check([key("result", attempt, c)]):
-                    r = get_json(store, key("result", attempt, c))
-                    if isinstance(r, dict) and r.get("ok") is True:
-                        result.delivered.append(c)
-                    else:
-                        result.failed[c] = str(r.get("reason") if isinstance(r, dict) else r)[:500]
-                    todo.remove(c)
-                elif store.check([key("ready", attempt + 1, c)]):
-                    retry.append(c)
-                    todo.remove(c)
-            if not todo or time.monotonic() >= deadline:
-                break
-            time.sleep(POLL_S)
-        for c in todo:
-            result.failed[c] = f"no report after attempt {attempt}" + (f" ({error})" if error else "")
-        return retry
 
     # -- catch-up server -----------------------------------------------------------------
     def start(self) -> None:

@@ -166,7 +166,7 @@ class WeightSender:
             # connection this side closed early.
             if error and backend is not None:
                 discard(backend, keep, broken=True)
-            pending = self._settle(result, members, attempt, key, error)
+            pending = settle_reports(self.store, key, result, members, attempt, error, self.settle_timeout_s)
             if not error and backend is not None:
                 discard(backend, keep, broken=False)
             attempt, join_wait = attempt + 1, 0.0  # pending ones wrote ready/{attempt+1} already
@@ -207,32 +207,37 @@ class WeightSender:
 
         _pipeline(flat.manifest.num_buckets, post, finish, self.timeout_s)
 
-    def _settle(self, result: BroadcastResult, members: list[str], attempt: int, key, error: str) -> list[str]:
-        """Sorts members into delivered / failed / retry from their reports; returns retries."""
-        deadline = time.monotonic() + self.settle_timeout_s
-        todo, retry = list(members), []
-        while todo:
-            for c in list(todo):
-                if self.store.check([key("result", attempt, c)]):
-                    r = get_json(self.store, key("result", attempt, c))
-                    if r["ok"]:
-                        result.delivered.append(c)
-                    else:
-                        result.failed[c] = r["reason"]
-                    todo.remove(c)
-                elif self.store.check([key("ready", attempt + 1, c)]):
-                    retry.append(c)
-                    todo.remove(c)
-            if not todo or time.monotonic() >= deadline:
-                break
-            time.sleep(POLL_S)
-        for c in todo:
-            result.failed[c] = f"no report after attempt {attempt}" + (f" ({error})" if error else "")
-        return retry
-
     def _finish(self, result: BroadcastResult, t0: float) -> BroadcastResult:
         result.seconds = time.monotonic() - t0
         return result
+
+
+def settle_reports(store, key, result: BroadcastResult, members: list[str], attempt: int, error: str,
+                   settle_s: float) -> list[str]:
+    """After one attempt of a group transfer, sorts `members` into `result.delivered` /
+    `result.failed` from the reports each writes at `key("result", attempt, cell)`, or into
+    the returned retries (those that wrote `key("ready", attempt + 1, cell)` instead). A
+    member silent for `settle_s` is failed, with the attempt's `error` if there was one."""
+    deadline = time.monotonic() + settle_s
+    todo, retry = list(members), []
+    while todo:
+        for c in list(todo):
+            if store.check([key("result", attempt, c)]):
+                r = get_json(store, key("result", attempt, c))
+                if isinstance(r, dict) and r.get("ok") is True:
+                    result.delivered.append(c)
+                else:
+                    result.failed[c] = str(r.get("reason") if isinstance(r, dict) else r)[:500]
+                todo.remove(c)
+            elif store.check([key("ready", attempt + 1, c)]):
+                retry.append(c)
+                todo.remove(c)
+        if not todo or time.monotonic() >= deadline:
+            break
+        time.sleep(POLL_S)
+    for c in todo:
+        result.failed[c] = f"no report after attempt {attempt}" + (f" ({error})" if error else "")
+    return retry
 
 
 class _FlatReceipt:
