@@ -34,6 +34,10 @@ Fields of the JSON line:
   carries a version not completely delivered; I5 a restarted scheduler extends the last
   committed state (flips, versions, token buffers, requests).
 - lost_requests: accepted requests that never reached a terminal state.
+- stalled_requests: requests the scheduler's stall watchdog (`stall_timeout_s`, 15 s here) took
+  back from a cell that kept reporting them without committing a token, and re-placed; each is
+  a liveness defect the watchdog recovered from, named in the run's notes.
+- unexpected_exits: processes that died on their own (not by the nemesis).
 - hangs: runs in which a bounded wait ran out (a request, a flip, or the recovery to healthy).
 - max_recovery_s: over all runs, seconds from the fault until every request unfinished at the
   fault commits a token again (or ends); each scenario's own in by_scenario (with the mean, and

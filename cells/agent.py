@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from cells.client import Fenced, SchedulerClient
 from cells.engine.interface import EngineError, SamplingParams
-from cells.migration import MigrationReceiver, MigrationSender, Outcome, migration_event
+from cells.migration import CHUNK_BYTES, MigrationReceiver, MigrationSender, Outcome, StagingBuffers, migration_event
 from cells.roles import CellRole
 from cells.transport.store import StoreHost
 from cells.versions import CellVersions
@@ -59,6 +59,11 @@ log = logging.getLogger("cellflip.cell")
 
 IDLE_WAIT_S = 0.25
 """Long-poll of an idle cell's sync: commands arrive at once, an idle cell costs nothing."""
+HANDOFF_S = 0.002
+"""After a step with new tokens, the engine loop waits at most this long for a sleeping sync
+loop to collect them, so that they do not wait out the next step behind the engine lock."""
+STALL_LOG_S = 10.0
+"""An engine with work that produced no token for this long logs the cell's state (once a minute)."""
 
 
 @dataclass
@@ -89,10 +94,23 @@ class CellAgent:
         self._num_waiting = 0  # threads other than the engine loop waiting for the lock
         self._waiting_lock = threading.Lock()
         self._cv = threading.Condition()
+        self._quiet = 0  # copy rounds on the wire that asked decoding to pause (_quiesce)
+        self._quiet_until = 0.0
+        pool_k = getattr(getattr(engine, "pool", None), "k", None)
+        on_host = pool_k is None or pool_k.device.type == "cpu"
+        mode = cfg.migration.copy_quiesce
+        self._quiesce_s = cfg.migration.copy_quiesce_max_ms / 1e3 if mode == "on" or (mode == "auto" and on_host) else 0.0
+        # one copy round's worth of warm receive buffer (no bigger than the KV pool itself)
+        pool_bytes = pool_k.numel() * pool_k.element_size() * 2 if pool_k is not None and on_host else 0
+        self.staging = StagingBuffers(prealloc_numel=min(CHUNK_BYTES, pool_bytes) // 4)
         self.heartbeat_s = cfg.scheduler.heartbeat_s
         self._outcomes: queue.Queue[Outcome] = queue.Queue()
         self._threads: list[threading.Thread] = []
         self.num_ticks = 0
+        self._sync_parked = False  # the sync loop sleeps on the condition, waiting for tokens
+        self._sync_collects = 0  # batches the sync loop has collected so far
+        self._progress_at = time.monotonic()  # the engine last produced a token, or had no work
+        self._stall_logged_at = float("-inf")
         self._add_request_kwargs = set(inspect.signature(engine.add_request).parameters)
         self.versions = CellVersions(cell_id, emit=self.events_append, wake=self._wake,
                                      timeout_s=cfg.migration.transfer_timeout_s,
@@ -157,14 +175,47 @@ class CellAgent:
                 if self.versions.has_staged():  # a verified version: install it between steps
                     self.versions.activate_staged(self.engine)
                 busy = self.role.state == "rollout" and self.engine.has_work()
-                if busy:
-                    self._collect(self.engine.step())
+                quiet = busy and self._quieted()
+                events = self.engine.step() if busy and not quiet else []
+                self._collect(events)
+            handoff = None
             with self._cv:
-                if busy:
+                if quiet:  # re-checked under the condition: the copy's end is never missed
+                    if self._quieted():
+                        self._cv.wait(timeout=self._quiet_until - time.monotonic())
+                elif busy:
+                    if events and self._sync_parked:
+                        handoff = self._sync_collects
                     self._cv.notify_all()  # tokens to ship
                 else:
                     self._cv.wait(timeout=IDLE_WAIT_S)
+            if handoff is not None:  # the sleeping sync loop takes them before the next step
+                deadline = time.monotonic() + HANDOFF_S
+                while self._sync_collects == handoff and time.monotonic() < deadline and not stop.is_set():
+                    time.sleep(0.00005)
             self.num_ticks += 1
+
+    def _quieted(self) -> bool:
+        return bool(self._quiet) and time.monotonic() < self._quiet_until
+
+    @contextlib.contextmanager
+    def _quiesce(self):
+        """Decoding pauses while the block runs, at most `copy_quiesce_max_ms` (a copy round
+        on the wire: on CPU cells it shares the cores with the decode loop)."""
+        if not self._quiesce_s:
+            yield
+            return
+        with self._cv:
+            self._quiet += 1
+            self._quiet_until = time.monotonic() + self._quiesce_s
+        try:
+            with self._access():
+                pass  # a decode step in flight ends first; the loop starts no other
+            yield
+        finally:
+            with self._cv:
+                self._quiet -= 1
+                self._cv.notify_all()
 
     def _sync_loop(self, stop: threading.Event) -> None:
         """Ship tokens and events as soon as there are any; otherwise renew the lease every
@@ -175,7 +226,9 @@ class CellAgent:
                     if self._is_idle():
                         wait_s = IDLE_WAIT_S
                     else:
+                        self._sync_parked = True
                         self._cv.wait(timeout=self.heartbeat_s / 2)
+                        self._sync_parked = False
                         wait_s = 0.0
                 else:
                     wait_s = 0.0
@@ -208,6 +261,7 @@ class CellAgent:
                 sent.append((rid, len(o.pending)))
             events, self.events = self.events, []
             summary = self.engine.summary()
+            self._sync_collects += 1
         req = SyncRequest(self.incarnation, Summary(
             inflight=summary["inflight"], kv_blocks_used=summary["kv_blocks_used"],
             kv_blocks_total=summary["kv_blocks_total"], version=summary["version"],
@@ -240,8 +294,39 @@ class CellAgent:
                 self._handle(decode_command(raw))
         if resp.commands:
             self._wake()
+        self._check_progress()
+
+    def _check_progress(self) -> None:
+        """Log the cell's state when its engine holds work but produced nothing for a while (a
+        request this cell reports but does not decode: the scheduler's stall watchdog will
+        take it back; this says why it stalled here)."""
+        now = time.monotonic()
+        if not self.engine.has_work():
+            self._progress_at = now
+        elif now - self._progress_at > STALL_LOG_S and now - self._stall_logged_at > 60.0:
+            self._stall_logged_at = now
+            log.warning("cell %s: no token for %.0fs with work in the engine: %s", self.cell_id,
+                        now - self._progress_at, self.dump_state())
+
+    def dump_state(self) -> str:
+        """The agent's and engine's state as one JSON line (stall reports, SIGUSR1). Reads
+        without the engine lock: a wedged lock must not hide the state."""
+        owned = {rid: {"epoch": o.epoch, "flushed": o.flushed, "pending": len(o.pending), "finish": o.finish_reason,
+                       "migrating": o.migrating, "parked": o.parked} for rid, o in list(self.owned.items())}
+        debug = getattr(self.engine, "debug_state", None)
+        try:
+            engine = debug() if debug is not None else self.engine.summary()
+        except Exception as e:  # racing the engine loop: say so rather than fail the dump
+            engine = {"error": repr(e)}
+        return json.dumps({
+            "role": self.role.state, "role_history": [list(h) for h in self.role.history[-4:]],
+            "owned": owned, "engine": engine, "threads": [t.name for t in self._threads if t.is_alive()],
+            "lock_waiters": self._num_waiting, "quiet": self._quiet, "events_queued": len(self.events),
+            "versions_loading": sorted(self.versions.loading)}, default=str)
 
     def _collect(self, events) -> None:
+        if events:
+            self._progress_at = time.monotonic()
         for ev in events:
             o = self.owned.get(ev.request_id)
             if o is None:
@@ -270,11 +355,13 @@ class CellAgent:
                                      store=self.store_host.store, client=self.client, cfg=self.cfg.migration,
                                      on_engine=self.on_engine, flushed=lambda rid=cmd.request_id: self._stop_flush(rid),
                                      synced=None if self.owned[cmd.request_id].parked  # no stream to settle
-                                     else (lambda rid=cmd.request_id: self._synced(rid)))
+                                     else (lambda rid=cmd.request_id: self._synced(rid)),
+                                     quiesce=self._quiesce, peek=lambda fn: fn(self.engine))
             self._spawn(sender.run, f"mig-out-{cmd.request_id}")
         elif isinstance(cmd, MigrateInCmd):
             receiver = MigrationReceiver(cmd, cell_id=self.cell_id, incarnation=self.incarnation, client=self.client,
-                                         cfg=self.cfg.migration, on_engine=self.on_engine, on_commit=self._adopt)
+                                         cfg=self.cfg.migration, on_engine=self.on_engine, on_commit=self._adopt,
+                                         quiesce=self._quiesce, staging=self.staging)
             self._spawn(receiver.run, f"mig-in-{cmd.request_id}",
                         on_crash=lambda rid=cmd.request_id: self._settle_crashed_import(rid))
         elif isinstance(cmd, SuspendCmd) and cmd.park:

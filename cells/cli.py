@@ -113,6 +113,9 @@ def cmd_cell(args) -> int:
                       token=_read_token(cfg.scheduler.auth_token_file))
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # `kill -USR1 <pid>`: the agent's and engine's state in the cell's log, for post-mortems
+    signal.signal(signal.SIGUSR1, lambda *_: logging.getLogger("cellflip.cell").warning(
+        "cell %s state: %s", args.cell_id, agent.dump_state()))
     try:
         agent.run(stop)
     except KeyboardInterrupt:

@@ -13,7 +13,10 @@ ever continues the request.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,9 +42,41 @@ from scheduler.protocol import (
 log = logging.getLogger("cellflip.migration")
 
 OnEngine = Callable[[Callable[[], Any]], Any]
+Quiesce = Callable[[], contextlib.AbstractContextManager]
+"""`with quiesce():` pauses this cell's decoding for the block (bounded by the agent)."""
 
 CHUNK_BYTES = 64 << 20
 """Largest KV message of a copy round: bounds how long one export holds the engine lock."""
+
+
+class StagingBuffers:
+    """Receive buffers for KV copy rounds, kept for the next round. A fresh buffer is
+    page-faulted in while the bytes arrive, which halves a receive's rate on a CPU cell
+    (loopback gloo: about 4 GB/s into a warm buffer, 2 into a fresh one). At most `keep`
+    buffers are kept; `prealloc_numel` floats are faulted in up front."""
+
+    def __init__(self, prealloc_numel: int = 0, keep: int = 4) -> None:
+        self._free: list[torch.Tensor] = [torch.zeros(prealloc_numel)] if prealloc_numel > 0 else []
+        self._lock = threading.Lock()
+        self.keep = keep
+
+    def take(self, shape: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a float32 tensor of `shape` to receive into, its backing buffer for `give`)."""
+        n = math.prod(shape)
+        with self._lock:
+            fits = [b for b in self._free if b.numel() >= n]
+            buf = min(fits, key=torch.Tensor.numel) if fits else None
+            if buf is not None:
+                self._free.remove(buf)
+        if buf is None:
+            buf = torch.empty(n)
+        return buf[:n].view(shape), buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+            if len(self._free) > self.keep:
+                self._free.remove(min(self._free, key=torch.Tensor.numel))
 
 
 @dataclass
@@ -74,9 +109,14 @@ class MigrationSender:
 
     def __init__(self, cmd: MigrateOutCmd, *, cell_id: str, incarnation: str, store, client: SchedulerClient,
                  cfg: MigrationConfig, on_engine: OnEngine, flushed: Callable[[], int],
-                 synced: Callable[[], int] | None = None):
+                 synced: Callable[[], int] | None = None, quiesce: Quiesce = contextlib.nullcontext,
+                 peek: OnEngine | None = None):
         self.cmd, self.cell_id, self.incarnation = cmd, cell_id, incarnation
         self.store, self.client, self.cfg, self.on_engine = store, client, cfg, on_engine
+        self.quiesce = quiesce
+        self.peek = peek or on_engine
+        """Reads of the request's length without the engine lock (a stale count is harmless
+        where it is used): on a busy source each lock acquisition waits out a decode step."""
         self.flushed = flushed  # at the stop: generated tokens the store holds; no more syncs after
         self.synced = synced  # the same count, read-only
         self.bytes = 0
@@ -97,7 +137,7 @@ class MigrationSender:
             ch = PairChannel(self.store, f"mig/{mid}", 0, timeout_s=self.cfg.transfer_timeout_s,
                              connect_timeout_s=self.cfg.transfer_timeout_s)
             self.marks["joined"] = time.time()
-            num_tokens = self.on_engine(lambda e: e.request_length(rid)[0])
+            num_tokens = self.peek(lambda e: e.request_length(rid)[0])  # the destination grows past it
             ch.send_json({"request_id": rid, "num_tokens": num_tokens})
             reply = ch.recv_json()
             if not reply.get("reserved"):
@@ -117,11 +157,11 @@ class MigrationSender:
                     ch.send_json({"kind": "abort"})
                     return self._abort_at_scheduler(rid, mid, paused, "round limit")
             self.marks["copied"] = time.time()
+            paused = True  # from here the request may stand still: an abort must let it go
             self._settle(rid)
             # Stop-and-copy: only the blocks and records added since the last round travel.
             self.marks["stop_requested"] = time.time()
             stopped = self.on_engine(lambda e: self._stop(e, rid, sent_blocks, sent_ids))
-            paused = True
             self.marks["stopped"] = time.time()
             failpoint("migrate.before_stop_copy")
             data, snap = stopped
@@ -131,7 +171,9 @@ class MigrationSender:
             ch.send_json({**_kv_header(sent_blocks, data, sent_ids, ids_tail), "kind": "final",
                           "snapshot": snap.to_dict()})
             if data.numel():
+                t = time.perf_counter()
                 ch.send_tensor(data)
+                self.transfer_s += time.perf_counter() - t
                 self.bytes += data.numel() * data.element_size()
             self.marks["tail_sent"] = time.time()
             failpoint("migrate.after_stop_copy")
@@ -151,9 +193,9 @@ class MigrationSender:
                 ch.close()
 
     def _copy_round(self, ch: PairChannel, rid: str, sent_blocks: int, sent_ids: int) -> tuple[int, int] | None:
-        """Send the blocks completed since the last round, in messages of at most CHUNK_BYTES
-        so that each export holds the engine lock briefly and decoding interleaves with the copy.
-        One engine-lock acquisition per message: each may wait for a whole decode step."""
+        """Send the blocks completed since the last round, in messages of at most CHUNK_BYTES;
+        decoding goes on between messages. Each message is quiesced from its export to the end
+        of its send: one wait for the decode step in flight, then the copy has the cores."""
         first = sent_blocks
         while True:
             def grab(e, start=sent_blocks, ids_from=sent_ids):
@@ -164,22 +206,26 @@ class MigrationSender:
                 snap = e.snapshot(rid, records_from=1 << 62, token_ids_from=ids_from)
                 return end, done, e.export_kv(rid, start, end), snap.token_ids
 
-            got = self.on_engine(grab)
-            if got is None:
-                return (sent_blocks, sent_ids) if sent_blocks > first else None
-            end, done, data, ids = got
-            self._send_kv(ch, sent_blocks, data, sent_ids, ids)
+            with self.quiesce():
+                got = self.on_engine(grab)
+                if got is None:
+                    return (sent_blocks, sent_ids) if sent_blocks > first else None
+                end, done, data, ids = got
+                self._send_kv(ch, sent_blocks, data, sent_ids, ids)
             sent_blocks, sent_ids = end, sent_ids + len(ids)
             if end >= done:
                 return sent_blocks, sent_ids
 
     def _settle(self, rid: str, timeout_s: float = 1.0) -> None:
         """Before stopping, let the request decode one more token and its client see it: a
-        bulk copy round slows the source for a moment, and the stop should cut a stream that
-        is flowing, not one that is already paused by the copy."""
+        bulk copy round pauses the source for a moment, and the stop should cut a stream that
+        is flowing, not one that is already paused by the copy. The engine pauses the request
+        right after that token (`pause_after`), so the stop does not wait out a decode step
+        whose token would only travel in the tail."""
         if self.synced is None:
             return
-        n, prompt_len = self.on_engine(lambda e: e.request_length(rid))
+        n, prompt_len = self.peek(lambda e: e.request_length(rid))
+        self.on_engine(lambda e: e.pause_after(rid, n + 1) if hasattr(e, "pause_after") else None)
         target = n - prompt_len + 1
         deadline = time.monotonic() + timeout_s
         while self.synced() < target and time.monotonic() < deadline:
@@ -219,7 +265,7 @@ class MigrationSender:
             log.warning("abort of migration %s could not reach the scheduler: %s", mid, e)
             return Outcome(rid, mid, "source", "failed", bytes=self.bytes, reason=f"{reason}; abort unsent")
         if paused:
-            self.on_engine(lambda eng: eng.resume(rid) if rid in eng.requests else None)
+            self.on_engine(lambda eng: eng.unpause(rid))
         return Outcome(rid, mid, "source", "aborted", bytes=self.bytes, reason=reason)
 
 
@@ -227,9 +273,12 @@ class MigrationReceiver:
     """Destination side of one migration."""
 
     def __init__(self, cmd: MigrateInCmd, *, cell_id: str, incarnation: str, client: SchedulerClient,
-                 cfg: MigrationConfig, on_engine: OnEngine, on_commit: Callable[[str, int, int], None]):
+                 cfg: MigrationConfig, on_engine: OnEngine, on_commit: Callable[[str, int, int], None],
+                 quiesce: Quiesce = contextlib.nullcontext, staging: StagingBuffers | None = None):
         self.cmd, self.cell_id, self.incarnation = cmd, cell_id, incarnation
         self.client, self.cfg, self.on_engine, self.on_commit = client, cfg, on_engine, on_commit
+        self.quiesce = quiesce
+        self.staging = staging or StagingBuffers(keep=0)
         self.bytes = 0
         self.marks: dict[str, float] = {}
 
@@ -263,18 +312,20 @@ class MigrationReceiver:
                 if msg["token_ids_from"] != len(ids):
                     raise TransferError(f"token ids out of order: {msg['token_ids_from']} != {len(ids)}")
                 ids.extend(msg["token_ids"])
-                data = torch.empty(msg["shape"], dtype=torch.float32)
+                data, backing = self.staging.take(msg["shape"])
                 if data.numel():
                     if msg["kind"] == "final":
                         ch.recv_tensor(data)
                     else:  # a copy round: post the receive, then tell the sender to go
-                        pending = ch.irecv(data)
-                        ch.send_json({"ready": True})
-                        pending.wait()
+                        with self.quiesce():
+                            pending = ch.irecv(data)
+                            ch.send_json({"ready": True})
+                            pending.wait()
                     self.bytes += data.numel() * data.element_size()
                 if msg["kind"] == "final":
                     break
                 self.on_engine(lambda e, m=msg, d=data: e.import_kv(rid, m["start"], d))
+                self.staging.give(backing)  # import_kv copied it into the pool
             self.marks["final_received"] = time.time()
             snap = RequestSnapshot.from_dict(msg["snapshot"])
             snap.token_ids, snap.token_ids_from = ids, 0
@@ -285,6 +336,7 @@ class MigrationReceiver:
                 e.import_request(snap)  # paused: nothing decodes it before the commit
 
             self.on_engine(install)
+            self.staging.give(backing)
             self.marks["imported"] = time.time()
             failpoint("migrate.before_commit")
             num_generated = snap.num_tokens - snap.prompt_len

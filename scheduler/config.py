@@ -120,6 +120,14 @@ class MigrationConfig(_Strict):
     """Bound on any one transfer; a fresh group is made after an error."""
     headroom_blocks: int = Field(default=8, ge=0)
     """Blocks the destination reserves beyond the current length."""
+    copy_quiesce: Literal["auto", "on", "off"] = "auto"
+    """Pause decoding on both ends while a copy round's KV is on the wire. On CPU cells the
+    transfer and the decode share the cores: a copy round competing with a decode loop runs
+    several times slower than the link (every socket-buffer refill waits for a time slice),
+    which holds the migration, and a flip, open that much longer. `auto`: on where the KV pool
+    is in host memory."""
+    copy_quiesce_max_ms: float = Field(default=100.0, gt=0)
+    """Bound on one quiesce: decoding goes on after this even if the copy has not finished."""
     path: Literal["auto", "reprefill"] = "auto"
     """`auto`: move the KV where both cells export it and serve the same version, else
     re-prefill; `reprefill`: always abort and re-prefill elsewhere (what systems without live
@@ -183,6 +191,11 @@ class SchedulerConfig(_Strict):
     """Rollout capacity that is never flipped away."""
     drain_deadline_s: float = Field(default=30.0, gt=0)
     """After this, requests still on a draining cell are suspended."""
+    stall_timeout_s: float = Field(default=120.0, gt=0)
+    """A running request that its owner keeps reporting but that commits no token for this
+    long is taken back (epoch + 1) and re-placed on another cell, token-exact from the store:
+    the safety net for a cell that holds a request it does not decode. Counted in
+    `cellflip_requests_stalled_total`; above any prefill time (chunked) on the fleet."""
     staleness_bound: int = Field(default=8, ge=0)
     """Partial rollouts older than this many versions are finished or dropped by policy."""
     auto_flip: bool = False

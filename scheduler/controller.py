@@ -76,6 +76,10 @@ class Controller:
         """The inventory is rebuilt (every known cell re-synced, or the grace ran out)."""
         self.assigned_at: dict[str, float] = {}
         """request id → monotonic time its current owner was given it (start or commit)."""
+        self.progress_at: dict[str, float] = {}
+        """request id → when its current owner last advanced it (given it, or a token committed)."""
+        self.avoid_cell: dict[str, str] = {}
+        """request id → the cell it stalled on: not placed there again."""
         self.drain_deadline: dict[str, float] = {}
         """flip id → monotonic drain deadline (restarts at now + drain_deadline_s after a restart)."""
         self.migration_started: dict[str, float] = {}

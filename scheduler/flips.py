@@ -210,6 +210,29 @@ def _send_role(ctl: Controller, fx: Effects, cell_id: str, role: str, flip_id: s
     fx.send(cell_id, lambda i: SetRoleCmd(i, role, flip_id, version))
 
 
+ALIGN_FLIP_ID = "align"
+"""The flip id of a `set_role` that restates a settled role (no flip is under way)."""
+
+
+def align_roles(ctl: Controller) -> None:
+    """Level-triggered: a live cell with no flip under way that reports a role other than the
+    one the store gives it is told its role again (once per lease). The two drift apart when
+    a flip is rolled back after its `set_role` went out (a drain whose rollout capacity fell
+    under the minimum just as the cell emptied): the cell took the training role, the store
+    keeps it in rollout, and a request placed there would sit undecoded while the cell still
+    reports it."""
+    flipping = {f.cell_id for f in ctl.store.fleet.list_flips(active_only=True)}
+    for cell in ctl.store.fleet.list_cells():
+        reported = _reported_role(ctl, cell.id)
+        if (cell.id in flipping or cell.state not in ("rollout", "training") or reported is None
+                or reported == cell.state):
+            continue
+        with ctl.txn(durable=False) as fx:
+            entry = ctl.registry.live.get(cell.id)
+            version = entry.summary.version if entry is not None and entry.summary is not None else None
+            _send_role(ctl, fx, cell.id, cell.state, ALIGN_FLIP_ID, version if cell.state == "rollout" else None)
+
+
 def role_failed(ctl: Controller, fx: Effects, cell_id: str, flip_id: str, reason: str) -> None:
     """The cell could not take the role: roll the flip back to the role it had."""
     flip = ctl.store.fleet.get_flip(flip_id)

@@ -95,6 +95,7 @@ def accept_tokens(ctl: Controller, fx: Effects, cell_id: str, batches: list[Toke
             ctl.store.sessions.append_sampled(req.session_id, req.base + req.num_generated, v.new)
             req.num_generated += len(v.new)
             ctl.store.owners.set_num_generated(req.id, req.num_generated)
+            ctl.progress_at[req.id] = ctl.clock()
             fx.later(lambda k=len(v.new): ctl.metrics.tokens_generated.inc(k))
             fx.notify(("req", req.id))
         if b.finish_reason is not None and req.is_owned:

@@ -39,6 +39,7 @@ class Metrics:
         self.admission_rejected = Counter(p + "admission_rejected", "Completions refused with 429 (no rollout capacity).", registry=r)
         self.drift = Counter(p + "retokenization_drift", "Recorded tokens that differ from sampled ones (must stay 0).", registry=r)
         self.history_rewrites = Counter(p + "history_rewrites", "Harness edits of earlier turns (each starts a new segment).", registry=r)
+        self.requests_stalled = Counter(p + "requests_stalled", "Running requests taken back from an owner that reported them but committed no token for stall_timeout_s.", ["cell"], registry=r)
         self.tokens_rejected = Counter(p + "tokens_rejected", "Token batches refused at sync, by reason.", ["reason"], registry=r)
         self.fenced = Counter(p + "cells_fenced", "Cell incarnations fenced (lease lost or replaced).", ["reason"], registry=r)
         for outcome in ("committed", "aborted"):

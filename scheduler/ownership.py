@@ -8,6 +8,7 @@ refused. Every function here runs inside `Controller.txn` and takes its Effects.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING
 
 from scheduler import migrations
@@ -18,6 +19,8 @@ from scheduler.store_owners import OWNED_REQUEST_STATES, WAITING_REQUEST_STATES,
 
 if TYPE_CHECKING:
     from scheduler.controller import Controller, Effects
+
+log = logging.getLogger("cellflip.scheduler")
 
 MAX_PLACEMENTS_PER_TICK = 256
 """Bounds one tick's work when a dead cell leaves many requests to re-prefill."""
@@ -34,7 +37,7 @@ def assign(ctl: Controller, fx: Effects, req: RequestRow, cell_id: str, path: st
     prompt_len = req.base - req.prompt_start
     rid, epoch, sid, n, params = req.id, req.epoch, req.session_id, req.num_generated, dict(req.params)
     fx.send(cell_id, lambda i: StartCmd(i, rid, epoch, sid, token_ids, prompt_len, n, params, path))
-    ctl.assigned_at[req.id] = ctl.clock()
+    ctl.assigned_at[req.id] = ctl.progress_at[req.id] = ctl.clock()
 
 
 def revoke(ctl: Controller, fx: Effects, req: RequestRow, reason: str, to: str = "queued") -> None:
@@ -49,6 +52,7 @@ def revoke(ctl: Controller, fx: Effects, req: RequestRow, reason: str, to: str =
     req.cell_id, req.epoch, req.state, req.reason = None, req.epoch + 1, to, reason
     ctl.store.owners.put_request(req)
     ctl.assigned_at.pop(req.id, None)
+    ctl.progress_at.pop(req.id, None)
     if old is not None:
         rid = req.id
         cmd = SuspendCmd if to == "suspended" else AbortCmd
@@ -68,6 +72,7 @@ def park(ctl: Controller, fx: Effects, req: RequestRow, reason: str) -> None:
     req.state, req.reason = "parked", reason
     ctl.store.owners.put_request(req)
     ctl.assigned_at.pop(req.id, None)
+    ctl.progress_at.pop(req.id, None)
     rid = req.id
     fx.send(req.cell_id, lambda i: SuspendCmd(i, rid, park=True))
 
@@ -79,9 +84,11 @@ def finish(ctl: Controller, fx: Effects, req: RequestRow, reason: str) -> None:
         migrations.abort_in_tx(ctl, fx, pending, "request finished before commit", restore=False,
                                tell=(pending.dst,))
     REQUEST.check(req.state, "finished")
+    ctl.avoid_cell.pop(req.id, None)
     req.state, req.reason = "finished", reason
     ctl.store.owners.put_request(req)
     ctl.assigned_at.pop(req.id, None)
+    ctl.progress_at.pop(req.id, None)
     fx.notify(("req", req.id))
 
 
@@ -118,9 +125,16 @@ def place_waiting(ctl: Controller) -> int:
             parked_on = ctl.store.fleet.get_cell(req.cell_id) if req.state == "parked" else None
             if req.state == "parked" and (parked_on is None or parked_on.id not in ctl.registry.live):
                 continue  # its owner is not live: fencing re-queues it
-            dst = choose_destination(snapshot, req.cell_id, summarize(ctl, req))
+            summary = summarize(ctl, req)
+            if parked_on is not None:
+                dst = choose_destination(snapshot, req.cell_id, summary)
+            else:  # not back onto the cell it stalled on, unless no other cell has room
+                avoid = ctl.avoid_cell.get(req.id)
+                dst = choose_destination(snapshot, avoid, summary) or (
+                    choose_destination(snapshot, None, summary) if avoid else None)
             if dst is None:
                 break
+            ctl.avoid_cell.pop(req.id, None)
             if parked_on is not None:
                 dst_row = ctl.store.fleet.get_cell(dst.cell_id)
                 assert dst_row is not None
@@ -137,6 +151,8 @@ def reconcile_reports(ctl: Controller) -> None:
 
     - owned and running, but not reported for a lease after it was handed over: the cell lost
       it (a start command lost, a crash-restart of the engine): re-place at epoch + 1;
+    - owned, running and reported, but no token committed for `stall_timeout_s`: the cell
+      holds it without decoding it: re-place it at epoch + 1 on another cell;
     - reported but not owned (and not an incoming migration): tell the cell to drop it.
     """
     now = ctl.clock()
@@ -153,6 +169,16 @@ def reconcile_reports(ctl: Controller) -> None:
             with ctl.txn(durable=True) as fx:
                 for req in lost:
                     revoke(ctl, fx, req, f"owner {cell_id} stopped reporting it")
+        stalled = [r for r in owned if r.state == "running" and r.id in reported
+                   and now - ctl.progress_at.get(r.id, ctl.started_at) > ctl.cfg.stall_timeout_s]
+        if stalled:
+            log.warning("cell %s reports %d requests it has not advanced for %.0fs: re-placing them elsewhere",
+                        cell_id, len(stalled), ctl.cfg.stall_timeout_s)
+            with ctl.txn(durable=True) as fx:
+                for req in stalled:
+                    revoke(ctl, fx, req, f"no token from {cell_id} for {ctl.cfg.stall_timeout_s:g}s")
+                    ctl.avoid_cell[req.id] = cell_id
+                    fx.later(lambda c=cell_id: ctl.metrics.requests_stalled.labels(c).inc())
         owned_ids = {r.id for r in owned}
         for rid in reported - owned_ids:
             if (cell_id, rid) in incoming or now - entry.abort_sent.get(rid, float("-inf")) < lease:

@@ -3,7 +3,8 @@
 `sync_from` is passive: it reflects what was observed (expired leases fence their cells,
 versions that every rollout cell serves become active, gauges follow the store). `step_next`
 is active: it acts on the difference between the store and the cells (time out migrations,
-advance flips, re-place requests their owner lost, drop strays, place waiting requests).
+advance flips, restate a role a cell lost track of, re-place requests their owner lost, drop
+strays, place waiting requests).
 `step_next` runs only once the inventory is rebuilt after a start.
 """
 
@@ -37,6 +38,7 @@ def sync_from(ctl: Controller) -> None:
 def step_next(ctl: Controller) -> None:
     migrations.expire(ctl)
     flips.step(ctl)
+    flips.align_roles(ctl)
     ownership.reconcile_reports(ctl)
     ownership.place_waiting(ctl)
     versions.catch_up(ctl)

@@ -32,6 +32,8 @@ class Request:
     parked_kv: object | None = None
     """Host copy of the KV of a parked request (its pool blocks are free): a tensor shaped
     like `BlockPool.export_blocks` of every computed block."""
+    pause_at: int | None = None
+    """Pause (as `pause` does) once `token_ids` reaches this length (`pause_after`)."""
 
     @property
     def num_generated(self) -> int:

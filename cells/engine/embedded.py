@@ -236,6 +236,9 @@ class EmbeddedEngine(HandoverMixin, Engine):
                 reason = "length"
             if reason:
                 self._finish(req)
+            elif req.pause_at is not None and len(req.token_ids) >= req.pause_at:
+                self.batcher.remove(req)  # the stop-and-copy finds it still, no step to wait out
+                req.status, req.pause_at = "paused", None
             events.append(TokenEvent(req.request_id, index, rec, reason))
         return events
 
@@ -293,6 +296,18 @@ class EmbeddedEngine(HandoverMixin, Engine):
         ids = torch.tensor(self._check_ids(token_ids))
         with torch.no_grad():
             return token_logprobs(self._prepared(version), ids, temperature, self.tile)
+
+    def debug_state(self) -> dict:
+        """Per-request scheduling state and the pool's owners (stall reports; read-only)."""
+        return {
+            "requests": {rid: {"status": r.status, "computed": r.num_computed, "tokens": len(r.token_ids)}
+                         for rid, r in list(self.requests.items())},
+            "waiting": [r.request_id for r in list(self.batcher.waiting)],
+            "running": [r.request_id for r in list(self.batcher.running)],
+            "kv_blocks_free": self.pool.num_free, "kv_blocks_total": self.pool.num_blocks,
+            "kv_tables": {owner: len(blocks) for owner, blocks in list(self.pool.tables.items())},
+            "version": self._version, "steps": self.num_steps,
+        }
 
     def summary(self) -> dict:
         cached = sum(len(self.pool.tables.get(h.owner, ())) for h in self.prefix_cache.values())

@@ -84,6 +84,28 @@ class HandoverMixin:
         self.batcher.remove(req)
         req.status = "paused"
 
+    def pause_after(self, request_id: str, num_tokens: int) -> None:
+        """Pause the request once it holds `num_tokens` tokens (at once if it already does):
+        the stop-and-copy that follows takes the engine lock without waiting for a step
+        that would only decode a token for the tail."""
+        req = self._req(request_id)
+        if req.status in ("parked", "paused"):
+            return
+        if len(req.token_ids) >= num_tokens:
+            self.pause(request_id)
+        else:
+            req.pause_at = num_tokens
+
+    def unpause(self, request_id: str) -> None:
+        """Undo `pause` or a pending `pause_after` (the source, after an aborted migration);
+        nothing for a request that is neither (or gone)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        req.pause_at = None
+        if req.status == "paused":
+            self.resume(request_id)
+
     def snapshot(self, request_id: str, records_from: int = 0, token_ids_from: int = 0) -> RequestSnapshot:
         req = self._req(request_id)
         rel = max(records_from - req.records_base, 0)

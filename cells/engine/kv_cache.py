@@ -89,7 +89,10 @@ class BlockPool:
         """Copy of blocks [start, end) of `owner`'s table: [2, layers, n, block, kv_heads, dim].
         Does not modify the cache."""
         ids = torch.tensor(self.tables[owner][start:end], dtype=torch.long)
-        return torch.stack([self.k.index_select(1, ids), self.v.index_select(1, ids)])
+        out = torch.empty((2, self.k.shape[0], len(ids), *self.k.shape[2:]), dtype=self.k.dtype, device=self.k.device)
+        torch.index_select(self.k, 1, ids, out=out[0])  # one copy each, straight into place
+        torch.index_select(self.v, 1, ids, out=out[1])
+        return out
 
     def import_blocks(self, owner: str, start: int, data: torch.Tensor) -> None:
         """Write exported blocks into table positions [start, start+n) of `owner`."""

@@ -51,6 +51,10 @@ SAMPLE_S = 0.1
 REQUEST_DEADLINE_S = 90.0
 """Every request of a run must end within this after its fault (else: a hang, and lost)."""
 HEALTHY_DEADLINE_S = 60.0
+STALL_TIMEOUT_S = 15.0
+"""The scheduler's stall watchdog here: well inside the 60 s a run waits for tokens."""
+STALL_LOG_LINE = "has not advanced for"
+"""What the scheduler logs when its watchdog takes requests back (scheduler/ownership.py)."""
 BUCKET_BYTES = 256 << 10
 CELLS = 3
 
@@ -65,7 +69,7 @@ ALL_FPS = ["migrate.after_copy_round", "migrate.before_commit", "migrate.after_s
 def campaign_config(tmp: Path) -> dict:
     return {
         "scheduler": {"db_path": str(tmp / "db.sqlite"), "lease_s": LEASE_S, "heartbeat_s": 0.2,
-                      "min_rollout_cells": 1, "drain_deadline_s": 10.0},
+                      "min_rollout_cells": 1, "drain_deadline_s": 10.0, "stall_timeout_s": STALL_TIMEOUT_S},
         "cells": {"count": CELLS, "engine": {"type": "embedded", "model": SMALL_MODEL, "num_blocks": 512,
                                              "block_size": 8, "batch_invariant": True}},
         "migration": {"transfer_timeout_s": TRANSFER_TIMEOUT_S},
@@ -151,11 +155,14 @@ class Run:
     mig_log_offset: int = 0
     exits: list[str] = field(default_factory=list)
     """Processes that died on their own (not by a fault of the nemesis): crashes."""
+    stalls: int = 0
+    """Requests the scheduler's stall watchdog took back from a cell that held them undecoded."""
 
     def summary(self) -> dict:
         return {"scenario": self.scenario, "index": self.index, "seed": self.seed, "canary": self.canary,
                 "params": self.params, "faults": self.faults, "violations": self.violations, "lost": self.lost,
-                "hangs": self.hangs, "notes": self.notes, "exits": self.exits, "recovery_s": self.recovery_s,
+                "hangs": self.hangs, "notes": self.notes, "exits": self.exits, "stalls": self.stalls,
+                "recovery_s": self.recovery_s,
                 "healthy_s": None if self.t_healthy is None or self.t_fault is None else self.t_healthy - self.t_fault,
                 "requests": [c.stream.request_id for c in self.clients]}
 
@@ -452,6 +459,7 @@ class Campaign:
             self.run = run
         run.t0 = time.monotonic()
         run.mig_log_offset = self.mig_log.stat().st_size if self.mig_log.exists() else 0
+        stalls_before = self.stall_count()
         try:
             SCENARIOS[name](self, run, k)
             self.settle(run)
@@ -467,6 +475,10 @@ class Campaign:
             run.notes.append(f"check error: {e!r}")
             self.log(f"  CHECK ERROR in {name}: {e!r}")
         self.note_exits(run)
+        run.stalls = self.stall_count() - stalls_before
+        if run.stalls:
+            run.notes.append(f"the stall watchdog re-placed {run.stalls} requests (cell logs: 'no token for')")
+            self.log(f"  {run.notes[-1]}")
         try:
             self.healthy(run)
             run.t_healthy = time.monotonic()
@@ -485,6 +497,18 @@ class Campaign:
                         wall_s=time.monotonic() - t_start)
         self.runs.append(run)
         return run
+
+    def stall_count(self) -> int:
+        """Requests the scheduler's stall watchdog has taken back so far (its log outlives
+        its restarts)."""
+        path = self.cluster.tmp / "scheduler.log"
+        if not path.exists():
+            return 0
+        n = 0
+        for line in path.read_text(errors="replace").splitlines():
+            if STALL_LOG_LINE in line:
+                n += int(line.split(" reports ")[1].split()[0])
+        return n
 
     def note_exits(self, run: Run) -> None:
         """Record processes that died on their own: a fault's SIGKILL is expected, a crash
@@ -659,7 +683,7 @@ def summarize(runs: list[Run], canary_runs: list[Run]) -> dict:
     by: dict[str, dict] = {}
     for r in runs:
         b = by.setdefault(r.scenario, {"runs": 0, "faults_fired": 0, "invariant_violations": 0, "lost_requests": 0,
-                                       "hangs": 0, "unexpected_exits": 0, "max_recovery_s": 0.0,
+                                       "hangs": 0, "unexpected_exits": 0, "stalled_requests": 0, "max_recovery_s": 0.0,
                                        "mean_recovery_s": 0.0, "max_healthy_s": 0.0, "params": [], "violations": []})
         b["runs"] += 1
         b["faults_fired"] += len(r.faults)
@@ -667,6 +691,7 @@ def summarize(runs: list[Run], canary_runs: list[Run]) -> dict:
         b["lost_requests"] += r.lost
         b["hangs"] += bool(r.hangs)
         b["unexpected_exits"] += len(r.exits)
+        b["stalled_requests"] += r.stalls
         if r.recovery_s is not None:
             b["max_recovery_s"] = max(b["max_recovery_s"], r.recovery_s)
             b["mean_recovery_s"] += r.recovery_s
@@ -691,6 +716,7 @@ def summarize(runs: list[Run], canary_runs: list[Run]) -> dict:
         "lost_requests": sum(r.lost for r in runs),
         "hangs": sum(bool(r.hangs) for r in runs),
         "unexpected_exits": sum(len(r.exits) for r in runs),
+        "stalled_requests": sum(r.stalls for r in runs),
         "max_recovery_s": round(max((r.recovery_s for r in runs if r.recovery_s is not None), default=0.0), 3),
         "canary_violations": len(canary_vio),
         "canary_runs": len(canary_runs),

@@ -165,3 +165,38 @@ def test_parked_request_frees_its_blocks_and_moves_on_token_identical():
     assert got == ref
     assert src.requests == {} and src.pool.num_used == 0 and dst.pool.num_used == 0
     src.pool.check_integrity()
+
+
+def test_pause_after_stops_right_after_that_token_and_unpause_undoes_it():
+    ps = prompts(2, seed=31)
+    pars = [params(i, max_tokens=12) for i in range(2)]
+    ref = _reference(True, ps, pars)
+    eng = make_engine(True)
+    for i in range(2):
+        eng.add_request(f"r{i}", ps[i], pars[i])
+    got: dict[str, list[int]] = {}
+
+    def step():
+        for ev in eng.step():
+            got.setdefault(ev.request_id, []).append(ev.record.token_id)
+
+    for _ in range(3):
+        step()
+    n = eng.request_length("r0")[0]
+    eng.pause_after("r0", n + 1)
+    step()
+    assert eng.request_length("r0")[0] == n + 1 and eng.requests["r0"].status == "paused"
+    for _ in range(3):  # r0 stands still, r1 goes on
+        step()
+    assert eng.request_length("r0")[0] == n + 1 and len(got["r1"]) == 7
+    eng.pause_after("r0", n + 5)  # already paused: nothing changes
+    eng.unpause("r0")
+    eng.pause_after("r1", 1)  # already past it: paused at once
+    assert eng.requests["r1"].status == "paused"
+    eng.unpause("r1")
+    eng.pause_after("r0", n + 3)
+    eng.unpause("r0")  # an armed pause that never fired is dropped
+    eng.unpause("gone")  # unknown: nothing to undo
+    for k, evs in run_all(eng).items():
+        got.setdefault(k, []).extend(e.record.token_id for e in evs)
+    assert got == ref  # token-exact against never pausing

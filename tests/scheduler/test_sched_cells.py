@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from sched_fakes import FakeCell, open_harness, pump, until_held
+from sched_fakes import FakeCell, Harness, keep_alive, open_harness, pump, until_held
 
 
 @pytest.fixture
@@ -130,3 +130,34 @@ def test_reregister_after_expiry_is_fenced(harness):
     harness.clock.advance(6.0)
     assert a.register(expect=409)["reason"] == "fenced"
     assert harness.client.get("/v1/cells/a").json()["state"] == "down"
+
+
+def test_request_held_but_not_decoded_is_replaced_elsewhere(tmp_path):
+    """A cell reports a request but commits no token of it for stall_timeout_s: the request is
+    taken back (epoch + 1), re-placed on another cell with the tokens stored so far, and the
+    stalled cell is told to drop it; until then nothing moves."""
+    h = Harness(str(tmp_path / "sched.sqlite"), stall_timeout_s=10.0)
+    try:
+        a, b = FakeCell(h.client, "a", max_running=1), FakeCell(h.client, "b", max_running=1)
+        a.register(), a.sync()
+        fut = h.complete({"prompt_ids": [1, 2, 3], "max_tokens": 6}, session="s1")
+        until_held(a, fut)
+        b.register(), b.sync()
+        a.step(2)
+        a.sync()
+        for _ in range(4):  # a keeps reporting it (and its lease) but decodes nothing more
+            keep_alive(h, [a, b], 2.0)
+            h.tick()
+        assert not [c for c in b.commands if c["type"] == "start"]  # 8 s < 10 s: still a's
+        keep_alive(h, [a, b], 3.0)
+        h.tick()
+        a.sync(), b.sync()
+        assert [c["type"] for c in a.commands if c.get("request_id") == list(b.held)[0]][-1] == "abort"
+        start = [c for c in b.commands if c["type"] == "start"][0]
+        assert start["epoch"] == 2 and start["num_generated"] == 2 and not a.held
+        pump([b], until=fut)
+        out = fut.result(timeout=60).json()
+        assert len(out["token_ids"]) == 6 and out["finish_reason"] == "length"
+        assert 'cellflip_requests_stalled_total{cell="a"} 1.0' in h.client.get("/metrics").text
+    finally:
+        h.close()

@@ -310,3 +310,32 @@ def test_role_failure_rolls_back(harness):
     f = _state(harness, fid)
     assert f["state"] == "rolled_back" and f["reason"] == "checksum mismatch"
     assert harness.client.get("/v1/cells/c0").json()["state"] == "training"
+
+
+def test_rolled_back_drain_restates_the_rollout_role(harness):
+    """The drain's set_role reached the cell, then the flip rolled back (rollout capacity fell
+    under the minimum): the store keeps the cell in rollout, so the scheduler tells the cell
+    its role again, and a request placed there is decoded."""
+    c0, c1 = _fleet(harness, 2)
+    fid = _flip(harness, cell="c0", to="training").json()["id"]
+    harness.tick()  # c0 holds nothing: the drain sends set_role training at once
+    c0.sync(), c1.sync()
+    assert c0.role == "training" and _state(harness, fid)["state"] == "draining"
+    harness.clock.advance(3.0)
+    c0.sync()
+    harness.clock.advance(3.0)  # c1 silent past its lease: fenced, capacity under the minimum
+    c0.sync()
+    harness.tick()
+    assert _state(harness, fid)["state"] == "rolled_back"
+    assert harness.client.get("/v1/cells/c0").json()["state"] == "rollout"
+    c0.sync()  # reports training: the store says rollout
+    harness.tick()
+    c0.sync()
+    assert c0.role == "rollout"
+    assert [c["role"] for c in c0.commands if c["type"] == "set_role"] == ["training", "rollout"]
+    harness.tick()
+    c0.sync()
+    assert [c["role"] for c in c0.commands if c["type"] == "set_role"] == ["training", "rollout"]  # once per lease
+    fut = harness.complete({"prompt_ids": [1, 2], "max_tokens": 4}, session="s")
+    pump([c0], until=fut)
+    assert len(fut.result(timeout=10).json()["token_ids"]) == 4

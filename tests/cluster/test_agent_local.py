@@ -1,0 +1,98 @@
+"""The cell agent on its own (no scheduler): the copy-round quiesce of the engine loop and the
+stall report. The agent is built but never registered; its engine loop runs on a thread."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+from cells.agent import STALL_LOG_S, CellAgent
+from cells.engine.embedded import EmbeddedEngine
+from cells.engine.interface import SamplingParams
+from scheduler.config import parse_config
+
+torch.set_num_threads(1)
+
+
+def _agent(quiesce: str = "auto") -> CellAgent:
+    cfg = parse_config({"cells": {"engine": {"type": "embedded", "model": {"preset": "tiny"}, "num_blocks": 64,
+                                             "block_size": 16, "batch_invariant": True}},
+                        "migration": {"copy_quiesce": quiesce, "copy_quiesce_max_ms": 5000}})
+    return CellAgent(cfg, cell_id="c-test", scheduler_url="http://127.0.0.1:9", engine=EmbeddedEngine(cfg.cells.engine))
+
+
+@pytest.fixture
+def agent():
+    a = _agent()
+    yield a
+    a.client.close()
+    a.versions.close()
+    a.store_host.close()
+
+
+def _wait(pred, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.005)
+
+
+def test_quiesce_pauses_the_engine_loop_and_lets_it_go(agent):
+    agent.role.set("rollout")
+    agent.engine.add_request("r", [1, 2, 3, 4], SamplingParams(max_tokens=200, seed=1))
+    stop = threading.Event()
+    loop = threading.Thread(target=agent._engine_loop, args=(stop,), daemon=True)
+    loop.start()
+    try:
+        _wait(lambda: agent.engine.num_steps >= 2)
+        with agent._quiesce():
+            assert agent._quieted()
+            time.sleep(0.05)  # let a step in flight finish
+            steps = agent.engine.num_steps
+            time.sleep(0.2)
+            assert agent.engine.num_steps == steps  # no step while a copy is on the wire
+        assert not agent._quieted()
+        _wait(lambda: agent.engine.num_steps > steps)  # woken at once, not after a timeout
+    finally:
+        stop.set()
+        agent._wake()
+        loop.join(10)
+
+
+def test_quiesce_is_bounded_and_can_be_off():
+    a = _agent()
+    a._quiesce_s = 0.05
+    with a._quiesce():
+        assert a._quieted()
+        time.sleep(0.1)
+        assert not a._quieted()  # past copy_quiesce_max_ms decoding goes on regardless
+    off = _agent("off")
+    with off._quiesce():
+        assert not off._quieted()
+    for x in (a, off):
+        x.client.close(), x.versions.close(), x.store_host.close()
+
+
+def test_stall_report_names_the_request_and_why(agent, caplog):
+    agent.role.set("rollout")
+    agent.role.set("training", "a role the store no longer gives it")
+    agent.engine.add_request("stuck", [5, 6, 7], SamplingParams(max_tokens=8, seed=2))
+    agent._check_progress()
+    assert "no token" not in caplog.text  # fresh: not yet a stall
+    agent._progress_at -= STALL_LOG_S + 1
+    with caplog.at_level(logging.WARNING, logger="cellflip.cell"):
+        agent._check_progress()
+        agent._check_progress()  # once a minute, not per sync
+    lines = [r.getMessage() for r in caplog.records if "no token" in r.getMessage()]
+    assert len(lines) == 1
+    state = json.loads(lines[0].split(": ", 1)[1].split(" with work in the engine: ", 1)[1])
+    assert state["role"] == "training"
+    assert state["engine"]["requests"]["stuck"]["status"] == "waiting" and state["engine"]["waiting"] == ["stuck"]
+    agent.engine.abort("stuck")
+    agent._check_progress()  # no work: progress resets
+    assert time.monotonic() - agent._progress_at < 1.0
