@@ -14,6 +14,7 @@ load), or fails (the cell was lost) — and never runs twice.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,8 @@ from scheduler.store_fleet import CellRow, FlipRow
 
 if TYPE_CHECKING:
     from scheduler.controller import Controller, Effects
+
+log = logging.getLogger("cellflip.scheduler")
 
 IDEMPOTENCY_SCOPE = "flips"
 
@@ -200,14 +203,16 @@ def _reported_role(ctl: Controller, cell_id: str) -> str | None:
     return entry.summary.role if entry is not None and entry.summary is not None else None
 
 
-def _send_role(ctl: Controller, fx: Effects, cell_id: str, role: str, flip_id: str, version: int | None) -> None:
-    """set_role is idempotent on the cell; resend it once per lease until the cell reports the role."""
+def _send_role(ctl: Controller, fx: Effects, cell_id: str, role: str, flip_id: str, version: int | None) -> bool:
+    """set_role is idempotent on the cell; resend it once per lease until the cell reports the
+    role. True when it was sent now."""
     entry = ctl.registry.live.get(cell_id)
     now = ctl.clock()
     if entry is None or (entry.role_sent[0] == flip_id and now - entry.role_sent[1] < ctl.cfg.lease_s):
-        return
+        return False
     entry.role_sent = (flip_id, now)
     fx.send(cell_id, lambda i: SetRoleCmd(i, role, flip_id, version))
+    return True
 
 
 ALIGN_FLIP_ID = "align"
@@ -230,7 +235,9 @@ def align_roles(ctl: Controller) -> None:
         with ctl.txn(durable=False) as fx:
             entry = ctl.registry.live.get(cell.id)
             version = entry.summary.version if entry is not None and entry.summary is not None else None
-            _send_role(ctl, fx, cell.id, cell.state, ALIGN_FLIP_ID, version if cell.state == "rollout" else None)
+            if _send_role(ctl, fx, cell.id, cell.state, ALIGN_FLIP_ID, version if cell.state == "rollout" else None):
+                log.warning("cell %s reports the %s role, the store has it in %s: restating it", cell.id,
+                            reported, cell.state)
 
 
 def role_failed(ctl: Controller, fx: Effects, cell_id: str, flip_id: str, reason: str) -> None:
