@@ -97,11 +97,11 @@ class CellAgent:
         self._quiet = 0  # copy rounds on the wire that asked decoding to pause (_quiesce)
         self._quiet_until = 0.0
         pool_k = getattr(getattr(engine, "pool", None), "k", None)
-        on_host = pool_k is None or pool_k.device.type == "cpu"
+        on_host = pool_k is not None and pool_k.device.type == "cpu"  # an engine without a pool: its own
         mode = cfg.migration.copy_quiesce
         self._quiesce_s = cfg.migration.copy_quiesce_max_ms / 1e3 if mode == "on" or (mode == "auto" and on_host) else 0.0
         # one copy round's worth of warm receive buffer (no bigger than the KV pool itself)
-        pool_bytes = pool_k.numel() * pool_k.element_size() * 2 if pool_k is not None and on_host else 0
+        pool_bytes = pool_k.numel() * pool_k.element_size() * 2 if on_host else 0
         self.staging = StagingBuffers(prealloc_numel=min(CHUNK_BYTES, pool_bytes) // 4)
         self.heartbeat_s = cfg.scheduler.heartbeat_s
         self._outcomes: queue.Queue[Outcome] = queue.Queue()
