@@ -63,11 +63,9 @@ class StagingBuffers:
     def take(self, shape: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(a float32 tensor of `shape` to receive into, its backing buffer for `give`)."""
         n = math.prod(shape)
-        with self._lock:
-            fits = [b for b in self._free if b.numel() >= n]
-            buf = min(fits, key=torch.Tensor.numel) if fits else None
-            if buf is not None:
-                self._free.remove(buf)
+        with self._lock:  # by position: `==` on tensors compares elements
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= n]
+            buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel())) if fits else None
         if buf is None:
             buf = torch.empty(n)
         return buf[:n].view(shape), buf
@@ -76,7 +74,12 @@ class StagingBuffers:
         with self._lock:
             self._free.append(buf)
             if len(self._free) > self.keep:
-                self._free.remove(min(self._free, key=torch.Tensor.numel))
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
+
+    def sizes(self) -> list[int]:
+        """Numels of the kept buffers (tests, diagnostics)."""
+        with self._lock:
+            return sorted(b.numel() for b in self._free)
 
 
 @dataclass

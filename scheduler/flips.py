@@ -227,17 +227,16 @@ def align_roles(ctl: Controller) -> None:
     keeps it in rollout, and a request placed there would sit undecoded while the cell still
     reports it."""
     flipping = {f.cell_id for f in ctl.store.fleet.list_flips(active_only=True)}
-    for cell in ctl.store.fleet.list_cells():
-        reported = _reported_role(ctl, cell.id)
-        if (cell.id in flipping or cell.state not in ("rollout", "training") or reported is None
-                or reported == cell.state):
+    for cell_id, state in ctl.store.fleet.cell_states().items():
+        reported = _reported_role(ctl, cell_id)
+        if cell_id in flipping or state not in ("rollout", "training") or reported is None or reported == state:
             continue
         with ctl.txn(durable=False) as fx:
-            entry = ctl.registry.live.get(cell.id)
+            entry = ctl.registry.live.get(cell_id)
             version = entry.summary.version if entry is not None and entry.summary is not None else None
-            if _send_role(ctl, fx, cell.id, cell.state, ALIGN_FLIP_ID, version if cell.state == "rollout" else None):
-                log.warning("cell %s reports the %s role, the store has it in %s: restating it", cell.id,
-                            reported, cell.state)
+            if _send_role(ctl, fx, cell_id, state, ALIGN_FLIP_ID, version if state == "rollout" else None):
+                log.warning("cell %s reports the %s role, the store has it in %s: restating it", cell_id,
+                            reported, state)
 
 
 def role_failed(ctl: Controller, fx: Effects, cell_id: str, flip_id: str, reason: str) -> None:

@@ -114,6 +114,10 @@ class FleetStore:
     def list_cells(self) -> list[CellRow]:
         return [_cell(r) for r in self.s.execute(f"SELECT {_CELL_COLS} FROM cells ORDER BY id")]
 
+    def cell_states(self) -> dict[str, str]:
+        """id → state of every cell, without decoding whole rows (per-tick checks at fleet scale)."""
+        return dict(self.s.execute("SELECT id, state FROM cells"))
+
     def put_cell(self, c: CellRow) -> None:
         self.s.execute(
             f"INSERT OR REPLACE INTO cells({_CELL_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",

@@ -96,3 +96,24 @@ def test_stall_report_names_the_request_and_why(agent, caplog):
     agent.engine.abort("stuck")
     agent._check_progress()  # no work: progress resets
     assert time.monotonic() - agent._progress_at < 1.0
+
+
+def test_staging_buffers_are_reused_by_size_and_bounded():
+    from cells.migration import StagingBuffers
+
+    st = StagingBuffers(prealloc_numel=1000, keep=2)
+    a, a_buf = st.take([2, 10, 5])  # fits the preallocated one
+    assert a.shape == (2, 10, 5) and a_buf.numel() == 1000 and st.sizes() == []
+    b, b_buf = st.take([3, 7])  # none kept: a fresh one of just that size
+    assert b_buf.numel() == 21
+    c, c_buf = st.take([50])
+    st.give(a_buf), st.give(b_buf), st.give(c_buf)
+    assert st.sizes() == [50, 1000]  # at most `keep`, the smallest dropped
+    d, d_buf = st.take([40])
+    assert d_buf is c_buf  # the smallest that fits
+    d.fill_(7.0)
+    assert float(c_buf[:40].sum()) == 280.0  # a view of the kept buffer, not a copy
+    e, e_buf = st.take([2000])
+    assert e_buf.numel() == 2000 and st.sizes() == [1000]
+    zero, _ = st.take([0, 4])
+    assert zero.numel() == 0
