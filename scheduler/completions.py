@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from scheduler import ownership
+from scheduler import idempotency, ownership
 from scheduler.errors import Conflict, Invalid, NoCapacity
 from scheduler.placement import RequestSummary, choose_destination, sticky_destination
 from scheduler.store_owners import RequestRow
@@ -22,12 +22,24 @@ from scheduler.store_owners import RequestRow
 if TYPE_CHECKING:
     from scheduler.controller import Controller
 
+IDEMPOTENCY_SCOPE = "completions"
+
 FOLLOW_POLL_S = 1.0
 """A waiting stream re-reads the store at least this often (a missed wake-up costs ≤ 1 s)."""
 
 
-def submit(ctl: Controller, session_id: str | None, prompt_ids: list[int], params: dict[str, Any]) -> RequestRow:
-    """Admit and start one completion; returns the request (already owned by a cell)."""
+def submit(ctl: Controller, session_id: str | None, prompt_ids: list[int], params: dict[str, Any],
+           idempotency_key: str | None = None) -> RequestRow:
+    """Admit and start one completion; returns the request (already owned by a cell). Under an
+    Idempotency-Key, a replay returns the request the first call started (the client follows
+    it again from its first token: a dropped connection never starts a second rollout); the
+    same key with another body is a 409. The key is recorded with the request, durably."""
+    fp = idempotency.fingerprint([session_id, list(prompt_ids), params])
+    hit = idempotency.replay(ctl, IDEMPOTENCY_SCOPE, idempotency_key, fp)
+    if hit is not None:
+        first = ctl.store.owners.get_request(hit["request_id"])
+        assert first is not None, f"idempotency record of a request the store lacks: {hit}"
+        return first
     rid = f"req-{uuid.uuid4().hex[:16]}"
     sid = session_id or f"anon-{rid[4:]}"
     snapshot = ctl.snapshot()
@@ -55,6 +67,7 @@ def submit(ctl: Controller, session_id: str | None, prompt_ids: list[int], param
                          cell_id=None, epoch=1, state="queued")
         ctl.store.owners.put_request(req)
         ownership.assign(ctl, fx, req, dst.cell_id)
+        idempotency.record(ctl, IDEMPOTENCY_SCOPE, idempotency_key, fp, {"request_id": rid, "session_id": sid})
     return req
 
 

@@ -13,13 +13,12 @@ load), or fails (the cell was lost) — and never runs twice.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from scheduler import migrations, ownership, placement, scoring, versions
+from scheduler import idempotency, migrations, ownership, placement, scoring, versions
 from scheduler.errors import Conflict, NotFound
 from scheduler.failpoints import failpoint
 from scheduler.protocol import SetRoleCmd
@@ -38,13 +37,10 @@ def create(ctl: Controller, to: str, cell: str | None, count: int | None, expect
            idempotency_key: str | None = None) -> dict[str, Any]:
     """Record flips durably (pending); the loop carries them out. Replays of an
     Idempotency-Key return the original answer; a key reused with another body is a 409."""
-    fingerprint = json.dumps([to, cell, count, expected_generation])
-    if idempotency_key is not None:
-        hit = ctl.store.fleet.get_idempotent(IDEMPOTENCY_SCOPE, idempotency_key)
-        if hit is not None:
-            if hit[0] != fingerprint:
-                raise Conflict("Idempotency-Key reused with a different request", reason="idempotency_key_reused")
-            return hit[1]
+    fp = idempotency.fingerprint([to, cell, count, expected_generation])
+    hit = idempotency.replay(ctl, IDEMPOTENCY_SCOPE, idempotency_key, fp)
+    if hit is not None:
+        return hit
     with ctl.txn(durable=True):
         if cell is not None:
             row = ctl.store.fleet.get_cell(cell)
@@ -63,8 +59,7 @@ def create(ctl: Controller, to: str, cell: str | None, count: int | None, expect
         made = [_new_flip(ctl, c, to, idempotency_key) for c in targets]
         response = {"id": made[0].id, "state": made[0].state,
                     "flips": [{"id": f.id, "cell": f.cell_id, "state": f.state} for f in made]}
-        if idempotency_key is not None:
-            ctl.store.fleet.put_idempotent(IDEMPOTENCY_SCOPE, idempotency_key, fingerprint, response)
+        idempotency.record(ctl, IDEMPOTENCY_SCOPE, idempotency_key, fp, response)
     failpoint("flip.after_record")  # recorded durably, nothing done yet: a restart must carry it out
     ctl.kick()
     return response

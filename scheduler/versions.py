@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from scheduler import idempotency
 from scheduler.errors import Conflict, NotFound
 from scheduler.protocol import LoadVersionCmd
 from scheduler.states import VERSION, set_state
@@ -23,6 +24,8 @@ from scheduler.store_fleet import VersionRow
 
 if TYPE_CHECKING:
     from scheduler.controller import Controller
+
+IDEMPOTENCY_SCOPE = "versions"
 
 
 def current_version(ctl: Controller) -> int | None:
@@ -60,7 +63,14 @@ def _rollout_cells(ctl: Controller, states=("rollout", "draining")) -> list[str]
     return out
 
 
-def publish(ctl: Controller, version: int, source: dict | None = None) -> dict[str, Any]:
+def publish(ctl: Controller, version: int, source: dict | None = None,
+            idempotency_key: str | None = None) -> dict[str, Any]:
+    """Record `version` as broadcasting and tell the rollout cells to join its broadcast.
+    Under an Idempotency-Key a replay (a trainer that lost the answer) gets the first answer."""
+    fp = idempotency.fingerprint([version, source])
+    hit = idempotency.replay(ctl, IDEMPOTENCY_SCOPE, idempotency_key, fp)
+    if hit is not None:
+        return hit
     now = ctl.clock()
     with ctl.txn(durable=True) as fx:
         rows = ctl.store.fleet.list_versions()
@@ -76,10 +86,12 @@ def publish(ctl: Controller, version: int, source: dict | None = None) -> dict[s
         for cell_id in receivers:
             ctl.version_sent[(cell_id, version)] = now
             fx.send(cell_id, lambda i: LoadVersionCmd(i, version, source, "broadcast", True, policy))
+        ranks = {c.id: int(c.capabilities.get("update_ranks") or 0) for c in ctl.store.fleet.list_cells()
+                 if c.id in receivers}
+        answer = {**_to_api(ctl, row, {}, serving(ctl)), "receivers": receivers, "receiver_ranks": ranks}
+        idempotency.record(ctl, IDEMPOTENCY_SCOPE, idempotency_key, fp, answer)
     ctl.kick()
-    ranks = {c.id: int(c.capabilities.get("update_ranks") or 0) for c in ctl.store.fleet.list_cells()
-             if c.id in receivers}
-    return {**_to_api(ctl, row, {}, serving(ctl)), "receivers": receivers, "receiver_ranks": ranks}
+    return answer
 
 
 def catch_up(ctl: Controller) -> None:

@@ -543,6 +543,48 @@ def test_a_refused_request_records_no_key(harness):
     assert r.status_code == 202
 
 
+def test_completion_replay_follows_the_first_request(harness):
+    """A completion under an Idempotency-Key starts one request; a replay (a client whose
+    connection dropped) gets that request again, streamed or not, from its first token."""
+    cells = _fleet(harness, 2)
+    key = {"Idempotency-Key": "rollout-17", "X-Session-Id": "s17"}
+    body = {"prompt_ids": [5, 6, 7], "max_tokens": 6}
+    first = harness.complete(body, headers=key)
+    pump(cells, until=first)
+    out = first.result(timeout=60).json()
+    assert len(out["token_ids"]) == 6 and out["finish_reason"] == "length"
+    before = store_dump(harness.db_path)
+    again = harness.client.post("/v1/completions", json=body, headers=key)
+    assert again.status_code == 200 and again.json() == out  # the same request, the same tokens
+    with harness.client.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=key) as r:
+        lines = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+    assert r.headers["x-request-id"] == out["id"]
+    assert [t for ln in lines for t in ln.get("token_ids", [])] == out["token_ids"]
+    assert store_dump(harness.db_path) == before  # no second request, no second key
+    r = _rejected(harness.client, harness.db_path, "POST", "/v1/completions", 409,
+                  json={**body, "max_tokens": 7}, headers=key)
+    assert r.json()["reason"] == "idempotency_key_reused"
+    other = harness.complete(body, headers={**key, "Idempotency-Key": "rollout-18", "X-Session-Id": "s18"})
+    pump(cells, until=other)
+    assert other.result(timeout=60).json()["id"] != out["id"]  # another key: another request
+
+
+def test_version_publish_replay_returns_the_first_answer(harness):
+    _fleet(harness, 2)
+    c, key = harness.client, {"Idempotency-Key": "publish-3"}
+    body = {"version": 3, "source": {"host": "127.0.0.1", "port": 1234, "namespace": "versions"}}
+    first = c.post("/v1/versions", json=body, headers=key)
+    assert first.status_code == 201 and first.json()["receivers"] == ["c0", "c1"]
+    before = store_dump(harness.db_path)
+    again = c.post("/v1/versions", json=body, headers=key)
+    assert again.status_code == 201 and again.json() == first.json()
+    assert store_dump(harness.db_path) == before  # no second publish, no second load command
+    r = _rejected(c, harness.db_path, "POST", "/v1/versions", 409, json={**body, "version": 4}, headers=key)
+    assert r.json()["reason"] == "idempotency_key_reused"
+    r = _rejected(c, harness.db_path, "POST", "/v1/versions", 409, json=body)  # no key: a second publish
+    assert r.json()["reason"] == "version_exists"
+
+
 # ----------------------------------------------------------------------------- 429 without cells
 
 

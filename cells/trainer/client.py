@@ -74,11 +74,13 @@ class TrainerClient:
         return [out[f["id"]] for f in flips]
 
     # -- versions -----------------------------------------------------------------------------
-    def publish(self, version: int, host: str, port: int, namespace: str = "versions") -> dict:
+    def publish(self, version: int, host: str, port: int, namespace: str = "versions",
+                key: str | None = None) -> dict:
         """Record `version` and tell the rollout cells to join its broadcast; the answer's
-        `receivers` are the cells to broadcast to."""
+        `receivers` are the cells to broadcast to. Idempotent per key."""
         return self._call("POST", "/v1/versions", json={
-            "version": version, "source": {"host": host, "port": port, "namespace": namespace}})
+            "version": version, "source": {"host": host, "port": port, "namespace": namespace}},
+            headers={"Idempotency-Key": key or uuid.uuid4().hex})
 
     def versions(self) -> dict:
         return self._call("GET", "/v1/versions")

@@ -23,8 +23,11 @@ def _chunk(rid: str, rows: list[tuple]) -> dict:
 
 
 @router.post("/v1/completions", response_model=None, responses=errors(404, 409, 413, 422, 429))
-async def create_completion(body: CompletionCreate, ctl: Ctl, session_id: SessionId = None) -> dict | StreamingResponse:
-    req = ctl.submit_completion(session_id, list(body.prompt_ids), body.params())
+async def create_completion(body: CompletionCreate, ctl: Ctl, session_id: SessionId = None,
+                            idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
+                            ) -> dict | StreamingResponse:
+    # `stream` is how the answer travels, not what is asked: a replay may switch it
+    req = ctl.submit_completion(session_id, list(body.prompt_ids), body.params(), idempotency_key)
     head = {"X-Session-Id": req.session_id, "X-Request-Id": req.id}
     if body.stream:
         return StreamingResponse(_sse(ctl, req.id), media_type="text/event-stream", headers=head)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path
+from fastapi import APIRouter, Header, Path
 
 from scheduler.api.deps import ApiRoute, Ctl
 from scheduler.api.schemas import VersionCreate, errors
@@ -20,8 +20,9 @@ async def list_versions(ctl: Ctl) -> dict:
 
 
 @router.post("", status_code=201, responses=errors(409, 413, 422))
-async def publish_version(body: VersionCreate, ctl: Ctl) -> dict:
-    return ctl.publish_version(body.version, body.source.model_dump() if body.source else None)
+async def publish_version(body: VersionCreate, ctl: Ctl,
+                          idempotency_key: Annotated[str | None, Header(max_length=256)] = None) -> dict:
+    return ctl.publish_version(body.version, body.source.model_dump() if body.source else None, idempotency_key)
 
 
 @router.delete("/{version}", responses=errors(404, 409, 422))
