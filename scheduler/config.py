@@ -191,6 +191,8 @@ class SchedulerConfig(_Strict):
     """Rollout capacity that is never flipped away."""
     drain_deadline_s: float = Field(default=30.0, gt=0)
     """After this, requests still on a draining cell are suspended."""
+    idempotency_ttl_s: float = Field(default=86400.0, gt=0)
+    """An Idempotency-Key is remembered this long (wall clock); a replay after that is a new request."""
     stall_timeout_s: float = Field(default=120.0, gt=0)
     """A running request that its owner keeps reporting but that commits no token for this
     long is taken back (epoch + 1) and re-placed on another cell, token-exact from the store:

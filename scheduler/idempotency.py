@@ -2,12 +2,14 @@
 flips, completions, version publishes. The first request's answer is recorded in the same
 durable transaction as its effect; a replay with the same key and body gets that answer; the
 same key with another body is a 409. A refused request records nothing, so its key stays free.
-(A session finish and a version retirement replay to the same answer without a key.)
+(A session finish and a version retirement replay to the same answer without a key.) Keys
+are kept `idempotency_ttl_s` (a day by default).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from typing import TYPE_CHECKING, Any
 
 from scheduler.errors import Conflict
@@ -32,6 +34,12 @@ def replay(ctl: Controller, scope: str, key: str | None, fp: str) -> Any | None:
     if hit[0] != fp:
         raise Conflict("Idempotency-Key reused with a different request", reason="idempotency_key_reused")
     return hit[1]
+
+
+def expire(ctl: Controller, now: float | None = None) -> int:
+    """Forget keys older than `idempotency_ttl_s` (run from the slow tick); returns how many."""
+    with ctl.txn(durable=False):
+        return ctl.store.fleet.expire_idempotent((time.time() if now is None else now) - ctl.cfg.idempotency_ttl_s)
 
 
 def record(ctl: Controller, scope: str, key: str | None, fp: str, answer: Any) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from scheduler import cellsync, flips, migrations, ownership, scoring, versions
+from scheduler import cellsync, flips, idempotency, migrations, ownership, scoring, versions
 
 if TYPE_CHECKING:
     from scheduler.controller import Controller
@@ -80,6 +80,7 @@ def _refresh_gauges(ctl: Controller, now: float) -> None:
     if now - ctl.last_slow_tick < SLOW_GAUGES_EVERY_S:
         return
     ctl.last_slow_tick = now
+    idempotency.expire(ctl)
     rows = ctl.store.fleet.list_versions()
     m.versions_live.set(sum(1 for r in rows if r.state != "retired"))
     backlog = ctl.store.sessions.unscored_by_version()

@@ -171,6 +171,10 @@ class FleetStore:
         r = self.s.execute(q, (scope, key)).fetchone()
         return None if r is None else (r[0], loads(r[1]))
 
+    def expire_idempotent(self, before: float) -> int:
+        """Forget keys recorded before `before` (wall clock); returns how many."""
+        return self.s.execute("DELETE FROM idempotency WHERE created_at < ?", (before,)).rowcount
+
     def put_idempotent(self, scope: str, key: str, fingerprint: str, response: Any) -> None:
         self.s.execute(
             "INSERT INTO idempotency(scope, key, fingerprint, response, created_at) VALUES (?,?,?,?,?)",

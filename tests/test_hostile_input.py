@@ -585,6 +585,21 @@ def test_version_publish_replay_returns_the_first_answer(harness):
     assert r.json()["reason"] == "version_exists"
 
 
+def test_idempotency_keys_expire_after_their_ttl(harness):
+    from scheduler import idempotency
+
+    _fleet(harness, 3)
+    key = {"Idempotency-Key": "old"}
+    first = harness.client.post("/v1/flips", json={"cell": "c0", "to": "training"}, headers=key)
+    assert first.status_code == 202
+    ctl, ttl = harness.ctl, harness.ctl.cfg.idempotency_ttl_s
+    assert harness.client.portal.call(lambda: idempotency.expire(ctl, time.time() + ttl - 60)) == 0  # not yet
+    assert harness.client.post("/v1/flips", json={"cell": "c0", "to": "training"}, headers=key).json() == first.json()
+    assert harness.client.portal.call(lambda: idempotency.expire(ctl, time.time() + ttl + 60)) == 1
+    r = harness.client.post("/v1/flips", json={"cell": "c1", "to": "training"}, headers=key)
+    assert r.status_code == 202 and r.json()["id"] != first.json()["id"]  # the key is free again
+
+
 # ----------------------------------------------------------------------------- 429 without cells
 
 
