@@ -74,10 +74,9 @@ class Controller:
         self.started_at = clock()
         self.ready = False
         """The inventory is rebuilt (every known cell re-synced, or the grace ran out)."""
-        self.assigned_at: dict[str, float] = {}
-        """request id → monotonic time its current owner was given it (start or commit)."""
         self.progress_at: dict[str, float] = {}
-        """request id → when its current owner last advanced it (given it, or a token committed)."""
+        """request id → monotonic time its current owner last advanced it: was given it (start
+        or commit) or committed a token. The lost and stall rules of `reconcile_reports`."""
         self.avoid_cell: dict[str, str] = {}
         """request id → the cell it stalled on: not placed there again."""
         self.drain_deadline: dict[str, float] = {}

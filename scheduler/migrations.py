@@ -191,7 +191,7 @@ def _commit_in_tx(ctl: Controller, fx: Effects, migration_id: str, body: CommitR
     REQUEST.check(req.state, "running")
     req.cell_id, req.epoch, req.state = mig.dst, req.epoch + 1, "running"
     ctl.store.owners.put_request(req)
-    ctl.assigned_at[req.id] = ctl.progress_at[req.id] = ctl.clock()
+    ctl.progress_at[req.id] = ctl.clock()
     if mig.flip_id is not None and (flip := ctl.store.fleet.get_flip(mig.flip_id)) is not None:
         flip.migrated += 1
         ctl.store.fleet.put_flip(flip)

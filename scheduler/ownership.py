@@ -37,7 +37,7 @@ def assign(ctl: Controller, fx: Effects, req: RequestRow, cell_id: str, path: st
     prompt_len = req.base - req.prompt_start
     rid, epoch, sid, n, params = req.id, req.epoch, req.session_id, req.num_generated, dict(req.params)
     fx.send(cell_id, lambda i: StartCmd(i, rid, epoch, sid, token_ids, prompt_len, n, params, path))
-    ctl.assigned_at[req.id] = ctl.progress_at[req.id] = ctl.clock()
+    ctl.progress_at[req.id] = ctl.clock()
 
 
 def revoke(ctl: Controller, fx: Effects, req: RequestRow, reason: str, to: str = "queued") -> None:
@@ -51,7 +51,6 @@ def revoke(ctl: Controller, fx: Effects, req: RequestRow, reason: str, to: str =
     old = req.cell_id
     req.cell_id, req.epoch, req.state, req.reason = None, req.epoch + 1, to, reason
     ctl.store.owners.put_request(req)
-    ctl.assigned_at.pop(req.id, None)
     ctl.progress_at.pop(req.id, None)
     if old is not None:
         rid = req.id
@@ -71,7 +70,6 @@ def park(ctl: Controller, fx: Effects, req: RequestRow, reason: str) -> None:
     REQUEST.check(req.state, "parked")
     req.state, req.reason = "parked", reason
     ctl.store.owners.put_request(req)
-    ctl.assigned_at.pop(req.id, None)
     ctl.progress_at.pop(req.id, None)
     rid = req.id
     fx.send(req.cell_id, lambda i: SuspendCmd(i, rid, park=True))
@@ -87,7 +85,6 @@ def finish(ctl: Controller, fx: Effects, req: RequestRow, reason: str) -> None:
     ctl.avoid_cell.pop(req.id, None)
     req.state, req.reason = "finished", reason
     ctl.store.owners.put_request(req)
-    ctl.assigned_at.pop(req.id, None)
     ctl.progress_at.pop(req.id, None)
     fx.notify(("req", req.id))
 
@@ -149,8 +146,9 @@ def place_waiting(ctl: Controller) -> int:
 def reconcile_reports(ctl: Controller) -> None:
     """Compare each cell's reported request ids with the store's owners (level-triggered).
 
-    - owned and running, but not reported for a lease after it was handed over: the cell lost
-      it (a start command lost, a crash-restart of the engine): re-place at epoch + 1;
+    - owned and running, but not reported for a lease after it was handed over (or last
+      advanced): the cell lost it (a start command lost, a crash-restart of the engine):
+      re-place at epoch + 1;
     - owned, running and reported, but no token committed for `stall_timeout_s`: the cell
       holds it without decoding it: re-place it at epoch + 1 on another cell;
     - reported but not owned (and not an incoming migration): tell the cell to drop it.
@@ -164,7 +162,7 @@ def reconcile_reports(ctl: Controller) -> None:
         reported = set(entry.summary.request_ids)
         owned = ctl.store.owners.requests_on(cell_id, OWNED_REQUEST_STATES)
         lost = [r for r in owned if r.state in ("running", "parked") and r.id not in reported
-                and entry.summary_at - ctl.assigned_at.get(r.id, ctl.started_at) > lease]
+                and entry.summary_at - ctl.progress_at.get(r.id, ctl.started_at) > lease]
         if lost:
             with ctl.txn(durable=True) as fx:
                 for req in lost:

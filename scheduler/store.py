@@ -41,6 +41,7 @@ CREATE TABLE IF NOT EXISTS versions(
 CREATE TABLE IF NOT EXISTS idempotency(
   scope TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL, response TEXT NOT NULL,
   created_at REAL NOT NULL, PRIMARY KEY(scope, key));
+CREATE INDEX IF NOT EXISTS idempotency_created ON idempotency(created_at);
 CREATE TABLE IF NOT EXISTS requests(
   id TEXT PRIMARY KEY, session_id TEXT NOT NULL, base INTEGER NOT NULL, prompt_start INTEGER NOT NULL,
   num_generated INTEGER NOT NULL, params TEXT NOT NULL, cell_id TEXT, epoch INTEGER NOT NULL,
