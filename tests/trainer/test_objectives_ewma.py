@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from cells.trainer.objectives.config import MISTokenCorrection, ObjectiveConfig
+from cells.trainer.objectives.config import (
+    EWMAConfig,
+    MISTokenCorrection,
+    ObjectiveConfig,
+    TISTokenCorrection,
+)
 from cells.trainer.objectives.ewma import PPOEWMA, beta_for_window
 from cells.trainer.objectives.ppo import decoupled_ppo_loss
 
@@ -72,10 +77,10 @@ def test_copies_to_host_float32_and_keeps_integer_buffers():
 def test_auto_reset_below_tau():
     ewma = PPOEWMA({"w": torch.tensor([0.0])}, staleness_window=4, reset_threshold=0.5)
     ewma.update({"w": torch.tensor([10.0])})
-    assert not ewma.maybe_reset({"w": torch.tensor([10.0])}, num_missing_kept=6, num_missing=10)
-    assert not ewma.maybe_reset({"w": torch.tensor([10.0])}, num_missing_kept=0, num_missing=0)
+    assert not ewma.maybe_reset({"w": torch.tensor([10.0])}, num_missing_in_band=6, num_missing=10)
+    assert not ewma.maybe_reset({"w": torch.tensor([10.0])}, num_missing_in_band=0, num_missing=0)
     assert ewma.weight != 1.0
-    assert ewma.maybe_reset({"w": torch.tensor([10.0])}, num_missing_kept=4, num_missing=10)
+    assert ewma.maybe_reset({"w": torch.tensor([10.0])}, num_missing_in_band=4, num_missing=10)
     assert ewma.weight == 1.0 and ewma.params["w"].item() == 10.0 and ewma.num_resets == 1
 
 
@@ -96,8 +101,39 @@ def test_reset_driven_by_the_loss_metrics():
     )
     ewma = PPOEWMA({"w": torch.tensor([0.0])}, staleness_window=4, reset_threshold=0.5)
     ewma.update({"w": torch.tensor([1.0])})
-    assert ewma.maybe_reset({"w": torch.tensor([1.0])}, m["num_missing_kept"], m["num_missing"])
+    assert ewma.maybe_reset({"w": torch.tensor([1.0])}, m["num_missing_in_band"], m["num_missing"])
     assert m["frac_missing_kept"] == pytest.approx(0.25)
+    assert m["frac_missing_in_band"] == pytest.approx(0.25)  # the band follows the MIS bounds
+
+
+def _drifted_missing_tokens(cfg):
+    # the stand-in drifted: exp(lp_stand − lp_behav) = 1, e^2, e^-2, e^3 on four missing tokens
+    lp = torch.zeros(1, 4, dtype=F64)
+    lp_stand = torch.tensor([[0.0, 2.0, -2.0, 3.0]], dtype=F64)
+    _, m = decoupled_ppo_loss(lp, lp, lp, torch.ones(1, dtype=F64), torch.ones(1, 4), cfg,
+                              provenance=torch.ones(1, 4, dtype=torch.bool), lp_stand=lp_stand)
+    return m
+
+
+def test_reset_fires_under_token_tis():
+    # token TIS keeps every token in the mask; the reset rule reads the band instead
+    m = _drifted_missing_tokens(ObjectiveConfig(correction=TISTokenCorrection(cap=2.0)))
+    assert m["frac_missing_kept"] == 1.0
+    assert m["num_missing_in_band"] == 1 and m["num_missing"] == 4
+    ewma = PPOEWMA({"w": torch.tensor([0.0])}, staleness_window=4, reset_threshold=0.5)
+    ewma.update({"w": torch.tensor([1.0])})
+    assert ewma.maybe_reset({"w": torch.tensor([1.0])}, m["num_missing_in_band"], m["num_missing"])
+    assert ewma.num_resets == 1 and ewma.weight == 1.0
+
+
+def test_reset_band_is_configurable_and_checked():
+    wide = ObjectiveConfig(ewma=EWMAConfig(band=(0.01, 100.0)))
+    assert wide.ewma_band() == (0.01, 100.0)
+    assert _drifted_missing_tokens(wide)["num_missing_in_band"] == 4
+    assert ObjectiveConfig().ewma_band() == (0.5, 2.0)
+    assert ObjectiveConfig(correction=MISTokenCorrection(low=0.2, high=5.0)).ewma_band() == (0.2, 5.0)
+    with pytest.raises(ValueError, match="band"):
+        EWMAConfig(band=(2.0, 1.0))
 
 
 def test_state_dict_round_trip():

@@ -94,3 +94,104 @@ def test_kl_loss_and_reward_helpers():
         add_kl_to_rewards(torch.zeros(2), lp_theta, lp_ref, weight, mask, coef=0.1)
     with pytest.raises(ValueError, match="shape mismatch"):
         kl_loss(lp_theta, lp_ref[:, :2], weight, mask, coef=0.1)
+
+
+# --- the gradient of the KL term in the loss, by exact enumeration -------------------------
+
+V = 6
+
+
+def _categoricals(seed):
+    g = torch.Generator().manual_seed(seed)
+    theta = torch.randn(V, generator=g, dtype=F64).requires_grad_()
+    lp_ref = torch.log_softmax(torch.randn(V, generator=g, dtype=F64), -1)
+    lp_behav = torch.log_softmax(torch.randn(V, generator=g, dtype=F64) * 0.5, -1)
+    return theta, lp_ref, lp_behav
+
+
+def _forward_kl_grad(theta, lp_ref):
+    lp = torch.log_softmax(theta, -1)
+    kl = (lp.exp() * (lp - lp_ref)).sum()  # KL(pi_theta || pi_ref)
+    return torch.autograd.grad(kl, theta)[0]
+
+
+def _expected_grad(theta, lp_ref, lp_behav, term):
+    """sum_x pi_behav(x) · grad term(x): the exact expectation over a token x ~ pi_behav of
+    the gradient of `term(lp_theta(x), lp_ref(x), weight(x))`, weight = pi_theta/pi_behav."""
+    lp = torch.log_softmax(theta, -1)
+    expected = sum(
+        lp_behav[x].exp() * term(lp[x].view(1, 1), lp_ref[x].view(1, 1),
+                                 (lp[x] - lp_behav[x]).exp().detach().view(1, 1))
+        for x in range(V)
+    )
+    return torch.autograd.grad(expected, theta)[0]
+
+
+@pytest.mark.parametrize("estimator", ["k2", "k3"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kl_loss_expected_gradient_is_forward_kl_gradient(estimator, seed):
+    theta, lp_ref, lp_behav = _categoricals(seed)
+
+    def term(lp_t, lp_r, w):
+        return kl_loss(lp_t, lp_r, w, torch.ones(1, 1), coef=1.0, estimator=estimator)
+
+    got = _expected_grad(theta, lp_ref, lp_behav, term)
+    torch.testing.assert_close(got, _forward_kl_grad(theta, lp_ref))
+
+
+def test_plain_k3_as_a_loss_follows_the_reverse_kl():
+    # why kl_loss does not differentiate k3 itself: its expected gradient is grad KL(ref || theta)
+    theta, lp_ref, lp_behav = _categoricals(5)
+
+    def plain_k3(lp_t, lp_r, w):
+        return (w * kl_estimate(lp_t, lp_r, "k3")).sum()
+
+    got = _expected_grad(theta, lp_ref, lp_behav, plain_k3)
+    lp = torch.log_softmax(theta, -1)
+    reverse = torch.autograd.grad((lp_ref.exp() * (lp_ref - lp)).sum(), theta)[0]
+    torch.testing.assert_close(got, reverse)
+    assert not torch.allclose(got, _forward_kl_grad(theta, lp_ref))
+
+
+def test_kl_loss_reports_k3_value_with_k2_gradient():
+    lp_theta = torch.tensor([[-1.0, -2.0]], dtype=F64, requires_grad=True)
+    lp_ref = torch.tensor([[-1.5, -1.0]], dtype=F64)
+    loss = kl_loss(lp_theta, lp_ref, torch.ones(1, 2), torch.ones(1, 2), coef=1.0, estimator="k3")
+    lr = [-0.5, 1.0]
+    assert loss.item() == pytest.approx(sum(math.exp(v) - 1 - v for v in lr) / 2)
+    loss.backward()
+    # d k2 / d lp_theta = lp_theta − lp_ref = −log rho
+    torch.testing.assert_close(lp_theta.grad, torch.tensor([[0.25, -0.5]], dtype=F64))
+
+
+def test_k1_is_refused_in_the_loss():
+    x = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="zero expected gradient"):
+        kl_loss(x, x, x, torch.ones(1, 2), coef=0.1, estimator="k1")
+    from pydantic import ValidationError
+
+    from cells.trainer.objectives.config import KLInLoss, KLInReward
+
+    with pytest.raises(ValidationError, match="zero expected gradient"):
+        KLInLoss(estimator="k1")
+    assert KLInReward(estimator="k1").estimator == "k1"  # k1 belongs in the reward
+
+
+def test_decoupled_loss_kl_term_expected_gradient_is_forward_kl_gradient():
+    # the whole loss with A = 0 (no policy-gradient term): lp_old = lp_behav (r_d = 1),
+    # lp_prox = lp_theta detached (first minibatch), so w·r_t = pi_theta/pi_behav.
+    from cells.trainer.objectives.config import KLInLoss, NoCorrection, ObjectiveConfig
+    from cells.trainer.objectives.ppo import decoupled_ppo_loss
+
+    theta, lp_ref, lp_behav = _categoricals(7)
+    cfg = ObjectiveConfig(correction=NoCorrection(), reject_below=None, staleness_cap=1e6,
+                          kl=KLInLoss(coef=1.0, estimator="k3"))
+
+    def term(lp_t, lp_r, w):
+        lb = lp_t.detach() - w.log()
+        loss, _ = decoupled_ppo_loss(lp_t, lp_t.detach(), lb, torch.zeros(1, dtype=F64),
+                                     torch.ones(1, 1), cfg, lp_old=lb, lp_ref=lp_r)
+        return loss
+
+    got = _expected_grad(theta, lp_ref, lp_behav, term)
+    torch.testing.assert_close(got, _forward_kl_grad(theta, lp_ref))

@@ -1,6 +1,5 @@
 """The RL objective: ratios, train/inference correction, decoupled PPO, PPO-EWMA, advantages,
-KL to the reference and tree rollouts. One concept per module; the formulas are those of
-RL_MATH.md.
+KL to the reference and tree rollouts. One concept per module; the formulas and their checks are in docs/RL.md.
 
     ratios       r_d · r_stale · r_t decomposition of pi_theta/pi_behav
     correction   c_d(r_d): TIS / MIS (IcePop) per token or sequence, reject, normalise

@@ -1,4 +1,4 @@
-"""Configuration of the RL objective (RL_MATH.md: correction, decoupled PPO, KL, trees).
+"""Configuration of the RL objective (docs/RL.md: correction, decoupled PPO, KL, trees).
 
 Pydantic models with a docstring under every field; unknown keys are rejected, and every
 choice that selects a variant (correction mode, KL placement, advantage estimator) is a
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -101,14 +101,27 @@ class KLInReward(_Strict):
 
 
 class KLInLoss(_Strict):
-    """KL penalty added to the loss: coef·(1/N0)·sum_t M'·weight·k (GRPO-style k3 by default)."""
+    """KL penalty added to the loss: coef·(1/N0)·sum_t M'·weight·k. Whatever value it
+    reports, the loss follows weighted k2's gradient, whose expectation is
+    grad KL(pi_theta || pi_ref) (k3's own gradient is the reverse KL's; see docs/RL.md)."""
 
     type: Literal["loss"] = "loss"
     """Placement selector."""
     coef: float = Field(default=0.001, ge=0)
     """Penalty coefficient beta."""
-    estimator: Literal["k1", "k2", "k3"] = "k3"
-    """Per-token estimator; k3 is unbiased and non-negative."""
+    estimator: Literal["k2", "k3"] = "k3"
+    """Reported per-token value: k3 (unbiased, ≥ 0) or k2; the gradient is k2's either way.
+    k1 is refused: as a loss its expected gradient is zero (it belongs in the reward)."""
+
+    @field_validator("estimator", mode="before")
+    @classmethod
+    def _refuse_k1(cls, v):
+        if v == "k1":
+            raise ValueError(
+                "k1 has zero expected gradient as a loss term: use k2 or k3 here, "
+                "or put k1 in the reward (type: reward)"
+            )
+        return v
 
 
 KLConfig = Annotated[KLInReward | KLInLoss, Field(discriminator="type")]
@@ -141,6 +154,10 @@ AdvantageConfig = Annotated[GRPOAdvantage | RLOOAdvantage, Field(discriminator="
 # --- PPO-EWMA and trees -------------------------------------------------------------------
 
 
+DEFAULT_EWMA_BAND = (0.5, 2.0)
+"""Band of the PPO-EWMA reset rule when neither it nor an MIS correction sets one."""
+
+
 class EWMAConfig(_Strict):
     """PPO-EWMA parameter average that stands in for missing old log-probs."""
 
@@ -148,7 +165,18 @@ class EWMAConfig(_Strict):
     """W_stale in optimizer steps; beta = W_stale / (W_stale + 1) centres the average there."""
     reset_threshold: float = Field(default=0.5, ge=0, le=1)
     """tau: reset the average to the current parameters when the fraction of
-    missing-provenance tokens kept by the train/inference mask falls below this."""
+    missing-provenance tokens whose exp(lp_stand − lp_behav) lies in the band falls below
+    this. Judged on the band whatever the correction mode: under token TIS no token ever
+    leaves the loss mask, so a rule on the mask would never fire."""
+    band: tuple[float, float] | None = None
+    """[C_lo, C_hi] of the reset rule; None: the correction's bounds when it is MIS (token or
+    sequence), else (0.5, 2.0)."""
+
+    @model_validator(mode="after")
+    def _check_band(self):
+        if self.band is not None and not 0 < self.band[0] < self.band[1]:
+            raise ValueError(f"band must satisfy 0 < low < high, got {self.band}")
+        return self
 
 
 class TreeConfig(_Strict):
@@ -190,3 +218,11 @@ class ObjectiveConfig(_Strict):
     """PPO-EWMA stand-in for missing old log-probs."""
     tree: TreeConfig = TreeConfig()
     """Tree rollouts."""
+
+    def ewma_band(self) -> tuple[float, float]:
+        """[C_lo, C_hi] of the PPO-EWMA reset rule (see `EWMAConfig.band`)."""
+        if self.ewma.band is not None:
+            return self.ewma.band
+        if isinstance(self.correction, MISTokenCorrection | MISSequenceCorrection):
+            return (self.correction.low, self.correction.high)
+        return DEFAULT_EWMA_BAND

@@ -5,9 +5,11 @@ W ← W'  (W starts at 1, theta_ewma at theta). Unrolled, theta_ewma is the beta
 of every parameter vector seen since the last reset. Its mean age is beta/(1−beta) steps, so
 beta = W_stale/(W_stale+1) centres it on a staleness window of W_stale steps.
 
-Auto-reset (theta_ewma ← theta, W ← 1) when the fraction of missing-provenance tokens kept by
-the train/inference mask falls below tau: the average then no longer resembles the policies
-that sampled them.
+Auto-reset (theta_ewma ← theta, W ← 1) when the fraction of missing-provenance tokens whose
+exp(lp_stand − lp_behav) lies in the band [C_lo, C_hi] falls below tau: the average then no
+longer resembles the policies that sampled them. The rule reads the band, not the loss mask:
+under token TIS nothing leaves the mask, so a mask-based rule would never fire. The loss
+reports the count as `num_missing_in_band` (ppo.py).
 
 The average is a dict of tensors (a state dict) kept where the caller says, by default host
 memory, in float32 so that small steps are not lost to bf16 rounding.
@@ -78,20 +80,24 @@ class PPOEWMA:
             avg.mul_(keep).add_(theta.to(device=avg.device, dtype=avg.dtype), alpha=add)
         self.weight = new_weight
 
-    def should_reset(self, num_missing_kept: int | float, num_missing: int | float) -> bool:
-        """True when the kept fraction of missing-provenance tokens is below tau.
+    def should_reset(self, num_missing_in_band: int | float, num_missing: int | float) -> bool:
+        """True when the fraction of missing-provenance tokens whose exp(lp_stand − lp_behav)
+        lies in the band (the loss metric `num_missing_in_band`) is below tau.
 
         With no missing-provenance tokens the fraction is undefined and nothing resets.
         """
         if num_missing <= 0:
             return False
-        return num_missing_kept / num_missing < self.reset_threshold
+        return num_missing_in_band / num_missing < self.reset_threshold
 
     def maybe_reset(
-        self, params: Mapping[str, Tensor], num_missing_kept: int | float, num_missing: int | float
+        self,
+        params: Mapping[str, Tensor],
+        num_missing_in_band: int | float,
+        num_missing: int | float,
     ) -> bool:
         """Reset to `params` if `should_reset`; returns whether it did."""
-        if self.should_reset(num_missing_kept, num_missing):
+        if self.should_reset(num_missing_in_band, num_missing):
             self.reset(params)
             return True
         return False

@@ -5,8 +5,15 @@ With x sampled from pi_theta and log rho = lp_ref − lp_theta:
     k2 = ½ (log rho)²             biased
     k3 = rho − 1 − log rho        unbiased, ≥ 0
 Our samples come from pi_behav, so each estimate is weighted by the detached, correction-
-masked pi_theta/pi_behav (`weight`). As a penalty, k1 belongs in the reward
-(`add_kl_to_rewards`), k3 (GRPO-style, beta·k3) in the loss (`kl_loss`).
+masked pi_theta/pi_behav (`weight`).
+
+These are estimates of the KL's value. As a loss what matters is the gradient (docs/RL.md):
+    weighted k2      expected gradient = grad KL(pi_theta || pi_ref), the direction we want
+    weighted k3      expected gradient = grad KL(pi_ref || pi_theta), the reverse KL
+    weighted k1      expected gradient = 0
+So `kl_loss` optimises k2's gradient whatever it reports: with `k3` its value is k3 and its
+gradient k2's (k3.detach() + k2 − k2.detach()); `k1` is refused there and belongs in the
+reward (`add_kl_to_rewards`).
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from cells.trainer.objectives.correction import as_bool_mask
 from cells.trainer.objectives.ratios import check_same_shape
 
 Estimator = Literal["k1", "k2", "k3"]
+LossEstimator = Literal["k2", "k3"]
+"""Estimators a KL loss term accepts (k1 has zero expected gradient as a loss)."""
 
 
 def kl_k1(lp_theta: Tensor, lp_ref: Tensor) -> Tensor:
@@ -60,20 +69,34 @@ def kl_loss(
     mask: Tensor,
     *,
     coef: float,
-    estimator: Estimator = "k3",
+    estimator: LossEstimator = "k3",
     num_tokens: Tensor | float | None = None,
 ) -> Tensor:
     """coef · (1/N0) · sum_t M'·weight·k, with `weight` detached and N0 = sum M by default.
 
+    The value is that of `estimator` (k2 or k3); the gradient is always weighted k2's, whose
+    expectation over the samples is grad KL(pi_theta || pi_ref). `k1` raises ValueError: its
+    expected gradient is zero, so as a loss it only adds noise (put it in the reward).
     Pass `num_tokens` to use a global N0 (summed over data-parallel ranks).
     """
+    if estimator == "k1":
+        raise ValueError(
+            "k1 has zero expected gradient as a loss term; use k2 or k3 in the loss, "
+            "or put k1 in the reward (KLInReward)"
+        )
+    if estimator not in ("k2", "k3"):
+        raise ValueError(f"unknown KL loss estimator {estimator!r}; expected 'k2' or 'k3'")
     check_same_shape(lp_theta=lp_theta, lp_ref=lp_ref, weight=weight, mask=mask)
     m = as_bool_mask(mask, "mask")
     # Zero the log-probs outside M' before exponentiating so garbage there cannot make NaN
     # gradients (0 · inf) through the masked branch.
     lp_t = torch.where(m, lp_theta, 0.0)
     lp_r = torch.where(m, lp_ref.detach(), 0.0)
-    k = kl_estimate(lp_t, lp_r, estimator)
+    k2 = kl_k2(lp_t, lp_r)
+    if estimator == "k2":
+        k = k2
+    else:  # report k3, optimise the forward KL: k3's own gradient is the reverse KL's
+        k = kl_k3(lp_t, lp_r).detach() + k2 - k2.detach()
     n0 = m.sum() if num_tokens is None else torch.as_tensor(num_tokens, device=k.device)
     total = (torch.where(m, weight.detach(), 0.0) * k).sum()
     return coef * total / n0.clamp(min=1)

@@ -223,7 +223,9 @@ def decoupled_ppo_loss(
             kl_mean = _masked_mean(kl_weight * k, keep)
 
     loss = pg_loss + kl_term
-    metrics = _metrics(loss, pg_loss, kl_term, kl_mean, tw, m, r_t, is_clipped, is_dual)
+    metrics = _metrics(
+        loss, pg_loss, kl_term, kl_mean, tw, m, r_t, is_clipped, is_dual, cfg.ewma_band()
+    )
     return loss, metrics
 
 
@@ -243,11 +245,14 @@ def _masked_mean(x: Tensor, m: Tensor) -> Tensor:
 
 @torch.no_grad()
 def _metrics(
-    loss, pg_loss, kl_term, kl_mean, tw: TokenWeights, m, r_t, is_clipped, is_dual
+    loss, pg_loss, kl_term, kl_mean, tw: TokenWeights, m, r_t, is_clipped, is_dual, band
 ) -> dict[str, float]:
     keep, missing = tw.keep, tw.missing
     exact_m, missing_m = m & ~missing, m & missing
     r_d = tw.correction.rho  # clamped, so the mean stays finite
+    # The PPO-EWMA reset rule's count: missing tokens whose exp(lp_stand − lp_behav) lies in
+    # the band, whatever the correction mode did with them.
+    in_band = missing_m & (r_d >= band[0]) & (r_d <= band[1])
     r_stale = tw.log_r_stale.clamp(max=20.0).exp()
     num_m = m.sum()
     values = {
@@ -270,11 +275,15 @@ def _metrics(
         "num_exact": exact_m.sum(),
         "num_missing": missing_m.sum(),
         "num_missing_kept": (keep & missing).sum(),
+        "num_missing_in_band": in_band.sum(),
     }
     values = {k: v.detach().to(torch.float64) for k, v in values.items()}
     floats = torch.stack(list(values.values())).tolist()  # one device sync
     out = dict(zip(values.keys(), floats, strict=True))
     out["frac_missing_kept"] = (
         out["num_missing_kept"] / out["num_missing"] if out["num_missing"] else 1.0
+    )
+    out["frac_missing_in_band"] = (
+        out["num_missing_in_band"] / out["num_missing"] if out["num_missing"] else 1.0
     )
     return out
