@@ -5,12 +5,13 @@ ids, temperature, tile)` -- the function the cells' batch-invariant engine score
 same row tile -- so at the first update on a version sampled and scored in batch-invariant
 mode lp_theta equals the cells' old log-probs bitwise (reported as `frac_bitwise_equal`).
 
-One `rl_step` is one optimizer step over a batch of trajectories in the store's `to_api`
-format: group-relative advantages per `group_id`, each segment of a session its own sequence,
-the decoupled PPO loss of objectives/ with lp_prox = the parameters at the start of the step,
-the PPO-EWMA stand-in where old log-probs are missing or unscored, and KL to the reference
-when configured. Gradients accumulate over micro-batches of sequences with the batch's global
-N0 (and self-normalisation mean), so the loss is the whole-batch loss.
+One `rl_step` is one RL update (one published version) over a batch of trajectories in the
+store's `to_api` format, run in this process by cells/training/update.py -- the code the
+training cells run on their shares of the same plan (cells/training/plan.py): group-relative
+advantages of the task reward per `group_id`, each segment of a session its own sequence,
+`minibatches` optimizer steps with lp_prox from one detached forward at the start of the
+update, the PPO-EWMA stand-in where old log-probs are missing or unscored, and KL to the
+reference when configured. Each minibatch's loss is normalised by its global token count.
 
 Why the forward runs on a compacted vocabulary when the output ids are restricted: the
 embedding (tied to the output layer) has 151,936 rows, and autograd through `index_select`
@@ -38,22 +39,13 @@ from torch import Tensor
 from cells.engine.layers import rope_tables
 from cells.engine.model import check_weights, prepare, token_logprobs
 from cells.engine.model_spec import ModelSpec
-from cells.trainer.objectives import (
-    PPOEWMA,
-    GRPOAdvantage,
-    KLInReward,
-    ObjectiveConfig,
-    RLOOAdvantage,
-    add_kl_to_rewards,
-    apply_correction,
-    compute_advantages,
-    decoupled_ppo_loss,
-    token_weights,
-)
+from cells.trainer.objectives import PPOEWMA, GRPOAdvantage, ObjectiveConfig, RLOOAdvantage
+from cells.training.batch import EXACT, MISSING  # noqa: F401  (re-exported)
+from cells.training.plan import plan_update
+from cells.training.reduce import LocalReducer
+from cells.training.update import run_update
 
 STATE_FORMAT = 1
-EXACT, MISSING = "exact", "missing"
-"""Provenance values of the store's trajectories (None: not scored yet)."""
 _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
@@ -85,6 +77,8 @@ class Learner:
         betas: tuple[float, float] = (0.9, 0.999),
         max_grad_norm: float | None = 1.0,
         micro_batch: int = 16,
+        minibatches: int = 1,
+        lr_warmup_steps: int = 0,
         sft_tile: int | None = None,
         version: int = 0,
         seed: int = 0,
@@ -104,6 +98,13 @@ class Learner:
         self.temperature = temperature
         self.max_grad_norm = max_grad_norm
         self.micro_batch = micro_batch
+        self.minibatches = minibatches
+        """Optimizer steps per RL update (RL_MATH: k >= 2 lets the clip bind from the second)."""
+        self.lr_warmup_steps = lr_warmup_steps
+        self.rl_start_step: int | None = None
+        """The optimizer step RL started at (`start_rl`); None: no RL learning-rate warm-up."""
+        self.betas, self.weight_decay = betas, weight_decay
+        self._base_lr = float(lr)
         self.sft_tile = sft_tile
         # Sorted names: the optimizer's state is indexed by position, checkpoints by name.
         self.params: dict[str, Tensor] = {
@@ -132,10 +133,12 @@ class Learner:
     # -- parameters ------------------------------------------------------------------------
     @property
     def lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
+        """The base learning rate (the warm-up scales it per step, `lr_scale`)."""
+        return self._base_lr
 
     @lr.setter
     def lr(self, value: float) -> None:
+        self._base_lr = float(value)
         for g in self.optimizer.param_groups:
             g["lr"] = value
 
@@ -250,97 +253,75 @@ class Learner:
                 "version": float(self.version)}
 
     # -- the RL step -------------------------------------------------------------------------
+    def start_rl(self) -> None:
+        """RL begins here: the optimizer's moments from the warm-up are dropped (they describe
+        another objective's gradients) and the learning-rate warm-up counts from this step."""
+        self.optimizer.state.clear()
+        self.rl_start_step = self.step
+
     def rl_step(self, trajectories: Sequence[dict[str, Any]], *, cursor: int | None = None
                 ) -> dict[str, float]:
-        """One optimizer step of the decoupled PPO objective over finished `trajectories`
-        (the store's `to_api` format); returns the step's metrics.
+        """One RL update (`minibatches` optimizer steps, one published version) of the
+        decoupled PPO objective over finished `trajectories` (the store's `to_api` format),
+        computed in this process; returns the update's metrics. The cells of a training group
+        run the same `run_update` on their shares of the same plan.
 
         Trajectories whose group has fewer than two members are dropped (their advantage is
         undefined; counted in `num_dropped`). `cursor`, when given, becomes the checkpointed
         data cursor."""
-        cfg = self.objective
-        t0 = time.perf_counter()
-        trajs, dropped = _usable(trajectories)
-        if not trajs:
-            raise ValueError("no group in the batch has two or more trajectories")
-        b = _Batch.build(trajs)
-        version0 = self.version
-
-        # Detached forwards: the EWMA stand-in where lp_old is missing, the reference for KL.
-        lp_stand = torch.zeros_like(b.behav)
-        need = [i for i in range(b.size) if bool(b.missing[i].any())]
-        if need:
-            stand, _, _ = self._logprobs(self.ewma.params, [b.ids[i] for i in need], False)
-            for i, lp in zip(need, stand):
-                lp_stand[i, : len(lp)] = lp
-        lp_ref = None
-        if cfg.kl is not None:
-            lp_ref = _pad(self._logprobs(self.reference, b.ids, False)[0], b.length, 0.0)
-
-        rewards = b.rewards
-        if isinstance(cfg.kl, KLInReward):
-            lp_prox0 = _pad(self._logprobs(self.params, b.ids, False)[0], b.length, 0.0)
-            weight = token_weights(lp_prox0, b.behav, b.mask, cfg, lp_old=b.old,
-                                   provenance=b.missing, lp_stand=lp_stand).weight
-            per_seq = add_kl_to_rewards(torch.zeros(b.size), lp_prox0, lp_ref, weight, b.mask,
-                                        coef=cfg.kl.coef, estimator=cfg.kl.estimator)
-            rewards = rewards + torch.zeros_like(rewards).index_add_(0, b.traj, per_seq)
-        adv_traj = compute_advantages(rewards, cfg.advantage, b.groups)
-        adv = adv_traj[b.traj]
-
-        n0 = b.mask.sum()
-        normalizer = self._normalizer(b, lp_stand) if cfg.self_normalize else None
-        lp_theta = torch.zeros_like(b.behav)
-        for lo in range(0, b.size, self.micro_batch):
-            sl = slice(lo, min(b.size, lo + self.micro_batch))
-            lps, w, rows = self._logprobs(self.params, b.ids[sl], grad=True)
-            lt = _pad(lps, b.length, 0.0)
-            loss, _ = decoupled_ppo_loss(
-                lt, lt.detach(), b.behav[sl], adv[sl], b.mask[sl], cfg,
-                lp_old=b.old[sl], provenance=b.missing[sl], lp_stand=lp_stand[sl],
-                lp_ref=None if lp_ref is None else lp_ref[sl],
-                num_tokens=n0, normalizer=normalizer)
-            loss.backward()
-            self._accumulate_rows(w, rows)
-            lp_theta[sl] = lt.detach()
-
-        # Whole-batch loss terms and metrics (no forward: the log-probs are kept).
-        with torch.no_grad():
-            _, metrics = decoupled_ppo_loss(
-                lp_theta, lp_theta, b.behav, adv, b.mask, cfg, lp_old=b.old,
-                provenance=b.missing, lp_stand=lp_stand, lp_ref=lp_ref, num_tokens=n0,
-                normalizer=normalizer)
-        grad_norm = self._optimizer_step()
-        if self.ewma.should_reset(metrics["num_missing_kept"], metrics["num_missing"]):
-            self.ewma.reset(self.params)
-        else:
-            self.ewma.update(self.params)
+        plan = plan_update(trajectories, self.objective, self.minibatches, [1.0])
+        metrics = run_update(self, plan.shares[0], LocalReducer())
         if cursor is not None:
             self.cursor = cursor
-        metrics.update(b.metrics(lp_theta, version0))
-        metrics.update({
-            "grad_norm": grad_norm,
-            "reward_mean": float(b.rewards.mean()),
-            "reward_std": float(b.rewards.std()) if len(b.rewards) > 1 else 0.0,
-            "adv_abs_mean": float(adv_traj.abs().mean()),
-            "num_trajectories": float(len(trajs)),
-            "num_dropped": float(dropped),
-            "ewma_resets": float(self.ewma.num_resets),
-            "version": float(self.version),
-            "lr": self.lr,
-            "step_s": time.perf_counter() - t0,
-        })
+        metrics.update(plan.metrics())
         return metrics
 
-    def _normalizer(self, b: _Batch, lp_stand: Tensor) -> Tensor:
-        """The batch-wide mean of the kept correction weights c (for self-normalisation);
-        c depends only on the anchor and the behaviour log-probs, not on the parameters."""
-        cfg = self.objective
-        anchor = torch.where(b.missing, lp_stand, b.old)
-        corr = apply_correction(torch.where(b.mask, anchor - b.behav, 0.0), b.mask,
-                                cfg.correction, reject_below=cfg.reject_below)
-        kept = corr.keep.sum()
-        return corr.weight.sum() / kept if kept > 0 else torch.tensor(1.0)
+    # -- what `run_update` calls ----------------------------------------------------------------
+    def seq_logprobs(self, weights: dict[str, Tensor], seqs: Sequence[Tensor], grad: bool
+                     ) -> tuple[list[Tensor], dict[str, Tensor], Tensor | None]:
+        """Per-token log-probs of `seqs` under `weights` at the cells' tile (see `_logprobs`)."""
+        return self._logprobs(weights, seqs, grad)
+
+    def zero_grads(self) -> dict[str, Tensor]:
+        """Zero gradients for every parameter (a rank with no rows adds zeros to the sum), and
+        the per-row marks of the vocabulary tables that `add_row_grads` fills."""
+        for p in self.params.values():
+            p.grad = torch.zeros_like(p)
+        if self._out_ids is None:
+            return {}
+        return {k: torch.zeros(self.params[k].shape[0], dtype=torch.bool)
+                for k in (_EMBED, _HEAD) if k in self.params}
+
+    def add_row_grads(self, w: dict[str, Tensor], rows: Tensor | None, touched: dict[str, Tensor]) -> None:
+        self._accumulate_rows(w, rows)
+        if rows is not None:
+            for m in touched.values():
+                m[rows] = True
+
+    def apply_gradients(self) -> float:
+        """Clip, one optimizer step at the scheduled learning rate; the version is the
+        caller's. Returns the gradient norm before clipping."""
+        params = list(self.params.values())
+        if self.max_grad_norm is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+        for g in self.optimizer.param_groups:
+            g["lr"] = self._base_lr * self.lr_scale()
+        try:
+            self.optimizer.step()
+        finally:
+            for g in self.optimizer.param_groups:
+                g["lr"] = self._base_lr
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return norm
+
+    def lr_scale(self) -> float:
+        """Linear learning-rate warm-up over the first `lr_warmup_steps` optimizer steps of RL."""
+        if self.rl_start_step is None or self.lr_warmup_steps <= 0:
+            return 1.0
+        return min(1.0, (self.step - self.rl_start_step + 1) / self.lr_warmup_steps)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -356,6 +337,7 @@ class Learner:
                 "format": STATE_FORMAT,
                 "version": self.version,
                 "step": self.step,
+                "rl_start_step": self.rl_start_step,
                 "cursor": self.cursor,
                 "ewma_num_resets": self.ewma.num_resets,
                 "param_names": list(self.params),
@@ -380,134 +362,12 @@ class Learner:
         self.ewma.load_state_dict(state["ewma"])
         self.ewma.num_resets = int(meta["ewma_num_resets"])
         self.optimizer.load_state_dict(state["optimizer"])
+        self._base_lr = float(self.optimizer.param_groups[0]["lr"])
         self.generator.set_state(state["rng"])
         self.version, self.step = int(meta["version"]), int(meta["step"])
         self.cursor = int(meta["cursor"])
-
-
-# -- batch assembly ---------------------------------------------------------------------------
-@dataclass
-class _Batch:
-    """Sequences (one per trajectory segment with sampled tokens) as padded (B, T) tensors;
-    token t of a row is at column t."""
-
-    ids: list[Tensor]
-    mask: Tensor
-    """Bool: sampled by the policy (never column 0: nothing predicts it)."""
-    behav: Tensor
-    old: Tensor
-    """lp_old where exact, else 0."""
-    missing: Tensor
-    """Bool, within `mask`: lp_old missing or not yet scored (the EWMA stand-in is used)."""
-    unscored: Tensor
-    versions: Tensor
-    """Behaviour version per sampled token (−1 elsewhere)."""
-    traj: Tensor
-    """The trajectory of each row."""
-    rewards: Tensor
-    """Per trajectory."""
-    groups: Tensor
-    """Group index per trajectory."""
-
-    @property
-    def size(self) -> int:
-        return len(self.ids)
-
-    @property
-    def length(self) -> int:
-        return self.mask.shape[1]
-
-    @classmethod
-    def build(cls, trajs: Sequence[dict[str, Any]]) -> _Batch:
-        rows = [r for i, t in enumerate(trajs) for r in _segments(i, t)]
-        if not rows:
-            raise ValueError("the batch has no sampled tokens")
-        T = max(len(r["ids"]) for r in rows)
-        for t in trajs:
-            if t.get("reward") is None:
-                raise ValueError(f"trajectory {t.get('id')} has no reward (not finished?)")
-        index: dict[Any, int] = {}
-        return cls(
-            ids=[r["ids"] for r in rows],
-            mask=_pad([r["mask"] for r in rows], T, False),
-            behav=_pad([r["behav"] for r in rows], T, 0.0),
-            old=_pad([r["old"] for r in rows], T, 0.0),
-            missing=_pad([r["missing"] for r in rows], T, False),
-            unscored=_pad([r["unscored"] for r in rows], T, False),
-            versions=_pad([r["versions"] for r in rows], T, -1),
-            traj=torch.tensor([r["traj"] for r in rows]),
-            rewards=torch.tensor([float(t["reward"]) for t in trajs], dtype=torch.float32),
-            groups=torch.tensor([index.setdefault(t["group_id"], len(index)) for t in trajs]),
-        )
-
-    def metrics(self, lp_theta: Tensor, version: int) -> dict[str, float]:
-        """Provenance counts, staleness (in versions, against `version`) and how many exact
-        old log-probs lp_theta reproduces bitwise."""
-        exact = self.mask & ~self.missing
-        stale = (version - self.versions)[self.mask].to(torch.float64)
-        return {
-            "num_sequences": float(self.size),
-            "tokens_exact": float(exact.sum()),
-            "tokens_missing": float((self.missing & ~self.unscored).sum()),
-            "tokens_unscored": float(self.unscored.sum()),
-            "staleness_mean": float(stale.mean()) if stale.numel() else 0.0,
-            "staleness_max": float(stale.max()) if stale.numel() else 0.0,
-            "frac_bitwise_equal": float((lp_theta == self.old)[exact].double().mean())
-            if bool(exact.any()) else float("nan"),
-        }
-
-
-def _usable(trajectories: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-    """Trajectories whose group has at least two members, and how many were dropped."""
-    counts: dict[Any, int] = {}
-    for t in trajectories:
-        counts[t.get("group_id")] = counts.get(t.get("group_id"), 0) + 1
-    keep = [t for t in trajectories
-            if t.get("group_id") is not None and counts[t["group_id"]] >= 2]
-    return keep, len(trajectories) - len(keep)
-
-
-def _segments(traj_index: int, t: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each segment of a trajectory that has sampled tokens, as per-token tensors."""
-    n = len(t["token_ids"])
-    for key in ("loss_mask", "logprobs", "versions", "old_logprobs", "provenance"):
-        if len(t[key]) != n:
-            raise ValueError(f"trajectory {t.get('id')}: {key} has {len(t[key])} entries "
-                             f"for {n} tokens")
-    starts = list(t.get("segment_starts") or [0]) + [n]
-    out = []
-    for a, b in zip(starts, starts[1:]):
-        mask = [bool(x) for x in t["loss_mask"][a:b]]
-        if b - a < 2 or not any(mask[1:]):
-            continue
-        mask[0] = False
-        behav, old, miss, unsc, vers = [], [], [], [], []
-        for i in range(a, b):
-            m = mask[i - a]
-            lp, o, prov = t["logprobs"][i], t["old_logprobs"][i], t["provenance"][i]
-            if m and lp is None:
-                raise ValueError(f"trajectory {t.get('id')}: sampled token {i} has no log-prob")
-            exact = m and prov == EXACT and o is not None
-            behav.append(float(lp) if m else 0.0)
-            old.append(float(o) if exact else 0.0)
-            miss.append(m and not exact)
-            unsc.append(m and prov is None)
-            vers.append(int(t["versions"][i]) if m and t["versions"][i] is not None else -1)
-        out.append({
-            "traj": traj_index, "ids": torch.tensor(t["token_ids"][a:b], dtype=torch.long),
-            "mask": torch.tensor(mask), "behav": torch.tensor(behav, dtype=torch.float32),
-            "old": torch.tensor(old, dtype=torch.float32), "missing": torch.tensor(miss),
-            "unscored": torch.tensor(unsc), "versions": torch.tensor(vers, dtype=torch.long),
-        })
-    return out
-
-
-def _pad(rows: Sequence[Tensor], length: int, value: Any) -> Tensor:
-    """Stack 1-D tensors right-padded with `value` to `length`."""
-    out = torch.full((len(rows), length), value, dtype=rows[0].dtype)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = r
-    return out
+        start = meta.get("rl_start_step")
+        self.rl_start_step = None if start is None else int(start)
 
 
 # -- the learnability check ---------------------------------------------------------------------

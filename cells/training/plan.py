@@ -1,0 +1,123 @@
+"""The coordinator's plan of one RL update: what every rank computes, decided without a forward.
+
+One line: usable trajectories → task advantages by group → minibatches (token-balanced,
+contiguous) → each minibatch split across the ranks by token shares → one JSON share per rank.
+
+The update must not depend on how many cells train, so everything that needs the whole batch
+is decided here, once: the group statistics of the advantages (the task reward only; a KL
+penalty is subtracted per sequence on the ranks, after the normalisation, RL_MATH
+"Advantages"), which trajectory lands in which minibatch, and each minibatch's global token
+count N0 (the loss normaliser, a sum over all ranks' tokens). A rank then only needs its own
+trajectories. Pure: no I/O, no torch beyond the advantage arithmetic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cells.trainer.objectives import ObjectiveConfig, compute_advantages
+from cells.training.batch import segments, usable
+
+WIRE_KEYS = ("id", "reward", "group_id", "segment_starts", "token_ids", "loss_mask", "logprobs",
+             "versions", "old_logprobs", "provenance")
+"""The trajectory fields a rank reads (the rest of the store's record stays home)."""
+
+
+@dataclass
+class Share:
+    """One rank's part of an update: its trajectories (in batch order) with their task
+    advantage and minibatch, and the global N0 of every minibatch."""
+
+    trajectories: list[dict[str, Any]]
+    advantages: list[float]
+    minibatch: list[int]
+    n0: list[int]
+
+    @property
+    def num_minibatches(self) -> int:
+        return len(self.n0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"trajectories": [{k: t.get(k) for k in WIRE_KEYS} for t in self.trajectories],
+                "advantages": self.advantages, "minibatch": self.minibatch, "n0": self.n0}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Share:
+        return cls(list(d["trajectories"]), [float(a) for a in d["advantages"]],
+                   [int(m) for m in d["minibatch"]], [int(n) for n in d["n0"]])
+
+
+@dataclass
+class UpdatePlan:
+    shares: list[Share]
+    num_trajectories: int
+    num_dropped: int
+    tokens: list[int] = field(default_factory=list)
+    """Masked tokens per usable trajectory."""
+    rewards: list[float] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        r = torch.tensor(self.rewards, dtype=torch.float32)
+        a = torch.tensor(self.advantages, dtype=torch.float32)
+        return {"reward_mean": float(r.mean()), "reward_std": float(r.std()) if len(r) > 1 else 0.0,
+                "adv_abs_mean": float(a.abs().mean()), "num_trajectories": float(self.num_trajectories),
+                "num_dropped": float(self.num_dropped), "num_minibatches": float(self.shares[0].num_minibatches)}
+
+
+def masked_tokens(t: dict[str, Any]) -> int:
+    """Tokens of `t` that enter the loss (its segments' sampled tokens but the first of each)."""
+    return sum(int(s["mask"].sum()) for s in segments(0, t))
+
+
+def plan_update(trajectories: Sequence[dict[str, Any]], objective: ObjectiveConfig,
+                minibatches: int, shares: Sequence[float]) -> UpdatePlan:
+    """Split the usable part of `trajectories` into `minibatches` (at most one per trajectory)
+    and each minibatch across len(shares) ranks in proportion to `shares` by tokens.
+    Raises ValueError when no group has two members."""
+    trajs, dropped = usable(trajectories)
+    if not trajs:
+        raise ValueError("no group in the batch has two or more trajectories")
+    if minibatches < 1 or not shares or min(shares) <= 0:
+        raise ValueError(f"need minibatches >= 1 and positive shares, got {minibatches}, {list(shares)}")
+    index: dict[Any, int] = {}
+    groups = torch.tensor([index.setdefault(t["group_id"], len(index)) for t in trajs])
+    rewards = torch.tensor([float(t["reward"]) for t in trajs], dtype=torch.float32)
+    adv = compute_advantages(rewards, objective.advantage, groups).tolist()
+    tokens = [masked_tokens(t) for t in trajs]
+    mb = _cut(tokens, [1.0] * min(minibatches, len(trajs)))
+    k = max(mb) + 1
+    n0 = [sum(n for n, j in zip(tokens, mb) if j == i) for i in range(k)]
+    owner = [0] * len(trajs)
+    for j in range(k):
+        members = [i for i in range(len(trajs)) if mb[i] == j]
+        for i, r in zip(members, _cut([tokens[i] for i in members], list(shares))):
+            owner[i] = r
+    out = [Share([], [], [], n0) for _ in shares]
+    for i, t in enumerate(trajs):
+        s = out[owner[i]]
+        s.trajectories.append(t)
+        s.advantages.append(float(adv[i]))
+        s.minibatch.append(mb[i])
+    return UpdatePlan(out, len(trajs), dropped, tokens, rewards.tolist(), [float(a) for a in adv])
+
+
+def _cut(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
+    """Contiguous assignment of items to len(weights) bins so that each bin's share of the
+    total size follows `weights`: item i goes to the bin holding the midpoint of its span."""
+    total = float(sum(sizes)) or 1.0
+    bounds, acc = [], 0.0
+    wsum = float(sum(weights))
+    for w in weights:
+        acc += w / wsum
+        bounds.append(acc * total)
+    out, pos = [], 0.0
+    for n in sizes:
+        mid = pos + n / 2.0
+        out.append(next((b for b, hi in enumerate(bounds) if mid < hi), len(weights) - 1))
+        pos += n
+    return out

@@ -1,0 +1,196 @@
+"""One RL update on one data-parallel rank: the same code for 1 rank (the learner alone) and for
+the cells of a training group.
+
+One line: detached forwards at the start (lp_prox, the EWMA stand-in, the reference) → per
+sequence advantage (task advantage − beta·KL when the KL is in the reward) → per minibatch:
+forward/backward on this rank's rows → sum the gradients over the ranks → clip → AdamW step →
+EWMA → sum the metrics. One published version per update, one optimizer step per minibatch.
+
+Every rank applies the same summed gradient to the same state, so the states stay equal; the
+loss of a minibatch is normalised by its global token count N0 (from the plan), so the sum
+over ranks is the whole minibatch's loss whatever the split.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from cells.trainer.objectives import KLInReward, apply_correction, decoupled_ppo_loss, kl_reward_penalty, token_weights
+from cells.training.batch import Batch, pad
+from cells.training.plan import Share
+from cells.training.reduce import Reducer, sum_gradients
+
+# Per-minibatch sums reduced over the ranks; the reported means are rebuilt from them.
+_COUNTS = ("num_tokens", "num_kept", "num_exact", "num_missing", "num_missing_kept")
+_MEANS = {"kl": "num_kept", "mean_r_d": "num_exact", "mean_r_stale": "num_exact",
+          "mean_r_d_missing": "num_missing", "mean_r_stale_missing": "num_missing",
+          "mean_r_t": "num_kept", "mean_weight": "num_kept", "clip_frac": "num_kept",
+          "dual_clip_frac": "num_kept", "frac_seq_rejected": "num_sequences"}
+_SUMS = ("loss", "pg_loss", "kl_loss", "approx_kl_sum", "num_sequences", *_COUNTS, *_MEANS)
+
+
+def run_update(learner: Any, share: Share, reducer: Reducer) -> dict[str, float]:
+    """Apply one RL update (share.num_minibatches optimizer steps) to `learner` from this
+    rank's `share`; every rank of `reducer` must call it with its share of the same plan.
+    Returns the update's metrics summed over the ranks (equal on every rank)."""
+    t0 = time.perf_counter()
+    b = Batch.build(share.trajectories) if share.trajectories else None
+    pre = _start_of_update(learner, b, share)
+    totals = torch.zeros(len(_SUMS), dtype=torch.float64)
+    mb_losses, grad_norms = [], []
+    for j in range(share.num_minibatches):
+        sums, norm = _minibatch(learner, b, pre, share, j, reducer)
+        mb_losses.append(sums[:3].clone())
+        totals += sums
+        grad_norms.append(norm)
+    learner.version += 1
+    out = _finish_metrics(totals, mb_losses, share.n0)
+    out.update(_batch_metrics(b, pre, reducer, learner.version - 1))
+    out.update({"grad_norm": grad_norms[-1], "grad_norm_max": max(grad_norms), "lr": learner.lr,
+                "ewma_resets": float(learner.ewma.num_resets), "version": float(learner.version),
+                "optimizer_step": float(learner.step), "train_ranks": float(reducer.world),
+                "step_s": time.perf_counter() - t0})
+    return out
+
+
+def _start_of_update(learner: Any, b: Batch | None, share: Share) -> dict[str, Tensor]:
+    """The detached per-token tensors of the update, from forwards at its start."""
+    if b is None:
+        return {}
+    cfg = learner.objective
+    lp_prox = pad(learner.seq_logprobs(learner.params, b.ids, False)[0], b.length, 0.0)
+    lp_stand = torch.zeros_like(b.behav)
+    need = [i for i in range(b.size) if bool(b.missing[i].any())]
+    if need:
+        stand, _, _ = learner.seq_logprobs(learner.ewma.params, [b.ids[i] for i in need], False)
+        for i, lp in zip(need, stand):
+            lp_stand[i, : len(lp)] = lp
+    lp_ref = None
+    if cfg.kl is not None:
+        lp_ref = pad(learner.seq_logprobs(learner.reference, b.ids, False)[0], b.length, 0.0)
+    adv_traj = torch.tensor(share.advantages, dtype=torch.float32)
+    if isinstance(cfg.kl, KLInReward):
+        # after the group normalisation of the task reward: KL noise never passes through the
+        # group std (RL_MATH "Advantages")
+        w = token_weights(lp_prox, b.behav, b.mask, cfg, lp_old=b.old, provenance=b.missing,
+                          lp_stand=lp_stand).weight
+        pen = kl_reward_penalty(lp_prox, lp_ref, w, b.mask, coef=cfg.kl.coef, estimator=cfg.kl.estimator)
+        adv_traj = adv_traj - torch.zeros_like(adv_traj).index_add_(0, b.traj, pen.to(adv_traj.dtype))
+    mb = torch.tensor(share.minibatch, dtype=torch.long)[b.traj]
+    return {"lp_prox": lp_prox, "lp_stand": lp_stand, "lp_ref": lp_ref, "adv": adv_traj[b.traj], "mb": mb}
+
+
+def _rows(b: Batch | None, pre: dict, j: int) -> list[int]:
+    return [] if b is None else torch.nonzero(pre["mb"] == j).flatten().tolist()
+
+
+def _normalizer(learner: Any, b: Batch | None, pre: dict, rows: list[int], reducer: Reducer) -> Tensor | None:
+    """The minibatch-wide mean of the kept correction weights (self-normalisation), over all
+    ranks; it depends only on the anchors and the behaviour log-probs."""
+    cfg = learner.objective
+    if not cfg.self_normalize:
+        return None
+    acc = torch.zeros(2, dtype=torch.float64)
+    if rows:
+        idx = torch.tensor(rows)
+        anchor = torch.where(b.missing[idx], pre["lp_stand"][idx], b.old[idx])
+        corr = apply_correction(torch.where(b.mask[idx], anchor - b.behav[idx], 0.0), b.mask[idx],
+                                cfg.correction, reject_below=cfg.reject_below)
+        acc += torch.stack([corr.weight.sum(), corr.keep.sum()]).to(torch.float64)
+    reducer.all_reduce(acc)
+    return (acc[0] / acc[1]).to(torch.float32) if acc[1] > 0 else torch.tensor(1.0)
+
+
+def _minibatch(learner: Any, b: Batch | None, pre: dict, share: Share, j: int, reducer: Reducer
+               ) -> tuple[Tensor, float]:
+    """Forward/backward of this rank's rows of minibatch j, the summed gradient applied as one
+    optimizer step; returns the minibatch's metric sums over all ranks and the grad norm."""
+    cfg, rows = learner.objective, _rows(b, pre, j)
+    normalizer = _normalizer(learner, b, pre, rows, reducer)
+    n0 = torch.tensor(float(max(share.n0[j], 1)))
+    touched = learner.zero_grads()
+    lt_rows = []
+    for lo in range(0, len(rows), learner.micro_batch):
+        idx = torch.tensor(rows[lo: lo + learner.micro_batch])
+        lps, w, vocab_rows = learner.seq_logprobs(learner.params, [b.ids[i] for i in idx.tolist()], True)
+        lt = pad(lps, b.length, 0.0)
+        loss, _ = decoupled_ppo_loss(lt, pre["lp_prox"][idx], b.behav[idx], pre["adv"][idx], b.mask[idx], cfg,
+                                     **_extra(b, pre, idx), num_tokens=n0, normalizer=normalizer)
+        loss.backward()
+        learner.add_row_grads(w, vocab_rows, touched)
+        lt_rows.append(lt.detach())
+    sums = _local_sums(learner, b, pre, rows, lt_rows, n0, normalizer)
+    reducer.all_reduce(sums)
+    sum_gradients(reducer, learner.params, touched)
+    norm = learner.apply_gradients()
+    m = dict(zip(_SUMS, sums.tolist()))
+    if learner.ewma.should_reset(m["num_missing_kept"], m["num_missing"]):
+        learner.ewma.reset(learner.params)
+    else:
+        learner.ewma.update(learner.params)
+    return sums, norm
+
+
+def _extra(b: Batch, pre: dict, idx: Tensor) -> dict[str, Any]:
+    return {"lp_old": b.old[idx], "provenance": b.missing[idx], "lp_stand": pre["lp_stand"][idx],
+            "lp_ref": None if pre["lp_ref"] is None else pre["lp_ref"][idx]}
+
+
+@torch.no_grad()
+def _local_sums(learner: Any, b: Batch | None, pre: dict, rows: list[int], lt_rows: list[Tensor],
+                n0: Tensor, normalizer: Tensor | None) -> Tensor:
+    """This rank's contribution to minibatch j's metric sums (no forward: the log-probs of the
+    backward pass are kept)."""
+    out = torch.zeros(len(_SUMS), dtype=torch.float64)
+    if not rows:
+        return out
+    idx = torch.tensor(rows)
+    lt = torch.cat(lt_rows)
+    _, m = decoupled_ppo_loss(lt, pre["lp_prox"][idx], b.behav[idx], pre["adv"][idx], b.mask[idx],
+                              learner.objective, **_extra(b, pre, idx), num_tokens=n0, normalizer=normalizer)
+    m["num_sequences"] = float(len(rows))
+    log_r = torch.where(b.mask[idx], pre["lp_prox"][idx] - lt, 0.0)
+    m["approx_kl_sum"] = float((log_r.exp() - 1.0 - log_r).sum())  # k3 of pi_prox vs this step's pi
+    for k, d in _MEANS.items():
+        m[k] = m[k] * m[d]
+    return torch.tensor([float(m[k]) for k in _SUMS], dtype=torch.float64)
+
+
+def _finish_metrics(totals: Tensor, mb_losses: list[Tensor], n0: list[int]) -> dict[str, float]:
+    """Means from the summed metrics; the loss terms are those of the whole batch at the
+    start of each minibatch, weighted by its tokens."""
+    m = dict(zip(_SUMS, totals.tolist()))
+    weights = [n / max(sum(n0), 1) for n in n0]
+    for i, k in enumerate(("loss", "pg_loss", "kl_loss")):
+        m[k] = sum(float(x[i]) * w for x, w in zip(mb_losses, weights))
+    for k, d in _MEANS.items():
+        m[k] = m[k] / m[d] if m[d] else 0.0
+    m["frac_masked"] = 1.0 - m["num_kept"] / m["num_tokens"] if m["num_tokens"] else 0.0
+    m["frac_missing_kept"] = m["num_missing_kept"] / m["num_missing"] if m["num_missing"] else 1.0
+    m["approx_kl"] = m.pop("approx_kl_sum") / m["num_tokens"] if m["num_tokens"] else 0.0
+    return m
+
+
+def _batch_metrics(b: Batch | None, pre: dict, reducer: Reducer, version: int) -> dict[str, float]:
+    """Provenance counts, staleness against the update's version, and how many exact old
+    log-probs lp_prox reproduces bitwise, over all ranks."""
+    s = torch.zeros(6, dtype=torch.float64)
+    mx = torch.full((1,), -1e9, dtype=torch.float64)
+    if b is not None:
+        exact = b.mask & ~b.missing
+        stale = (version - b.versions)[b.mask].to(torch.float64)
+        s += torch.tensor([float(exact.sum()), float((b.missing & ~b.unscored).sum()), float(b.unscored.sum()),
+                           float(stale.sum()), float(stale.numel()),
+                           float((pre["lp_prox"] == b.old)[exact].sum())], dtype=torch.float64)
+        if stale.numel():
+            mx[0] = stale.max()
+    reducer.all_reduce(s)
+    reducer.all_reduce(mx, "max")
+    exact_n, n = s[0].item(), s[4].item()
+    return {"tokens_exact": exact_n, "tokens_missing": s[1].item(), "tokens_unscored": s[2].item(),
+            "staleness_mean": s[3].item() / n if n else 0.0, "staleness_max": mx.item() if n else 0.0,
+            "frac_bitwise_equal": s[5].item() / exact_n if exact_n else float("nan")}
