@@ -97,7 +97,13 @@ class SGLangEngineConfig(_Strict):
     """Where old log-probs are computed: a scoring copy of the version on the cell (host
     memory: 4 bytes per parameter), or the trainer's kept copy (no cell memory)."""
     server_args: dict[str, Any] = {}
-    """Extra `sglang.Engine` arguments (HiCache storage, deterministic inference, page size)."""
+    """Extra `sglang.Engine` arguments (HiCache storage, page size, attention backend…); they
+    override the adapter's, except that they cannot switch `deterministic` off."""
+    deterministic: bool = False
+    """Start SGLang with `enable_deterministic_inference` (batch-invariant kernels, and the
+    per-request `sampling_seed` honoured). Needed for token-exact re-prefill migration, which
+    holds between cells of the same `tp` (docs/GPU.md); costs decode throughput. Off: a moved
+    request loses and doubles no token, but may continue differently."""
     kv_store: str | None = None
     """Name of a shared hierarchical KV store, when its backend config alone does not say."""
     max_running: int = Field(default=256, gt=0)
@@ -183,8 +189,15 @@ class SchedulerConfig(_Strict):
     """A cell whose heartbeat is older than this (scheduler monotonic clock) is fenced."""
     heartbeat_s: float = Field(default=0.5, gt=0)
     """Cell heartbeat interval."""
+    auth: Literal["token", "none"] = "token"
+    """`token`: every route but /healthz needs `Authorization: Bearer <token>` (scheduler/auth.py
+    says where the token comes from). `none`: no auth, refused on a non-loopback `host`."""
     auth_token_file: str | None = None
-    """File holding the bearer token; unset = no auth. Unreadable file: start-up fails."""
+    """File holding the bearer token. Unset: `CELLFLIP_API_TOKEN`, else `api.token` beside the
+    store, generated on first start (mode 0600). Unreadable or empty file: start-up fails."""
+    metrics_token_file: str | None = None
+    """Read-only token for `/metrics` (Prometheus); unset: `metrics.token` beside the store,
+    generated on first start. The API token is accepted there too."""
     max_body_bytes: int = Field(default=8 << 20, gt=0)
     """Largest accepted request body (413 beyond)."""
     min_rollout_cells: int = Field(default=1, ge=0)
@@ -200,8 +213,9 @@ class SchedulerConfig(_Strict):
     `cellflip_requests_stalled_total`; above any prefill time (chunked) on the fleet."""
     staleness_bound: int = Field(default=8, ge=0)
     """Partial rollouts older than this many versions are finished or dropped by policy."""
-    auto_flip: bool = False
-    """Run the planner's autonomous flip policy."""
+    auto_flip: bool = True
+    """Run the planner's autonomous flip policy once the trainer has declared its demand
+    (POST /v1/trainer/report); an explicit POST /v1/flips overrides it."""
 
 
 class CellsConfig(_Strict):
@@ -288,6 +302,12 @@ class CellflipConfig(_Strict):
         eng = self.cells.engine
         if isinstance(eng, EmbeddedEngineConfig) and eng.max_running > eng.num_blocks:
             raise ValueError("cells.engine.max_running exceeds cells.engine.num_blocks")
+        if isinstance(eng, SGLangEngineConfig) and eng.scoring == "cell_copy" and self.versions.update_backend == "nccl":
+            # The scoring copy's rank would receive on the cell's first GPU, which SGLang's tp
+            # rank 0 already holds in the same communicator: NCCL refuses two ranks on one device.
+            raise ValueError("cells.engine.scoring 'cell_copy' cannot be combined with versions.update_backend "
+                             "'nccl' on SGLang cells (the scoring rank and SGLang's tp rank 0 would share one GPU "
+                             "in one NCCL communicator); use scoring 'trainer_copy', or update_backend 'gloo'")
         return self
 
 

@@ -14,6 +14,7 @@ Handlers call the thin methods below; the decisions live in the modules they del
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Hashable, Iterator
@@ -24,12 +25,16 @@ from scheduler import cellsync, completions, flips, migrations, reconcile, scori
 from scheduler.config import MigrationConfig, SchedulerConfig, VersionsConfig
 from scheduler.metrics import Metrics
 from scheduler.notify import Notifier
-from scheduler.placement import CellView, Snapshot
+from scheduler.planner_types import CellSummary, Snapshot
+from scheduler.rates import Rates, TrainerDemand
 from scheduler.protocol import Command
 from scheduler.registry import Registry
 from scheduler.store import Store
 
 log = logging.getLogger("cellflip.scheduler")
+
+UNKNOWN_VERSION = -1
+"""Stands for "no version yet" in the planner's integer version fields."""
 
 TICK_KEY = ("tick",)
 
@@ -85,6 +90,10 @@ class Controller:
         self.closing = False
         """Set at shutdown: waiting client streams end (their tokens stay in the store)."""
         self.trajectory_cursor = 0
+        self.rates = Rates()
+        self.pinned_training: set[str] = set()
+        """Cells an explicit flip sent to training: the planner does not flip them back."""
+        """Finish rate, slot occupancy and training speed as measured here (the planner's inputs)."""
         """Highest trajectory cursor a trainer has fetched (the rest wait for training)."""
         self.last_tick = self.started_at
         self.last_slow_tick = float("-inf")
@@ -126,27 +135,72 @@ class Controller:
         self.notifier.notify(TICK_KEY)
 
     def snapshot(self) -> Snapshot:
-        """Per-cell summaries for the planner: seen, live cells only."""
-        owned = self.store.owners.live_counts()
+        """The planner's `Snapshot`, every field filled from what this scheduler measures: per-cell
+        load from one grouped read of the live requests, rates from `self.rates`, the trainer's
+        demand as it last reported it. Seen, live cells only."""
+        load = self.store.owners.live_load()
         incoming = self.store.owners.incoming_pending()
-        views = []
+        rates, demand = self.rates, self.rates.demand
+        steps = demand.steps_in_progress if demand else 0
+        width = demand.max_cells_per_step if demand else 0
+        cells = []
+        training = []
         for c in self.store.fleet.list_cells():
             entry = self.registry.live.get(c.id)
             if c.state == "down" or entry is None or not entry.seen:
                 continue
             s = entry.summary
-            views.append(CellView(
-                cell_id=c.id, state=c.state, version=s.version if s else c.version,
-                inflight=owned.get(c.id, 0) + incoming.get(c.id, 0), max_running=c.max_running,
-                kv_blocks_used=s.kv_blocks_used if s else c.kv_blocks_used,
-                kv_blocks_total=(s.kv_blocks_total if s and s.kv_blocks_total else c.kv_blocks_total),
-                kv_export=bool(c.capabilities.get("kv_export")),
-                block_size=int(c.capabilities.get("block_size") or 16), generation=c.generation,
-                node=c.address.rsplit(":", 1)[0], kv_store=c.capabilities.get("kv_store") or None))
+            n, tokens = load.get(c.id, (0, 0))
+            bs = int(c.capabilities.get("block_size") or 16)
+            total = s.kv_blocks_total if s and s.kv_blocks_total else c.kv_blocks_total
+            used = s.kv_blocks_used if s else c.kv_blocks_used
+            version = s.version if s else c.version
+            cells.append(CellSummary(
+                cell_id=c.id, node=c.address.rsplit(":", 1)[0], role=c.state,  # type: ignore[arg-type]
+                version=UNKNOWN_VERSION if version is None else version,
+                inflight=n + incoming.get(c.id, 0), capacity=c.max_running,
+                # in the planner's 16-token blocks; a cell without a block pool has no KV limit
+                kv_blocks_free=max(0, total - used) * bs // 16 if total > 0 else 1 << 40,
+                kv_blocks_total=total * bs // 16, generation=c.generation,
+                can_export_kv=bool(c.capabilities.get("kv_export")), inflight_tokens=tokens,
+                kv_store=c.capabilities.get("kv_store") or None))
+            if c.state == "training":
+                training.append(len(cells) - 1)
+        # a running step keeps up to its width of training cells busy (those longest in training
+        # are the ones it started on; the store keeps no finer record, so: in id order)
+        busy = set(training[: steps * width if width else (len(training) if steps else 0)])
+        busy.update(i for i in training if cells[i].cell_id in self.pinned_training)
+        for i in busy:
+            cells[i] = dataclasses.replace(cells[i], busy=True)
         counts = self.store.owners.count_requests()
-        return Snapshot(tuple(views), versions.current_version(self), self.cfg.min_rollout_cells,
-                        finished_waiting=self.store.sessions.finished_after(self.trajectory_cursor),
-                        queued_requests=counts.get("queued", 0) + counts.get("suspended", 0) + counts.get("parked", 0))
+        current = versions.current_version(self)
+        return Snapshot(
+            cells=tuple(cells),
+            finished_waiting=self.store.sessions.finished_after(self.trajectory_cursor),
+            batch_size=demand.batch_size if demand else 1, training_in_progress=steps > 0,
+            min_rollout_cells=self.cfg.min_rollout_cells,
+            queued_sessions=counts.get("queued", 0) + counts.get("suspended", 0) + counts.get("parked", 0),
+            version=UNKNOWN_VERSION if current is None else current,
+            staleness_bound=self.cfg.staleness_bound, steps_in_progress=steps,
+            max_cells_per_step=width or max(1, len(cells)),
+            finish_rate_per_slot_s=rates.finish_rate_per_slot_s(), slot_occupancy=rates.slot_occupancy(),
+            train_rate_per_cell_s=rates.train_rate_per_cell_s, train_step_s=rates.train_step_s,
+            tokens_per_step=rates.tokens_per_step,
+            max_concurrent_steps=demand.max_concurrent_steps if demand else 1)
+
+    def report_training(self, batch_size: int, steps_in_progress: int, max_cells_per_step: int,
+                        max_concurrent_steps: int = 1, step_s: float | None = None,
+                        sessions: int | None = None, tokens: int | None = None,
+                        cells: int | None = None) -> dict:
+        """The trainer's demand and its last step (POST /v1/trainer/report): the planner's
+        training side. Wakes the loop so the planner sees it at once."""
+        self.rates.on_trainer_report(
+            TrainerDemand(batch_size, steps_in_progress, max_cells_per_step, max_concurrent_steps),
+            step_s, sessions, tokens, cells)
+        self.kick()
+        r = self.rates
+        return {"train_rate_per_cell_s": r.train_rate_per_cell_s, "train_step_s": r.train_step_s,
+                "tokens_per_step": r.tokens_per_step, "auto_flip": self.cfg.auto_flip}
 
     def snapshot_version(self, cell_id: str) -> int | None:
         """The weight version a cell serves, as last reported (else as registered)."""
@@ -178,7 +232,17 @@ class Controller:
     sync = cellsync.sync
     commit_migration = migrations.commit
     abort_migration = migrations.abort_by_cell
-    create_flips = flips.create
+    def create_flips(self, to: str, cell: str | None, count: int | None, expected_generation: int | None,
+                     idempotency_key: str | None = None) -> dict:
+        """An explicit flip (POST /v1/flips): it overrides the planner, which then leaves a cell
+        flipped to training there (as busy) until an explicit flip brings it back."""
+        out = flips.create(self, to, cell, count, expected_generation, idempotency_key)
+        for f in out.get("flips", []):
+            if to == "training":
+                self.pinned_training.add(f["cell"])
+            else:
+                self.pinned_training.discard(f["cell"])
+        return out
     publish_version = versions.publish
     retire_version = versions.retire
     list_versions = versions.list_all
@@ -221,5 +285,6 @@ class Controller:
         if self.store.owners.active_request_for_session(session_id) is not None:
             raise Conflict(f"session {session_id!r} has a request in flight", reason="session_busy")
         row = self.store.sessions.finish(session_id, reward, group_id)
+        self.rates.on_finish()
         return {"id": row.id, "state": row.state, "reward": row.reward, "group_id": row.group_id, "cursor": row.finish_seq}
 

@@ -11,7 +11,8 @@ that production runs.
 
 Flip policy (one line): make rollout production match training consumption, and let the
 finished backlog nudge the split.
-    p = trajectories accepted per rollout cell-second (measured, so staleness drops count)
+    p = trajectories accepted per occupied rollout slot-second x slots per cell x occupancy
+        (all measured, so staleness drops and slots waiting for their next session count)
     q = trajectories trained per training cell-second (measured)
     N = flexible cells (rollout side + training side), W = finished backlog, B = batch size
     p * (N - T) + (W - W_target) / horizon = q * T   =>   T = (p N + (W - W_target)/horizon) / (p + q)
@@ -20,8 +21,10 @@ longer while the policy learns; the backlog term corrects for estimation error a
 start of a run, when nothing has finished yet. Guards: cells go to training only while the
 trainer can use them (running steps plus ready batches), at most a share of the fleet and
 a budget of moved sessions a tick, only as fast as free rollout slots can take the moved
-sessions, never below `min_rollout_cells`; only idle training cells come back; a deadband
-stops flapping.
+sessions, never below `min_rollout_cells`; only idle training cells come back (those beyond
+the balance, or beyond what the trainer can use now); a deadband stops flapping. The backlog
+horizon is a share of the measured mean session slot time (at least a few measured steps):
+no hour-scale constant, so minute-long sessions are balanced as well as hour-long ones.
 """
 
 from __future__ import annotations
@@ -72,10 +75,11 @@ def _balance(snapshot: Snapshot, policy: PlannerPolicy, n_roll: int, n_train: in
     if n_flex == 0:
         return 0.0
     cap = cap_sum / n_roll if n_roll else 0.0
-    p = snapshot.finish_rate_per_slot_s * cap
+    # the rate is per *occupied* slot: a cell produces it on the slots it keeps occupied
+    p = snapshot.finish_rate_per_slot_s * cap * min(1.0, max(0.0, snapshot.slot_occupancy))
     q = snapshot.train_rate_per_cell_s
     backlog = snapshot.finished_waiting - policy.backlog_target_batches * snapshot.batch_size
-    surplus = backlog / policy.backlog_horizon_s
+    surplus = backlog / backlog_horizon_s(snapshot, policy)
     if q <= 0.0:
         # training speed not measured yet: give training what the ready batches can use
         want = float(_useful_training_cells(snapshot))
@@ -88,11 +92,24 @@ def _balance(snapshot: Snapshot, policy: PlannerPolicy, n_roll: int, n_train: in
     return min(max(want, 0.0), float(max(0, n_flex - snapshot.min_rollout_cells)))
 
 
+def backlog_horizon_s(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) -> float:
+    """Seconds over which a backlog off its target is corrected: a share of the measured mean
+    session slot time, at least a few measured training steps (the hour-scale constant only
+    while neither was measured)."""
+    h = 0.0
+    if snapshot.finish_rate_per_slot_s > 0.0:
+        h = policy.backlog_horizon_sessions / snapshot.finish_rate_per_slot_s
+    if snapshot.train_step_s > 0.0:
+        h = max(h, policy.backlog_horizon_steps * snapshot.train_step_s)
+    return h if h > 0.0 else policy.backlog_horizon_s
+
+
 def _useful_training_cells(snapshot: Snapshot) -> int:
-    """Cells the trainer can keep busy: running steps plus ready batches, each up to its width."""
+    """Cells the trainer can keep busy: running steps plus ready batches, as many steps as it
+    runs at once, each up to its width."""
     steps = snapshot.steps_in_progress or (1 if snapshot.training_in_progress else 0)
     ready = snapshot.finished_waiting // max(1, snapshot.batch_size)
-    return (steps + ready) * snapshot.max_cells_per_step
+    return min(steps + ready, max(1, snapshot.max_concurrent_steps)) * snapshot.max_cells_per_step
 
 
 def plan_flips(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) -> list[FlipDecision]:
@@ -125,7 +142,8 @@ def plan_flips(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) -> li
     want = _balance(snapshot, policy, n_roll, n_train, cap_sum, inflight)
     deadband = max(1.0, policy.deadband_fraction * want)
     max_flips = max(1, int(policy.max_flip_fraction_per_tick * (n_roll + n_train)))
-    want_now = min(want, float(max(n_train, _useful_training_cells(snapshot))))
+    useful = _useful_training_cells(snapshot)
+    want_now = min(want, float(max(n_train, useful)))
     if want_now - n_train >= deadband:
         spare = n_rollout_role - snapshot.min_rollout_cells
         count = min(int(want_now - n_train), max_flips, spare)
@@ -134,8 +152,11 @@ def plan_flips(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) -> li
                                 policy.max_moved_sessions_per_tick)
         reason = f"balance: want {want:.1f} training cells, have {n_train}"
         return [FlipDecision(snapshot.cells[i].cell_id, "training", reason) for i in chosen]
-    if n_train - want >= deadband and n_idle:
-        count = min(int(n_train - want), max_flips, n_idle)
+    # back to rollout: idle cells beyond the balance, or beyond what the trainer can use now
+    # (no step running and no batch ready): an idle training cell decodes nothing
+    want_back = min(want, float(useful))
+    if n_train - want_back >= max(1.0, policy.deadband_fraction * want_back) and n_idle:
+        count = min(int(n_train - want_back), max_flips, n_idle)
         reason = f"balance: want {want:.1f} training cells, have {n_train}"
         return [FlipDecision(cid, "rollout", reason)
                 for cid in choose_cells_to_flip(snapshot, "rollout", count, idle_only=True)]

@@ -77,9 +77,27 @@ class Snapshot:
     max_cells_per_step: int = 128
     """Data-parallel width past which one step gets no faster."""
     finish_rate_per_slot_s: float = 0.0
-    """Measured trajectories accepted for training per occupied rollout slot-second; 0 = unknown."""
+    """Measured trajectories accepted for training per occupied rollout slot-second; 0 = unknown.
+    Its inverse is the mean slot time of a session, the planner's clock for horizons."""
+    slot_occupancy: float = 1.0
+    """Measured share of rollout slots occupied (occupied slot-seconds over slot-seconds):
+    slots wait for their next session between a finish and an admission."""
     train_rate_per_cell_s: float = 0.0
     """Measured trajectories trained per training cell-second; 0 = unknown."""
+    train_step_s: float = 0.0
+    """Measured duration of the last training step (seconds), as the trainer reports it; 0 = unknown."""
+    tokens_per_step: int = 0
+    """Tokens the last training step consumed, as the trainer reports it; 0 = unknown."""
+    max_concurrent_steps: int = 1
+    """Training steps the trainer runs at once (one RL job publishing one version at a time: 1)."""
+
+    @property
+    def current_version(self) -> int | None:
+        """`version`, None before any version exists (the controller's convention)."""
+        return None if self.version < 0 else self.version
+
+    def cell(self, cell_id: CellId) -> CellSummary | None:
+        return next((c for c in self.cells if c.cell_id == cell_id), None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +113,9 @@ class RequestSummary:
 
     request_id: str | int
     context_tokens: int
-    version: int
+    version: int | None
+    """Weight version of the request's latest token (None: none sampled yet)."""
+    session_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,8 +156,13 @@ class PlannerPolicy:
 
     backlog_target_batches: float = 1.0
     """Finished batches kept waiting so that a training step never waits for data."""
+    backlog_horizon_sessions: float = 0.5
+    """A backlog above the target is trained off over about this many mean session slot times
+    (measured: 1 / `finish_rate_per_slot_s`), at least `backlog_horizon_steps` training steps."""
+    backlog_horizon_steps: float = 4.0
+    """Lower bound of the backlog horizon in measured training steps (`train_step_s`)."""
     backlog_horizon_s: float = 3600.0
-    """A backlog above the target is trained off over about this long (extra training cells)."""
+    """The backlog horizon while neither a session nor a step has been measured."""
     deadband_fraction: float = 0.02
     """Ignore a gap between wanted and current training cells below this share of the wanted
     count (at least one cell): damps flapping from noisy rate estimates."""

@@ -24,6 +24,7 @@ SLOW_GAUGES_EVERY_S = 2.0
 def sync_from(ctl: Controller) -> None:
     now = ctl.clock()
     _account_role_seconds(ctl, now - ctl.last_tick)
+    _measure_slots(ctl, now - ctl.last_tick)
     ctl.last_tick = now
     for cell_id in ctl.registry.expired():
         cellsync.fence(ctl, cell_id, "lease expired")
@@ -43,7 +44,7 @@ def step_next(ctl: Controller) -> None:
     ownership.place_waiting(ctl)
     versions.catch_up(ctl)
     scoring.step(ctl)
-    if ctl.cfg.auto_flip:
+    if ctl.cfg.auto_flip and ctl.rates.demand is not None:  # the trainer declared its demand
         flips.autonomous(ctl)
 
 
@@ -53,6 +54,20 @@ def _account_role_seconds(ctl: Controller, dt: float) -> None:
     for c in ctl.store.fleet.list_cells():
         if c.id in ctl.registry.live:
             ctl.metrics.role_seconds.labels(c.id, c.state).inc(dt)
+
+
+def _measure_slots(ctl: Controller, dt: float) -> None:
+    """Fold the tick's occupied and offered rollout slot-seconds into the measured rates (the
+    finish rate is per occupied slot; occupancy is the share of slots a session holds)."""
+    if dt <= 0:
+        return
+    owned = ctl.store.owners.live_counts()
+    occupied = offered = 0
+    for c in ctl.store.fleet.list_cells():
+        if c.state == "rollout" and c.id in ctl.registry.live:
+            offered += c.max_running
+            occupied += min(c.max_running, owned.get(c.id, 0))
+    ctl.rates.on_tick(dt, occupied, offered)
 
 
 def _refresh_gauges(ctl: Controller, now: float) -> None:

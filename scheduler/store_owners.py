@@ -119,6 +119,13 @@ class OwnerStore:
         q = "SELECT cell_id, COUNT(*) FROM requests WHERE state IN (?,?) AND cell_id IS NOT NULL GROUP BY cell_id"
         return dict(self.s.execute(q, LIVE_REQUEST_STATES).fetchall())
 
+    def live_load(self) -> dict[str, tuple[int, int]]:
+        """Live requests and their context tokens per owner cell (one grouped read of the live
+        requests, through the (state, cell_id) index: never the sessions or their tokens)."""
+        q = ("SELECT cell_id, COUNT(*), SUM(base - prompt_start + num_generated) FROM requests "
+             "WHERE state IN (?,?) AND cell_id IS NOT NULL GROUP BY cell_id")
+        return {c: (n, int(t or 0)) for c, n, t in self.s.execute(q, LIVE_REQUEST_STATES)}
+
     def active_request_for_session(self, session_id: str) -> RequestRow | None:
         q = f"SELECT {_REQ_COLS} FROM requests WHERE session_id=? AND state NOT IN ('finished','failed') LIMIT 1"
         r = self.s.execute(q, (session_id,)).fetchone()

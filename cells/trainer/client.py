@@ -58,6 +58,17 @@ class TrainerClient:
         headers = {"Idempotency-Key": key or uuid.uuid4().hex}
         return self._call("POST", "/v1/flips", json=body, headers=headers)["flips"]
 
+    def report_training(self, *, batch_size: int, steps_in_progress: int, max_cells_per_step: int,
+                        step_s: float | None = None, sessions: int | None = None,
+                        tokens: int | None = None, cells: int | None = None) -> dict:
+        """Declare the trainer's demand (batch size, steps running, cells a step can use) and,
+        after a step, what it took (seconds, sessions, tokens, cells): the planner's training side."""
+        body: dict[str, Any] = {"batch_size": batch_size, "steps_in_progress": steps_in_progress,
+                                "max_cells_per_step": max_cells_per_step}
+        if step_s is not None:
+            body |= {"step_s": step_s, "sessions": sessions, "tokens": tokens, "cells": cells}
+        return self._call("POST", "/v1/trainer/report", json=body)
+
     def wait_flips(self, flips: list[dict], timeout_s: float = 300.0) -> list[dict]:
         """Wait until every flip finished; returns their final records."""
         deadline, out = time.monotonic() + timeout_s, {}

@@ -1,0 +1,49 @@
+"""POST /v1/trainer/report: the trainer's demand and the step it just finished.
+
+The planner's training side comes from here: how many sessions a step consumes, how many
+steps run now and how many cells one can use (the demand), and for a finished step its
+duration, sessions, tokens and cells (the measured training speed). The trainer reports when
+a step starts and when it ends.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from pydantic import Field, model_validator
+
+from scheduler.api.deps import ApiRoute, Ctl
+from scheduler.api.schemas import _Body, errors
+
+router = APIRouter(prefix="/v1/trainer", tags=["trainer"], route_class=ApiRoute, responses=errors(401))
+
+
+class TrainerReport(_Body):
+    batch_size: int = Field(ge=1, le=1 << 30)
+    """Sessions one training step consumes."""
+    steps_in_progress: int = Field(ge=0, le=1 << 20)
+    """Training steps running now."""
+    max_cells_per_step: int = Field(ge=1, le=1 << 20)
+    """Cells one step can use."""
+    max_concurrent_steps: int = Field(default=1, ge=1, le=1 << 20)
+    """Steps the trainer runs at once (one RL job: 1)."""
+    step_s: float | None = Field(default=None, gt=0, le=1e9)
+    """Duration of the step that just finished (seconds)."""
+    sessions: int | None = Field(default=None, ge=1, le=1 << 30)
+    """Sessions that step trained on."""
+    tokens: int | None = Field(default=None, ge=0, le=1 << 50)
+    """Tokens that step trained on."""
+    cells: int | None = Field(default=None, ge=1, le=1 << 20)
+    """Training cells that step ran on."""
+
+    @model_validator(mode="after")
+    def _whole_step(self) -> TrainerReport:
+        step = (self.step_s, self.sessions, self.cells)
+        if any(x is not None for x in step) and any(x is None for x in step):
+            raise ValueError("a finished step needs step_s, sessions and cells together")
+        return self
+
+
+@router.post("/report", responses=errors(413, 422))
+async def report(body: TrainerReport, ctl: Ctl) -> dict:
+    return ctl.report_training(body.batch_size, body.steps_in_progress, body.max_cells_per_step,
+                               body.max_concurrent_steps, body.step_s, body.sessions, body.tokens, body.cells)

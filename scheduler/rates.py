@@ -1,0 +1,96 @@
+"""What the scheduler measures for the planner: finish rate, slot occupancy, training speed.
+
+One line: every tick adds occupied and offered rollout slot-seconds -> every finished session
+adds one finish -> every trainer report adds a step (seconds, sessions, tokens, cells) ->
+`Rates` holds the moving averages the controller's `Snapshot` carries.
+
+The averaging window is not an hour-scale constant: it is a few mean session slot times, and
+the mean slot time is itself what the finish rate measures (slot-seconds per finish), so the
+window follows minute-long and hour-long sessions alike. The cluster simulator measures the
+same quantities the same way (bench/sim/run.py) from its own arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+WINDOW_SESSIONS = 2.0
+"""The finish-rate average spans about this many mean session slot times."""
+MIN_WINDOW_S = 10.0
+"""...and at least this long (a handful of ticks), so one tick's finishes do not swing it."""
+STEP_WEIGHT = 0.5
+"""Weight of the newest step in the training-speed averages (steps are few and informative)."""
+
+
+@dataclass(slots=True)
+class TrainerDemand:
+    """What the trainer declared in its latest report (POST /v1/trainer/report)."""
+
+    batch_size: int
+    """Sessions one training step consumes."""
+    steps_in_progress: int
+    """Training steps running now."""
+    max_cells_per_step: int
+    """Cells one step can use."""
+    max_concurrent_steps: int = 1
+
+
+class Rates:
+    """Moving averages of what the control loop observes. Mutated only by its own methods."""
+
+    def __init__(self) -> None:
+        self.finishes = 0.0
+        """Decayed count of finished sessions."""
+        self.occupied_slot_s = 0.0
+        """Decayed occupied rollout slot-seconds."""
+        self.offered_slot_s = 0.0
+        """Decayed rollout slot-seconds (occupied or not)."""
+        self._pending_finishes = 0
+        self.train_rate_per_cell_s = 0.0
+        self.train_step_s = 0.0
+        self.tokens_per_step = 0
+        self.demand: TrainerDemand | None = None
+
+    # -- rollout side
+    def on_finish(self, n: int = 1) -> None:
+        """Sessions finished since the last tick (counted at the next `on_tick`)."""
+        self._pending_finishes += n
+
+    def on_tick(self, dt: float, occupied_slots: int, offered_slots: int) -> None:
+        """Fold one tick of `dt` seconds in: the slots occupied and offered over it, and the
+        finishes since the last tick. O(1)."""
+        if dt <= 0:
+            return
+        mean_slot_s = self.mean_slot_s()
+        window = max(MIN_WINDOW_S, WINDOW_SESSIONS * mean_slot_s) if mean_slot_s > 0 else 3600.0
+        keep = math.exp(-dt / window)
+        self.finishes = keep * self.finishes + self._pending_finishes
+        self.occupied_slot_s = keep * self.occupied_slot_s + occupied_slots * dt
+        self.offered_slot_s = keep * self.offered_slot_s + offered_slots * dt
+        self._pending_finishes = 0
+
+    def finish_rate_per_slot_s(self) -> float:
+        """Finished sessions per occupied rollout slot-second; 0 = none measured yet."""
+        return self.finishes / self.occupied_slot_s if self.finishes > 0 and self.occupied_slot_s > 0 else 0.0
+
+    def mean_slot_s(self) -> float:
+        """Mean slot time of a session (the inverse of the finish rate); 0 = unknown."""
+        r = self.finish_rate_per_slot_s()
+        return 1.0 / r if r > 0 else 0.0
+
+    def slot_occupancy(self) -> float:
+        return self.occupied_slot_s / self.offered_slot_s if self.offered_slot_s > 0 else 1.0
+
+    # -- training side
+    def on_trainer_report(self, demand: TrainerDemand, step_s: float | None = None,
+                          sessions: int | None = None, tokens: int | None = None,
+                          cells: int | None = None) -> None:
+        """The trainer's demand, and the step it just finished if any."""
+        self.demand = demand
+        if step_s and sessions and cells:
+            rate = sessions / (step_s * cells)
+            w = STEP_WEIGHT if self.train_rate_per_cell_s > 0 else 1.0
+            self.train_rate_per_cell_s = (1 - w) * self.train_rate_per_cell_s + w * rate
+            self.train_step_s = (1 - w) * self.train_step_s + w * step_s
+            self.tokens_per_step = int(tokens or 0)
