@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,12 @@ class SGLangModules:
     io_struct: Any
     """`sglang.srt.managers.io_struct`: request objects for the tokenizer manager."""
     version: str
+    tensor_bucket: Any = None
+    """`sglang.srt.weight_sync.tensor_bucket`: `FlattenedTensorMetadata` for `flattened_bucket`
+    payloads of `update_weights_from_tensor` (sglang_tensor_update.py)."""
+    serialize: Any = None
+    """`MultiprocessingSerializer.serialize`: SGLang's own encoding of a payload handed to its
+    scheduler on this node (CUDA tensors travel as IPC handles); cellflip never decodes it."""
 
 
 def load_sglang() -> SGLangModules:
@@ -53,6 +59,9 @@ def load_sglang() -> SGLangModules:
         import sglang
         from sglang.srt.entrypoints.engine import Engine
         from sglang.srt.managers import io_struct
+        from sglang.srt.utils import MultiprocessingSerializer
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+        from sglang.srt.weight_sync import tensor_bucket
     except ImportError as e:
         raise SGLangUnavailable(
             f"cells.engine.type is 'sglang' but SGLang is not importable ({e}). Install the GPU "
@@ -64,7 +73,13 @@ def load_sglang() -> SGLangModules:
         raise SGLangUnavailable(
             f"installed sglang {version} lacks Engine methods {missing}; "
             f"install sglang=={PINNED_SGLANG_VERSION}")
-    return SGLangModules(Engine=Engine, io_struct=io_struct, version=version)
+
+    def serialize(payload: Any) -> str:
+        monkey_patch_torch_reductions()  # CUDA tensors by device UUID, as SGLang's receiver expects
+        return MultiprocessingSerializer.serialize(payload, output_str=True)
+
+    return SGLangModules(Engine=Engine, io_struct=io_struct, version=version, tensor_bucket=tensor_bucket,
+                         serialize=serialize)
 
 
 def check_environment(environ: Mapping[str, str] = os.environ) -> None:
@@ -74,11 +89,22 @@ def check_environment(environ: Mapping[str, str] = os.environ) -> None:
                           "before temperature scaling; unset it on SGLang cells")
 
 
+def nccl_environment(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Choose how NCCL failures end, before SGLang starts its scheduler processes (they
+    inherit this process's environment). The default (3) tears a process down when a
+    communicator fails or times out, and SGLang's launcher then takes the cell process with
+    it; 2 (CleanUpOnly) aborts the communicator and raises in the waiting call, so a failed
+    version update reaches the adapter, which restarts the engine (sglang_control.py)."""
+    environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+
+
 def server_kwargs(model_path: str, tp: int, mem_fraction_static: float,
-                  overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                  overrides: Mapping[str, Any] | None = None, *, deterministic: bool = False) -> dict[str, Any]:
     """`sglang.Engine(**kwargs)` for a cell. Token-in/token-out (`skip_tokenizer_init`),
-    memory handover (`enable_memory_saver`); `overrides` (e.g. HiCache settings,
-    `enable_deterministic_inference`) win."""
+    memory handover (`enable_memory_saver`), batch-invariant kernels where `deterministic`
+    (`enable_deterministic_inference`: without it SGLang ignores `sampling_seed` and a token's
+    numbers depend on its batch). `overrides` (e.g. HiCache settings) win, except that they
+    cannot switch deterministic inference off where the config promises it."""
     kwargs: dict[str, Any] = {
         "model_path": model_path,
         "tp_size": tp,
@@ -87,8 +113,29 @@ def server_kwargs(model_path: str, tp: int, mem_fraction_static: float,
         "enable_memory_saver": True,
         "log_level": "error",
     }
+    if deterministic:
+        kwargs["enable_deterministic_inference"] = True
     kwargs.update(overrides or {})
+    if deterministic and not kwargs.get("enable_deterministic_inference"):
+        raise EngineError("server_args switch enable_deterministic_inference off, but the engine config asks "
+                          "for deterministic inference (set cells.engine.deterministic: false instead)")
     return kwargs
+
+
+def submission_rid(request_id: str, n: int) -> str:
+    """SGLang's id of submission `n` of `request_id`: `{request_id}#{n};`. SGLang aborts every
+    request whose id *starts with* the one given (`X#1` would also stop `X#10`), so ids are
+    prefix-free: `;` ends the number, and `%`, `#` and `;` inside the request id are escaped,
+    so the first `#` always ends the id. No submission id is then a prefix of another."""
+    escaped = request_id.replace("%", "%25").replace("#", "%23").replace(";", "%3B")
+    return f"{escaped}#{n};"
+
+
+def cached_tokens(meta_info: Mapping) -> int | None:
+    """Prompt tokens SGLang found cached (device radix tree, host tier or HiCache store) for
+    this submission, as its first chunk reports them; None where absent."""
+    n = meta_info.get("cached_tokens")
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) else None
 
 
 def sampling_seed(seed: int, request_id: str) -> int:

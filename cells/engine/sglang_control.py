@@ -1,7 +1,14 @@
 """Weight versions, pause/continue and GPU-memory handover for `SGLangEngine`.
 
 Version update, one line:
-  pause(retract) → join group → begin → receive buckets → end → label → restart in-flight → continue → leave group
+  pause(retract) → barrier (joined → go) → join group → begin → receive buckets → end → label
+  → restart in-flight → continue → leave group
+- The barrier (sglang_barrier.py) comes first: no member forms the group until the sender
+  has seen every member join, so a member that never comes costs one bounded wait, and an
+  `abort` (or no verdict) leaves the weights untouched. Once this engine's ranks are in the
+  group after `go`, a failure is fatal for the engine: a collective may be left half-done
+  in SGLang's scheduler (NCCL cannot be trusted after that), so SGLang is restarted, and
+  the cell is `broken` until a complete version arrives.
 - `retract` (not `in_place`): SGLang finishes the batch in flight, moves running requests
   back to its queue and frees their KV, so the cache flush that follows the update succeeds
   and no token computed under the old weights is emitted after the continue.
@@ -11,6 +18,8 @@ Version update, one line:
   after that leaves the cell `broken` (paused, serving nothing) until a complete version
   arrives; a failure before it leaves the weights and the cell's state as they were. No
   partial version is ever served.
+- From tensors in this process (catch-up, deferred install): the same session, in buckets
+  of ≤ 512 MB staged on the cell's GPU (sglang_tensor_update.py), the cache flushed once.
 
 Memory handover, one line each:
   to training: (no request left) → release(weights, kv_cache)
@@ -27,7 +36,9 @@ import torch
 
 from cells.engine import sglang_backend as sb
 from cells.engine.interface import EngineError
+from cells.engine.sglang_barrier import member_join
 from cells.engine.sglang_scoring import ScoringReceiver
+from cells.engine.sglang_tensor_update import send_in_buckets
 from cells.engine.sglang_weights import BucketSpec, TensorMeta, UpdateGroup, check_against_manifest
 
 log = logging.getLogger(__name__)
@@ -83,62 +94,89 @@ class ControlMixin:
         if group.rank_offset < 1 or group.rank_offset + self.num_update_ranks > group.world_size:
             raise EngineError(f"ranks {group.rank_offset}..{group.rank_offset + self.num_update_ranks - 1} "
                               f"do not fit a group of {group.world_size}")
+        if self._scorer is not None and group.backend == "nccl":
+            raise EngineError("the scoring copy (cell_copy) cannot join an NCCL update group: its rank would "
+                              "share the cell's first GPU with SGLang's tp rank 0; use gloo or trainer_copy")
         prev = self._state
         self._pause_for_update()
+        if group.barrier_s is not None:
+            try:
+                member_join(group)
+            except EngineError as e:
+                self._fail_update(version, False, False, prev, e)
         receiver = None
-        if self._scorer is not None:
+        if self._scorer is not None:  # joins beside SGLang's ranks: gloo's rendezvous needs all at once
             receiver = ScoringReceiver(group, group.rank_offset + self.config.tp, buckets,
-                                        getattr(self._scorer, "device", "cpu"), self.transfer_timeout_s)
-        begun = touched = False
+                                       getattr(self._scorer, "device", "cpu"), self.transfer_timeout_s)
+        step = {"begun": False, "touched": False, "joined": False}
         try:
             try:
-                self._control("init_weights_update_group", master_address=group.master_address,
-                              master_port=group.master_port, rank_offset=group.rank_offset,
-                              world_size=group.world_size, group_name=group.group_name, backend=group.backend)
-                self._control("begin_weight_update")
-                begun = True
-                for i, b in enumerate(buckets):
-                    touched = True
-                    self._control("update_weights_from_distributed", names=list(b.names),
-                                  dtypes=list(b.dtypes), shapes=[list(s) for s in b.shapes],
-                                  group_name=group.group_name, flush_cache=i == len(buckets) - 1,
-                                  load_format="flattened_bucket")
-                self._control("end_weight_update")
-                begun = False
+                self._receive_buckets(version, group, buckets, step)
                 if receiver is not None:
                     self._scoring.load(version, receiver.result(self.transfer_timeout_s), keep_previous=keep_previous)
             finally:
                 self._leave_group(group.group_name)
         except Exception as e:
-            self._fail_update(version, begun, touched, prev, e)
+            if step["joined"] and group.barrier_s is not None:
+                self._restart_engine(version, e)
+            self._fail_update(version, step["begun"], step["touched"], prev, e)
         self._activate(version, prev)
 
+    def _receive_buckets(self, version: int, group: UpdateGroup, buckets: list[BucketSpec], step: dict) -> None:
+        """join group → begin → one `flattened_bucket` broadcast per bucket → end; `step`
+        records how far it got (for the failure paths)."""
+        self._control("init_weights_update_group", master_address=group.master_address,
+                      master_port=group.master_port, rank_offset=group.rank_offset,
+                      world_size=group.world_size, group_name=group.group_name, backend=group.backend)
+        step["joined"] = True
+        self._control("begin_weight_update")
+        step["begun"] = True
+        for i, b in enumerate(buckets):
+            step["touched"] = True
+            self._control("update_weights_from_distributed", names=list(b.names),
+                          dtypes=list(b.dtypes), shapes=[list(s) for s in b.shapes],
+                          group_name=group.group_name, flush_cache=i == len(buckets) - 1,
+                          load_format="flattened_bucket")
+        self._control("end_weight_update")
+        step["begun"] = False
+
     def load_weights(self, version: int, tensors: dict[str, torch.Tensor], *, keep_previous: bool = False) -> None:
-        """Update in place from tensors in this process (on the cell's GPU: SGLang hands them
-        to its scheduler by CUDA IPC): paused (`retract`) for the update, continued after,
-        every in-flight request restarted under the new version. Names/shapes are checked
-        against the checkpoint first. `keep_previous`: the scoring copy keeps the version it
-        served for scoring until `drop_version`; SGLang's own weights are replaced either way."""
+        """Update in place from tensors in this process: paused (`retract`) for the update,
+        continued after, every in-flight request restarted under the new version. One
+        begin/end session of `flattened_bucket` payloads of ≤ `tensor_bucket_bytes`, staged
+        on the cell's GPU, the cache flushed after the last (module docstring). Names/shapes
+        are checked against the checkpoint first. `keep_previous`: the scoring copy keeps the
+        version it served for scoring until `drop_version`; SGLang's own weights are replaced
+        either way."""
         self._check_update(version, [TensorMeta.of(n, t) for n, t in tensors.items()])
         prev = self._state
         self._pause_for_update()
-        begun = touched = False
+        step = {"begun": False, "touched": False}
+
+        def send(payloads: list, last: bool) -> None:
+            step["touched"] = True
+            self._control("update_weights_from_tensor", named_tensors=payloads, load_format="flattened_bucket",
+                          flush_cache=last)
+
         try:
             self._control("begin_weight_update")
-            begun = touched = True
-            self._control("update_weights_from_tensor", named_tensors=list(tensors.items()), flush_cache=True)
+            step["begun"] = True
+            send_in_buckets(tensors, send, modules=self._modules, tp=self.config.tp, device=self._update_device,
+                            bucket_bytes=self.tensor_bucket_bytes)
             self._control("end_weight_update")
-            begun = False
+            step["begun"] = False
             if self._scoring is not None:
                 self._scoring.load(version, tensors, keep_previous=keep_previous)
         except Exception as e:
-            self._fail_update(version, begun, touched, prev, e)
+            self._fail_update(version, step["begun"], step["touched"], prev, e)
         self._activate(version, prev)
 
     def release_memory(self, tags: Iterable[str] = ("weights", "kv_cache")) -> None:
-        """Hand GPU memory to the training role. Only with no request left: SGLang requires
-        an idle engine. Released weights (without `enable_weights_cpu_backup`) come back
-        empty, so the next version received must be complete."""
+        """Hand GPU memory to the training role. Only with no request left and every aborted
+        SGLang stream ended (drain first, release after): SGLang asserts idleness inside its
+        scheduler, a crash rather than an error. Released weights (without
+        `enable_weights_cpu_backup`) come back empty, so the next version received must be
+        complete."""
         tags = self._check_tags(tags)
         if self.has_work() or self._imports:
             raise EngineError("requests remain on this cell; migrate them out before releasing memory")
@@ -165,6 +203,26 @@ class ControlMixin:
         if self._streams:
             self._tm_call(asyncio.wait(set(self._streams), timeout=5.0))
         self._engine.shutdown()
+
+    def _restart_engine(self, version: int, err: Exception):
+        """A version failed after this engine's ranks formed the update group: restart SGLang
+        (module docstring) and raise. In-flight requests stay; they are resubmitted to the
+        new engine once a complete version is active. Memory released to training stays
+        released."""
+        log.error("version %d failed inside the update group (%s): restarting SGLang", version, err)
+        released = sorted(self._released)
+        try:
+            self.close()
+        except Exception as e:  # a wedged engine may not shut down cleanly; its processes go with it
+            log.warning("shutting SGLang down for a restart: %s", e)
+        self._start_engine()
+        self.engine_restarts += 1
+        if released:
+            self._control("release_memory_occupation", tags=released)
+        self._state = "broken"
+        self._weights_valid = False
+        raise EngineError(f"version {version} failed after the update group formed ({err}); SGLang was "
+                          "restarted and the cell serves nothing until a complete version loads") from err
 
     # -- internals ---------------------------------------------------------------------
 
@@ -205,7 +263,7 @@ class ControlMixin:
         self._label_version(version)
         for req in list(self._reqs.values()):
             if req.submitted and not req.done:  # restart under the new version (module docstring)
-                self._tm.abort_request(rid=req.sgl_rid)
+                self._abort_in_sglang(req.sgl_rid)
                 self._submit(req)
         if self._state == "serving":
             self._continue()

@@ -7,7 +7,11 @@ is one `async_generate(input_ids=…, return_logprob=True, stream=True)` task on
 runs the loop until a chunk arrives or `poll_s` passes and returns what arrived as
 TokenEvents. SGLang's synchronous control methods run the same loop until they finish, so
 streams keep being collected during them. Decoding never waits for `step()`: the scheduler
-process runs on, and between steps its outputs queue in SGLang's sockets.
+process runs on, and between steps its outputs queue in SGLang's sockets. Every SGLang call
+runs inside that loop: SGLang's synchronous control methods run it themselves, and the
+tokenizer manager's `abort_request`, which sends on a `zmq.asyncio` socket that needs the
+thread's running loop, is wrapped in a coroutine (`_abort_in_sglang`); called bare from the
+agent's engine thread it raises "There is no current event loop in thread 'engine'".
 
 Every token reported comes from a submission made under one weight version: an update
 restarts each in-flight request (abort, resubmit the tokens seen so far with the new
@@ -49,6 +53,7 @@ from cells.engine.sglang_migration import (
 )
 from cells.engine.sglang_requests import RequestState, request_from_snapshot, snapshot_of
 from cells.engine.sglang_scoring import ScoringCopy, ScoringVersions, default_scoring_copy
+from cells.engine.sglang_tensor_update import TENSOR_BUCKET_BYTES, update_device
 from cells.engine.sglang_weights import read_checkpoint_manifest
 from scheduler.config import SGLangEngineConfig
 
@@ -75,16 +80,16 @@ class SGLangEngine(CellMixin, ControlMixin, Engine):
             scorer = default_scoring_copy(config.model_path, version)
         self.config = config
         self.server_args = sb.server_kwargs(config.model_path, config.tp, config.mem_fraction_static,
-                                            {**config.server_args, **(server_args or {})})
+                                            {**config.server_args, **(server_args or {})},
+                                            deterministic=config.deterministic)
         self.capabilities = Capabilities(
             kv_export=False, scoring=config.scoring == "cell_copy", weight_update="in_place",
             batch_invariant=bool(self.server_args.get("enable_deterministic_inference", False)))
-        store = kv_store_identity(self.server_args)
         kv_store = kv_store if kv_store is not None else config.kv_store
-        if kv_store is not None and store is None:
+        self._kv_store = kv_store_identity(self.server_args, kv_store)
+        if kv_store is not None and self._kv_store is None:
             raise EngineError("kv_store names a shared store but HiCache with a storage backend is not "
                               "configured (enable_hierarchical_cache, hicache_storage_backend)")
-        self._kv_store = kv_store or store
         self._scorer = scorer
         self._scoring = ScoringVersions(scorer, version) if scorer is not None else None
         """The versions the scoring copy holds (None: `trainer_copy`)."""
@@ -92,16 +97,14 @@ class SGLangEngine(CellMixin, ControlMixin, Engine):
         self.poll_s = poll_s
         self.transfer_timeout_s = transfer_timeout_s
         self.manifest = read_checkpoint_manifest(config.model_path)
-        self._engine = self._modules.Engine(**self.server_args)
-        self._loop: asyncio.AbstractEventLoop = self._engine.loop
-        self._tm = self._engine.tokenizer_manager
-        self._ready = asyncio.Event()
+        self.tensor_bucket_bytes = TENSOR_BUCKET_BYTES
+        """Bytes per `update_weights_from_tensor` call (sglang_tensor_update.py)."""
+        self._update_device = update_device(self.server_args)
+        self._start_engine()
         self._rids = itertools.count()
         self._reqs: dict[str, RequestState] = {}
         self._imports: dict[str, RequestState] = {}
         self._pending: list[tuple[RequestState, TokenEvent]] = []
-        self._streams: set[asyncio.Task] = set()
-        """Open SGLang streams, aborted ones included until SGLang ends them."""
         self._version = version
         self._weights_valid = True
         self._released: set[str] = set()
@@ -110,6 +113,16 @@ class SGLangEngine(CellMixin, ControlMixin, Engine):
         """A version that arrived while the weights' memory was released (sglang_cell.py)."""
         self.migrations_total: Counter[str] = Counter()
         """Migrations into this cell by path (`kv_store` | `reprefill`)."""
+        self.kv_store_moves: Counter[str] = Counter()
+        """`kv_store` moves by what SGLang reported on resubmission: `hit` (`cached_tokens` > 0)
+        or `miss` (everything recomputed; same tokens, only slower)."""
+        self.kv_store_cached_tokens = 0
+        """Prompt tokens SGLang found cached for `kv_store` moves, in all."""
+        self.inexact_moves = 0
+        """Requests moved here whose continuation is not promised token-exact: either end without
+        deterministic inference, or a source with another tp (docs/GPU.md section 8)."""
+        self.engine_restarts = 0
+        """SGLang restarts after a version update failed inside its group (sglang_control.py)."""
         self.version_tag_mismatches = 0
         """Tokens whose version SGLang's own spans contradict (must stay 0)."""
         self.ended_without_token: list[tuple[str, str]] = []
@@ -134,7 +147,7 @@ class SGLangEngine(CellMixin, ControlMixin, Engine):
             raise EngineError(f"prompt_len {prompt_len!r} outside [1, {len(prompt_ids)}]")
         if len(prompt_ids) - plen >= params.max_tokens:
             raise EngineError(f"request already has {len(prompt_ids) - plen} >= max_tokens generated tokens")
-        req = RequestState(request_id, plen, params, list(prompt_ids), [], params.max_tokens)
+        req = RequestState(request_id, plen, params, list(prompt_ids), [], params.max_tokens, moved_by=path)
         self._admit(req)
         self._submit(req)
         if path is not None:
@@ -223,8 +236,12 @@ class SGLangEngine(CellMixin, ControlMixin, Engine):
         req = request_from_snapshot(snapshot, token_ids, self.config.model_path)
         self._admit(req)
         path = choose_migration_path(source, self.migration_endpoint) if source else "reprefill"
+        req.moved_by = path
         self._imports[snapshot.request_id] = req
         self.migrations_total[path] += 1
+        sig = snapshot.model_signature
+        if not (self.capabilities.batch_invariant and sig.get("deterministic") and sig.get("tp") == self.config.tp):
+            self.inexact_moves += 1
         return path
 
     def resume_request(self, request_id: str) -> None:
@@ -237,7 +254,8 @@ class SGLangEngine(CellMixin, ControlMixin, Engine):
 
     @property
     def model_signature(self) -> dict:
-        return {"engine": "sglang", "model": self.config.model_path, "tp": self.config.tp}
+        return {"engine": "sglang", "model": self.config.model_path, "tp": self.config.tp,
+                "deterministic": self.capabilities.batch_invariant}
 
     # -- internals ---------------------------------------------------------------------
 
@@ -249,11 +267,22 @@ class SGLangEngine(CellMixin, ControlMixin, Engine):
         if self._released:
             raise EngineError(f"GPU memory {sorted(self._released)} is released to training")
 
+    def _start_engine(self) -> None:
+        """Start SGLang (its scheduler processes, and the loop this adapter drives), with the
+        NCCL error mode chosen first: its processes inherit the environment."""
+        sb.nccl_environment()
+        self._engine = self._modules.Engine(**self.server_args)
+        self._loop: asyncio.AbstractEventLoop = self._engine.loop
+        self._tm = self._engine.tokenizer_manager
+        self._ready = asyncio.Event()
+        self._streams: set[asyncio.Task] = set()
+        """Open SGLang streams, aborted ones included until SGLang ends them."""
+
     def _submit(self, req: RequestState) -> None:
         """(Re)submit `req` to SGLang from its delivered and seen tokens, under the current version."""
         req.input_ids = req.next_input()
         req.seen_ids = []
-        req.sgl_rid = f"{req.request_id}#{next(self._rids)}"
+        req.sgl_rid = sb.submission_rid(req.request_id, next(self._rids))
         req.version = self._version
         req.submitted = True
         self._reqs[req.request_id] = req
@@ -278,6 +307,11 @@ class SGLangEngine(CellMixin, ControlMixin, Engine):
 
     def _on_chunk(self, req: RequestState, chunk: Mapping) -> None:
         meta = chunk["meta_info"]
+        if req.moved_by == "kv_store":  # the first chunk of the move's submission: did the store serve?
+            req.moved_by = None
+            cached = sb.cached_tokens(meta) or 0
+            self.kv_store_moves["hit" if cached > 0 else "miss"] += 1
+            self.kv_store_cached_tokens += cached
         pairs = sb.new_tokens(chunk, len(req.seen_ids))
         reason = sb.finish_reason(meta)
         truncated = sb.is_truncated(req.params)
@@ -334,4 +368,12 @@ class SGLangEngine(CellMixin, ControlMixin, Engine):
         req.dropped = True
         self._pending = [(r, e) for r, e in self._pending if r is not req]
         if req.submitted and not req.done:
-            self._tm.abort_request(rid=req.sgl_rid)
+            self._abort_in_sglang(req.sgl_rid)
+
+    def _abort_in_sglang(self, rid: str) -> None:
+        """SGLang's `abort_request` is synchronous but sends on a `zmq.asyncio` socket, whose
+        send needs the thread's running loop: run it inside ours (module docstring)."""
+        async def send() -> None:
+            self._tm.abort_request(rid=rid)
+
+        self._loop.run_until_complete(send())

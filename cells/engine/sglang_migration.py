@@ -63,13 +63,18 @@ def choose_migration_path(src: MigrationEndpoint, dst: MigrationEndpoint) -> Mig
     return "reprefill"
 
 
-def kv_store_identity(server_args: Mapping) -> str | None:
+def kv_store_identity(server_args: Mapping, name: str | None = None) -> str | None:
     """The shared-store identity implied by SGLang server args: HiCache on, with a storage
-    backend. Two cells match when backend and backend config are equal; a deployment whose
-    config alone does not make the store shared (a local `file` directory) names the store
-    explicitly instead."""
+    backend. HiCache keys a page by the model name, the TP rank and size and the page size
+    (its page hashes chain page by page), so two cells can load each other's pages only when
+    all of these match as well as the store: they are part of the identity. `name` names the
+    store where its backend config alone does not make it shared (a local `file` directory);
+    otherwise the backend and a hash of its extra config identify it."""
     backend = server_args.get("hicache_storage_backend")
     if not server_args.get("enable_hierarchical_cache") or not backend:
         return None
     extra = str(server_args.get("hicache_storage_backend_extra_config") or "")
-    return f"{backend}:{hashlib.sha256(extra.encode()).hexdigest()[:12]}"
+    store = name if name is not None else f"{backend}:{hashlib.sha256(extra.encode()).hexdigest()[:12]}"
+    model = server_args.get("served_model_name") or server_args.get("model_path") or ""
+    keys = f"{model}|tp{server_args.get('tp_size') or 1}|page{server_args.get('page_size') or 'default'}"
+    return f"{store}|{hashlib.sha256(keys.encode()).hexdigest()[:12]}"

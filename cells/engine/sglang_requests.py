@@ -24,7 +24,7 @@ class RequestState:
     max_tokens: int
     """Generated-token budget in total (across submissions and cells)."""
     sgl_rid: str = ""
-    """SGLang's id of the current submission (`request_id#n`)."""
+    """SGLang's id of the current submission (`sglang_backend.submission_rid`)."""
     input_ids: list[int] = field(default_factory=list)
     """Input of the current SGLang submission."""
     seen_ids: list[int] = field(default_factory=list)
@@ -34,6 +34,9 @@ class RequestState:
     submitted: bool = False
     done: bool = False
     dropped: bool = False
+    moved_by: str | None = None
+    """`kv_store` until the first chunk of a request moved here through a shared store says
+    whether the store served it (`cached_tokens`); then None."""
 
     @property
     def num_generated_seen(self) -> int:

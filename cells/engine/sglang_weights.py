@@ -215,10 +215,13 @@ class UpdateGroup:
     world_size: int
     group_name: str
     backend: str = "nccl"
+    barrier_s: float | None = None
+    """How long the sender waits for every member at the join barrier (sglang_barrier.py)
+    before it aborts the attempt; None: the sender holds no barrier."""
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in
-                ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend")}
+                ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "barrier_s")}
 
 
 def join_update_group(group: UpdateGroup, rank: int, timeout_s: float, *, store=None):

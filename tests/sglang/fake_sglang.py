@@ -18,13 +18,28 @@ logic against the behaviour modelled here:
 - pause `in_place` / `retract`, continue, abort; the weight-update session (update calls
   outside begin/end fail, a cache flush fails while requests run); `flattened_bucket`
   receives over a real gloo group when the sender is there;
-- a radix cache keyed by (cache salt, tokens), optionally backed by a shared store.
+- a radix cache keyed by (cache salt, tokens), optionally backed by a shared store, and the
+  `cached_tokens` SGLang reports for each submission.
+
+Strict where real SGLang fails at run time rather than at the call:
+- the tokenizer manager's `abort_request` sends on a `zmq.asyncio` socket: called with the
+  engine's loop not running in this thread it raises SGLang's "There is no current event
+  loop in thread ..."; the Engine's synchronous methods run that loop themselves, so called
+  from inside it they raise "This event loop is already running";
+- `abort_request(rid=X)` stops every request whose id starts with X, as SGLang's scheduler does;
+- `update_weights_from_tensor` takes only `flattened_bucket` payloads (one per TP rank, each
+  decoded once, each at most `max_tensor_payload_bytes`): a whole version in one call would
+  cost every GPU the full model once more;
+- `release_memory_occupation` on a busy engine fails SGLang's idleness assertion, which kills
+  its scheduler: every later call fails.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
+import threading
 import zlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -40,6 +55,35 @@ from cells.engine.sglang_weights import (
 
 VOCAB = 1000
 EOS = 2
+MAX_TENSOR_PAYLOAD_BYTES = 512 << 20
+"""The most bytes one `update_weights_from_tensor` call may carry (the adapter's bucket size)."""
+
+_PAYLOADS: dict[str, dict] = {}
+"""Payloads made by `fake_serialize`, by key, until a rank decodes them (once)."""
+_PAYLOAD_IDS = itertools.count()
+
+
+def fake_serialize(payload: dict) -> str:
+    """`SGLangModules.serialize` for the fake: a key to the payload (nothing is encoded)."""
+    key = f"payload-{next(_PAYLOAD_IDS)}"
+    _PAYLOADS[key] = payload
+    return key
+
+
+@dataclass
+class FlattenedTensorMetadata:
+    """`sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`."""
+
+    name: str
+    shape: object
+    dtype: object
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+def _off_loop_error() -> RuntimeError:
+    return RuntimeError(f"There is no current event loop in thread {threading.current_thread().name!r}.")
 
 
 class Recorder:
@@ -119,6 +163,8 @@ class _Gen:
     labels: list[str] = field(default_factory=list)
     aborted: bool = False
     retractions: int = 0
+    cached: int = 0
+    """Prompt tokens found cached at submission (`cached_tokens`)."""
 
 
 class FakeTokenizerManager:
@@ -150,9 +196,16 @@ class FakeTokenizerManager:
 
     @recorded("TokenizerManager")
     def abort_request(self, *, rid: str = "", abort_all: bool = False):
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._e._loop:  # the zmq.asyncio send needs this thread's running loop
+            raise _off_loop_error()
         self._e.log.append(("abort", rid))
-        if rid in self._e.gens:
-            self._e.gens[rid].aborted = True
+        for g in self._e.gens.values():
+            if rid and g.rid.startswith(rid):  # SGLang's scheduler matches by prefix
+                g.aborted = True
 
 
 class FakeEngine:
@@ -186,6 +239,11 @@ class FakeEngine:
         self.raise_on: dict[str, Exception] = {}
         self.released: set[str] = set()
         self.shut_down = False
+        self.crashed = False
+        """SGLang's scheduler died (an assertion failed in it): every later call fails."""
+        self.max_tensor_payload_bytes = MAX_TENSOR_PAYLOAD_BYTES
+        self.tensor_payloads: list[tuple[int, str, bool]] = []
+        """(bytes, device, flush_cache) of every `update_weights_from_tensor` payload."""
 
     @property
     def loop(self):
@@ -198,6 +256,11 @@ class FakeEngine:
         return self._tm
 
     def _called(self, name: str):
+        if self._loop.is_running():  # SGLang's synchronous methods run this loop themselves
+            raise RuntimeError("This event loop is already running")
+        if self.crashed:
+            raise RuntimeError("SGLang's scheduler process died")
+        self._loop.run_until_complete(asyncio.sleep(0))
         self.log.append((name,))
         if name in self.raise_on:
             raise self.raise_on[name]
@@ -215,10 +278,10 @@ class FakeEngine:
         assert all(isinstance(t, int) for t in input_ids) and rid not in self.gens
         g = _Gen(rid, list(input_ids), dict(sampling_params), cache_salt)
         self.gens[rid] = g
-        self._lookup_cache(g)
+        g.cached = self._lookup_cache(g)
         return self._stream(g)
 
-    def _lookup_cache(self, g: _Gen) -> None:
+    def _lookup_cache(self, g: _Gen) -> int:
         ids = tuple(g.input_ids)
         best, where = 0, "none"
         for source, entries in (("device", self.cache), ("store", self.store.entries if self.store else set())):
@@ -229,6 +292,7 @@ class FakeEngine:
                 if n > best:
                     best, where = n, source
         self.cache_hits.append((g.rid, g.salt, best, where))
+        return best
 
     def _insert_cache(self, g: _Gen) -> None:
         entry = (g.salt, tuple(g.input_ids + g.out))
@@ -264,7 +328,7 @@ class FakeEngine:
                 elif len(g.out) >= sp["max_new_tokens"]:
                     reason = {"type": "length", "length": len(g.out)}
             meta = {"id": g.rid, "finish_reason": None if reason is None else RecDict(self.rec, "finish_reason", reason),
-                    "completion_tokens": len(g.out), "num_retractions": g.retractions,
+                    "completion_tokens": len(g.out), "num_retractions": g.retractions, "cached_tokens": g.cached,
                     "output_token_logprobs": list(lps[-len(new):]) if self.incremental and new else
                     ([] if self.incremental else list(lps))}
             if reason is not None:
@@ -345,8 +409,20 @@ class FakeEngine:
             return r
         if not self.session_open:
             return False, "update_weights_from_tensor must run between begin_weight_update() and end_weight_update()"
-        for name, t in named_tensors:
-            self.weights[name] = t.clone()
+        self.rec.add("value", "load_format", load_format)
+        assert load_format == "flattened_bucket", "whole tensors: every TP rank would hold each one unsharded"
+        tp = int(self.server_args.get("tp_size") or 1)
+        assert len(named_tensors) == tp and all(isinstance(p, str) for p in named_tensors), \
+            f"one serialized payload per TP rank ({tp}), got {len(named_tensors)}"
+        payloads = [_PAYLOADS.pop(key) for key in named_tensors]  # each rank decodes its own, once
+        flat, metadata = payloads[0]["flattened_tensor"], payloads[0]["metadata"]
+        assert all(p["flattened_tensor"] is flat for p in payloads)
+        assert flat.numel() <= self.max_tensor_payload_bytes, \
+            f"a {flat.numel()}-byte payload: over {self.max_tensor_payload_bytes} bytes per call"
+        self.tensor_payloads.append((flat.numel(), str(flat.device), bool(flush_cache)))
+        for m in metadata:
+            t = flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)
+            self.weights[m.name] = t.clone()
             self.fingerprint = zlib.crc32(flatten_bucket([t]).numpy().tobytes(), self.fingerprint)
         return self._flush_after_update(flush_cache, "Success")
 
@@ -368,7 +444,9 @@ class FakeEngine:
         self._called("release_memory_occupation")
         for t in tags:
             self.rec.add("value", "tags", t)
-        assert not self.gens, "release_memory_occupation should be called only when server is idle."
+        if self.gens:  # an assertion inside SGLang's scheduler: the process dies
+            self.crashed = True
+            raise AssertionError("release_memory_occupation should be called only when server is idle.")
         self.released |= set(tags)
         if "kv_cache" in tags:
             self.cache.clear()
@@ -382,6 +460,7 @@ class FakeEngine:
 
     @recorded("Engine")
     def shutdown(self):
+        self.crashed = False  # shutting a dead engine down works
         self._called("shutdown")
         self.shut_down = True
 
@@ -406,4 +485,6 @@ def fake_modules(rec: Recorder | None = None, store: SharedStore | None = None, 
         def __init__(self, **server_args):
             super().__init__(rec=rec, store=store, token_delay_s=token_delay_s, eos=eos, **server_args)
 
-    return SGLangModules(Engine=Engine, io_struct=FakeIoStruct(rec), version="fake"), rec
+    return SGLangModules(Engine=Engine, io_struct=FakeIoStruct(rec), version="fake",
+                         tensor_bucket=SimpleNamespace(FlattenedTensorMetadata=FlattenedTensorMetadata),
+                         serialize=fake_serialize), rec
