@@ -68,7 +68,7 @@ def main() -> None:
             live = [s for s in streams if s.is_alive()]
             for _ in range(n_streams - len(live)):
                 s = Streamer(c.url, [rng.randrange(1024) for _ in range(rng.randrange(40, 200))], max_tokens,
-                             seed=len(streams), timeout_s=600)
+                             seed=len(streams), timeout_s=600, token=c.token)
                 s.start()
                 streams.append(s)
 

@@ -67,7 +67,7 @@ def run_point(c: Cluster, src: str, dst: str, prompt: list[int], seed: int, mig_
     """One request, moved MOVES times between the two cells (each move: the other cell joins
     rollout, the owner flips to training); per-move figures, and their medians."""
     assert c.cell(src)["state"] == "rollout" and c.cell(dst)["state"] == "training"
-    s = Streamer(c.url, prompt, max_tokens=NEW_TOKENS, seed=seed, timeout_s=600)
+    s = Streamer(c.url, prompt, max_tokens=NEW_TOKENS, seed=seed, timeout_s=600, token=c.token)
     s.start()
     c.wait(lambda: len(s.tokens) >= 2, 600, "decoding on the source", every=0.01)
     for move in range(MOVES):

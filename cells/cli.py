@@ -21,14 +21,27 @@ def _load(path: str | None):
     return load_config(path) if path else CellflipConfig()
 
 
-def _read_token(path: str | None) -> str | None:
-    if not path:
-        return None
-    with open(path) as f:  # unreadable: fail closed
-        token = f.read().strip()
-    if not token:
-        raise SystemExit(f"token file {path} is empty")  # fail closed, not 401s later
-    return token
+def _token(cfg, token_file: str | None = None) -> str | None:
+    """The API token a client of the scheduler sends (scheduler/auth.py: the config's file,
+    CELLFLIP_API_TOKEN, or the file the scheduler generated); a bad file exits with one line."""
+    from scheduler.auth import client_token
+    from scheduler.config import ConfigError
+
+    try:
+        return client_token(cfg.scheduler, token_file)
+    except ConfigError as e:
+        raise SystemExit(f"cellflip: {e}") from None
+
+
+def _stop_on_signals(handler) -> None:
+    """SIGINT and SIGTERM call `handler` whatever disposition this process inherited (a shell
+    that starts a job in the background sets SIGINT to ignored)."""
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _interrupt(*_):
+    raise KeyboardInterrupt
 
 
 def cmd_scheduler(args) -> int:
@@ -36,9 +49,16 @@ def cmd_scheduler(args) -> int:
 
     from scheduler.app import create_app
 
+    from scheduler.config import ConfigError
+
     cfg = _load(args.config)
-    os.makedirs(os.path.dirname(os.path.abspath(cfg.scheduler.db_path)), exist_ok=True)
-    app = create_app(cfg, db_path=args.db)
+    os.makedirs(os.path.dirname(os.path.abspath(args.db or cfg.scheduler.db_path)), exist_ok=True)
+    if args.host:
+        cfg = cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"host": args.host})})
+    try:
+        app = create_app(cfg, db_path=args.db)
+    except ConfigError as e:
+        raise SystemExit(f"cellflip scheduler: {e}") from None
     uvicorn.run(app, host=args.host or cfg.scheduler.host, port=args.port if args.port is not None else cfg.scheduler.port,
                 log_level="warning")
     return 0
@@ -110,9 +130,9 @@ def cmd_cell(args) -> int:
     # Short GIL hand-offs: transfer threads wake promptly while the engine loop computes.
     sys.setswitchinterval(0.0005)
     agent = CellAgent(cfg, cell_id=args.cell_id, scheduler_url=args.scheduler, engine=engine, host=args.host,
-                      token=_read_token(cfg.scheduler.auth_token_file))
+                      token=_token(cfg))
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    _stop_on_signals(lambda *_: stop.set())
     # `kill -USR1 <pid>`: the agent's and engine's state in the cell's log, for post-mortems
     signal.signal(signal.SIGUSR1, lambda *_: logging.getLogger("cellflip.cell").warning(
         "cell %s state: %s", args.cell_id, agent.dump_state()))
@@ -141,11 +161,17 @@ def _p2p_probe(spec: dict) -> None:
             json.dump(res, f)
 
 
+QUICK = {"steps": 1, "warmup_steps": 40, "batch_episodes": 8, "agents": 8, "group_size": 4}
+"""`cellflip up --quick`: one full cycle (warm-up, flip with live migration, train, publish,
+flip back) in about a minute on 2 cores; the reward does not rise in one step."""
+
+
 def cmd_up(args) -> int:
     import yaml
 
     from cells.localcluster import Cluster
 
+    _stop_on_signals(_interrupt)  # Ctrl-C and a plain kill stop the children too
     cfg = _load(args.config)  # validate before starting anything
     with open(args.config) as f:
         raw = yaml.safe_load(f) or {}
@@ -156,18 +182,23 @@ def cmd_up(args) -> int:
     os.makedirs(run_dir, exist_ok=True)
     os.makedirs(os.path.dirname(os.path.abspath(sched.get("db_path", "runs/cellflip.sqlite"))), exist_ok=True)
     train = cfg.trainer.enabled and not args.no_trainer
+    trainer = raw.setdefault("trainer", {})
+    if args.quick:
+        trainer.update(QUICK)
     if args.steps is not None:
-        raw.setdefault("trainer", {})["steps"] = args.steps
+        trainer["steps"] = args.steps
     if train:
         _prepare_toy(raw)
-    def _interrupt(*_):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _interrupt)  # a plain kill stops the children too
-    cluster = Cluster(run_dir, num_cells=n, cfg=raw, port=port)
+    token_note = _ensure_token(cfg)
+    say = lambda msg: print(f"cellflip up: {msg}", flush=True)  # noqa: E731
+    try:
+        cluster = Cluster(run_dir, num_cells=n, cfg=raw, port=port, progress=say)
+    except KeyboardInterrupt:
+        return 0
     url = cluster.url
-    print(f"cellflip up: API {url} (OpenAPI {url}/docs), metrics {url}/metrics, logs {run_dir}/*.log", flush=True)
-    print(f"  {n} cells in rollout; `cellflip status --scheduler {url}`; Ctrl-C stops everything", flush=True)
+    say(f"API {url} (OpenAPI {url}/docs), OpenAI-compatible gateway {url}/v1, metrics {url}/metrics")
+    say(f"API token {token_note}; logs {run_dir}/*.log")
+    say(f"{n} cells in rollout; `cellflip status --scheduler {url}`; Ctrl-C stops everything")
     status = os.path.join(run_dir, "trainer.jsonl")
     try:
         if train:
@@ -175,8 +206,7 @@ def cmd_up(args) -> int:
                 os.replace(status, status + ".prev")
             cluster._spawn("trainer", ["trainer", "--config", str(cluster.cfg_path), "--scheduler", url,
                                        "--run-dir", run_dir])
-            return _follow_trainer(cluster, url, status, raw.get("trainer", {}).get("steps", cfg.trainer.steps),
-                                   args.no_display)
+            return _follow_trainer(cluster, url, status, trainer.get("steps", cfg.trainer.steps), args.no_display)
         while all(p.poll() is None for p in cluster.procs.values()):
             time.sleep(0.5)
         print("a process exited; shutting down", file=sys.stderr)
@@ -185,6 +215,25 @@ def cmd_up(args) -> int:
         return 0
     finally:
         cluster.stop()
+
+
+def _ensure_token(cfg) -> str:
+    """Make sure the scheduler's token exists before anything starts (every process of the
+    cluster reads the same one); returns where it is, for the start-up lines."""
+    from scheduler.auth import TOKEN_ENV, default_token_path, server_token
+    from scheduler.config import ConfigError
+
+    try:
+        token = server_token(cfg.scheduler)
+    except ConfigError as e:
+        raise SystemExit(f"cellflip up: {e}") from None
+    if token is None:
+        return "none (scheduler.auth: none, loopback only)"
+    if cfg.scheduler.auth_token_file:
+        return f"in {cfg.scheduler.auth_token_file}"
+    if os.environ.get(TOKEN_ENV):
+        return f"from ${TOKEN_ENV}"
+    return f"in {default_token_path(cfg.scheduler)} (mode 0600; clients read it, or set ${TOKEN_ENV})"
 
 
 def _prepare_toy(raw: dict) -> None:
@@ -226,7 +275,7 @@ def _follow_trainer(cluster, url: str, status: str, steps: int, plain: bool) -> 
             print(json.dumps(rec), flush=True)
         last = None
     else:
-        last = display.watch(url, Path(status), steps, done)
+        last = display.watch(url, Path(status), steps, done, headers=cluster.headers)
     rc = procs["trainer"].poll()
     if last is not None:
         from rich.console import Console
@@ -248,10 +297,9 @@ def cmd_trainer(args) -> int:
 
     torch.set_num_threads(1)
     cfg = _load(args.config)
-    trainer = Trainer(cfg, args.scheduler, run_dir=args.run_dir, token=_read_token(cfg.scheduler.auth_token_file),
-                      tag=args.tag)
+    trainer = Trainer(cfg, args.scheduler, run_dir=args.run_dir, token=_token(cfg), tag=args.tag)
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    _stop_on_signals(lambda *_: stop.set())
     try:
         summary = trainer.run(stop)
     except KeyboardInterrupt:
@@ -263,8 +311,17 @@ def cmd_trainer(args) -> int:
 def cmd_status(args) -> int:
     import httpx
 
-    r = httpx.get(f"{args.scheduler}/v1/cells", timeout=5.0)
-    r.raise_for_status()
+    token = _token(_load(args.config), args.token_file)
+    try:
+        r = httpx.get(f"{args.scheduler}/v1/cells", timeout=5.0,
+                      headers={"Authorization": f"Bearer {token}"} if token else {})
+    except httpx.HTTPError as e:
+        raise SystemExit(f"cellflip status: cannot reach {args.scheduler}: {e}") from None
+    if r.status_code == 401:
+        raise SystemExit(f"cellflip status: {args.scheduler} refused the API token (401): give it with "
+                         "--token-file or $CELLFLIP_API_TOKEN, or run from the directory `cellflip up` ran in")
+    if r.status_code != 200:
+        raise SystemExit(f"cellflip status: {args.scheduler} answered {r.status_code}: {r.text[:200]}")
     cells = r.json()
     cells = cells.get("cells", cells) if isinstance(cells, dict) else cells
     cols = ["id", "state", "generation", "version", "inflight", "kv_blocks_used", "kv_blocks_total"]
@@ -289,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--run-dir", default="runs", help="logs, the store, trainer status and checkpoints")
     up.add_argument("--no-trainer", action="store_true", help="serve the API only")
     up.add_argument("--no-display", action="store_true", help="print status lines instead of the live view")
+    up.add_argument("--quick", action="store_true",
+                    help="one full cycle (short warm-up, one RL step with a flip and live migration) in about a minute")
     tr = sub.add_parser("trainer", help="run the trainer and the toy task's agents against a scheduler")
     tr.add_argument("--config")
     tr.add_argument("--scheduler", required=True, help="scheduler URL")
@@ -311,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="print the cells as a table")
     st.add_argument("--scheduler", default="http://127.0.0.1:8700")
     st.add_argument("--json", action="store_true")
+    st.add_argument("--config", help="the scheduler's config (where its token file is)")
+    st.add_argument("--token-file", help="file holding the API token (default: $CELLFLIP_API_TOKEN, "
+                                         "else the scheduler's generated runs/api.token)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -106,10 +106,11 @@ def summary_table(s: Snapshot) -> Table:
     return t
 
 
-def watch(url: str, status_path: Path, total_steps: int, done, every_s: float = 1.0) -> Snapshot | None:
+def watch(url: str, status_path: Path, total_steps: int, done, every_s: float = 1.0,
+          headers: dict[str, str] | None = None) -> Snapshot | None:
     """Refresh the view until `done()`; returns the last snapshot."""
     last = None
-    with httpx.Client(timeout=10.0) as http, Live(refresh_per_second=2, transient=False) as live:
+    with httpx.Client(timeout=10.0, headers=headers or {}) as http, Live(refresh_per_second=2, transient=False) as live:
         while True:
             try:
                 last = Snapshot(url, status_path, http)

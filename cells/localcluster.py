@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import httpx
 import yaml
+
+from scheduler.auth import TOKEN_ENV, auth_headers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +55,7 @@ class Cluster:
 
     def __init__(self, tmp: Path, num_cells: int = 3, cell_env: dict[int, dict] | None = None,
                  cfg: dict | None = None, port: int | None = None, cell_args: dict[int, list[str]] | None = None,
-                 ready_timeout_s: float = 120, **over):
+                 ready_timeout_s: float = 120, progress=None, **over):
         self.tmp = Path(tmp).resolve()
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg if cfg is not None else cluster_config(self.tmp, **over)
@@ -62,19 +65,45 @@ class Cluster:
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         self.env.pop("CELLFLIP_FAILPOINTS", None)
+        self.token = self._token()
+        if self.token is not None:
+            self.env[TOKEN_ENV] = self.token  # every process of the cluster uses the same one
+        self.headers = auth_headers(self.token)
+        self.progress = progress or (lambda msg: None)
+        self._reported: int | None = None
         self.cell_env = cell_env or {}
         self.cell_args = cell_args or {}
         self.procs: dict[str, subprocess.Popen] = {}
-        self.http = httpx.Client(base_url=self.url, timeout=30.0)
+        self.http = httpx.Client(base_url=self.url, timeout=30.0, headers=self.headers)
         try:
+            self.progress(f"starting the scheduler on {self.url}")
             self.start_scheduler()
+            self.progress(f"starting {num_cells} cells (each loads its model, then registers)")
             for i in range(num_cells):
                 self.start_cell(i)
-            self.wait(lambda: len([c for c in self.cells() if c["state"] == "rollout"]) >= num_cells,
-                      ready_timeout_s, "cells up")
+            self.wait(lambda: self._rollout_cells(num_cells) >= num_cells, ready_timeout_s, "cells up")
         except BaseException:
             self.stop()  # never leave half a cluster running
             raise
+
+    def _token(self) -> str | None:
+        """The cluster's API token, passed to every process it starts: the one clients would
+        find (the config's file, $CELLFLIP_API_TOKEN, the scheduler's generated file), else a
+        fresh one; None where the config turns auth off."""
+        from scheduler.auth import client_token
+        from scheduler.config import parse_config
+
+        sched = parse_config(self.cfg).scheduler
+        if sched.auth == "none":
+            return None
+        return client_token(sched) or secrets.token_urlsafe(32)
+
+    def _rollout_cells(self, want: int) -> int:
+        n = len([c for c in self.cells() if c["state"] == "rollout"])
+        if n != self._reported:
+            self._reported = n
+            self.progress(f"cells in rollout: {n}/{want}")
+        return n
 
     # -- processes --------------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str], env: dict | None = None) -> None:
@@ -172,8 +201,10 @@ class Cluster:
 class Streamer(threading.Thread):
     """A client of one streamed completion; records each token's arrival time."""
 
-    def __init__(self, url: str, prompt: list[int], max_tokens: int, seed: int, timeout_s: float = 180):
+    def __init__(self, url: str, prompt: list[int], max_tokens: int, seed: int, timeout_s: float = 180,
+                 token: str | None = None):
         super().__init__(daemon=True)
+        self.headers = auth_headers(token or os.environ.get(TOKEN_ENV))
         self.url, self.prompt, self.max_tokens, self.seed, self.timeout_s = url, prompt, max_tokens, seed, timeout_s
         self.request_id: str | None = None
         self.session_id: str | None = None
@@ -189,7 +220,8 @@ class Streamer(threading.Thread):
     def run(self) -> None:
         body = {"prompt_ids": self.prompt, "max_tokens": self.max_tokens, "seed": self.seed, "stream": True}
         try:
-            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=self.timeout_s) as r:
+            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, headers=self.headers,
+                              timeout=self.timeout_s) as r:
                 self.request_id = r.headers.get("X-Request-Id")
                 self.session_id = r.headers.get("X-Session-Id")
                 if r.status_code != 200:

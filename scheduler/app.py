@@ -18,7 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from scheduler.api import ROUTERS
-from scheduler.auth import BearerAuth, load_token
+from scheduler.auth import BearerAuth, scrape_token, server_token
 from scheduler.config import CellflipConfig, MigrationConfig, SchedulerConfig, VersionsConfig
 from scheduler.controller import Controller
 from scheduler.errors import NoCapacity, SchedulerError
@@ -45,7 +45,10 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
         sched, migration, gateway, vers = config.scheduler, config.migration, config.gateway, config.versions
     else:
         sched, migration, gateway, vers = config or SchedulerConfig(), MigrationConfig(), GatewayConfig(), VersionsConfig()
-    token = load_token(sched.auth_token_file)
+    # tokens live beside the store this app opens (db_path overrides the config's)
+    where = sched.model_copy(update={"db_path": db_path or sched.db_path})
+    token = server_token(where)
+    scrape = scrape_token(where) if token is not None else None
     metrics = Metrics()
 
     @asynccontextmanager
@@ -80,7 +83,7 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
     # outermost first: refuse unauthenticated requests before reading any body
     app.add_middleware(BodySizeLimit, max_bytes=sched.max_body_bytes)
     if token is not None:
-        app.add_middleware(BearerAuth, token=token)
+        app.add_middleware(BearerAuth, token=token, scrape=scrape)
     return app
 
 

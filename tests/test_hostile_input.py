@@ -250,7 +250,7 @@ def test_unreadable_token_file_fails_closed(tmp_path, monkeypatch):
     assert scheduler_main(["--config", str(cfg)]) == 2
 
     from cells.cli import main as cli_main
-    with pytest.raises(ConfigError):
+    with pytest.raises(SystemExit, match="cannot read token file"):  # one line, no traceback
         cli_main(["scheduler", "--config", str(cfg)])
     assert served_with == [], "a server started without its token"
 
@@ -316,6 +316,7 @@ def test_shipped_configs_that_bind_beyond_loopback_require_a_token():
         host = sched.get("host", "127.0.0.1")
         if host not in ("127.0.0.1", "localhost", "::1"):
             assert sched.get("auth_token_file"), f"{path.name} binds {host} without auth_token_file"
+            assert sched.get("auth", "token") == "token", f"{path.name} binds {host} with auth off"
     assert found >= 2
 
 

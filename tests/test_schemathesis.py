@@ -38,6 +38,7 @@ from schemathesis.checks import (  # noqa: E402
 )
 
 from scheduler.app import create_app  # noqa: E402
+from tests.conftest import AUTH  # noqa: E402
 from tests.scheduler.sched_fakes import make_config  # noqa: E402
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
@@ -57,7 +58,7 @@ def _dangling_refs(doc: dict) -> set[str]:
 
 
 def _served_document(app) -> dict:
-    r = TestClient(app).get("/openapi.json")  # no lifespan needed to serve the document
+    r = TestClient(app, headers=AUTH).get("/openapi.json")  # no lifespan needed to serve the document
     assert r.status_code == 200
     return r.json()
 
@@ -87,14 +88,14 @@ FUZZ = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck
 @seed(SEED)
 @settings(max_examples=MAX_EXAMPLES, **FUZZ)
 def test_public_api_and_gateway(case):
-    case.call_and_validate(checks=CHECKS, timeout=READ_TIMEOUT_S)
+    case.call_and_validate(checks=CHECKS, timeout=READ_TIMEOUT_S, headers=AUTH)
 
 
 @schema.include(path_regex="^/internal/").parametrize()
 @seed(SEED)
 @settings(max_examples=MAX_EXAMPLES_PROTOCOL, **FUZZ)
 def test_cell_protocol(case):
-    case.call_and_validate(checks=CHECKS, timeout=READ_TIMEOUT_S)
+    case.call_and_validate(checks=CHECKS, timeout=READ_TIMEOUT_S, headers=AUTH)
 
 
 def test_served_document_refs_resolve(tmp_path):

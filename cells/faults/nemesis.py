@@ -211,6 +211,7 @@ def _trainer_main(args: argparse.Namespace) -> int:
     import yaml
 
     from cells.trainer.versions_host import VersionHost
+    from scheduler.auth import TOKEN_ENV, auth_headers
 
     cfg = yaml.safe_load(Path(args.config).read_text())
     host = VersionHost(bucket_bytes=args.bucket_bytes, timeout_s=args.timeout, join_timeout_s=args.timeout)
@@ -220,7 +221,8 @@ def _trainer_main(args: argparse.Namespace) -> int:
     sys.stdin.readline()  # the campaign says when (its clients are decoding by then)
     a = host.address
     r = httpx.post(f"{args.scheduler}/v1/versions", json={"version": args.version,
-                                                          "source": {"host": a.host, "port": a.port}}, timeout=30)
+                                                          "source": {"host": a.host, "port": a.port}},
+                   headers=auth_headers(os.environ.get(TOKEN_ENV)), timeout=30)
     print(json.dumps({"published": r.status_code, "body": r.json()}), flush=True)
     if r.status_code != 201:
         return 1

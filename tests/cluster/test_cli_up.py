@@ -1,5 +1,6 @@
 """`cellflip up`: scheduler + cells come up, the API answers, Ctrl-C stops every process."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,8 +12,14 @@ import pytest
 import yaml
 
 from cells.localcluster import ROOT, SMALL_MODEL, Cluster, find_free_port
+from scheduler.auth import TOKEN_ENV
 
 pytestmark = pytest.mark.slow
+
+
+def _ignore_sigint():
+    """What a shell does to a job it starts in the background."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def test_up_serves_the_api_and_stops_cleanly_on_ctrl_c(tmp_path):
@@ -21,28 +28,45 @@ def test_up_serves_the_api_and_stops_cleanly_on_ctrl_c(tmp_path):
            "cells": {"count": 2, "engine": {"type": "embedded", "model": SMALL_MODEL, "num_blocks": 64}}}
     (tmp_path / "up.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop(TOKEN_ENV)  # a newcomer's shell: the token is generated on first start
+    # its own process group, so a failing test can take every process it started down with it
     proc = subprocess.Popen([sys.executable, "-m", "cells.cli", "up", "--config", str(tmp_path / "up.yaml")],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, preexec_fn=_ignore_sigint)
     try:
-        line = ""
+        lines = []
         deadline = time.monotonic() + 120
-        while "cellflip up:" not in line and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            assert line or proc.poll() is None, "cellflip up exited early"
-        assert f"http://127.0.0.1:{port}" in line
-        cells = httpx.get(f"http://127.0.0.1:{port}/v1/cells").json()["cells"]
+        while not any("Ctrl-C stops everything" in ln for ln in lines) and time.monotonic() < deadline:
+            lines.append(proc.stdout.readline())
+            assert lines[-1] or proc.poll() is None, f"cellflip up exited early: {lines}"
+        out = "".join(lines)
+        assert "starting the scheduler" in out and "cells in rollout: 2/2" in out, out
+        assert f"http://127.0.0.1:{port}" in out
+        token_file = tmp_path / "api.token"
+        assert f"API token in {token_file}" in out
+        auth = {"Authorization": f"Bearer {token_file.read_text().strip()}"}
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/cells").status_code == 401
+        cells = httpx.get(f"http://127.0.0.1:{port}/v1/cells", headers=auth).json()["cells"]
         assert sorted(c["id"] for c in cells) == ["cell-0", "cell-1"] and all(c["state"] == "rollout" for c in cells)
-        status = subprocess.run([sys.executable, "-m", "cells.cli", "status", "--scheduler", f"http://127.0.0.1:{port}"],
-                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        cli = [sys.executable, "-m", "cells.cli", "status", "--scheduler", f"http://127.0.0.1:{port}"]
+        status = subprocess.run(cli + ["--config", str(tmp_path / "up.yaml")], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=60)
         assert status.returncode == 0 and "cell-1" in status.stdout and "rollout" in status.stdout
-        proc.send_signal(signal.SIGINT)
+        (tmp_path / "wrong.token").write_text("wrong\n")
+        refused = subprocess.run(cli + ["--token-file", str(tmp_path / "wrong.token")], cwd=tmp_path, env=env,
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode != 0 and "401" in refused.stderr
+        assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+        proc.send_signal(signal.SIGINT)  # inherited as ignored: cellflip up stops on it all the same
         assert proc.wait(timeout=60) == 0
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the cells and scheduler, if `up` left any
 
 
 def test_cluster_stop_is_a_clean_sigterm_shutdown(tmp_path):

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 from fastapi.testclient import TestClient
 
+from tests.conftest import AUTH
+
 from scheduler.app import create_app
 from scheduler.config import CellflipConfig, MigrationConfig, SchedulerConfig
 
@@ -39,7 +41,7 @@ class Harness:
         self.db_path = db_path
         self.clock = clock or FakeClock()
         self.app = create_app(make_config(migration, **sched), db_path=db_path, clock=self.clock, tick_interval_s=None)
-        self.client = TestClient(self.app)
+        self.client = TestClient(self.app, headers=AUTH)
         self.client.__enter__()
         self.pool = ThreadPoolExecutor(4)
 

@@ -7,6 +7,8 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
+
+from tests.conftest import AUTH
 from sched_fakes import FakeCell, make_config, open_harness
 
 from scheduler.app import create_app
@@ -138,7 +140,7 @@ def test_session_busy_and_empty_prompt(harness):
 
 def test_body_limit_counts_declared_and_chunked_bytes(tmp_path):
     app = create_app(make_config(max_body_bytes=1024), db_path=str(tmp_path / "a.sqlite"), tick_interval_s=None)
-    with TestClient(app) as client:
+    with TestClient(app, headers=AUTH) as client:
         big = json.dumps({"prompt_ids": list(range(600))})
         r = client.post("/v1/completions", content=big, headers={"content-type": "application/json"})
         assert r.status_code == 413 and r.json()["reason"] == "too_large"

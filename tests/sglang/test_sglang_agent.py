@@ -130,7 +130,7 @@ def reference(request_id: str, prompt: list[int], max_tokens: int, seed: int) ->
 
 def stream_and_flip(cluster: Cluster, cells: SGLangCells, prompt: list[int], seed: int) -> tuple[Streamer, str, dict]:
     """Stream a completion, flip its cell to training mid-decode; (stream, flipped cell, flip)."""
-    s = Streamer(cluster.url, prompt, max_tokens=MAX_TOKENS, seed=seed, timeout_s=60)
+    s = Streamer(cluster.url, prompt, max_tokens=MAX_TOKENS, seed=seed, timeout_s=60, token=cluster.token)
     s.start()
     assert s.started.wait(30) and s.error is None, s.error
     cluster.wait(lambda: len(s.tokens) >= 10, 30, "tokens flowing")
@@ -197,7 +197,7 @@ def test_flip_moves_a_request_by_reprefill_token_exact_and_hands_gpu_memory_over
     away = cluster.wait_flip(cluster.flip(other, "training")["id"], 30)  # leaves the victim the only rollout cell
     assert away["state"] == "done", away
     prompt2, seed2 = [21, 22, 23], 3
-    s2 = Streamer(cluster.url, prompt2, max_tokens=MAX_TOKENS, seed=seed2, timeout_s=60)
+    s2 = Streamer(cluster.url, prompt2, max_tokens=MAX_TOKENS, seed=seed2, timeout_s=60, token=cluster.token)
     s2.start()
     s2.join(60)
     assert not s2.is_alive() and s2.error is None, s2.error
