@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch.distributed import Store, TCPStore
 
 from cells.engine.interface import EngineError
+from cells.engine.sglang_barrier import sender_verdict
 from cells.engine.sglang_weights import (
     BucketSpec,
     TensorMeta,
@@ -428,12 +429,22 @@ class VersionHost:
             return None, [], f"update-group rendezvous could not listen on {self._address.host}: {e}"[:500]
         name = f"{self.namespace}-v{version}-a{attempt}"
         plan = [b.to_dict() for b in buckets]
-        offset = 1
+        offset, offsets = 1, {}
         for c in members:
-            group = UpdateGroup(self._address.host, master.port, offset, world, name, self.update_backend)
+            group = UpdateGroup(self._address.host, master.port, offset, world, name, self.update_backend,
+                                barrier_s=self.join_timeout_s)
             set_json(store, key("spec", attempt, c), {"group": group.to_dict(), "buckets": plan})
+            offsets[c] = offset
             offset += ranks[c]
         set_json(store, key("plan", attempt), {"members": members, "retry_within_s": retry_s})
+        # Every member's engine says it joined before anyone forms the group: NCCL sets its
+        # communicator up inside the first collective, with no timeout of ours, so a member that
+        # never comes would hold this thread and every other member's engine (sglang_barrier.py).
+        missing = sender_verdict(master, name, offsets, self.join_timeout_s)
+        if missing:
+            why = f"{missing} did not reach the update group's barrier in {self.join_timeout_s:.1f}s; called off"
+            log.warning("version %d update group %s: %s", version, name, why)
+            return None, [], why[:500]
         device = torch.device("cuda" if self.update_backend == "nccl" else "cpu")
         backend, keep = None, []
         try:
