@@ -102,6 +102,8 @@ class Learner:
         """Optimizer steps per RL update (RL_MATH: k >= 2 lets the clip bind from the second)."""
         self.lr_warmup_steps = lr_warmup_steps
         self.rl_start_step: int | None = None
+        self.compute_s = {"forward": 0.0, "backward": 0.0}
+        """Seconds this process spent in RL forwards and backwards (`run_update`)."""
         """The optimizer step RL started at (`start_rl`); None: no RL learning-rate warm-up."""
         self.betas, self.weight_decay = betas, weight_decay
         self._base_lr = float(lr)

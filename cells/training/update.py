@@ -23,6 +23,7 @@ from cells.trainer.objectives import KLInReward, apply_correction, decoupled_ppo
 from cells.training.batch import Batch, pad
 from cells.training.plan import Share
 from cells.training.reduce import Reducer, sum_gradients
+from scheduler.failpoints import failpoint
 
 # Per-minibatch sums reduced over the ranks; the reported means are rebuilt from them.
 _COUNTS = ("num_tokens", "num_kept", "num_exact", "num_missing", "num_missing_kept")
@@ -40,6 +41,7 @@ def run_update(learner: Any, share: Share, reducer: Reducer) -> dict[str, float]
     t0 = time.perf_counter()
     b = Batch.build(share.trajectories) if share.trajectories else None
     pre = _start_of_update(learner, b, share)
+    learner.compute_s["forward"] += time.perf_counter() - t0
     totals = torch.zeros(len(_SUMS), dtype=torch.float64)
     mb_losses, grad_norms = [], []
     for j in range(share.num_minibatches):
@@ -47,6 +49,7 @@ def run_update(learner: Any, share: Share, reducer: Reducer) -> dict[str, float]
         mb_losses.append(sums[:3].clone())
         totals += sums
         grad_norms.append(norm)
+        failpoint("training.after_minibatch")  # a rank dying or stalling mid-update (fault campaign)
     learner.version += 1
     out = _finish_metrics(totals, mb_losses, share.n0)
     out.update(_batch_metrics(b, pre, reducer, learner.version - 1))
@@ -116,11 +119,15 @@ def _minibatch(learner: Any, b: Batch | None, pre: dict, share: Share, j: int, r
     lt_rows = []
     for lo in range(0, len(rows), learner.micro_batch):
         idx = torch.tensor(rows[lo: lo + learner.micro_batch])
+        t0 = time.perf_counter()
         lps, w, vocab_rows = learner.seq_logprobs(learner.params, [b.ids[i] for i in idx.tolist()], True)
         lt = pad(lps, b.length, 0.0)
         loss, _ = decoupled_ppo_loss(lt, pre["lp_prox"][idx], b.behav[idx], pre["adv"][idx], b.mask[idx], cfg,
                                      **_extra(b, pre, idx), num_tokens=n0, normalizer=normalizer)
+        t1 = time.perf_counter()
         loss.backward()
+        learner.compute_s["forward"] += t1 - t0
+        learner.compute_s["backward"] += time.perf_counter() - t1
         learner.add_row_grads(w, vocab_rows, touched)
         lt_rows.append(lt.detach())
     sums = _local_sums(learner, b, pre, rows, lt_rows, n0, normalizer)

@@ -1,0 +1,192 @@
+"""The trainer side of a training step: the coordinator assigns, the training cells compute.
+
+One step, one line: plan (advantages, minibatches, token shares) → assign each training cell
+→ acks (who is alive, which state each holds) → rendezvous `all` → send the host state to
+the cells whose state is stale → wait for the result → receive the new state from rank 1,
+check every rank's checksum → install it in the host copy → commit (version v, checksum).
+
+The host copy (the coordinator's `Learner`) stays authoritative: it changes only when a
+whole update came back and every rank reported the same parameters. Any failure (a cell
+dead or stalled mid-step, a timeout, a checksum mismatch) aborts the attempt -- the cells
+drop what they computed -- and the step is redone from the unchanged host copy with the
+cells that still answer, counted in `attempts` and logged. With no cell left, the step runs
+here (`coordinator_fallback`), so training never stops for want of cells.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from cells.training import protocol as P
+from cells.training.plan import plan_update
+from cells.training.wire import pack, params_view, recv_state, send_state, unpack, weights_checksum
+from cells.transport.p2p import TransferError, discard, join_group
+from cells.transport.store import StoreAddress, connect, get_json, set_json, wait_any, wait_keys
+
+import torch
+
+log = logging.getLogger("cellflip.training")
+
+
+class StepFailed(RuntimeError):
+    def __init__(self, reason: str, lost: Sequence[str] = ()) -> None:
+        super().__init__(reason)
+        self.lost = list(lost)
+
+
+class TrainingCoordinator:
+    """Drives the training cells' steps for the host learner. `address`: the rendezvous
+    store the cells know (the version host's)."""
+
+    def __init__(self, learner: Any, address: StoreAddress, *, timeout_s: float = 30.0,
+                 ack_timeout_s: float = 10.0, step_timeout_s: float = 600.0, max_attempts: int = 3,
+                 emit: Callable[[dict], None] | None = None) -> None:
+        self.learner, self.address = learner, address
+        self.timeout_s, self.ack_timeout_s = timeout_s, ack_timeout_s
+        self.step_timeout_s, self.max_attempts = step_timeout_s, max_attempts
+        self.emit = emit or (lambda rec: log.info("%s", rec))
+        self.store = connect(address, timeout_s=timeout_s)
+        self.run = uuid.uuid4().hex[:8]
+        """This coordinator's incarnation: a restarted one never matches a cell's old state."""
+        self.num_steps = 0
+
+    @property
+    def tag(self) -> str:
+        """Names the host state: the incarnation and its optimizer step."""
+        return f"{self.run}:{self.learner.step}:{self.learner.version}"
+
+    def update(self, trajectories: Sequence[dict], cells: Sequence[str], *,
+               next_version: Callable[[], int], shares: Sequence[float] | None = None,
+               cursor: int | None = None) -> dict[str, Any]:
+        """One RL update on `cells` (redone without the cells that fail); the host learner
+        then holds it as version `next_version()`. Returns the update's metrics."""
+        self.num_steps += 1
+        cells, lost, attempts = list(cells), [], 0
+        while cells and attempts < self.max_attempts:
+            attempts += 1
+            try:
+                out = self._attempt(trajectories, cells, attempts, next_version, shares)
+            except StepFailed as e:
+                lost += e.lost
+                self.emit({"event": "train_attempt_failed", "step": self.num_steps, "attempt": attempts,
+                           "cells": cells, "reason": str(e)[:300], "lost": e.lost})
+                cells = [c for c in cells if c not in e.lost]
+                shares = None
+                continue
+            out.update({"attempts": float(attempts), "cells_lost": float(len(lost)), "coordinator_fallback": 0.0})
+            if cursor is not None:
+                self.learner.cursor = cursor
+            return out
+        self.emit({"event": "coordinator_fallback", "step": self.num_steps, "lost": lost})
+        metrics = self.learner.rl_step(trajectories, cursor=cursor)
+        self.learner.version = next_version()
+        metrics.update({"attempts": float(attempts), "cells_lost": float(len(lost)),
+                        "coordinator_fallback": 1.0, "train_cells": 0.0})
+        return metrics
+
+    def _attempt(self, trajectories: Sequence[dict], cells: list[str], attempt: int,
+                 next_version: Callable[[], int], shares: Sequence[float] | None) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        plan = plan_update(trajectories, self.learner.objective, self.learner.minibatches,
+                           list(shares) if shares else [1.0] * len(cells))
+        prefix = P.attempt_prefix(self.num_steps, attempt, self.run)
+        self._assign(prefix, cells, plan, attempt)
+        acks = self._acks(prefix, cells)
+        group = None
+        try:
+            group = self._join(prefix, len(cells))
+            stale = [r for r, a in acks.items() if a.get("tag") != self.tag]
+            t_join = time.perf_counter()
+            self._send_state(prefix, group, stale)
+            join_s = time.perf_counter() - t_join
+            result, flat, idx = self._result(prefix, cells, group)
+            self._check_ranks(prefix, cells, result["checksum"])
+            out = self._commit(prefix, result, flat, idx, next_version, plan, len(cells), len(stale),
+                               join_s, time.perf_counter() - t0)
+        except (TransferError, StepFailed, RuntimeError) as e:
+            set_json(self.store, f"{prefix}/abort", {"reason": str(e)[:300]})
+            if group is not None:
+                discard(group, [], broken=True)
+            raise e if isinstance(e, StepFailed) else StepFailed(str(e), self._failed(prefix, cells)) from e
+        discard(group, [], broken=False)
+        return out
+
+    def _assign(self, prefix: str, cells: list[str], plan, attempt: int) -> None:
+        spec = {"cells": cells, "tag": self.tag, "hyper": P.hyper(self.learner), "timeout_s": self.timeout_s,
+                "connect_timeout_s": self.ack_timeout_s + self.timeout_s,
+                "commit_timeout_s": self.step_timeout_s}
+        set_json(self.store, f"{prefix}/spec", spec)
+        for r, share in enumerate(plan.shares, start=1):
+            set_json(self.store, f"{prefix}/share/{r}", share.to_json())
+        for c in cells:
+            set_json(self.store, P.assign_key(c), {"run": self.run, "step": self.num_steps, "attempt": attempt})
+
+    def _acks(self, prefix: str, cells: list[str]) -> dict[int, dict]:
+        keys = [f"{prefix}/ack/{r}" for r in range(1, len(cells) + 1)]
+        present = set(wait_keys(self.store, keys, self.ack_timeout_s))
+        lost = [c for c, k in zip(cells, keys) if k not in present]
+        if lost:
+            set_json(self.store, f"{prefix}/abort", {"reason": "no ack"})
+            raise StepFailed(f"no ack from {lost} within {self.ack_timeout_s}s", lost)
+        return {r: get_json(self.store, k) for r, k in enumerate(keys, start=1)}
+
+    def _join(self, prefix: str, n: int):
+        return join_group(self.store, f"{prefix}/all/", 0, n + 1, timeout_s=self.timeout_s,
+                          connect_timeout_s=self.ack_timeout_s + self.timeout_s, device=torch.device("cpu"))
+
+    def _send_state(self, prefix: str, group, ranks: list[int]) -> None:
+        """The host state to the joining ranks, one after another (each is a full copy)."""
+        if not ranks:
+            return
+        meta, flat, idx = pack(self.learner)
+        set_json(self.store, f"{prefix}/state", meta)
+        for r in ranks:
+            send_state(group, r, flat, idx, self.timeout_s)
+
+    def _result(self, prefix: str, cells: list[str], group) -> tuple[dict, Any, Any]:
+        keys = [f"{prefix}/result"] + [f"{prefix}/failed/{r}" for r in range(1, len(cells) + 1)]
+        got = wait_any(self.store, keys, self.step_timeout_s)
+        if got != f"{prefix}/result":
+            raise StepFailed(f"step failed on the cells ({got or 'timed out'})", self._failed(prefix, cells))
+        result = get_json(self.store, got)
+        flat, idx = recv_state(group, 1, result["state"], self.timeout_s, tag=2)
+        return result, flat, idx
+
+    def _check_ranks(self, prefix: str, cells: list[str], checksum: int) -> None:
+        """Every rank ended with the parameters rank 1 sent (none holds another update)."""
+        keys = [f"{prefix}/done/{r}" for r in range(1, len(cells) + 1)]
+        present = wait_keys(self.store, keys, self.timeout_s)
+        if len(present) < len(keys):
+            raise StepFailed("not every rank finished the update", self._failed(prefix, cells))
+        bad = [c for c, k in zip(cells, keys) if int(get_json(self.store, k)["checksum"]) != checksum]
+        if bad:
+            raise StepFailed(f"ranks {bad} ended with other parameters", bad)
+
+    def _failed(self, prefix: str, cells: list[str]) -> list[str]:
+        """Cells that did not report success or failure: dead or stalled (the others failed
+        because of them and may take part in the next attempt)."""
+        out = []
+        for r, c in enumerate(cells, start=1):
+            if not (self.store.check([f"{prefix}/done/{r}"]) or self.store.check([f"{prefix}/failed/{r}"])):
+                out.append(c)
+        return out
+
+    def _commit(self, prefix: str, result: dict, flat, idx, next_version: Callable[[], int], plan,
+                n: int, joined: int, join_s: float, wall_s: float) -> dict[str, Any]:
+        crc = weights_checksum(params_view(result["state"], flat))
+        if crc != int(result["checksum"]):  # checked before the host copy changes
+            raise StepFailed("the returned state does not match its checksum")
+        unpack(self.learner, result["state"], flat, idx)
+        self.learner.version = next_version()
+        set_json(self.store, f"{prefix}/commit", {"tag": self.tag, "version": self.learner.version,
+                                                  "checksum": crc})
+        metrics = dict(result["metrics"])
+        metrics.update(plan.metrics())
+        metrics.update({"version": float(self.learner.version), "train_cells": float(n),
+                        "join_cells": float(joined), "join_s": join_s, "train_wall_s": wall_s,
+                        "checksum": float(crc)})
+        return metrics

@@ -1,0 +1,66 @@
+"""The coordinator ⇄ training-cell exchange on the coordinator's store: keys, JSON, groups.
+
+One step attempt, one line: assign (per cell) → spec + shares → ack (with the state tag the
+cell holds) → join the step's groups → state to the cells whose tag is stale → compute →
+rank 1 returns the state → commit (or abort).
+
+Keys under `train/` in the trainer's rendezvous store (the version host's, whose address
+every cell learns from its version commands). Two stateless groups per attempt, formed on
+that store with `join_group`: `all` (the coordinator as rank 0, the cells as 1..n: the state
+travels there) and `dp` (the cells only: the gradient sums). A fresh attempt number gives
+fresh group names, so a failed attempt's half-open groups never mix with the next.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from cells.engine.model_spec import ModelSpec
+from cells.trainer.objectives import ObjectiveConfig
+
+NAMESPACE = "train"
+
+
+def assign_key(cell_id: str) -> str:
+    return f"{NAMESPACE}/assign/{cell_id}"
+
+
+def attempt_prefix(step: int, attempt: int, run: str) -> str:
+    return f"{NAMESPACE}/{run}/{step}/{attempt}"
+
+
+def hyper(learner: Any) -> dict[str, Any]:
+    """What a cell needs to build a learner like the coordinator's (state comes separately)."""
+    return {"model": learner.spec.signature(), "objective": learner.objective.model_dump_json(),
+            "lr": learner.lr, "betas": list(learner.betas), "weight_decay": learner.weight_decay,
+            "max_grad_norm": learner.max_grad_norm, "micro_batch": learner.micro_batch,
+            "minibatches": learner.minibatches, "lr_warmup_steps": learner.lr_warmup_steps,
+            "tile": learner.tile, "temperature": learner.temperature}
+
+
+def spec_from_signature(d: dict[str, Any]) -> ModelSpec:
+    ranges = d.get("output_id_ranges")
+    return ModelSpec(**{**d, "output_id_ranges": tuple(tuple(r) for r in ranges) if ranges else None})
+
+
+def build_learner(h: dict[str, Any], meta: dict[str, Any]) -> Any:
+    """A learner with the coordinator's hyper-parameters and zero parameters of the manifest's
+    shapes (`wire.unpack` then fills the whole state)."""
+    from cells.trainer.learner import Learner
+
+    spec = spec_from_signature(h["model"])
+    weights = {e["name"]: torch.zeros(e["shape"]) for e in meta["entries"] if e["kind"] == "param"}
+    learner = Learner(replace(spec), weights, lr=float(h["lr"]),
+                      objective=ObjectiveConfig.model_validate_json(h["objective"]), tile=h["tile"],
+                      temperature=float(h["temperature"]), weight_decay=float(h["weight_decay"]),
+                      betas=tuple(h["betas"]), max_grad_norm=h["max_grad_norm"], micro_batch=int(h["micro_batch"]),
+                      minibatches=int(h["minibatches"]), lr_warmup_steps=int(h["lr_warmup_steps"]))
+    return learner
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()

@@ -1,0 +1,162 @@
+"""The training state on the wire: tensors over torch.distributed, metadata as JSON. No pickle.
+
+State = parameters, AdamW moments (and step counts), the KL reference, the PPO-EWMA copy and
+its weight, the optimizer-step and version counters. `pack` flattens it into one float32
+buffer and one int64 buffer of row indices plus a JSON manifest; `unpack` rebuilds it.
+
+A joining cell receives exactly what it needs: for the vocabulary tables (151,936 rows, of
+which a step touches a few hundred) the moments travel only on rows that are not zero, and
+the reference and the EWMA copy only on rows that differ from the parameters; every other
+row is implied (zero, or equal to the parameter row), so the rebuilt state is bitwise the
+sender's. Everything else travels dense.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from cells.transport.p2p import wait_work
+
+ROW_SPARSE_MIN_ROWS = 4096
+"""Tensors with at least this many rows travel row-sparse (the vocabulary tables)."""
+
+
+def weights_checksum(weights: dict[str, Tensor]) -> int:
+    """CRC32 of the parameters' bytes in name order: what a version is, bitwise."""
+    crc = 0
+    for k in sorted(weights):
+        t = weights[k].detach().contiguous()
+        crc = zlib.crc32(k.encode(), crc)
+        crc = zlib.crc32(t.view(torch.uint8).reshape(-1).numpy() if t.numel() else b"", crc)
+    return crc
+
+
+def _entries(learner: Any) -> list[tuple[str, str, Tensor, Tensor | None]]:
+    """(kind, name, tensor, base) for every tensor of the state; base None: dense."""
+    out = []
+    params = {k: p.detach() for k, p in learner.params.items()}
+    for k, p in params.items():
+        out.append(("param", k, p, None))
+    for i, k in enumerate(params):
+        st = learner.optimizer.state.get(learner.params[k], {})
+        for slot in ("exp_avg", "exp_avg_sq"):
+            if slot in st:
+                out.append((slot, k, st[slot], torch.zeros(())))
+    for k in params:
+        out.append(("reference", k, learner.reference[k], params[k]))
+        out.append(("ewma", k, learner.ewma.params[k], params[k]))
+    return out
+
+
+def pack(learner: Any) -> tuple[dict[str, Any], Tensor, Tensor]:
+    """(manifest, float32 values, int64 rows) of the learner's whole training state."""
+    manifest: list[dict[str, Any]] = []
+    values, rows = [], []
+    for kind, name, t, base in _entries(learner):
+        rec = {"kind": kind, "name": name, "shape": list(t.shape)}
+        if base is not None and t.dim() == 2 and t.shape[0] >= ROW_SPARSE_MIN_ROWS:
+            diff = (t != base).any(dim=1) if base.dim() else (t != 0).any(dim=1)
+            idx = torch.nonzero(diff).flatten()
+            rec["rows"] = int(idx.numel())
+            values.append(t[idx].reshape(-1))
+            rows.append(idx)
+        else:
+            values.append(t.reshape(-1))
+        manifest.append(rec)
+    opt = {k: int(learner.optimizer.state[learner.params[k]]["step"])
+           for k in learner.params if "step" in learner.optimizer.state.get(learner.params[k], {})}
+    meta = {"entries": manifest, "adam_steps": opt, "ewma_weight": learner.ewma.weight,
+            "ewma_num_resets": learner.ewma.num_resets, "version": learner.version, "step": learner.step,
+            "rl_start_step": learner.rl_start_step, "lr": learner.lr,
+            "num_values": int(sum(v.numel() for v in values)), "num_rows": int(sum(r.numel() for r in rows))}
+    flat = torch.cat(values) if values else torch.zeros(0)
+    idx = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+    return meta, flat.to(torch.float32).contiguous(), idx.to(torch.long).contiguous()
+
+
+@torch.no_grad()
+def unpack(learner: Any, meta: dict[str, Any], flat: Tensor, idx: Tensor) -> None:
+    """Make `learner`'s state bitwise the packed one (parameters first: the sparse rows of
+    the reference and EWMA copy are relative to them)."""
+    vpos = rpos = 0
+    params = learner.params
+    got: dict[str, dict[str, Tensor]] = {}
+    for rec in meta["entries"]:
+        shape = tuple(rec["shape"])
+        if "rows" in rec:
+            n = rec["rows"]
+            rows = idx[rpos: rpos + n]
+            rpos += n
+            vals = flat[vpos: vpos + n * shape[1]].view(n, shape[1])
+            vpos += n * shape[1]
+            base = torch.zeros(shape) if rec["kind"].startswith("exp_avg") else params[rec["name"]].detach().clone()
+            base[rows] = vals
+            t = base
+        else:
+            n = 1
+            for d in shape:
+                n *= d
+            t = flat[vpos: vpos + n].view(shape).clone()
+            vpos += n
+        if rec["kind"] == "param":
+            params[rec["name"]].copy_(t)
+        else:
+            got.setdefault(rec["kind"], {})[rec["name"]] = t
+    _restore(learner, meta, got)
+
+
+def _restore(learner: Any, meta: dict[str, Any], got: dict[str, dict[str, Tensor]]) -> None:
+    learner.optimizer.state.clear()
+    for k, n in meta["adam_steps"].items():
+        p = learner.params[k]
+        learner.optimizer.state[p] = {"step": torch.tensor(float(n)), "exp_avg": got["exp_avg"][k],
+                                      "exp_avg_sq": got["exp_avg_sq"][k]}
+    learner.reference = dict(got["reference"])
+    learner.ewma.params = dict(got["ewma"])
+    learner.ewma.weight = float(meta["ewma_weight"])
+    learner.ewma.num_resets = int(meta["ewma_num_resets"])
+    learner.version, learner.step = int(meta["version"]), int(meta["step"])
+    start = meta["rl_start_step"]
+    learner.rl_start_step = None if start is None else int(start)
+    learner.lr = float(meta["lr"])
+
+
+def params_view(meta: dict[str, Any], flat: Tensor) -> dict[str, Tensor]:
+    """The parameters inside a packed state (views of `flat`; they travel dense, first)."""
+    out, pos = {}, 0
+    for rec in meta["entries"]:
+        if rec["kind"] != "param":
+            break
+        n = 1
+        for d in rec["shape"]:
+            n *= d
+        out[rec["name"]] = flat[pos: pos + n].view(tuple(rec["shape"]))
+        pos += n
+    return out
+
+
+def send_state(pg, dst: int, flat: Tensor, idx: Tensor, timeout_s: float, tag: int = 0) -> None:
+    """Send the packed buffers to rank `dst` of `pg` (the manifest travels as JSON beside)."""
+    for i, t in enumerate((flat, idx)):
+        if t.numel():
+            wait_work(pg.send([t], dst, tag + i), timeout_s, f"state to rank {dst}")
+
+
+def recv_state(pg, src: int, meta: dict[str, Any], timeout_s: float, tag: int = 0) -> tuple[Tensor, Tensor]:
+    flat = torch.empty(int(meta["num_values"]), dtype=torch.float32)
+    idx = torch.empty(int(meta["num_rows"]), dtype=torch.long)
+    for i, t in enumerate((flat, idx)):
+        if t.numel():
+            wait_work(pg.recv([t], src, tag + i), timeout_s, f"state from rank {src}")
+    return flat, idx
+
+
+def state_equal(a: Any, b: Any) -> bool:
+    """Bitwise equality of two learners' training states (tests, the bench's join check)."""
+    ma, fa, ia = pack(a)
+    mb, fb, ib = pack(b)
+    return ma == mb and torch.equal(fa, fb) and torch.equal(ia, ib)

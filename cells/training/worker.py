@@ -1,0 +1,197 @@
+"""The training rank on a cell: while the cell is in the training role, take the coordinator's
+step assignments and compute them with the other training cells.
+
+One attempt, one line: read spec and share → ack with the held state's tag → join `all` and
+`dp` → receive the state if the tag is stale → `run_update` over `dp` → rank 1 sends the new
+state back → wait for commit (keep it, as version v with its checksum) or abort (drop it).
+
+A cell never keeps a half-applied update: the state is updated in place only inside the
+attempt, and any failure (a peer died, a stall past the op timeout, an abort, the
+coordinator gone) drops the whole state; the next attempt sends it afresh from the
+coordinator's host copy. After a commit the cell holds the published version's weights, so
+its `loading` back to rollout installs them locally (`weights_for`), fetching nothing.
+
+    python -m cells.training.worker --store HOST:PORT --cell-id ID   # a bare training rank
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+from typing import Any
+
+import torch
+
+from cells.training import protocol as P
+from cells.training.plan import Share
+from cells.training.reduce import GroupReducer, LocalReducer
+from cells.training.update import run_update
+from cells.training.wire import pack, recv_state, send_state, unpack, weights_checksum
+from cells.transport.p2p import TransferError, discard, join_group
+from cells.transport.store import StoreAddress, connect, get_json, set_json, wait_any, wait_json
+
+log = logging.getLogger("cellflip.training")
+
+POLL_S = 0.05
+
+
+class TrainingWorker:
+    """Owned by the cell agent (or run bare). `active` gates taking assignments (the cell's
+    role is training); `source` is the coordinator's store address."""
+
+    def __init__(self, cell_id: str, *, device: str = "cpu") -> None:
+        self.cell_id, self.device = cell_id, torch.device(device)
+        self.source: StoreAddress | None = None
+        self.active = threading.Event()
+        self.learner: Any = None
+        self.tag: str | None = None
+        """Which coordinator state the learner holds (None: nothing trusted)."""
+        self.committed: dict[str, Any] | None = None
+        """{"version", "checksum"} of the last committed update this cell computed."""
+        self.num_attempts = self.num_failed = 0
+        self._last: tuple | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="training", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def enter(self) -> None:
+        """The cell is in the training role: take assignments from the next step boundary."""
+        self.active.set()
+
+    def leave(self) -> None:
+        """Back to rollout: no more assignments; the state goes (the weights stay reachable
+        through `weights_for` until the version is installed)."""
+        self.active.clear()
+        self.tag = None
+
+    def weights_for(self, version: int) -> dict[str, torch.Tensor] | None:
+        """The committed weights of `version` if this cell computed them, verified against the
+        checksum the coordinator committed; None otherwise (fetch it)."""
+        c, learner = self.committed, self.learner
+        if c is None or learner is None or c["version"] != version:
+            return None
+        weights = {k: p.detach().clone() for k, p in learner.params.items()}
+        if weights_checksum(weights) != c["checksum"]:
+            log.warning("version %d: local weights fail the committed checksum; fetching", version)
+            return None
+        return weights
+
+    def drop(self) -> None:
+        """Forget everything (after the weights were installed, or on a failure)."""
+        self.learner, self.tag, self.committed = None, None, None
+
+    # -- the loop ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        store = None
+        while not self._stop.is_set():
+            if not self.active.is_set() or self.source is None:
+                store = None
+                time.sleep(POLL_S)
+                continue
+            try:
+                store = store or connect(self.source, timeout_s=10.0)
+                a = wait_json(store, P.assign_key(self.cell_id), POLL_S)
+            except Exception as e:  # coordinator restarting: try again shortly
+                log.debug("training store unreachable: %s", e)
+                store = None
+                time.sleep(0.5)
+                continue
+            key = None if a is None else (a["run"], a["step"], a["attempt"])
+            if a is None or key == self._last or not self.active.is_set():
+                time.sleep(POLL_S)
+                continue
+            self._last = key
+            self.run_attempt(store, a)
+
+    def run_attempt(self, store, a: dict[str, Any]) -> bool:
+        """One attempt of one step; True when it was committed."""
+        self.num_attempts += 1
+        prefix = P.attempt_prefix(a["step"], a["attempt"], a["run"])
+        groups: list = []
+        try:
+            ok = self._attempt(store, prefix, groups)
+        except (TransferError, RuntimeError, OSError, ValueError, KeyError) as e:
+            log.warning("cell %s: training step %s attempt %s failed: %s", self.cell_id, a["step"], a["attempt"], e)
+            ok = False
+        for g in groups:
+            discard(g, [], broken=not ok)
+        if not ok:
+            self.num_failed += 1
+            self.drop()
+        return ok
+
+    def _attempt(self, store, prefix: str, groups: list) -> bool:
+        spec = wait_json(store, f"{prefix}/spec", 10.0)
+        if spec is None or self.cell_id not in spec["cells"]:
+            return False
+        rank, n = spec["cells"].index(self.cell_id) + 1, len(spec["cells"])
+        share = Share.from_json(wait_json(store, f"{prefix}/share/{rank}", 10.0))
+        timeout, connect_s = float(spec["timeout_s"]), float(spec["connect_timeout_s"])
+        set_json(store, f"{prefix}/ack/{rank}", {"tag": self.tag})
+        try:
+            # all ranks join `all` before `dp`: the coordinator waits in `all` for everyone
+            groups.append(join_group(store, f"{prefix}/all/", rank, n + 1, timeout_s=timeout,
+                                     connect_timeout_s=connect_s, device=torch.device("cpu")))
+            if n > 1:
+                groups.append(join_group(store, f"{prefix}/dp/", rank - 1, n, timeout_s=timeout,
+                                         connect_timeout_s=connect_s, device=self.device))
+            if self.tag != spec["tag"] or self.learner is None:
+                self._receive_state(store, prefix, spec, groups[0], timeout)
+            reducer = GroupReducer(groups[1], n, timeout) if n > 1 else LocalReducer()
+            metrics = run_update(self.learner, share, reducer)
+            crc = weights_checksum({k: p.detach() for k, p in self.learner.params.items()})
+            if rank == 1:
+                meta, flat, idx = pack(self.learner)
+                set_json(store, f"{prefix}/result", {"metrics": metrics, "state": meta, "checksum": crc})
+                send_state(groups[0], 0, flat, idx, timeout, tag=2)
+            set_json(store, f"{prefix}/done/{rank}", {"checksum": crc})
+        except Exception as e:
+            set_json(store, f"{prefix}/failed/{rank}", {"reason": str(e)[:300]})
+            raise
+        return self._settle(store, prefix, float(spec["commit_timeout_s"]))
+
+    def _receive_state(self, store, prefix: str, spec: dict, group, timeout: float) -> None:
+        meta = wait_json(store, f"{prefix}/state", timeout)
+        if meta is None:
+            raise TransferError("no state manifest from the coordinator")
+        flat, idx = recv_state(group, 0, meta, timeout)
+        self.learner = P.build_learner(spec["hyper"], meta)
+        unpack(self.learner, meta, flat, idx)
+
+    def _settle(self, store, prefix: str, timeout: float) -> bool:
+        """Keep the update only once the coordinator committed it."""
+        end = wait_any(store, [f"{prefix}/commit", f"{prefix}/abort"], timeout)
+        if end != f"{prefix}/commit":
+            return False
+        c = get_json(store, end)
+        self.tag = c["tag"]
+        self.learner.version = int(c["version"])
+        self.committed = {"version": int(c["version"]), "checksum": int(c["checksum"])}
+        return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="a bare training rank (no engine): tests and benches")
+    p.add_argument("--store", required=True, help="HOST:PORT of the coordinator's store")
+    p.add_argument("--cell-id", required=True)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    host, port = args.store.rsplit(":", 1)
+    w = TrainingWorker(args.cell_id)
+    w.source = StoreAddress(host, int(port))
+    w.enter()
+    w._loop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The update does not depend on how many cells train: 1, 2 and 3 training ranks with the batch
+split unevenly (token shares 1:2:5) give the same parameters after 3 RL updates (grad-norm
+clipping on, the e2e learning rate) up to the float reduction order; the same membership and
+split twice give the same bits; one cell gives the bits of the coordinator's own update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cells.training.coordinator import TrainingCoordinator
+from tests.training.cluster import Ranks, learner, rel_diff, trajectories
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.slow
+
+SHARES = [1.0, 2.0, 5.0]
+
+
+def _run(ranks: Ranks, cells: list[str], batches: list[list[dict]]) -> tuple[dict, list[dict]]:
+    lrn = learner(max_grad_norm=1.0)
+    coord = TrainingCoordinator(lrn, ranks.host.address, timeout_s=30, ack_timeout_s=30)
+    metrics = []
+    for b in batches:
+        metrics.append(coord.update(b, cells, shares=SHARES[: len(cells)], next_version=lambda: lrn.version))
+    assert all(m["coordinator_fallback"] == 0.0 and m["train_cells"] == len(cells) for m in metrics), metrics
+    return {k: p.detach().clone() for k, p in lrn.params.items()}, metrics
+
+
+def test_one_two_three_cells_give_the_same_update(tmp_path):
+    base = learner()
+    theta0 = {k: p.detach().clone() for k, p in base.params.items()}
+    batches = [trajectories(base, seed=s) for s in range(3)]
+    local = learner(max_grad_norm=1.0)
+    for b in batches:
+        local.rl_step(b)
+    ranks = Ranks(tmp_path, 3)
+    try:
+        one, m1 = _run(ranks, ["cell-0"], batches)
+        two, m2 = _run(ranks, ["cell-0", "cell-1"], batches)
+        three, m3 = _run(ranks, ["cell-0", "cell-1", "cell-2"], batches)
+        two_again, _ = _run(ranks, ["cell-0", "cell-1"], batches)
+    except Exception:
+        print(ranks.logs())
+        raise
+    finally:
+        ranks.stop()
+    for k in one:  # one rank runs exactly the coordinator's own code on the whole batch
+        assert torch.equal(one[k], local.params[k].detach())
+        assert torch.equal(two[k], two_again[k])
+    d = {"1-2": rel_diff(one, two, theta0), "1-3": rel_diff(one, three, theta0), "2-3": rel_diff(two, three, theta0)}
+    assert max(d.values()) <= 1e-3, d
+    print("param_max_rel_diff", d)
+    for a, b in zip(m1, m3):  # the same update, so the same token counts and (nearly) losses
+        assert a["num_tokens"] == b["num_tokens"] and a["num_minibatches"] == b["num_minibatches"] == 2
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+    assert [m["version"] for m in m2] == [1.0, 2.0, 3.0]
+    assert [m["optimizer_step"] for m in m2] == [2.0, 4.0, 6.0]  # two minibatch steps per version
+    assert m1[0]["join_cells"] == 1 and m1[1]["join_cells"] == 0  # state sent once, then kept
