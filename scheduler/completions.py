@@ -1,6 +1,7 @@
 """Token-in/token-out completions on top of the session store.
 
-One line: admit (a rollout cell has room, else 429) → align the prompt with the session's
+One line: admit (a new session within the staleness bound, and a rollout cell has room, else
+429) → align the prompt with the session's
 buffer (append the new tokens; a rewritten history starts a new segment) → record the request
 and its owner → `start` on that cell → stream tokens as they are committed.
 
@@ -14,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from scheduler import idempotency, ownership
+from scheduler import idempotency, ownership, staleness
 from scheduler.errors import Conflict, Invalid, NoCapacity
 from scheduler.placement import RequestSummary, choose_destination, sticky_destination
 from scheduler.store_owners import RequestRow
@@ -40,6 +41,7 @@ def submit(ctl: Controller, session_id: str | None, prompt_ids: list[int], param
         first = ctl.store.owners.get_request(hit["request_id"])
         assert first is not None, f"idempotency record of a request the store lacks: {hit}"
         return first
+    staleness.check_admission(ctl, session_id)
     rid = f"req-{uuid.uuid4().hex[:16]}"
     sid = session_id or f"anon-{rid[4:]}"
     snapshot = ctl.snapshot()

@@ -212,7 +212,16 @@ class SchedulerConfig(_Strict):
     the safety net for a cell that holds a request it does not decode. Counted in
     `cellflip_requests_stalled_total`; above any prefill time (chunked) on the fleet."""
     staleness_bound: int = Field(default=8, ge=0)
-    """Partial rollouts older than this many versions are finished or dropped by policy."""
+    """Most versions (published RL updates) a trajectory may lag the version it is trained at
+    (AReaL's bound on off-policyness). Admission: a new session gets 429 while the sessions in
+    flight plus the finished ones the trainer has not fetched reach (bound + 1) × the
+    trainer's batch size. Hand-out: a trajectory whose oldest sampled token is more versions
+    old than this follows `staleness_policy`. The planner reads the same bound."""
+    staleness_policy: Literal["correct", "drop"] = "correct"
+    """A trajectory past the staleness bound at hand-out: `correct` trains it with its
+    correction weights (decoupled PPO: r_stale capped by the objective's C_s), `drop` hands out
+    only a record saying it was dropped (the trainer drops its whole group). Counted either way
+    in `cellflip_stale_trajectories_total{policy}` and `GET /v1/versions`."""
     auto_flip: bool = True
     """Run the planner's autonomous flip policy once the trainer has declared its demand
     (POST /v1/trainer/report); an explicit POST /v1/flips overrides it."""
@@ -239,8 +248,14 @@ class TrainerConfig(_Strict):
     """RL steps; each flips cells to training, trains on a batch, publishes a version."""
     batch_episodes: int = Field(default=16, gt=0)
     """Finished episodes (trajectories) per RL step."""
-    group_size: int = Field(default=4, gt=0)
-    """Episodes per task instance (a GRPO/RLOO group)."""
+    group_size: int = Field(default=4, gt=1)
+    """Episodes per task instance (a GRPO/RLOO group); a group is trained only whole."""
+    group_deadline_s: float = Field(default=600.0, gt=0)
+    """A group not complete this long after its first member reached the trainer is dropped
+    whole and counted (`cellflip_groups_dropped_total{reason="deadline"}`)."""
+    drop_uniform_groups: bool = False
+    """Dynamic sampling: drop (and count) complete groups whose rewards are all equal; their
+    advantages are zero, so they only dilute the token mean."""
     train_cells: int = Field(default=1, ge=0)
     """Cells flipped to training for each step (they hand their rollouts over live)."""
     train_cell_choice: Literal["planner", "busiest"] = "planner"

@@ -29,6 +29,7 @@ from scheduler.planner_types import CellSummary, Snapshot
 from scheduler.rates import Rates, TrainerDemand
 from scheduler.protocol import Command
 from scheduler.registry import Registry
+from scheduler.staleness import StalenessState
 from scheduler.store import Store
 
 log = logging.getLogger("cellflip.scheduler")
@@ -90,6 +91,8 @@ class Controller:
         self.closing = False
         """Set at shutdown: waiting client streams end (their tokens stay in the store)."""
         self.trajectory_cursor = 0
+        self.staleness = StalenessState()
+        """Counters of the staleness bound's admission and hand-out rules (scheduler/staleness.py)."""
         self.rates = Rates()
         self.pinned_training: set[str] = set()
         """Cells an explicit flip sent to training: the planner does not flip them back."""

@@ -12,6 +12,8 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _SLOW = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 CELL_STATES = ("joining", "rollout", "draining", "training", "loading", "down")
+GROUP_DROP_REASONS = ("deadline", "stale", "uniform_reward", "no_group", "late")
+"""Why a trainer drops a group (cells/trainer/groups.py)."""
 
 
 class Metrics:
@@ -42,6 +44,11 @@ class Metrics:
         self.requests_stalled = Counter(p + "requests_stalled", "Running requests taken back from an owner that reported them but committed no token for stall_timeout_s.", ["cell"], registry=r)
         self.tokens_rejected = Counter(p + "tokens_rejected", "Token batches refused at sync, by reason.", ["reason"], registry=r)
         self.fenced = Counter(p + "cells_fenced", "Cell incarnations fenced (lease lost or replaced).", ["reason"], registry=r)
+        self.groups_dropped = Counter(p + "groups_dropped", "Groups the trainer dropped whole, never trained, by reason (as it reports them).", ["reason"], registry=r)
+        self.group_trajectories_dropped = Counter(p + "group_trajectories_dropped", "Trajectories of the groups the trainer dropped, by reason.", ["reason"], registry=r)
+        self.stale_trajectories = Counter(p + "stale_trajectories", "Trajectories handed out past the staleness bound, by the policy applied (correct: trained with correction weights; drop: handed out as dropped).", ["policy"], registry=r)
+        self.admission_stale = Counter(p + "admission_staleness_paused", "New sessions refused with 429 because the staleness bound held admission.", registry=r)
+        self.staleness_max = Gauge(p + "trajectory_staleness_max", "Largest staleness (versions) of a trajectory handed out so far.", registry=r)
         for outcome in ("committed", "aborted"):
             for path in ("kv", "kv_store", "reprefill"):
                 self.migrations.labels(outcome, path)
@@ -49,6 +56,11 @@ class Metrics:
             self.flips.labels(outcome)
         for state in CELL_STATES:
             self.cells.labels(state)
+        for reason in GROUP_DROP_REASONS:
+            self.groups_dropped.labels(reason)
+            self.group_trajectories_dropped.labels(reason)
+        for policy in ("correct", "drop"):
+            self.stale_trajectories.labels(policy)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -113,6 +113,12 @@ class TrainerClient:
         self.cursor = body["next_cursor"]
         return body["trajectories"]
 
+    def report_dropped(self, reason: str, groups: int, trajectories: int) -> dict:
+        """Count groups the trainer dropped (never trained) in the scheduler's
+        `cellflip_groups_dropped_total{reason}`."""
+        return self._call("POST", "/v1/trajectories/dropped",
+                          json={"reason": reason, "groups": groups, "trajectories": trajectories})
+
     def session(self, session_id: str) -> dict:
         return self._call("GET", f"/v1/sessions/{session_id}")
 

@@ -468,7 +468,8 @@ def run_episode(
     """Play one episode; returns (reward, stats). With `branches` = k > 1 the episode forks
     after the first turn's tool results into k sessions; the reward is then their mean and
     `stats["branches"]` holds each one. `finish`, when given, closes every session with its
-    own reward and `group_id`."""
+    own reward and `group_id`, once every branch ended: the branches first, the trunk session
+    last (cells/trainer/groups.py counts a tree as one member, complete with its trunk)."""
     if not 1 <= branches <= MAX_BRANCHES:
         raise ValueError(f"branches must lie in [1, {MAX_BRANCHES}]")
     if max_turns < 1:
@@ -486,7 +487,10 @@ def run_episode(
             done, n = _turn(chat, episode, msgs, sid, sampling)
             turns += 1
             max_par = max(max_par, n)
-        results.append(_finish_branch(episode, msgs, sid, turns, max_par, finish, group_id))
+        results.append(_finish_branch(episode, msgs, sid, turns, max_par, None, group_id))
+    if finish is not None:  # the branches first, the trunk last: a trainer takes a tree's
+        for r in results[1:] + results[:1]:  # member as complete once its trunk finished
+            finish(r["session_id"], r["reward"], group_id)
     reward = sum(r["reward"] for r in results) / len(results)
     stats = {
         "episode_id": episode.episode_id,

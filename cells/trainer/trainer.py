@@ -34,6 +34,7 @@ from cells.engine.model import init_weights
 from cells.engine.model_spec import resolve_spec
 from cells.trainer.agents import AgentPool
 from cells.trainer.client import TrainerClient
+from cells.trainer.groups import GroupGate
 from cells.trainer.learner import Learner
 from cells.trainer.objectives.config import ObjectiveConfig
 from cells.trainer.versions_host import VersionHost
@@ -72,6 +73,8 @@ class Trainer:
         self.agents = AgentPool(url, self.tc, token=token, run_tag=tag)
         self.history: list[dict[str, Any]] = []
         self.batch: list[dict] = []
+        self.groups = GroupGate(self.tc.group_size, deadline_s=self.tc.group_deadline_s,
+                                drop_uniform=self.tc.drop_uniform_groups)
         self.rl_step = 0
         """RL steps taken (the learner's own count includes the warm-up's steps)."""
 
@@ -128,13 +131,11 @@ class Trainer:
         batch: list[dict] = []
         while len(batch) < self.tc.batch_episodes and not stop.is_set():
             self.batch += self.client.trajectories(limit=64)
-            batch = self._complete_groups()
+            batch += self._complete_groups(self.tc.batch_episodes - len(batch))
             if len(batch) < self.tc.batch_episodes:
                 time.sleep(0.2)
         if stop.is_set():
             return
-        taken = {id(t) for t in batch}
-        self.batch = [t for t in self.batch if id(t) not in taken]
         t_batch = time.monotonic()
         flipped = self._flip_to_training()
         t_flip = time.monotonic()
@@ -166,17 +167,23 @@ class Trainer:
         self.history.append(rec)
         self._emit(rec)
 
-    def _complete_groups(self) -> list[dict]:
-        """Trajectories of groups that have at least two members (advantages compare within a
-        group), oldest groups first; singletons wait for their siblings."""
-        groups: dict[str, list[dict]] = {}
-        for t in self.batch:
-            groups.setdefault(t.get("group_id") or t["id"], []).append(t)
-        out: list[dict] = []
-        for members in groups.values():
-            if len(members) >= 2 and len(out) < self.tc.batch_episodes:
-                out += members
-        return out
+    def _complete_groups(self, limit: int) -> list[dict]:
+        """Whole groups (all `group_size` members finished), oldest first, up to about `limit`
+        trajectories, taken out of `self.batch`. Groups that cannot be trained (past the
+        deadline, a member dropped by the scheduler as stale, equal rewards under dynamic
+        sampling) leave it too, counted here and in the scheduler's
+        `cellflip_groups_dropped_total` (cells/trainer/groups.py)."""
+        sel = self.groups.select(self.batch, limit)
+        gone = {id(t) for t in sel.ready} | {id(t) for t in sel.dropped_trajectories()}
+        self.batch = [t for t in self.batch if id(t) not in gone]
+        for reason, dropped in sel.dropped.items():
+            groups, n = sel.groups_dropped[reason], len(dropped)
+            self._emit({"event": "groups_dropped", "reason": reason, "groups": groups, "trajectories": n})
+            try:
+                self.client.report_dropped(reason, groups, n)
+            except Exception as e:  # the count stays in groups_dropped and the log
+                log.warning("could not report dropped groups: %s", e)
+        return sel.ready
 
     def _flip_to_training(self) -> list[dict]:
         if self.tc.train_cells <= 0:

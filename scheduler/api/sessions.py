@@ -1,13 +1,18 @@
-"""GET /v1/sessions/{id}, POST /v1/sessions/{id}/finish, GET /v1/trajectories."""
+"""GET /v1/sessions/{id}, POST /v1/sessions/{id}/finish, GET /v1/trajectories (with each
+trajectory's staleness, past the bound handled by policy: scheduler/staleness.py),
+POST /v1/trajectories/dropped (groups the trainer dropped, counted)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
+from pydantic import Field
 
+from scheduler import staleness
 from scheduler.api.deps import ApiRoute, Ctl
-from scheduler.api.schemas import SessionFinish, errors
+from scheduler.api.schemas import SessionFinish, _Body, errors
+from scheduler.metrics import GROUP_DROP_REASONS
 
 router = APIRouter(tags=["sessions"], route_class=ApiRoute, responses=errors(401))
 
@@ -27,4 +32,22 @@ async def trajectories(ctl: Ctl, cursor: Annotated[int, Query(ge=0, lt=1 << 63)]
                        limit: Annotated[int, Query(ge=1, le=1000)] = 16) -> dict:
     items, nxt = ctl.store.sessions.trajectories(cursor, limit)
     ctl.trajectory_cursor = max(ctl.trajectory_cursor, nxt)
-    return {"trajectories": items, "next_cursor": nxt}
+    return {"trajectories": staleness.apply_to_trajectories(ctl, items), "next_cursor": nxt}
+
+
+class GroupsDropped(_Body):
+    reason: Literal[GROUP_DROP_REASONS]  # type: ignore[valid-type]
+    """Why the trainer dropped them (cells/trainer/groups.py)."""
+    groups: int = Field(ge=0, le=1 << 30)
+    """Groups dropped whole."""
+    trajectories: int = Field(ge=0, le=1 << 30)
+    """Their trajectories."""
+
+
+@router.post("/v1/trajectories/dropped", responses=errors(413, 422))
+async def trajectories_dropped(body: GroupsDropped, ctl: Ctl) -> dict:
+    """The trainer dropped groups without training them: counted in
+    `cellflip_groups_dropped_total{reason}`, never silent."""
+    ctl.metrics.groups_dropped.labels(body.reason).inc(body.groups)
+    ctl.metrics.group_trajectories_dropped.labels(body.reason).inc(body.trajectories)
+    return {"reason": body.reason, "groups": body.groups, "trajectories": body.trajectories}
