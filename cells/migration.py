@@ -93,7 +93,6 @@ class Outcome:
     epoch: int | None = None
     num_generated: int = 0
     bytes: int = 0
-    downtime_s: float | None = None
     reason: str = ""
     transfer_s: float = 0.0
     """Wall time spent inside KV tensor sends (source) — what the link bandwidth bounds."""
@@ -395,5 +394,4 @@ class MigrationReceiver:
 
 
 def migration_event(o: Outcome) -> dict:
-    return MigrationEvent(migration_id=o.migration_id, outcome=o.result, path="kv", bytes=o.bytes,
-                          downtime_s=o.downtime_s).to_dict()
+    return MigrationEvent(migration_id=o.migration_id, outcome=o.result, path="kv", bytes=o.bytes).to_dict()

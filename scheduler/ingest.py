@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scheduler import flips, ownership, scoring
+from scheduler import flips, migrations, ownership, scoring
 from scheduler.errors import Invalid
 from scheduler.protocol import (
     BroadcastEvent,
@@ -96,6 +96,7 @@ def accept_tokens(ctl: Controller, fx: Effects, cell_id: str, batches: list[Toke
             req.num_generated += len(v.new)
             ctl.store.owners.set_num_generated(req.id, req.num_generated)
             ctl.progress_at[req.id] = ctl.clock()
+            migrations.observe_stall(ctl, fx, ctl.stalls.on_tokens(req.id, len(v.new), ctl.clock()))
             fx.later(lambda k=len(v.new): ctl.metrics.tokens_generated.inc(k))
             fx.notify(("req", req.id))
         if b.finish_reason is not None and req.is_owned:
@@ -139,8 +140,6 @@ def _on_migration(ctl: Controller, fx: Effects, e: MigrationEvent) -> None:
     def observe() -> None:
         if e.bytes > 0:
             ctl.metrics.migration_bytes.inc(e.bytes)
-        if e.downtime_s is not None and e.downtime_s >= 0:
-            ctl.metrics.migration_downtime.observe(e.downtime_s)
     fx.later(observe)
 
 

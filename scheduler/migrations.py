@@ -103,6 +103,7 @@ def start(ctl: Controller, fx: Effects, req: RequestRow, src: CellRow, dst: Cell
     ctl.store.owners.put_request(req)
     ctl.store.owners.put_migration(mig)
     ctl.migration_started[mig.id] = ctl.clock()
+    ctl.stalls.started(req.id, ctl.clock())
     block = int(dst.capabilities.get("block_size") or 16)
     reserve = req.num_tokens + ctl.mig_cfg.headroom_blocks * block
     rid, epoch, mid = req.id, req.epoch, mig.id
@@ -119,6 +120,7 @@ def abort_in_tx(ctl: Controller, fx: Effects, mig: MigrationRow, reason: str, *,
     mig.reason, mig.finished_at = reason, time.time()
     ctl.store.owners.put_migration(mig)
     ctl.migration_started.pop(mig.id, None)
+    ctl.stalls.aborted(mig.request_id)
     req = ctl.store.owners.get_request(mig.request_id)
     if restore and req is not None and req.state == "migrating":
         REQUEST.check("migrating", mig.src_state)
@@ -181,8 +183,10 @@ def _commit_in_tx(ctl: Controller, fx: Effects, migration_id: str, body: CommitR
     if new:
         ctl.store.sessions.append_sampled(req.session_id, req.base + n, new)
         req.num_generated = n + len(new)
+        ctl.stalls.on_tokens(req.id, len(new), ctl.clock())  # the tail reaches clients now
         fx.later(lambda k=len(new): ctl.metrics.tokens_generated.inc(k))
         fx.notify(("req", req.id))
+    ctl.stalls.committed(req.id)
     path = body.path or mig.path
     set_state(MIGRATION, mig, "committed", f"owner {mig.src}@{mig.epoch} -> {mig.dst}@{mig.epoch + 1}")
     mig.path, mig.finished_at = path, time.time()
@@ -199,6 +203,12 @@ def _commit_in_tx(ctl: Controller, fx: Effects, migration_id: str, body: CommitR
     fx.send(mig.src, lambda i: AbortCmd(i, rid))  # the source frees its copy
     fx.later(lambda: ctl.metrics.migrations.labels("committed", path).inc())
     return req.epoch
+
+
+def observe_stall(ctl: Controller, fx: Effects, stall_s: float | None) -> None:
+    """A finished move's client-visible stall (scheduler/stallmeter.py) into its histogram."""
+    if stall_s is not None:
+        fx.later(lambda: ctl.metrics.migration_downtime.observe(stall_s))
 
 
 def abort_by_cell(ctl: Controller, migration_id: str, body: AbortMigrationRequest) -> dict:

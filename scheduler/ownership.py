@@ -52,6 +52,7 @@ def revoke(ctl: Controller, fx: Effects, req: RequestRow, reason: str, to: str =
     req.cell_id, req.epoch, req.state, req.reason = None, req.epoch + 1, to, reason
     ctl.store.owners.put_request(req)
     ctl.progress_at.pop(req.id, None)
+    migrations.observe_stall(ctl, fx, ctl.stalls.ended(req.id))
     if old is not None:
         rid = req.id
         cmd = SuspendCmd if to == "suspended" else AbortCmd
@@ -71,6 +72,7 @@ def park(ctl: Controller, fx: Effects, req: RequestRow, reason: str) -> None:
     req.state, req.reason = "parked", reason
     ctl.store.owners.put_request(req)
     ctl.progress_at.pop(req.id, None)
+    migrations.observe_stall(ctl, fx, ctl.stalls.ended(req.id))
     rid = req.id
     fx.send(req.cell_id, lambda i: SuspendCmd(i, rid, park=True))
 
@@ -86,6 +88,7 @@ def finish(ctl: Controller, fx: Effects, req: RequestRow, reason: str) -> None:
     req.state, req.reason = "finished", reason
     ctl.store.owners.put_request(req)
     ctl.progress_at.pop(req.id, None)
+    migrations.observe_stall(ctl, fx, ctl.stalls.ended(req.id))
     fx.notify(("req", req.id))
 
 

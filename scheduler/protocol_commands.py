@@ -164,14 +164,14 @@ COMMANDS: dict[str, type[Command]] = {
 @dataclass
 class MigrationEvent(Message):
     """Data-plane report of one migration, sent once by the destination (by the source when the
-    destination never got it). Feeds bytes and downtime; outcomes are counted at the CAS."""
+    destination never got it). Feeds bytes; outcomes are counted at the CAS, and the client-visible
+    stall is measured on the scheduler's own token stream (scheduler/stallmeter.py)."""
 
     TYPE: ClassVar[str] = "migration"
     migration_id: str
     outcome: str
     path: str = "kv"
     bytes: int = 0
-    downtime_s: float | None = None
 
 
 @dataclass

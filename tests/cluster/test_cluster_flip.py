@@ -22,6 +22,12 @@ def cluster(tmp_path):
     c.stop()
 
 
+def _sample(text: str, name: str) -> float:
+    """One sample of a Prometheus exposition (0 when absent)."""
+    line = next((ln for ln in text.splitlines() if ln.startswith(name + " ")), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
 def busiest(cluster):
     return max(cluster.cells(), key=lambda c: c["inflight"])["id"]
 
@@ -47,6 +53,12 @@ def test_flip_mid_decode_is_token_identical_and_loses_nothing(cluster):
         assert s.finish_reason == "length"
         assert len(s.tokens) == 120, "a token was lost or doubled"
         assert s.tokens == reference_tokens(cluster.cfg, s.request_id, p, 120, s.seed), s.request_id
+    # every committed KV move's client-visible stall, as the scheduler's token stream saw it
+    text = cluster.http.get("/metrics").text
+    moved = _sample(text, 'cellflip_migrations_total{outcome="committed",path="kv"}')
+    assert moved >= 1 and _sample(text, "cellflip_migration_downtime_seconds_count") == moved
+    stall_sum = _sample(text, "cellflip_migration_downtime_seconds_sum")
+    assert 0 < stall_sum / moved < 5.0  # a real gap was seen, and it is not a whole request's time
     # and back to rollout
     back = cluster.wait_flip(cluster.flip(victim, "rollout")["id"], 60)
     assert back["state"] == "done"
