@@ -30,6 +30,7 @@ from scheduler.rates import Rates, TrainerDemand
 from scheduler.protocol import Command
 from scheduler.registry import Registry
 from scheduler.staleness import StalenessState
+from scheduler.stallmeter import StallMeter
 from scheduler.store import Store
 
 log = logging.getLogger("cellflip.scheduler")
@@ -88,6 +89,8 @@ class Controller:
         self.drain_deadline: dict[str, float] = {}
         """flip id → monotonic drain deadline (restarts at now + drain_deadline_s after a restart)."""
         self.migration_started: dict[str, float] = {}
+        self.stalls = StallMeter()
+        """Client-visible stall of each live migration, from the token arrivals here."""
         self.closing = False
         """Set at shutdown: waiting client streams end (their tokens stay in the store)."""
         self.trajectory_cursor = 0
