@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from scheduler import ingest, migrations, ownership
+from scheduler import ingest, migrations, ownership, versions
 from scheduler.errors import Conflict, NotFound
 from scheduler.protocol import (
     MAX_WAIT_S,
@@ -108,7 +108,8 @@ async def sync(ctl: Controller, cell_id: str, msg: SyncRequest) -> SyncResponse:
 def _is_news(row: CellRow, msg: SyncRequest) -> bool:
     """Does the summary change what the store records about the cell (not the volatile load)?"""
     s = msg.summary
-    return row.state == "joining" or row.version != s.version or bool(s.kv_blocks_total and s.kv_blocks_total != row.kv_blocks_total)
+    return (row.state == "joining" or row.version != s.version
+            or bool(s.kv_blocks_total and s.kv_blocks_total != row.kv_blocks_total))
 
 
 def _observe_summary(ctl: Controller, row: CellRow, msg: SyncRequest) -> None:
@@ -120,7 +121,16 @@ def _observe_summary(ctl: Controller, row: CellRow, msg: SyncRequest) -> None:
     fresh.version, fresh.kv_blocks_used = s.version, s.kv_blocks_used
     fresh.kv_blocks_total = s.kv_blocks_total or fresh.kv_blocks_total
     if fresh.state == "joining":
-        set_state(CELL, fresh, "rollout", "first sync")
+        # a fresh cell serves only a version within the staleness bound: until its fetch of the
+        # current one completes (versions.catch_up tells it) it is `loading`, given no request
+        if versions.servable(ctl, s.version):
+            set_state(CELL, fresh, "rollout", "first sync")
+        else:
+            set_state(CELL, fresh, "loading", f"first sync at version {s.version}: fetching the current one")
+        fresh.generation += 1
+    elif (fresh.state == "loading" and ctl.store.fleet.active_flip_for(fresh.id) is None
+          and versions.servable(ctl, s.version)):  # a fresh cell's fetch completed (a flip's load is flips._load's)
+        set_state(CELL, fresh, "rollout", f"loaded version {s.version}")
         fresh.generation += 1
     ctl.store.fleet.put_cell(fresh)
 

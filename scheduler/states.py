@@ -23,7 +23,9 @@ class IllegalTransition(Conflict):
 
 CELL_TRANSITIONS: dict[str, dict[str, str]] = {
     "joining": {
-        "rollout": "first sync after registering: the cell serves rollouts",
+        "rollout": "first sync after registering, serving a version it may serve: it serves rollouts",
+        "loading": "first sync after registering, serving a version it may not serve (older than the "
+                   "staleness bound allows): it fetches the current one first",
         "down": "lease lost (or fenced by a new incarnation) before the first sync",
     },
     "rollout": {
@@ -40,7 +42,8 @@ CELL_TRANSITIONS: dict[str, dict[str, str]] = {
         "down": "lease lost or fenced by a new incarnation",
     },
     "loading": {
-        "rollout": "weights loaded and verified: the cell serves rollouts",
+        "rollout": "weights loaded and verified (the flip's version, or a fresh cell's fetch of the "
+                   "current one): the cell serves rollouts",
         "training": "loading failed: flip rolled back, the cell stays in training",
         "down": "lease lost while loading",
     },

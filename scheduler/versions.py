@@ -5,7 +5,9 @@ address (`source`); every live rollout cell is told to join the trainer's broadc
 (`load_version`, mode "broadcast"), and the answer names them (`receivers`) so the trainer
 knows whom to wait for. v becomes active once every live rollout cell reports serving it
 (older active versions then start retiring). A cell that missed the broadcast (failed, late,
-or entering rollout from training) is told to fetch it point-to-point. A version is retired
+or entering rollout from training) is told to fetch it point-to-point. A freshly registered
+cell whose version is not `servable` (its initial weights, or one older than the staleness
+bound allows) stays `loading`, with no request placed on it, until its fetch completes. A version is retired
 (on request, or automatically) only when no live cell serves it and every token sampled under
 it has an old log-prob (exact, or counted as missing) — otherwise 409, so a version is never
 dropped while the log-prob service still needs it.
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from scheduler import idempotency
 from scheduler.errors import Conflict, NotFound
 from scheduler.protocol import LoadVersionCmd
+from scheduler.staleness import versions_behind
 from scheduler.states import VERSION, set_state
 from scheduler.store_fleet import VersionRow
 
@@ -45,6 +48,20 @@ def serving(ctl: Controller) -> dict[int, list[str]]:
         if v is not None:
             out.setdefault(v, []).append(c.id)
     return out
+
+
+def servable(ctl: Controller, version: int | None) -> bool:
+    """May a cell serve rollouts at `version`? Yes when nothing is published yet to fetch, when it
+    is the target, or when it is a published, unretired version no more than
+    `staleness_bound` published versions behind the newest (scheduler/staleness.py)."""
+    t = target(ctl)
+    if t is None or version == t.v:
+        return True
+    rows = ctl.store.fleet.list_versions()
+    row = next((r for r in rows if r.v == version), None)
+    if row is None or row.state == "retired":
+        return False  # e.g. a fresh cell's initial weights, which no trainer published
+    return versions_behind(sorted(r.v for r in rows), row.v) <= ctl.cfg.staleness_bound
 
 
 def target(ctl: Controller) -> VersionRow | None:
