@@ -425,3 +425,28 @@ def test_flattened_layout_is_sglangs(sglang_src):
         recv.flattened_tensor.copy_(flatten_bucket([dict(named)[n] for n in b.names]))
         for name, t in recv.reconstruct_tensors():
             assert torch.equal(t, dict(named)[name])
+
+
+def test_tensor_update_payload_is_read_by_sglangs_bucket(sglang_src):
+    """The metadata the adapter sends with a `flattened_bucket` payload of
+    `update_weights_from_tensor` rebuilds every tensor through SGLang's own
+    `FlattenedTensorBucket`, as its weight updater does."""
+    import importlib.util
+
+    from cells.engine.sglang_tensor_update import flattened_metadata
+
+    spec = importlib.util.spec_from_file_location("sglang_tensor_bucket2",
+                                                  sglang_src / "sglang/srt/weight_sync/tensor_bucket.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    g = torch.Generator().manual_seed(1)
+    named = {"a": torch.randn(3, 5, generator=g).to(torch.bfloat16), "b": torch.randn(7, generator=g),
+             "c": torch.randint(0, 9, (3,), dtype=torch.int8), "d": torch.randn(2, 2, generator=g).to(torch.float16)}
+    buckets = plan_buckets([TensorMeta.of(n, t) for n, t in named.items()], bucket_bytes=48)
+    assert len(buckets) >= 2
+    for b in buckets:
+        flat = flatten_bucket([named[n] for n in b.names])
+        bucket = mod.FlattenedTensorBucket(flattened_tensor=flat, metadata=flattened_metadata(b, mod))
+        got = dict(bucket.reconstruct_tensors())
+        assert list(got) == list(b.names)
+        assert all(got[n].dtype == named[n].dtype and torch.equal(got[n], named[n]) for n in b.names)
