@@ -22,9 +22,9 @@ Model (what the figures of bench/cluster_sim.py rest on):
   `broadcast_s` first. Per-cell versions are therefore all current and not modelled.
 """
 
-from .policies import Planned, Policy, Static, Sync, make_policy
+from .policies import POLICIES, Oracle, Planned, Policy, Static, Sync, make_policy
 from .run import RunResult, run_policy
 from .workload import BUILTIN, Workload, WorkloadError, load_workload
 
-__all__ = ["BUILTIN", "Planned", "Policy", "RunResult", "Static", "Sync", "Workload",
+__all__ = ["BUILTIN", "POLICIES", "Oracle", "Planned", "Policy", "RunResult", "Static", "Sync", "Workload",
            "WorkloadError", "load_workload", "make_policy", "run_policy"]

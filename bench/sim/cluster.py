@@ -8,7 +8,16 @@ for cells that changed (`snapshot`), so a tick at 10,000 cells stays cheap.
 
 A slot holds one session: `t0` is its effective start (progress = (t - t0) / dur, so a move
 that pauses decoding for d seconds adds d to t0), `occ` when its current occupancy began
-(busy accounting), `v0` the version of its first token.
+(busy accounting), `v0` the version of its first token, `tok` its tokens at the end.
+
+How sessions move off a cell flipped to training (`mode`), each charged where it costs:
+- "kv" (cellflip): a KV copy, bytes / link bandwidth, paid by both ends: the destination
+  cell's sessions pause for it, and the source trains that much later.
+- "reprefill" (flip_reprefill): the destination recomputes the context (`Workload.prefill_s`,
+  from context length and model size) and its sessions pause meanwhile; tokens are kept.
+- "abort" (flip_abort): the session restarts from its prompt elsewhere (progress lost, its
+  decoded tokens discarded), as RL frameworks without live migration do.
+- "free" (the oracle): moves take no time and cost nothing.
 """
 
 from __future__ import annotations
@@ -27,25 +36,31 @@ from scheduler.planner_types import (
     Snapshot,
 )
 
+from scheduler.rates import Rates
+
 from .trainer import Trainer
 from .workload import Workload
 
 ROLLOUT, TRAINING, LOADING = 0, 1, 2
 ROLE_NAMES = ("rollout", "training", "loading")
 INF = math.inf
+MODES = ("kv", "reprefill", "abort", "free")
 
 
 class Cluster:
     """Mutable simulation state. Every method documents what it changes."""
 
     def __init__(self, wl: Workload, n_cells: int, hours: float, seed: int, tick_s: float,
-                 can_export_kv: bool, trainer: Trainer) -> None:
+                 mode: str, trainer: Trainer) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.wl = wl
         self.n = n_cells
         self.k = wl.cell_capacity
         self.horizon_s = hours * 3600.0
         self.tick_s = tick_s
-        self.can_export_kv = can_export_kv
+        self.mode = mode
+        self.can_export_kv = mode == "kv"
         self.rng = np.random.default_rng(seed)
         self.trainer = trainer
         slots = self.n * self.k
@@ -54,12 +69,13 @@ class Cluster:
         self.dur = np.ones(slots)
         self.occ = np.zeros(slots)
         self.v0 = np.zeros(slots, dtype=np.int64)
+        self.tok = np.ones(slots)
         self.role = np.full(self.n, ROLLOUT, dtype=np.int8)
         self.ready_at = np.zeros(self.n)
         self.gen = np.zeros(self.n, dtype=np.int64)
         self.inflight = np.zeros(self.n, dtype=np.int64)
         self.train_order: list[int] = []  # training cells, earliest first (those are busy first)
-        self.suspended: deque[tuple[float, float, int]] = deque()  # (done seconds, dur, v0)
+        self.suspended: deque[tuple[float, float, int, float]] = deque()  # (done s, dur, v0, tokens)
         self.cost = LinkCostModel(
             kv_bytes_per_token=wl.kv_bytes_per_token, intra_node_bytes_per_s=wl.intra_node_bytes_per_s,
             inter_node_bytes_per_s=wl.inter_node_bytes_per_s, prefill_tokens_per_s=wl.prefill_tokens_per_s)
@@ -69,8 +85,15 @@ class Cluster:
         self.decode_slot_s = 0.0
         self.recomputed_tokens = 0
         self.pause_slot_s = 0.0  # seconds sessions waited on a KV copy or a re-prefill
-        self.moved = {"kv": 0, "reprefill": 0, "suspend": 0}
+        self.moved = {"kv": 0, "reprefill": 0, "abort": 0, "suspend": 0}
+        self.decoded_tokens = 0.0
+        """Tokens decoded: sessions finished, plus the progress of those aborted or cut."""
+        self.discarded_tokens = 0.0
+        """Decoded tokens thrown away here (aborted or cut sessions); staleness drops are the trainer's."""
+        self.discarded_slot_s = 0.0
+        self.source_delay_cell_s = 0.0
         self.accepted_in_tick = 0
+        self.finished_in_tick = 0
         self.freed_slot_s_in_tick = 0.0
         # planner view
         self._summaries: list[CellSummary | None] = [None] * self.n
@@ -92,7 +115,9 @@ class Cluster:
             self.inflight -= np.bincount(cells, minlength=self.n)
             self._dirty[cells] = True
             self.end[idx] = INF
-            self.accepted_in_tick += self.trainer.feed(f, self.v0[idx], self.dur[idx])
+            self.decoded_tokens += float(self.tok[idx].sum())
+            self.finished_in_tick += int(idx.size)
+            self.accepted_in_tick += self.trainer.feed(f, self.v0[idx], self.dur[idx], self.tok[idx])
         self.trainer.run_until(t)
         for c in np.flatnonzero((self.role == LOADING) & (self.ready_at <= t)):
             self.role[c] = ROLLOUT
@@ -109,6 +134,7 @@ class Cluster:
         cells = free // self.k
         start = np.maximum(t, self.ready_at[cells])
         dur = self.wl.draw_durations_s(self.rng, start, self.horizon_s)
+        self.tok[free] = self.wl.tokens_of(dur, start, self.horizon_s)
         self.t0[free] = start
         self.occ[free] = start
         self.dur[free] = dur
@@ -124,6 +150,8 @@ class Cluster:
         first (until t + broadcast_s). Keeps the trainer's cell order."""
         if not cells:
             return
+        if role == LOADING and self.mode == "free":
+            role = ROLLOUT  # the oracle's weights arrive at once
         idx = np.asarray(cells, dtype=np.int64)
         leaving = set(int(c) for c in idx[self.role[idx] == TRAINING]) if role != TRAINING else set()
         joining = [int(c) for c in idx[self.role[idx] != TRAINING]] if role == TRAINING else []
@@ -156,27 +184,41 @@ class Cluster:
 
     def context_tokens(self, slots: np.ndarray, t: float) -> np.ndarray:
         progress = np.clip((t - self.t0[slots]) / self.dur[slots], 0.0, 1.0)
-        return (progress * self.wl.session_tokens).astype(np.int64)
+        return (progress * self.tok[slots]).astype(np.int64)
 
     def drain(self, cells: list[int], t: float) -> None:
-        """Move every session off `cells` (already marked training) where the planner says:
-        KV copy or re-prefill into a rollout cell, or suspend. Updates slots and counters."""
+        """Move every session off `cells` (already marked training) the way `mode` says: where
+        the planner puts it (KV copy, re-prefill or restart), first fit at no cost for the
+        oracle, or suspend. Updates slots, counters and the charges of every move."""
         slots = np.concatenate([self.sessions_of(c) for c in cells]) if cells else np.zeros(0, np.int64)
         if slots.size == 0:
             return
         ctx = self.context_tokens(slots, t)
-        moves = [(int(s // self.k), RequestSummary(int(s), int(x), 0)) for s, x in zip(slots, ctx)]
-        dests = choose_destinations(self.snapshot(t), moves, self.cost)
+        if self.mode == "free":
+            dests = self._first_fit(len(slots))
+        else:
+            moves = [(int(s // self.k), RequestSummary(int(s), int(x), 0)) for s, x in zip(slots, ctx)]
+            dests = choose_destinations(self.snapshot(t), moves, self.cost)
+        delay = 0.0
         for s, x, d in zip(slots.tolist(), ctx.tolist(), dests):
             self._close(s, t)
+            done, dur, v0, tok = t - self.t0[s], self.dur[s], int(self.v0[s]), float(self.tok[s])
+            if self.mode == "abort":
+                self._discard(x, done)
+                done, v0 = 0.0, self.trainer.version
+                self.moved["abort"] += 1
             if d.path == "suspend":
-                self.suspended.append(((t - self.t0[s]), self.dur[s], int(self.v0[s])))
+                self.suspended.append((done, dur, v0, tok))
                 self.moved["suspend"] += 1
                 continue
-            self._place(int(d.cell_id), t - self.t0[s], self.dur[s], int(self.v0[s]), t, d, x)
+            delay += self._place(int(d.cell_id), done, dur, v0, tok, t, d.path, x, src=s // self.k)
+        if delay > 0:
+            self.source_delay_cell_s += delay
+            self.trainer.delay(delay)
 
     def resume_suspended(self, t: float) -> None:
-        """Place suspended sessions (oldest first) into free rollout slots by re-prefill."""
+        """Place suspended sessions (oldest first) into free rollout slots: by re-prefill (a
+        suspended session's KV is gone), at no cost for the oracle, from the prompt after an abort."""
         if not self.suspended:
             return
         free = int(((self.role == ROLLOUT) * (self.k - self.inflight)).sum())
@@ -184,14 +226,29 @@ class Cluster:
         if m == 0:
             return
         batch = [self.suspended.popleft() for _ in range(m)]
-        ctx = [min(self.wl.session_tokens, int(done / dur * self.wl.session_tokens)) for done, dur, _ in batch]
-        moves = [(None, RequestSummary(i, x, 0)) for i, x in enumerate(ctx)]
-        dests = choose_destinations(self.snapshot(t), moves, self.cost)
-        for (done, dur, v0), x, d in zip(batch, ctx, dests):
+        ctx = [min(tok, done / dur * tok) for done, dur, _, tok in batch]
+        if self.mode == "free":
+            dests = self._first_fit(m)
+        else:
+            moves = [(None, RequestSummary(i, int(x), 0)) for i, x in enumerate(ctx)]
+            dests = choose_destinations(self.snapshot(t), moves, self.cost)
+        for (done, dur, v0, tok), x, d in zip(batch, ctx, dests):
             if d.path == "suspend":
-                self.suspended.append((done, dur, v0))
+                self.suspended.append((done, dur, v0, tok))
             else:
-                self._place(int(d.cell_id), done, dur, v0, t, d, x)
+                self._place(int(d.cell_id), done, dur, v0, tok, t, d.path, int(x))
+
+    def _first_fit(self, m: int) -> list[Destination]:
+        """The oracle's placement: free rollout slots in cell order, no planner."""
+        room = np.where(self.role == ROLLOUT, self.k - self.inflight, 0)
+        cells = np.repeat(np.arange(self.n), np.maximum(room, 0))[:m]
+        out = [Destination(int(c), "free") for c in cells.tolist()]
+        return out + [Destination(None, "suspend")] * (m - len(out))
+
+    def _discard(self, tokens: float, slot_s: float) -> None:
+        self.decoded_tokens += tokens
+        self.discarded_tokens += tokens
+        self.discarded_slot_s += slot_s
 
     def _close(self, s: int, t: float) -> None:
         self.decode_slot_s += t - self.occ[s]
@@ -200,25 +257,67 @@ class Cluster:
         self.inflight[c] -= 1
         self._dirty[c] = True
 
-    def _place(self, c: int, done: float, dur: float, v0: int, t: float, d: Destination, ctx: int) -> None:
+    def _pause(self, c: int, seconds: float) -> None:
+        """Cell `c` stops decoding for `seconds` (it prefills, or takes in a KV copy)."""
+        base = c * self.k
+        live = base + np.flatnonzero(self.end[base:base + self.k] < INF)
+        self.t0[live] += seconds
+        self.end[live] += seconds
+        self.pause_slot_s += seconds * live.size
+
+    def _place(self, c: int, done: float, dur: float, v0: int, tok: float, t: float, path: str,
+               ctx: int, src: int | None = None) -> float:
+        """Put one session on cell `c` by `path`; returns the seconds its source spent sending."""
+        if path == "kv" and self.mode != "kv":
+            path = "reprefill"  # a suspended session's KV is gone
+        if self.mode == "abort":
+            path, seconds = "abort", 0.0  # from the prompt: nothing to recompute
+        elif path == "kv":
+            same = src is not None and self.nodes[src] == self.nodes[c]
+            seconds = ctx * self.wl.kv_bytes_per_token / (
+                self.wl.intra_node_bytes_per_s if same else self.wl.inter_node_bytes_per_s)
+        elif path == "free":
+            seconds = 0.0
+        else:
+            path, seconds = "reprefill", float(self.wl.prefill_s(ctx))
+            self.recomputed_tokens += ctx
+        if seconds > 0:
+            self._pause(c, seconds)  # the destination's own sessions wait for it
         base = c * self.k
         s = base + int(np.flatnonzero(self.end[base:base + self.k] == INF)[0])
-        self.t0[s] = t + d.seconds - done
+        self.t0[s] = t + seconds - done
         self.occ[s] = t
         self.dur[s] = dur
         self.end[s] = self.t0[s] + dur
         self.v0[s] = v0
+        self.tok[s] = tok
         self.inflight[c] += 1
         self._dirty[c] = True
-        self.moved[d.path] += 1
-        self.pause_slot_s += d.seconds
-        if d.path == "reprefill":
-            self.recomputed_tokens += ctx
+        if path != "abort":
+            self.moved[path if path in self.moved else "kv"] += 1
+        self.pause_slot_s += seconds
+        return seconds if path == "kv" else 0.0
+
+    def abort_all(self, t: float) -> None:
+        """Cut every running session (a sync round's timeout): its decoded tokens are discarded."""
+        slots = np.flatnonzero(self.end < INF)
+        if slots.size == 0:
+            return
+        ctx = self.context_tokens(slots, t)
+        done = np.maximum(0.0, t - self.occ[slots])
+        self.decode_slot_s += float(done.sum())
+        self.decoded_tokens += float(ctx.sum())
+        self.discarded_tokens += float(ctx.sum())
+        self.discarded_slot_s += float(done.sum())
+        self.end[slots] = INF
+        self.inflight[:] = 0
+        self._dirty[:] = True
 
     # ------------------------------------------------------------ planner view
-    def snapshot(self, t: float, **rates: float) -> Snapshot:
-        """Rebuild summaries of changed cells and return the planner's view. Changes nothing
-        but the summary cache."""
+    def snapshot(self, t: float, rates: Rates | None = None) -> Snapshot:
+        """Rebuild summaries of changed cells and return the planner's view, every field filled
+        as the controller fills it (rates measured by `rates`, the same `scheduler.rates.Rates`).
+        Changes nothing but the summary cache."""
         dirty = np.flatnonzero(self._dirty)
         if dirty.size:
             busy = set(self.train_order[: self._busy_count])
@@ -233,16 +332,19 @@ class Cluster:
                     c in busy, tok)
             self._dirty[:] = False
         tr = self.trainer
+        r = rates or Rates()
+        live = int(self.inflight.sum())
         return Snapshot(
             cells=tuple(self._summaries),  # type: ignore[arg-type]
             finished_waiting=tr.queue.size, batch_size=tr.batch_size,
-            training_in_progress=bool(tr.steps), min_rollout_cells=1,
-            # agent harnesses always have prompts waiting: as many as the cluster has slots
-            queued_sessions=len(self.suspended) + self.n * self.k,
+            training_in_progress=tr.step is not None, min_rollout_cells=1,
+            # the harness holds prompts for every slot the fleet could offer, plus the suspended
+            queued_sessions=len(self.suspended) + max(0, self.n * self.k - live),
             version=tr.version, staleness_bound=self.wl.staleness_bound,
             steps_in_progress=len(tr.steps), max_cells_per_step=tr.width,
-            finish_rate_per_slot_s=rates.get("finish_rate_per_slot_s", 0.0),
-            train_rate_per_cell_s=rates.get("train_rate_per_cell_s", 0.0))
+            finish_rate_per_slot_s=r.finish_rate_per_slot_s(), slot_occupancy=r.slot_occupancy(),
+            train_rate_per_cell_s=r.train_rate_per_cell_s, train_step_s=r.train_step_s,
+            tokens_per_step=r.tokens_per_step, max_concurrent_steps=1)
 
     def _tokens_per_cell(self, cells: np.ndarray, t: float) -> list[int]:
         slots = (cells[:, None] * self.k + np.arange(self.k)).ravel()
@@ -273,4 +375,5 @@ class Cluster:
         h = self.horizon_s
         live = (self.end < INF) & (self.occ < h)
         self.decode_slot_s += float((h - self.occ[live]).sum())
+        self.decoded_tokens += float(self.context_tokens(np.flatnonzero(live), h).sum())
         self.trainer.run_until(h)

@@ -1,32 +1,47 @@
-"""The four ways of sharing cells between rollout and training that the simulator compares.
+"""The ways of sharing cells between rollout and training that the simulator compares.
 
-- `sync`: every cell starts a full load of sessions; when the last finishes, every cell
-  trains on them one step at a time (verl-like colocated), then loads the new weights.
+- `sync` (as verl runs it): each round fills every slot of the fleet, waits for the round's
+  last session, then the whole fleet trains on all of them as one on-policy update, then
+  loads the new weights. `sync_p99`: the same, cutting the round at the p99 slot time (the
+  cut sessions' tokens are discarded).
 - `static`: a fixed rollout/training split, continuous admission, asynchronous training
   within the staleness bound (AReaL-like).
-- `flip_abort`: `scheduler.planner.plan_flips` decides; moved sessions are re-prefilled
-  (no KV export), as in today's partial flips.
-- `cellflip`: `plan_flips` decides; moved sessions go by live KV copy, or are suspended.
+- `flip_abort`: `scheduler.planner.plan_flips` decides; a flip aborts its cell's rollouts,
+  which restart from the prompt elsewhere (progress lost), as verl and ROLL do today.
+- `flip_reprefill`: the planner decides; a flip re-prefills its rollouts elsewhere, keeping
+  their tokens, the prefill paid by the destination cell.
+- `cellflip`: the planner decides; a flip moves its rollouts by live KV copy, paid by both ends.
+- `oracle`: a ceiling, sharing no code with the planner: every tick it gives the trainer the
+  cells the workload's true model balances (while a step runs or a batch is ready; all of
+  its width while batches pile up), and moves cells and sessions at no time and no cost.
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
+
 from scheduler.planner import plan_flips
 from scheduler.planner_types import FlipDecision, PlannerPolicy, Snapshot
+from scheduler.rates import Rates
 
 from .cluster import LOADING, ROLLOUT, TRAINING, Cluster
+
+POLICIES = ("sync", "sync_p99", "static", "flip_abort", "flip_reprefill", "cellflip", "oracle")
 
 
 class Policy:
     name = "policy"
-    sequential = False
-    """One training step at a time, no staleness bound (synchronous training)."""
-    can_export_kv = True
+    mode = "kv"
+    """How a flip moves sessions (see `Cluster`)."""
+    is_sync = False
+    """Synchronous rounds: no staleness bound, the whole fleet trains each round."""
 
     def start(self, cl: Cluster) -> None:
         """Initial roles at t = 0."""
 
-    def tick(self, cl: Cluster, t: float, rates: dict[str, float]) -> None:
+    def tick(self, cl: Cluster, t: float, rates: Rates) -> None:
         """Controller decisions at a tick (after finishes, before admission)."""
 
     def admits(self, cl: Cluster, t: float) -> bool:
@@ -35,23 +50,35 @@ class Policy:
 
 
 class Sync(Policy):
-    name = "sync"
-    sequential = True
+    is_sync = True
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_quantile: float | None = None) -> None:
+        self.name = "sync" if timeout_quantile is None else f"sync_p{round(timeout_quantile * 100)}"
+        self.timeout_quantile = timeout_quantile
         self.phase = "rollout"
         self._admit = True
+        self.round_start = 0.0
 
-    def tick(self, cl: Cluster, t: float, rates: dict[str, float]) -> None:
+    def tick(self, cl: Cluster, t: float, rates: Rates) -> None:
         tr = cl.trainer
-        if self.phase == "rollout" and int(cl.inflight.sum()) == 0:
-            cl.set_roles(list(range(cl.n)), TRAINING, t)
-            cl.sync_trainer_cells(t)
-            self.phase = "training"
-        elif self.phase == "training" and not tr.steps and tr.queue.size < tr.batch_size:
+        if self.phase == "rollout":
+            if self.timeout_quantile is not None and int(cl.inflight.sum()):
+                limit = cl.wl.quantile_s(self.timeout_quantile, self.round_start, cl.horizon_s)
+                if t >= self.round_start + limit:
+                    cl.abort_all(t)
+            if int(cl.inflight.sum()) == 0:
+                if tr.queue.size == 0:
+                    self._admit = True  # nothing finished (all cut): start the round again
+                    return
+                tr.batch_size = tr.queue.size  # one update on every session of the round
+                cl.set_roles(list(range(cl.n)), TRAINING, t)
+                cl.sync_trainer_cells(t)
+                self.phase = "training"
+        elif self.phase == "training" and tr.step is None:
             cl.set_roles(list(range(cl.n)), LOADING, t)
             cl.sync_trainer_cells(t)
             self.phase, self._admit = "rollout", True
+            self.round_start = t + cl.wl.broadcast_s
 
     def admits(self, cl: Cluster, t: float) -> bool:
         admit, self._admit = self._admit, False
@@ -71,18 +98,18 @@ class Static(Policy):
 
 
 class Planned(Policy):
-    """Flips decided by `plan_flips`, unchanged; KV export on or off."""
+    """Flips decided by `plan_flips`, unchanged; sessions moved the way `mode` says."""
 
-    def __init__(self, name: str, can_export_kv: bool, policy: PlannerPolicy | None = None,
+    def __init__(self, name: str, mode: str, policy: PlannerPolicy | None = None,
                  record: bool = False) -> None:
         self.name = name
-        self.can_export_kv = can_export_kv
+        self.mode = mode
         self.policy = policy or PlannerPolicy()
         self.flips = 0
         self.log: list[tuple[Snapshot, list[FlipDecision]]] | None = [] if record else None
 
-    def tick(self, cl: Cluster, t: float, rates: dict[str, float]) -> None:
-        snap = cl.snapshot(t, **rates)
+    def tick(self, cl: Cluster, t: float, rates: Rates) -> None:
+        snap = cl.snapshot(t, rates)
         decisions = plan_flips(snap, self.policy)
         if self.log is not None:
             self.log.append((snap, decisions))
@@ -92,22 +119,67 @@ class Planned(Policy):
         to_roll = [int(d.cell_id) for d in decisions if d.to == "rollout"]
         assert all(cl.role[c] == ROLLOUT for c in to_train), "planner flipped a non-rollout cell"
         assert all(cl.role[c] == TRAINING for c in to_roll), "planner flipped a non-training cell"
-        # a drain moves KV in well under a second (20k tokens: 4 ms on NVLink, 39 ms between
-        # nodes), so a flipped cell is modelled as training from this tick on
         cl.set_roles(to_train, TRAINING, t)
         cl.set_roles(to_roll, LOADING, t)
-        cl.drain(to_train, t)
         cl.sync_trainer_cells(t)
+        cl.drain(to_train, t)  # after the trainer has the cells: a KV copy delays its step
         self.flips += len(decisions)
+
+
+class Oracle(Policy):
+    """The ceiling: the workload's true balance, free moves, a look at the next tick's
+    finishes. No planner code."""
+
+    name = "oracle"
+    mode = "free"
+    BACKLOG_STEPS = 4.0
+    """A backlog off one batch is brought back over about this many steps (more or fewer cells)."""
+
+    def __init__(self) -> None:
+        self.flips = 0
+
+    def tick(self, cl: Cluster, t: float, rates: Rates) -> None:
+        tr, wl = cl.trainer, cl.wl
+        # the oracle knows which sessions finish before the next tick
+        soon = int((cl.end <= t + cl.tick_s).sum())
+        target = 0
+        if tr.step is not None or tr.queue.size + soon >= tr.batch_size:
+            a = float(wl.mean_hours_at(t, cl.horizon_s)) * 3600.0 / cl.k  # rollout cell-s a session
+            b0 = wl.session_tokens * tr.cell_s_per_token  # training cell-s a session, perfect scaling
+            c = cl.n * b0 / (a + b0)
+            b = b0 / tr.eff(max(1.0, c))
+            c = cl.n * b / (a + b)
+            extra = (tr.queue.size - tr.batch_size) / (self.BACKLOG_STEPS * max(1, tr.batch_size))
+            target = min(tr.width, max(1, round(c * (1.0 + max(-0.5, min(1.0, extra))))))
+        target = min(target, cl.n - 1)
+        training = list(cl.train_order)
+        if target > len(training):
+            pool = sorted(np.flatnonzero(cl.role == ROLLOUT).tolist(), key=lambda i: int(cl.inflight[i]))
+            add = pool[: target - len(training)]
+            cl.set_roles(add, TRAINING, t)
+            cl.sync_trainer_cells(t)
+            cl.drain(add, t)
+            self.flips += len(add)
+        elif target < len(training):
+            back = training[target:]
+            cl.set_roles(back, LOADING, t)
+            cl.sync_trainer_cells(t)
+            self.flips += len(back)
 
 
 def make_policy(name: str, rollout_fraction: float = 0.8, record: bool = False) -> Policy:
     if name == "sync":
         return Sync()
+    if name == "sync_p99":
+        return Sync(0.99)
     if name == "static":
         return Static(rollout_fraction)
     if name == "flip_abort":
-        return Planned("flip_abort", can_export_kv=False, record=record)
+        return Planned("flip_abort", "abort", record=record)
+    if name == "flip_reprefill":
+        return Planned("flip_reprefill", "reprefill", record=record)
     if name == "cellflip":
-        return Planned("cellflip", can_export_kv=True, record=record)
-    raise ValueError(f"unknown policy {name!r}; choose from sync, static, flip_abort, cellflip")
+        return Planned("cellflip", "kv", record=record)
+    if name == "oracle":
+        return Oracle()
+    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")

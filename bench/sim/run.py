@@ -1,6 +1,7 @@
 """One simulated run: a workload, a policy, N cells, H hours -> `RunResult`.
 
-One line: advance to the tick (exact finishes and training events) -> measure rates ->
+One line: advance to the tick (exact finishes and training events) -> measure rates (the
+controller's `scheduler.rates.Rates`) ->
 policy decides (flips, migrations) -> resume suspended -> admit -> record.
 """
 
@@ -11,6 +12,8 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from scheduler.rates import Rates, TrainerDemand
 
 from .cluster import LOADING, ROLLOUT, TRAINING, Cluster
 from .policies import Policy
@@ -24,9 +27,15 @@ class RunResult:
     cells: int
     hours: float
     utilization: float
+    """Busy cell-time (decoding, moving or training) over cell-time."""
+    goodput_utilization: float
+    """(Decode time of sessions later trained + training time) over cell-time."""
     trained_tokens_per_hour: float
+    """Tokens of trained sessions (each by its own length) per hour."""
     trained_sessions: float
-    """Sessions trained, counting the done share of steps still running at the horizon."""
+    """Sessions trained, counting the done share of the step still running at the horizon."""
+    dropped_fraction: float
+    """Decoded tokens discarded (stale, aborted, cut) over decoded tokens."""
     recomputed_tokens: int
     dropped_sessions: int
     mean_staleness: float
@@ -34,17 +43,20 @@ class RunResult:
     lost_work_cell_hours: float
     moves: dict[str, int]
     flips: int
+    versions: int
     wall_s: float
     series: dict[str, list[float]] = field(default_factory=dict)
 
     def metrics(self) -> dict:
-        """The five figures of the bench JSON."""
+        """The figures of the bench JSON."""
         return {
-            "utilization": round(self.utilization, 4),
             "trained_tokens_per_hour": round(self.trained_tokens_per_hour, 1),
+            "utilization": round(self.utilization, 4),
+            "goodput_utilization": round(self.goodput_utilization, 4),
+            "dropped_fraction": round(self.dropped_fraction, 4),
             "recomputed_tokens": int(self.recomputed_tokens),
-            "dropped_sessions": int(self.dropped_sessions),
             "mean_staleness": round(self.mean_staleness, 3),
+            "versions": int(self.versions),
         }
 
     def staleness_quantiles(self) -> dict[str, int]:
@@ -55,23 +67,27 @@ class RunResult:
         return {f"p{q}": int(np.searchsorted(cdf, q / 100)) for q in (50, 90, 99)} | {"max": int(np.flatnonzero(h)[-1])}
 
 
-def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float, seed: int = 0,
-               tick_s: float = 60.0, record_s: float = 600.0, rate_window_s: float = 3600.0,
-               check: bool = False) -> RunResult:
-    """Simulate `hours` of `policy` on `wl`. `check` verifies the state's invariants every tick."""
+def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float | None = None, seed: int = 0,
+               tick_s: float | None = None, record_s: float = 600.0, check: bool = False) -> RunResult:
+    """Simulate `hours` (default: the workload's, else 72) of `policy` on `wl`. `check`
+    verifies the state's invariants every tick."""
     wall0 = time.perf_counter()
-    trainer = Trainer(wl.batch_size, wl.step_cell_hours, wl.max_cells_per_step,
-                      None if policy.sequential else wl.staleness_bound, policy.sequential)
-    cl = Cluster(wl, n_cells, hours, seed, tick_s, policy.can_export_kv, trainer)
+    hours = hours or wl.hours or 72.0
+    tick_s = tick_s or wl.tick_s
+    batch, width = wl.batch_for(n_cells)
+    if policy.is_sync:
+        width = n_cells  # the whole fleet trains each round
+    trainer = Trainer(batch, wl.train_cell_s_per_token(), width,
+                      None if policy.is_sync else wl.staleness_bound, wl.scaling_efficiency)
+    cl = Cluster(wl, n_cells, hours, seed, tick_s, policy.mode, trainer)
     policy.start(cl)
     if policy.admits(cl, 0.0):
         cl.admit(0.0)
-    # the controller's measurements: EWMAs of accepted finishes and occupied slot-seconds
-    alpha = 1.0 - math.exp(-tick_s / rate_window_s)
-    num = den = 0.0
-    rates = {"finish_rate_per_slot_s": 0.0,
-             "train_rate_per_cell_s": wl.batch_size / (wl.step_cell_hours * 3600.0)}
+    # the controller's measurements, by the controller's own code (scheduler.rates)
+    rates = Rates()
+    last_step = None
     occupied = int(cl.inflight.sum())
+    offered = int((cl.role == ROLLOUT).sum()) * cl.k
     series: dict[str, list[float]] = {k: [] for k in
                                       ("t_h", "rollout_cells", "training_cells", "decoding", "training_busy",
                                        "trained_sessions", "version", "suspended")}
@@ -79,18 +95,25 @@ def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float, seed: i
     n_ticks = math.ceil(cl.horizon_s / tick_s)
     for k in range(1, n_ticks + 1):
         t = min(k * tick_s, cl.horizon_s)
-        cl.accepted_in_tick, cl.freed_slot_s_in_tick = 0, 0.0
+        dt = t - (k - 1) * tick_s
+        cl.accepted_in_tick, cl.finished_in_tick, cl.freed_slot_s_in_tick = 0, 0, 0.0
         cl.advance(t)
         cl.refresh_busy()
-        num = (1 - alpha) * num + alpha * cl.accepted_in_tick
-        den = (1 - alpha) * den + alpha * max(0.0, occupied * (t - (k - 1) * tick_s) - cl.freed_slot_s_in_tick)
-        rates["finish_rate_per_slot_s"] = num / den if den > 0 else 0.0
+        rates.on_finish(cl.accepted_in_tick)
+        rates.on_tick(dt, max(0.0, occupied * dt - cl.freed_slot_s_in_tick) / dt, max(offered, occupied))
+        if trainer.last_step is not last_step:  # the trainer reports each finished step
+            last_step = trainer.last_step
+            step_s, sessions, tokens, cells = last_step
+            rates.on_trainer_report(_demand(trainer), step_s, sessions, int(tokens), max(1, round(cells)))
+        else:
+            rates.demand = _demand(trainer)
         policy.tick(cl, t, rates)
         cl.resume_suspended(t)
         if policy.admits(cl, t):
             cl.admit(t)
         cl.refresh_busy()
         occupied = int(cl.inflight.sum())
+        offered = int((cl.role == ROLLOUT).sum()) * cl.k
         if check:
             cl.check_integrity()
         if k % record_every == 0 or k == n_ticks:
@@ -98,20 +121,26 @@ def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float, seed: i
     cl.close_books()
     tr = cl.trainer
     total_cell_s = n_cells * cl.horizon_s
-    busy = cl.decode_slot_s / cl.k + tr.busy_cell_s
+    busy = cl.decode_slot_s / cl.k + tr.busy_cell_s + cl.source_delay_cell_s
+    decoded = cl.decoded_tokens
     return RunResult(
         policy=policy.name, cells=n_cells, hours=hours,
         utilization=float(busy / total_cell_s),
-        trained_tokens_per_hour=tr.trained_equivalent() * wl.session_tokens / hours,
+        goodput_utilization=float((tr.trained_slot_s_equivalent() / cl.k + tr.busy_cell_s) / total_cell_s),
+        trained_tokens_per_hour=tr.trained_tokens_equivalent() / hours,
         trained_sessions=tr.trained_equivalent(),
+        dropped_fraction=float((tr.dropped_tokens + cl.discarded_tokens) / decoded) if decoded > 0 else 0.0,
         recomputed_tokens=cl.recomputed_tokens,
         dropped_sessions=tr.dropped,
         mean_staleness=tr.mean_staleness(),
         staleness_hist=tr.staleness_hist.tolist(),
-        lost_work_cell_hours=(tr.dropped_slot_s + cl.pause_slot_s) / cl.k / 3600.0,
-        moves=dict(cl.moved), flips=getattr(policy, "flips", 0),
+        lost_work_cell_hours=(tr.dropped_slot_s + cl.discarded_slot_s + cl.pause_slot_s) / cl.k / 3600.0,
+        moves=dict(cl.moved), flips=getattr(policy, "flips", 0), versions=tr.version,
         wall_s=time.perf_counter() - wall0, series=series)
 
+
+def _demand(tr: Trainer) -> TrainerDemand:
+    return TrainerDemand(tr.batch_size, len(tr.steps), tr.width, 1)
 
 def _record(series: dict[str, list[float]], cl: Cluster, t: float) -> None:
     series["t_h"].append(t / 3600.0)

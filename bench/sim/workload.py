@@ -10,8 +10,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "sim"
-BUILTIN = ("stationary", "drifting")
-"""The committed workloads every run reports."""
+BUILTIN = ("stationary", "drifting", "light_tail", "heavy_tail", "minutes", "training_heavy",
+           "step_change", "sinusoidal", "long_context")
+"""The committed workloads every run reports (configs/sim/NAME.yaml)."""
 
 
 class Workload(BaseModel):
@@ -26,47 +27,117 @@ class Workload(BaseModel):
     """Mean time a session occupies a rollout slot, at the start of the run."""
     session_mean_hours_end: float | None = Field(default=None, gt=0)
     """Mean slot time at the end of the run (linear in between); None = constant."""
+    step_change_factor: float = Field(default=1.0, gt=0)
+    """Slot time multiplied by this for `step_change_hours` every `step_change_every_hours`."""
+    step_change_hours: float = Field(default=1.0, gt=0)
+    step_change_every_hours: float = Field(default=12.0, gt=0)
+    sine_amplitude: float = Field(default=0.0, ge=0, lt=1)
+    """Slot time multiplied by 1 + amplitude * sin(2 pi t / period)."""
+    sine_period_hours: float = Field(default=2.0, gt=0)
     session_sigma: float = Field(default=0.4, ge=0)
     """Sigma of the log-normal slot time (0 = every session takes exactly the mean)."""
+    session_cap_hours: float | None = Field(default=None, gt=0)
+    """Longest slot time (a harness timeout); None = no cap."""
     session_tokens: int = Field(default=20_000, gt=0)
-    """Context tokens a session holds when it finishes (grows linearly while it decodes)."""
+    """Mean context tokens a session holds when it finishes. A session's tokens scale with its
+    own slot time over the mean slot time at its start (long sessions hold more tokens)."""
     cell_capacity: int = Field(default=16, gt=0)
     """Sessions one rollout cell decodes at once."""
     kv_bytes_per_token: int = Field(default=96 * 1024, gt=0)
-    """KV cache bytes per context token (Qwen3-30B-A3B in BF16: 96 KiB)."""
+    """KV cache bytes per context token."""
     intra_node_bytes_per_s: float = Field(default=450e9, gt=0)
-    """Cell-to-cell KV bandwidth within a node (NVLink)."""
+    """Cell-to-cell KV bandwidth within a node."""
     inter_node_bytes_per_s: float = Field(default=50e9, gt=0)
     """Cell-to-cell KV bandwidth between nodes."""
     cells_per_node: int = Field(default=8, gt=0)
     """Cells sharing one node (and its fast link)."""
     prefill_tokens_per_s: float = Field(default=20_000.0, gt=0)
-    """Re-prefill rate of one cell."""
+    """Linear re-prefill rate of one cell (the 2 x parameters FLOPs per token)."""
+    prefill_quadratic_s: float = Field(default=0.0, ge=0)
+    """Attention share of a prefill: seconds per context token squared."""
     batch_size: int = Field(default=1024, gt=0)
-    """Finished sessions one training step consumes."""
+    """Finished sessions one training step (one RL update, one version) consumes, at
+    `batch_ref_cells` cells."""
+    batch_ref_cells: int | None = Field(default=1000, gt=0)
+    """The batch and the step width grow with the fleet in proportion to this many cells (a
+    real job's batch grows with its fleet); None = fixed."""
     step_cell_hours: float = Field(default=32.0, gt=0)
-    """Cell-hours of one training step, split evenly over the cells that run it."""
-    max_cells_per_step: int = Field(default=128, gt=0)
-    """A step gets no faster past this many cells."""
+    """Cell-hours of one step of `batch_size` mean-length sessions at perfect scaling;
+    training cost is per token."""
+    max_cells_per_step: int = Field(default=512, gt=0)
+    """A step gets no faster past this many cells (at `batch_ref_cells`)."""
+    scaling_efficiency: float = Field(default=0.9, gt=0, le=1)
+    """Strong-scaling efficiency of a step on `max_cells_per_step` cells (eff(c) =
+    scaling_efficiency ** (log2 c / log2 width))."""
     broadcast_s: float = Field(default=20.0, ge=0)
-    """Weight load of a cell entering rollout (a sync cycle's broadcast too)."""
+    """Weight load of a cell entering rollout (a sync round's broadcast too)."""
     staleness_bound: int = Field(default=40, ge=0)
     """A session whose first token is more than this many versions old is dropped, not trained."""
+    tick_s: float = Field(default=60.0, gt=0)
+    """Controller tick (simulated seconds), the same for every policy."""
+    hours: float | None = Field(default=None, gt=0)
+    """Run length; None = the bench's default."""
+    underfilled: str | None = None
+    """Why the workload cannot keep the fleet busy, if it cannot (reported in the bench)."""
+    source: str | None = None
+    """Where the model and link figures come from."""
+
+    def batch_for(self, cells: int) -> tuple[int, int]:
+        """(batch size, step width) for a fleet of `cells`."""
+        if self.batch_ref_cells is None:
+            return self.batch_size, self.max_cells_per_step
+        f = cells / self.batch_ref_cells
+        return max(1, round(self.batch_size * f)), max(1, round(self.max_cells_per_step * f))
+
+    def train_cell_s_per_token(self) -> float:
+        return self.step_cell_hours * 3600.0 / (self.batch_size * self.session_tokens)
+
+    def prefill_s(self, tokens: np.ndarray | float) -> np.ndarray | float:
+        """Seconds one cell takes to prefill `tokens` of context."""
+        x = np.asarray(tokens, dtype=float)
+        return x / self.prefill_tokens_per_s + self.prefill_quadratic_s * x * x
 
     def mean_hours_at(self, t_s: np.ndarray | float, horizon_s: float) -> np.ndarray | float:
         """Mean slot time (hours) of a session that starts at `t_s`."""
-        if self.session_mean_hours_end is None or horizon_s <= 0:
-            return self.session_mean_hours + 0.0 * np.asarray(t_s)
-        frac = np.clip(np.asarray(t_s, dtype=float) / horizon_s, 0.0, 1.0)
-        return self.session_mean_hours + (self.session_mean_hours_end - self.session_mean_hours) * frac
+        t = np.asarray(t_s, dtype=float)
+        m = self.session_mean_hours + 0.0 * t
+        if self.session_mean_hours_end is not None and horizon_s > 0:
+            frac = np.clip(t / horizon_s, 0.0, 1.0)
+            m = m + (self.session_mean_hours_end - self.session_mean_hours) * frac
+        if self.step_change_factor != 1.0:
+            phase = np.mod(t / 3600.0, self.step_change_every_hours)
+            m = m * np.where(phase >= self.step_change_every_hours - self.step_change_hours,
+                             self.step_change_factor, 1.0)
+        if self.sine_amplitude:
+            m = m * (1.0 + self.sine_amplitude * np.sin(2 * np.pi * t / (3600.0 * self.sine_period_hours)))
+        return m
 
     def draw_durations_s(self, rng: np.random.Generator, start_s: np.ndarray, horizon_s: float) -> np.ndarray:
-        """Slot times (seconds) of sessions starting at `start_s`: log-normal with the mean at start."""
+        """Slot times (seconds) of sessions starting at `start_s`: log-normal with the mean at
+        start (capped at `session_cap_hours`)."""
         mean_s = np.asarray(self.mean_hours_at(start_s, horizon_s), dtype=float) * 3600.0
         if self.session_sigma == 0.0:
-            return mean_s.copy()
-        mu = np.log(mean_s) - 0.5 * self.session_sigma**2
-        return np.exp(mu + self.session_sigma * rng.standard_normal(mean_s.shape))
+            d = mean_s.copy()
+        else:
+            mu = np.log(mean_s) - 0.5 * self.session_sigma**2
+            d = np.exp(mu + self.session_sigma * rng.standard_normal(mean_s.shape))
+        if self.session_cap_hours is not None:
+            d = np.minimum(d, self.session_cap_hours * 3600.0)
+        return d
+
+    def tokens_of(self, dur_s: np.ndarray, start_s: np.ndarray, horizon_s: float) -> np.ndarray:
+        """Tokens of sessions with slot times `dur_s` that started at `start_s`."""
+        mean_s = np.asarray(self.mean_hours_at(start_s, horizon_s), dtype=float) * 3600.0
+        return np.maximum(1.0, self.session_tokens * dur_s / mean_s)
+
+    def quantile_s(self, q: float, t_s: float, horizon_s: float) -> float:
+        """The q-quantile of the slot time of a session starting at `t_s`."""
+        from statistics import NormalDist
+
+        mean_s = float(self.mean_hours_at(t_s, horizon_s)) * 3600.0
+        z = NormalDist().inv_cdf(q)
+        d = mean_s * math.exp(-0.5 * self.session_sigma**2 + z * self.session_sigma)
+        return min(d, self.session_cap_hours * 3600.0) if self.session_cap_hours else d
 
     def describe(self) -> str:
         mean = f"{self.session_mean_hours:g} h"
@@ -79,7 +150,7 @@ class Workload(BaseModel):
                 f"links {self.intra_node_bytes_per_s / 1e9:g}/{self.inter_node_bytes_per_s / 1e9:g} GB/s "
                 f"({self.cells_per_node} cells/node), re-prefill {self.prefill_tokens_per_s:g} tok/s, "
                 f"step {self.batch_size} sessions = {self.step_cell_hours:g} cell-h "
-                f"(<= {self.max_cells_per_step} cells), broadcast {self.broadcast_s:g} s, "
+                f"(<= {self.max_cells_per_step} cells, efficiency {self.scaling_efficiency:g} there), broadcast {self.broadcast_s:g} s, "
                 f"staleness bound {self.staleness_bound} versions")
 
 
