@@ -13,6 +13,15 @@ Fields:
 - flips, migrations, lost_rollouts: summed over the RL runs (flips both ways; migrations
   committed during flips to training; episodes abandoned on an error).
 - exact_frac: trained-on sampled tokens with an exact old log-prob, over all RL runs.
+- heldout_first / heldout_last: greedy (temperature 0) mean reward on HELDOUT fixed held-out
+  episodes (toy_task.heldout_episodes: never trained on, never demonstrated) with the weights
+  published first (after the warm-up) and last, mean over the RL runs; heldout_control_last:
+  the last weights of the control runs.
+- groups_dropped: groups the trainer dropped whole (deadline, stale, ...), summed over RL runs.
+- staleness_max: largest staleness (published versions) of a trajectory the scheduler handed
+  out in an RL run; staleness_bound: the bound in force (the shipped default, not raised here).
+- clip_frac_mean: mean over the RL runs' steps of the share of kept tokens whose PPO ratio was
+  clipped (the clip bound).
 - wall_s: the whole invocation.
 """
 
@@ -25,10 +34,13 @@ from pathlib import Path
 from common import emit, parse_args, set_threads
 
 from cells.localcluster import Cluster
-from cells.trainer.toy_task import TOY_RENDERER
+from cells.trainer.client import TrainerClient
+from cells.trainer.toy_task import TOY_RENDERER, TaskSpec, heldout_eval
 from scheduler.config import parse_config
 
 WINDOW = 3
+HELDOUT = 32
+"""Held-out episodes scored greedily at the start and the end of each run."""
 
 
 def make_cfg(tmp: Path, seed: int, steps: int, lr: float | None, quick: bool) -> dict:
@@ -57,13 +69,47 @@ def run_one(seed: int, steps: int, lr: float | None, quick: bool) -> dict:
     c = Cluster(tmp, num_cells=3, cfg=raw, ready_timeout_s=300)
     try:
         trainer = Trainer(parse_config(raw), c.url, run_dir=tmp, tag=f"s{seed}")
-        return trainer.run()
+        first: dict = {}
+        publish = trainer._publish
+
+        def publish_and_keep_first() -> None:  # the first publish follows the warm-up
+            first.setdefault("weights", trainer.learner.weights())
+            publish()
+
+        trainer._publish = publish_and_keep_first
+        out = trainer.run()
+        out.update(_evaluation(trainer, first.get("weights"), c, seed))
+        return out
     finally:
         c.stop()
 
 
+def _evaluation(trainer, first_weights: dict | None, c: Cluster, seed: int) -> dict:
+    """Held-out rewards at the start and end, groups dropped, staleness, clip fraction."""
+    spec = trainer.learner.spec
+
+    def heldout(w: dict | None) -> float | None:
+        return None if w is None else heldout_eval(spec, w, TaskSpec(seed=seed), HELDOUT)["reward"]
+
+    client = TrainerClient(c.url, getattr(c, "token", None))
+    try:
+        staleness = client.versions().get("staleness", {})
+    finally:
+        client.close()
+    clip = [h["clip_frac"] for h in trainer.history if h.get("event") == "step" and "clip_frac" in h]
+    return {"heldout_first": heldout(first_weights), "heldout_last": heldout(trainer.learner.weights()),
+            "groups_dropped": sum(trainer.groups.groups_dropped.values()),
+            "staleness_max": staleness.get("max_seen"), "staleness_bound": trainer.cfg.scheduler.staleness_bound,
+            "clip_frac": clip}
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _round_mean(xs: list[float | None], digits: int = 4) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return round(_mean(xs), digits) if xs else None
 
 
 def main() -> None:
@@ -78,7 +124,9 @@ def main() -> None:
         rl_runs.append(rl)
         per_seed.append({"seed": seed, "reward_first": round(_mean(rl["rewards"][:WINDOW]), 4),
                          "reward_last": round(_mean(rl["rewards"][-WINDOW:]), 4),
-                         "reward_control_last": round(_mean(ctl["rewards"][-WINDOW:]), 4)})
+                         "reward_control_last": round(_mean(ctl["rewards"][-WINDOW:]), 4),
+                         "heldout_first": rl["heldout_first"], "heldout_last": rl["heldout_last"],
+                         "heldout_control_last": ctl["heldout_last"]})
         if not args.json:
             print(per_seed[-1], flush=True)
     tokens_exact = [r["exact_frac"] for r in rl_runs if r["exact_frac"] is not None]
@@ -91,6 +139,13 @@ def main() -> None:
         "flips": sum(r["flips"] for r in rl_runs), "migrations": sum(r["migrations"] for r in rl_runs),
         "lost_rollouts": sum(r["lost_rollouts"] for r in rl_runs),
         "exact_frac": round(min(tokens_exact), 6) if tokens_exact else None,
+        "heldout_first": _round_mean([p["heldout_first"] for p in per_seed]),
+        "heldout_last": _round_mean([p["heldout_last"] for p in per_seed]),
+        "heldout_control_last": _round_mean([p["heldout_control_last"] for p in per_seed]),
+        "groups_dropped": sum(r["groups_dropped"] for r in rl_runs),
+        "staleness_max": max((r["staleness_max"] for r in rl_runs if r["staleness_max"] is not None), default=None),
+        "staleness_bound": rl_runs[0]["staleness_bound"],
+        "clip_frac_mean": _round_mean([x for r in rl_runs for x in r["clip_frac"]], 6),
         "wall_s": round(time.monotonic() - t0, 1),
     }
     emit(result, args.json)

@@ -200,6 +200,17 @@ def make_episodes(spec: TaskSpec, n: int, start: int = 0) -> list[Episode]:
     return [make_episode(spec, i) for i in range(start, start + n)]
 
 
+HELDOUT_START = 10_000_000
+"""First episode index of the held-out set. The agents play indices from 0 up and the warm-up's
+demonstrations are drawn from [1_000_000, 2_000_000): no trained or demonstrated episode
+reaches it (each index draws its own table, so its codes were never seen either)."""
+
+
+def heldout_episodes(spec: TaskSpec, n: int) -> list[Episode]:
+    """The fixed held-out episodes: never trained on, never demonstrated."""
+    return make_episodes(spec, n, start=HELDOUT_START)
+
+
 # ----------------------------------------------------------------------------- the tool
 def parse_item(arguments: Any) -> int | None:
     """The `item` argument of a lookup call as an int; None when malformed."""
@@ -778,6 +789,20 @@ class ToySampler:
                 for i in idx:
                     traj["old_logprobs"][i] = lp[i - a - 1]
                     traj["provenance"][i] = "exact"
+
+
+def heldout_eval(model_spec: Any, weights: dict[str, Any], spec: TaskSpec, n: int, *,
+                 row_tile: int = 4, max_turns: int = 6) -> dict[str, float]:
+    """Greedy (temperature 0) score of `weights` on the first `n` held-out episodes, one
+    session each, in-process: mean reward and solved rate. Deterministic for given weights."""
+    sampler = ToySampler(model_spec, weights, row_tile=row_tile)
+    try:
+        _, stats = sampler.rollouts(heldout_episodes(spec, n), samples=1, tag="heldout-",
+                                    temperature=0.0, max_turns=max_turns)
+    finally:
+        sampler.close()
+    return {"reward": sum(s["reward"] for s in stats) / len(stats),
+            "solved": sum(s["solved"] for s in stats) / len(stats)}
 
 
 # ----------------------------------------------------------------------------- demos
