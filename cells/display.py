@@ -30,6 +30,36 @@ def _metric(text: str, name: str) -> float:
     return total
 
 
+def _samples(text: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """Every sample of `name` by its labels."""
+    out = {}
+    for m in re.finditer(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? ([0-9.eE+-]+)$", text, re.M):
+        labels = tuple(sorted(re.findall(r'(\w+)="([^"]*)"', m.group(1) or "")))
+        out[labels] = float(m.group(2))
+    return out
+
+
+def moves_line(migrations: dict[tuple[tuple[str, str], ...], float]) -> str:
+    """Committed moves by path, aborted ones apart: the same words in the live view and the
+    summary (cellflip_migrations_total)."""
+    by = {(dict(k).get("outcome"), dict(k).get("path")): v for k, v in migrations.items()}
+    done = " · ".join(f"{path} {by.get(('committed', path), 0):.0f}" for path in ("kv", "kv_store", "reprefill"))
+    aborted = sum(v for (outcome, _), v in by.items() if outcome == "aborted")
+    return f"{done} (aborted {aborted:.0f})"
+
+
+PHASES = {
+    "warmup_start": "warm-up: supervised steps on the teacher's demonstrations",
+    "warmup_progress": "warm-up: supervised steps on the teacher's demonstrations",
+    "warmup_done": "warm-up done; publishing the warmed-up weights",
+    "resumed": "resumed from the checkpoint",
+    "published": "version published; agents roll out",
+    "flip_refused": "a flip to training was refused; training without it",
+    "step": "RL step done; agents roll out the next batch",
+}
+"""Human names of the trainer's status events, shown as the live view's phase."""
+
+
 def spark(values: list[float]) -> str:
     if not values:
         return ""
@@ -47,7 +77,7 @@ class Snapshot:
         self.versions = vers["versions"]
         metrics = http.get(f"{url}/metrics").text
         self.drift = _metric(metrics, "cellflip_retokenization_drift_total")
-        self.migrations = _metric(metrics, "cellflip_migrations_total")
+        self.migrations = _samples(metrics, "cellflip_migrations_total")
         self.flips = _metric(metrics, "cellflip_flips_total")
         self.missing = _metric(metrics, "cellflip_logprob_missing_tokens_total")
         self.events = read_status(status_path)
@@ -81,13 +111,13 @@ def render(s: Snapshot, url: str, total_steps: int) -> Group:
     steps = s.steps
     rewards = [e["reward"] for e in steps]
     last = steps[-1] if steps else {}
-    phase = next((e["event"] for e in reversed(s.events)), "starting")
+    phase = _phase(s.events)
     live = [v for v in s.versions if v["state"] != "retired"]
     backlog = sum(v.get("tokens_unscored", 0) for v in s.versions)
     rl = Table.grid(padding=(0, 2))
     rl.add_row("step", f"{len(steps)}/{total_steps}", "phase", phase)
     rl.add_row("reward (batch mean)", f"{rewards[-1]:.3f}" if rewards else "-", "trend", spark(rewards))
-    rl.add_row("flips", f"{s.flips:.0f}", "migrations", f"{s.migrations:.0f}")
+    rl.add_row("flips", f"{s.flips:.0f}", "moves committed", moves_line(s.migrations))
     rl.add_row("versions live", ", ".join(f"v{v['version']}:{v['state']}" for v in live) or "-",
                "log-prob backlog", f"{backlog} tokens ({s.missing:.0f} missing)")
     rl.add_row("retokenization drift", f"{s.drift:.0f}", "episodes lost",
@@ -96,9 +126,22 @@ def render(s: Snapshot, url: str, total_steps: int) -> Group:
     return Group(Panel(rl, title="cellflip up: agentic RL on CPU cells"), cells)
 
 
+def _phase(events: list[dict]) -> str:
+    if not events:
+        return "starting the trainer"
+    e = events[-1]
+    name = PHASES.get(e.get("event", ""), e.get("event", ""))
+    if e.get("event") == "warmup_progress" and e.get("steps"):
+        done, total = e["step"], e["steps"]
+        bar = "█" * int(20 * done / total) + "░" * (20 - int(20 * done / total))
+        eta = f", about {e['eta_s']:.0f} s left" if e.get("eta_s") is not None else ""
+        return f"{name} {bar} {done}/{total}{eta}"
+    return name
+
+
 def summary_table(s: Snapshot) -> Table:
-    t = Table(title="cellflip up: summary")
-    for col in ("step", "version", "reward", "episodes", "tokens", "exact", "flips", "migrated", "step s"):
+    t = Table(title="cellflip up: summary", caption=f"moves committed: {moves_line(s.migrations)}")
+    for col in ("step", "version", "reward", "episodes", "tokens", "exact", "flips", "kv moves", "step s"):
         t.add_column(col, justify="right")
     for e in s.steps:
         t.add_row(str(e["step"]), str(e["version"]), f"{e['reward']:.3f}", str(e["episodes"]), str(e["tokens"]),

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from scheduler.api import ROUTERS
 from scheduler.auth import BearerAuth, scrape_token, server_token
 from scheduler.config import CellflipConfig, MigrationConfig, SchedulerConfig, VersionsConfig
+from scheduler.docs import declare_bearer, install_docs
 from scheduler.controller import Controller
 from scheduler.errors import NoCapacity, SchedulerError
 from scheduler.gateway import make_chat_router
@@ -68,7 +69,7 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
                     await task
             store.close()
 
-    app = FastAPI(title="cellflip scheduler", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="cellflip scheduler", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Control plane: cells, flips, weight versions, sessions, completions.")
     app.state.metrics = metrics
     for router in ROUTERS:
@@ -80,6 +81,7 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
                                         **{**gateway.router_kwargs(), "finish_route": False}))
     _install_error_handlers(app)
     _publish_chat_schemas(app)
+    install_docs(app)
     # outermost first: refuse unauthenticated requests before reading any body
     app.add_middleware(BodySizeLimit, max_bytes=sched.max_body_bytes)
     if token is not None:
@@ -102,6 +104,7 @@ def _publish_chat_schemas(app: FastAPI) -> None:
             known = doc.setdefault("components", {}).setdefault("schemas", {})
             for name, schema in defs.items():
                 known.setdefault(name, schema)
+            declare_bearer(doc)
             app.openapi_schema = doc
         return app.openapi_schema
 

@@ -9,6 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from sched_fakes import make_config
+
+from tests.conftest import AUTH
 from scheduler.app import create_app
 from scheduler.auth import TOKEN_ENV, client_token, default_token_path, server_token
 from scheduler.config import ConfigError, SchedulerConfig
@@ -29,7 +31,7 @@ def test_first_start_generates_a_private_token_and_requires_it(tmp_path, no_env_
     assert len(token) >= 32 and token != scrape
     with TestClient(app) as c:
         assert c.get("/healthz").status_code == 200
-        for path in ("/v1/cells", "/v1/versions", "/metrics", "/docs", "/openapi.json"):
+        for path in ("/v1/cells", "/v1/versions", "/metrics", "/docs", "/openapi.json", "/docs-assets/swagger-ui.css"):
             assert c.get(path).status_code == 401, path
         assert c.post("/v1/flips", json={"cell": "x", "to": "training"}).status_code == 401
         assert c.post("/internal/v1/cells/register", json={}).status_code == 401
@@ -80,3 +82,18 @@ def test_clients_find_the_token_the_scheduler_uses(tmp_path, no_env_token, monke
     (tmp_path / "empty.token").write_text("  \n")
     with pytest.raises(ConfigError, match="empty"):
         client_token(sched, token_file=str(tmp_path / "empty.token"))
+
+
+def test_docs_are_served_from_local_assets_and_declare_the_bearer_scheme(tmp_path):
+    app = create_app(make_config(), db_path=str(tmp_path / "db.sqlite"), tick_interval_s=None)
+    with TestClient(app, headers=AUTH) as c:
+        for page, asset in (("/docs", "/docs-assets/swagger-ui-bundle.js"), ("/redoc", "/docs-assets/redoc.standalone.js")):
+            html = c.get(page)
+            assert html.status_code == 200 and asset in html.text, page
+            assert "cdn." not in html.text and "https://" not in html.text.replace("https://fastapi.tiangolo.com", "")
+            js = c.get(asset)
+            assert js.status_code == 200 and len(js.content) > 100_000
+        doc = c.get("/openapi.json").json()
+        assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
+        assert doc["security"] == [{"bearer": []}]
+        assert c.get("/docs-assets/../api.token").status_code in (401, 404)
