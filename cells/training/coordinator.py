@@ -23,7 +23,7 @@ from typing import Any
 
 from cells.training import protocol as P
 from cells.training.plan import plan_update
-from cells.training.wire import pack, params_view, recv_state, send_state, unpack, weights_checksum
+from cells.training.wire import pack, params_view, recv_state, send_state, state_checksum, unpack, weights_checksum
 from cells.transport.p2p import TransferError, discard, join_group
 from cells.transport.store import StoreAddress, connect, get_json, set_json, wait_any, wait_keys
 
@@ -102,6 +102,7 @@ class TrainingCoordinator:
             stale = [r for r, a in acks.items() if a.get("tag") != self.tag]
             t_join = time.perf_counter()
             self._send_state(prefix, group, stale)
+            self._check_joined(prefix, stale)
             join_s = time.perf_counter() - t_join
             result, flat, idx = self._result(prefix, cells, group)
             self._check_ranks(prefix, cells, result["checksum"])
@@ -147,6 +148,18 @@ class TrainingCoordinator:
         for r in ranks:
             send_state(group, r, flat, idx, self.timeout_s)
 
+    def _check_joined(self, prefix: str, ranks: list[int]) -> None:
+        """Each joining rank rebuilt the state bitwise (its checksum of the whole state)."""
+        if not ranks:
+            return
+        keys = [f"{prefix}/joined/{r}" for r in ranks]
+        if len(wait_keys(self.store, keys, self.timeout_s)) < len(keys):
+            raise StepFailed("a joining rank did not confirm the state")
+        mine = state_checksum(self.learner)
+        bad = [r for r, k in zip(ranks, keys) if int(get_json(self.store, k)["state_checksum"]) != mine]
+        if bad:
+            raise StepFailed(f"ranks {bad} rebuilt another state")
+
     def _result(self, prefix: str, cells: list[str], group) -> tuple[dict, Any, Any]:
         keys = [f"{prefix}/result"] + [f"{prefix}/failed/{r}" for r in range(1, len(cells) + 1)]
         got = wait_any(self.store, keys, self.step_timeout_s)
@@ -167,13 +180,16 @@ class TrainingCoordinator:
             raise StepFailed(f"ranks {bad} ended with other parameters", bad)
 
     def _failed(self, prefix: str, cells: list[str]) -> list[str]:
-        """Cells that did not report success or failure: dead or stalled (the others failed
-        because of them and may take part in the next attempt)."""
-        out = []
-        for r, c in enumerate(cells, start=1):
-            if not (self.store.check([f"{prefix}/done/{r}"]) or self.store.check([f"{prefix}/failed/{r}"])):
-                out.append(c)
-        return out
+        """Cells that report neither success nor failure within an op timeout: dead or
+        stalled. The others failed because of them (a collective with a dead peer fails
+        everywhere, one op timeout later at most) and may take part in the next attempt."""
+        keys = {c: (f"{prefix}/done/{r}", f"{prefix}/failed/{r}") for r, c in enumerate(cells, start=1)}
+        deadline = time.monotonic() + self.timeout_s + 2.0
+        while True:
+            silent = [c for c, ks in keys.items() if not any(self.store.check([k]) for k in ks)]
+            if not silent or time.monotonic() >= deadline:
+                return silent
+            time.sleep(0.05)
 
     def _commit(self, prefix: str, result: dict, flat, idx, next_version: Callable[[], int], plan,
                 n: int, joined: int, join_s: float, wall_s: float) -> dict[str, Any]:

@@ -29,6 +29,11 @@ def assign_key(cell_id: str) -> str:
     return f"{NAMESPACE}/assign/{cell_id}"
 
 
+def alive_key(cell_id: str) -> str:
+    """Set by a training rank when it (re)connects to the coordinator's store."""
+    return f"{NAMESPACE}/alive/{cell_id}"
+
+
 def attempt_prefix(step: int, attempt: int, run: str) -> str:
     return f"{NAMESPACE}/{run}/{step}/{attempt}"
 

@@ -13,6 +13,7 @@ sender's. Everything else travels dense.
 
 from __future__ import annotations
 
+import json
 import zlib
 from typing import Any
 
@@ -153,6 +154,14 @@ def recv_state(pg, src: int, meta: dict[str, Any], timeout_s: float, tag: int = 
         if t.numel():
             wait_work(pg.recv([t], src, tag + i), timeout_s, f"state from rank {src}")
     return flat, idx
+
+
+def state_checksum(learner: Any) -> int:
+    """CRC32 of the whole packed state (manifest, values, rows): equal iff bitwise equal."""
+    meta, flat, idx = pack(learner)
+    crc = zlib.crc32(json.dumps(meta, sort_keys=True).encode())
+    crc = zlib.crc32(flat.view(torch.uint8).numpy(), crc)
+    return zlib.crc32(idx.view(torch.uint8).numpy(), crc)
 
 
 def state_equal(a: Any, b: Any) -> bool:

@@ -28,7 +28,7 @@ from cells.training import protocol as P
 from cells.training.plan import Share
 from cells.training.reduce import GroupReducer, LocalReducer
 from cells.training.update import run_update
-from cells.training.wire import pack, recv_state, send_state, unpack, weights_checksum
+from cells.training.wire import pack, recv_state, send_state, state_checksum, unpack, weights_checksum
 from cells.transport.p2p import TransferError, discard, join_group
 from cells.transport.store import StoreAddress, connect, get_json, set_json, wait_any, wait_json
 
@@ -98,7 +98,9 @@ class TrainingWorker:
                 time.sleep(POLL_S)
                 continue
             try:
-                store = store or connect(self.source, timeout_s=10.0)
+                if store is None:
+                    store = connect(self.source, timeout_s=10.0)
+                    set_json(store, P.alive_key(self.cell_id), {"t": time.time()})
                 a = wait_json(store, P.assign_key(self.cell_id), POLL_S)
             except Exception as e:  # coordinator restarting: try again shortly
                 log.debug("training store unreachable: %s", e)
@@ -146,6 +148,7 @@ class TrainingWorker:
                                          connect_timeout_s=connect_s, device=self.device))
             if self.tag != spec["tag"] or self.learner is None:
                 self._receive_state(store, prefix, spec, groups[0], timeout)
+                set_json(store, f"{prefix}/joined/{rank}", {"state_checksum": state_checksum(self.learner)})
             reducer = GroupReducer(groups[1], n, timeout) if n > 1 else LocalReducer()
             metrics = run_update(self.learner, share, reducer)
             crc = weights_checksum({k: p.detach() for k, p in self.learner.params.items()})

@@ -59,6 +59,15 @@ class Ranks:
         self.tmp, self.procs = Path(tmp), {}
         for i in range(n):
             self.start(f"cell-{i}", (env or {}).get(i))
+        self.wait_ready(list(self.procs))
+
+    def wait_ready(self, cells: list[str], timeout_s: float = 120.0) -> None:
+        from cells.training.protocol import alive_key
+        from cells.transport.store import wait_keys
+
+        keys = [alive_key(c) for c in cells]
+        if len(wait_keys(self.host.store, keys, timeout_s)) < len(keys):
+            raise TimeoutError(f"training ranks not up within {timeout_s}s:\n{self.logs()}")
 
     def start(self, cell_id: str, env: dict | None = None) -> None:
         a = self.host.address
