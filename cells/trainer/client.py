@@ -25,6 +25,11 @@ class ApiError(RuntimeError):
 
 class TrainerClient:
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
+        """`token`: the API token; None reads it as every client does ($CELLFLIP_API_TOKEN,
+        else the scheduler's generated `runs/api.token`)."""
+        from scheduler.auth import client_token
+
+        token = token if token is not None else client_token()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s)
         self.cursor = 0

@@ -19,7 +19,7 @@ SessionId = Annotated[str | None, Header(alias="X-Session-Id", max_length=256, p
 
 def _chunk(rid: str, rows: list[tuple]) -> dict:
     return {"id": rid, "token_ids": [r[0] for r in rows], "logprobs": [r[2] for r in rows],
-            "versions": [r[3] for r in rows]}
+            "versions": [r[3] for r in rows], "finish_reason": None}
 
 
 @router.post("/v1/completions", response_model=None, responses=errors(404, 409, 413, 422, 429))
@@ -46,5 +46,6 @@ async def _sse(ctl, request_id: str) -> AsyncIterator[str]:
         if rows:
             yield f"data: {json.dumps(_chunk(request_id, rows))}\n\n"
         if cur.state in ("finished", "failed") and not rows:
-            yield f"data: {json.dumps({'id': request_id, 'finish_reason': cur.reason})}\n\n"
+            end = {"id": request_id, "token_ids": [], "logprobs": [], "versions": [], "finish_reason": cur.reason}
+            yield f"data: {json.dumps(end)}\n\n"
     yield "data: [DONE]\n\n"
