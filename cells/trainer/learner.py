@@ -103,6 +103,8 @@ class Learner:
         self.lr_warmup_steps = lr_warmup_steps
         self.rl_start_step: int | None = None
         self.compute_s = {"forward": 0.0, "backward": 0.0}
+        self.last_lr = float(lr)
+        """The learning rate of the last optimizer step (after the warm-up's scaling)."""
         """Seconds this process spent in RL forwards and backwards (`run_update`)."""
         """The optimizer step RL started at (`start_rl`); None: no RL learning-rate warm-up."""
         self.betas, self.weight_decay = betas, weight_decay
@@ -308,8 +310,9 @@ class Learner:
             norm = float(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
         else:
             norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params])))
+        self.last_lr = self._base_lr * self.lr_scale()
         for g in self.optimizer.param_groups:
-            g["lr"] = self._base_lr * self.lr_scale()
+            g["lr"] = self.last_lr
         try:
             self.optimizer.step()
         finally:

@@ -43,17 +43,22 @@ def run_update(learner: Any, share: Share, reducer: Reducer) -> dict[str, float]
     pre = _start_of_update(learner, b, share)
     learner.compute_s["forward"] += time.perf_counter() - t0
     totals = torch.zeros(len(_SUMS), dtype=torch.float64)
-    mb_losses, grad_norms = [], []
+    mb_losses, mb_sums, grad_norms = [], [], []
     for j in range(share.num_minibatches):
         sums, norm = _minibatch(learner, b, pre, share, j, reducer)
         mb_losses.append(sums[:3].clone())
+        mb_sums.append(sums.clone())
         totals += sums
         grad_norms.append(norm)
         failpoint("training.after_minibatch")  # a rank dying or stalling mid-update (fault campaign)
     learner.version += 1
     out = _finish_metrics(totals, mb_losses, share.n0)
+    clip = [float(x[_SUMS.index("clip_frac")] / max(float(x[_SUMS.index("num_kept")]), 1.0)) for x in mb_sums]
+    out["clip_frac_first"] = clip[0]
+    out["clip_frac_after_first"] = sum(clip[1:]) / len(clip[1:]) if len(clip) > 1 else 0.0
     out.update(_batch_metrics(b, pre, reducer, learner.version - 1))
     out.update({"grad_norm": grad_norms[-1], "grad_norm_max": max(grad_norms), "lr": learner.lr,
+                "lr_effective": learner.last_lr,
                 "ewma_resets": float(learner.ewma.num_resets), "version": float(learner.version),
                 "optimizer_step": float(learner.step), "train_ranks": float(reducer.world),
                 "step_s": time.perf_counter() - t0})
@@ -185,14 +190,15 @@ def _finish_metrics(totals: Tensor, mb_losses: list[Tensor], n0: list[int]) -> d
 def _batch_metrics(b: Batch | None, pre: dict, reducer: Reducer, version: int) -> dict[str, float]:
     """Provenance counts, staleness against the update's version, and how many exact old
     log-probs lp_prox reproduces bitwise, over all ranks."""
-    s = torch.zeros(6, dtype=torch.float64)
+    s = torch.zeros(8, dtype=torch.float64)
     mx = torch.full((1,), -1e9, dtype=torch.float64)
     if b is not None:
         exact = b.mask & ~b.missing
         stale = (version - b.versions)[b.mask].to(torch.float64)
         s += torch.tensor([float(exact.sum()), float((b.missing & ~b.unscored).sum()), float(b.unscored.sum()),
                            float(stale.sum()), float(stale.numel()),
-                           float((pre["lp_prox"] == b.old)[exact].sum())], dtype=torch.float64)
+                           float((pre["lp_prox"] == b.old)[exact].sum()),
+                           float(pre["adv"].abs().sum()), float(b.size)], dtype=torch.float64)
         if stale.numel():
             mx[0] = stale.max()
     reducer.all_reduce(s)
@@ -200,4 +206,5 @@ def _batch_metrics(b: Batch | None, pre: dict, reducer: Reducer, version: int) -
     exact_n, n = s[0].item(), s[4].item()
     return {"tokens_exact": exact_n, "tokens_missing": s[1].item(), "tokens_unscored": s[2].item(),
             "staleness_mean": s[3].item() / n if n else 0.0, "staleness_max": mx.item() if n else 0.0,
-            "frac_bitwise_equal": s[5].item() / exact_n if exact_n else float("nan")}
+            "frac_bitwise_equal": s[5].item() / exact_n if exact_n else float("nan"),
+            "adv_seq_abs_mean": s[6].item() / s[7].item() if s[7].item() else 0.0}
