@@ -444,7 +444,7 @@ class VersionHost:
         if missing:
             why = f"{missing} did not reach the update group's barrier in {self.join_timeout_s:.1f}s; called off"
             log.warning("version %d update group %s: %s", version, name, why)
-            return None, [], why[:500]
+            return None, [master], why[:500]  # the members read the verdict from it: keep it up a while
         device = torch.device("cuda" if self.update_backend == "nccl" else "cpu")
         backend, keep = None, []
         try:

@@ -306,3 +306,29 @@ def test_a_failed_update_is_retried_over_a_fresh_group(host, cells):
         assert c.engine.version == 3 and bitwise_equal(c.fake.weights, v3)
     failures = [e for e in flaky.events if not e["ok"]]
     assert failures == []  # a retried attempt is not a failed broadcast
+
+
+def test_a_member_that_never_reaches_the_barrier_costs_one_bounded_wait(host, cells):
+    """A cell that said it is ready but whose engine never gets to the update (its loop is
+    stuck) never writes `joined`: the trainer calls the attempt off after its join wait,
+    before any collective, and the member that did join gets the version on the retry."""
+    v4 = version_tensors(4)
+    host.put(4, v4)
+    stuck, steady = cells("stuck", run_loop=False), cells("steady")
+    for c in (stuck, steady):
+        c.load(host, 4)
+    t0 = time.monotonic()
+    res = host.broadcast(4, ["stuck", "steady"], {"stuck": 1, "steady": 1})
+    elapsed = time.monotonic() - t0
+    assert res.delivered == ["steady"] and list(res.failed) == ["stuck"], res
+    assert res.num_attempts == 2
+    assert elapsed < JOIN_TIMEOUT_S + 2 * (OP_TIMEOUT_S + 5.0) + SLACK_S, elapsed
+    event = steady.wait_event(4, SLACK_S)
+    assert event["ok"] and steady.engine.version == 4 and bitwise_equal(steady.fake.weights, v4)
+    # The steady cell's first attempt was called off at the barrier: it never formed that group.
+    groups = [e for e in steady.fake.log if e[0] == "init_weights_update_group"]
+    assert len(groups) == 1 and steady.engine.engine_restarts == 0
+    assert stuck.engine.version == 0 and stuck.fake.log.count(("init_weights_update_group",)) == 0
+    assert "barrier" in res.failed["stuck"], res
+    store = connect(host.address, timeout_s=OP_TIMEOUT_S)
+    assert get_json(store, "versions/ug/4/spec/0/steady")["group"]["barrier_s"] == JOIN_TIMEOUT_S
