@@ -1,11 +1,14 @@
-"""How much trained throughput does flipping cells buy over sync and static splits?
+"""How much trained throughput does flipping cells buy over the baselines a user would pick?
 
 Discrete-event simulation of N cells and their sessions (bench/sim/); every flip and
-placement decision of `flip_abort` and `cellflip` is `scheduler.planner`'s, unchanged.
-Policies on the same workload and seed: sync, static (rollout share swept 0.50..0.95 and the
-best reported: a hindsight tuning no operator has), flip_abort, cellflip.
+placement decision of `flip_abort`, `flip_reprefill` and `cellflip` is `scheduler.planner`'s,
+unchanged, on a `Snapshot` measured by the controller's own `scheduler.rates`. Policies on
+the same workload: sync (verl-like rounds; sync_p99 beside it), static (its rollout share
+chosen on seed 0 over 0.00..1.00, a 0.05 sweep refined by 0.01), flip_abort, flip_reprefill,
+cellflip, and the free oracle (the ceiling). Every policy is reported as the mean over seeds
+1..3.
 
-    python bench/cluster_sim.py [--quick] [--json] [--plots [DIR]] [--workload PATH ...]
+    python bench/cluster_sim.py [--quick] [--json] [--plots [DIR]] [--workload NAME_OR_PATH ...]
 
 --quick: 1,000 cells; default 10,000. Last stdout line with --json: one JSON object.
 """
@@ -24,61 +27,98 @@ for p in (str(HERE.parent), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from sim import BUILTIN, RunResult, load_workload, make_policy, run_policy  # noqa: E402
+from sim import BUILTIN, POLICIES, RunResult, load_workload, make_policy, run_policy  # noqa: E402
+from sim.fluid import rebalance_gain  # noqa: E402
 from sim.workload import Workload  # noqa: E402
 
-POLICIES = ("sync", "static", "flip_abort", "cellflip")
-STATIC_SWEEP = tuple(round(0.5 + 0.05 * i, 2) for i in range(10))
-"""Rollout shares tried for `static` (0.50 .. 0.95)."""
+COARSE = tuple(round(0.05 * i, 2) for i in range(21))
+"""Rollout shares tried for `static` first (0.00 .. 1.00)."""
+SEEDS = (1, 2, 3)
+"""Seeds every policy is reported over (the static share is chosen on seed 0)."""
+NUMERIC = ("trained_tokens_per_hour", "utilization", "goodput_utilization", "dropped_fraction",
+           "recomputed_tokens", "mean_staleness", "versions")
 
 
-def simulate_workload(wl: Workload, cells: int, hours: float, seed: int, tick_s: float,
-                      log=print) -> tuple[dict, list[RunResult]]:
-    """Run every policy on one workload; returns its JSON block and the runs to plot."""
-    def run(name: str, frac: float = 0.0) -> RunResult:
-        r = run_policy(wl, make_policy(name, frac), cells, hours, seed=seed, tick_s=tick_s)
-        return r
+def choose_static_share(wl: Workload, cells: int, hours: float, log=print) -> tuple[float, dict[float, float]]:
+    """The rollout share of the best static split on seed 0: a 0.05 sweep, refined by 0.01."""
+    def tput(f: float) -> float:
+        return run_policy(wl, make_policy("static", f), cells, hours, seed=0).trained_tokens_per_hour
 
-    sync = run("sync")
-    sweep = {f: run("static", f) for f in STATIC_SWEEP}
-    best_f = max(sweep, key=lambda f: sweep[f].trained_tokens_per_hour)
-    static = sweep[best_f]
-    static.policy = "static"
-    flip_abort = run("flip_abort")
-    cellflip = run("cellflip")
-    runs = [sync, static, flip_abort, cellflip]
+    seen = {f: tput(f) for f in COARSE}
+    best = max(seen, key=seen.__getitem__)
+    for i in range(-4, 5):
+        f = round(best + 0.01 * i, 2)
+        if 0.0 <= f <= 1.0 and f not in seen:
+            seen[f] = tput(f)
+    best = max(seen, key=seen.__getitem__)
+    log("  static sweep, seed 0 (rollout share -> trained Mtok/h): " + ", ".join(
+        f"{f:.2f}:{seen[f] / 1e6:.1f}" for f in sorted(seen)))
+    return best, seen
 
-    log("  static sweep (rollout share -> trained Mtok/h): " + ", ".join(
-        f"{f:.2f}:{sweep[f].trained_tokens_per_hour / 1e6:.1f}" for f in STATIC_SWEEP))
-    log(f"  {'policy':<11}{'util':>7}{'Mtok/h':>9}{'sess/h':>9}{'recomp Mtok':>12}{'dropped':>9}"
-        f"{'stale mean':>11}{'p50/p90/p99/max':>17}{'lost cell-h':>12}{'kv/repf/susp':>20}{'flips':>7}{'wall s':>8}")
-    for r in runs:
+
+def simulate_workload(wl: Workload, cells: int, hours: float, log=print) -> tuple[dict, list[RunResult]]:
+    """Every policy on one workload, mean over `SEEDS`; returns its JSON block and seed 1's runs."""
+    share, _ = choose_static_share(wl, cells, hours, log)
+    runs: dict[str, list[RunResult]] = {p: [] for p in POLICIES}
+    for seed in SEEDS:
+        for p in POLICIES:
+            runs[p].append(run_policy(wl, make_policy(p, share), cells, hours, seed=seed))
+    mean = {p: {k: sum(r.metrics()[k] for r in rs) / len(rs) for k in NUMERIC} for p, rs in runs.items()}
+
+    log(f"  {'policy':<15}{'util':>7}{'goodput':>8}{'Mtok/h':>9}{'dropped':>9}{'recomp Mtok':>12}"
+        f"{'stale':>7}{'p50/p90/p99/max':>17}{'versions':>9}{'kv/repf/abort/susp':>26}{'flips':>7}{'wall s':>8}")
+    for p, rs in runs.items():
+        m, r = mean[p], rs[0]
         q = r.staleness_quantiles()
         qs = "/".join(str(q.get(k, 0)) for k in ("p50", "p90", "p99", "max"))
-        mv = f"{r.moves['kv']}/{r.moves['reprefill']}/{r.moves['suspend']}"
-        log(f"  {r.policy:<11}{r.utilization:>7.3f}{r.trained_tokens_per_hour / 1e6:>9.1f}"
-            f"{r.trained_sessions / hours:>9.0f}{r.recomputed_tokens / 1e6:>12.1f}{r.dropped_sessions:>9}"
-            f"{r.mean_staleness:>11.2f}{qs:>17}{r.lost_work_cell_hours:>12.1f}{mv:>20}{r.flips:>7}{r.wall_s:>8.1f}")
-    for r in runs:
-        s = r.series
-        n = len(s["t_h"])
-        marks = [i for i in (n // 6, n // 3, n // 2, 2 * n // 3, 5 * n // 6, n - 1) if 0 <= i < n]
-        log(f"  {r.policy:<11}roles over time (h: rollout/training cells, decoding+training busy share): " + "  ".join(
-            f"{s['t_h'][i]:.0f}h:{s['rollout_cells'][i]:.0f}/{s['training_cells'][i]:.0f},"
-            f"{(s['decoding'][i] + s['training_busy'][i]) / cells:.2f}" for i in marks))
+        mv = "/".join(str(r.moves[k]) for k in ("kv", "reprefill", "abort", "suspend"))
+        log(f"  {p:<15}{m['utilization']:>7.3f}{m['goodput_utilization']:>8.3f}"
+            f"{m['trained_tokens_per_hour'] / 1e6:>9.2f}{m['dropped_fraction']:>9.3f}"
+            f"{m['recomputed_tokens'] / 1e6:>12.1f}{m['mean_staleness']:>7.1f}{qs:>17}{m['versions']:>9.0f}"
+            f"{mv:>26}{r.flips:>7}{sum(x.wall_s for x in rs):>8.1f}")
 
-    def ratio(other: RunResult) -> float:
-        o = other.trained_tokens_per_hour
-        return round(cellflip.trained_tokens_per_hour / o, 3) if o > 0 else float("inf")
+    cf = mean["cellflip"]["trained_tokens_per_hour"]
 
+    def speedup(p: str) -> float:
+        o = mean[p]["trained_tokens_per_hour"]
+        return round(cf / o, 3) if o > 0 else float("inf")
+
+    oracle = mean["oracle"]["trained_tokens_per_hour"]
     block = {
-        "policies": {name: r.metrics() for name, r in zip(POLICIES, runs)},
-        "static_best_rollout_fraction": best_f,
-        "speedup_vs_sync": ratio(sync),
-        "speedup_vs_static": ratio(static),
-        "speedup_vs_flip_abort": ratio(flip_abort),
+        "policies": {p: {k: round(v, 4) if isinstance(v, float) else v for k, v in m.items()}
+                     for p, m in mean.items()},
+        "goodput_utilization": round(mean["cellflip"]["goodput_utilization"], 4),
+        "dropped_fraction": round(mean["cellflip"]["dropped_fraction"], 4),
+        "oracle_throughput": round(oracle, 1),
+        "static_rollout_share": share,
+        "speedup_vs_sync": speedup("sync"),
+        "speedup_vs_sync_p99": speedup("sync_p99"),
+        "speedup_vs_static": speedup("static"),
+        "speedup_vs_flip_abort": speedup("flip_abort"),
+        "speedup_vs_flip_reprefill": speedup("flip_reprefill"),
+        "oracle_fraction": round(cf / oracle, 4) if oracle > 0 else 0.0,
+        "rebalance_gain": round(rebalance_gain(wl, cells, hours), 4),
+        "underfilled": wl.underfilled is not None,
+        "batch_size": wl.batch_for(cells)[0],
+        "seeds": list(SEEDS),
     }
-    return block, runs
+    return block, [rs[0] for rs in runs.values()]
+
+
+def markdown(result: dict) -> str:
+    """The README table: every workload, every policy's trained Mtok/h, and the ratios."""
+    cols = ("sync", "sync_p99", "static", "flip_abort", "flip_reprefill", "cellflip", "oracle")
+    lines = ["| workload | " + " | ".join(cols) + " | vs sync | vs static | vs abort | vs reprefill "
+             "| oracle frac | dropped | goodput | rebalance gain |",
+             "|---" * (len(cols) + 9) + "|"]
+    for name, b in result["workloads"].items():
+        pol = b["policies"]
+        lines.append(f"| {name} | " + " | ".join(f"{pol[c]['trained_tokens_per_hour'] / 1e6:.1f}" for c in cols)
+                     + f" | {b['speedup_vs_sync']:.2f} | {b['speedup_vs_static']:.3f} | "
+                       f"{b['speedup_vs_flip_abort']:.3f} | {b['speedup_vs_flip_reprefill']:.3f} | "
+                       f"{b['oracle_fraction']:.3f} | {b['dropped_fraction']:.3f} | "
+                       f"{b['goodput_utilization']:.3f} | {b['rebalance_gain']:.3f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -86,36 +126,46 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="1,000 cells instead of 10,000")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON line last")
     ap.add_argument("--cells", type=int, default=None, help="override the cell count")
-    ap.add_argument("--hours", type=float, default=72.0, help="simulated hours (default 72)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tick-s", type=float, default=60.0, help="controller tick (simulated seconds)")
+    ap.add_argument("--hours", type=float, default=None,
+                    help="simulated hours (default: the workload's, else 72)")
     ap.add_argument("--workload", action="append", default=[],
-                    help="extra workload YAML (schema: bench/sim/workload.py); repeatable")
+                    help="workload name or YAML path (schema: bench/sim/workload.py); repeatable; "
+                         "default: every committed one")
     ap.add_argument("--plots", nargs="?", const=str(HERE / "out"), default=None,
                     help="write PNG plots to DIR (default bench/out/)")
     args = ap.parse_args()
     cells = args.cells or (1_000 if args.quick else 10_000)
     t0 = time.perf_counter()
-    result: dict = {"cells": cells, "hours": args.hours, "workloads": {}}
-    print(f"cluster_sim: {cells} cells, {args.hours:g} h, seed {args.seed}, tick {args.tick_s:g} s")
-    for name in (*BUILTIN, *args.workload):
+    result: dict = {"cells": cells, "workloads": {}}
+    print(f"cluster_sim: {cells} cells, seeds {SEEDS} (static share on seed 0)")
+    for name in args.workload or BUILTIN:
         wl = load_workload(name)
-        print(f"workload {wl.describe()}")
-        block, runs = simulate_workload(wl, cells, args.hours, args.seed, args.tick_s)
+        hours = args.hours or wl.hours or 72.0
+        print(f"workload {wl.describe()}; {hours:g} h, tick {wl.tick_s:g} s")
+        block, runs = simulate_workload(wl, cells, hours)
+        block["hours"] = hours
         result["workloads"][wl.name] = block
-        print(f"  speedup of cellflip: vs sync {block['speedup_vs_sync']}, vs static "
-              f"{block['speedup_vs_static']} (best static rollout share "
-              f"{block['static_best_rollout_fraction']}), vs flip_abort {block['speedup_vs_flip_abort']}")
+        print(f"  cellflip: vs sync {block['speedup_vs_sync']} (sync_p99 {block['speedup_vs_sync_p99']}), "
+              f"vs static {block['speedup_vs_static']} (share {block['static_rollout_share']}), "
+              f"vs flip_abort {block['speedup_vs_flip_abort']}, vs flip_reprefill "
+              f"{block['speedup_vs_flip_reprefill']}, oracle fraction {block['oracle_fraction']}, "
+              f"rebalance gain {block['rebalance_gain']}", flush=True)
         if args.plots:
             from sim.plots import plot_workload
 
             for path in plot_workload(wl.name, runs, Path(args.plots), wl.session_tokens):
                 print(f"  wrote {os.path.relpath(path)}")
     print(f"total wall {time.perf_counter() - t0:.0f} s")
+    print(markdown(result))
     if args.json:
         print(json.dumps(result))
     else:
         print(json.dumps(result, indent=2))
+    # the oracle is the ceiling: a policy above it means the oracle (or the model) is wrong
+    for name, b in result["workloads"].items():
+        for p, m in b["policies"].items():
+            assert b["policies"]["oracle"]["trained_tokens_per_hour"] >= m["trained_tokens_per_hour"], (
+                f"{name}: {p} ({m['trained_tokens_per_hour']:.0f}) above the oracle ({b['oracle_throughput']:.0f})")
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ from scheduler.config import MigrationConfig, SchedulerConfig, VersionsConfig
 from scheduler.metrics import Metrics
 from scheduler.notify import Notifier
 from scheduler.planner_types import CellSummary, Snapshot
-from scheduler.rates import Rates, TrainerDemand
 from scheduler.protocol import Command
+from scheduler.rates import Rates, TrainerDemand
 from scheduler.registry import Registry
 from scheduler.staleness import StalenessState
 from scheduler.stallmeter import StallMeter

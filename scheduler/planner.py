@@ -85,10 +85,8 @@ def _balance(snapshot: Snapshot, policy: PlannerPolicy, n_roll: int, n_train: in
         want = float(_useful_training_cells(snapshot))
     else:
         want = (p * n_flex + surplus) / (p + q)
-    if cap > 0:
-        # rollout cells beyond the demand decode nothing: they may as well train
-        needed = math.ceil((inflight + snapshot.queued_sessions) / cap)
-        want = max(want, float(n_flex - needed))
+    # rollout cells beyond the demand (a harness with fewer sessions than slots) show up as a
+    # low measured occupancy, which lowers p and so moves cells to training: no second rule
     return min(max(want, 0.0), float(max(0, n_flex - snapshot.min_rollout_cells)))
 
 

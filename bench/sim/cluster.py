@@ -35,7 +35,6 @@ from scheduler.planner_types import (
     RequestSummary,
     Snapshot,
 )
-
 from scheduler.rates import Rates
 
 from .trainer import Trainer
@@ -333,13 +332,13 @@ class Cluster:
             self._dirty[:] = False
         tr = self.trainer
         r = rates or Rates()
-        live = int(self.inflight.sum())
         return Snapshot(
             cells=tuple(self._summaries),  # type: ignore[arg-type]
             finished_waiting=tr.queue.size, batch_size=tr.batch_size,
             training_in_progress=tr.step is not None, min_rollout_cells=1,
-            # the harness holds prompts for every slot the fleet could offer, plus the suspended
-            queued_sessions=len(self.suspended) + max(0, self.n * self.k - live),
+            # what the scheduler sees waiting: suspended requests (a harness's new sessions are
+            # admitted into free slots at the tick, or refused; they never queue)
+            queued_sessions=len(self.suspended),
             version=tr.version, staleness_bound=self.wl.staleness_bound,
             steps_in_progress=len(tr.steps), max_cells_per_step=tr.width,
             finish_rate_per_slot_s=r.finish_rate_per_slot_s(), slot_occupancy=r.slot_occupancy(),

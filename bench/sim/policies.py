@@ -18,8 +18,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from scheduler.planner import plan_flips

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -68,17 +69,18 @@ class RunResult:
 
 
 def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float | None = None, seed: int = 0,
-               tick_s: float | None = None, record_s: float = 600.0, check: bool = False) -> RunResult:
+               tick_s: float | None = None, record_s: float = 600.0, check: bool = False,
+               on_tick: Callable[[Cluster, Rates, float], None] | None = None) -> RunResult:
     """Simulate `hours` (default: the workload's, else 72) of `policy` on `wl`. `check`
-    verifies the state's invariants every tick."""
+    verifies the state's invariants every tick; `on_tick(cluster, rates, t)` is called at the
+    end of every tick (tests mirror the run into a scheduler with it)."""
     wall0 = time.perf_counter()
     hours = hours or wl.hours or 72.0
     tick_s = tick_s or wl.tick_s
     batch, width = wl.batch_for(n_cells)
-    if policy.is_sync:
-        width = n_cells  # the whole fleet trains each round
-    trainer = Trainer(batch, wl.train_cell_s_per_token(), width,
-                      None if policy.is_sync else wl.staleness_bound, wl.scaling_efficiency)
+    trainer = Trainer(batch, wl.train_cell_s_per_token(), n_cells if policy.is_sync else width,
+                      None if policy.is_sync else wl.staleness_bound, wl.scaling_efficiency,
+                      efficiency_width=width)  # sync: the whole fleet trains each round, same curve
     cl = Cluster(wl, n_cells, hours, seed, tick_s, policy.mode, trainer)
     policy.start(cl)
     if policy.admits(cl, 0.0):
@@ -116,6 +118,8 @@ def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float | None =
         offered = int((cl.role == ROLLOUT).sum()) * cl.k
         if check:
             cl.check_integrity()
+        if on_tick is not None:
+            on_tick(cl, rates, t)
         if k % record_every == 0 or k == n_ticks:
             _record(series, cl, t)
     cl.close_books()

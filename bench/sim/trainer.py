@@ -90,11 +90,14 @@ class Trainer:
     """Fluid training steps over an elastic pool of cells. Mutates itself only."""
 
     def __init__(self, batch_size: int, cell_s_per_token: float, width: int,
-                 staleness_bound: int | None, efficiency: float = 1.0) -> None:
+                 staleness_bound: int | None, efficiency: float = 1.0,
+                 efficiency_width: int | None = None) -> None:
         self.batch_size = batch_size
         self.cell_s_per_token = cell_s_per_token
         self.width = width
         self.efficiency = efficiency
+        self.efficiency_width = efficiency_width or width
+        """The width at which the efficiency is `efficiency` (one curve for every policy)."""
         self.bound = staleness_bound
         self.now = 0.0
         self.version = 0
@@ -119,9 +122,9 @@ class Trainer:
 
     # -- rates
     def eff(self, c: float) -> float:
-        if c <= 1.0 or self.width <= 1 or self.efficiency >= 1.0:
+        if c <= 1.0 or self.efficiency_width <= 1 or self.efficiency >= 1.0:
             return 1.0
-        return self.efficiency ** (math.log2(c) / math.log2(self.width))
+        return self.efficiency ** (math.log2(c) / math.log2(self.efficiency_width))
 
     def step_cells(self) -> float:
         return float(min(self.width, self.cells)) if self.step is not None else 0.0
