@@ -209,8 +209,8 @@ def test_flip_moves_a_request_by_reprefill_token_exact_and_hands_gpu_memory_over
 def test_cells_sharing_a_kv_store_move_requests_through_it(fleet):
     store = fake_sglang.SharedStore()
     cluster, cells = fleet(HICACHE, store)
-    identity = kv_store_identity({**HICACHE, "hicache_storage_backend_extra_config": None})
-    assert identity is not None
+    identity = kv_store_identity(next(iter(cells.engines.values())).server_args)
+    assert identity is not None and identity == kv_store_identity({**HICACHE, "model_path": MODEL, "tp_size": 1})
     assert [c["capabilities"]["kv_store"] for c in cells.cells()] == [identity, identity]
 
     prompt, seed = [31, 32, 33, 34], 5
