@@ -37,3 +37,12 @@ def test_engine_selector_errors_name_the_choices(engine, needle):
 def test_gpu_guide_covers_both_scoring_choices():
     text = (ROOT / "docs" / "GPU.md").read_text()
     assert "cell_copy" in text and "trainer_copy" in text and "0.5.23" in text
+
+
+def test_gpu_cluster_example_promises_exact_reprefill_and_starts_sglang_deterministic():
+    eng_cfg = load_config(ROOT / "configs" / "gpu_cluster.yaml").cells.engine
+    assert eng_cfg.deterministic
+    mods, _ = fake_sglang.fake_modules()
+    eng = SGLangEngine(eng_cfg, modules=mods)
+    assert eng._engine.server_args["enable_deterministic_inference"] is True and eng.capabilities.batch_invariant
+    eng.close()
