@@ -44,6 +44,8 @@ ROLLOUT, TRAINING, LOADING = 0, 1, 2
 ROLE_NAMES = ("rollout", "training", "loading")
 INF = math.inf
 MODES = ("kv", "reprefill", "abort", "free")
+TOKENS_SLACK = 0.05
+"""A cell's summary is rebuilt once its in-flight tokens moved this share off the summary's."""
 
 
 class Cluster:
@@ -97,6 +99,7 @@ class Cluster:
         # planner view
         self._summaries: list[CellSummary | None] = [None] * self.n
         self._dirty = np.ones(self.n, dtype=bool)
+        self._tokens = np.zeros(self.n, dtype=np.int64)
         self._busy_count = 0
 
     # ------------------------------------------------------------ time
@@ -317,11 +320,14 @@ class Cluster:
         """Rebuild summaries of changed cells and return the planner's view, every field filled
         as the controller fills it (rates measured by `rates`, the same `scheduler.rates.Rates`).
         Changes nothing but the summary cache."""
-        dirty = np.flatnonzero(self._dirty)
+        # in-flight tokens grow while cells decode: a summary more than TOKENS_SLACK off is rebuilt
+        tokens = self._tokens_per_cell(t)
+        stale = np.abs(tokens - self._tokens) > TOKENS_SLACK * np.maximum(self._tokens, 1)
+        dirty = np.flatnonzero(self._dirty | stale)
         if dirty.size:
             busy = set(self.train_order[: self._busy_count])
-            tokens = self._tokens_per_cell(dirty, t)
-            for c, tok in zip(dirty.tolist(), tokens):
+            self._tokens[dirty] = tokens[dirty]
+            for c, tok in zip(dirty.tolist(), tokens[dirty].tolist()):
                 role = int(self.role[c])
                 inflight = int(self.inflight[c])
                 self._summaries[c] = CellSummary(
@@ -345,11 +351,12 @@ class Cluster:
             train_rate_per_cell_s=r.train_rate_per_cell_s, train_step_s=r.train_step_s,
             tokens_per_step=r.tokens_per_step, max_concurrent_steps=1)
 
-    def _tokens_per_cell(self, cells: np.ndarray, t: float) -> list[int]:
-        slots = (cells[:, None] * self.k + np.arange(self.k)).ravel()
-        live = self.end[slots] < INF
-        ctx = np.where(live, self.context_tokens(slots, t), 0)
-        return ctx.reshape(-1, self.k).sum(axis=1).tolist()
+    def _tokens_per_cell(self, t: float) -> np.ndarray:
+        """Context tokens of every cell's in-flight sessions at `t` (vectorized over all slots)."""
+        live = self.end < INF
+        progress = np.clip((t - self.t0) / self.dur, 0.0, 1.0)
+        ctx = np.where(live, (progress * self.tok).astype(np.int64), 0)
+        return ctx.reshape(self.n, self.k).sum(axis=1)
 
     def mark_all_dirty(self) -> None:
         self._dirty[:] = True
