@@ -76,8 +76,8 @@ def untrained_work(ctl: Controller) -> int:
 
 def check_admission(ctl: Controller, session_id: str | None) -> None:
     """Raise NoCapacity (429, reason `staleness_bound`) for a new session the bound holds back."""
-    if session_id is not None and ctl.store.sessions.get(session_id) is not None:
-        return  # a later turn of an admitted session
+    if session_id is not None and ctl.store.owners.has_requests(session_id):
+        return  # a later turn of an admitted session (the gateway creates the session first)
     limit = admission_limit(ctl)
     if limit is None:
         return

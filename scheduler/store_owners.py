@@ -131,6 +131,11 @@ class OwnerStore:
         r = self.s.execute(q, (session_id,)).fetchone()
         return None if r is None else _req(r)
 
+    def has_requests(self, session_id: str) -> bool:
+        """Has the session ever had a request (is it a rollout already admitted)?"""
+        q = "SELECT 1 FROM requests WHERE session_id=? LIMIT 1"
+        return self.s.execute(q, (session_id,)).fetchone() is not None
+
     def last_cell_for_session(self, session_id: str) -> str | None:
         """The cell that served the session's latest request (where its KV may still be)."""
         q = "SELECT cell_id FROM requests WHERE session_id=? AND cell_id IS NOT NULL ORDER BY created_at DESC LIMIT 1"

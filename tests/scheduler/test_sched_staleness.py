@@ -65,13 +65,18 @@ def test_admission_pauses_new_sessions_at_the_bound(make):
     r = h.client.post("/v1/completions", json={"prompt_ids": [1], "max_tokens": 1},
                       headers={"X-Session-Id": "d"})
     assert r.status_code == 429 and r.json()["reason"] == "staleness_bound"
+    # the chat gateway records a session's prompt before its first request: still a new rollout
+    h.client.portal.call(lambda: h.ctl.store.sessions.append_prompt("e", [1, 2]))
+    r = h.client.post("/v1/completions", json={"prompt_ids": [1, 2], "max_tokens": 1},
+                      headers={"X-Session-Id": "e"})
+    assert r.status_code == 429 and r.json()["reason"] == "staleness_bound"
     assert "Retry-After" in r.headers
     # a later turn of an admitted session is never held back
     b = h.client.get("/v1/sessions/b").json()["token_ids"]
     assert _roll(h, c, "b", prompt=b + [5], n=1).status_code == 200
     st = h.client.get("/v1/versions").json()["staleness"]
-    assert st["admission_paused"] == 1 and st["admission_limit"] == 2 and st["bound"] == 0
-    assert "cellflip_admission_staleness_paused_total 1.0" in h.client.get("/metrics").text
+    assert st["admission_paused"] == 2 and st["admission_limit"] == 2 and st["bound"] == 0
+    assert "cellflip_admission_staleness_paused_total 2.0" in h.client.get("/metrics").text
     # the trainer fetches the finished work: admission opens again
     assert len(h.client.get("/v1/trajectories", params={"limit": 10}).json()["trajectories"]) == 2
     assert _roll(h, c, "d").status_code == 200
