@@ -1,13 +1,35 @@
-"""Request body size limit, counting the bytes actually received (chunked bodies included).
+"""Request body size limit, counting the bytes actually received (chunked bodies included),
+and text that JSON decodes but nothing downstream can encode.
 
 A declared Content-Length over the limit is refused before reading; otherwise the body is read
 up to the limit and replayed to the app, so a chunked upload that never declares its size is
-cut off at `max_bytes + 1` and answered 413 without buffering the rest.
+cut off at `max_bytes + 1` and answered 413 without buffering the rest. A JSON body holding a
+lone UTF-16 surrogate (`"\ud800"`) in any string is answered 400 before any route sees it.
 """
 
 from __future__ import annotations
 
 import json
+
+from scheduler.jsontext import lone_surrogate_path, may_hold_surrogate
+
+
+async def _reply_400_text(send, where: str) -> None:
+    msg = f"{where}: a lone UTF-16 surrogate is not text (send valid Unicode)"
+    body = json.dumps({"detail": msg, "reason": "invalid_text", "error": {
+        "message": msg, "type": "invalid_request_error", "param": where, "code": "invalid_text"}}).encode()
+    await send({"type": "http.response.start", "status": 400, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _surrogate_in(raw: bytes) -> str | None:
+    if not may_hold_surrogate(raw):
+        return None
+    try:
+        return lone_surrogate_path(json.loads(raw))
+    except (ValueError, RecursionError):
+        return None  # not JSON: the route's own parser answers
 
 
 async def _reply_413(send, limit: int) -> None:
@@ -53,7 +75,11 @@ class BodySizeLimit:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        full = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        raw = b"".join(chunks)
+        if (where := _surrogate_in(raw)) is not None:
+            await _reply_400_text(send, where)
+            return
+        full = {"type": "http.request", "body": raw, "more_body": False}
         await self.app(scope, _replay([full], receive), send)
 
 

@@ -13,6 +13,9 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = ["GatewayConfig"]
 
 
+DEFAULT_MAX_PROMPT_TOKENS = 65536
+"""A turn whose prompt is longer is refused (400) unless the config says otherwise."""
+
 class GatewayConfig(BaseModel):
     """The OpenAI-compatible TITO gateway."""
 
@@ -26,8 +29,9 @@ class GatewayConfig(BaseModel):
     """Largest accepted request body (413 beyond)."""
     default_max_tokens: int | None = Field(default=None, gt=0)
     """Completion length limit when a request sets none (None: the engine's own limit)."""
-    max_prompt_tokens: int | None = Field(default=None, gt=0)
-    """Refuse turns whose prompt would exceed this many tokens (400 context_length_exceeded)."""
+    max_prompt_tokens: int | None = Field(default=DEFAULT_MAX_PROMPT_TOKENS, gt=0)
+    """Refuse turns whose prompt would exceed this many tokens (400 context_length_exceeded);
+    None: no limit. Set it to the served model's context length."""
     use_bridge: bool = True
     """Extend sessions with ``bridge_to_next_turn``; False always uses the render difference."""
     finish_route: bool = True

@@ -44,6 +44,7 @@ from scheduler.gateway.backend import (
     SessionFinished,
     SessionNotFound,
 )
+from scheduler.gateway.config import DEFAULT_MAX_PROMPT_TOKENS
 from scheduler.gateway.openai_schema import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -53,6 +54,7 @@ from scheduler.gateway.openai_schema import (
 )
 from scheduler.gateway.render import ChatRenderer, load_renderer
 from scheduler.gateway.tito import GatewayError, TitoGateway, TurnPlan, TurnRun
+from scheduler.jsontext import MAX_DEPTH, depth, lone_surrogate_path
 
 __all__ = ["make_chat_router", "SESSION_HEADER"]
 
@@ -156,7 +158,7 @@ def make_chat_router(
     model_name: str | None = None,
     max_body_bytes: int = 8 << 20,
     default_max_tokens: int | None = None,
-    max_prompt_tokens: int | None = None,
+    max_prompt_tokens: int | None = DEFAULT_MAX_PROMPT_TOKENS,
     use_bridge: bool = True,
     finish_route: bool = True,
 ) -> APIRouter:
@@ -404,6 +406,12 @@ def make_chat_router(
             return _err(
                 422, "request body must be a JSON object", code="invalid_body", headers=hdrs
             )
+        if (where := lone_surrogate_path(data)) is not None:
+            return _err(400, f"{where}: a lone UTF-16 surrogate is not text", param=where,
+                        code="invalid_text", headers=hdrs)
+        if depth(data) > MAX_DEPTH:
+            return _err(400, f"request nested deeper than {MAX_DEPTH} levels", code="too_deep",
+                        headers=hdrs)
         try:
             req = ChatCompletionRequest.model_validate(data)
         except ValidationError as e:

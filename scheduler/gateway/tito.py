@@ -94,7 +94,8 @@ def canonical_arguments(arguments: Any) -> str:
 
     Accepts an object, JSON text with any spacing, or Python-literal text (``False``,
     ``None``, single quotes) as some harnesses re-serialise it; anything else is kept as
-    stripped text.
+    stripped text. Numbers compare by value, as JSON means them (``1.0``, ``1`` and ``1e0``
+    are one number, as a JavaScript harness re-serialises them).
     """
     obj: Any
     if isinstance(arguments, str):
@@ -111,9 +112,22 @@ def canonical_arguments(arguments: Any) -> str:
     else:
         obj = arguments
     try:
-        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return json.dumps(_numbers_by_value(obj), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     except (TypeError, ValueError, RecursionError):
         return json.dumps(str(obj))
+
+
+def _numbers_by_value(obj: Any, depth: int = 0) -> Any:
+    """Integral floats as ints (below 2**53, where both are exact), recursively."""
+    if depth > 200:
+        raise RecursionError("arguments nested too deeply")
+    if isinstance(obj, float) and obj.is_integer() and abs(obj) < 2**53:
+        return int(obj)
+    if isinstance(obj, dict):
+        return {k: _numbers_by_value(v, depth + 1) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_numbers_by_value(v, depth + 1) for v in obj]
+    return obj
 
 
 def message_fingerprint(msg: dict[str, Any]) -> str:
@@ -545,7 +559,10 @@ class TitoGateway:
                 content = content[:cut]
         calls = []
         if plan.tool_choice != "none":
-            ok = [tc for tc in parsed.tool_calls if tc.status == ToolCallParseStatus.OK and tc.name]
+            # a sampled name that is not a non-empty string is no call: the response must
+            # validate, and the harness's echo of it must be accepted on the next turn
+            ok = [tc for tc in parsed.tool_calls
+                  if tc.status == ToolCallParseStatus.OK and isinstance(tc.name, str) and tc.name]
             for i, tc in enumerate(ok):
                 args = tc.arguments
                 args_text = (
