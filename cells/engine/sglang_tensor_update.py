@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from cells.engine.sglang_weights import BucketSpec, TensorMeta, flatten_bucket, plan_buckets, torch_dtype
+from cells.engine.sglang_weights import (
+    BucketSpec,
+    TensorMeta,
+    flatten_bucket,
+    plan_buckets,
+    torch_dtype,
+)
 
 TENSOR_BUCKET_BYTES = 512 << 20
 """Bytes per `update_weights_from_tensor` call (a larger tensor travels alone)."""
