@@ -263,3 +263,51 @@ def test_batched_matches_sequential_reference(seed):
         if d.cell_id is not None:
             same = cells[d.cell_id].version == r.version
             assert d.path == ("kv" if same else "reprefill")
+
+
+# ------------------------------------------------------------------ measured rates, not constants
+
+def test_rollout_rate_is_per_occupied_slot():
+    # 80 % of the slots occupied: the rollout side produces 80 % of a full one, so the balance
+    # gives training less: p = 0.8 * 16 / 7200, q = 1024 / 115200 -> T = N p / (p + q)
+    cells = [cell(i) for i in range(100)]
+    full = wanted_training_cells(snap(cells, waiting=B))
+    part = wanted_training_cells(snap(cells, waiting=B, slot_occupancy=0.8))
+    p, q = 0.8 * 16 / 7200, TRAIN_RATE
+    assert full == pytest.approx(20.0)
+    assert part == pytest.approx(100 * p / (p + q))
+
+
+def test_backlog_horizon_follows_measured_durations():
+    from scheduler.planner import backlog_horizon_s
+
+    pol = PlannerPolicy()
+    cells = [cell(i) for i in range(10)]
+    # two-hour sessions: half a session = 1 h; two-minute sessions: 60 s, or 4 steps of 15 s
+    assert backlog_horizon_s(snap(cells), pol) == pytest.approx(3600.0)
+    minutes = snap(cells, rate=1 / 120.0, train_step_s=15.0)
+    assert backlog_horizon_s(minutes, pol) == pytest.approx(60.0)
+    assert backlog_horizon_s(snap(cells, rate=1 / 120.0, train_step_s=30.0), pol) == pytest.approx(120.0)
+    assert backlog_horizon_s(snap(cells, rate=0.0), pol) == pol.backlog_horizon_s  # nothing measured
+
+
+def test_idle_training_cells_return_when_the_trainer_cannot_use_them():
+    # the balance wants more training cells than there are, but no step runs and no batch is
+    # ready: the idle ones decode instead of waiting
+    cells = [cell(i) for i in range(6)] + [cell(6 + i, "training", inflight=0) for i in range(4)]
+    s = snap(cells, waiting=B - 1, steps=0, rate=SLOT_RATE * 20)
+    assert wanted_training_cells(s) > 4
+    d = plan_flips(s, FREE)
+    assert sorted(x.cell_id for x in d) == [6, 7, 8, 9] and all(x.to == "rollout" for x in d)
+    # with a step running they stay (and the balance adds more)
+    d = plan_flips(snap(cells, waiting=B - 1, steps=1, rate=SLOT_RATE * 20), FREE)
+    assert d and all(x.to == "training" for x in d)
+
+
+def test_one_update_at_a_time_bounds_the_useful_cells():
+    # three ready batches but one RL update at a time: one step's width is all the trainer can use
+    cells = [cell(i) for i in range(300)]
+    s = snap(cells, waiting=3 * B, max_cells_per_step=50)
+    assert len(plan_flips(s, FREE)) == 50
+    s2 = snap(cells, waiting=3 * B, max_cells_per_step=50, max_concurrent_steps=3)
+    assert len(plan_flips(s2, FREE)) > 50
