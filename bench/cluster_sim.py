@@ -8,7 +8,7 @@ chosen on seed 0 over 0.00..1.00, a 0.05 sweep refined by 0.01), flip_abort, fli
 cellflip, and the free oracle (the ceiling). Every policy is reported as the mean over seeds
 1..3.
 
-    python bench/cluster_sim.py [--quick] [--json] [--plots [DIR]] [--workload NAME_OR_PATH ...]
+    python bench/cluster_sim.py [--quick] [--json] [--jobs N] [--workload NAME_OR_PATH ...]
 
 --quick: 1,000 cells; default 10,000. Last stdout line with --json: one JSON object.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import multiprocessing
 import sys
 import time
 from pathlib import Path
@@ -39,30 +39,41 @@ NUMERIC = ("trained_tokens_per_hour", "utilization", "goodput_utilization", "dro
            "recomputed_tokens", "mean_staleness", "versions")
 
 
-def choose_static_share(wl: Workload, cells: int, hours: float, log=print) -> tuple[float, dict[float, float]]:
-    """The rollout share of the best static split on seed 0: a 0.05 sweep, refined by 0.01."""
-    def tput(f: float) -> float:
-        return run_policy(wl, make_policy("static", f), cells, hours, seed=0).trained_tokens_per_hour
+def _run(args: tuple) -> RunResult:
+    """One run (a pool worker's task): (workload, policy, static share, cells, hours, seed)."""
+    wl, policy, share, cells, hours, seed = args
+    r = run_policy(wl, make_policy(policy, share), cells, hours, seed=seed)
+    r.series = {}  # not needed by the caller; keeps the answer small
+    return r
 
-    seen = {f: tput(f) for f in COARSE}
+
+def _map(tasks: list[tuple], pool) -> list[RunResult]:
+    return pool.map(_run, tasks) if pool is not None else [_run(t) for t in tasks]
+
+
+def choose_static_share(wl: Workload, cells: int, hours: float, log=print, pool=None) -> tuple[float, dict[float, float]]:
+    """The rollout share of the best static split on seed 0: a 0.05 sweep, refined by 0.01."""
+    def sweep(shares: list[float]) -> dict[float, float]:
+        runs = _map([(wl, "static", f, cells, hours, 0) for f in shares], pool)
+        return {f: r.trained_tokens_per_hour for f, r in zip(shares, runs)}
+
+    seen = sweep(list(COARSE))
     best = max(seen, key=seen.__getitem__)
-    for i in range(-4, 5):
-        f = round(best + 0.01 * i, 2)
-        if 0.0 <= f <= 1.0 and f not in seen:
-            seen[f] = tput(f)
+    seen |= sweep([f for f in (round(best + 0.01 * i, 2) for i in range(-4, 5))
+                   if 0.0 <= f <= 1.0 and f not in seen])
     best = max(seen, key=seen.__getitem__)
     log("  static sweep, seed 0 (rollout share -> trained Mtok/h): " + ", ".join(
         f"{f:.2f}:{seen[f] / 1e6:.1f}" for f in sorted(seen)))
     return best, seen
 
 
-def simulate_workload(wl: Workload, cells: int, hours: float, log=print) -> tuple[dict, list[RunResult]]:
+def simulate_workload(wl: Workload, cells: int, hours: float, log=print, pool=None) -> tuple[dict, list[RunResult]]:
     """Every policy on one workload, mean over `SEEDS`; returns its JSON block and seed 1's runs."""
-    share, _ = choose_static_share(wl, cells, hours, log)
+    share, _ = choose_static_share(wl, cells, hours, log, pool)
+    tasks = [(wl, p, share, cells, hours, seed) for seed in SEEDS for p in POLICIES]
     runs: dict[str, list[RunResult]] = {p: [] for p in POLICIES}
-    for seed in SEEDS:
-        for p in POLICIES:
-            runs[p].append(run_policy(wl, make_policy(p, share), cells, hours, seed=seed))
+    for (_, p, *_rest), r in zip(tasks, _map(tasks, pool)):
+        runs[p].append(r)
     mean = {p: {k: sum(r.metrics()[k] for r in rs) / len(rs) for k in NUMERIC} for p, rs in runs.items()}
 
     log(f"  {'policy':<15}{'util':>7}{'goodput':>8}{'Mtok/h':>9}{'dropped':>9}{'recomp Mtok':>12}"
@@ -131,18 +142,18 @@ def main() -> None:
     ap.add_argument("--workload", action="append", default=[],
                     help="workload name or YAML path (schema: bench/sim/workload.py); repeatable; "
                          "default: every committed one")
-    ap.add_argument("--plots", nargs="?", const=str(HERE / "out"), default=None,
-                    help="write PNG plots to DIR (default bench/out/)")
+    ap.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes; default 1)")
     args = ap.parse_args()
     cells = args.cells or (1_000 if args.quick else 10_000)
     t0 = time.perf_counter()
     result: dict = {"cells": cells, "workloads": {}}
     print(f"cluster_sim: {cells} cells, seeds {SEEDS} (static share on seed 0)")
+    pool = multiprocessing.get_context("fork").Pool(args.jobs) if args.jobs > 1 else None
     for name in args.workload or BUILTIN:
         wl = load_workload(name)
         hours = args.hours or wl.hours or 72.0
-        print(f"workload {wl.describe()}; {hours:g} h, tick {wl.tick_s:g} s")
-        block, runs = simulate_workload(wl, cells, hours)
+        print(f"workload {wl.describe()}; {hours:g} h, tick {wl.tick_s:g} s", flush=True)
+        block, runs = simulate_workload(wl, cells, hours, pool=pool)
         block["hours"] = hours
         result["workloads"][wl.name] = block
         print(f"  cellflip: vs sync {block['speedup_vs_sync']} (sync_p99 {block['speedup_vs_sync_p99']}), "
@@ -150,11 +161,8 @@ def main() -> None:
               f"vs flip_abort {block['speedup_vs_flip_abort']}, vs flip_reprefill "
               f"{block['speedup_vs_flip_reprefill']}, oracle fraction {block['oracle_fraction']}, "
               f"rebalance gain {block['rebalance_gain']}", flush=True)
-        if args.plots:
-            from sim.plots import plot_workload
-
-            for path in plot_workload(wl.name, runs, Path(args.plots), wl.session_tokens):
-                print(f"  wrote {os.path.relpath(path)}")
+    if pool is not None:
+        pool.close()
     print(f"total wall {time.perf_counter() - t0:.0f} s")
     print(markdown(result))
     if args.json:

@@ -44,7 +44,7 @@ ROLLOUT, TRAINING, LOADING = 0, 1, 2
 ROLE_NAMES = ("rollout", "training", "loading")
 INF = math.inf
 MODES = ("kv", "reprefill", "abort", "free")
-TOKENS_SLACK = 0.05
+TOKENS_SLACK = 0.10
 """A cell's summary is rebuilt once its in-flight tokens moved this share off the summary's."""
 
 
@@ -327,14 +327,14 @@ class Cluster:
         if dirty.size:
             busy = set(self.train_order[: self._busy_count])
             self._tokens[dirty] = tokens[dirty]
-            for c, tok in zip(dirty.tolist(), tokens[dirty].tolist()):
-                role = int(self.role[c])
-                inflight = int(self.inflight[c])
-                self._summaries[c] = CellSummary(
-                    c, self.nodes[c], ROLE_NAMES[role], 0, inflight, self.k,
-                    (self.k - inflight) * self.blocks_per_session if role != TRAINING else 0,
-                    self.k * self.blocks_per_session, int(self.gen[c]), self.can_export_kv,
-                    c in busy, tok)
+            k, bps, export, nodes, out = self.k, self.blocks_per_session, self.can_export_kv, self.nodes, self._summaries
+            total = k * bps
+            for c, role, inflight, gen, tok in zip(dirty.tolist(), self.role[dirty].tolist(),
+                                                   self.inflight[dirty].tolist(), self.gen[dirty].tolist(),
+                                                   tokens[dirty].tolist()):
+                out[c] = CellSummary(c, nodes[c], ROLE_NAMES[role], 0, inflight, k,
+                                     (k - inflight) * bps if role != TRAINING else 0, total, gen,
+                                     export, c in busy, tok)
             self._dirty[:] = False
         tr = self.trainer
         r = rates or Rates()

@@ -130,7 +130,7 @@ class Oracle(Policy):
 
     name = "oracle"
     mode = "free"
-    BACKLOG_STEPS = 4.0
+    BACKLOG_STEPS = 2.0
     """A backlog off one batch is brought back over about this many steps (more or fewer cells)."""
 
     def __init__(self) -> None:
@@ -152,8 +152,8 @@ class Oracle(Policy):
         target = min(target, cl.n - 1)
         training = list(cl.train_order)
         if target > len(training):
-            pool = sorted(np.flatnonzero(cl.role == ROLLOUT).tolist(), key=lambda i: int(cl.inflight[i]))
-            add = pool[: target - len(training)]
+            pool = np.flatnonzero(cl.role == ROLLOUT)
+            add = pool[np.argsort(cl.inflight[pool], kind="stable")][: target - len(training)].tolist()
             cl.set_roles(add, TRAINING, t)
             cl.sync_trainer_cells(t)
             cl.drain(add, t)
