@@ -32,7 +32,8 @@ from cells.client import Fenced, SchedulerClient
 from cells.engine.interface import EngineError, SamplingParams
 from cells.migration import CHUNK_BYTES, MigrationReceiver, MigrationSender, Outcome, StagingBuffers, migration_event
 from cells.roles import CellRole
-from cells.transport.store import StoreHost
+from cells.training.worker import TrainingWorker
+from cells.transport.store import StoreAddress, StoreHost
 from cells.versions import CellVersions
 from scheduler.config import CellflipConfig
 from scheduler.protocol import (
@@ -112,9 +113,12 @@ class CellAgent:
         self._progress_at = time.monotonic()  # the engine last produced a token, or had no work
         self._stall_logged_at = float("-inf")
         self._add_request_kwargs = set(inspect.signature(engine.add_request).parameters)
+        self.training = TrainingWorker(cell_id, device=getattr(engine, "train_device", "cpu"))
+        """The cell's training rank: takes the trainer's step assignments in the training role."""
         self.versions = CellVersions(cell_id, emit=self.events_append, wake=self._wake,
                                      timeout_s=cfg.migration.transfer_timeout_s,
-                                     prepare=getattr(engine, "prepare_weights", None), engine=engine)
+                                     prepare=getattr(engine, "prepare_weights", None), engine=engine,
+                                     local=self.training.weights_for)
 
     def events_append(self, event: dict) -> None:
         """Queue an event for the next sync (any thread)."""
@@ -139,10 +143,12 @@ class CellAgent:
         self.register()
         engine_thread = threading.Thread(target=self._engine_loop, args=(stop,), name="engine", daemon=True)
         engine_thread.start()
+        self.training.start()
         try:
             self._sync_loop(stop)
         finally:
             stop.set()
+            self.training.close()
             self._wake()
             engine_thread.join(timeout=30)
             self.client.close()
@@ -373,6 +379,7 @@ class CellAgent:
         elif isinstance(cmd, CancelMigrationCmd):
             pass  # the migration threads settle it through the scheduler's compare-and-set
         elif isinstance(cmd, LoadVersionCmd):
+            self.training.source = StoreAddress.from_dict(cmd.source)  # the trainer's store
             self.versions.load(cmd, self._held(), self.engine.version)
         elif isinstance(cmd, ScoreCmd):
             scorer = getattr(self.engine, "scorer", None)
@@ -396,8 +403,10 @@ class CellAgent:
                     self._forget(rid, abort_engine=True)
             if self._engine_role("training", cmd.flip_id):
                 self.role.set("training", f"flip {cmd.flip_id}")
+                self.training.enter()  # a rank from the next step boundary
         else:
             if self.role.state == "training":
+                self.training.leave()  # at a step boundary: the trainer flips back between steps
                 self.role.set("loading", f"flip {cmd.flip_id}")
             if self._engine_role("rollout", cmd.flip_id):
                 self.role.set("rollout", f"flip {cmd.flip_id}, version {self.engine.version}")

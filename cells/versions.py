@@ -99,7 +99,8 @@ class CellVersions:
 
     def __init__(self, cell_id: str, emit: Callable[[dict], None], wake: Callable[[], None],
                  timeout_s: float = 30.0, prepare: Callable | None = None, *,
-                 engine: object | None = None, join_timeout_s: float = 60.0) -> None:
+                 engine: object | None = None, join_timeout_s: float = 60.0,
+                 local: Callable[[int], dict | None] | None = None) -> None:
         self.cell_id, self.emit, self.wake, self.timeout_s = cell_id, emit, wake, timeout_s
         self.prepare = prepare
         """The engine's `prepare_weights`: run on the loader thread, so that activation on the
@@ -109,6 +110,11 @@ class CellVersions:
         takes); every engine call happens in `activate_staged`, on the engine loop."""
         self.join_timeout_s = join_timeout_s
         """How long a broadcast waits for the trainer's plan naming this cell."""
+        self.local = local
+        """The cell's own copy of a version, checksum-verified (a training cell that computed
+        the update holds it): None where it has none."""
+        self.loaded_bytes = 0
+        """Bytes received for versions (broadcasts and fetches; a local install adds none)."""
         self.loading: set[int] = set()
         self._staged: list[Staged] = []
         self._lock = threading.Lock()
@@ -132,6 +138,10 @@ class CellVersions:
 
     def _receive(self, cmd: LoadVersionCmd) -> None:
         t0 = time.perf_counter()
+        own = self.local(cmd.version) if self.local is not None and cmd.activate else None
+        if own is not None:  # computed here as a training rank: verified, nothing to fetch
+            self._stage(cmd, t0, own, "local", "")
+            return
         if cmd.mode == "broadcast" and cmd.activate and update_ranks(self.engine) > 0:
             self._await_group(cmd, 0, t0, self.join_timeout_s)
             return
@@ -158,6 +168,8 @@ class CellVersions:
     def _stage(self, cmd: LoadVersionCmd, t0: float, tensors: dict | None, mode: str, why: str) -> None:
         """Loader thread: prepare and stage verified tensors for the engine loop, or report
         why there are none."""
+        if tensors is not None and mode != "local":
+            self.loaded_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
         if tensors is not None and self.prepare is not None:
             try:
                 tensors, prepared = self.prepare(tensors), True

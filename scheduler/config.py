@@ -264,8 +264,17 @@ class TrainerConfig(_Strict):
     choice, to show live migration under load)."""
     lr: float = Field(default=2e-3, ge=0)
     """RL learning rate (0: a control run whose weights never move after the warm-up)."""
+    minibatches: int = Field(default=2, ge=1)
+    """Optimizer steps per RL update (one published version): lp_prox is taken once at the
+    start of the update, so from the second minibatch on the PPO clip binds."""
+    lr_warmup_steps: int = Field(default=4, ge=0)
+    """Optimizer steps over which the RL learning rate ramps up linearly (the optimizer's
+    moments are reset when RL starts)."""
+    train_timeout_s: float = Field(default=30.0, gt=0)
+    """Per-operation timeout of a training step on the cells: a dead or stalled training cell
+    fails the step's attempt after this, and the step is redone without it."""
     warmup_lr: float = Field(default=3e-3, ge=0)
-    """Learning rate of the supervised warm-up (the optimizer state carries over into RL)."""
+    """Learning rate of the supervised warm-up (its optimizer moments are dropped when RL starts)."""
     warmup_steps: int = Field(default=300, ge=0)
     """Supervised warm-up steps on synthetic demonstrations before RL."""
     init_std: float = Field(default=0.1, gt=0)

@@ -201,7 +201,8 @@ class BroadcastEvent(Message):
     ok: bool = True
     reason: str = ""
     mode: str = "broadcast"
-    """How it came: "broadcast" or "fetch" (point-to-point catch-up)."""
+    """How it came: "broadcast", "fetch" (point-to-point catch-up) or "local" (this cell
+    computed it as a training rank; checksum-verified, nothing received)."""
     activate: bool = True
     """False: fetched for scoring only."""
     pause_s: float = 0.0

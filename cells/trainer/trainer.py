@@ -9,12 +9,15 @@ One step:
     batch   = the next `batch_episodes` finished trajectories (agents keep playing meanwhile)
     flip    `train_cells` cells to training — their in-flight rollouts move live to other cells
     wait    until every sampled token of the batch has its old log-prob (exact, or missing)
-    train   one RL step (decoupled PPO, advantages by group) on the batch
+    train   one RL update on the training cells, data-parallel (cells/training/): this process
+            plans and coordinates, the cells compute; the new state comes back to the host copy
     publish version v+1: host copy → POST /v1/versions → broadcast to the rollout cells
-    flip    the training cells back to rollout (loading: they fetch v+1 first)
+    flip    the training cells back to rollout (loading: they already hold v+1 and install it
+            locally after checking its checksum; nothing is sent to them)
     retire  superseded versions leave the host once the scheduler retired them (all scored)
-The training compute runs in this process; cells in the training role hand over their
-rollout capacity for it (multi-cell data-parallel training is not built).
+This process runs no forward or backward in RL steps unless no cell could train (every
+attempt failed, or no cell was flipped): then it computes the update itself, counted as
+`coordinator_fallback`. The supervised warm-up runs here.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from cells.trainer.learner import Learner
 from cells.trainer.objectives.config import ObjectiveConfig
 from cells.trainer.versions_host import VersionHost
 from cells.trainer.warmup import run_warmup
+from cells.training.coordinator import TrainingCoordinator
 from scheduler.config import CellflipConfig, EmbeddedEngineConfig
 
 log = logging.getLogger("cellflip.trainer")
@@ -67,9 +71,12 @@ class Trainer:
         torch.manual_seed(self.tc.seed)
         self.learner = Learner(self.spec, init_weights(self.spec, model.seed, std=self.tc.init_std), lr=self.tc.warmup_lr,
                                objective=ObjectiveConfig.model_validate(self.tc.objective),
-                               tile=engine_tile(cfg), temperature=self.tc.temperature, seed=self.tc.seed)
+                               tile=engine_tile(cfg), temperature=self.tc.temperature, seed=self.tc.seed,
+                               minibatches=self.tc.minibatches, lr_warmup_steps=self.tc.lr_warmup_steps)
         self.host = VersionHost(self.tc.host, 0, bucket_bytes=cfg.versions.bucket_bytes,
                                 update_backend=cfg.versions.update_backend)
+        self.coordinator = TrainingCoordinator(self.learner, self.host.address, timeout_s=self.tc.train_timeout_s,
+                                               ack_timeout_s=self.tc.train_timeout_s, emit=self._emit)
         self.agents = AgentPool(url, self.tc, token=token, run_tag=tag)
         self.history: list[dict[str, Any]] = []
         self.batch: list[dict] = []
@@ -89,6 +96,7 @@ class Trainer:
                 w = run_warmup(self.learner, steps=self.tc.warmup_steps, batch_size=self.tc.warmup_batch,
                                seed=self.tc.seed)
                 self._emit({"event": "warmup_done", "loss": w["final_loss"], "wall_s": round(w["wall_s"], 1)})
+                self.learner.start_rl()  # fresh moments; the RL learning-rate warm-up starts
                 self._publish()
             self.learner.lr = self.tc.lr
             self.agents.start()
@@ -141,10 +149,11 @@ class Trainer:
         t_flip = time.monotonic()
         batch = self.client.wait_scored(batch, timeout_s=600)
         t_scored = time.monotonic()
-        metrics = self.learner.rl_step(batch, cursor=self.client.cursor)
+        cells = [f["cell"] for f in flipped if f["state"] == "done"]
+        metrics = self.coordinator.update(batch, cells, next_version=self._next_version, cursor=self.client.cursor)
         self.rl_step += 1
         t_train = time.monotonic()
-        self._publish()
+        self._publish()  # under the number the update was committed as (the cells hold it)
         back = self._flip_back(flipped)
         self._drop_retired()
         if self.rl_step % self.tc.checkpoint_every == 0:
@@ -160,6 +169,8 @@ class Trainer:
             "suspended": sum(f.get("suspended", 0) for f in flipped),
             "wait_batch_s": round(t_batch - t0, 2), "flip_s": round(t_flip - t_batch, 2),
             "wait_scored_s": round(t_scored - t_flip, 2), "train_s": round(t_train - t_scored, 2),
+            "coordinator_forward_s": round(self.learner.compute_s["forward"], 4),
+            "coordinator_backward_s": round(self.learner.compute_s["backward"], 4),
             "step_s": round(time.monotonic() - t0, 2),
             "agents": {"episodes": self.agents.stats.episodes, "lost": self.agents.stats.lost,
                        "retries": self.agents.stats.retries},
@@ -205,13 +216,19 @@ class Trainer:
         flips = [f for c in cells for f in self.client.flip("rollout", cell=c)]
         return self.client.wait_flips(flips, timeout_s=600) if flips else []
 
-    def _publish(self) -> None:
-        """Publish the current parameters. Version numbers follow the learner's (one per
-        optimizer step, what staleness is measured in), and are always newer than any the
-        scheduler has seen (a resumed trainer never reuses one)."""
-        t0 = time.monotonic()
+    def _next_version(self) -> int:
+        """The number the next published version gets: the learner's (one per RL update, what
+        staleness is measured in), and always newer than any the scheduler has seen (a
+        resumed trainer never reuses one)."""
         known = [v["version"] for v in self.client.versions()["versions"]]
-        version = max(self.learner.version, max(known, default=-1) + 1)
+        return max(self.learner.version, max(known, default=-1) + 1)
+
+    def _publish(self) -> None:
+        """Publish the current parameters under `_next_version()`: after a training step,
+        the number the update was committed as (nothing newer was published since), which
+        the cells that computed it hold."""
+        t0 = time.monotonic()
+        version = self._next_version()
         self.host.put(version, self.learner.weights())
         a = self.host.address
         r = self.client.publish(version, a.host, a.port, self.host.namespace)
@@ -243,4 +260,8 @@ class Trainer:
             "lost_rollouts": self.agents.stats.lost,
             "exact_frac": (sum(h["exact"] for h in steps) / tokens) if tokens else None,
             "version": self.learner.version,
+            "max_train_cells": max((int(h.get("train_cells", 0)) for h in steps), default=0),
+            "coordinator_forward_s": self.learner.compute_s["forward"],
+            "coordinator_backward_s": self.learner.compute_s["backward"],
+            "coordinator_fallbacks": sum(int(h.get("coordinator_fallback", 0)) for h in steps),
         }

@@ -10,13 +10,11 @@ attempt, and any failure (a peer died, a stall past the op timeout, an abort, th
 coordinator gone) drops the whole state; the next attempt sends it afresh from the
 coordinator's host copy. After a commit the cell holds the published version's weights, so
 its `loading` back to rollout installs them locally (`weights_for`), fetching nothing.
-
-    python -m cells.training.worker --store HOST:PORT --cell-id ID   # a bare training rank
+A bare rank without an engine (tests, benches): `python -m cells.training.bare`.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import threading
 import time
@@ -75,7 +73,8 @@ class TrainingWorker:
 
     def weights_for(self, version: int) -> dict[str, torch.Tensor] | None:
         """The committed weights of `version` if this cell computed them, verified against the
-        checksum the coordinator committed; None otherwise (fetch it)."""
+        checksum the coordinator committed; None otherwise (fetch it). Called from a loader
+        thread after the cell left training: the training loop no longer touches them."""
         c, learner = self.committed, self.learner
         if c is None or learner is None or c["version"] != version:
             return None
@@ -180,21 +179,3 @@ class TrainingWorker:
         self.learner.version = int(c["version"])
         self.committed = {"version": int(c["version"]), "checksum": int(c["checksum"])}
         return True
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description="a bare training rank (no engine): tests and benches")
-    p.add_argument("--store", required=True, help="HOST:PORT of the coordinator's store")
-    p.add_argument("--cell-id", required=True)
-    args = p.parse_args(argv)
-    torch.set_num_threads(1)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    host, port = args.store.rsplit(":", 1)
-    w = TrainingWorker(args.cell_id)
-    w.source = StoreAddress(host, int(port))
-    w.enter()
-    w._loop()
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,9 @@
 """The main job in miniature: scheduler + cells + the trainer and its agents on the toy task,
 a few RL steps. At least one flip with a live migration, no lost rollout, every trained token
-with an exact old log-prob, versions retired only once scored, tree rollouts in the batches."""
+with an exact old log-prob, versions retired only once scored, tree rollouts in the batches.
+The training cells compute the updates: the trainer ran no forward or backward in RL steps,
+at least one step trained on two cells, and a cell that trained installs the new version
+locally when it flips back (no broadcast to itself)."""
 
 import json
 
@@ -22,7 +25,7 @@ def _cfg(tmp, steps=2):
         "migration": {"transfer_timeout_s": 20.0},
         "gateway": {"renderer": "qwen3-nothink"},
         "trainer": {"enabled": True, "steps": steps, "seed": 3, "warmup_steps": 30, "batch_episodes": 8,
-                    "agents": 12, "group_size": 2, "train_cells": 1, "branch_fraction": 0.5, "train_cell_choice": "busiest", "long_fraction": 0.3,
+                    "agents": 12, "group_size": 2, "train_cells": 2, "branch_fraction": 0.5, "train_cell_choice": "busiest", "long_fraction": 0.3,
                     "checkpoint_dir": str(tmp / "ckpt"), "checkpoint_every": 1},
     }
 
@@ -31,7 +34,7 @@ def test_rl_steps_flip_migrate_score_and_retire(tmp_path):
     raw = _cfg(tmp_path)
     c = Cluster(tmp_path, num_cells=3, cfg=raw, ready_timeout_s=300)
     try:
-        trainer = Trainer(parse_config(raw), c.url, run_dir=tmp_path, tag="smoke")
+        trainer = Trainer(parse_config(raw), c.url, run_dir=tmp_path, tag="smoke", token=c.token)
         summary = trainer.run()
         assert summary["steps"] == 2, summary
         assert summary["flips"] >= 2 and summary["lost_rollouts"] == 0, summary
@@ -47,5 +50,10 @@ def test_rl_steps_flip_migrate_score_and_retire(tmp_path):
             if v["state"] == "retired":
                 assert v["tokens_unscored"] == 0 and v["tokens_scored"] + v["tokens_missing"] == v["tokens_generated"]
         assert (tmp_path / "ckpt" / "trainer.pt").exists()
+        assert summary["coordinator_forward_s"] == 0.0 and summary["coordinator_backward_s"] == 0.0, summary
+        assert summary["max_train_cells"] >= 2 and summary["coordinator_fallbacks"] == 0, summary
+        assert all(s["coordinator_backward_s"] == 0.0 and s["train_cells"] >= 1 for s in steps), steps
+        cell_logs = "".join(f.read_text() for f in tmp_path.glob("cell-*.log"))
+        assert "(local), installed" in cell_logs, "no cell installed a version it computed"
     finally:
         c.stop()

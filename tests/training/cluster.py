@@ -74,7 +74,7 @@ class Ranks:
         log = open(self.tmp / f"{cell_id}.log", "a")
         e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
         self.procs[cell_id] = subprocess.Popen(
-            [sys.executable, "-m", "cells.training.worker", "--store", f"{a.host}:{a.port}", "--cell-id", cell_id],
+            [sys.executable, "-m", "cells.training.bare", "--store", f"{a.host}:{a.port}", "--cell-id", cell_id],
             env=e, stdout=log, stderr=subprocess.STDOUT)
 
     def stop(self) -> None:
