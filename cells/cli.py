@@ -191,6 +191,14 @@ def cmd_up(args) -> int:
         _prepare_toy(raw)
     token_note = _ensure_token(cfg)
     say = lambda msg: print(f"cellflip up: {msg}", flush=True)  # noqa: E731
+    launcher = _launcher(cfg, args.ray)
+    if launcher.type == "ray":  # the same deployment as actors on a Ray cluster (docs/RAY.md)
+        from cells.launch.ray_launcher import up as up_on_ray
+
+        sched["port"] = port
+        say(f"API token {token_note}")
+        return up_on_ray(raw, launcher, num_cells=n, run_dir=run_dir, train=train,
+                         steps=trainer.get("steps", cfg.trainer.steps), plain=args.no_display, say=say)
     try:
         cluster = Cluster(run_dir, num_cells=n, cfg=raw, port=port, progress=say)
     except KeyboardInterrupt:
@@ -215,6 +223,16 @@ def cmd_up(args) -> int:
         return 0
     finally:
         cluster.stop()
+
+
+def _launcher(cfg, ray_address: str | None):
+    """The config's launcher; `--ray [ADDRESS]` selects Ray (keeping the config's Ray settings)."""
+    from scheduler.config import RayLauncherConfig
+
+    if ray_address is None:
+        return cfg.launcher
+    base = cfg.launcher.model_dump() if isinstance(cfg.launcher, RayLauncherConfig) else {}
+    return RayLauncherConfig(**{**base, "address": ray_address})
 
 
 def _ensure_token(cfg) -> str:
@@ -346,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--run-dir", default="runs", help="logs, the store, trainer status and checkpoints")
     up.add_argument("--no-trainer", action="store_true", help="serve the API only")
     up.add_argument("--no-display", action="store_true", help="print status lines instead of the live view")
+    up.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
+                    help="start everything as actors on a running Ray cluster: `auto` (default) or a head's "
+                         "host:port (docs/RAY.md)")
     up.add_argument("--quick", action="store_true",
                     help="one full cycle (short warm-up, one RL step with a flip and live migration) in about a minute")
     tr = sub.add_parser("trainer", help="run the trainer and the toy task's agents against a scheduler")

@@ -99,15 +99,21 @@ def read_status(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def node_of(cell: dict) -> str:
+    """Where a cell runs: the node its launcher reported (Ray), else the host of its address."""
+    node = (cell.get("capabilities") or {}).get("node")
+    return str(node) if node else str(cell.get("address", "")).rpartition(":")[0] or "-"
+
+
 def render(s: Snapshot, url: str, total_steps: int) -> Group:
     cells = Table(title="cells", expand=True)
-    for col in ("cell", "state", "version", "in flight", "KV blocks"):
+    for col in ("cell", "node", "state", "version", "in flight", "KV blocks"):
         cells.add_column(col)
     for c in s.cells:
         style = {"rollout": "green", "training": "magenta", "draining": "yellow", "loading": "cyan",
                  "down": "red"}.get(c["state"], "")
-        cells.add_row(c["id"], f"[{style}]{c['state']}[/]", str(c.get("version")), str(c.get("inflight", 0)),
-                      f"{c.get('kv_blocks_used', 0)}/{c.get('kv_blocks_total', 0)}")
+        cells.add_row(c["id"], node_of(c), f"[{style}]{c['state']}[/]", str(c.get("version")),
+                      str(c.get("inflight", 0)), f"{c.get('kv_blocks_used', 0)}/{c.get('kv_blocks_total', 0)}")
     steps = s.steps
     rewards = [e["reward"] for e in steps]
     last = steps[-1] if steps else {}

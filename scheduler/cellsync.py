@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 def register(ctl: Controller, msg: RegisterRequest) -> RegisterResponse:
     """Join (or re-join after a scheduler restart) the fleet. A new incarnation fences the old."""
     caps = msg.capabilities.to_dict()
+    if msg.node:  # stored with the capabilities: where the cell runs, for operators only
+        caps["node"] = msg.node
     known = ctl.store.fleet.get_cell(msg.cell_id)
     if (known is not None and known.incarnation == msg.incarnation and known.state != "down"
             and ctl.registry.is_expired(msg.cell_id)):  # its lease ran out: same rule as a sync

@@ -108,6 +108,9 @@ class RegisterRequest(Message):
     max_running: int = 1
     version: int | None = None
     """Weight version the cell holds now."""
+    node: str | None = None
+    """The machine the cell runs on, as its launcher names it (Ray: node IP and node id);
+    shown to operators (`GET /v1/cells` `capabilities.node`, the live view), read by no decision."""
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Launchers beyond one machine: cellflip on a Ray cluster (`cellflip up --ray`, docs/RAY.md)."""
