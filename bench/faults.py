@@ -42,10 +42,15 @@ Fields of the JSON line:
 - max_recovery_s: over all runs, seconds from the fault until every request unfinished at the
   fault commits a token again (or ends); each scenario's own in by_scenario (with the mean, and
   max_healthy_s: until the whole cluster is healthy again, restarts and catch-ups included).
+- checker_errors: checks that raised (main and canary runs); a crashed checker fails the run.
 - canary_violations: violations the same checkers report in the canary runs, where the
   scheduler runs with the test-only CELLFLIP_CANARY_NO_FENCING=1 (scheduler/migrations.py: a
   source's abort after the destination's commit won is accepted, fenced parties are not
-  refused) over the fencing-sensitive scenarios. Must be > 0: the checkers can fail.
+  refused, and a stale epoch's tokens are stored) over the fencing-sensitive scenarios.
+  Must be > 0: the checkers can fail.
+
+Exit status: non-zero on any violation, lost request, hang, unexpected exit or checker error
+outside the canary, or a canary that no checker caught.
 - requests: completions started over the main runs; history: the JSON-lines history file.
 """
 
@@ -88,7 +93,20 @@ def main() -> None:
     result["wall_s"] = round(time.monotonic() - t0, 1)
     result["history"] = str(workdir / "history.jsonl")
     emit(result, args.json)
-    sys.exit(0)
+    failures = verdict(result)
+    for f in failures:
+        print(f"FAILED: {f}", file=sys.stderr)
+    sys.exit(1 if failures else 0)
+
+
+def verdict(result: dict) -> list[str]:
+    """Why the campaign fails: any violation outside the canary, a checker that crashed, or a
+    canary the checkers did not catch (then they can pass anything)."""
+    out = [f"{result[k]} {k}" for k in ("invariant_violations", "lost_requests", "hangs", "unexpected_exits",
+                                        "checker_errors") if result.get(k)]
+    if result.get("canary_runs") and not result.get("canary_violations"):
+        out.append("the canary ran with fencing off and no checker caught it")
+    return out
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ Every hit of an enabled failpoint is counted in `hits` so a campaign knows it fi
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -38,6 +39,7 @@ class FailpointError(RuntimeError):
     """Raised by a failpoint whose action is `raise`."""
 
 
+log = logging.getLogger("cellflip.failpoints")
 _lock = threading.Lock()
 _enabled: dict[str, str] = {}
 hits: dict[str, int] = {}
@@ -83,6 +85,8 @@ def failpoint(name: str) -> None:
         nth, _, action = action.partition("*")
         if n != int(nth):
             return
+    if action != "raise":  # the fault's injection time, in the process's log (raise says it itself)
+        log.warning("failpoint %s: %s", name, action)
     if action == "raise":
         raise FailpointError(f"failpoint {name}")
     if action == "kill":

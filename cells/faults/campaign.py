@@ -147,6 +147,8 @@ class Run:
     t_fault: float | None = None
     t_healthy: float | None = None
     violations: list[str] = field(default_factory=list)
+    checker_errors: list[str] = field(default_factory=list)
+    """A checker that raised: it checked nothing, so the run fails (never a silent pass)."""
     lost: int = 0
     hangs: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -162,6 +164,7 @@ class Run:
         return {"scenario": self.scenario, "index": self.index, "seed": self.seed, "canary": self.canary,
                 "params": self.params, "faults": self.faults, "violations": self.violations, "lost": self.lost,
                 "hangs": self.hangs, "notes": self.notes, "exits": self.exits, "stalls": self.stalls,
+                "checker_errors": self.checker_errors,
                 "recovery_s": self.recovery_s,
                 "healthy_s": None if self.t_healthy is None or self.t_fault is None else self.t_healthy - self.t_fault,
                 "requests": [c.stream.request_id for c in self.clients]}
@@ -237,7 +240,13 @@ class Campaign:
                 time.sleep(SAMPLE_S)
                 continue
             s["t"] = time.monotonic()
-            new = self.checker.feed(s)
+            try:
+                new = self.checker.feed(s)
+            except Exception as e:  # counted against the run, like a violation
+                new = []
+                with self._lock:
+                    if self.run is not None:
+                        self.run.checker_errors.append(f"sampler: {e!r}")
             with self._lock:
                 run = self.run
                 for c, cell in s["cells"].items():
@@ -471,8 +480,8 @@ class Campaign:
             self.log(f"  ERROR in {name}: {e!r}")
         try:
             self.check(run)
-        except Exception as e:
-            run.notes.append(f"check error: {e!r}")
+        except Exception as e:  # a checker that crashes checked nothing: the run fails
+            run.checker_errors.append(f"check: {e!r}")
             self.log(f"  CHECK ERROR in {name}: {e!r}")
         self.note_exits(run)
         run.stalls = self.stall_count() - stalls_before
@@ -684,7 +693,8 @@ def summarize(runs: list[Run], canary_runs: list[Run]) -> dict:
     for r in runs:
         b = by.setdefault(r.scenario, {"runs": 0, "faults_fired": 0, "invariant_violations": 0, "lost_requests": 0,
                                        "hangs": 0, "unexpected_exits": 0, "stalled_requests": 0, "max_recovery_s": 0.0,
-                                       "mean_recovery_s": 0.0, "max_healthy_s": 0.0, "params": [], "violations": []})
+                                       "mean_recovery_s": 0.0, "max_healthy_s": 0.0, "checker_errors": 0,
+                                       "params": [], "violations": []})
         b["runs"] += 1
         b["faults_fired"] += len(r.faults)
         b["invariant_violations"] += len(r.violations)
@@ -692,6 +702,7 @@ def summarize(runs: list[Run], canary_runs: list[Run]) -> dict:
         b["hangs"] += bool(r.hangs)
         b["unexpected_exits"] += len(r.exits)
         b["stalled_requests"] += r.stalls
+        b["checker_errors"] += len(r.checker_errors)
         if r.recovery_s is not None:
             b["max_recovery_s"] = max(b["max_recovery_s"], r.recovery_s)
             b["mean_recovery_s"] += r.recovery_s
@@ -700,7 +711,8 @@ def summarize(runs: list[Run], canary_runs: list[Run]) -> dict:
             b["max_healthy_s"] = max(b["max_healthy_s"], healthy)
         if r.params and r.params not in b["params"]:
             b["params"].append(r.params)
-        b["violations"] += [v for v in r.violations + r.hangs + r.exits if v not in b["violations"]][:5]
+        b["violations"] += [v for v in r.violations + r.hangs + r.exits + r.checker_errors
+                            if v not in b["violations"]][:5]
     for b in by.values():
         n = b["runs"]
         b["mean_recovery_s"] = round(b["mean_recovery_s"] / n, 3) if n else 0.0
@@ -718,6 +730,7 @@ def summarize(runs: list[Run], canary_runs: list[Run]) -> dict:
         "unexpected_exits": sum(len(r.exits) for r in runs),
         "stalled_requests": sum(r.stalls for r in runs),
         "max_recovery_s": round(max((r.recovery_s for r in runs if r.recovery_s is not None), default=0.0), 3),
+        "checker_errors": sum(len(r.checker_errors) for r in runs + canary_runs),
         "canary_violations": len(canary_vio),
         "canary_runs": len(canary_runs),
         "canary_faults_fired": sum(len(r.faults) for r in canary_runs),
@@ -795,8 +808,11 @@ def scn_partition_transfer(camp: Campaign, run: Run, k: int) -> None:
     source's own transfer timeout must fire, it aborts, keeps decoding, and the flip retries."""
     offsets = {f"cell-{i}": camp.nem.log_size(f"cell-{i}") for i in range(CELLS)}
     S, D, X, _ = _migration_setup(camp, run, {"D": {"migrate.transfer": "1*block"}})
-    camp.await_fault(run, lambda: camp.nem.log_has(S, offsets[S], "failed at the source"), 30, "partition", D,
-                     failpoint="migrate.transfer")
+    # the fault's time is when the transfer blocks (recovery counts from there, through the
+    # source's timeout), not when the source reports its recovery
+    if camp.await_fault(run, lambda: camp.nem.log_has(D, offsets[D], "failpoint migrate.transfer"), 30,
+                        "partition", D, failpoint="migrate.transfer"):
+        camp.wait(lambda: camp.nem.log_has(S, offsets[S], "failed at the source"), 60, "the source's timeout")
     # the held thread never returns: the destination is restarted (healed) by the next healthy()
 
 
