@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,7 +95,7 @@ class Trainer:
             if not resumed:
                 self._emit({"event": "warmup_start", "steps": self.tc.warmup_steps})
                 w = run_warmup(self.learner, steps=self.tc.warmup_steps, batch_size=self.tc.warmup_batch,
-                               seed=self.tc.seed)
+                               seed=self.tc.seed, on_step=self._warmup_progress())
                 self._emit({"event": "warmup_done", "loss": w["final_loss"], "wall_s": round(w["wall_s"], 1)})
                 self.learner.start_rl()  # fresh moments; the RL learning-rate warm-up starts
                 self._publish()
@@ -107,6 +108,19 @@ class Trainer:
             self.agents.close()
             self.host.close()
             self.client.close()
+
+    def _warmup_progress(self) -> Callable[[int, float], None]:
+        """Status lines while the warm-up runs (about every 5%), with an estimate of the time
+        left, so the live view shows a progress bar instead of a silent wait."""
+        total, t0 = self.tc.warmup_steps, time.monotonic()
+        every = max(1, total // 20)
+
+        def report(step: int, loss: float) -> None:
+            if step % every == 0 or step == total:
+                spent = time.monotonic() - t0
+                self._emit({"event": "warmup_progress", "step": step, "steps": total, "loss": round(loss, 4),
+                            "eta_s": round(spent / step * (total - step), 1)})
+        return report
 
     def _resume(self) -> bool:
         path = self._ckpt_path()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ def run_warmup(
     teacher: Demonstrator | None = None,
     demos: list[tuple[list[int], list[int]]] | None = None,
     log_every: int = 0,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> dict[str, Any]:
     """`steps` SFT steps on batches drawn from `num_demos` demonstrations (made from `seed`
     unless given); returns the loss curve and timings."""
@@ -56,6 +58,8 @@ def run_warmup(
         idx = torch.randint(len(demos), (batch_size,), generator=learner.generator).tolist()
         m = learner.sft_step([demos[i] for i in idx])
         losses.append(m["loss"])
+        if on_step is not None:
+            on_step(step + 1, m["loss"])
         if log_every and (step % log_every == 0 or step == steps - 1):
             print(json.dumps({"warmup_step": step, "loss": round(m["loss"], 4),
                               "grad_norm": round(m["grad_norm"], 3)}), flush=True)
