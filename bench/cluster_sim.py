@@ -8,7 +8,7 @@ chosen on seed 0 over 0.00..1.00, a 0.05 sweep refined by 0.01), flip_abort, fli
 cellflip, and the free oracle (the ceiling). Every policy is reported as the mean over seeds
 1..3.
 
-    python bench/cluster_sim.py [--quick] [--json] [--jobs N] [--workload NAME_OR_PATH ...]
+    python bench/cluster_sim.py [--quick] [--json] [--jobs N] [--plots [DIR]] [--workload NAME_OR_PATH ...]
 
 --quick: 1,000 cells; default 10,000. Last stdout line with --json: one JSON object.
 """
@@ -42,9 +42,7 @@ NUMERIC = ("trained_tokens_per_hour", "utilization", "goodput_utilization", "dro
 def _run(args: tuple) -> RunResult:
     """One run (a pool worker's task): (workload, policy, static share, cells, hours, seed)."""
     wl, policy, share, cells, hours, seed = args
-    r = run_policy(wl, make_policy(policy, share), cells, hours, seed=seed)
-    r.series = {}  # not needed by the caller; keeps the answer small
-    return r
+    return run_policy(wl, make_policy(policy, share), cells, hours, seed=seed)
 
 
 def _map(tasks: list[tuple], pool) -> list[RunResult]:
@@ -142,6 +140,8 @@ def main() -> None:
     ap.add_argument("--workload", action="append", default=[],
                     help="workload name or YAML path (schema: bench/sim/workload.py); repeatable; "
                          "default: every committed one")
+    ap.add_argument("--plots", nargs="?", const=str(HERE / "out"), default=None,
+                    help="write PNG plots (seed 1) to DIR (default bench/out/)")
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes; default 1)")
     args = ap.parse_args()
     cells = args.cells or (1_000 if args.quick else 10_000)
@@ -161,6 +161,11 @@ def main() -> None:
               f"vs flip_abort {block['speedup_vs_flip_abort']}, vs flip_reprefill "
               f"{block['speedup_vs_flip_reprefill']}, oracle fraction {block['oracle_fraction']}, "
               f"rebalance gain {block['rebalance_gain']}", flush=True)
+        if args.plots:
+            from sim.plots import plot_workload
+
+            for path in plot_workload(wl.name, runs, Path(args.plots), wl.session_tokens):
+                print(f"  wrote {path}")
     if pool is not None:
         pool.close()
     print(f"total wall {time.perf_counter() - t0:.0f} s")

@@ -178,14 +178,13 @@ class Controller:
         busy.update(i for i in training if cells[i].cell_id in self.pinned_training)
         for i in busy:
             cells[i] = dataclasses.replace(cells[i], busy=True)
-        counts = self.store.owners.count_requests()
         current = versions.current_version(self)
         return Snapshot(
             cells=tuple(cells),
             finished_waiting=self.store.sessions.finished_after(self.trajectory_cursor),
             batch_size=demand.batch_size if demand else 1, training_in_progress=steps > 0,
             min_rollout_cells=self.cfg.min_rollout_cells,
-            queued_sessions=counts.get("queued", 0) + counts.get("suspended", 0) + counts.get("parked", 0),
+            queued_sessions=self.store.owners.count_waiting(),
             version=UNKNOWN_VERSION if current is None else current,
             staleness_bound=self.cfg.staleness_bound, steps_in_progress=steps,
             max_cells_per_step=width or max(1, len(cells)),

@@ -142,6 +142,11 @@ class OwnerStore:
         r = self.s.execute(q, (session_id,)).fetchone()
         return None if r is None else r[0]
 
+    def count_waiting(self) -> int:
+        """Requests waiting for a cell (queued, suspended or parked): an index range, not a scan."""
+        q = "SELECT COUNT(*) FROM requests WHERE state IN ('queued', 'suspended', 'parked')"
+        return self.s.execute(q).fetchone()[0]
+
     def count_requests(self) -> dict[str, int]:
         return dict(self.s.execute("SELECT state, COUNT(*) FROM requests GROUP BY state").fetchall())
 
