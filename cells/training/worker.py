@@ -170,9 +170,21 @@ class TrainingWorker:
         unpack(self.learner, meta, flat, idx)
 
     def _settle(self, store, prefix: str, timeout: float) -> bool:
-        """Keep the update only once the coordinator committed it."""
-        end = wait_any(store, [f"{prefix}/commit", f"{prefix}/abort"], timeout)
-        if end != f"{prefix}/commit":
+        """Keep the update only once the coordinator committed it. A newer assignment (the
+        coordinator restarted, or moved on) or its silence past `timeout` drops it."""
+        mine = self._last
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            end = wait_any(store, [f"{prefix}/commit", f"{prefix}/abort"], 0.5)
+            if end == f"{prefix}/abort":
+                return False
+            if end is not None:
+                break
+            a = wait_json(store, P.assign_key(self.cell_id), 0.0)
+            if a is not None and (a["run"], a["step"], a["attempt"]) != mine:
+                log.warning("cell %s: a newer assignment before this step's commit: dropping it", self.cell_id)
+                return False
+        else:
             return False
         c = get_json(store, end)
         self.tag = c["tag"]

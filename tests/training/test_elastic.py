@@ -71,3 +71,42 @@ def test_a_rank_failing_mid_update_leaves_no_half_applied_update(tmp_path, actio
     theta0 = {k: p.detach().clone() for k, p in base.params.items()}
     d = rel_diff({k: p.detach() for k, p in clean.params.items()}, {k: p.detach() for k, p in lrn.params.items()}, theta0)
     assert d <= 1e-3, d
+
+
+class _Killed(BaseException):
+    """The coordinator process dying: nothing after it runs, no abort is written."""
+
+
+def test_a_coordinator_dying_before_its_commit_is_redone_by_its_restart(tmp_path):
+    base = learner()
+    batch = trajectories(base, seed=5)
+    clean = learner()
+    clean.rl_step(batch)
+    checkpoint = learner().state_dict()  # the last checkpoint: before this step
+    ranks = Ranks(tmp_path, 2)
+    cells = ["cell-0", "cell-1"]
+    published: list[int] = []
+    try:
+        first = learner()
+        dying = TrainingCoordinator(first, ranks.host.address, timeout_s=15, ack_timeout_s=15)
+
+        def die(*a, **k):
+            raise _Killed()
+
+        dying._commit = die  # the cells computed the update; the coordinator dies before committing
+        with pytest.raises(_Killed):
+            dying.update(batch, cells, next_version=lambda: published.append(first.version) or first.version)
+        restarted = learner(seed=1)
+        restarted.load_state_dict(checkpoint)
+        coord = TrainingCoordinator(restarted, ranks.host.address, timeout_s=15, ack_timeout_s=15)
+        m = coord.update(batch, cells, next_version=lambda: published.append(restarted.version) or restarted.version)
+    except Exception:
+        print(ranks.logs())
+        raise
+    finally:
+        ranks.stop()
+    assert published == [1] and m["version"] == 1.0  # one version, from the restarted coordinator
+    assert m["attempts"] == 1.0 and m["join_cells"] == 2.0  # both dropped the uncommitted update
+    theta0 = {k: p.detach().clone() for k, p in base.params.items()}
+    d = rel_diff({k: p.detach() for k, p in clean.params.items()}, {k: p.detach() for k, p in restarted.params.items()}, theta0)
+    assert d <= 1e-3, d
