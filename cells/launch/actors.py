@@ -95,7 +95,11 @@ def scheduler_url(namespace: str, timeout_s: float = LOOKUP_TIMEOUT_S) -> str:
 
 
 def _load(config_json: str):
+    """The deployment's config; also points this process's logging at Ray's worker log."""
     from scheduler.config import parse_config
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
     return parse_config(json.loads(config_json), "launcher config")
 

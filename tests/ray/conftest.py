@@ -75,7 +75,7 @@ class RayHead:
         for pid in pids:
             _signal(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and (pids := {p for p in pids if _alive(p)}):
+        while time.monotonic() < deadline and (pids := {p for p in pids if is_alive(p)}):
             time.sleep(0.2)
         for pid in pids:
             _signal(pid, signal.SIGKILL)
@@ -90,7 +90,7 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def _alive(pid: int) -> bool:
+def is_alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
@@ -100,9 +100,9 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def ray_head():
-    pytest.importorskip("ray", reason="Ray is not installed (pip install 'cellflip[ray]')")
     saved = {k: os.environ.get(k) for k in RAY_ENV}
-    os.environ.update(RAY_ENV)  # this process is a Ray driver too
+    os.environ.update(RAY_ENV)  # this process is a Ray driver too; Ray reads these at import
+    pytest.importorskip("ray", reason="Ray is not installed (pip install 'cellflip[ray]')")
     head = RayHead()
     try:
         yield head

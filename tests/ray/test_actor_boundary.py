@@ -1,0 +1,90 @@
+"""The actor boundary carries JSON scalars only (no cellflip data through Ray's object store),
+the launcher is a discriminated union, and the embedded default needs no Ray. No Ray cluster."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+
+import pytest
+
+from cells.launch.actors import ACTOR_CLASSES, check_plain, json_boundary
+from cells.launch.ray_launcher import absolute_paths
+from cells.localcluster import ROOT
+from scheduler.config import ConfigError, LocalLauncherConfig, RayLauncherConfig, parse_config
+
+
+def _public_methods(cls):
+    return [(name, fn) for name, fn in inspect.getmembers(cls, inspect.isfunction) if not name.startswith("_")]
+
+
+def test_every_actor_method_is_guarded_and_annotated_with_json_scalars():
+    for cls in ACTOR_CLASSES:
+        methods = _public_methods(cls)
+        assert methods, cls
+        for name, fn in methods:
+            assert getattr(fn, "json_boundary", False), f"{cls.__name__}.{name} is not a json_boundary"
+            hints = inspect.signature(fn).parameters
+            for p in list(hints.values())[1:]:
+                assert p.annotation in ("str", "int", "float", "bool", "str | None"), (cls.__name__, name, p)
+            assert inspect.signature(fn).return_annotation in ("str", "int", "bool", "str | None"), (cls.__name__, name)
+        init = inspect.signature(cls.__init__).parameters
+        assert all(p.annotation == "str" for p in list(init.values())[1:]), f"{cls.__name__}.__init__ takes strings only"
+
+
+class _Probe:
+    @json_boundary
+    def echo(self, value):
+        return value
+
+
+@pytest.mark.parametrize("value", [{"a": 1}, [1, 2], b"raw", bytearray(b"x"), object()])
+def test_boundary_refuses_anything_but_json_scalars(value):
+    with pytest.raises(TypeError, match="actor boundary"):
+        _Probe().echo(value)
+    with pytest.raises(TypeError, match="actor boundary"):
+        check_plain(value, "result")
+
+
+def test_boundary_refuses_tensors_and_passes_json_text():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="Tensor"):
+        _Probe().echo(torch.zeros(2))
+    text = json.dumps({"cell": "cell-0", "tokens": [1, 2]})
+    assert _Probe().echo(text) == text and _Probe().echo(None) is None and _Probe().echo(3) == 3
+
+
+def test_launcher_is_a_discriminated_union():
+    assert isinstance(parse_config({}).launcher, LocalLauncherConfig)
+    ray_cfg = parse_config({"launcher": {"type": "ray", "address": "10.0.0.1:6379", "scheduler_node": "10.0.0.1"}})
+    assert isinstance(ray_cfg.launcher, RayLauncherConfig) and ray_cfg.launcher.placement == "SPREAD"
+    with pytest.raises(ConfigError, match="'local', 'ray'"):
+        parse_config({"launcher": {"type": "k8s"}})
+    with pytest.raises(ConfigError, match="launcher.ray.max_restarts"):
+        parse_config({"launcher": {"type": "ray", "max_restarts": -1}})
+
+
+def test_cli_ray_flag_keeps_the_configs_ray_settings():
+    from cells.cli import _launcher
+
+    cfg = parse_config({"launcher": {"type": "ray", "namespace": "team-a", "max_restarts": 1}})
+    got = _launcher(cfg, "auto")
+    assert (got.type, got.address, got.namespace, got.max_restarts) == ("ray", "auto", "team-a", 1)
+    assert _launcher(parse_config({}), None).type == "local"
+    assert _launcher(parse_config({}), "10.0.0.1:6379").address == "10.0.0.1:6379"
+
+
+def test_paths_reach_the_actors_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = absolute_paths({"scheduler": {"auth_token_file": "tok"}, "trainer": {"enabled": True}})
+    assert out["scheduler"]["db_path"] == str(tmp_path / "runs/cellflip.sqlite")
+    assert out["scheduler"]["auth_token_file"] == str(tmp_path / "tok")
+    assert out["trainer"]["checkpoint_dir"] == str(tmp_path / "runs/trainer")
+
+
+def test_the_embedded_default_never_imports_ray():
+    code = ("import sys, cells.cli, cells.localcluster, scheduler.app, scheduler.config; "
+            "assert 'ray' not in sys.modules, 'ray imported'")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
