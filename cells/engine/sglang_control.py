@@ -263,7 +263,8 @@ class ControlMixin:
         self._label_version(version)
         for req in list(self._reqs.values()):
             if req.submitted and not req.done:  # restart under the new version (module docstring)
-                self._abort_in_sglang(req.sgl_rid)
+                old, req.sgl_rid = req.sgl_rid, ""  # the old submission's chunks (its abort echo) are ignored
+                self._abort_in_sglang(old)
                 self._submit(req)
         if self._state == "serving":
             self._continue()

@@ -65,8 +65,8 @@ class SGLangEngine(CellMixin, ControlMixin, Engine):
                  server_args: Mapping[str, Any] | None = None, scorer: ScoringCopy | None = None,
                  kv_store: str | None = None, max_running: int | None = None, poll_s: float = 0.01,
                  transfer_timeout_s: float = 120.0, modules: sb.SGLangModules | None = None) -> None:
-        """`server_args`: extra `sglang.Engine` arguments (HiCache, deterministic inference…)
-        over the config's. `scorer`: the scoring copy for `scoring: cell_copy` (default: the
+        """`server_args`: extra `sglang.Engine` arguments (HiCache, page size…) over the
+        config's (deterministic inference comes from `config.deterministic`). `scorer`: the scoring copy for `scoring: cell_copy` (default: the
         embedded model on the CPU, sglang_scoring.py); ignored with `trainer_copy`.
         `kv_store`: name of a shared HiCache store when its backend config alone does not
         identify it (default: the config's). `max_running`: the request slots reported to the
@@ -111,6 +111,11 @@ class SGLangEngine(CellMixin, ControlMixin, Engine):
         self._state = "serving"  # serving | paused | broken
         self._deferred: tuple[int, dict[str, torch.Tensor]] | None = None
         """A version that arrived while the weights' memory was released (sglang_cell.py)."""
+        self._init_counters()
+        self._label_version(version)
+
+    def _init_counters(self) -> None:
+        """What the cell reports about its moves, updates and SGLang's own view."""
         self.migrations_total: Counter[str] = Counter()
         """Migrations into this cell by path (`kv_store` | `reprefill`)."""
         self.kv_store_moves: Counter[str] = Counter()
@@ -127,7 +132,6 @@ class SGLangEngine(CellMixin, ControlMixin, Engine):
         """Tokens whose version SGLang's own spans contradict (must stay 0)."""
         self.ended_without_token: list[tuple[str, str]] = []
         """(request id, reason) of requests SGLang ended before yielding another token."""
-        self._label_version(version)
 
     # -- engine interface --------------------------------------------------------------
 

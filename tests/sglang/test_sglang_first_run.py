@@ -387,3 +387,28 @@ def test_a_release_on_a_busy_engine_kills_sglangs_scheduler_in_the_fake():
     assert fake.crashed
     with pytest.raises(RuntimeError, match="died"):
         fake.begin_weight_update()
+
+
+def test_an_abort_echo_during_a_restart_does_not_end_the_request(checkpoint):
+    """Running the abort inside SGLang's loop lets the old submission's stream move too: its
+    abort echo may arrive before the resubmission. It belongs to the old submission."""
+    eng, fake = make(checkpoint)
+    abort = eng._abort_in_sglang
+
+    async def turns(n: int):
+        import asyncio
+        for _ in range(n):
+            await asyncio.sleep(0)
+
+    def abort_then_echo(rid: str) -> None:
+        abort(rid)
+        eng._loop.run_until_complete(turns(5))  # SGLang's abort echo arrives meanwhile
+
+    eng._abort_in_sglang = abort_then_echo
+    eng.add_request("a", [1], SamplingParams(max_tokens=20))
+    head = steps(eng, 3)
+    on_engine_thread(eng.load_weights, 1, full_version(1))
+    tail = drain(eng)
+    events = head + tail
+    assert [e.index for e in events] == list(range(20)) and events[-1].finish_reason == "length"
+    assert tail[-1].record.version == 1 and not [e for e in events if e.finish_reason == "abort"]
