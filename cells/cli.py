@@ -214,7 +214,8 @@ def cmd_up(args) -> int:
                 os.replace(status, status + ".prev")
             cluster._spawn("trainer", ["trainer", "--config", str(cluster.cfg_path), "--scheduler", url,
                                        "--run-dir", run_dir])
-            return _follow_trainer(cluster, url, status, trainer.get("steps", cfg.trainer.steps), args.no_display)
+            return _follow_trainer(cluster, url, status, trainer.get("steps", cfg.trainer.steps), args.no_display,
+                                   stay=not args.quick)
         while all(p.poll() is None for p in cluster.procs.values()):
             time.sleep(0.5)
         print("a process exited; shutting down", file=sys.stderr)
@@ -271,7 +272,7 @@ def _prepare_toy(raw: dict) -> None:
     raw.setdefault("gateway", {}).setdefault("renderer", TOY_RENDERER)
 
 
-def _follow_trainer(cluster, url: str, status: str, steps: int, plain: bool) -> int:
+def _follow_trainer(cluster, url: str, status: str, steps: int, plain: bool, stay: bool = True) -> int:
     """Until the trainer exits: the live view (or, with `plain`, its status lines); then the
     summary. Non-zero if any process died."""
     from pathlib import Path
@@ -302,6 +303,9 @@ def _follow_trainer(cluster, url: str, status: str, steps: int, plain: bool) -> 
     if rc != 0:
         print(f"trainer exited with {rc}; see the logs", file=sys.stderr)
         return 1
+    if not stay:
+        print("cellflip up: the cycle is done; stopping every process", flush=True)
+        return 0
     print("cellflip up: training finished; Ctrl-C stops the cluster", flush=True)
     while all(p.poll() is None for name, p in procs.items() if name != "trainer"):
         time.sleep(0.5)
@@ -342,8 +346,10 @@ def cmd_status(args) -> int:
         raise SystemExit(f"cellflip status: {args.scheduler} answered {r.status_code}: {r.text[:200]}")
     cells = r.json()
     cells = cells.get("cells", cells) if isinstance(cells, dict) else cells
-    cols = ["id", "state", "generation", "version", "inflight", "kv_blocks_used", "kv_blocks_total"]
-    rows = [[str(c.get(k, "")) for k in cols] for c in cells]
+    from cells.display import node_of
+
+    cols = ["id", "node", "state", "generation", "version", "inflight", "kv_blocks_used", "kv_blocks_total"]
+    rows = [[node_of(c) if k == "node" else str(c.get(k, "")) for k in cols] for c in cells]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(cols)]
     print("  ".join(h.ljust(w) for h, w in zip(cols, widths)))
     for row in rows:
@@ -368,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="start everything as actors on a running Ray cluster: `auto` (default) or a head's "
                          "host:port (docs/RAY.md)")
     up.add_argument("--quick", action="store_true",
-                    help="one full cycle (short warm-up, one RL step with a flip and live migration) in about a minute")
+                    help="one full cycle (short warm-up, one RL step with a flip and live migration), then stop")
     tr = sub.add_parser("trainer", help="run the trainer and the toy task's agents against a scheduler")
     tr.add_argument("--config")
     tr.add_argument("--scheduler", required=True, help="scheduler URL")
