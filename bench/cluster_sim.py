@@ -156,6 +156,7 @@ def main() -> None:
         block, runs = simulate_workload(wl, cells, hours, pool=pool)
         block["hours"] = hours
         result["workloads"][wl.name] = block
+        print(f"  block {json.dumps({wl.name: block})}", flush=True)
         print(f"  cellflip: vs sync {block['speedup_vs_sync']} (sync_p99 {block['speedup_vs_sync_p99']}), "
               f"vs static {block['speedup_vs_static']} (share {block['static_rollout_share']}), "
               f"vs flip_abort {block['speedup_vs_flip_abort']}, vs flip_reprefill "

@@ -30,7 +30,6 @@ import numpy as np
 from scheduler.planner import choose_destinations
 from scheduler.planner_types import (
     CellSummary,
-    Destination,
     LinkCostModel,
     RequestSummary,
     Snapshot,
@@ -190,17 +189,17 @@ class Cluster:
 
     def drain(self, cells: list[int], t: float) -> None:
         """Move every session off `cells` (already marked training) the way `mode` says: where
-        the planner puts it (KV copy, re-prefill or restart), first fit at no cost for the
-        oracle, or suspend. Updates slots, counters and the charges of every move."""
+        the planner puts it (KV copy, re-prefill or restart) or suspend; the oracle's at no
+        cost (`_drain_free`). Updates slots, counters and the charges of every move."""
         slots = np.concatenate([self.sessions_of(c) for c in cells]) if cells else np.zeros(0, np.int64)
         if slots.size == 0:
             return
-        ctx = self.context_tokens(slots, t)
         if self.mode == "free":
-            dests = self._first_fit(len(slots))
-        else:
-            moves = [(int(s // self.k), RequestSummary(int(s), int(x), 0)) for s, x in zip(slots, ctx)]
-            dests = choose_destinations(self.snapshot(t), moves, self.cost)
+            self._drain_free(slots, t)
+            return
+        ctx = self.context_tokens(slots, t)
+        moves = [(int(s // self.k), RequestSummary(int(s), int(x), 0)) for s, x in zip(slots, ctx)]
+        dests = choose_destinations(self.snapshot(t), moves, self.cost)
         delay = 0.0
         for s, x, d in zip(slots.tolist(), ctx.tolist(), dests):
             self._close(s, t)
@@ -228,24 +227,46 @@ class Cluster:
         if m == 0:
             return
         batch = [self.suspended.popleft() for _ in range(m)]
-        ctx = [min(tok, done / dur * tok) for done, dur, _, tok in batch]
         if self.mode == "free":
-            dests = self._first_fit(m)
-        else:
-            moves = [(None, RequestSummary(i, int(x), 0)) for i, x in enumerate(ctx)]
-            dests = choose_destinations(self.snapshot(t), moves, self.cost)
+            done, dur, v0, tok = (np.asarray(x) for x in zip(*batch))
+            self._place_free(done, dur, v0.astype(np.int64), tok, t)
+            return
+        ctx = [min(tok, done / dur * tok) for done, dur, _, tok in batch]
+        moves = [(None, RequestSummary(i, int(x), 0)) for i, x in enumerate(ctx)]
+        dests = choose_destinations(self.snapshot(t), moves, self.cost)
         for (done, dur, v0, tok), x, d in zip(batch, ctx, dests):
             if d.path == "suspend":
                 self.suspended.append((done, dur, v0, tok))
             else:
                 self._place(int(d.cell_id), done, dur, v0, tok, t, d.path, int(x))
 
-    def _first_fit(self, m: int) -> list[Destination]:
-        """The oracle's placement: free rollout slots in cell order, no planner."""
-        room = np.where(self.role == ROLLOUT, self.k - self.inflight, 0)
-        cells = np.repeat(np.arange(self.n), np.maximum(room, 0))[:m]
-        out = [Destination(int(c), "free") for c in cells.tolist()]
-        return out + [Destination(None, "suspend")] * (m - len(out))
+    def _drain_free(self, slots: np.ndarray, t: float) -> None:
+        """The oracle's drain: every session into a free rollout slot, in cell order, at no
+        cost (no planner); the rest wait, their progress kept."""
+        self.decode_slot_s += float((t - self.occ[slots]).sum())
+        self.end[slots] = INF
+        cells = slots // self.k
+        self.inflight -= np.bincount(cells, minlength=self.n)
+        self._dirty[cells] = True
+        self._place_free(t - self.t0[slots], self.dur[slots].copy(), self.v0[slots].copy(),
+                         self.tok[slots].copy(), t)
+
+    def _place_free(self, done: np.ndarray, dur: np.ndarray, v0: np.ndarray, tok: np.ndarray,
+                    t: float) -> None:
+        free = np.flatnonzero((self.end == INF) & np.repeat(self.role == ROLLOUT, self.k))[: done.size]
+        m = free.size
+        self.t0[free] = t - done[:m]
+        self.occ[free] = t
+        self.dur[free] = dur[:m]
+        self.end[free] = self.t0[free] + dur[:m]
+        self.v0[free] = v0[:m]
+        self.tok[free] = tok[:m]
+        cells = free // self.k
+        self.inflight += np.bincount(cells, minlength=self.n)
+        self._dirty[cells] = True
+        self.moved["kv"] += m
+        self.moved["suspend"] += done.size - m
+        self.suspended.extend(zip(done[m:].tolist(), dur[m:].tolist(), v0[m:].tolist(), tok[m:].tolist()))
 
     def _discard(self, tokens: float, slot_s: float) -> None:
         self.decoded_tokens += tokens
@@ -278,8 +299,6 @@ class Cluster:
             same = src is not None and self.nodes[src] == self.nodes[c]
             seconds = ctx * self.wl.kv_bytes_per_token / (
                 self.wl.intra_node_bytes_per_s if same else self.wl.inter_node_bytes_per_s)
-        elif path == "free":
-            seconds = 0.0
         else:
             path, seconds = "reprefill", float(self.wl.prefill_s(ctx))
             self.recomputed_tokens += ctx

@@ -130,16 +130,22 @@ class Oracle(Policy):
 
     name = "oracle"
     mode = "free"
+    BACKLOG_BATCHES = 1.25
+    """Batches of work kept waiting or in training, so that a step finds the next one ready."""
     BACKLOG_STEPS = 2.0
-    """A backlog off one batch is brought back over about this many steps (more or fewer cells)."""
+    HOLD = 0.05
+    """A target within this share of the training cells (at least 2) changes nothing."""
+    LOOKAHEAD_TICKS = 3
+    """Training cells stay while a batch completes within this many ticks (the oracle knows)."""
+    """A backlog off its target is brought back over about this many steps (more or fewer cells)."""
 
     def __init__(self) -> None:
         self.flips = 0
 
     def tick(self, cl: Cluster, t: float, rates: Rates) -> None:
         tr, wl = cl.trainer, cl.wl
-        # the oracle knows which sessions finish before the next tick
-        soon = int((cl.end <= t + cl.tick_s).sum())
+        # the oracle knows which sessions finish in the next few ticks
+        soon = int((cl.end <= t + self.LOOKAHEAD_TICKS * cl.tick_s).sum())
         target = 0
         if tr.step is not None or tr.queue.size + soon >= tr.batch_size:
             a = float(wl.mean_hours_at(t, cl.horizon_s)) * 3600.0 / cl.k  # rollout cell-s a session
@@ -147,10 +153,17 @@ class Oracle(Policy):
             c = cl.n * b0 / (a + b0)
             b = b0 / tr.eff(max(1.0, c))
             c = cl.n * b / (a + b)
-            extra = (tr.queue.size - tr.batch_size) / (self.BACKLOG_STEPS * max(1, tr.batch_size))
+            # work waiting: the queue plus what the running step has left (smooth across a step's
+            # start, where the queue alone drops by a batch)
+            s = tr.step
+            left = s.sessions * s.work / s.total if s is not None and s.total > 0 else 0.0
+            extra = (tr.queue.size + left - self.BACKLOG_BATCHES * tr.batch_size) / (
+                self.BACKLOG_STEPS * max(1, tr.batch_size))
             target = min(tr.width, max(1, round(c * (1.0 + max(-0.5, min(1.0, extra))))))
         target = min(target, cl.n - 1)
         training = list(cl.train_order)
+        if target and training and abs(target - len(training)) < max(2.0, self.HOLD * target):
+            return  # near enough: moving a few cells back and forth only displaces sessions
         if target > len(training):
             pool = np.flatnonzero(cl.role == ROLLOUT)
             add = pool[np.argsort(cl.inflight[pool], kind="stable")][: target - len(training)].tolist()

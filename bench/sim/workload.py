@@ -10,8 +10,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "sim"
-BUILTIN = ("stationary", "drifting", "light_tail", "heavy_tail", "minutes", "training_heavy",
-           "step_change", "sinusoidal", "long_context")
+BUILTIN = ("stationary", "drifting", "minutes", "training_heavy", "heavy_tail", "long_context",
+           "step_change", "sinusoidal", "light_tail")
 """The committed workloads every run reports (configs/sim/NAME.yaml)."""
 
 
