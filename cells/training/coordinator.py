@@ -23,7 +23,7 @@ from typing import Any
 
 from cells.training import protocol as P
 from cells.training.plan import plan_update
-from cells.training.wire import pack, params_view, recv_state, send_state, state_checksum, unpack, weights_checksum
+from cells.training.wire import pack, packed_checksum, params_view, recv_state, send_state, unpack, weights_checksum
 from cells.transport.p2p import TransferError, discard, join_group
 from cells.transport.store import StoreAddress, connect, get_json, set_json, wait_any, wait_keys
 
@@ -101,8 +101,8 @@ class TrainingCoordinator:
             group = self._join(prefix, len(cells))
             stale = [r for r, a in acks.items() if a.get("tag") != self.tag]
             t_join = time.perf_counter()
-            self._send_state(prefix, group, stale)
-            self._check_joined(prefix, stale)
+            sent = self._send_state(prefix, group, stale)
+            self._check_joined(prefix, stale, sent)
             join_s = time.perf_counter() - t_join
             result, flat, idx = self._result(prefix, cells, group)
             self._check_ranks(prefix, cells, result["checksum"])
@@ -139,23 +139,24 @@ class TrainingCoordinator:
         return join_group(self.store, f"{prefix}/all/", 0, n + 1, timeout_s=self.timeout_s,
                           connect_timeout_s=self.ack_timeout_s + self.timeout_s, device=torch.device("cpu"))
 
-    def _send_state(self, prefix: str, group, ranks: list[int]) -> None:
-        """The host state to the joining ranks, one after another (each is a full copy)."""
+    def _send_state(self, prefix: str, group, ranks: list[int]) -> int | None:
+        """The host state to the joining ranks, one after another (each is a full copy);
+        returns the checksum of what was sent."""
         if not ranks:
-            return
+            return None
         meta, flat, idx = pack(self.learner)
         set_json(self.store, f"{prefix}/state", meta)
         for r in ranks:
             send_state(group, r, flat, idx, self.timeout_s)
+        return packed_checksum(meta, flat, idx)
 
-    def _check_joined(self, prefix: str, ranks: list[int]) -> None:
-        """Each joining rank rebuilt the state bitwise (its checksum of the whole state)."""
+    def _check_joined(self, prefix: str, ranks: list[int], mine: int | None) -> None:
+        """Each joining rank rebuilt the state from exactly what was sent (its checksum)."""
         if not ranks:
             return
         keys = [f"{prefix}/joined/{r}" for r in ranks]
         if len(wait_keys(self.store, keys, self.timeout_s)) < len(keys):
             raise StepFailed("a joining rank did not confirm the state")
-        mine = state_checksum(self.learner)
         bad = [r for r, k in zip(ranks, keys) if int(get_json(self.store, k)["state_checksum"]) != mine]
         if bad:
             raise StepFailed(f"ranks {bad} rebuilt another state")

@@ -143,7 +143,7 @@ def _minibatch(learner: Any, b: Batch | None, pre: dict, share: Share, j: int, r
     if learner.ewma.should_reset(m["num_missing_kept"], m["num_missing"]):
         learner.ewma.reset(learner.params)
     else:
-        learner.ewma.update(learner.params)
+        learner.update_ewma()
     return sums, norm
 
 

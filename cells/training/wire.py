@@ -36,7 +36,7 @@ def weights_checksum(weights: dict[str, Tensor]) -> int:
     return crc
 
 
-def _entries(learner: Any) -> list[tuple[str, str, Tensor, Tensor | None]]:
+def _entries(learner: Any, reference: bool) -> list[tuple[str, str, Tensor, Tensor | None]]:
     """(kind, name, tensor, base) for every tensor of the state; base None: dense."""
     out = []
     params = {k: p.detach() for k, p in learner.params.items()}
@@ -48,16 +48,19 @@ def _entries(learner: Any) -> list[tuple[str, str, Tensor, Tensor | None]]:
             if slot in st:
                 out.append((slot, k, st[slot], torch.zeros(())))
     for k in params:
-        out.append(("reference", k, learner.reference[k], params[k]))
+        if reference:
+            out.append(("reference", k, learner.reference[k], params[k]))
         out.append(("ewma", k, learner.ewma.params[k], params[k]))
     return out
 
 
-def pack(learner: Any) -> tuple[dict[str, Any], Tensor, Tensor]:
-    """(manifest, float32 values, int64 rows) of the learner's whole training state."""
+def pack(learner: Any, reference: bool = True) -> tuple[dict[str, Any], Tensor, Tensor]:
+    """(manifest, float32 values, int64 rows) of the learner's training state; without the
+    reference when `reference` is False (an update never changes it: the result of a step
+    goes back to a coordinator that has it)."""
     manifest: list[dict[str, Any]] = []
     values, rows = [], []
-    for kind, name, t, base in _entries(learner):
+    for kind, name, t, base in _entries(learner, reference):
         rec = {"kind": kind, "name": name, "shape": list(t.shape)}
         if base is not None and t.dim() == 2 and t.shape[0] >= ROW_SPARSE_MIN_ROWS:
             diff = (t != base).any(dim=1) if base.dim() else (t != 0).any(dim=1)
@@ -70,7 +73,7 @@ def pack(learner: Any) -> tuple[dict[str, Any], Tensor, Tensor]:
         manifest.append(rec)
     opt = {k: int(learner.optimizer.state[learner.params[k]]["step"])
            for k in learner.params if "step" in learner.optimizer.state.get(learner.params[k], {})}
-    meta = {"entries": manifest, "adam_steps": opt, "ewma_weight": learner.ewma.weight,
+    meta = {"entries": manifest, "reference": reference, "adam_steps": opt, "ewma_weight": learner.ewma.weight,
             "ewma_num_resets": learner.ewma.num_resets, "version": learner.version, "step": learner.step,
             "rl_start_step": learner.rl_start_step, "lr": learner.lr,
             "num_values": int(sum(v.numel() for v in values)), "num_rows": int(sum(r.numel() for r in rows))}
@@ -116,7 +119,8 @@ def _restore(learner: Any, meta: dict[str, Any], got: dict[str, dict[str, Tensor
         p = learner.params[k]
         learner.optimizer.state[p] = {"step": torch.tensor(float(n)), "exp_avg": got["exp_avg"][k],
                                       "exp_avg_sq": got["exp_avg_sq"][k]}
-    learner.reference = dict(got["reference"])
+    if meta["reference"]:
+        learner.reference = dict(got["reference"])
     learner.ewma.params = dict(got["ewma"])
     learner.ewma.weight = float(meta["ewma_weight"])
     learner.ewma.num_resets = int(meta["ewma_num_resets"])
@@ -158,7 +162,13 @@ def recv_state(pg, src: int, meta: dict[str, Any], timeout_s: float, tag: int = 
 
 def state_checksum(learner: Any) -> int:
     """CRC32 of the whole packed state (manifest, values, rows): equal iff bitwise equal."""
-    meta, flat, idx = pack(learner)
+    return packed_checksum(*pack(learner))
+
+
+def packed_checksum(meta: dict[str, Any], flat: Tensor, idx: Tensor) -> int:
+    """CRC32 of a packed state as it travels: a receiver that computes it over what it
+    received, and unpacks that (deterministic, `unpack(pack(x))` is bitwise x), holds the
+    sender's state bitwise."""
     crc = zlib.crc32(json.dumps(meta, sort_keys=True).encode())
     crc = zlib.crc32(flat.view(torch.uint8).numpy(), crc)
     return zlib.crc32(idx.view(torch.uint8).numpy(), crc)

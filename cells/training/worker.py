@@ -26,7 +26,7 @@ from cells.training import protocol as P
 from cells.training.plan import Share
 from cells.training.reduce import GroupReducer, LocalReducer
 from cells.training.update import run_update
-from cells.training.wire import pack, recv_state, send_state, state_checksum, unpack, weights_checksum
+from cells.training.wire import pack, packed_checksum, recv_state, send_state, unpack, weights_checksum
 from cells.transport.p2p import TransferError, discard, join_group
 from cells.transport.store import StoreAddress, connect, get_json, set_json, wait_any, wait_json
 
@@ -146,13 +146,13 @@ class TrainingWorker:
                 groups.append(join_group(store, f"{prefix}/dp/", rank - 1, n, timeout_s=timeout,
                                          connect_timeout_s=connect_s, device=self.device))
             if self.tag != spec["tag"] or self.learner is None:
-                self._receive_state(store, prefix, spec, groups[0], timeout)
-                set_json(store, f"{prefix}/joined/{rank}", {"state_checksum": state_checksum(self.learner)})
+                crc = self._receive_state(store, prefix, spec, groups[0], timeout)
+                set_json(store, f"{prefix}/joined/{rank}", {"state_checksum": crc})
             reducer = GroupReducer(groups[1], n, timeout) if n > 1 else LocalReducer()
             metrics = run_update(self.learner, share, reducer)
             crc = weights_checksum({k: p.detach() for k, p in self.learner.params.items()})
             if rank == 1:
-                meta, flat, idx = pack(self.learner)
+                meta, flat, idx = pack(self.learner, reference=False)
                 set_json(store, f"{prefix}/result", {"metrics": metrics, "state": meta, "checksum": crc})
                 send_state(groups[0], 0, flat, idx, timeout, tag=2)
             set_json(store, f"{prefix}/done/{rank}", {"checksum": crc})
@@ -161,13 +161,15 @@ class TrainingWorker:
             raise
         return self._settle(store, prefix, float(spec["commit_timeout_s"]))
 
-    def _receive_state(self, store, prefix: str, spec: dict, group, timeout: float) -> None:
+    def _receive_state(self, store, prefix: str, spec: dict, group, timeout: float) -> int:
+        """The coordinator's state, rebuilt here; returns the checksum of what arrived."""
         meta = wait_json(store, f"{prefix}/state", timeout)
         if meta is None:
             raise TransferError("no state manifest from the coordinator")
         flat, idx = recv_state(group, 0, meta, timeout)
         self.learner = P.build_learner(spec["hyper"], meta)
         unpack(self.learner, meta, flat, idx)
+        return packed_checksum(meta, flat, idx)
 
     def _settle(self, store, prefix: str, timeout: float) -> bool:
         """Keep the update only once the coordinator committed it. A newer assignment (the
