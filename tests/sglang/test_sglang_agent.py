@@ -58,7 +58,7 @@ class SGLangCells:
             mods, _ = fake_sglang.fake_modules(store=store, token_delay_s=TOKEN_DELAY_S, eos=-1)
             engine = SGLangEngine(eng_cfg, modules=mods)
             self.engines[cell_id] = engine
-            agent = CellAgent(cfg, cell_id=cell_id, scheduler_url=cluster.url, engine=engine)
+            agent = CellAgent(cfg, cell_id=cell_id, scheduler_url=cluster.url, engine=engine, token=cluster.token)
             t = threading.Thread(target=agent.run, args=(self.stop_event,), name=f"agent-{cell_id}", daemon=True)
             self.threads.append(t)
             t.start()
