@@ -13,6 +13,10 @@ Fields:
 - flips, migrations, lost_rollouts: summed over the RL runs (flips both ways; migrations
   committed during flips to training; episodes abandoned on an error).
 - exact_frac: trained-on sampled tokens with an exact old log-prob, over all RL runs.
+- max_train_cells: the largest data-parallel group of training cells in any RL step of the RL
+  runs (two cells flip to training per step; target >= 2).
+- coordinator_backward_s: seconds the trainer process spent in backward passes of RL steps,
+  over the RL runs (the training cells compute; target 0).
 - heldout_first / heldout_last: greedy (temperature 0) mean reward on HELDOUT fixed held-out
   episodes (toy_task.heldout_episodes: never trained on, never demonstrated) with the weights
   published first (after the warm-up) and last, mean over the RL runs; heldout_control_last:
@@ -45,7 +49,7 @@ HELDOUT = 32
 
 def make_cfg(tmp: Path, seed: int, steps: int, lr: float | None, quick: bool) -> dict:
     trainer = {"enabled": True, "steps": steps, "seed": seed, "checkpoint_dir": None,
-               "batch_episodes": 64, "agents": 16, "group_size": 8, "train_cells": 1,
+               "batch_episodes": 64, "agents": 16, "group_size": 8, "train_cells": 2,
                "train_cell_choice": "busiest", "long_fraction": 0.1}
     if lr is not None:
         trainer["lr"] = lr
@@ -139,6 +143,8 @@ def main() -> None:
         "flips": sum(r["flips"] for r in rl_runs), "migrations": sum(r["migrations"] for r in rl_runs),
         "lost_rollouts": sum(r["lost_rollouts"] for r in rl_runs),
         "exact_frac": round(min(tokens_exact), 6) if tokens_exact else None,
+        "max_train_cells": max(r["max_train_cells"] for r in rl_runs),
+        "coordinator_backward_s": sum(r["coordinator_backward_s"] for r in rl_runs),
         "heldout_first": _round_mean([p["heldout_first"] for p in per_seed]),
         "heldout_last": _round_mean([p["heldout_last"] for p in per_seed]),
         "heldout_control_last": _round_mean([p["heldout_control_last"] for p in per_seed]),
