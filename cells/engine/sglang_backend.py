@@ -1,7 +1,8 @@
 """The SGLang side of the adapter: loading the package, and translating to and from it.
 
 Everything here is a pure function of its arguments except `load_sglang`, which imports
-SGLang lazily: cellflip installs and tests without it (the `gpu` extra brings it).
+SGLang lazily: cellflip installs and tests without it (the `gpu` extra brings it), and
+`nccl_environment`, which sets the NCCL error mode SGLang's processes will inherit.
 Outputs are read as SGLang's streaming generator yields them with `skip_tokenizer_init`:
 `{"output_ids": [...], "meta_info": {"output_token_logprobs": [(logprob, id, None), ...],
 "completion_tokens": n, "finish_reason": {"type": ...} | None, ...}}`, where the lists are
@@ -10,6 +11,7 @@ cumulative (the default) or only the new part (`incremental_streaming_output`).
 
 from __future__ import annotations
 
+import logging
 import os
 import zlib
 from collections.abc import Mapping, MutableMapping
@@ -17,6 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from cells.engine.interface import EngineError, FinishReason, SamplingParams
+
+log = logging.getLogger(__name__)
 
 PINNED_SGLANG_VERSION = "0.5.23"
 """The SGLang release whose source the contract test checks the adapter against."""
@@ -95,7 +99,10 @@ def nccl_environment(environ: MutableMapping[str, str] = os.environ) -> None:
     communicator fails or times out, and SGLang's launcher then takes the cell process with
     it; 2 (CleanUpOnly) aborts the communicator and raises in the waiting call, so a failed
     version update reaches the adapter, which restarts the engine (sglang_control.py)."""
-    environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    mode = environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
+    if mode in ("1", "3"):
+        log.warning("TORCH_NCCL_ASYNC_ERROR_HANDLING=%s: a failed version update kills SGLang's scheduler "
+                    "and the cell process with it; cellflip expects 2", mode)
 
 
 def server_kwargs(model_path: str, tp: int, mem_fraction_static: float,
