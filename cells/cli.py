@@ -198,7 +198,8 @@ def cmd_up(args) -> int:
         sched["port"] = port
         say(f"API token {token_note}")
         return up_on_ray(raw, launcher, num_cells=n, run_dir=run_dir, train=train,
-                         steps=trainer.get("steps", cfg.trainer.steps), plain=args.no_display, say=say)
+                         steps=trainer.get("steps", cfg.trainer.steps), plain=args.no_display, say=say,
+                         stay=not args.quick)
     try:
         cluster = Cluster(run_dir, num_cells=n, cfg=raw, port=port, progress=say)
     except KeyboardInterrupt:

@@ -100,7 +100,6 @@ def _load(config_json: str):
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-
     return parse_config(json.loads(config_json), "launcher config")
 
 
@@ -135,7 +134,7 @@ class SchedulerActor:
         cfg = _load(config_json)
         self.ip, self.node_id = node_address()
         url_file = Path(cfg.scheduler.db_path).resolve().parent / URL_FILE
-        port = cfg.scheduler.port or _remembered_port(url_file) or _free_port(self.ip)
+        port = cfg.scheduler.port or _remembered_port(url_file, self.ip) or _free_port(self.ip)
         sched = cfg.scheduler.model_copy(update={"host": self.ip, "port": port})
         app = create_app(cfg.model_copy(update={"scheduler": sched}))
         self.server = uvicorn.Server(uvicorn.Config(app, host=self.ip, port=port, log_level="warning"))
@@ -165,9 +164,15 @@ class SchedulerActor:
         return not self.thread.is_alive()
 
 
-def _remembered_port(url_file: Path) -> int | None:
+def _remembered_port(url_file: Path, host: str) -> int | None:
+    """The port an earlier actor on this store served on, if it can be bound again (a
+    restart keeps the URL; anything else gets a fresh port, found through the named actor)."""
     try:
-        return int(json.loads(url_file.read_text())["port"])
+        port = int(json.loads(url_file.read_text())["port"])
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds it
+            s.bind((host, port))
+        return port
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -20,7 +20,14 @@ from pathlib import Path
 
 import httpx
 
-from cells.launch.actors import SCHEDULER_NAME, TRAINER_NAME, CellActor, SchedulerActor, TrainerActor, cell_name
+from cells.launch.actors import (
+    SCHEDULER_NAME,
+    TRAINER_NAME,
+    CellActor,
+    SchedulerActor,
+    TrainerActor,
+    cell_name,
+)
 from cells.localcluster import Cluster
 from scheduler.auth import TOKEN_ENV, auth_headers
 from scheduler.config import RayLauncherConfig, SGLangEngineConfig, parse_config
@@ -277,12 +284,16 @@ def wait_while_alive(cluster: RayCluster, every_s: float = 2.0) -> int:
 
 
 def up(raw: dict, launcher: RayLauncherConfig, *, num_cells: int, run_dir: str, train: bool, steps: int,
-       plain: bool, say) -> int:
-    """`cellflip up --ray`: start the deployment on the Ray cluster, follow it, stop it."""
+       plain: bool, say, stay: bool = True) -> int:
+    """`cellflip up --ray`: start the deployment on the Ray cluster, follow it, stop it
+    (after the training run unless `stay`: then on Ctrl-C, as without a trainer)."""
     try:
         cluster = RayCluster(run_dir, num_cells, raw, launcher, progress=say)
     except KeyboardInterrupt:
         return 0  # stopped while starting: the launcher took down what it had started
+    except TimeoutError as e:
+        say(f"start-up failed, everything it had started is stopped: {e}")
+        return 1
     try:
         url = cluster.url
         nodes = sorted({c.get("capabilities", {}).get("node", "?") for c in cluster.cells()})
@@ -294,7 +305,11 @@ def up(raw: dict, launcher: RayLauncherConfig, *, num_cells: int, run_dir: str, 
         status = Path(run_dir) / "trainer.ray.jsonl"
         status.unlink(missing_ok=True)
         cluster.start_trainer(run_dir)
-        return follow_trainer(cluster, status, steps, plain)
+        rc = follow_trainer(cluster, status, steps, plain)
+        if rc != 0 or not stay:
+            return rc
+        say("training finished; Ctrl-C stops the deployment")
+        return wait_while_alive(cluster)
     except KeyboardInterrupt:
         return 0
     finally:

@@ -143,6 +143,8 @@ def test_cells_placed_by_ray_flip_with_live_kv_migration_is_token_exact(deployme
 
     pgs = [pg for pg in placement_group_table().values() if pg["name"] == f"{NAMESPACE}-cells"]
     assert len(pgs) == 1 and pgs[0]["strategy"] == "SPREAD" and len(pgs[0]["bundles"]) == 3, pgs
+    named = {a["name"] for a in dep.ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE}
+    assert named == {"cellflip-scheduler", "cellflip-cell-0", "cellflip-cell-1", "cellflip-cell-2"}, named
     cells = dep.cells()
     assert sorted(c["id"] for c in cells) == ["cell-0", "cell-1", "cell-2"]
     for c in cells:  # each cell runs in its actor and reports where Ray put it
@@ -150,6 +152,10 @@ def test_cells_placed_by_ray_flip_with_live_kv_migration_is_token_exact(deployme
         assert c["incarnation"] == info["incarnation"] and c["state"] == "rollout"
         assert c["capabilities"]["node"].startswith(f"{info['node']}/") and info["node"] == "127.0.0.1"
         assert c["address"].startswith(info["node"] + ":")  # transfers rendezvous at Ray's node address
+    status = subprocess.run([sys.executable, "-m", "cells.cli", "status", "--scheduler", dep.url], timeout=60,
+                            env={**os.environ, TOKEN_ENV: dep.token}, capture_output=True, text=True)
+    assert status.returncode == 0 and status.stdout.split("\n")[0].split()[:3] == ["id", "node", "state"], status
+    assert status.stdout.count("127.0.0.1/") == 3, status.stdout  # the same table, with where each cell runs
     prompts, streams = _start(dep, 4, seed=1, max_tokens=200)
     victim = _busiest(dep)
     done = dep.wait_flip(dep.flip(victim, "training")["id"], 90)
@@ -161,7 +167,7 @@ def test_cells_placed_by_ray_flip_with_live_kv_migration_is_token_exact(deployme
 
 def test_killed_cell_actor_is_restarted_fenced_and_its_requests_continue_elsewhere(deployment):
     dep = deployment
-    prompts, streams = _start(dep, 3, seed=2, max_tokens=1200)  # still decoding after the kill
+    prompts, streams = _start(dep, 3, seed=2, max_tokens=500)  # still decoding after the kill
     victim = _busiest(dep)
     before = dep.info(f"cellflip-{victim}")
     generation = dep.cell(victim)["generation"]
@@ -197,6 +203,27 @@ def test_scheduler_actor_killed_recovers_from_its_store_and_the_flip_completes_o
     flips = dep.http.get("/v1/flips").json()
     flips = flips["flips"] if isinstance(flips, dict) else flips
     assert sum(f["id"] == flip["id"] for f in flips) == 1  # never runs twice
+
+
+def test_failed_start_up_leaves_nothing_behind(deployment, ray_head, tmp_path):
+    """Three cells that must each have a node of their own, on a one-node cluster: start-up
+    gives up after `ready_timeout_s` and takes down what it had started."""
+    from ray.util import placement_group_table
+
+    cfg = cluster_config(tmp_path)
+    cfg["launcher"] = {"type": "ray", "namespace": "cellflip-test-nofit", "placement": "STRICT_SPREAD",
+                       "ready_timeout_s": 30}
+    (tmp_path / "nofit.yaml").write_text(yaml.safe_dump(cfg))
+    run = subprocess.run([sys.executable, "-m", "cells.cli", "up", "--ray", ray_head.address, "--no-trainer",
+                          "--config", str(tmp_path / "nofit.yaml"), "--cells", "3", "--port", "0",
+                          "--run-dir", str(tmp_path / "run")], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=180, env={**os.environ, TOKEN_ENV: deployment.token, "PYTHONPATH": str(ROOT)})
+    assert run.returncode == 1 and "placement group" in run.stdout, run.stdout[-3000:]
+    named = [a for a in deployment.ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == "cellflip-test-nofit"]
+    assert named == [], named
+    assert not [pg for pg in placement_group_table().values()
+                if pg["name"] == "cellflip-test-nofit-cells" and pg["state"] != "REMOVED"]
 
 
 def test_shutdown_leaves_no_actor_placement_group_or_process(deployment, ray_head):
