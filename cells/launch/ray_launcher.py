@@ -59,6 +59,15 @@ def absolute_paths(cfg: dict) -> dict:
     return out
 
 
+def cell_bundle(cfg, launcher: RayLauncherConfig) -> dict[str, float]:
+    """One cell's placement-group bundle: its CPUs, and on GPU cells the tensor-parallel GPUs
+    of one model replica (SGLang's `tp`, unless `gpus_per_cell` says otherwise)."""
+    gpus = launcher.gpus_per_cell
+    if gpus is None:
+        gpus = cfg.cells.engine.tp if isinstance(cfg.cells.engine, SGLangEngineConfig) else 0
+    return {"CPU": launcher.cpus_per_cell, **({"GPU": gpus} if gpus else {})}
+
+
 class RayCluster(Cluster):
     """A deployment on Ray. The REST helpers (`cells`, `flip`, `wait_flip`, `session`…) are the
     local cluster's; processes are Ray actors, named in `launcher.namespace`."""
@@ -147,11 +156,7 @@ class RayCluster(Cluster):
         return pg
 
     def _bundle(self) -> dict[str, float]:
-        eng = self.parsed.cells.engine
-        gpus = self.launcher.gpus_per_cell
-        if gpus is None:
-            gpus = eng.tp if isinstance(eng, SGLangEngineConfig) else 0
-        return {"CPU": self.launcher.cpus_per_cell, **({"GPU": gpus} if gpus else {})}
+        return cell_bundle(self.parsed, self.launcher)
 
     def start_cell(self, i: int) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

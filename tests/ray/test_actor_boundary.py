@@ -9,9 +9,10 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from cells.launch.actors import ACTOR_CLASSES, check_plain, json_boundary
-from cells.launch.ray_launcher import absolute_paths
+from cells.launch.ray_launcher import absolute_paths, cell_bundle
 from cells.localcluster import ROOT
 from scheduler.config import ConfigError, LocalLauncherConfig, RayLauncherConfig, parse_config
 
@@ -88,3 +89,40 @@ def test_the_embedded_default_never_imports_ray():
     code = ("import sys, cells.cli, cells.localcluster, scheduler.app, scheduler.config; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+def test_a_cell_bundle_holds_one_replica():
+    cpu = parse_config({"launcher": {"type": "ray", "cpus_per_cell": 2}})
+    assert cell_bundle(cpu, cpu.launcher) == {"CPU": 2}
+    gpu = parse_config({"cells": {"engine": {"type": "sglang", "model_path": "/m", "tp": 8}}, "launcher": {"type": "ray"}})
+    assert cell_bundle(gpu, gpu.launcher) == {"CPU": 1, "GPU": 8}
+    pinned = parse_config({"launcher": {"type": "ray", "gpus_per_cell": 1}})
+    assert cell_bundle(pinned, pinned.launcher) == {"CPU": 1, "GPU": 1}
+
+
+def test_the_yaml_in_docs_ray_is_a_valid_config():
+    text = (ROOT / "docs" / "RAY.md").read_text()
+    block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    cfg = parse_config(yaml.safe_load(block), "docs/RAY.md")
+    assert isinstance(cfg.launcher, RayLauncherConfig) and cfg.launcher.scheduler_node == "10.0.0.5"
+
+
+def test_the_live_view_and_status_say_where_each_cell_runs():
+    from rich.console import Console
+
+    from cells.display import node_of, render
+
+    ray_cell = {"id": "cell-0", "state": "rollout", "address": "10.0.0.7:0",
+                "capabilities": {"node": "10.0.0.7/4f2a9c01d3e5"}}
+    local_cell = {"id": "cell-1", "state": "training", "address": "127.0.0.1:0", "capabilities": {}}
+    assert node_of(ray_cell) == "10.0.0.7/4f2a9c01d3e5" and node_of(local_cell) == "127.0.0.1"
+
+    class Snap:
+        cells, versions, events, steps = [ray_cell, local_cell], [], [], []
+        drift = flips = missing = 0.0
+        migrations: dict = {}
+
+    console = Console(width=200, record=True)
+    console.print(render(Snap(), "http://127.0.0.1:8700", 3))
+    shown = console.export_text()
+    assert "node" in shown and "10.0.0.7/4f2a9c01d3e5" in shown and "127.0.0.1" in shown
