@@ -19,6 +19,10 @@ next version). Scenarios, their runs round-robin in a seeded order (cells/faults
   trainer_kill_broadcast    the trainer process dies mid-bucket of a broadcast
   broadcast_receiver        a receiving cell dies, or stalls past the op timeout, mid-bucket
   scoring_fault             a cell dies, or its scorer fails, at a scoring task of the final pass
+  training_rank_fault       a training cell dies (SIGKILL) or stalls (SIGSTOP) mid-update; the
+                            step is redone by the other training cell; invariant: its parameters
+                            equal a fault-free update of the same batch (relative difference
+                            <= 1e-3) and one version number is taken, after the redo
 
 Fields of the JSON line:
 - scenarios, runs: counts of distinct scenarios and of runs (canary runs not included).

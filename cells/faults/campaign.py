@@ -964,6 +964,72 @@ def scn_scoring_fault(camp: Campaign, run: Run, k: int) -> None:
     t.join(90)
 
 
+def _training_batch(spec, seed: int) -> list[dict]:
+    """Synthetic finished trajectories over the model's output ids (4 groups of 3, exact old
+    log-probs): what a training step consumes."""
+    rng = random.Random(seed)
+    ids = spec.output_ids() or list(range(spec.vocab_size))
+    out = []
+    for g in range(4):
+        prompt = [rng.choice(ids) for _ in range(rng.randrange(4, 12))]
+        for i in range(3):
+            toks = prompt + [rng.choice(ids) for _ in range(rng.randrange(3, 16))]
+            m = [j >= len(prompt) for j in range(len(toks))]
+            out.append({"id": f"t{seed}-{g}-{i}", "reward": float(rng.random() < 0.5) + 0.1 * i, "group_id": f"g{g}",
+                        "segment_starts": [0], "token_ids": toks, "loss_mask": [int(x) for x in m],
+                        "logprobs": [-2.0 if x else None for x in m], "versions": [0 if x else None for x in m],
+                        "old_logprobs": [-2.0 if x else None for x in m],
+                        "provenance": ["exact" if x else None for x in m]})
+    return out
+
+
+def scn_training_rank_fault(camp: Campaign, run: Run, k: int) -> None:
+    """A training cell dies (SIGKILL) or stalls (SIGSTOP) in the middle of an update: the step
+    is redone by the other training cell from the coordinator's unchanged host copy. Checked:
+    the parameters equal a fault-free update of the same batch (max over tensors of
+    ||a - b|| / ||a - theta_0|| <= 1e-3), one version number is taken, and only after the redo."""
+    from cells.engine.model_spec import resolve_spec
+    from cells.trainer.learner import Learner
+    from cells.training.coordinator import TrainingCoordinator
+    from scheduler.config import parse_config
+
+    variant = ["kill", "stop"][k % 2]
+    victim, other, _ = _names(run.rng)
+    run.params.update(variant=variant, victim=victim, other=other)
+    camp.restart({victim: {"training.after_minibatch": f"1*{variant}"}})
+    v = camp.next_version  # a version command tells every cell where the coordinator's store is
+    camp.next_version += 1
+    camp.publish(v).join(60)
+    camp.flip_all(run, [(victim, "training"), (other, "training")])
+    spec = resolve_spec(parse_config(camp.cfg).cells.engine.model)
+    batch = _training_batch(spec, run.seed)
+    clean, host = (Learner(spec, camp.weights[v], lr=2e-3, minibatches=2) for _ in range(2))
+    clean.rl_step(batch)
+    taken: list[int] = []
+    coord = TrainingCoordinator(host, camp.host.address, timeout_s=TRANSFER_TIMEOUT_S + 2, ack_timeout_s=15,
+                                emit=lambda rec: camp.history.info("trainer", rec.get("event", "train"), **{
+                                    k2: v2 for k2, v2 in rec.items() if k2 != "event"}))
+    m = coord.update(batch, [victim, other], next_version=lambda: taken.append(host.version) or host.version)
+    gone = camp.nem.killed(victim) if variant == "kill" else camp.nem.stopped(victim)
+    if gone and m["attempts"] >= 2:
+        camp.fault(run, "SIGKILL" if variant == "kill" else "SIGSTOP", victim,
+                   failpoint="training.after_minibatch", attempts=m["attempts"], cells_lost=m["cells_lost"])
+    else:
+        run.notes.append(f"training fault on {victim} did not disturb the step: {gone}, attempts {m['attempts']}")
+    diff = 0.0
+    for name, p in clean.params.items():
+        den = float((p.detach() - camp.weights[v][name]).norm())
+        if den > 0:
+            diff = max(diff, float((p.detach() - host.params[name].detach()).norm()) / den)
+    run.params.update(param_rel_diff=diff, attempts=m["attempts"], fallback=m["coordinator_fallback"])
+    if diff > 1e-3:
+        run.violations.append(f"training: the update after the fault differs from the fault-free one ({diff:.2e})")
+    if len(taken) != 1:
+        run.violations.append(f"training: version numbers taken {taken} (a partial update was committed)")
+    camp.restart({victim: None})
+    camp.flip_all(run, [(other, "rollout")])
+
+
 SCENARIOS: dict[str, Callable[[Campaign, Run, int], None]] = {
     "mig_kill_source": scn_mig_kill_source,
     "mig_kill_destination": scn_mig_kill_destination,
@@ -976,6 +1042,7 @@ SCENARIOS: dict[str, Callable[[Campaign, Run, int], None]] = {
     "trainer_kill_broadcast": scn_trainer_kill_broadcast,
     "broadcast_receiver": scn_broadcast_receiver,
     "scoring_fault": scn_scoring_fault,
+    "training_rank_fault": scn_training_rank_fault,
 }
 
 CANARY_PLAN = [("zombie_destination", 0), ("mig_kill_destination", DST_FPS.index("migrate.after_commit"))]

@@ -65,7 +65,15 @@ class TrainingCoordinator:
         """One RL update on `cells` (redone without the cells that fail); the host learner
         then holds it as version `next_version()`. Returns the update's metrics."""
         self.num_steps += 1
-        cells, lost, attempts = list(cells), [], 0
+        try:
+            return self._update(trajectories, list(cells), next_version, shares, cursor)
+        finally:
+            for c in cells:  # a cell restarting later must not take this step up again
+                self.store.delete_key(P.assign_key(c))
+
+    def _update(self, trajectories: Sequence[dict], cells: list[str], next_version: Callable[[], int],
+                shares: Sequence[float] | None, cursor: int | None) -> dict[str, Any]:
+        lost, attempts = [], 0
         while cells and attempts < self.max_attempts:
             attempts += 1
             try:
@@ -94,6 +102,7 @@ class TrainingCoordinator:
         plan = plan_update(trajectories, self.learner.objective, self.learner.minibatches,
                            list(shares) if shares else [1.0] * len(cells))
         prefix = P.attempt_prefix(self.num_steps, attempt, self.run)
+        self._cells = cells
         self._assign(prefix, cells, plan, attempt)
         acks = self._acks(prefix, cells)
         group = None
@@ -155,8 +164,9 @@ class TrainingCoordinator:
         if not ranks:
             return
         keys = [f"{prefix}/joined/{r}" for r in ranks]
-        if len(wait_keys(self.store, keys, self.timeout_s)) < len(keys):
-            raise StepFailed("a joining rank did not confirm the state")
+        # rebuilding the state is CPU work on the joiner, not one transfer op: a longer bound
+        if len(wait_keys(self.store, keys, self.ack_timeout_s + self.timeout_s)) < len(keys):
+            raise StepFailed("a joining rank did not confirm the state", self._failed(prefix, self._cells))
         bad = [r for r, k in zip(ranks, keys) if int(get_json(self.store, k)["state_checksum"]) != mine]
         if bad:
             raise StepFailed(f"ranks {bad} rebuilt another state")

@@ -111,7 +111,11 @@ class TrainingWorker:
                 time.sleep(POLL_S)
                 continue
             self._last = key
-            self.run_attempt(store, a)
+            try:
+                self.run_attempt(store, a)
+            except Exception:  # never let the rank die: the next assignment must find it
+                log.exception("cell %s: training attempt crashed", self.cell_id)
+                self.drop()
 
     def run_attempt(self, store, a: dict[str, Any]) -> bool:
         """One attempt of one step; True when it was committed."""
@@ -134,6 +138,8 @@ class TrainingWorker:
         spec = wait_json(store, f"{prefix}/spec", 10.0)
         if spec is None or self.cell_id not in spec["cells"]:
             return False
+        if store.check([f"{prefix}/commit"]) or store.check([f"{prefix}/abort"]):
+            return False  # an attempt that ended before this rank (re)started
         rank, n = spec["cells"].index(self.cell_id) + 1, len(spec["cells"])
         share = Share.from_json(wait_json(store, f"{prefix}/share/{rank}", 10.0))
         timeout, connect_s = float(spec["timeout_s"]), float(spec["connect_timeout_s"])
