@@ -124,6 +124,8 @@ def render(s: Snapshot, url: str, total_steps: int) -> Group:
     rl.add_row("step", f"{len(steps)}/{total_steps}", "phase", phase)
     rl.add_row("reward (batch mean)", f"{rewards[-1]:.3f}" if rewards else "-", "trend", spark(rewards))
     rl.add_row("flips", f"{s.flips:.0f}", "moves committed", moves_line(s.migrations))
+    rl.add_row("training cells (last step)", f"{last.get('train_cells', 0):.0f}" if last else "-",
+               "training step s", f"{last['train_s']:.1f}" if "train_s" in last else "-")
     rl.add_row("versions live", ", ".join(f"v{v['version']}:{v['state']}" for v in live) or "-",
                "log-prob backlog", f"{backlog} tokens ({s.missing:.0f} missing)")
     rl.add_row("retokenization drift", f"{s.drift:.0f}", "episodes lost",

@@ -202,6 +202,9 @@ class Controller:
         self.rates.on_trainer_report(
             TrainerDemand(batch_size, steps_in_progress, max_cells_per_step, max_concurrent_steps),
             step_s, sessions, tokens, cells)
+        if step_s is not None:
+            self.metrics.training_step.observe(step_s)
+            self.metrics.training_cells.set(cells or 0)
         self.kick()
         r = self.rates
         return {"train_rate_per_cell_s": r.train_rate_per_cell_s, "train_step_s": r.train_step_s,
