@@ -69,8 +69,9 @@ class RayHead:
     def processes(self) -> set[int]:
         return _descendants(self.pgid)
 
-    def stop(self, grace_s: float = 10.0) -> set[int]:
-        """SIGTERM the head's processes, SIGKILL what remains; returns what had to be killed."""
+    def stop(self, grace_s: float = 3.0) -> set[int]:
+        """SIGTERM the head's processes, SIGKILL what remains (the GCS server does not stop on
+        SIGTERM within seconds); returns what had to be killed."""
         pids = self.processes()
         for pid in pids:
             _signal(pid, signal.SIGTERM)
