@@ -468,6 +468,7 @@ def rl_check(learner: Learner, cfg: CheckConfig, log: Any = print) -> dict[str, 
 
     task = TaskSpec(seed=cfg.seed)
     learner.set_reference()  # KL (when configured) anchors at the warmed-up policy
+    learner.start_rl()  # the warm-up's moments describe another objective
     w0, v0 = learner.weights(), learner.version
     control = Learner(learner.spec, w0, lr=0.0, objective=learner.objective, tile=learner.tile)
     control.load_state_dict(learner.state_dict())
