@@ -292,7 +292,9 @@ class Controller:
 
         if self.store.owners.active_request_for_session(session_id) is not None:
             raise Conflict(f"session {session_id!r} has a request in flight", reason="session_busy")
+        before = self.store.sessions.get(session_id)
         row = self.store.sessions.finish(session_id, reward, group_id)
-        self.rates.on_finish()
+        if before is None or before.state != "finished":  # a replay finished nothing new
+            self.rates.on_finish()
         return {"id": row.id, "state": row.state, "reward": row.reward, "group_id": row.group_id, "cursor": row.finish_seq}
 
