@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -59,6 +60,19 @@ def absolute_paths(cfg: dict) -> dict:
     return out
 
 
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A head given as host:port answers on TCP, or SystemExit at once (Ray's own connect
+    retries for minutes). `auto` is Ray's to resolve."""
+    host, _, port = address.rpartition(":")
+    if address == "auto" or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise SystemExit(f"cellflip up --ray: no Ray head answers at {address} ({e.strerror or e}); start one "
+                         "with `ray start --head`, or give its address") from None
+
+
 def cell_bundle(cfg, launcher: RayLauncherConfig) -> dict[str, float]:
     """One cell's placement-group bundle: its CPUs, and on GPU cells the tensor-parallel GPUs
     of one model replica (SGLang's `tp`, unless `gpus_per_cell` says otherwise)."""
@@ -91,8 +105,13 @@ class RayCluster(Cluster):
         self.http = None
         self.token = self._token()
         self.headers = auth_headers(self.token)
-        self.ray.init(address=launcher.address, namespace=self.namespace, log_to_driver=False,
-                      configure_logging=False)
+        check_reachable(launcher.address)
+        try:
+            self.ray.init(address=launcher.address, namespace=self.namespace, log_to_driver=False,
+                          configure_logging=False)
+        except ConnectionError as e:
+            raise SystemExit(f"cellflip up --ray: no Ray cluster at {launcher.address!r} ({e}); start one with "
+                             "`ray start --head`, or give its address") from None
         try:
             self.start_scheduler()
             self.progress(f"placing {num_cells} cells ({launcher.placement}, one bundle each)")

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 from cells.launch.actors import ACTOR_CLASSES, check_plain, json_boundary
-from cells.launch.ray_launcher import absolute_paths, cell_bundle
-from cells.localcluster import ROOT
+from cells.launch.ray_launcher import absolute_paths, cell_bundle, check_reachable
+from cells.localcluster import ROOT, find_free_port
 from scheduler.config import ConfigError, LocalLauncherConfig, RayLauncherConfig, parse_config
 
 
@@ -126,3 +126,9 @@ def test_the_live_view_and_status_say_where_each_cell_runs():
     console.print(render(Snap(), "http://127.0.0.1:8700", 3))
     shown = console.export_text()
     assert "node" in shown and "10.0.0.7/4f2a9c01d3e5" in shown and "127.0.0.1" in shown
+
+
+def test_an_absent_head_fails_at_once_with_the_address():
+    with pytest.raises(SystemExit, match=r"no Ray head answers at 127\.0\.0\.1:\d+"):
+        check_reachable(f"127.0.0.1:{find_free_port()}")
+    check_reachable("auto")  # Ray's to resolve
