@@ -14,6 +14,9 @@ Run A: cell 0 alone, updates u1..u3 (u1 includes its join). Run B: a fresh coord
 - step_s["1"], step_s["2"]: median coordinator-side wall time of u2 and u3 in runs A and B
   (plan, assignment, compute on the cells, the new state back to the host copy, commit).
 - speedup_2 = step_s["1"] / step_s["2"].
+- update_s: the same medians of rank 1's own `run_update` time (forwards, backwards, gradient
+  sums, optimizer steps): the part of a step the cells split; the rest of step_s is the
+  state's way back to the host copy, checksums and the commit.
 - param_max_rel_diff: max over tensors of ||θ_A − θ_B|| / ||θ_A − θ_0|| after u3.
 - coordinator_forward_s / coordinator_backward_s: seconds this process spent in RL forwards
   and backwards over both runs (the learner's own counters).
@@ -143,6 +146,8 @@ def main() -> None:
         "global_batch_tokens": int(sum(len(t["token_ids"]) for t in batches[0])),
         "step_s": {"1": round(s1, 3), "2": round(s2, 3)},
         "speedup_2": round(s1 / s2, 3),
+        "update_s": {"1": round(statistics.median(m["step_s"] for m in ma[1:]), 3),
+                     "2": round(statistics.median(m["step_s"] for m in mb[1:]), 3)},
         "param_max_rel_diff": diff,
         "coordinator_forward_s": a.compute_s["forward"] + b.compute_s["forward"],
         "coordinator_backward_s": a.compute_s["backward"] + b.compute_s["backward"],

@@ -310,11 +310,11 @@ class Learner:
         average equals the parameters (rows no step has moved) stay bitwise equal to them:
         beta·W/W'·x + 1/W'·x is x in exact arithmetic but not always in floats, and exact
         equality keeps those rows off the wire when a cell joins (cells/training/wire.py)."""
-        same = {k: (self.ewma.params[k] == self.params[k]).all(dim=1)
+        same = {k: torch.nonzero((self.ewma.params[k] == self.params[k]).all(dim=1)).flatten()
                 for k in (_EMBED, _HEAD) if k in self.params and k in self.ewma.params}
         self.ewma.update(self.params)
         for k, rows in same.items():
-            self.ewma.params[k][rows] = self.params[k].detach()[rows]
+            self.ewma.params[k].index_copy_(0, rows, self.params[k].detach().index_select(0, rows))
 
     def apply_gradients(self) -> float:
         """Clip, one optimizer step at the scheduled learning rate; the version is the
