@@ -163,12 +163,12 @@ class Trainer:
         t_flip = time.monotonic()
         batch = self.client.wait_scored(batch, timeout_s=600)
         t_scored = time.monotonic()
-        cells = [f["cell"] for f in flipped if f["state"] == "done"]
+        cells = self._training_cells(flipped)
         metrics = self.coordinator.update(batch, cells, next_version=self._next_version, cursor=self.client.cursor)
         self.rl_step += 1
         t_train = time.monotonic()
         self._publish()  # under the number the update was committed as (the cells hold it)
-        back = self._flip_back(flipped)
+        back = self._flip_back(cells)
         self._drop_retired()
         if self.rl_step % self.tc.checkpoint_every == 0:
             self._checkpoint()
@@ -222,23 +222,40 @@ class Trainer:
         return sel.ready
 
     def _flip_to_training(self) -> list[dict]:
+        """Flip `train_cells` cells to training; returns the finished flips. A refusal part way
+        (e.g. `min_rollout_cells`) keeps the flips already accepted: they train this step."""
         if self.tc.train_cells <= 0:
             return []
+        flips: list[dict] = []
         try:
             if self.tc.train_cell_choice == "busiest":
                 cells = sorted((c for c in self.client.cells() if c["state"] == "rollout"),
                                key=lambda c: -c.get("inflight", 0))[: self.tc.train_cells]
-                flips = [f for c in cells for f in self.client.flip("training", cell=c["id"])]
+                for c in cells:
+                    flips += self.client.flip("training", cell=c["id"])
             else:
                 flips = self.client.flip("training", count=self.tc.train_cells)
-        except Exception as e:  # e.g. min_rollout_cells: train without taking a cell
-            self._emit({"event": "flip_refused", "reason": str(e)[:200]})
-            return []
-        return self.client.wait_flips(flips, timeout_s=600)
+        except Exception as e:  # e.g. min_rollout_cells: train on the cells flipped so far
+            self._emit({"event": "flip_refused", "reason": str(e)[:200], "accepted": len(flips)})
+        return self.client.wait_flips(flips, timeout_s=600) if flips else []
 
-    def _flip_back(self, done: list[dict]) -> list[dict]:
-        cells = [f["cell"] for f in done if f["state"] == "done"]
-        flips = [f for c in cells for f in self.client.flip("rollout", cell=c)]
+    def _training_cells(self, flipped: list[dict]) -> list[str]:
+        """The step's data-parallel group: the cells this step flipped, and any other cell
+        already in the training role (a flip a refusal left behind): none stays idle there."""
+        mine = [f["cell"] for f in flipped if f["state"] == "done"]
+        try:
+            idle = [c["id"] for c in self.client.cells() if c["state"] == "training" and c["id"] not in mine]
+        except Exception:  # the scheduler briefly unreachable: the flipped cells suffice
+            idle = []
+        return mine + idle
+
+    def _flip_back(self, cells: list[str]) -> list[dict]:
+        flips: list[dict] = []
+        for c in cells:
+            try:
+                flips += self.client.flip("rollout", cell=c)
+            except Exception as e:  # already on its way back, or gone: the others go on
+                self._emit({"event": "flip_refused", "cell": c, "reason": str(e)[:200]})
         return self.client.wait_flips(flips, timeout_s=600) if flips else []
 
     def _next_version(self) -> int:
