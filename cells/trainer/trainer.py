@@ -191,17 +191,6 @@ class Trainer:
         }
         self.history.append(rec)
         self._emit(rec)
-        self._report(rec, len(batch))
-
-    def _report(self, rec: dict[str, Any], sessions: int) -> None:
-        """The step's time, tokens and training cells to the scheduler (its planner's training
-        side, and the `cellflip_training_step_*` metrics)."""
-        try:
-            self.client.report_training(batch_size=self.tc.batch_episodes, steps_in_progress=0,
-                                        max_cells_per_step=max(1, self.tc.train_cells), step_s=max(rec["train_s"], 1e-3),
-                                        sessions=sessions, tokens=rec["tokens"], cells=max(1, int(rec.get("train_cells", 0))))
-        except Exception as e:  # an older scheduler without the route: the run goes on
-            log.warning("training report refused: %s", e)
 
     def _complete_groups(self, limit: int) -> list[dict]:
         """Whole groups (all `group_size` members finished), oldest first, up to about `limit`
