@@ -362,6 +362,7 @@ def make_chat_router(
         response_model=ChatCompletion,
         responses={
             400: {"model": ErrorResponse},
+            401: {"model": ErrorResponse},
             409: {"model": ErrorResponse},
             413: {"model": ErrorResponse},
             422: {"model": ErrorResponse},
@@ -447,6 +448,7 @@ def make_chat_router(
         @router.post(
             "/v1/sessions/{session_id}/finish",
             responses={
+                401: {"model": ErrorResponse},
                 404: {"model": ErrorResponse},
                 409: {"model": ErrorResponse},
                 422: {"model": ErrorResponse},

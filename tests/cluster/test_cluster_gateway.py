@@ -28,7 +28,7 @@ def _sampled(cluster, sid):
 @pytest.mark.parametrize("stream", [False, True])
 def test_multi_turn_chat_records_exactly_the_sampled_tokens(cluster, stream):
     sid = f"chat-{int(stream)}"
-    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key="unused", default_headers={"X-Session-Id": sid})
+    client = openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=cluster.token, default_headers={"X-Session-Id": sid})
     messages = [{"role": "user", "content": "What is 17 + 25? Use the calculator."}]
     completions = []
     for turn in range(3):
