@@ -1001,6 +1001,7 @@ def scn_training_rank_fault(camp: Campaign, run: Run, k: int) -> None:
     camp.next_version += 1
     camp.publish(v).join(60)
     camp.flip_all(run, [(victim, "training"), (other, "training")])
+    camp.start_clients(run, 3)  # rollouts go on on the third cell throughout
     spec = resolve_spec(parse_config(camp.cfg).cells.engine.model)
     batch = _training_batch(spec, run.seed)
     clean, host = (Learner(spec, camp.weights[v], lr=2e-3, minibatches=2) for _ in range(2))
