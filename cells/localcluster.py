@@ -220,7 +220,7 @@ class Streamer(threading.Thread):
     def run(self) -> None:
         body = {"prompt_ids": self.prompt, "max_tokens": self.max_tokens, "seed": self.seed, "stream": True}
         try:
-            with httpx.stream("POST", f"{self.url}/v1/completions", json=body, headers=self.headers,
+            with httpx.stream("POST", f"{self.url}/v1/generate", json=body, headers=self.headers,
                               timeout=self.timeout_s) as r:
                 self.request_id = r.headers.get("X-Request-Id")
                 self.session_id = r.headers.get("X-Session-Id")

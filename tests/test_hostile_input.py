@@ -164,7 +164,7 @@ def test_token_guards_every_route_and_method_including_gateway_internal_and_docs
     app = create_app(make_config(auth_token_file=str(tmp_path / "token")), db_path=str(tmp_path / "a.sqlite"),
                      tick_interval_s=None)
     inventory = _inventory(app)
-    must = {("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/v1/flips"),
+    must = {("POST", "/v1/chat/completions"), ("POST", "/v1/generate"), ("POST", "/v1/flips"),
             ("POST", "/internal/v1/cells/register"), ("POST", "/internal/v1/cells/{cell_id}/sync"),
             ("POST", "/internal/v1/migrations/{migration_id}/commit"),
             ("POST", "/internal/v1/migrations/{migration_id}/abort"), ("GET", "/metrics"),
@@ -323,7 +323,7 @@ def test_shipped_configs_that_bind_beyond_loopback_require_a_token():
 # ----------------------------------------------------------------------------- 413
 
 
-BODY_ROUTES = ["/v1/flips", "/v1/versions", "/v1/sessions/s/finish", "/v1/completions", "/v1/chat/completions",
+BODY_ROUTES = ["/v1/flips", "/v1/versions", "/v1/sessions/s/finish", "/v1/generate", "/v1/chat/completions",
                "/internal/v1/cells/register", "/internal/v1/cells/c/sync", "/internal/v1/migrations/m/commit",
                "/internal/v1/migrations/m/abort"]
 
@@ -375,7 +375,7 @@ MALFORMED = [
     # body that is not JSON text
     ("POST", "/v1/flips", {"content": b"\xff\xfe\xfa{}", "headers": JSON}),
     ("POST", "/v1/flips", {"content": b'{"to": "training", "cell": "\xc3\x28"}', "headers": JSON}),
-    ("POST", "/v1/completions", {"content": _DEEP, "headers": JSON}),
+    ("POST", "/v1/generate", {"content": _DEEP, "headers": JSON}),
     ("POST", "/internal/v1/cells/register", {"content": _DEEP, "headers": JSON}),
     # deep but parseable: the 422 echoes the input without deep recursion
     ("POST", "/v1/flips", {"content": '{"to": "training", "cell": ' + _NESTED + "}", "headers": JSON}),
@@ -391,8 +391,8 @@ MALFORMED = [
     # numbers Python's json reads but JSON cannot carry back (the 422 must still serialize)
     ("POST", "/v1/sessions/s/finish", {"content": b'{"reward": NaN}', "headers": JSON}),
     ("POST", "/v1/sessions/s/finish", {"content": b'{"reward": -Infinity}', "headers": JSON}),
-    ("POST", "/v1/completions", {"content": b'{"prompt_ids": [1], "temperature": NaN}', "headers": JSON}),
-    ("POST", "/v1/completions", {"content": b'{"prompt_ids": [1], "seed": 1e400}', "headers": JSON}),
+    ("POST", "/v1/generate", {"content": b'{"prompt_ids": [1], "temperature": NaN}', "headers": JSON}),
+    ("POST", "/v1/generate", {"content": b'{"prompt_ids": [1], "seed": 1e400}', "headers": JSON}),
     ("POST", "/v1/flips", {"content": b'{"cell": "a", "to": "training", "expected_generation": Infinity}',
                            "headers": JSON}),
     ("POST", "/internal/v1/cells/register", {"content": b'{"cell_id": NaN}', "headers": JSON}),
@@ -403,7 +403,7 @@ MALFORMED = [
     ("POST", "/v1/versions", {"json": {"version": "3"}}),
     ("POST", "/v1/versions", {"json": {"version": 1.5}}),
     ("POST", "/v1/sessions/s/finish", {"json": {"reward": False}}),
-    ("POST", "/v1/completions", {"json": {"prompt_ids": [True]}}),
+    ("POST", "/v1/generate", {"json": {"prompt_ids": [True]}}),
     ("POST", "/v1/flips", {"json": {"count": True, "to": "training"}}),
     # integers past 64 bits, in a path, a query, a body, the cell protocol
     ("DELETE", f"/v1/versions/{1 << 63}", {}),
@@ -411,7 +411,7 @@ MALFORMED = [
     ("GET", f"/v1/trajectories?cursor={1 << 63}", {}),
     ("GET", f"/v1/trajectories?limit={1 << 70}", {}),
     ("POST", "/v1/versions", {"json": {"version": 1 << 64}}),
-    ("POST", "/v1/completions", {"json": {"prompt_ids": [1 << 64]}}),
+    ("POST", "/v1/generate", {"json": {"prompt_ids": [1 << 64]}}),
     ("POST", "/internal/v1/cells/register", {"json": {"cell_id": "big", "incarnation": "i", "address": "a:1",
                                                       "store_port": 1 << 64}}),
     ("POST", "/internal/v1/cells/register", {"json": {"cell_id": "big", "incarnation": "i", "address": "a:1",
@@ -421,8 +421,8 @@ MALFORMED = [
                                                            "epoch": 1 << 64, "num_tokens": 0}}),
     # headers
     ("POST", "/v1/flips", {"json": {"cell": "a", "to": "training"}, "headers": {"Idempotency-Key": "k" * 300}}),
-    ("POST", "/v1/completions", {"json": {"prompt_ids": [1]}, "headers": {"X-Session-Id": "a b"}}),
-    ("POST", "/v1/completions", {"json": {"prompt_ids": [1]}, "headers": {"X-Session-Id": "x" * 300}}),
+    ("POST", "/v1/generate", {"json": {"prompt_ids": [1]}, "headers": {"X-Session-Id": "a b"}}),
+    ("POST", "/v1/generate", {"json": {"prompt_ids": [1]}, "headers": {"X-Session-Id": "x" * 300}}),
 ]
 
 
@@ -502,7 +502,7 @@ def test_illegal_transitions_are_409_and_change_nothing(harness):
     assert replay.status_code == 200 and replay.json() == first.json()  # a replay is the original answer
     assert store_dump(db) == before
     conflict("POST", "/v1/sessions/s1/finish", "session_finished", json={"reward": 0.0})
-    conflict("POST", "/v1/completions", "session_finished", json={"prompt_ids": [1, 2, 3]},
+    conflict("POST", "/v1/generate", "session_finished", json={"prompt_ids": [1, 2, 3]},
              headers={"X-Session-Id": "s1"})
 
 
@@ -555,14 +555,14 @@ def test_completion_replay_follows_the_first_request(harness):
     out = first.result(timeout=60).json()
     assert len(out["token_ids"]) == 6 and out["finish_reason"] == "length"
     before = store_dump(harness.db_path)
-    again = harness.client.post("/v1/completions", json=body, headers=key)
+    again = harness.client.post("/v1/generate", json=body, headers=key)
     assert again.status_code == 200 and again.json() == out  # the same request, the same tokens
-    with harness.client.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=key) as r:
+    with harness.client.stream("POST", "/v1/generate", json={**body, "stream": True}, headers=key) as r:
         lines = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
     assert r.headers["x-request-id"] == out["id"]
     assert [t for ln in lines for t in ln.get("token_ids", [])] == out["token_ids"]
     assert store_dump(harness.db_path) == before  # no second request, no second key
-    r = _rejected(harness.client, harness.db_path, "POST", "/v1/completions", 409,
+    r = _rejected(harness.client, harness.db_path, "POST", "/v1/generate", 409,
                   json={**body, "max_tokens": 7}, headers=key)
     assert r.json()["reason"] == "idempotency_key_reused"
     other = harness.complete(body, headers={**key, "Idempotency-Key": "rollout-18", "X-Session-Id": "s18"})
@@ -605,8 +605,8 @@ def test_idempotency_keys_expire_after_their_ttl(harness):
 
 
 @pytest.mark.parametrize("path,body", [
-    ("/v1/completions", {"prompt_ids": [1, 2]}),
-    ("/v1/completions", {"prompt_ids": [1, 2], "stream": True}),
+    ("/v1/generate", {"prompt_ids": [1, 2]}),
+    ("/v1/generate", {"prompt_ids": [1, 2], "stream": True}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": True}),
 ])

@@ -6,7 +6,7 @@ number of examples (positive and negative data, schemathesis' default phases), s
 reproducible and takes well under a minute on two slow cores.
 
 Two apps, so that nothing blocks: the public API and the gateway run with no cell ever
-registered (POST /v1/completions and /v1/chat/completions answer 429 at once instead of
+registered (POST /v1/generate and /v1/chat/completions answer 429 at once instead of
 waiting for a cell to decode), and the cell protocol (/internal/...) runs on an app of its
 own, where the cells it registers never see a completion. Every call has a read timeout,
 so a hang is a failure, not a stall.

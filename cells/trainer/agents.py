@@ -109,7 +109,7 @@ class AgentPool:
         n = min(self.cfg.long_max_tokens, int(256 * rng.paretovariate(1.5)))
         try:
             ids = chat.client.get(f"/v1/sessions/{sid}", headers=chat.headers).json()["token_ids"]
-            r = chat.client.post("/v1/completions", headers={**chat.headers, "X-Session-Id": f"{sid}.long"},
+            r = chat.client.post("/v1/generate", headers={**chat.headers, "X-Session-Id": f"{sid}.long"},
                                  json={"prompt_ids": ids, "max_tokens": n, "temperature": self.cfg.temperature,
                                        "seed": rng.randrange(1 << 30)})
             if r.status_code == 429:

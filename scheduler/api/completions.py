@@ -1,4 +1,9 @@
-"""POST /v1/completions: token ids in, token ids + log-probs + versions out (SSE if stream)."""
+"""POST /v1/generate: token ids in, token ids + log-probs + versions out (SSE if stream).
+
+cellflip's own format, under a name apart from OpenAI's `/v1/completions`: every event is
+`{"id", "token_ids", "logprobs", "versions", "finish_reason"}` (`finish_reason` null until
+the last), then `data: [DONE]`; without `stream`, one object with the same keys plus
+`session_id`."""
 
 from __future__ import annotations
 
@@ -22,7 +27,7 @@ def _chunk(rid: str, rows: list[tuple]) -> dict:
             "versions": [r[3] for r in rows], "finish_reason": None}
 
 
-@router.post("/v1/completions", response_model=None, responses=errors(404, 409, 413, 422, 429))
+@router.post("/v1/generate", response_model=None, responses=errors(404, 409, 413, 422, 429))
 async def create_completion(body: CompletionCreate, ctl: Ctl, session_id: SessionId = None,
                             idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
                             ) -> dict | StreamingResponse:

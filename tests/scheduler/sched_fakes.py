@@ -54,7 +54,7 @@ class Harness:
             self.client.portal.call(self.ctl.tick)
 
     def complete(self, body: dict, session: str | None = None, headers: dict | None = None) -> Future:
-        """POST /v1/completions on a worker thread (it blocks until the cells finish it)."""
+        """POST /v1/generate on a worker thread (it blocks until the cells finish it)."""
         return complete_async(self.client, self.pool, body, session, headers)
 
     def check(self) -> None:
@@ -259,7 +259,7 @@ def complete_async(client: TestClient, pool: ThreadPoolExecutor, body: dict, ses
     h = dict(headers or {})
     if session is not None:
         h["X-Session-Id"] = session
-    return pool.submit(client.post, "/v1/completions", json=body, headers=h)
+    return pool.submit(client.post, "/v1/generate", json=body, headers=h)
 
 
 def until_held(cell: FakeCell, fut: Future | None = None, rounds: int = 500) -> None:

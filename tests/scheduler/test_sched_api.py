@@ -75,11 +75,11 @@ def test_not_found_and_validation_errors_are_json(harness):
         ("POST", "/v1/flips", {"cell": "a", "count": 2, "to": "training"}),
         ("POST", "/v1/flips", {"count": 1, "to": "training", "expected_generation": 3}),
         ("POST", "/v1/versions", {"version": -1}),
-        ("POST", "/v1/completions", {"prompt_ids": [-1]}),
-        ("POST", "/v1/completions", {"prompt_ids": [1], "top_p": 0}),
-        ("POST", "/v1/completions", {"prompt_ids": [1], "max_tokens": 0}),
-        ("POST", "/v1/completions", {"prompt_ids": "abc"}),
-        ("POST", "/v1/completions", {"prompt_ids": [1], "bogus": 1}),
+        ("POST", "/v1/generate", {"prompt_ids": [-1]}),
+        ("POST", "/v1/generate", {"prompt_ids": [1], "top_p": 0}),
+        ("POST", "/v1/generate", {"prompt_ids": [1], "max_tokens": 0}),
+        ("POST", "/v1/generate", {"prompt_ids": "abc"}),
+        ("POST", "/v1/generate", {"prompt_ids": [1], "bogus": 1}),
         ("POST", "/v1/sessions/s/finish", {"reward": "high"}),
         ("POST", "/internal/v1/cells/register", {"cell_id": "a"}),
         ("POST", "/internal/v1/cells/a/sync", {"incarnation": "i", "tokens": [{"request_id": 1}]}),
@@ -92,7 +92,7 @@ def test_not_found_and_validation_errors_are_json(harness):
         assert "detail" in r.json()
     r = c.post("/v1/flips", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 422
-    r = c.post("/v1/completions", json={"prompt_ids": [1]}, headers={"X-Session-Id": "bad id with spaces"})
+    r = c.post("/v1/generate", json={"prompt_ids": [1]}, headers={"X-Session-Id": "bad id with spaces"})
     assert r.status_code == 422
     cell = FakeCell(c, "a")
     cell.register(), cell.sync()
@@ -104,7 +104,7 @@ def test_not_found_and_validation_errors_are_json(harness):
 
 
 def test_429_when_no_rollout_cell_has_room(harness):
-    r = harness.client.post("/v1/completions", json={"prompt_ids": [1]})
+    r = harness.client.post("/v1/generate", json={"prompt_ids": [1]})
     assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1 and r.json()["reason"] == "no_capacity"
     cell = FakeCell(harness.client, "a", max_running=1)
     cell.register(), cell.sync()
@@ -113,7 +113,7 @@ def test_429_when_no_rollout_cell_has_room(harness):
         cell.sync()
         if cell.held:
             break
-    r = harness.client.post("/v1/completions", json={"prompt_ids": [2]})
+    r = harness.client.post("/v1/generate", json={"prompt_ids": [2]})
     assert r.status_code == 429
     assert "cellflip_admission_rejected_total 2.0" in harness.client.get("/metrics").text
     for _ in range(10):
@@ -124,14 +124,14 @@ def test_429_when_no_rollout_cell_has_room(harness):
 def test_session_busy_and_empty_prompt(harness):
     cell = FakeCell(harness.client, "a", max_running=4)
     cell.register(), cell.sync()
-    r = harness.client.post("/v1/completions", json={"prompt_ids": []}, headers={"X-Session-Id": "e"})
+    r = harness.client.post("/v1/generate", json={"prompt_ids": []}, headers={"X-Session-Id": "e"})
     assert r.status_code == 422
     fut = harness.complete({"prompt_ids": [1], "max_tokens": 2}, session="busy")
     for _ in range(200):
         cell.sync()
         if cell.held:
             break
-    r = harness.client.post("/v1/completions", json={"prompt_ids": [1]}, headers={"X-Session-Id": "busy"})
+    r = harness.client.post("/v1/generate", json={"prompt_ids": [1]}, headers={"X-Session-Id": "busy"})
     assert r.status_code == 409 and r.json()["reason"] == "session_busy"
     assert harness.client.post("/v1/sessions/busy/finish", json={"reward": 1}).status_code == 409
     cell.step(2), cell.sync()
@@ -142,7 +142,7 @@ def test_body_limit_counts_declared_and_chunked_bytes(tmp_path):
     app = create_app(make_config(max_body_bytes=1024), db_path=str(tmp_path / "a.sqlite"), tick_interval_s=None)
     with TestClient(app, headers=AUTH) as client:
         big = json.dumps({"prompt_ids": list(range(600))})
-        r = client.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+        r = client.post("/v1/generate", content=big, headers={"content-type": "application/json"})
         assert r.status_code == 413 and r.json()["reason"] == "too_large"
 
         def chunks():

@@ -62,12 +62,12 @@ def test_admission_pauses_new_sessions_at_the_bound(make):
     assert _roll(h, c, "b").status_code == 200  # b stays open between turns (not in flight)
     assert _roll(h, c, "c").status_code == 200
     h.client.post("/v1/sessions/c/finish", json={"reward": 0.0, "group_id": "g"})
-    r = h.client.post("/v1/completions", json={"prompt_ids": [1], "max_tokens": 1},
+    r = h.client.post("/v1/generate", json={"prompt_ids": [1], "max_tokens": 1},
                       headers={"X-Session-Id": "d"})
     assert r.status_code == 429 and r.json()["reason"] == "staleness_bound"
     # the chat gateway records a session's prompt before its first request: still a new rollout
     h.client.portal.call(lambda: h.ctl.store.sessions.append_prompt("e", [1, 2]))
-    r = h.client.post("/v1/completions", json={"prompt_ids": [1, 2], "max_tokens": 1},
+    r = h.client.post("/v1/generate", json={"prompt_ids": [1, 2], "max_tokens": 1},
                       headers={"X-Session-Id": "e"})
     assert r.status_code == 429 and r.json()["reason"] == "staleness_bound"
     assert "Retry-After" in r.headers

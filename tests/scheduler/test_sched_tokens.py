@@ -59,7 +59,7 @@ def test_completion_tokens_logprobs_versions_and_session(harness):
 def test_streaming_sse_matches_store(harness):
     c = _one_cell(harness)
     fut = harness.pool.submit(lambda: harness.client.post(
-        "/v1/completions", json={"prompt_ids": [5], "max_tokens": 4, "stream": True}, headers={"X-Session-Id": "ss"}))
+        "/v1/generate", json={"prompt_ids": [5], "max_tokens": 4, "stream": True}, headers={"X-Session-Id": "ss"}))
     pump([c], until=fut)
     r = fut.result(timeout=60)
     assert r.headers["content-type"].startswith("text/event-stream")
@@ -134,7 +134,7 @@ def test_finish_session_and_trajectories_cursor(harness):
     page2 = harness.client.get("/v1/trajectories", params={"cursor": page["next_cursor"]}).json()
     assert [t["id"] for t in page2["trajectories"]] == ["c"]
     assert page2["trajectories"][0]["loss_mask"] == [0, 0, 1, 1]
-    r = harness.client.post("/v1/completions", json={"prompt_ids": [1]}, headers={"X-Session-Id": "a"})
+    r = harness.client.post("/v1/generate", json={"prompt_ids": [1]}, headers={"X-Session-Id": "a"})
     assert r.status_code == 409 and r.json()["reason"] == "session_finished"
 
 
