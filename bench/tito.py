@@ -224,7 +224,7 @@ def _encode_pieces(tok, text: str, rng: random.Random, split_rate: float) -> lis
     cuts = set()
     i = text.find("HAVING")
     while i >= 0:
-        cuts.add(i + 1)  # the 'H' + 'AVING' split of RL_MATH.md
+        cuts.add(i + 1)  # the 'H' + 'AVING' split (a BPE merge across the boundary)
         i = text.find("HAVING", i + 1)
     for j in range(1, len(text)):
         if rng.random() < split_rate:

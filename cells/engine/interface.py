@@ -87,7 +87,8 @@ class TokenRecord:
     """One generated token as the sampler produced it.
 
     `logprob` is under the temperature-scaled distribution before top-p/top-k truncation
-    (RL_MATH.md "Sampling conventions"); `truncated` says whether truncation was active.
+    (what the behaviour policy's density is, for the importance ratios); `truncated` says
+    whether truncation was active.
     """
 
     token_id: int

@@ -99,7 +99,7 @@ class Learner:
         self.max_grad_norm = max_grad_norm
         self.micro_batch = micro_batch
         self.minibatches = minibatches
-        """Optimizer steps per RL update (RL_MATH: k >= 2 lets the clip bind from the second)."""
+        """Optimizer steps per RL update (k >= 2 lets the clip bind from the second; docs/RL.md)."""
         self.lr_warmup_steps = lr_warmup_steps
         self.rl_start_step: int | None = None
         self.compute_s = {"forward": 0.0, "backward": 0.0}
@@ -261,9 +261,12 @@ class Learner:
     # -- the RL step -------------------------------------------------------------------------
     def start_rl(self) -> None:
         """RL begins here: the optimizer's moments from the warm-up are dropped (they describe
-        another objective's gradients) and the learning-rate warm-up counts from this step."""
+        another objective's gradients) and the learning-rate warm-up counts from this step.
+        Versions restart here: the warmed-up weights are version 1 and each RL update adds one
+        (the supervised steps before it are optimizer steps, not versions)."""
         self.optimizer.state.clear()
         self.rl_start_step = self.step
+        self.version = 1
 
     def rl_step(self, trajectories: Sequence[dict[str, Any]], *, cursor: int | None = None
                 ) -> dict[str, float]:

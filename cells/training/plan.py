@@ -5,8 +5,7 @@ contiguous) → each minibatch split across the ranks by token shares → one JS
 
 The update must not depend on how many cells train, so everything that needs the whole batch
 is decided here, once: the group statistics of the advantages (the task reward only; a KL
-penalty is subtracted per sequence on the ranks, after the normalisation, RL_MATH
-"Advantages"), which trajectory lands in which minibatch, and each minibatch's global token
+penalty is subtracted per sequence on the ranks, after the normalisation, docs/RL.md), which trajectory lands in which minibatch, and each minibatch's global token
 count N0 (the loss normaliser, a sum over all ranks' tokens). A rank then only needs its own
 trajectories. Pure: no I/O, no torch beyond the advantage arithmetic.
 """

@@ -26,7 +26,7 @@ from cells.training.reduce import Reducer, sum_gradients
 from scheduler.failpoints import failpoint
 
 # Per-minibatch sums reduced over the ranks; the reported means are rebuilt from them.
-_COUNTS = ("num_tokens", "num_kept", "num_exact", "num_missing", "num_missing_kept")
+_COUNTS = ("num_tokens", "num_kept", "num_exact", "num_missing", "num_missing_kept", "num_missing_in_band")
 _MEANS = {"kl": "num_kept", "mean_r_d": "num_exact", "mean_r_stale": "num_exact",
           "mean_r_d_missing": "num_missing", "mean_r_stale_missing": "num_missing",
           "mean_r_t": "num_kept", "mean_weight": "num_kept", "clip_frac": "num_kept",
@@ -83,7 +83,7 @@ def _start_of_update(learner: Any, b: Batch | None, share: Share) -> dict[str, T
     adv_traj = torch.tensor(share.advantages, dtype=torch.float32)
     if isinstance(cfg.kl, KLInReward):
         # after the group normalisation of the task reward: KL noise never passes through the
-        # group std (RL_MATH "Advantages")
+        # group std (docs/RL.md, advantages)
         w = token_weights(lp_prox, b.behav, b.mask, cfg, lp_old=b.old, provenance=b.missing,
                           lp_stand=lp_stand).weight
         pen = kl_reward_penalty(lp_prox, lp_ref, w, b.mask, coef=cfg.kl.coef, estimator=cfg.kl.estimator)
@@ -140,7 +140,7 @@ def _minibatch(learner: Any, b: Batch | None, pre: dict, share: Share, j: int, r
     sum_gradients(reducer, learner.params, touched)
     norm = learner.apply_gradients()
     m = dict(zip(_SUMS, sums.tolist()))
-    if learner.ewma.should_reset(m["num_missing_kept"], m["num_missing"]):
+    if learner.ewma.should_reset(m["num_missing_in_band"], m["num_missing"]):  # the band rule (docs/RL.md)
         learner.ewma.reset(learner.params)
     else:
         learner.update_ewma()
