@@ -7,18 +7,9 @@ import json
 
 import pytest
 
-from tests.test_hostile_input import Served, _rejected
+from tests.test_hostile_input import _rejected, served  # noqa: F401  (the real app over a socket)
 
 SURROGATES = ["\ud800", "x\udfff", "\udbff\udbff"]
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    s = Served(tmp_path_factory.mktemp("served-text"))
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def _register_body(cell_id: str) -> dict:
