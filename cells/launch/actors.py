@@ -183,7 +183,22 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-class CellActor:
+class _LoopActor:
+    """An actor whose work is one loop on `self.thread`, ended by `self.stop_event`."""
+
+    thread: threading.Thread
+    stop_event: threading.Event
+    _stopping: threading.Event
+
+    @json_boundary
+    def stop(self) -> bool:
+        self._stopping.set()
+        self.stop_event.set()
+        self.thread.join(timeout=30)
+        return not self.thread.is_alive()
+
+
+class CellActor(_LoopActor):
     """One cell: its engine and agent in this process; a new incarnation on every (re)start."""
 
     def __init__(self, config_json: str, cell_id: str, namespace: str) -> None:
@@ -209,13 +224,6 @@ class CellActor:
     def info(self) -> str:
         return json.dumps({"cell_id": self.cell_id, "incarnation": self.agent.incarnation, "pid": os.getpid(),
                            "node": self.ip, "node_id": self.node_id})
-
-    @json_boundary
-    def stop(self) -> bool:
-        self._stopping.set()
-        self.stop_event.set()
-        self.thread.join(timeout=30)
-        return not self.thread.is_alive()
 
 
 class RayNodeClient(SchedulerClient):
@@ -258,7 +266,7 @@ class RayNodeClient(SchedulerClient):
             self.http.base_url = url
 
 
-class TrainerActor:
+class TrainerActor(_LoopActor):
     """The trainer coordinator in this process; its status lines are read through `status`."""
 
     def __init__(self, config_json: str, run_dir: str, namespace: str, tag: str) -> None:
@@ -297,13 +305,6 @@ class TrainerActor:
     @json_boundary
     def info(self) -> str:
         return json.dumps({"pid": os.getpid(), "node": self.ip, "node_id": self.node_id})
-
-    @json_boundary
-    def stop(self) -> bool:
-        self._stopping.set()
-        self.stop_event.set()
-        self.thread.join(timeout=30)
-        return not self.thread.is_alive()
 
 
 ACTOR_CLASSES = (SchedulerActor, CellActor, TrainerActor)
