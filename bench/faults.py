@@ -4,7 +4,7 @@ cluster, a history of every operation, invariants I1–I5 checked over it, then 
 One started cluster (a scheduler with its SQLite store, 3 cells of the tiny preset in
 batch-invariant mode, a trainer-side version host) serves every run; a process a fault kills
 is restarted (a cell as a new incarnation, the scheduler on the same store, the trainer as the
-next version). Scenarios, their runs round-robin in a seeded order (cells/faults/campaign.py):
+next version). Scenarios, their runs round-robin in a seeded order (faultkit/campaign.py):
   mig_kill_source / mig_kill_destination  SIGKILL of the migration's source (after a copy round,
       before / after the stop-and-copy, before it frees) or destination (inside the transfer,
       before / after its commit); restarted at once or after its lease
@@ -29,7 +29,7 @@ Fields of the JSON line:
 - faults_fired: faults that demonstrably happened: a failpoint reached (its process died by
   SIGKILL, was seen stopped, or logged the failpoint's error), a signal delivered, a broadcast
   that had to retry around a stalled receiver.
-- invariant_violations: violations of I1–I5 found by cells/faults/checker.py over the history
+- invariant_violations: violations of I1–I5 found by faultkit/checker.py over the history
   and the store snapshots (sampled every 0.1 s, read-only): I1 every accepted request ends
   finished or failed-with-reason, no token doubled or dropped between cell, store and client,
   token-exact against a fault-free run where one version served it; I2 one owner per request
@@ -67,7 +67,7 @@ from pathlib import Path
 
 from common import emit, parse_args, set_threads
 
-from cells.faults.campaign import CANARY_PLAN, Campaign, summarize
+from faultkit.campaign import CANARY_PLAN, Campaign, summarize
 
 
 def _extra(ap) -> None:

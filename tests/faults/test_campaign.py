@@ -4,7 +4,7 @@ fencing switched off must be caught by the same checkers."""
 
 import pytest
 
-from cells.faults.campaign import CANARY_PLAN, SCENARIOS, Campaign
+from faultkit.campaign import CANARY_PLAN, SCENARIOS, Campaign
 
 pytestmark = pytest.mark.slow
 

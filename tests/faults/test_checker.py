@@ -3,8 +3,8 @@ of violation they exist for is reported (a checker that cannot fail proves nothi
 
 import copy
 
-from cells.faults import checker
-from cells.faults.history import History, load, pairs
+from faultkit import checker
+from faultkit.history import History, load, pairs
 from scheduler.states import FLIP, REQUEST
 
 

@@ -5,7 +5,7 @@
 - signals: SIGKILL (a crash), SIGSTOP then SIGCONT (a stall past the lease: a zombie);
 - restarts: a killed cell comes back as a new incarnation, a killed scheduler on the same store;
 - the trainer: a separate process that holds one weight version and broadcasts it, so that it
-  can die mid-broadcast (`python -m cells.faults.nemesis trainer ...`);
+  can die mid-broadcast (`python -m faultkit.nemesis trainer ...`);
 - a partition: the `block` action holds the thread at `migrate.transfer`, so no bytes flow
   until the peer's real timeout path fires.
 
@@ -25,8 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-from cells.faults.history import History
 from cells.localcluster import Cluster
+from faultkit.history import History
+
+REPO_ROOT = str(Path(__file__).resolve().parents[1])
 
 
 def failpoint_env(spec: dict[str, str] | None) -> dict[str, str]:
@@ -176,7 +178,9 @@ class Nemesis:
         """A trainer process that holds `version`, publishes it and broadcasts it."""
         log = open(self.c.tmp / "trainer.log", "a")  # noqa: SIM115 (the child owns it)
         env = {**self.c.env, **failpoint_env(failpoints)}
-        p = subprocess.Popen([sys.executable, "-m", "cells.faults.nemesis", "trainer", "--scheduler", self.c.url,
+        # faultkit is not an installed package: the child finds it from the repository root
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
+        p = subprocess.Popen([sys.executable, "-m", "faultkit.nemesis", "trainer", "--scheduler", self.c.url,
                               "--config", str(self.c.cfg_path), "--version", str(version),
                               "--bucket-bytes", str(bucket_bytes), "--timeout", str(timeout_s)],
                              env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.PIPE)
@@ -234,7 +238,7 @@ def _trainer_main(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m cells.faults.nemesis")
+    ap = argparse.ArgumentParser(prog="python -m faultkit.nemesis")
     sub = ap.add_subparsers(dest="cmd", required=True)
     tr = sub.add_parser("trainer", help="hold, publish and broadcast one weight version")
     tr.add_argument("--scheduler", required=True)

@@ -40,10 +40,10 @@ from typing import Any
 
 import httpx
 
-from cells.faults import checker
-from cells.faults.history import History
-from cells.faults.nemesis import Nemesis, version_weights
 from cells.localcluster import SMALL_MODEL, Cluster, Streamer
+from faultkit import checker
+from faultkit.history import History
+from faultkit.nemesis import Nemesis, version_weights
 
 LEASE_S = 2.0
 TRANSFER_TIMEOUT_S = 3.0
