@@ -138,8 +138,6 @@ class MigrationConfig(_Strict):
     """`auto`: move the KV where both cells export it and serve the same version, else
     re-prefill; `reprefill`: always abort and re-prefill elsewhere (what systems without live
     KV migration do; kept for comparison)."""
-    version_policy: Literal["same_version", "recompute"] = "same_version"
-    """Destination preference when versions differ; otherwise recompute on its version."""
     park_on_deadline: bool = True
     """At a drain deadline, requests that found no destination keep their KV in the draining
     cell's host memory (parked) and move on by KV migration once a cell has room; off (or a
@@ -156,9 +154,6 @@ class VersionsConfig(_Strict):
     their engine's own group (SGLang cells): `nccl` on GPU clusters, `gloo` on CPU."""
     inflight_policy: Literal["keep_kv", "recompute"] = "keep_kv"
     """In-flight requests across an update: continue on stale KV, or re-prefill."""
-    logprob_strategy: Literal["per_cell"] = "per_cell"
-    """Exact old log-probs from the cells that hold the version (the only strategy built; a
-    version no live cell holds is fetched from the trainer's copy for scoring)."""
     score_batch_tokens: int = Field(default=256, gt=0)
     """A request still generating under a version is scored once this many of its tokens wait
     (ended requests and switched versions are scored at once)."""

@@ -61,12 +61,6 @@ def enable(name: str, action: str = "raise") -> None:
         _enabled[name] = action
 
 
-def disable_all() -> None:
-    with _lock:
-        _enabled.clear()
-        hits.clear()
-
-
 def load_env() -> None:
     spec = os.environ.get("CELLFLIP_FAILPOINTS", "")
     if spec:
