@@ -2,10 +2,18 @@
 
 - :mod:`~scheduler.gateway.tokenizers`: offline Qwen3 / DeepSeek-V3 tokenizers (full vocab).
 - :mod:`~scheduler.gateway.render`: chat templates and tool-call parsing via ``renderers``.
-- :mod:`~scheduler.gateway.tito`: the per-session TITO buffer logic (and its loss-mask rule).
+- :mod:`~scheduler.gateway.tito`: the per-session TITO buffer logic (and its loss-mask rule),
+  composed of :mod:`~scheduler.gateway.chat_request` (request -> messages, tools, sampling
+  params), :mod:`~scheduler.gateway.fingerprints`, :mod:`~scheduler.gateway.planning` (a
+  turn's prompt ids), :mod:`~scheduler.gateway.turn` (writing and committing a turn) and
+  :mod:`~scheduler.gateway.session_locks`; :mod:`~scheduler.gateway.errors` has
+  ``GatewayError``.
 - :mod:`~scheduler.gateway.backend`: the protocol the application implements.
 - :mod:`~scheduler.gateway.memory`: in-memory reference backend and replay engine.
-- :mod:`~scheduler.gateway.router`: ``make_chat_router(backend, tokenizer_name, ...)``.
+- :mod:`~scheduler.gateway.router`: ``make_chat_router(backend, tokenizer_name, ...)``, a thin
+  router over :mod:`~scheduler.gateway.intake` (the HTTP body in),
+  :mod:`~scheduler.gateway.responses` (completion and error bodies) and
+  :mod:`~scheduler.gateway.streaming` (SSE chunks).
 - :mod:`~scheduler.gateway.config`: ``GatewayConfig`` (settings for the router).
 
 Importing this package loads no tokenizer and no renderer; they are built on first use.
