@@ -19,45 +19,34 @@ materialises a dense gradient of the whole table per use -- on CPU most of a ste
 Each micro-batch therefore uses a leaf copy of only the rows its tokens and the output ids
 touch, ids remapped monotonically; the same rows in the same order enter the same kernels, so
 the log-probs are bitwise those of the full model (tested), and the rows' gradient is added
-back into the full table once.
+back into the full table once (cells/trainer/vocab_rows.py).
 
-    python -m cells.trainer.learner --selfcheck     # warm-up, then RL vs an lr = 0 control
+The learnability check (warm-up, then RL vs an lr = 0 control) is cells/trainer/learnability.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from cells.engine.layers import rope_tables
-from cells.engine.model import check_weights, prepare, token_logprobs
-from cells.engine.model_spec import ModelSpec
-from cells.trainer.objectives import PPOEWMA, GRPOAdvantage, ObjectiveConfig, RLOOAdvantage
+from cells.engine.embedded.layers import rope_tables
+from cells.engine.embedded.model import check_weights, prepare, token_logprobs
+from cells.engine.embedded.model_spec import ModelSpec
+from cells.trainer.objectives import PPOEWMA, ObjectiveConfig
+from cells.trainer.vocab_rows import EMBED, HEAD, VocabRows, id_ranges
 from cells.training.batch import EXACT, MISSING  # noqa: F401  (re-exported)
 from cells.training.plan import plan_update
 from cells.training.reduce import LocalReducer
 from cells.training.update import run_update
 
 STATE_FORMAT = 1
-_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
-
-def id_ranges(ids: Sequence[int]) -> tuple[tuple[int, int], ...]:
-    """Token ids as sorted half-open ranges (the form of ModelSpec.output_id_ranges)."""
-    out: list[list[int]] = []
-    for i in sorted(set(ids)):
-        if out and out[-1][1] == i:
-            out[-1][1] = i + 1
-        else:
-            out.append([i, i + 1])
-    return tuple((a, b) for a, b in out)
+__all__ = ["EXACT", "MISSING", "Learner", "id_ranges"]
 
 
 class Learner:
@@ -102,14 +91,29 @@ class Learner:
         """Optimizer steps per RL update (k >= 2 lets the clip bind from the second; docs/RL.md)."""
         self.lr_warmup_steps = lr_warmup_steps
         self.rl_start_step: int | None = None
+        """The optimizer step RL started at (`start_rl`); None: no RL learning-rate warm-up."""
         self.compute_s = {"forward": 0.0, "backward": 0.0}
+        """Seconds this process spent in RL forwards and backwards (`run_update`)."""
         self.last_lr = float(lr)
         """The learning rate of the last optimizer step (after the warm-up's scaling)."""
-        """Seconds this process spent in RL forwards and backwards (`run_update`)."""
-        """The optimizer step RL started at (`start_rl`); None: no RL learning-rate warm-up."""
+        self.sft_tile = sft_tile
+        self._init_state(weights, reference, lr, betas, weight_decay)
+        self.version = version
+        """Version of the current parameters (what `weights()` publishes)."""
+        self.step = 0
+        """Optimizer steps taken."""
+        self.cursor = 0
+        """The caller's data cursor (e.g. the store's trajectory cursor); checkpointed."""
+        self.generator = torch.Generator().manual_seed(seed)
+        """The caller's RNG for data order (checkpointed)."""
+        self._rope = rope_tables(spec.head_dim, spec.max_position, spec.rope_theta)
+        self._vocab = VocabRows(spec)
+
+    def _init_state(self, weights: dict[str, Tensor], reference: dict[str, Tensor] | None,
+                    lr: float, betas: tuple[float, float], weight_decay: float) -> None:
+        """fp32 parameters, AdamW over them, the KL reference and the PPO-EWMA copy."""
         self.betas, self.weight_decay = betas, weight_decay
         self._base_lr = float(lr)
-        self.sft_tile = sft_tile
         # Sorted names: the optimizer's state is indexed by position, checkpoints by name.
         self.params: dict[str, Tensor] = {
             k: weights[k].detach().to(torch.float32).clone().requires_grad_(True)
@@ -124,17 +128,6 @@ class Learner:
         ew = self.objective.ewma
         self.ewma = PPOEWMA(self.params, staleness_window=ew.staleness_window,
                             reset_threshold=ew.reset_threshold)
-        self.version = version
-        """Version of the current parameters (what `weights()` publishes)."""
-        self.step = 0
-        """Optimizer steps taken."""
-        self.cursor = 0
-        """The caller's data cursor (e.g. the store's trajectory cursor); checkpointed."""
-        self.generator = torch.Generator().manual_seed(seed)
-        """The caller's RNG for data order (checkpointed)."""
-        self._rope = rope_tables(spec.head_dim, spec.max_position, spec.rope_theta)
-        out = spec.output_ids()
-        self._out_ids = torch.tensor(out, dtype=torch.long) if out is not None else None
 
     # -- parameters ------------------------------------------------------------------------
     @property
@@ -159,33 +152,13 @@ class Learner:
         self.reference = {k: src[k].detach().to(torch.float32).clone() for k in sorted(src)}
 
     # -- the forward -------------------------------------------------------------------------
-    def _compact(self, weights: dict[str, Tensor], seqs: Sequence[Tensor], grad: bool
-                 ) -> tuple[ModelSpec, dict[str, Tensor], Tensor | None, list[Tensor]]:
-        """The model restricted to the vocabulary rows that `seqs` and the output ids use.
-
-        Returns (spec, weights with leaf copies of those rows when `grad`, the rows, the
-        remapped ids). Without restricted output ids the softmax spans the whole vocabulary,
-        so nothing is compacted (rows None)."""
-        if self._out_ids is None:
-            w = {k: (v if grad else v.detach()) for k, v in weights.items()}
-            return self.spec, w, None, list(seqs)
-        rows = torch.unique(torch.cat([*seqs, self._out_ids]))  # sorted: output order kept
-        out = torch.searchsorted(rows, self._out_ids).tolist()
-        spec = replace(self.spec, vocab_size=len(rows), output_id_ranges=id_ranges(out))
-        w = dict(weights)
-        for name in (_EMBED, _HEAD):
-            if name in w:
-                sub = w[name].detach().index_select(0, rows)
-                w[name] = sub.requires_grad_(True) if grad else sub
-        return spec, w, rows, [torch.searchsorted(rows, s) for s in seqs]
-
     def _logprobs(self, weights: dict[str, Tensor], seqs: Sequence[Tensor], grad: bool,
                   tile: int | None | str = "cells"
                   ) -> tuple[list[Tensor], dict[str, Tensor], Tensor | None]:
         """Per-token log-probs (index t = token t, 0 at t = 0) of each sequence, with the
         cells' row tile unless `tile` says otherwise."""
         tile = self.tile if tile == "cells" else tile
-        spec, w, rows, remapped = self._compact(weights, seqs, grad)
+        spec, w, rows, remapped = self._vocab.compact(weights, seqs, grad)
         with torch.set_grad_enabled(grad):
             prep = prepare(spec, w, self._rope)
             out = []
@@ -205,14 +178,7 @@ class Learner:
 
     def _accumulate_rows(self, w: dict[str, Tensor], rows: Tensor | None) -> None:
         """Add the compact rows' gradients into the full tables' gradients."""
-        if rows is None:
-            return
-        for name in (_EMBED, _HEAD):
-            if name in w and w[name].grad is not None:
-                full = self.params[name]
-                if full.grad is None:
-                    full.grad = torch.zeros_like(full)
-                full.grad.index_add_(0, rows, w[name].grad)
+        self._vocab.add_grads(self.params, w, rows)
 
     def _optimizer_step(self) -> float:
         """Clip, step, and advance the version; returns the gradient norm before clipping."""
@@ -296,10 +262,7 @@ class Learner:
         the per-row marks of the vocabulary tables that `add_row_grads` fills."""
         for p in self.params.values():
             p.grad = torch.zeros_like(p)
-        if self._out_ids is None:
-            return {}
-        return {k: torch.zeros(self.params[k].shape[0], dtype=torch.bool)
-                for k in (_EMBED, _HEAD) if k in self.params}
+        return self._vocab.row_marks(self.params)
 
     def add_row_grads(self, w: dict[str, Tensor], rows: Tensor | None, touched: dict[str, Tensor]) -> None:
         self._accumulate_rows(w, rows)
@@ -314,7 +277,7 @@ class Learner:
         beta·W/W'·x + 1/W'·x is x in exact arithmetic but not always in floats, and exact
         equality keeps those rows off the wire when a cell joins (cells/training/wire.py)."""
         same = {k: torch.nonzero((self.ewma.params[k] == self.params[k]).all(dim=1)).flatten()
-                for k in (_EMBED, _HEAD) if k in self.params and k in self.ewma.params}
+                for k in (EMBED, HEAD) if k in self.params and k in self.ewma.params}
         self.ewma.update(self.params)
         for k, rows in same.items():
             self.ewma.params[k].index_copy_(0, rows, self.params[k].detach().index_select(0, rows))
@@ -390,151 +353,3 @@ class Learner:
         self.cursor = int(meta["cursor"])
         start = meta.get("rl_start_step")
         self.rl_start_step = None if start is None else int(start)
-
-
-# -- the learnability check ---------------------------------------------------------------------
-@dataclass(frozen=True)
-class CheckConfig:
-    """Knobs of the learnability check (defaults: a few CPU minutes on one thread)."""
-
-    seed: int = 0
-    preset: str = "toy"
-    init_std: float = 0.1
-    """Initial weight scale: at 0.1 (not the engine's 0.02) the warm-up finds the circuits
-    that copy item numbers and codes within ~250 steps."""
-    warmup_steps: int = 300
-    warmup_batch: int = 16
-    warmup_lr: float = 3e-3
-    num_demos: int = 512
-    rl_steps: int = 10
-    rl_lr: float = 2e-3
-    groups: int = 16
-    """Episodes per RL step (each a GRPO group)."""
-    samples: int = 8
-    """Sessions per episode."""
-    eval_episodes: int = 64
-    eval_samples: int = 2
-    advantage: str = "grpo"
-    """`grpo` or `rloo`."""
-    tile: int = 4
-    max_turns: int = 6
-
-    def objective(self) -> ObjectiveConfig:
-        adv = GRPOAdvantage() if self.advantage == "grpo" else RLOOAdvantage()
-        return ObjectiveConfig(advantage=adv)
-
-
-def evaluate(sampler: Any, episodes: Sequence[Any], samples: int, tag: str, max_turns: int
-             ) -> dict[str, float]:
-    """Mean reward and success rate of the served weights on fixed episodes and session ids
-    (the sampler is deterministic: equal weights give equal rollouts)."""
-    _, stats = sampler.rollouts(episodes, samples=samples, tag=tag, max_turns=max_turns)
-    n = len(stats)
-    return {"reward": sum(s["reward"] for s in stats) / n,
-            "solved": sum(s["solved"] for s in stats) / n}
-
-
-def selfcheck(cfg: CheckConfig | None = None, log: Any = print) -> dict[str, Any]:
-    """Warm-up, then RL against the lr = 0 control, on the toy task (see `rl_check`)."""
-    from cells.engine.model import init_weights
-    from cells.engine.model_spec import PRESETS
-    from cells.trainer.toy_task import TaskSpec
-    from cells.trainer.warmup import run_warmup
-
-    cfg = cfg or CheckConfig()
-    torch.set_num_threads(1)
-    t0 = time.perf_counter()
-    spec = PRESETS[cfg.preset]
-    learner = Learner(spec, init_weights(spec, cfg.seed, cfg.init_std), lr=cfg.warmup_lr,
-                      objective=cfg.objective(), tile=cfg.tile, seed=cfg.seed)
-    warm = run_warmup(learner, steps=cfg.warmup_steps, batch_size=cfg.warmup_batch,
-                      num_demos=cfg.num_demos, seed=cfg.seed, spec=TaskSpec(seed=cfg.seed))
-    log(json.dumps({"warmup_loss_first": round(warm["first_loss"], 4),
-                    "warmup_loss_final": round(warm["final_loss"], 4),
-                    "warmup_s": round(warm["wall_s"], 1)}))
-    out = rl_check(learner, cfg, log)
-    out.update({"warmup_final_loss": warm["final_loss"], "warmup_s": warm["wall_s"],
-                "wall_s": time.perf_counter() - t0, "config": dict(cfg.__dict__)})
-    return out
-
-
-def rl_check(learner: Learner, cfg: CheckConfig, log: Any = print) -> dict[str, Any]:
-    """RL from a warmed-up learner (its weights, version and optimizer state) versus the
-    lr = 0 control.
-
-    The control is the same learner restored from `state_dict()` with lr = 0, stepped on
-    the first RL batch: its weights stay bitwise equal to the warm-up weights (checked), so
-    every later control batch would be sampled from those same weights, and its final
-    evaluation is that of the warm-up weights on the same episodes and session ids (the
-    sampler is deterministic)."""
-    from cells.trainer.toy_task import TaskSpec, ToySampler, make_episodes
-
-    task = TaskSpec(seed=cfg.seed)
-    learner.set_reference()  # KL (when configured) anchors at the warmed-up policy
-    learner.start_rl()  # the warm-up's moments describe another objective
-    w0, v0 = learner.weights(), learner.version
-    control = Learner(learner.spec, w0, lr=0.0, objective=learner.objective, tile=learner.tile)
-    control.load_state_dict(learner.state_dict())
-    control.lr = 0.0
-    learner.lr = cfg.rl_lr
-    sampler = ToySampler(learner.spec, w0, version=v0, row_tile=cfg.tile)
-    # The engine falls back to single rows when its start-up probe fails: score as it does.
-    learner.tile = control.tile = sampler.engine.tile
-    try:
-        evals = make_episodes(task, cfg.eval_episodes, start=10_000_000)
-        t_eval = time.perf_counter()
-        before = evaluate(sampler, evals, cfg.eval_samples, "eval-", cfg.max_turns)
-        log(json.dumps({"warmup_eval": before, "eval_s": round(time.perf_counter() - t_eval, 1)}))
-        t_rl = time.perf_counter()
-        history = []
-        for step in range(cfg.rl_steps):
-            eps = make_episodes(task, cfg.groups, start=step * cfg.groups)
-            trajs, _ = sampler.rollouts(eps, samples=cfg.samples, tag=f"rl{step}-",
-                                        max_turns=cfg.max_turns)
-            if step == 0:
-                control_metrics = control.rl_step(trajs)
-            m = learner.rl_step(trajs)
-            sampler.load(learner.version, learner.weights())
-            row = {"rl_step": step, "batch_reward": round(m["reward_mean"], 4),
-                   "loss": round(m["loss"], 5), "bitwise": m["frac_bitwise_equal"],
-                   "staleness": m["staleness_mean"], "tokens": m["num_tokens"],
-                   "grad_norm": round(m["grad_norm"], 3), "step_s": round(m["step_s"], 2)}
-            history.append(row)
-            log(json.dumps(row))
-        rl_s = time.perf_counter() - t_rl
-        unchanged = all(torch.equal(control.params[k].detach(), w0[k]) for k in w0)
-        after = evaluate(sampler, evals, cfg.eval_samples, "eval-", cfg.max_turns)
-    finally:
-        sampler.close()
-    return {
-        "warmup_reward": before["reward"],
-        "control_reward": before["reward"],
-        "rl_reward": after["reward"],
-        "gain_over_control": after["reward"] - before["reward"],
-        "warmup_solved": before["solved"],
-        "rl_solved": after["solved"],
-        "control_weights_unchanged": unchanged,
-        "control_bitwise_first_step": control_metrics["frac_bitwise_equal"],
-        "rl_s": rl_s,
-        "history": history,
-    }
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--selfcheck", action="store_true", help="run the learnability check")
-    for f in CheckConfig.__dataclass_fields__.values():
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default)
-    args = p.parse_args(argv)
-    if not args.selfcheck:
-        p.print_help()
-        return
-    cfg = CheckConfig(**{f: getattr(args, f) for f in CheckConfig.__dataclass_fields__})
-    out = selfcheck(cfg)
-    print(json.dumps({k: v for k, v in out.items() if k != "history"}, indent=1))
-    if out["gain_over_control"] < 0.1 or not out["control_weights_unchanged"]:
-        raise SystemExit("learnability check failed")
-
-
-if __name__ == "__main__":
-    main()
