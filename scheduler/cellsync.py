@@ -24,8 +24,8 @@ from scheduler.protocol import (
     decode_event,
 )
 from scheduler.states import CELL, set_state
-from scheduler.store_fleet import CellRow
-from scheduler.store_owners import OWNED_REQUEST_STATES
+from scheduler.store.fleet import CellRow
+from scheduler.store.owners import OWNED_REQUEST_STATES
 
 if TYPE_CHECKING:
     from scheduler.controller import Controller, Effects

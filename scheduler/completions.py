@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from scheduler import idempotency, ownership, staleness
 from scheduler.errors import Conflict, Invalid, NoCapacity
 from scheduler.placement import RequestSummary, choose_destination, sticky_destination
-from scheduler.store_owners import RequestRow
+from scheduler.store.owners import RequestRow
 
 if TYPE_CHECKING:
     from scheduler.controller import Controller

@@ -23,7 +23,7 @@ from scheduler.errors import Conflict, NotFound
 from scheduler.failpoints import failpoint
 from scheduler.protocol import SetRoleCmd
 from scheduler.states import CELL, FLIP, set_state
-from scheduler.store_fleet import CellRow, FlipRow
+from scheduler.store.fleet import CellRow, FlipRow
 
 if TYPE_CHECKING:
     from scheduler.controller import Controller, Effects

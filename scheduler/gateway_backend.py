@@ -8,7 +8,6 @@ has committed it — so a token reaches the store before any client sees it.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -29,22 +28,14 @@ if TYPE_CHECKING:
 
 _PARAMS = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed")
 
-_SCHEMA = "CREATE TABLE IF NOT EXISTS gateway_state(session_id TEXT PRIMARY KEY, state TEXT NOT NULL)"
-
 
 class ControlPlaneBackend:
     def __init__(self, app: FastAPI) -> None:
         self.app = app
-        self._schema_ready = False
 
     @property
     def ctl(self) -> Controller:
-        ctl = self.app.state.controller  # built by the app's lifespan
-        if not self._schema_ready:
-            with ctl.store.tx(durable=False) as conn:
-                conn.execute(_SCHEMA)
-            self._schema_ready = True
-        return ctl
+        return self.app.state.controller  # built by the app's lifespan
 
     async def complete(self, session_id: str, prompt_ids: list[int], params: dict[str, Any]) -> AsyncIterator[TokenOut]:
         ctl = self.ctl
@@ -96,12 +87,10 @@ class ControlPlaneBackend:
         return len(sessions.require(session_id).segment_starts) - 1
 
     async def get_gateway_state(self, session_id: str) -> dict[str, Any] | None:
-        row = self.ctl.store.conn.execute("SELECT state FROM gateway_state WHERE session_id=?", (session_id,)).fetchone()
-        return None if row is None else json.loads(row[0])
+        return self.ctl.store.sessions.gateway_state(session_id)
 
     async def set_gateway_state(self, session_id: str, state: dict[str, Any]) -> None:
-        with self.ctl.store.tx(durable=False) as conn:
-            conn.execute("INSERT OR REPLACE INTO gateway_state VALUES (?, ?)", (session_id, json.dumps(state)))
+        self.ctl.store.sessions.put_gateway_state(session_id, state)
 
     async def finish_session(self, session_id: str, reward: float | None, group_id: str | None) -> dict[str, Any]:
         try:

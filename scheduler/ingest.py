@@ -25,7 +25,7 @@ from scheduler.protocol import (
     TokenRecord,
     dispatch,
 )
-from scheduler.store_owners import RequestRow
+from scheduler.store.owners import RequestRow
 
 log = logging.getLogger("cellflip.scheduler")
 

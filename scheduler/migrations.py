@@ -35,8 +35,8 @@ from scheduler.protocol import (
     MigrateOutCmd,
 )
 from scheduler.states import MIGRATION, REQUEST, set_state
-from scheduler.store_fleet import CellRow, FlipRow
-from scheduler.store_owners import MigrationRow, RequestRow
+from scheduler.store.fleet import CellRow, FlipRow
+from scheduler.store.owners import MigrationRow, RequestRow
 
 if TYPE_CHECKING:
     from scheduler.controller import Controller, Effects

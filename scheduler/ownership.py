@@ -15,7 +15,7 @@ from scheduler import migrations
 from scheduler.placement import RequestSummary, Snapshot, choose_destination
 from scheduler.protocol import AbortCmd, StartCmd, SuspendCmd
 from scheduler.states import REQUEST
-from scheduler.store_owners import OWNED_REQUEST_STATES, WAITING_REQUEST_STATES, RequestRow
+from scheduler.store.owners import OWNED_REQUEST_STATES, WAITING_REQUEST_STATES, RequestRow
 
 if TYPE_CHECKING:
     from scheduler.controller import Controller, Effects

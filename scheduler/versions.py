@@ -23,7 +23,7 @@ from scheduler.errors import Conflict, NotFound
 from scheduler.protocol import LoadVersionCmd
 from scheduler.staleness import versions_behind
 from scheduler.states import VERSION, set_state
-from scheduler.store_fleet import VersionRow
+from scheduler.store.fleet import VersionRow
 
 if TYPE_CHECKING:
     from scheduler.controller import Controller

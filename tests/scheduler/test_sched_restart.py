@@ -132,7 +132,7 @@ def test_store_from_before_added_columns_opens_with_their_defaults(tmp_path):
     import sqlite3
 
     from scheduler.store import ADDED_COLUMNS, SCHEMA, Store
-    from scheduler.store_fleet import FlipRow
+    from scheduler.store.fleet import FlipRow
 
     old = SCHEMA
     for table, column, decl in ADDED_COLUMNS:

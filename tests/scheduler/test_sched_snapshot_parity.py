@@ -27,8 +27,8 @@ from sim import Workload, make_policy, run_policy  # noqa: E402
 from sim.cluster import INF, TRAINING  # noqa: E402
 
 from scheduler.planner_types import Snapshot  # noqa: E402
-from scheduler.store_fleet import VersionRow  # noqa: E402
-from scheduler.store_owners import RequestRow  # noqa: E402
+from scheduler.store.fleet import VersionRow  # noqa: E402
+from scheduler.store.owners import RequestRow  # noqa: E402
 
 N, K, TICK = 4, 4, 60.0
 WL = Workload(name="parity", session_mean_hours=1 / 3, session_sigma=0.3, session_tokens=2000,

@@ -17,7 +17,7 @@ from scheduler.protocol import (
     dispatch,
 )
 from scheduler.states import CELL, FLIP, MIGRATION, REQUEST, VERSION, IllegalTransition, set_state
-from scheduler.store_owners import RequestRow
+from scheduler.store.owners import RequestRow
 
 
 class Rec:

@@ -7,7 +7,9 @@ A harness that rewrites earlier turns starts a new *segment* (a fresh sequence i
 session); `segment_starts` lists where each one begins in the buffer.
 
 Gateway-facing API (no HTTP): `ensure`, `append_prompt`, `new_segment`, `current_segment`,
-`read`. Sampled tokens arrive only through the controller (`append_sampled`).
+`read`, and the gateway's own per-session state (`gateway_state`, `put_gateway_state`: a small
+JSON object of message fingerprints and turn boundaries, kept beside the buffer). Sampled
+tokens arrive only through the controller (`append_sampled`).
 """
 
 from __future__ import annotations
@@ -17,11 +19,25 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from scheduler.errors import Conflict, NotFound
-from scheduler.store import dumps, loads
+from scheduler.store.codec import dumps, loads
 
 if TYPE_CHECKING:
     from scheduler.protocol import TokenRecord
-    from scheduler.store import Store
+    from scheduler.store.db import Store
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sessions(
+  id TEXT PRIMARY KEY, state TEXT NOT NULL, length INTEGER NOT NULL, segment_starts TEXT NOT NULL,
+  reward REAL, group_id TEXT, finish_seq INTEGER, created_at REAL NOT NULL, finished_at REAL);
+CREATE UNIQUE INDEX IF NOT EXISTS sessions_finish ON sessions(finish_seq);
+CREATE TABLE IF NOT EXISTS tokens(
+  session_id TEXT NOT NULL, idx INTEGER NOT NULL, token_id INTEGER NOT NULL,
+  loss_mask INTEGER NOT NULL, logprob REAL, version INTEGER, truncated INTEGER NOT NULL,
+  old_logprob REAL, provenance TEXT, PRIMARY KEY(session_id, idx)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS tokens_version ON tokens(version, provenance) WHERE loss_mask = 1;
+CREATE INDEX IF NOT EXISTS tokens_unscored ON tokens(version) WHERE loss_mask = 1 AND provenance IS NULL;
+CREATE TABLE IF NOT EXISTS gateway_state(session_id TEXT PRIMARY KEY, state TEXT NOT NULL);
+"""
 
 _TOK_COLS = "token_id, loss_mask, logprob, version, truncated, old_logprob, provenance"
 
@@ -73,6 +89,16 @@ class SessionStore:
             raise Conflict(f"session {session_id!r} is finished", reason="session_finished")
         return row
 
+    def gateway_state(self, session_id: str) -> dict[str, Any] | None:
+        """The chat gateway's state of a session (None before its first turn)."""
+        r = self.s.execute("SELECT state FROM gateway_state WHERE session_id=?", (session_id,)).fetchone()
+        return None if r is None else loads(r[0])
+
+    def put_gateway_state(self, session_id: str, state: dict[str, Any]) -> None:
+        with self.s.tx(durable=False):
+            self.s.execute("INSERT OR REPLACE INTO gateway_state(session_id, state) VALUES (?, ?)",
+                           (session_id, dumps(state)))
+
     # -- token buffer
     def read(self, session_id: str, start: int = 0, end: int | None = None) -> list[tuple]:
         """Token rows `(token_id, loss_mask, logprob, version, truncated, old_logprob, provenance)`."""
@@ -89,7 +115,7 @@ class SessionStore:
         return start, self.token_ids(session_id, start)
 
     def _append_rows(self, row: SessionRow, rows: list[tuple]) -> None:
-        self.s.conn.executemany(
+        self.s.executemany(
             f"INSERT INTO tokens(session_id, idx, {_TOK_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
             [(row.id, row.length + i, *r) for i, r in enumerate(rows)],
         )
@@ -128,7 +154,7 @@ class SessionStore:
         if version is not None:
             q += " AND version=?"
             rows = [(*r, version) for r in rows]
-        cur = self.s.conn.executemany(q, rows)
+        cur = self.s.executemany(q, rows)
         return cur.rowcount
 
     def mark_missing(self, session_id: str, version: int, start: int, end: int) -> int:

@@ -10,10 +10,32 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from scheduler.store import dumps, loads
+from scheduler.states import role_of
+from scheduler.store.codec import dumps, loads
 
 if TYPE_CHECKING:
-    from scheduler.store import Store
+    from scheduler.store.db import Store
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS cells(
+  id TEXT PRIMARY KEY, incarnation TEXT NOT NULL, state TEXT NOT NULL,
+  generation INTEGER NOT NULL, version INTEGER, address TEXT NOT NULL, store_port INTEGER NOT NULL,
+  capabilities TEXT NOT NULL, kv_blocks_total INTEGER NOT NULL, kv_blocks_used INTEGER NOT NULL,
+  max_running INTEGER NOT NULL, history TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS flips(
+  id TEXT PRIMARY KEY, cell_id TEXT NOT NULL, to_role TEXT NOT NULL, state TEXT NOT NULL,
+  idem_key TEXT, reason TEXT, migrated INTEGER NOT NULL, suspended INTEGER NOT NULL,
+  recomputed INTEGER NOT NULL, created_at REAL NOT NULL, finished_at REAL, history TEXT NOT NULL,
+  kv_store INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS flips_state ON flips(state);
+CREATE TABLE IF NOT EXISTS versions(
+  v INTEGER PRIMARY KEY, state TEXT NOT NULL, created_at REAL NOT NULL, history TEXT NOT NULL,
+  source TEXT);
+CREATE TABLE IF NOT EXISTS idempotency(
+  scope TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL, response TEXT NOT NULL,
+  created_at REAL NOT NULL, PRIMARY KEY(scope, key));
+CREATE INDEX IF NOT EXISTS idempotency_created ON idempotency(created_at);
+"""
 
 ACTIVE_FLIP_STATES = ("pending", "draining", "loading")
 
@@ -34,8 +56,6 @@ class CellRow:
     history: list = field(default_factory=list)
 
     def to_api(self) -> dict[str, Any]:
-        from scheduler.states import role_of
-
         return {
             "id": self.id, "incarnation": self.incarnation, "state": self.state,
             "role": role_of(self.state), "generation": self.generation, "version": self.version,

@@ -12,10 +12,25 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from scheduler.store import dumps, loads
+from scheduler.store.codec import dumps, loads
 
 if TYPE_CHECKING:
-    from scheduler.store import Store
+    from scheduler.store.db import Store
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS requests(
+  id TEXT PRIMARY KEY, session_id TEXT NOT NULL, base INTEGER NOT NULL, prompt_start INTEGER NOT NULL,
+  num_generated INTEGER NOT NULL, params TEXT NOT NULL, cell_id TEXT, epoch INTEGER NOT NULL,
+  state TEXT NOT NULL, reason TEXT, created_at REAL NOT NULL, updated_at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS requests_state ON requests(state, cell_id);
+CREATE INDEX IF NOT EXISTS requests_session ON requests(session_id, state);
+CREATE TABLE IF NOT EXISTS migrations(
+  id TEXT PRIMARY KEY, request_id TEXT NOT NULL, src TEXT NOT NULL, dst TEXT NOT NULL,
+  epoch INTEGER NOT NULL, state TEXT NOT NULL, path TEXT NOT NULL, flip_id TEXT, reason TEXT,
+  created_at REAL NOT NULL, finished_at REAL, history TEXT NOT NULL,
+  src_state TEXT NOT NULL DEFAULT 'running');
+CREATE INDEX IF NOT EXISTS migrations_state ON migrations(state, request_id);
+"""
 
 LIVE_REQUEST_STATES = ("running", "migrating")
 """Decoding (or moving) on their owner: what a cell's load and a drain count."""
@@ -38,10 +53,6 @@ class RequestRow:
     reason: str | None = None
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
-
-    @property
-    def is_live(self) -> bool:
-        return self.state in LIVE_REQUEST_STATES
 
     @property
     def is_owned(self) -> bool:

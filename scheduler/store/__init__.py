@@ -1,0 +1,12 @@
+"""The durable store (SQLite): `Store` and its table groups, the only place with SQL.
+
+- `db`: the connection, transactions, the schema and its upgrades;
+- `fleet`: cells, flips, weight versions, idempotency keys;
+- `owners`: requests with their owner and epoch, migrations;
+- `sessions`: token buffers, trajectories, the gateway's per-session state;
+- `codec`: the JSON text of structured columns (a leaf).
+"""
+
+from scheduler.store.db import ADDED_COLUMNS, SCHEMA, Store
+
+__all__ = ["ADDED_COLUMNS", "SCHEMA", "Store"]

@@ -1,0 +1,95 @@
+"""The durable store: one SQLite file in WAL mode, the scheduler's source of truth.
+
+Each table group lives in its own module with its rows and its SQL: `fleet` (cells, flips,
+versions, idempotency keys), `owners` (requests with their owner cell and epoch, migrations),
+`sessions` (token buffers, trajectories and the gateway's per-session state). A restarted
+scheduler rebuilds from this file plus a fresh re-list of the cells.
+
+Ownership, flips and versions commit with `synchronous=FULL` (`tx(durable=True)`): a commit
+that told a cell "you own epoch e+1" must survive a power cut. Token batches commit with
+`synchronous=NORMAL` (still atomic and crash-safe in WAL; only the last batches can be lost to
+a power cut, and a later FULL commit flushes them too).
+
+The connection is used from the event loop's thread only (every handler is async and every
+store call is synchronous), so transactions never interleave.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from scheduler.store import fleet, owners, sessions
+
+SCHEMA = fleet.SCHEMA + owners.SCHEMA + sessions.SCHEMA
+"""Every table and index (table and column names are read by faultkit's checker too)."""
+
+ADDED_COLUMNS = (
+    ("migrations", "src_state", "TEXT NOT NULL DEFAULT 'running'"),
+    ("flips", "kv_store", "INTEGER NOT NULL DEFAULT 0"),
+)
+"""Columns added after a table's first release: a store written by an older scheduler gets
+them (with their defaults) when it is opened, so a restart across an upgrade keeps its state."""
+
+
+class Store:
+    """Owns the connection and the transaction scope; table groups hang off it."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        if self.path != ":memory:":
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: transactions are explicit (BEGIN IMMEDIATE in `tx`).
+        self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=FULL")
+        self._conn.executescript(SCHEMA)
+        self._add_missing_columns()
+        self._depth = 0
+        self._durable = True
+        self.fleet = fleet.FleetStore(self)
+        self.owners = owners.OwnerStore(self)
+        self.sessions = sessions.SessionStore(self)
+
+    @contextmanager
+    def tx(self, durable: bool = True) -> Iterator[None]:
+        """One atomic transaction; nested calls join the outermost (whose durability wins)."""
+        if self._depth:
+            assert self._durable or not durable, "a durable write nested in a non-durable transaction"
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+            return
+        if durable != self._durable:
+            self._conn.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
+            self._durable = durable
+        self._conn.execute("BEGIN IMMEDIATE")
+        self._depth = 1
+        try:
+            yield
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        else:
+            self._conn.execute("COMMIT")
+        finally:
+            self._depth = 0
+
+    def _add_missing_columns(self) -> None:
+        for table, column, decl in ADDED_COLUMNS:
+            have = {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+
+    def execute(self, sql: str, params: tuple | list = ()) -> sqlite3.Cursor:
+        return self._conn.execute(sql, params)
+
+    def executemany(self, sql: str, rows: list) -> sqlite3.Cursor:
+        return self._conn.executemany(sql, rows)
+
+    def close(self) -> None:
+        self._conn.close()
