@@ -133,7 +133,7 @@ class _Cell:
         return _Access()
 
     def _decode_loop(self) -> None:
-        from cells.engine.interface import SamplingParams
+        from cells.engine.records import SamplingParams
 
         try:
             while not self.stop.is_set():
@@ -307,8 +307,8 @@ def main() -> None:
     set_threads(1)
     import torch
 
-    from cells.engine.model import init_weights
-    from cells.engine.model_spec import resolve_spec
+    from cells.engine.embedded.model import init_weights
+    from cells.engine.embedded.model_spec import resolve_spec
     from cells.trainer.versions_host import VersionHost
 
     repeats = args.repeats or (2 if args.quick else 3)

@@ -9,7 +9,7 @@ import torch  # noqa: E402
 from common import Timer, emit, parse_args, set_threads
 
 from cells.engine.embedded import EmbeddedEngine  # noqa: E402
-from cells.engine.interface import SamplingParams  # noqa: E402
+from cells.engine.records import SamplingParams  # noqa: E402
 from scheduler.config import EmbeddedEngineConfig, ModelConfig  # noqa: E402
 
 

@@ -31,8 +31,8 @@ import torch
 from common import emit, parse_args, set_threads
 
 from cells.engine.embedded import EmbeddedEngine
-from cells.engine.model import init_weights
-from cells.engine.model_spec import resolve_spec
+from cells.engine.embedded.model import init_weights
+from cells.engine.embedded.model_spec import resolve_spec
 from cells.localcluster import Cluster, Streamer, cluster_config
 from cells.trainer.versions_host import VersionHost
 from scheduler.config import parse_config

@@ -56,7 +56,7 @@ def make_cfg(tmp: Path) -> dict:
 
 
 def kv_bytes(cfg: dict, tokens: int) -> int:
-    from cells.engine.model_spec import resolve_spec
+    from cells.engine.embedded.model_spec import resolve_spec
 
     spec = resolve_spec(parse_config(cfg).cells.engine.model)
     block = cfg["cells"]["engine"]["block_size"]
@@ -107,7 +107,7 @@ def layout(c: Cluster, rollout: str, training: str) -> None:
 
 def recompute_and_reference(cfg: dict, rid: str, prompt: list[int], seed: int) -> tuple[float, list[int]]:
     from cells.engine.embedded import EmbeddedEngine
-    from cells.engine.interface import SamplingParams
+    from cells.engine.records import SamplingParams
 
     eng = EmbeddedEngine(parse_config(cfg).cells.engine)
     eng.add_request(rid, prompt, SamplingParams(max_tokens=NEW_TOKENS, seed=seed))

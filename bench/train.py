@@ -45,8 +45,8 @@ from common import ROOT, emit, parse_args, set_threads
 
 import torch
 
-from cells.engine.model import init_weights
-from cells.engine.model_spec import PRESETS
+from cells.engine.embedded.model import init_weights
+from cells.engine.embedded.model_spec import PRESETS
 from cells.trainer.learner import Learner
 from cells.trainer.versions_host import VersionHost
 from cells.training.bare import reply_key, request_key

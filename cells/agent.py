@@ -29,8 +29,15 @@ import uuid
 from dataclasses import dataclass, field
 
 from cells.client import Fenced, SchedulerClient
-from cells.engine.interface import EngineError, SamplingParams
-from cells.migration import CHUNK_BYTES, MigrationReceiver, MigrationSender, Outcome, StagingBuffers, migration_event
+from cells.engine.records import EngineError, SamplingParams
+from cells.migration import (
+    CHUNK_BYTES,
+    MigrationReceiver,
+    MigrationSender,
+    Outcome,
+    StagingBuffers,
+    migration_event,
+)
 from cells.roles import CellRole
 from cells.training.worker import TrainingWorker
 from cells.transport.store import StoreAddress, StoreHost

@@ -111,8 +111,8 @@ def build_engine(eng_cfg):
 
         torch.set_num_threads(eng_cfg.threads)
         return EmbeddedEngine(eng_cfg)
-    from cells.engine.interface import EngineError
-    from cells.engine.sglang_engine import SGLangEngine  # SGLang itself is imported lazily
+    from cells.engine.records import EngineError
+    from cells.engine.sglang.engine import SGLangEngine  # SGLang itself is imported lazily
 
     try:
         return SGLangEngine(eng_cfg)

@@ -249,7 +249,7 @@ class Streamer(threading.Thread):
 def reference_tokens(cfg: dict, request_id: str, prompt: list[int], max_tokens: int, seed: int) -> list[int]:
     """The same request on one in-process engine, never moved (batch-invariant mode)."""
     from cells.engine.embedded import EmbeddedEngine
-    from cells.engine.interface import SamplingParams
+    from cells.engine.records import SamplingParams
     from scheduler.config import parse_config
 
     eng = EmbeddedEngine(parse_config(cfg).cells.engine)

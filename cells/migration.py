@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from cells.client import Refused, SchedulerClient
-from cells.engine.interface import EngineError, RequestSnapshot
+from cells.engine.records import EngineError, RequestSnapshot
 from cells.transport.p2p import PairChannel, TransferError
 from cells.transport.store import StoreAddress, connect
 from scheduler.config import MigrationConfig

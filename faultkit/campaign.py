@@ -440,7 +440,7 @@ class Campaign:
 
     def reference(self, v: int, client: Streamer) -> list[int]:
         from cells.engine.embedded import EmbeddedEngine
-        from cells.engine.interface import SamplingParams
+        from cells.engine.records import SamplingParams
         from scheduler.config import parse_config
 
         eng = self._engines.get(v)
@@ -988,7 +988,7 @@ def scn_training_rank_fault(camp: Campaign, run: Run, k: int) -> None:
     is redone by the other training cell from the coordinator's unchanged host copy. Checked:
     the parameters equal a fault-free update of the same batch (max over tensors of
     ||a - b|| / ||a - theta_0|| <= 1e-3), one version number is taken, and only after the redo."""
-    from cells.engine.model_spec import resolve_spec
+    from cells.engine.embedded.model_spec import resolve_spec
     from cells.trainer.learner import Learner
     from cells.training.coordinator import TrainingCoordinator
     from scheduler.config import parse_config

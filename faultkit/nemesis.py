@@ -42,8 +42,8 @@ def version_weights(cfg: dict, version: int):
     reference engines compute the same tensors)."""
     import torch
 
-    from cells.engine.model import init_weights
-    from cells.engine.model_spec import resolve_spec
+    from cells.engine.embedded.model import init_weights
+    from cells.engine.embedded.model_spec import resolve_spec
     from scheduler.config import parse_config
 
     ecfg = parse_config(cfg).cells.engine

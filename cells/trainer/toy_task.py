@@ -649,7 +649,7 @@ class EngineDriver:
         self.sampled_tokens = 0
 
     def sampling_params(self, params: dict[str, Any]) -> Any:
-        from cells.engine.interface import SamplingParams
+        from cells.engine.records import SamplingParams
 
         limit = params.get("max_tokens")
         return SamplingParams(

@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from cells.engine.layers import probe_row_invariance
-from cells.engine.model import init_weights
-from cells.engine.model_spec import resolve_spec
+from cells.engine.embedded.layers import probe_row_invariance
+from cells.engine.embedded.model import init_weights
+from cells.engine.embedded.model_spec import resolve_spec
 from cells.trainer.agents import AgentPool
 from cells.trainer.client import TrainerClient
 from cells.trainer.groups import GroupGate

@@ -56,9 +56,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import Store, TCPStore
 
-from cells.engine.interface import EngineError
-from cells.engine.sglang_barrier import sender_verdict
-from cells.engine.sglang_weights import (
+from cells.engine.records import EngineError
+from cells.engine.sglang.barrier import sender_verdict
+from cells.engine.sglang.weights import (
     BucketSpec,
     TensorMeta,
     UpdateGroup,
@@ -439,7 +439,7 @@ class VersionHost:
         set_json(store, key("plan", attempt), {"members": members, "retry_within_s": retry_s})
         # Every member's engine says it joined before anyone forms the group: NCCL sets its
         # communicator up inside the first collective, with no timeout of ours, so a member that
-        # never comes would hold this thread and every other member's engine (sglang_barrier.py).
+        # never comes would hold this thread and every other member's engine (cells/engine/sglang/barrier.py).
         missing = sender_verdict(master, name, offsets, self.join_timeout_s)
         if missing:
             why = f"{missing} did not reach the update group's barrier in {self.join_timeout_s:.1f}s; called off"

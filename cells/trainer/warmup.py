@@ -77,8 +77,8 @@ def run_warmup(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from cells.engine.model import init_weights
-    from cells.engine.model_spec import PRESETS
+    from cells.engine.embedded.model import init_weights
+    from cells.engine.embedded.model_spec import PRESETS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="toy")

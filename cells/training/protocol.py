@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from cells.engine.model_spec import ModelSpec
+from cells.engine.embedded.model_spec import ModelSpec
 from cells.trainer.objectives import ObjectiveConfig
 
 NAMESPACE = "train"

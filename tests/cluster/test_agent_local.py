@@ -13,7 +13,7 @@ import torch
 
 from cells.agent import STALL_LOG_S, CellAgent
 from cells.engine.embedded import EmbeddedEngine
-from cells.engine.interface import SamplingParams
+from cells.engine.records import SamplingParams
 from scheduler.config import parse_config
 
 torch.set_num_threads(1)

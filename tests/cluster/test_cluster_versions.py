@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from cells.engine.embedded import EmbeddedEngine
-from cells.engine.interface import SamplingParams
-from cells.engine.model import init_weights
-from cells.engine.model_spec import resolve_spec
+from cells.engine.embedded.model import init_weights
+from cells.engine.embedded.model_spec import resolve_spec
+from cells.engine.records import SamplingParams
 from cells.trainer.versions_host import VersionHost
 from scheduler.config import parse_config
 

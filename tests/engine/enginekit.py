@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from cells.engine.embedded import EmbeddedEngine
-from cells.engine.interface import SamplingParams
+from cells.engine.records import SamplingParams
 from scheduler.config import EmbeddedEngineConfig, ModelConfig
 
 VOCAB = 1024

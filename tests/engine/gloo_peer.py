@@ -37,7 +37,7 @@ def recv_kv(engine, rid: str, src: int) -> None:
 def main() -> None:
     args = json.loads(sys.argv[1])
     torch.set_num_threads(1)
-    from cells.engine.interface import RequestSnapshot
+    from cells.engine.records import RequestSnapshot
 
     from .enginekit import make_engine, params, prompts, run_all
 

@@ -1,6 +1,6 @@
 import pytest
 
-from cells.engine.interface import EngineError, SamplingParams
+from cells.engine.records import EngineError, SamplingParams
 
 from .enginekit import make_engine, params, prompts, run_all
 

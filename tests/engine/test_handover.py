@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from cells.engine.interface import EngineError, SamplingParams
+from cells.engine.records import EngineError, SamplingParams
 
 from .enginekit import make_engine, params, prompts, run_all
 

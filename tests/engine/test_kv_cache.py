@@ -2,8 +2,8 @@ import random
 
 import torch
 
-from cells.engine.kv_cache import BlockPool
-from cells.engine.model_spec import ModelSpec
+from cells.engine.embedded.kv_cache import BlockPool
+from cells.engine.embedded.model_spec import ModelSpec
 
 SPEC = ModelSpec(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8,
                  intermediate_size=64, vocab_size=64)

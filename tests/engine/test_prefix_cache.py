@@ -2,7 +2,7 @@
 session; a later turn whose prompt extends it skips that prefill and decodes identically."""
 
 
-from cells.engine.interface import SamplingParams
+from cells.engine.records import SamplingParams
 
 from .enginekit import make_engine, prompts, run_all
 

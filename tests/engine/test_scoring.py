@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from cells.engine.model import token_logprobs
+from cells.engine.embedded.model import token_logprobs
 
 from .enginekit import make_engine, params, prompts, run_all
 
@@ -36,7 +36,7 @@ def test_scoring_is_differentiable_for_the_trainer():
     eng = make_engine(True)
     prep = eng._prepared(None)
     w = {k: v.clone().requires_grad_(True) for k, v in prep.weights.items()}
-    from cells.engine.model import prepare
+    from cells.engine.embedded.model import prepare
 
     p2 = prepare(eng.spec, w)
     lp = token_logprobs(p2, torch.tensor(prompts(1)[0]), 1.0, eng.tile)

@@ -35,12 +35,12 @@ from datetime import timedelta
 import pytest
 import torch
 
-from cells.engine.checkpoint import save_checkpoint
-from cells.engine.interface import EngineError, SamplingParams
-from cells.engine.model import init_weights
-from cells.engine.model_spec import ModelSpec
-from cells.engine.sglang_barrier import VERDICT_SLACK_S, sender_verdict
-from cells.engine.sglang_weights import (
+from cells.engine.embedded.checkpoint import save_checkpoint
+from cells.engine.embedded.model import init_weights
+from cells.engine.embedded.model_spec import ModelSpec
+from cells.engine.records import EngineError, SamplingParams
+from cells.engine.sglang.barrier import VERDICT_SLACK_S, sender_verdict
+from cells.engine.sglang.weights import (
     TensorMeta,
     UpdateGroup,
     broadcast_bucket,
@@ -110,7 +110,7 @@ def version(seed: int) -> dict[str, torch.Tensor]:
 
 
 def start_engine(model_path: str, server_args: dict | None = None, **kw):
-    from cells.engine.sglang_engine import SGLangEngine
+    from cells.engine.sglang.engine import SGLangEngine
 
     cfg = SGLangEngineConfig(model_path=model_path, deterministic=True, scoring="trainer_copy")
     return SGLangEngine(cfg, server_args={**SERVER_ARGS, **(server_args or {})}, **kw)

@@ -44,8 +44,8 @@ import zlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from cells.engine.sglang_backend import SGLangModules
-from cells.engine.sglang_weights import (
+from cells.engine.sglang.backend import SGLangModules
+from cells.engine.sglang.weights import (
     BucketSpec,
     broadcast_bucket,
     flatten_bucket,

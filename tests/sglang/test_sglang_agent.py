@@ -24,9 +24,9 @@ import torch
 
 from cells.agent import CellAgent
 from cells.cli import cell_config
-from cells.engine.interface import SamplingParams
-from cells.engine.sglang_engine import SGLangEngine
-from cells.engine.sglang_migration import kv_store_identity
+from cells.engine.records import SamplingParams
+from cells.engine.sglang.engine import SGLangEngine
+from cells.engine.sglang.migration import kv_store_identity
 from cells.localcluster import ROOT, Cluster, Streamer, cluster_config
 from scheduler.config import CellflipConfig, EmbeddedEngineConfig, SGLangEngineConfig, parse_config
 

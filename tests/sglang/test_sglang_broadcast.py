@@ -16,8 +16,8 @@ import fake_sglang
 import pytest
 import torch
 
-from cells.engine.interface import SamplingParams
-from cells.engine.sglang_engine import SGLangEngine
+from cells.engine.records import SamplingParams
+from cells.engine.sglang.engine import SGLangEngine
 from cells.trainer.versions_host import VersionHost, receive_broadcast
 from cells.transport.store import connect, get_json
 from cells.versions import CellVersions

@@ -7,7 +7,7 @@ from pathlib import Path
 import fake_sglang
 import pytest
 
-from cells.engine.sglang_engine import SGLangEngine
+from cells.engine.sglang.engine import SGLangEngine
 from scheduler.config import ConfigError, SGLangEngineConfig, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[2]

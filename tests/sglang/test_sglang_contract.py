@@ -25,10 +25,10 @@ import fake_sglang
 import pytest
 import torch
 
-from cells.engine import sglang_backend as sb
-from cells.engine.interface import EngineError, RequestSnapshot, SamplingParams
-from cells.engine.sglang_engine import SGLangEngine
-from cells.engine.sglang_weights import (
+from cells.engine.records import EngineError, RequestSnapshot, SamplingParams
+from cells.engine.sglang import backend as sb
+from cells.engine.sglang.engine import SGLangEngine
+from cells.engine.sglang.weights import (
     BucketSpec,
     TensorMeta,
     UpdateGroup,
@@ -39,8 +39,8 @@ from scheduler.config import SGLangEngineConfig
 
 WHEEL = f"sglang-{sb.PINNED_SGLANG_VERSION}-cp311-cp311-manylinux_2_34_x86_64.whl"
 WHEEL_SHA256 = "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937"
-ADAPTER_GLOB = "sglang_*.py"
-"""Every module of the adapter (cells/engine/sglang_*.py): a new one is read without a list to update."""
+ADAPTER_GLOB = "*.py"
+"""Every module of the adapter (cells/engine/sglang/*.py): a new one is read without a list to update."""
 
 # Where each recorded owner lives in SGLang's source.
 ANCHORS = {
@@ -433,7 +433,7 @@ def test_tensor_update_payload_is_read_by_sglangs_bucket(sglang_src):
     `FlattenedTensorBucket`, as its weight updater does."""
     import importlib.util
 
-    from cells.engine.sglang_tensor_update import flattened_metadata
+    from cells.engine.sglang.tensor_update import flattened_metadata
 
     spec = importlib.util.spec_from_file_location("sglang_tensor_bucket2",
                                                   sglang_src / "sglang/srt/weight_sync/tensor_bucket.py")

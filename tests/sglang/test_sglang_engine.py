@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from cells.engine import sglang_backend as sb
-from cells.engine.interface import EngineError, RequestSnapshot, SamplingParams
-from cells.engine.sglang_engine import SGLangEngine
-from cells.engine.sglang_weights import (
+from cells.engine.records import EngineError, RequestSnapshot, SamplingParams
+from cells.engine.sglang import backend as sb
+from cells.engine.sglang.engine import SGLangEngine
+from cells.engine.sglang.weights import (
     BucketSpec,
     TensorMeta,
     UpdateGroup,
@@ -563,10 +563,10 @@ def test_default_scoring_copy_is_the_embedded_model_fed_by_the_broadcast(tmp_pat
     """cell_copy without a scorer: the embedded Qwen3 model from the cell's checkpoint, filled
     by the same gloo broadcast as SGLang (modelled by the fake), scoring like the embedded
     engine with those weights."""
-    from cells.engine.checkpoint import save_checkpoint
     from cells.engine.embedded import EmbeddedEngine
-    from cells.engine.model import init_weights
-    from cells.engine.model_spec import PRESETS
+    from cells.engine.embedded.checkpoint import save_checkpoint
+    from cells.engine.embedded.model import init_weights
+    from cells.engine.embedded.model_spec import PRESETS
 
     spec = PRESETS["tiny"]
     save_checkpoint(tmp_path, spec, init_weights(spec, seed=0), dtype=torch.bfloat16)
@@ -700,9 +700,9 @@ def test_a_single_version_scoring_copy_never_scores_with_another_versions_weight
 
 
 def test_the_default_scoring_copy_keeps_old_versions_until_dropped(tmp_path):
-    from cells.engine.checkpoint import save_checkpoint
-    from cells.engine.model import init_weights
-    from cells.engine.model_spec import PRESETS
+    from cells.engine.embedded.checkpoint import save_checkpoint
+    from cells.engine.embedded.model import init_weights
+    from cells.engine.embedded.model_spec import PRESETS
 
     spec = PRESETS["tiny"]
     save_checkpoint(tmp_path, spec, init_weights(spec, seed=0), dtype=torch.bfloat16)

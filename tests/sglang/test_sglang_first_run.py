@@ -16,12 +16,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from cells.engine import sglang_backend as sb
-from cells.engine.interface import EngineError, RequestSnapshot, SamplingParams
-from cells.engine.sglang_barrier import VERDICT_SLACK_S, joined_key, verdict_key
-from cells.engine.sglang_engine import SGLangEngine
-from cells.engine.sglang_migration import kv_store_identity
-from cells.engine.sglang_weights import BucketSpec, UpdateGroup
+from cells.engine.records import EngineError, RequestSnapshot, SamplingParams
+from cells.engine.sglang import backend as sb
+from cells.engine.sglang.barrier import VERDICT_SLACK_S, joined_key, verdict_key
+from cells.engine.sglang.engine import SGLangEngine
+from cells.engine.sglang.migration import kv_store_identity
+from cells.engine.sglang.weights import BucketSpec, UpdateGroup
 from cells.transport.store import set_json
 from scheduler.config import ConfigError, SGLangEngineConfig, parse_config
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cells.engine.sglang_migration import (
+from cells.engine.sglang.migration import (
     MigrationEndpoint,
     choose_migration_path,
     kv_store_identity,

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from cells.engine.interface import EngineError
-from cells.engine.sglang_weights import (
+from cells.engine.records import EngineError
+from cells.engine.sglang.weights import (
     BucketSpec,
     TensorMeta,
     bucket_crc32,

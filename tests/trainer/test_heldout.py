@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from cells.engine.model import init_weights
-from cells.engine.model_spec import PRESETS
+from cells.engine.embedded.model import init_weights
+from cells.engine.embedded.model_spec import PRESETS
 from cells.trainer.toy_task import HELDOUT_START, TaskSpec, heldout_episodes, heldout_eval
 
 torch.set_num_threads(1)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from cells.engine.embedded import EmbeddedEngine
-from cells.engine.model import init_weights, prepare, token_logprobs
-from cells.engine.model_spec import PRESETS, ModelSpec
+from cells.engine.embedded.model import init_weights, prepare, token_logprobs
+from cells.engine.embedded.model_spec import PRESETS, ModelSpec
 from cells.trainer.learner import Learner
 from cells.trainer.objectives import KLInLoss, KLInReward, ObjectiveConfig, decoupled_ppo_loss
 from scheduler.config import EmbeddedEngineConfig

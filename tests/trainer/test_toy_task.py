@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cells.engine.model_spec import PRESETS
+from cells.engine.embedded.model_spec import PRESETS
 from cells.trainer.objectives.tree import select_branches, serialize_tree
 from cells.trainer.toy_task import (
     TOOLS,

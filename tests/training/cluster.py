@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from cells.engine.model import init_weights
-from cells.engine.model_spec import ModelSpec
+from cells.engine.embedded.model import init_weights
+from cells.engine.embedded.model_spec import ModelSpec
 from cells.trainer.learner import Learner
 from cells.transport.store import StoreHost
 

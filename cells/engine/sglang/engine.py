@@ -19,8 +19,8 @@ version's cache salt). So a token's version is its submission's version, exactly
 KV computed under one version is never keyed under another's salt (the radix cache is
 also flushed; a HiCache store is not, hence the salt). In-flight requests are therefore
 recomputed at every update on SGLang cells, whatever `versions.inflight_policy` says.
-Version updates and memory handover live in `sglang_control.py`; the names the cell agent
-calls (versions for scoring, role flips) in `sglang_cell.py`.
+Version updates and memory handover live in `control.py`; the names the cell agent
+calls (versions for scoring, role flips) in `cell.py`.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ from typing import Any
 
 import torch
 
-from cells.engine import sglang_backend as sb
-from cells.engine.interface import (
+from cells.engine.records import (
     Capabilities,
     Engine,
     EngineError,
@@ -43,18 +42,19 @@ from cells.engine.interface import (
     TokenEvent,
     TokenRecord,
 )
-from cells.engine.sglang_cell import NO_VERSION, CellMixin
-from cells.engine.sglang_control import ControlMixin
-from cells.engine.sglang_migration import (
+from cells.engine.sglang import backend as sb
+from cells.engine.sglang.cell import NO_VERSION, CellMixin
+from cells.engine.sglang.control import ControlMixin
+from cells.engine.sglang.migration import (
     MigrationEndpoint,
     MigrationPath,
     choose_migration_path,
     kv_store_identity,
 )
-from cells.engine.sglang_requests import RequestState, request_from_snapshot, snapshot_of
-from cells.engine.sglang_scoring import ScoringCopy, ScoringVersions, default_scoring_copy
-from cells.engine.sglang_tensor_update import TENSOR_BUCKET_BYTES, update_device
-from cells.engine.sglang_weights import read_checkpoint_manifest
+from cells.engine.sglang.requests import RequestState, request_from_snapshot, snapshot_of
+from cells.engine.sglang.scoring import ScoringCopy, ScoringVersions, default_scoring_copy
+from cells.engine.sglang.tensor_update import TENSOR_BUCKET_BYTES, update_device
+from cells.engine.sglang.weights import read_checkpoint_manifest
 from scheduler.config import SGLangEngineConfig
 
 
@@ -67,7 +67,7 @@ class SGLangEngine(CellMixin, ControlMixin, Engine):
                  transfer_timeout_s: float = 120.0, modules: sb.SGLangModules | None = None) -> None:
         """`server_args`: extra `sglang.Engine` arguments (HiCache, page size…) over the
         config's (deterministic inference comes from `config.deterministic`). `scorer`: the scoring copy for `scoring: cell_copy` (default: the
-        embedded model on the CPU, sglang_scoring.py); ignored with `trainer_copy`.
+        embedded model on the CPU, scoring.py); ignored with `trainer_copy`.
         `kv_store`: name of a shared HiCache store when its backend config alone does not
         identify it (default: the config's). `max_running`: the request slots reported to the
         scheduler (default: the config's). `modules`: SGLang's entry points (None: import the
@@ -98,7 +98,7 @@ class SGLangEngine(CellMixin, ControlMixin, Engine):
         self.transfer_timeout_s = transfer_timeout_s
         self.manifest = read_checkpoint_manifest(config.model_path)
         self.tensor_bucket_bytes = TENSOR_BUCKET_BYTES
-        """Bytes per `update_weights_from_tensor` call (sglang_tensor_update.py)."""
+        """Bytes per `update_weights_from_tensor` call (tensor_update.py)."""
         self._update_device = update_device(self.server_args)
         self._start_engine()
         self._rids = itertools.count()
@@ -110,7 +110,7 @@ class SGLangEngine(CellMixin, ControlMixin, Engine):
         self._released: set[str] = set()
         self._state = "serving"  # serving | paused | broken
         self._deferred: tuple[int, dict[str, torch.Tensor]] | None = None
-        """A version that arrived while the weights' memory was released (sglang_cell.py)."""
+        """A version that arrived while the weights' memory was released (cell.py)."""
         self._init_counters()
         self._label_version(version)
 
@@ -127,7 +127,7 @@ class SGLangEngine(CellMixin, ControlMixin, Engine):
         """Requests moved here whose continuation is not promised token-exact: either end without
         deterministic inference, or a source with another tp (docs/GPU.md section 8)."""
         self.engine_restarts = 0
-        """SGLang restarts after a version update failed inside its group (sglang_control.py)."""
+        """SGLang restarts after a version update failed inside its group (control.py)."""
         self.version_tag_mismatches = 0
         """Tokens whose version SGLang's own spans contradict (must stay 0)."""
         self.ended_without_token: list[tuple[str, str]] = []

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .interface import EngineError
-from .model import check_weights
-from .model_spec import ModelSpec
+from cells.engine.embedded.model import check_weights
+from cells.engine.embedded.model_spec import ModelSpec
+from cells.engine.records import EngineError
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 

@@ -11,15 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.config import EmbeddedEngineConfig
-
-from .batcher import Batcher, Request, WorkItem
-from .checkpoint import load_checkpoint
-from .handover import HandoverMixin
-from .interface import Capabilities, Engine, EngineError, SamplingParams, TokenEvent, TokenRecord
-from .kv_cache import BlockPool, PagedSink
-from .layers import probe_row_invariance, rope_tables
-from .model import (
+from cells.engine.embedded.batcher import Batcher, Request, WorkItem
+from cells.engine.embedded.checkpoint import load_checkpoint
+from cells.engine.embedded.handover import HandoverMixin
+from cells.engine.embedded.kv_cache import BlockPool, PagedSink
+from cells.engine.embedded.layers import probe_row_invariance, rope_tables
+from cells.engine.embedded.model import (
     Prepared,
     Segment,
     check_weights,
@@ -29,8 +26,17 @@ from .model import (
     prepare,
     token_logprobs,
 )
-from .model_spec import ModelSpec, resolve_spec
-from .sampling import sample
+from cells.engine.embedded.model_spec import ModelSpec, resolve_spec
+from cells.engine.embedded.sampling import sample
+from cells.engine.records import (
+    Capabilities,
+    Engine,
+    EngineError,
+    SamplingParams,
+    TokenEvent,
+    TokenRecord,
+)
+from scheduler.config import EmbeddedEngineConfig
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from cells.engine.interface import EngineError, FinishReason, SamplingParams
+from cells.engine.records import EngineError, FinishReason, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class SGLangModules:
     version: str
     tensor_bucket: Any = None
     """`sglang.srt.weight_sync.tensor_bucket`: `FlattenedTensorMetadata` for `flattened_bucket`
-    payloads of `update_weights_from_tensor` (sglang_tensor_update.py)."""
+    payloads of `update_weights_from_tensor` (tensor_update.py)."""
     serialize: Any = None
     """`MultiprocessingSerializer.serialize`: SGLang's own encoding of a payload handed to its
     scheduler on this node (CUDA tensors travel as IPC handles); cellflip never decodes it."""
@@ -98,7 +98,7 @@ def nccl_environment(environ: MutableMapping[str, str] = os.environ) -> None:
     inherit this process's environment). The default (3) tears a process down when a
     communicator fails or times out, and SGLang's launcher then takes the cell process with
     it; 2 (CleanUpOnly) aborts the communicator and raises in the waiting call, so a failed
-    version update reaches the adapter, which restarts the engine (sglang_control.py)."""
+    version update reaches the adapter, which restarts the engine (control.py)."""
     mode = environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     if mode in ("1", "3"):
         log.warning("TORCH_NCCL_ASYNC_ERROR_HANDLING=%s: a failed version update kills SGLang's scheduler "

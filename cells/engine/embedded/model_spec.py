@@ -6,9 +6,8 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from cells.engine.records import EngineError
 from scheduler.config import ModelConfig
-
-from .interface import EngineError
 
 # Qwen3's tokenizer: 151,643 BPE ranks, then the added special tokens up to <think>/</think>;
 # Qwen3 checkpoints pad the embedding to 151,936 rows.

@@ -11,7 +11,7 @@ import hashlib
 
 import torch
 
-from .interface import SamplingParams
+from cells.engine.records import SamplingParams
 
 
 def noise_seed(seed: int, request_id: str, index: int) -> int:

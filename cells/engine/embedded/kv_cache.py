@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .model_spec import ModelSpec
+from cells.engine.embedded.model_spec import ModelSpec
 
 
 class BlockPool:

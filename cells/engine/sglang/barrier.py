@@ -10,7 +10,7 @@ controls (SGLang's update group waits for its 30-minute default), and gloo's ren
 blocks SGLang's `init_weights_update_group` the same way. One member that never comes
 would stall the sender and every other member's engine thread; with the barrier it costs
 one bounded wait. A member that fails after `go` has (or may have) entered a collective
-whose state nobody can vouch for, so its engine is restarted (sglang_control.py).
+whose state nobody can vouch for, so its engine is restarted (control.py).
 
 Keys live in the group's own rendezvous store (the TCPStore the sender hosts at
 `master_address:master_port`), beside SGLang's, JSON values only:
@@ -24,8 +24,8 @@ from datetime import timedelta
 
 import torch
 
-from cells.engine.interface import EngineError
-from cells.engine.sglang_weights import UpdateGroup
+from cells.engine.records import EngineError
+from cells.engine.sglang.weights import UpdateGroup
 from cells.transport.store import get_json, set_json, wait_json, wait_keys
 
 VERDICT_SLACK_S = 5.0

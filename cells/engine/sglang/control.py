@@ -3,7 +3,7 @@
 Version update, one line:
   pause(retract) → barrier (joined → go) → join group → begin → receive buckets → end → label
   → restart in-flight → continue → leave group
-- The barrier (sglang_barrier.py) comes first: no member forms the group until the sender
+- The barrier (barrier.py) comes first: no member forms the group until the sender
   has seen every member join, so a member that never comes costs one bounded wait, and an
   `abort` (or no verdict) leaves the weights untouched. Once this engine's ranks are in the
   group after `go`, a failure is fatal for the engine: a collective may be left half-done
@@ -19,7 +19,7 @@ Version update, one line:
   arrives; a failure before it leaves the weights and the cell's state as they were. No
   partial version is ever served.
 - From tensors in this process (catch-up, deferred install): the same session, in buckets
-  of ≤ 512 MB staged on the cell's GPU (sglang_tensor_update.py), the cache flushed once.
+  of ≤ 512 MB staged on the cell's GPU (tensor_update.py), the cache flushed once.
 
 Memory handover, one line each:
   to training: (no request left) → release(weights, kv_cache)
@@ -34,18 +34,18 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from cells.engine import sglang_backend as sb
-from cells.engine.interface import EngineError
-from cells.engine.sglang_barrier import member_join
-from cells.engine.sglang_scoring import ScoringReceiver
-from cells.engine.sglang_tensor_update import send_in_buckets
-from cells.engine.sglang_weights import BucketSpec, TensorMeta, UpdateGroup, check_against_manifest
+from cells.engine.records import EngineError
+from cells.engine.sglang import backend as sb
+from cells.engine.sglang.barrier import member_join
+from cells.engine.sglang.scoring import ScoringReceiver
+from cells.engine.sglang.tensor_update import send_in_buckets
+from cells.engine.sglang.weights import BucketSpec, TensorMeta, UpdateGroup, check_against_manifest
 
 log = logging.getLogger(__name__)
 
 
 class ControlMixin:
-    """The control half of `SGLangEngine` (the request half is in sglang_engine.py)."""
+    """The control half of `SGLangEngine` (the request half is in engine.py)."""
 
     @property
     def num_update_ranks(self) -> int:

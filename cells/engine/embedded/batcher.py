@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .interface import SamplingParams, TokenRecord
-from .kv_cache import BlockPool
+from cells.engine.embedded.kv_cache import BlockPool
+from cells.engine.records import SamplingParams, TokenRecord
 
 
 @dataclass(slots=True)

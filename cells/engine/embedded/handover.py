@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .batcher import Request
-from .interface import EngineError, RequestSnapshot, SamplingParams
+from cells.engine.embedded.batcher import Request
+from cells.engine.records import EngineError, RequestSnapshot, SamplingParams
 
 
 class HandoverMixin:

@@ -23,8 +23,8 @@ from typing import Protocol
 
 import torch
 
-from cells.engine.interface import EngineError
-from cells.engine.sglang_weights import (
+from cells.engine.records import EngineError
+from cells.engine.sglang.weights import (
     BucketSpec,
     UpdateGroup,
     broadcast_bucket,

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from cells.engine.interface import EngineError
+from cells.engine.records import EngineError
 
 _DTYPES = {
     "bfloat16": torch.bfloat16,
@@ -216,7 +216,7 @@ class UpdateGroup:
     group_name: str
     backend: str = "nccl"
     barrier_s: float | None = None
-    """How long the sender waits for every member at the join barrier (sglang_barrier.py)
+    """How long the sender waits for every member at the join barrier (barrier.py)
     before it aborts the attempt; None: the sender holds no barrier."""
 
     def to_dict(self) -> dict:

@@ -12,9 +12,16 @@ from typing import Protocol
 
 import torch
 
-from .interface import EngineError
-from .layers import apply_rope, attention_fast, attention_tiled, linear, rms_norm, rope_tables
-from .model_spec import ModelSpec
+from cells.engine.embedded.layers import (
+    apply_rope,
+    attention_fast,
+    attention_tiled,
+    linear,
+    rms_norm,
+    rope_tables,
+)
+from cells.engine.embedded.model_spec import ModelSpec
+from cells.engine.records import EngineError
 
 
 def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cells.engine.interface import EngineError, RequestSnapshot, SamplingParams, TokenRecord
+from cells.engine.records import EngineError, RequestSnapshot, SamplingParams, TokenRecord
 
 
 @dataclass(slots=True)

@@ -2,7 +2,7 @@
 
 The agent was written against the embedded engine's duck-typed surface; this mixin gives
 SGLang the same names with SGLang's semantics, built only on the adapter's own methods
-(every SGLang call stays in sglang_engine.py / sglang_control.py, where the contract test
+(every SGLang call stays in engine.py / control.py, where the contract test
 checks it):
 
 - versions: `prepare_weights` (loader thread: check against the checkpoint) →
@@ -12,7 +12,7 @@ checks it):
   version for scoring (`versions_held` is empty, `scorer` None): the scheduler has a cell
   that can score fetch the version from the trainer's kept copy (docs/GPU.md section 6).
 - `recompute_all`: nothing to do, every in-flight request is already re-submitted under the
-  new version at each update (sglang_engine.py's module docstring).
+  new version at each update (engine.py's module docstring).
 - roles: `enter_role("training")` releases GPU memory (once no request remains) and pauses;
   `enter_role("rollout")` resumes it and continues. A version that arrives while the
   weights' memory is released is kept in host memory and installed at the flip back, in
@@ -25,9 +25,9 @@ import logging
 
 import torch
 
-from cells.engine import sglang_backend as sb
-from cells.engine.interface import EngineError
-from cells.engine.sglang_weights import TensorMeta, check_against_manifest
+from cells.engine.records import EngineError
+from cells.engine.sglang import backend as sb
+from cells.engine.sglang.weights import TensorMeta, check_against_manifest
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from cells.engine.sglang_weights import (
+from cells.engine.sglang.weights import (
     BucketSpec,
     TensorMeta,
     flatten_bucket,
