@@ -22,7 +22,7 @@ from scheduler.auth import BearerAuth, scrape_token, server_token
 from scheduler.config import CellflipConfig, MigrationConfig, SchedulerConfig, VersionsConfig
 from scheduler.docs import declare_bearer, install_docs
 from scheduler.controller import Controller
-from scheduler.errors import NoCapacity, SchedulerError
+from scheduler.errors import CellflipError, Invalid, http_answer
 from scheduler.gateway import make_chat_router
 from scheduler.gateway.backend import CallbackCounters
 from scheduler.gateway.config import GatewayConfig
@@ -112,16 +112,15 @@ def _publish_chat_schemas(app: FastAPI) -> None:
 
 
 def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(SchedulerError)
-    async def _domain(_: Request, exc: SchedulerError) -> JSONResponse:
-        headers = {}
-        if isinstance(exc, NoCapacity):
-            headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
-        return JSONResponse({"detail": exc.detail, "reason": exc.reason}, status_code=exc.status, headers=headers)
+    @app.exception_handler(CellflipError)
+    async def _domain(_: Request, exc: CellflipError) -> JSONResponse:
+        status, body, headers = http_answer(exc)
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(ProtocolError)
     async def _protocol(_: Request, exc: ProtocolError) -> JSONResponse:
-        return JSONResponse({"detail": str(exc), "reason": "invalid"}, status_code=422)
+        status, body, headers = http_answer(Invalid(str(exc)))  # a malformed cell message
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -40,7 +40,7 @@ def register(ctl: Controller, msg: RegisterRequest) -> RegisterResponse:
     if (known is not None and known.incarnation == msg.incarnation and known.state != "down"
             and ctl.registry.is_expired(msg.cell_id)):  # its lease ran out: same rule as a sync
         fence(ctl, msg.cell_id, "lease expired")
-        raise Conflict(f"lease of {msg.cell_id} expired", reason="fenced")
+        raise Conflict(f"lease of {msg.cell_id} expired", code="fenced")
     with ctl.txn(durable=True) as fx:
         row = ctl.store.fleet.get_cell(msg.cell_id)
         if row is None:
@@ -49,7 +49,7 @@ def register(ctl: Controller, msg: RegisterRequest) -> RegisterResponse:
             row.history.append(("joining", time.time(), f"registered as {msg.incarnation}"))
         elif row.incarnation == msg.incarnation:
             if row.state == "down":
-                raise Conflict(f"incarnation {msg.incarnation} of {msg.cell_id} was fenced", reason="fenced")
+                raise Conflict(f"incarnation {msg.incarnation} of {msg.cell_id} was fenced", code="fenced")
         else:
             if row.state != "down":
                 fence_in_tx(ctl, fx, row, f"replaced by incarnation {msg.incarnation}")
@@ -75,9 +75,9 @@ def _current(ctl: Controller, cell_id: str, incarnation: str) -> CellRow:
     if row is None:
         raise NotFound(f"unknown cell {cell_id!r}: register first")
     if row.incarnation != incarnation:
-        raise Conflict(f"incarnation {incarnation} of {cell_id} is stale", reason="stale_incarnation")
+        raise Conflict(f"incarnation {incarnation} of {cell_id} is stale", code="stale_incarnation")
     if row.state == "down" or cell_id not in ctl.registry.live:
-        raise Conflict(f"incarnation {incarnation} of {cell_id} is fenced", reason="fenced")
+        raise Conflict(f"incarnation {incarnation} of {cell_id} is fenced", code="fenced")
     return row
 
 
@@ -87,7 +87,7 @@ async def sync(ctl: Controller, cell_id: str, msg: SyncRequest) -> SyncResponse:
     row = _current(ctl, cell_id, msg.incarnation)
     if ctl.registry.is_expired(cell_id):
         fence(ctl, cell_id, "lease expired")
-        raise Conflict(f"lease of {cell_id} expired", reason="fenced")
+        raise Conflict(f"lease of {cell_id} expired", code="fenced")
     ctl.registry.renew(cell_id, ctl.cfg.lease_s, msg.summary)
     rejected: list[str] = []
     revokes: list[tuple[str, str]] = []
@@ -103,7 +103,7 @@ async def sync(ctl: Controller, cell_id: str, msg: SyncRequest) -> SyncResponse:
     if not ctl.registry.has_commands(cell_id) and msg.wait_s > 0:
         await ctl.notifier.wait(("cell", cell_id), min(msg.wait_s, MAX_WAIT_S))
         if cell_id not in ctl.registry.live:  # fenced while parked
-            raise Conflict(f"{cell_id} was fenced", reason="fenced")
+            raise Conflict(f"{cell_id} was fenced", code="fenced")
     return SyncResponse(commands=ctl.registry.take(cell_id), rejected=rejected)
 
 

@@ -55,7 +55,7 @@ def submit(ctl: Controller, session_id: str | None, prompt_ids: list[int], param
         sessions = ctl.store.sessions
         sessions.ensure(sid)
         if ctl.store.owners.active_request_for_session(sid) is not None:
-            raise Conflict(f"session {sid!r} has a request in flight", reason="session_busy")
+            raise Conflict(f"session {sid!r} has a request in flight", code="session_busy")
         start, segment = sessions.current_segment(sid)
         if not prompt_ids or prompt_ids[: len(segment)] == segment:
             new = prompt_ids[len(segment):]

@@ -291,7 +291,7 @@ class Controller:
         from scheduler.errors import Conflict
 
         if self.store.owners.active_request_for_session(session_id) is not None:
-            raise Conflict(f"session {session_id!r} has a request in flight", reason="session_busy")
+            raise Conflict(f"session {session_id!r} has a request in flight", code="session_busy")
         before = self.store.sessions.get(session_id)
         row = self.store.sessions.finish(session_id, reward, group_id)
         if before is None or before.state != "finished":  # a replay finished nothing new

@@ -1,51 +1,87 @@
-"""Domain errors of the control plane; the app maps each to a status code with a JSON detail.
+"""The control plane's one error hierarchy, and its one translation into an HTTP answer.
 
-Every error carries a short machine-readable `reason` beside the human `detail`, so a cell or
-a trainer can branch on it (`{"detail": "...", "reason": "stale_epoch"}`).
+Every refusal is a `CellflipError`: an HTTP `status`, a short machine-readable `code` beside
+the human `detail`, and `retry_after_s` where retrying later makes sense. The REST API answers
+`{"detail": ..., "reason": <code>}` (`http_answer`); the chat gateway answers the same error
+as an OpenAI error object (scheduler/gateway/responses.py), so a cell, a trainer or a client
+branches on the same code either way. The gateway's own names (`BackendError`, `BackendBusy`,
+`SessionNotFound`, ...) are this hierarchy too (scheduler/gateway/backend.py): an error raised
+anywhere in the control plane reaches the client as it was raised, never re-wrapped.
 """
 
 from __future__ import annotations
 
+from typing import Any, ClassVar
 
-class SchedulerError(Exception):
-    """Base class: `status` is the HTTP status the API answers with."""
 
-    status = 500
-    default_reason = "error"
+class CellflipError(Exception):
+    """Base class: `status` is the HTTP status, `code` the machine-readable reason."""
 
-    def __init__(self, detail: str, reason: str | None = None) -> None:
+    status: ClassVar[int] = 500
+    code: str = "error"
+    retry_after_s: float | None = None
+
+    def __init__(self, detail: str = "", code: str | None = None, *, retry_after_s: float | None = None) -> None:
         super().__init__(detail)
         self.detail = detail
-        self.reason = reason or self.default_reason
+        if code is not None:
+            self.code = code
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # scheduler/states.py's IllegalTransition names its code `default_reason`
+        if "default_reason" in cls.__dict__:
+            cls.code = cls.__dict__["default_reason"]
+
+    @property
+    def retry_after(self) -> float | None:
+        """`retry_after_s` under the name the gateway's responses read."""
+        return self.retry_after_s
 
 
-class NotFound(SchedulerError):
+def http_answer(exc: CellflipError) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """(status, body, headers) of the REST API's answer to `exc`: the body is `ApiError`
+    (scheduler/api/schemas.py); a `retry_after_s` becomes a whole-second Retry-After."""
+    headers = {}
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    return exc.status, {"detail": exc.detail, "reason": exc.code}, headers
+
+
+class NotFound(CellflipError):
     """An unknown id (cell, flip, version, session, migration)."""
 
     status = 404
-    default_reason = "not_found"
+    code = "not_found"
 
 
-class Conflict(SchedulerError):
+class Conflict(CellflipError):
     """An illegal transition, a stale generation/epoch/incarnation, a lost compare-and-set."""
 
     status = 409
-    default_reason = "conflict"
+    code = "conflict"
 
 
-class Invalid(SchedulerError):
+class Invalid(CellflipError):
     """Well-formed JSON that breaks a rule pydantic cannot express (e.g. a bad event)."""
 
     status = 422
-    default_reason = "invalid"
+    code = "invalid"
 
 
-class NoCapacity(SchedulerError):
-    """No rollout cell has room: the client retries after `retry_after_s`."""
+class NoCapacity(CellflipError):
+    """No rollout cell has room (or the staleness bound holds admission): retry after
+    `retry_after_s`."""
 
     status = 429
-    default_reason = "no_capacity"
+    code = "no_capacity"
+    retry_after_s = 1.0
 
-    def __init__(self, detail: str, retry_after_s: float = 1.0) -> None:
-        super().__init__(detail)
-        self.retry_after_s = retry_after_s
+
+class Unavailable(CellflipError):
+    """The control plane cannot serve the request now (the gateway's `BackendUnavailable`)."""
+
+    status = 503
+    code = "unavailable"

@@ -48,13 +48,13 @@ def create(ctl: Controller, to: str, cell: str | None, count: int | None, expect
                 raise NotFound(f"unknown cell {cell!r}")
             if expected_generation is not None and expected_generation != row.generation:
                 raise Conflict(f"cell {cell} is at generation {row.generation}, not {expected_generation}",
-                               reason="stale_generation")
+                               code="stale_generation")
             targets = [row]
         else:
             want = count or 1
             ids = placement.choose_cells_to_flip(ctl.snapshot(), to, want)
             if len(ids) < want:
-                raise Conflict(f"only {len(ids)} cells can flip to {to}, {want} asked", reason="no_cells")
+                raise Conflict(f"only {len(ids)} cells can flip to {to}, {want} asked", code="no_cells")
             targets = [ctl.store.fleet.get_cell(i) for i in ids]  # type: ignore[misc]
         made = [_new_flip(ctl, c, to, idempotency_key) for c in targets]
         response = {"id": made[0].id, "state": made[0].state,
@@ -67,13 +67,13 @@ def create(ctl: Controller, to: str, cell: str | None, count: int | None, expect
 
 def _new_flip(ctl: Controller, cell: CellRow, to: str, key: str | None) -> FlipRow:
     if ctl.store.fleet.active_flip_for(cell.id) is not None:
-        raise Conflict(f"cell {cell.id} already has a flip in progress", reason="flip_in_progress")
+        raise Conflict(f"cell {cell.id} already has a flip in progress", code="flip_in_progress")
     need = "rollout" if to == "training" else "training"
     if cell.state != need:
-        raise Conflict(f"cell {cell.id} is {cell.state}; a flip to {to} needs {need}", reason="illegal_transition")
+        raise Conflict(f"cell {cell.id} is {cell.state}; a flip to {to} needs {need}", code="illegal_transition")
     if to == "training" and _spare_rollout(ctl, exclude=cell.id) < ctl.cfg.min_rollout_cells:
         raise Conflict(f"flipping {cell.id} would leave fewer than {ctl.cfg.min_rollout_cells} rollout cells",
-                       reason="min_rollout_cells")
+                       code="min_rollout_cells")
     now = time.time()
     flip = FlipRow(f"flip-{uuid.uuid4().hex[:16]}", cell.id, to, "pending", key, created_at=now)
     flip.history.append(("pending", now, f"{cell.id} to {to}"))

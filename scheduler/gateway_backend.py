@@ -3,7 +3,10 @@
 Satisfies `scheduler.gateway.backend.CompletionBackend`: the chat gateway appends rendered
 prompt tokens to the session's buffer, then `complete` submits the buffer as a token-in
 completion (owned by a cell, fenced, migratable) and yields each sampled token once the store
-has committed it — so a token reaches the store before any client sees it.
+has committed it — so a token reaches the store before any client sees it. The control
+plane's refusals (scheduler/errors.py) are the gateway's `BackendError`s: they pass through
+unchanged (429 with Retry-After when no cell has room or the staleness bound holds admission,
+409 for a session with a request in flight or already finished).
 """
 
 from __future__ import annotations
@@ -11,15 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from scheduler.errors import Conflict, NoCapacity, NotFound
-from scheduler.gateway.backend import (
-    BackendBusy,
-    BackendUnavailable,
-    SessionFinished,
-    SessionNotFound,
-    SessionTokens,
-    TokenOut,
-)
+from scheduler.gateway.backend import SessionFinished, SessionNotFound, SessionTokens, TokenOut
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -43,12 +38,7 @@ class ControlPlaneBackend:
         sp["stop_token_ids"] = list(sp.get("stop_token_ids", []))
         if sp.get("top_k", 0) < 0:  # OpenAI-style "off"
             sp["top_k"] = 0
-        try:
-            req = ctl.submit_completion(session_id, list(prompt_ids), sp)
-        except NoCapacity as e:
-            raise BackendBusy(str(e), retry_after=getattr(e, "retry_after_s", 1.0)) from None
-        except Conflict as e:
-            raise BackendUnavailable(str(e)) from None
+        req = ctl.submit_completion(session_id, list(prompt_ids), sp)  # its refusals are BackendErrors
         held = None  # one token held back so the last one can carry the finish reason
         async for rows, cur in ctl.follow_request(req.id):
             for r in rows:
@@ -93,12 +83,7 @@ class ControlPlaneBackend:
         self.ctl.store.sessions.put_gateway_state(session_id, state)
 
     async def finish_session(self, session_id: str, reward: float | None, group_id: str | None) -> dict[str, Any]:
-        try:
-            return self.ctl.finish_session(session_id, 0.0 if reward is None else reward, group_id)
-        except NotFound as e:
-            raise SessionNotFound(str(e)) from None
-        except Conflict as e:
-            raise SessionFinished(str(e)) from None
+        return self.ctl.finish_session(session_id, 0.0 if reward is None else reward, group_id)
 
     def _require_open(self, session_id: str, create: bool) -> None:
         row = self.ctl.store.sessions.get(session_id)

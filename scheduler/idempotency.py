@@ -32,7 +32,7 @@ def replay(ctl: Controller, scope: str, key: str | None, fp: str) -> Any | None:
     if hit is None:
         return None
     if hit[0] != fp:
-        raise Conflict("Idempotency-Key reused with a different request", reason="idempotency_key_reused")
+        raise Conflict("Idempotency-Key reused with a different request", code="idempotency_key_reused")
     return hit[1]
 
 

@@ -137,7 +137,7 @@ def _check_party(ctl: Controller, cell_id: str, incarnation: str) -> None:
         return
     cell = ctl.store.fleet.get_cell(cell_id)
     if cell is None or cell.incarnation != incarnation or cell.state == "down" or ctl.registry.is_expired(cell_id):
-        raise Conflict(f"cell {cell_id} incarnation {incarnation} is fenced", reason="fenced")
+        raise Conflict(f"cell {cell_id} incarnation {incarnation} is fenced", code="fenced")
 
 
 def commit(ctl: Controller, migration_id: str, body: CommitRequest) -> CommitResponse:
@@ -154,32 +154,32 @@ def _commit_in_tx(ctl: Controller, fx: Effects, migration_id: str, body: CommitR
     if mig is None:
         raise NotFound(f"unknown migration {migration_id!r}")
     if body.cell_id != mig.dst:
-        raise Conflict(f"{body.cell_id} is not the destination of {migration_id}", reason="not_destination")
+        raise Conflict(f"{body.cell_id} is not the destination of {migration_id}", code="not_destination")
     _check_party(ctl, body.cell_id, body.incarnation)
     req = ctl.store.owners.get_request(mig.request_id)
     assert req is not None, f"migration {mig.id} of a missing request"
     if mig.state == "committed":  # a retried commit whose answer was lost
         if req.cell_id == mig.dst and req.epoch == mig.epoch + 1 and body.epoch == mig.epoch:
             return req.epoch
-        return Conflict("ownership moved on since this commit", reason="stale_epoch")
+        return Conflict("ownership moved on since this commit", code="stale_epoch")
     if mig.state == "aborted":
-        return Conflict(f"migration aborted: {mig.reason}", reason="finished" if req.state == "finished" else "aborted")
+        return Conflict(f"migration aborted: {mig.reason}", code="finished" if req.state == "finished" else "aborted")
     if body.epoch != mig.epoch or req.epoch != mig.epoch or req.cell_id != mig.src or req.state != "migrating":
         abort_in_tx(ctl, fx, mig, "stale epoch at commit", tell=(mig.src,))
-        return Conflict("the source no longer owns the request at this epoch", reason="stale_epoch")
+        return Conflict("the source no longer owns the request at this epoch", code="stale_epoch")
     n, tail = req.num_generated, body.tail
     if tail.start > n:
-        return Conflict(f"tail starts at {tail.start} but {n} tokens are stored", reason="gap")
+        return Conflict(f"tail starts at {tail.start} but {n} tokens are stored", code="gap")
     stored = ctl.store.sessions.read(req.session_id, req.base + tail.start, req.base + n)
     overlap = tail.records[: n - tail.start]
     if any((s[0], s[2], s[3]) != (r[0], float(r[1]), r[2]) for s, r in zip(stored, overlap, strict=False)):
         fx.later(ctl.metrics.drift.inc)
         abort_in_tx(ctl, fx, mig, "tail differs from stored tokens", tell=(mig.src,))
-        return Conflict("tail differs from the stored tokens", reason="mismatch")
+        return Conflict("tail differs from the stored tokens", code="mismatch")
     new = tail.records[n - tail.start:]
     if n + len(new) != body.num_tokens:
         abort_in_tx(ctl, fx, mig, "token count mismatch at commit", tell=(mig.src,))
-        return Conflict(f"store has {n + len(new)} tokens, destination {body.num_tokens}", reason="length_mismatch")
+        return Conflict(f"store has {n + len(new)} tokens, destination {body.num_tokens}", code="length_mismatch")
     if new:
         ctl.store.sessions.append_sampled(req.session_id, req.base + n, new)
         req.num_generated = n + len(new)
@@ -219,10 +219,10 @@ def abort_by_cell(ctl: Controller, migration_id: str, body: AbortMigrationReques
         if mig is None:
             raise NotFound(f"unknown migration {migration_id!r}")
         if body.cell_id not in (mig.src, mig.dst):
-            raise Conflict(f"{body.cell_id} is not a party of {migration_id}", reason="not_party")
+            raise Conflict(f"{body.cell_id} is not a party of {migration_id}", code="not_party")
         _check_party(ctl, body.cell_id, body.incarnation)
         if mig.state == "committed" and not CANARY_NO_FENCING:  # the canary lets the loser resume
-            raise Conflict("migration already committed", reason="committed")
+            raise Conflict("migration already committed", code="committed")
         if mig.state == "pending":
             other = mig.dst if body.cell_id == mig.src else mig.src
             abort_in_tx(ctl, fx, mig, body.reason or f"aborted by {body.cell_id}", tell=(other,))

@@ -86,11 +86,9 @@ def check_admission(ctl: Controller, session_id: str | None) -> None:
         return
     ctl.staleness.admission_paused += 1
     ctl.metrics.admission_stale.inc()
-    err = NoCapacity(f"staleness bound: {work} sessions in flight or finished and not yet trained, "
-                     f"limit (staleness_bound + 1) x batch = {limit}",
+    raise NoCapacity(f"staleness bound: {work} sessions in flight or finished and not yet trained, "
+                     f"limit (staleness_bound + 1) x batch = {limit}", code="staleness_bound",
                      retry_after_s=max(1.0, ctl.cfg.heartbeat_s * 2))
-    err.reason = "staleness_bound"
-    raise err
 
 
 def apply_to_trajectories(ctl: Controller, items: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -92,9 +92,9 @@ def publish(ctl: Controller, version: int, source: dict | None = None,
     with ctl.txn(durable=True) as fx:
         rows = ctl.store.fleet.list_versions()
         if any(r.v == version for r in rows):
-            raise Conflict(f"version {version} exists", reason="version_exists")
+            raise Conflict(f"version {version} exists", code="version_exists")
         if rows and version < max(r.v for r in rows):
-            raise Conflict(f"version {version} is older than {max(r.v for r in rows)}", reason="version_not_newer")
+            raise Conflict(f"version {version} is older than {max(r.v for r in rows)}", code="version_not_newer")
         row = VersionRow(version, "broadcasting", time.time(), [("broadcasting", time.time(), "published")],
                          source=source)
         ctl.store.fleet.put_version(row)
@@ -177,11 +177,11 @@ def retire(ctl: Controller, version: int) -> dict[str, Any]:
             VERSION.check(row.state, "retired")
             cells = serving(ctl).get(version, [])
             if cells:
-                raise Conflict(f"version {version} is still served by {sorted(cells)}", reason="version_in_use")
+                raise Conflict(f"version {version} is still served by {sorted(cells)}", code="version_in_use")
             unscored = ctl.store.sessions.unscored(version)
             if unscored:
                 raise Conflict(f"{unscored} tokens of version {version} have no old log-prob yet",
-                               reason="unscored_tokens")
+                               code="unscored_tokens")
             set_state(VERSION, row, "retired", "retired on request")
             ctl.store.fleet.put_version(row)
     return _to_api(ctl, row, ctl.store.sessions.version_counts(), serving(ctl))

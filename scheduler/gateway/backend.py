@@ -14,7 +14,8 @@ Contract of :class:`CompletionBackend`:
   reuse, until a migration moves it), decodes from ``prompt_ids`` -- which equals the current
   segment's buffer, the gateway having appended the prompt tokens first -- and records every
   sampled token in the buffer (loss mask 1, behaviour log-prob, version) *before* yielding it.
-  It may raise :class:`BackendBusy` / :class:`BackendUnavailable` before the first token only.
+  It may raise :class:`BackendBusy` / :class:`BackendUnavailable` (or any other
+  :class:`BackendError`, with its own status and code) before the first token only.
   Closing the iterator early (a stop string, a client disconnect) stops decoding; what was
   yielded stays recorded.
 - ``params`` holds ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed`` and
@@ -29,6 +30,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+from scheduler.errors import CellflipError, Conflict, NoCapacity, NotFound, Unavailable
 
 __all__ = [
     "BackendBusy",
@@ -72,36 +75,28 @@ class SessionTokens:
     versions: list[int | None] = field(default_factory=list)
 
 
-class BackendError(Exception):
-    """Base class of backend failures the gateway turns into HTTP errors."""
+BackendError = CellflipError
+"""Base class of backend failures: the control plane's one error base (scheduler/errors.py),
+so a refusal raised anywhere behind the backend reaches the client with its own status and
+code. The gateway turns each into an OpenAI error object (scheduler/gateway/responses.py)."""
 
-    status = 503
-    code = "backend_error"
 
-
-class BackendBusy(BackendError):
+class BackendBusy(NoCapacity):
     """No rollout cell has room for the session now (429 with Retry-After)."""
 
-    status = 429
-    code = "no_capacity"
-
-    def __init__(self, message: str = "no rollout capacity", retry_after: float = 1.0) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
+    def __init__(self, message: str = "no rollout capacity", retry_after_s: float = 1.0) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
 
 
-class BackendUnavailable(BackendError):
-    status = 503
+class BackendUnavailable(Unavailable):
     code = "backend_unavailable"
 
 
-class SessionNotFound(BackendError):
-    status = 404
+class SessionNotFound(NotFound):
     code = "session_not_found"
 
 
-class SessionFinished(BackendError):
-    status = 409
+class SessionFinished(Conflict):
     code = "session_finished"
 
 
@@ -136,7 +131,8 @@ class CompletionBackend(Protocol):
     async def finish_session(
         self, session_id: str, reward: float | None, group_id: str | None
     ) -> dict[str, Any]:
-        """Close the session into a trajectory; SessionNotFound / SessionFinished otherwise."""
+        """Close the session into a trajectory; a 404 (unknown session) or a 409 (finished
+        already, or a request in flight) otherwise."""
         ...
 
 

@@ -141,7 +141,7 @@ class InMemoryBackend:
                 self.max_sessions_per_cell is not None
                 and self._load(cell) >= self.max_sessions_per_cell
             ):
-                raise BackendBusy("no rollout cell has room for a new session", retry_after=1.0)
+                raise BackendBusy("no rollout cell has room for a new session", retry_after_s=1.0)
             sess.cell = cell
         return sess.cell
 

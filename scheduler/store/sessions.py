@@ -86,7 +86,7 @@ class SessionStore:
             with self.s.tx(durable=False):
                 self.put(row)
         if row.state != "open":
-            raise Conflict(f"session {session_id!r} is finished", reason="session_finished")
+            raise Conflict(f"session {session_id!r} is finished", code="session_finished")
         return row
 
     def gateway_state(self, session_id: str) -> dict[str, Any] | None:
@@ -182,7 +182,7 @@ class SessionStore:
             if row.state == "finished":
                 if (row.reward, row.group_id) == (reward, group_id):
                     return row  # an idempotent replay of the same finish
-                raise Conflict(f"session {session_id!r} already finished", reason="session_finished")
+                raise Conflict(f"session {session_id!r} already finished", code="session_finished")
             (top,) = self.s.execute("SELECT COALESCE(MAX(finish_seq), 0) FROM sessions").fetchone()
             row.state, row.reward, row.group_id = "finished", reward, group_id
             row.finish_seq, row.finished_at = top + 1, time.time()
