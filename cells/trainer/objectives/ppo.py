@@ -199,34 +199,50 @@ def decoupled_ppo_loss(
     n0 = n0.to(lp_theta.dtype).clamp(min=1)
     pg_loss = -(torch.where(keep, tw.weight * obj, 0.0)).sum() / n0
 
-    kl_term = torch.zeros((), dtype=pg_loss.dtype, device=pg_loss.device)
-    kl_mean = torch.zeros_like(kl_term)
-    if isinstance(cfg.kl, KLInLoss) and lp_ref is None:
-        raise ValueError("a KL term in the loss needs lp_ref")
-    if lp_ref is not None:
-        # the samples come from pi_behav: weight by the detached, correction-masked
-        # pi_theta/pi_behav = w · r_t.
-        kl_weight = (tw.weight * r_t).detach()
-        if isinstance(cfg.kl, KLInLoss):
-            kl_term = kl_loss(
-                lp_theta,
-                lp_ref,
-                kl_weight,
-                keep,
-                coef=cfg.kl.coef,
-                estimator=cfg.kl.estimator,
-                num_tokens=n0,
-            )
-        with torch.no_grad():
-            est = "k3" if cfg.kl is None else cfg.kl.estimator
-            k = kl_estimate(torch.where(keep, lp_theta, 0.0), torch.where(keep, lp_ref, 0.0), est)
-            kl_mean = _masked_mean(kl_weight * k, keep)
-
+    kl_term, kl_mean = _kl_terms(lp_theta, lp_ref, tw.weight, r_t, keep, cfg, n0, pg_loss)
     loss = pg_loss + kl_term
     metrics = _metrics(
         loss, pg_loss, kl_term, kl_mean, tw, m, r_t, is_clipped, is_dual, cfg.ewma_band()
     )
     return loss, metrics
+
+
+def _kl_terms(
+    lp_theta: Tensor,
+    lp_ref: Tensor | None,
+    weight: Tensor,
+    r_t: Tensor,
+    keep: Tensor,
+    cfg: ObjectiveConfig,
+    n0: Tensor,
+    pg_loss: Tensor,
+) -> tuple[Tensor, Tensor]:
+    """(the KL term of the loss, the reported weighted mean KL), zeros of `pg_loss`'s dtype
+    without `lp_ref`; the KL term is zero unless the config puts it in the loss."""
+    kl_term = torch.zeros((), dtype=pg_loss.dtype, device=pg_loss.device)
+    kl_mean = torch.zeros_like(kl_term)
+    if isinstance(cfg.kl, KLInLoss) and lp_ref is None:
+        raise ValueError("a KL term in the loss needs lp_ref")
+    if lp_ref is None:
+        return kl_term, kl_mean
+    # the samples come from pi_behav: weight by the detached, correction-masked
+    # pi_theta/pi_behav = w · r_t.
+    kl_weight = (weight * r_t).detach()
+    if isinstance(cfg.kl, KLInLoss):
+        kl_term = kl_loss(
+            lp_theta,
+            lp_ref,
+            kl_weight,
+            keep,
+            coef=cfg.kl.coef,
+            estimator=cfg.kl.estimator,
+            num_tokens=n0,
+        )
+    with torch.no_grad():
+        est = "k3" if cfg.kl is None else cfg.kl.estimator
+        k = kl_estimate(torch.where(keep, lp_theta, 0.0), torch.where(keep, lp_ref, 0.0), est)
+        kl_mean = _masked_mean(kl_weight * k, keep)
+    return kl_term, kl_mean
 
 
 def _token_advantages(advantages: Tensor, shape: torch.Size) -> Tensor:

@@ -162,48 +162,9 @@ def serialize_tree(tree: RolloutTree, leaves: Sequence[int]) -> SerializedTree:
         if not 0 <= leaf < len(tree.nodes) or tree.nodes[leaf].children:
             raise ValueError(f"{leaf} is not a leaf of the tree")
     paths = [tree.path(leaf) for leaf in leaves]
-    kept = {n for p in paths for n in p}
-
-    order: list[int] = []  # depth-first, children in creation order
-    stack = [n for n in sorted(kept, reverse=True) if tree.nodes[n].parent is None]
-    while stack:
-        node = stack.pop()
-        order.append(node)
-        stack.extend(c for c in reversed(tree.nodes[node].children) if c in kept)
-
-    start: dict[int, int] = {}  # serialised index of each node's first token
-    depth: dict[int, int] = {}  # depth of each node's first token
-    last: dict[int, int] = {}  # serialised index of the last token on the path up to the node
-    tokens, positions, loss_mask, prev, node_of = [], [], [], [], []
-    for node in order:
-        nd = tree.nodes[node]
-        parent = nd.parent
-        depth[node] = 0 if parent is None else depth[parent] + len(tree.nodes[parent].token_ids)
-        before = -1 if parent is None else last[parent]
-        start[node] = len(tokens)
-        for k, (tok, m) in enumerate(zip(nd.token_ids, nd.loss_mask, strict=True)):
-            prev.append(before if k == 0 else len(tokens) - 1)
-            tokens.append(tok)
-            positions.append(depth[node] + k)
-            loss_mask.append(m)
-            node_of.append(node)
-        last[node] = len(tokens) - 1 if nd.token_ids else before
-
-    num_tokens = len(tokens)
-    dense = {n: i for i, n in enumerate(order)}
-    node_idx = torch.tensor([dense[n] for n in node_of], dtype=torch.long)
-    ancestors = torch.zeros(len(order), len(order), dtype=torch.bool)  # [a, b]: b on a's path
-    for n in order:
-        for a in tree.path(n):
-            ancestors[dense[n], dense[a]] = True
-    causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool).tril()
-    attention = ancestors[node_idx][:, node_idx] & causal
-
-    on_branch = torch.zeros(len(leaves), len(order), dtype=torch.bool)
-    for b, p in enumerate(paths):
-        on_branch[b, [dense[n] for n in p]] = True
-    branches = on_branch[:, node_idx]
-
+    order = _depth_first(tree, {n for p in paths for n in p})
+    tokens, positions, loss_mask, prev, node_of = _lay_out(tree, order)
+    attention, branches = _tree_masks(tree, order, paths, node_of)
     prev_t = torch.tensor(prev, dtype=torch.long)
     mask_t = torch.tensor(loss_mask, dtype=torch.bool)
     if bool((mask_t & (prev_t < 0)).any()):
@@ -218,6 +179,58 @@ def serialize_tree(tree: RolloutTree, leaves: Sequence[int]) -> SerializedTree:
         node_index=torch.tensor(node_of, dtype=torch.long),
         leaves=tuple(leaves),
     )
+
+
+def _depth_first(tree: RolloutTree, kept: set[int]) -> list[int]:
+    """The `kept` nodes depth-first, roots and children in creation order."""
+    order: list[int] = []
+    stack = [n for n in sorted(kept, reverse=True) if tree.nodes[n].parent is None]
+    while stack:
+        node = stack.pop()
+        order.append(node)
+        stack.extend(c for c in reversed(tree.nodes[node].children) if c in kept)
+    return order
+
+
+def _lay_out(tree: RolloutTree, order: list[int]
+             ) -> tuple[list[int], list[int], list[bool], list[int], list[int]]:
+    """The nodes' tokens in `order`: (token ids, positions, loss mask, index of each token's
+    predecessor on its path (-1 for a root's first), node of each token)."""
+    depth: dict[int, int] = {}  # depth of each node's first token
+    last: dict[int, int] = {}  # serialised index of the last token on the path up to the node
+    tokens, positions, loss_mask, prev, node_of = [], [], [], [], []
+    for node in order:
+        nd = tree.nodes[node]
+        parent = nd.parent
+        depth[node] = 0 if parent is None else depth[parent] + len(tree.nodes[parent].token_ids)
+        before = -1 if parent is None else last[parent]
+        for k, (tok, m) in enumerate(zip(nd.token_ids, nd.loss_mask, strict=True)):
+            prev.append(before if k == 0 else len(tokens) - 1)
+            tokens.append(tok)
+            positions.append(depth[node] + k)
+            loss_mask.append(m)
+            node_of.append(node)
+        last[node] = len(tokens) - 1 if nd.token_ids else before
+    return tokens, positions, loss_mask, prev, node_of
+
+
+def _tree_masks(tree: RolloutTree, order: list[int], paths: list[list[int]], node_of: list[int]
+                ) -> tuple[Tensor, Tensor]:
+    """(attention: token i sees token j iff j's node is on i's path and j <= i,
+    branches: token t lies on branch b's path)."""
+    num_tokens = len(node_of)
+    dense = {n: i for i, n in enumerate(order)}
+    node_idx = torch.tensor([dense[n] for n in node_of], dtype=torch.long)
+    ancestors = torch.zeros(len(order), len(order), dtype=torch.bool)  # [a, b]: b on a's path
+    for n in order:
+        for a in tree.path(n):
+            ancestors[dense[n], dense[a]] = True
+    causal = torch.ones(num_tokens, num_tokens, dtype=torch.bool).tril()
+    attention = ancestors[node_idx][:, node_idx] & causal
+    on_branch = torch.zeros(len(paths), len(order), dtype=torch.bool)
+    for b, p in enumerate(paths):
+        on_branch[b, [dense[n] for n in p]] = True
+    return attention, on_branch[:, node_idx]
 
 
 def tree_ppo_loss(
