@@ -20,12 +20,13 @@ from fastapi.responses import JSONResponse
 from scheduler.api import ROUTERS
 from scheduler.auth import BearerAuth, scrape_token, server_token
 from scheduler.config import CellflipConfig, MigrationConfig, SchedulerConfig, VersionsConfig
-from scheduler.docs import declare_bearer, install_docs
 from scheduler.controller import Controller
+from scheduler.docs import declare_bearer, install_docs
 from scheduler.errors import CellflipError, Invalid, http_answer
 from scheduler.gateway import make_chat_router
 from scheduler.gateway.backend import CallbackCounters
 from scheduler.gateway.config import GatewayConfig
+from scheduler.gateway.openai_schema import ChatCompletionRequest
 from scheduler.gateway_backend import ControlPlaneBackend
 from scheduler.limits import BodySizeLimit
 from scheduler.metrics import Metrics
@@ -93,8 +94,6 @@ def _publish_chat_schemas(app: FastAPI) -> None:
     """The chat route's request schema is given inline (its body is read raw, to count and
     refuse it before parsing): its nested models join the document's components, so every
     `$ref` in /openapi.json resolves."""
-    from scheduler.gateway.openai_schema import ChatCompletionRequest
-
     base = app.openapi
 
     def openapi() -> dict:

@@ -16,240 +16,302 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from scheduler import idempotency, migrations, ownership, placement, scoring, versions
+from scheduler import idempotency, placement
 from scheduler.errors import Conflict, NotFound
 from scheduler.failpoints import failpoint
+from scheduler.ownership import bump
 from scheduler.protocol import SetRoleCmd
 from scheduler.states import CELL, FLIP, set_state
-from scheduler.store.fleet import CellRow, FlipRow
+from scheduler.store.fleet import FlipRow
 
 if TYPE_CHECKING:
-    from scheduler.controller import Controller, Effects
+    from scheduler.context import Context, Effects
+    from scheduler.migrations import Migrations
+    from scheduler.ownership import Ownership
+    from scheduler.planner_types import Snapshot
+    from scheduler.scoring import Scoring
+    from scheduler.store.fleet import CellRow
+    from scheduler.store.owners import RequestRow
+    from scheduler.versions import Versions
 
 log = logging.getLogger("cellflip.scheduler")
 
 IDEMPOTENCY_SCOPE = "flips"
 
+ALIGN_FLIP_ID = "align"
+"""The flip id of a `set_role` that restates a settled role (no flip is under way)."""
 
-def create(ctl: Controller, to: str, cell: str | None, count: int | None, expected_generation: int | None,
-           idempotency_key: str | None = None) -> dict[str, Any]:
-    """Record flips durably (pending); the loop carries them out. Replays of an
-    Idempotency-Key return the original answer; a key reused with another body is a 409."""
-    fp = idempotency.fingerprint([to, cell, count, expected_generation])
-    hit = idempotency.replay(ctl, IDEMPOTENCY_SCOPE, idempotency_key, fp)
-    if hit is not None:
-        return hit
-    with ctl.txn(durable=True):
+
+class Flips:
+    """Role changes of cells. Owns `drain_deadline` and `pinned_training`."""
+
+    def __init__(self, ctx: Context, ownership: Ownership, migrations: Migrations, versions: Versions,
+                 scoring: Scoring, snapshot: Callable[[], Snapshot]) -> None:
+        self.ctx = ctx
+        self.ownership = ownership
+        self.migrations = migrations
+        self.versions = versions
+        self.scoring = scoring
+        self.snapshot = snapshot
+        self.drain_deadline: dict[str, float] = {}
+        """flip id → monotonic drain deadline (restarts at now + drain_deadline_s after a restart)."""
+        self.pinned_training: set[str] = set()
+        """Cells an explicit flip sent to training: the planner does not flip them back."""
+
+    # ------------------------------------------------------------------ requests for flips
+    def request(self, to: str, cell: str | None, count: int | None, expected_generation: int | None,
+                idempotency_key: str | None = None) -> dict[str, Any]:
+        """An explicit flip (POST /v1/flips): it overrides the planner, which then leaves a cell
+        flipped to training there (as busy) until an explicit flip brings it back."""
+        out = self.create(to, cell, count, expected_generation, idempotency_key)
+        for f in out.get("flips", []):
+            if to == "training":
+                self.pinned_training.add(f["cell"])
+            else:
+                self.pinned_training.discard(f["cell"])
+        return out
+
+    def create(self, to: str, cell: str | None, count: int | None, expected_generation: int | None,
+               idempotency_key: str | None = None) -> dict[str, Any]:
+        """Record flips durably (pending); the loop carries them out. Replays of an
+        Idempotency-Key return the original answer; a key reused with another body is a 409."""
+        ctx = self.ctx
+        fp = idempotency.fingerprint([to, cell, count, expected_generation])
+        hit = idempotency.replay(ctx.store, IDEMPOTENCY_SCOPE, idempotency_key, fp)
+        if hit is not None:
+            return hit
+        with ctx.txn(durable=True):
+            made = [self._new_flip(c, to, idempotency_key) for c in self._targets(to, cell, count, expected_generation)]
+            response = {"id": made[0].id, "state": made[0].state,
+                        "flips": [{"id": f.id, "cell": f.cell_id, "state": f.state} for f in made]}
+            idempotency.record(ctx.store, IDEMPOTENCY_SCOPE, idempotency_key, fp, response)
+        failpoint("flip.after_record")  # recorded durably, nothing done yet: a restart must carry it out
+        ctx.kick()
+        return response
+
+    def _targets(self, to: str, cell: str | None, count: int | None, expected_generation: int | None) -> list[CellRow]:
+        fleet = self.ctx.store.fleet
         if cell is not None:
-            row = ctl.store.fleet.get_cell(cell)
+            row = fleet.get_cell(cell)
             if row is None:
                 raise NotFound(f"unknown cell {cell!r}")
             if expected_generation is not None and expected_generation != row.generation:
                 raise Conflict(f"cell {cell} is at generation {row.generation}, not {expected_generation}",
                                code="stale_generation")
-            targets = [row]
+            return [row]
+        want = count or 1
+        ids = placement.choose_cells_to_flip(self.snapshot(), to, want)
+        if len(ids) < want:
+            raise Conflict(f"only {len(ids)} cells can flip to {to}, {want} asked", code="no_cells")
+        return [fleet.get_cell(i) for i in ids]  # type: ignore[misc]
+
+    def _new_flip(self, cell: CellRow, to: str, key: str | None) -> FlipRow:
+        fleet, min_rollout = self.ctx.store.fleet, self.ctx.cfg.min_rollout_cells
+        if fleet.active_flip_for(cell.id) is not None:
+            raise Conflict(f"cell {cell.id} already has a flip in progress", code="flip_in_progress")
+        need = "rollout" if to == "training" else "training"
+        if cell.state != need:
+            raise Conflict(f"cell {cell.id} is {cell.state}; a flip to {to} needs {need}", code="illegal_transition")
+        if to == "training" and self._spare_rollout(exclude=cell.id) < min_rollout:
+            raise Conflict(f"flipping {cell.id} would leave fewer than {min_rollout} rollout cells",
+                           code="min_rollout_cells")
+        now = time.time()
+        flip = FlipRow(f"flip-{uuid.uuid4().hex[:16]}", cell.id, to, "pending", key, created_at=now)
+        flip.history.append(("pending", now, f"{cell.id} to {to}"))
+        fleet.put_flip(flip)
+        return flip
+
+    def get(self, flip_id: str) -> dict[str, Any]:
+        row = self.ctx.store.fleet.get_flip(flip_id)
+        if row is None:
+            raise NotFound(f"unknown flip {flip_id!r}")
+        return row.to_api()
+
+    def _spare_rollout(self, exclude: str) -> int:
+        """Rollout cells that stay in rollout: live, in state rollout, not flipping to training."""
+        fleet = self.ctx.store.fleet
+        leaving = {f.cell_id for f in fleet.list_flips(active_only=True) if f.to_role == "training"}
+        return sum(1 for c in fleet.list_cells()
+                   if c.state == "rollout" and c.id != exclude and c.id not in leaving and c.id in self.ctx.registry.live)
+
+    def finish(self, fx: Effects, flip: FlipRow, outcome: str, reason: str | None = None) -> None:
+        """pending/draining/loading → done | failed | rolled_back (caller saved the cell)."""
+        metrics = self.ctx.metrics
+        set_state(FLIP, flip, outcome, reason or "")
+        flip.reason, flip.finished_at = reason, time.time()
+        self.ctx.store.fleet.put_flip(flip)
+        self.drain_deadline.pop(flip.id, None)
+        duration = flip.finished_at - flip.created_at
+        fx.later(lambda: metrics.flips.labels(outcome).inc())
+        fx.later(lambda: metrics.flip_duration.observe(max(0.0, duration)))
+
+    # ------------------------------------------------------------------ the loop's side
+    def step(self) -> None:
+        """Advance every unfinished flip by one level-triggered step."""
+        fleet = self.ctx.store.fleet
+        for flip in fleet.list_flips(active_only=True):
+            with self.ctx.txn(durable=True) as fx:
+                cell = fleet.get_cell(flip.cell_id)
+                if cell is None or cell.state == "down":
+                    self.finish(fx, flip, "failed", "cell lost")
+                    continue
+                if flip.state == "pending":
+                    self._begin(fx, flip, cell)
+                if flip.state == "draining":
+                    self._drain(fx, flip, cell)
+                elif flip.state == "loading":
+                    self._load(fx, flip, cell)
+
+    def _begin(self, fx: Effects, flip: FlipRow, cell: CellRow) -> None:
+        need = "rollout" if flip.to_role == "training" else "training"
+        if cell.state != need:
+            self.finish(fx, flip, "failed", f"cell is {cell.state}, not {need}")
+        elif flip.to_role == "training" and self._spare_rollout(exclude=cell.id) < self.ctx.cfg.min_rollout_cells:
+            self.finish(fx, flip, "failed", "would leave fewer than min_rollout_cells rollout cells")
         else:
-            want = count or 1
-            ids = placement.choose_cells_to_flip(ctl.snapshot(), to, want)
-            if len(ids) < want:
-                raise Conflict(f"only {len(ids)} cells can flip to {to}, {want} asked", code="no_cells")
-            targets = [ctl.store.fleet.get_cell(i) for i in ids]  # type: ignore[misc]
-        made = [_new_flip(ctl, c, to, idempotency_key) for c in targets]
-        response = {"id": made[0].id, "state": made[0].state,
-                    "flips": [{"id": f.id, "cell": f.cell_id, "state": f.state} for f in made]}
-        idempotency.record(ctl, IDEMPOTENCY_SCOPE, idempotency_key, fp, response)
-    failpoint("flip.after_record")  # recorded durably, nothing done yet: a restart must carry it out
-    ctl.kick()
-    return response
+            nxt = "draining" if flip.to_role == "training" else "loading"
+            self._set_cell(cell, nxt, f"flip {flip.id}")
+            set_state(FLIP, flip, nxt)
+            self.ctx.store.fleet.put_flip(flip)
 
+    def _set_cell(self, cell: CellRow, state: str, detail: str) -> None:
+        set_state(CELL, cell, state, detail)
+        cell.generation += 1
+        self.ctx.store.fleet.put_cell(cell)
 
-def _new_flip(ctl: Controller, cell: CellRow, to: str, key: str | None) -> FlipRow:
-    if ctl.store.fleet.active_flip_for(cell.id) is not None:
-        raise Conflict(f"cell {cell.id} already has a flip in progress", code="flip_in_progress")
-    need = "rollout" if to == "training" else "training"
-    if cell.state != need:
-        raise Conflict(f"cell {cell.id} is {cell.state}; a flip to {to} needs {need}", code="illegal_transition")
-    if to == "training" and _spare_rollout(ctl, exclude=cell.id) < ctl.cfg.min_rollout_cells:
-        raise Conflict(f"flipping {cell.id} would leave fewer than {ctl.cfg.min_rollout_cells} rollout cells",
-                       code="min_rollout_cells")
-    now = time.time()
-    flip = FlipRow(f"flip-{uuid.uuid4().hex[:16]}", cell.id, to, "pending", key, created_at=now)
-    flip.history.append(("pending", now, f"{cell.id} to {to}"))
-    ctl.store.fleet.put_flip(flip)
-    return flip
+    def _drain(self, fx: Effects, flip: FlipRow, cell: CellRow) -> None:
+        """Draining: migrate every request out; at the deadline park or suspend what is left;
+        once empty (and the final scoring pass done) hand the cell the training role."""
+        ctx = self.ctx
+        now = ctx.clock()
+        deadline = self.drain_deadline.setdefault(flip.id, now + ctx.cfg.drain_deadline_s)
+        live = ctx.store.owners.requests_on(cell.id)
+        if self._spare_rollout(exclude=cell.id) < ctx.cfg.min_rollout_cells:
+            self._roll_back_drain(fx, flip, cell, live)
+            return
+        if live and now >= deadline:
+            self._suspend_at_deadline(fx, flip, cell, live)
+            live = []
+        if live:
+            self._migrate_out(fx, flip, cell, live)
+            return
+        if self.scoring.sole_holder_with_backlog(cell.id) and now < deadline + ctx.cfg.drain_deadline_s:
+            return  # the final pass: tokens only this cell can score exactly, before it drops its weights
+        self._hand_over(fx, flip, cell)
 
+    def _hand_over(self, fx: Effects, flip: FlipRow, cell: CellRow) -> None:
+        """The cell is empty: done once it reports the training role, else tell it the role."""
+        if self._reported_role(cell.id) == "training":
+            self._set_cell(cell, "training", f"flip {flip.id} done")
+            self.finish(fx, flip, "done")
+        else:
+            self._send_role(fx, cell.id, "training", flip.id, None)
 
-def _spare_rollout(ctl: Controller, exclude: str) -> int:
-    """Rollout cells that stay in rollout: live, in state rollout, not flipping to training."""
-    leaving = {f.cell_id for f in ctl.store.fleet.list_flips(active_only=True) if f.to_role == "training"}
-    return sum(1 for c in ctl.store.fleet.list_cells()
-               if c.state == "rollout" and c.id != exclude and c.id not in leaving and c.id in ctl.registry.live)
-
-
-def finish(ctl: Controller, fx: Effects, flip: FlipRow, outcome: str, reason: str | None = None) -> None:
-    """pending/draining/loading → done | failed | rolled_back (caller saved the cell)."""
-    set_state(FLIP, flip, outcome, reason or "")
-    flip.reason, flip.finished_at = reason, time.time()
-    ctl.store.fleet.put_flip(flip)
-    ctl.drain_deadline.pop(flip.id, None)
-    duration = flip.finished_at - flip.created_at
-    fx.later(lambda: ctl.metrics.flips.labels(outcome).inc())
-    fx.later(lambda: ctl.metrics.flip_duration.observe(max(0.0, duration)))
-
-
-def step(ctl: Controller) -> None:
-    """Advance every unfinished flip by one level-triggered step."""
-    for flip in ctl.store.fleet.list_flips(active_only=True):
-        with ctl.txn(durable=True) as fx:
-            cell = ctl.store.fleet.get_cell(flip.cell_id)
-            if cell is None or cell.state == "down":
-                finish(ctl, fx, flip, "failed", "cell lost")
-                continue
-            if flip.state == "pending":
-                _begin(ctl, fx, flip, cell)
-            if flip.state == "draining":
-                _drain(ctl, fx, flip, cell)
-            elif flip.state == "loading":
-                _load(ctl, fx, flip, cell)
-
-
-def _begin(ctl: Controller, fx: Effects, flip: FlipRow, cell: CellRow) -> None:
-    need = "rollout" if flip.to_role == "training" else "training"
-    if cell.state != need:
-        finish(ctl, fx, flip, "failed", f"cell is {cell.state}, not {need}")
-    elif flip.to_role == "training" and _spare_rollout(ctl, exclude=cell.id) < ctl.cfg.min_rollout_cells:
-        finish(ctl, fx, flip, "failed", "would leave fewer than min_rollout_cells rollout cells")
-    else:
-        nxt = "draining" if flip.to_role == "training" else "loading"
-        _set_cell(ctl, cell, nxt, f"flip {flip.id}")
-        set_state(FLIP, flip, nxt)
-        ctl.store.fleet.put_flip(flip)
-
-
-def _set_cell(ctl: Controller, cell: CellRow, state: str, detail: str) -> None:
-    set_state(CELL, cell, state, detail)
-    cell.generation += 1
-    ctl.store.fleet.put_cell(cell)
-
-
-def _drain(ctl: Controller, fx: Effects, flip: FlipRow, cell: CellRow) -> None:
-    now = ctl.clock()
-    deadline = ctl.drain_deadline.setdefault(flip.id, now + ctl.cfg.drain_deadline_s)
-    live = ctl.store.owners.requests_on(cell.id)
-    if _spare_rollout(ctl, exclude=cell.id) < ctl.cfg.min_rollout_cells:
+    def _roll_back_drain(self, fx: Effects, flip: FlipRow, cell: CellRow, live: list[RequestRow]) -> None:
         for req in live:
-            if (m := ctl.store.owners.pending_migration_for(req.id)) is not None:
-                migrations.abort_in_tx(ctl, fx, m, "flip rolled back", tell=(m.src, m.dst))
-        _set_cell(ctl, cell, "rollout", f"flip {flip.id} rolled back")
-        finish(ctl, fx, flip, "rolled_back", "rollout capacity fell under min_rollout_cells")
-        return
-    if live and now >= deadline:
-        park = ctl.mig_cfg.park_on_deadline and bool(cell.capabilities.get("kv_export"))
+            if (m := self.migrations.pending_for(req.id)) is not None:
+                self.migrations.abort(fx, m, "flip rolled back", tell=(m.src, m.dst))
+        self._set_cell(cell, "rollout", f"flip {flip.id} rolled back")
+        self.finish(fx, flip, "rolled_back", "rollout capacity fell under min_rollout_cells")
+
+    def _suspend_at_deadline(self, fx: Effects, flip: FlipRow, cell: CellRow, live: list[RequestRow]) -> None:
+        park = self.ctx.mig_cfg.park_on_deadline and bool(cell.capabilities.get("kv_export"))
         for req in live:
             if park:
-                ownership.park(ctl, fx, req, f"drain deadline of flip {flip.id}")
+                self.ownership.park(fx, req, f"drain deadline of flip {flip.id}")
             else:
-                ownership.revoke(ctl, fx, req, f"drain deadline of flip {flip.id}", to="suspended")
+                self.ownership.revoke(fx, req, f"drain deadline of flip {flip.id}", to="suspended")
             flip.suspended += 1
-        ctl.store.fleet.put_flip(flip)
-        live = []
-    if live:
-        snapshot = ctl.snapshot()
+        self.ctx.store.fleet.put_flip(flip)
+
+    def _migrate_out(self, fx: Effects, flip: FlipRow, cell: CellRow, live: list[RequestRow]) -> None:
+        snapshot = self.snapshot()
         for req in live:
             if req.state != "running":
                 continue
-            choice = placement.choose_destination(snapshot, cell.id, ownership.summarize(ctl, req))
-            dst = ctl.store.fleet.get_cell(choice.cell_id) if choice is not None else None
+            choice = placement.choose_destination(snapshot, cell.id, self.ownership.summarize(req))
+            dst = self.ctx.store.fleet.get_cell(choice.cell_id) if choice is not None else None
             if dst is None:
                 continue  # no room now; retried next tick, suspended at the deadline
-            hint = "reprefill" if ctl.mig_cfg.path == "reprefill" else choice.path
-            migrations.start(ctl, fx, req, cell, dst, flip, hint)
-            snapshot = ownership.bump(snapshot, dst.id)
-        ctl.store.fleet.put_flip(flip)
-        return
-    if scoring.sole_holder_with_backlog(ctl, cell.id) and now < deadline + ctl.cfg.drain_deadline_s:
-        return  # the final pass: tokens only this cell can score exactly, before it drops its weights
-    if _reported_role(ctl, cell.id) == "training":
-        _set_cell(ctl, cell, "training", f"flip {flip.id} done")
-        finish(ctl, fx, flip, "done")
-    else:
-        _send_role(ctl, fx, cell.id, "training", flip.id, None)
+            hint = "reprefill" if self.ctx.mig_cfg.path == "reprefill" else choice.path
+            self.ownership.move(fx, req, cell, dst, flip, hint)
+            snapshot = bump(snapshot, dst.id)
+        self.ctx.store.fleet.put_flip(flip)
 
+    def _load(self, fx: Effects, flip: FlipRow, cell: CellRow) -> None:
+        """Loading: the cell fetches the target version (Versions.catch_up tells it), then takes
+        the rollout role serving it."""
+        if self._reported_role(cell.id) == "rollout":
+            self._set_cell(cell, "rollout", f"flip {flip.id} done")
+            self.finish(fx, flip, "done")
+            return
+        want = self.versions.target()
+        summary = self.ctx.registry.summary(cell.id)
+        have = summary.version if summary is not None else None
+        if want is not None and have != want.v:
+            return  # still fetching it
+        self._send_role(fx, cell.id, "rollout", flip.id, have)
 
-def _load(ctl: Controller, fx: Effects, flip: FlipRow, cell: CellRow) -> None:
-    """Loading: the cell fetches the target version (versions.catch_up tells it), then takes
-    the rollout role serving it."""
-    if _reported_role(ctl, cell.id) == "rollout":
-        _set_cell(ctl, cell, "rollout", f"flip {flip.id} done")
-        finish(ctl, fx, flip, "done")
-        return
-    want = versions.target(ctl)
-    entry = ctl.registry.live.get(cell.id)
-    have = entry.summary.version if entry is not None and entry.summary is not None else None
-    if want is not None and have != want.v:
-        return  # still fetching it
-    _send_role(ctl, fx, cell.id, "rollout", flip.id, have)
+    def _reported_role(self, cell_id: str) -> str | None:
+        summary = self.ctx.registry.summary(cell_id)
+        return summary.role if summary is not None else None
 
+    def _send_role(self, fx: Effects, cell_id: str, role: str, flip_id: str, version: int | None) -> bool:
+        """set_role is idempotent on the cell; resend it once per lease until the cell reports
+        the role. True when it was sent now."""
+        entry = self.ctx.registry.live.get(cell_id)
+        now = self.ctx.clock()
+        if entry is None or (entry.role_sent[0] == flip_id and now - entry.role_sent[1] < self.ctx.cfg.lease_s):
+            return False
+        entry.role_sent = (flip_id, now)
+        fx.send(cell_id, lambda i: SetRoleCmd(i, role, flip_id, version))
+        return True
 
-def _reported_role(ctl: Controller, cell_id: str) -> str | None:
-    entry = ctl.registry.live.get(cell_id)
-    return entry.summary.role if entry is not None and entry.summary is not None else None
+    def align_roles(self) -> None:
+        """Level-triggered: a live cell with no flip under way that reports a role other than
+        the one the store gives it is told its role again (once per lease). The two drift
+        apart when a flip is rolled back after its `set_role` went out (a drain whose rollout
+        capacity fell under the minimum just as the cell emptied): the cell took the training
+        role, the store keeps it in rollout, and a request placed there would sit undecoded
+        while the cell still reports it."""
+        fleet = self.ctx.store.fleet
+        flipping = {f.cell_id for f in fleet.list_flips(active_only=True)}
+        for cell_id, state in fleet.cell_states().items():
+            reported = self._reported_role(cell_id)
+            if cell_id in flipping or state not in ("rollout", "training") or reported is None or reported == state:
+                continue
+            with self.ctx.txn(durable=False) as fx:
+                summary = self.ctx.registry.summary(cell_id)
+                version = summary.version if summary is not None and state == "rollout" else None
+                if self._send_role(fx, cell_id, state, ALIGN_FLIP_ID, version):
+                    log.warning("cell %s reports the %s role, the store has it in %s: restating it", cell_id,
+                                reported, state)
 
+    def role_failed(self, fx: Effects, cell_id: str, flip_id: str, reason: str) -> None:
+        """The cell could not take the role: roll the flip back to the role it had."""
+        fleet = self.ctx.store.fleet
+        flip, cell = fleet.get_flip(flip_id), fleet.get_cell(cell_id)
+        if flip is None or cell is None or flip.cell_id != cell_id or FLIP.is_terminal(flip.state):
+            return
+        back = {"loading": "training", "draining": "rollout"}.get(cell.state)
+        if back is not None and flip.state in ("draining", "loading"):
+            self._set_cell(cell, back, f"flip {flip_id} failed on the cell: {reason}")
+            self.finish(fx, flip, "rolled_back", reason or "the cell could not take the role")
 
-def _send_role(ctl: Controller, fx: Effects, cell_id: str, role: str, flip_id: str, version: int | None) -> bool:
-    """set_role is idempotent on the cell; resend it once per lease until the cell reports the
-    role. True when it was sent now."""
-    entry = ctl.registry.live.get(cell_id)
-    now = ctl.clock()
-    if entry is None or (entry.role_sent[0] == flip_id and now - entry.role_sent[1] < ctl.cfg.lease_s):
-        return False
-    entry.role_sent = (flip_id, now)
-    fx.send(cell_id, lambda i: SetRoleCmd(i, role, flip_id, version))
-    return True
+    def autonomous(self) -> None:
+        """The planner's own flips (when `auto_flip`), as if POSTed without a key."""
+        for cell_id, to in placement.plan_flips(self.snapshot()):
+            try:
+                self.create(to, cell_id, None, None)
+            except (Conflict, NotFound):
+                continue  # the planner's view was older than the store's; it decides again next tick
 
-
-ALIGN_FLIP_ID = "align"
-"""The flip id of a `set_role` that restates a settled role (no flip is under way)."""
-
-
-def align_roles(ctl: Controller) -> None:
-    """Level-triggered: a live cell with no flip under way that reports a role other than the
-    one the store gives it is told its role again (once per lease). The two drift apart when
-    a flip is rolled back after its `set_role` went out (a drain whose rollout capacity fell
-    under the minimum just as the cell emptied): the cell took the training role, the store
-    keeps it in rollout, and a request placed there would sit undecoded while the cell still
-    reports it."""
-    flipping = {f.cell_id for f in ctl.store.fleet.list_flips(active_only=True)}
-    for cell_id, state in ctl.store.fleet.cell_states().items():
-        reported = _reported_role(ctl, cell_id)
-        if cell_id in flipping or state not in ("rollout", "training") or reported is None or reported == state:
-            continue
-        with ctl.txn(durable=False) as fx:
-            entry = ctl.registry.live.get(cell_id)
-            version = entry.summary.version if entry is not None and entry.summary is not None else None
-            if _send_role(ctl, fx, cell_id, state, ALIGN_FLIP_ID, version if state == "rollout" else None):
-                log.warning("cell %s reports the %s role, the store has it in %s: restating it", cell_id,
-                            reported, state)
-
-
-def role_failed(ctl: Controller, fx: Effects, cell_id: str, flip_id: str, reason: str) -> None:
-    """The cell could not take the role: roll the flip back to the role it had."""
-    flip = ctl.store.fleet.get_flip(flip_id)
-    cell = ctl.store.fleet.get_cell(cell_id)
-    if flip is None or cell is None or flip.cell_id != cell_id or FLIP.is_terminal(flip.state):
-        return
-    back = {"loading": "training", "draining": "rollout"}.get(cell.state)
-    if back is not None and flip.state in ("draining", "loading"):
-        _set_cell(ctl, cell, back, f"flip {flip_id} failed on the cell: {reason}")
-        finish(ctl, fx, flip, "rolled_back", reason or "the cell could not take the role")
-
-
-def autonomous(ctl: Controller) -> None:
-    """The planner's own flips (when `auto_flip`), as if POSTed without a key."""
-    for cell_id, to in placement.plan_flips(ctl.snapshot()):
-        try:
-            create(ctl, to, cell_id, None, None)
-        except (Conflict, NotFound):
-            continue  # the planner's view was older than the store's; it decides again next tick
+    def on_cell_fenced(self, fx: Effects, cell_id: str, reason: str) -> None:
+        """The cell's flip under way fails; an explicit pin of its old incarnation lapses."""
+        flip = self.ctx.store.fleet.active_flip_for(cell_id)
+        if flip is not None:
+            self.finish(fx, flip, "failed", f"cell lost: {reason}")
+        self.pinned_training.discard(cell_id)

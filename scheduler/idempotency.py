@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from scheduler.errors import Conflict
 
 if TYPE_CHECKING:
-    from scheduler.controller import Controller
+    from scheduler.store import Store
 
 
 def fingerprint(body: Any) -> str:
@@ -23,12 +23,12 @@ def fingerprint(body: Any) -> str:
     return json.dumps(body, sort_keys=True)
 
 
-def replay(ctl: Controller, scope: str, key: str | None, fp: str) -> Any | None:
+def replay(store: Store, scope: str, key: str | None, fp: str) -> Any | None:
     """The recorded answer when `key` was used before with this body; None on first use (or
     without a key); a 409 when it was used with another body."""
     if key is None:
         return None
-    hit = ctl.store.fleet.get_idempotent(scope, key)
+    hit = store.fleet.get_idempotent(scope, key)
     if hit is None:
         return None
     if hit[0] != fp:
@@ -36,13 +36,14 @@ def replay(ctl: Controller, scope: str, key: str | None, fp: str) -> Any | None:
     return hit[1]
 
 
-def expire(ctl: Controller, now: float | None = None) -> int:
-    """Forget keys older than `idempotency_ttl_s` (run from the slow tick); returns how many."""
-    with ctl.txn(durable=False):
-        return ctl.store.fleet.expire_idempotent((time.time() if now is None else now) - ctl.cfg.idempotency_ttl_s)
+def expire(store: Store, ttl_s: float, now: float | None = None) -> int:
+    """Forget keys older than `ttl_s` (`idempotency_ttl_s`, run from the slow tick); returns
+    how many."""
+    with store.tx(durable=False):
+        return store.fleet.expire_idempotent((time.time() if now is None else now) - ttl_s)
 
 
-def record(ctl: Controller, scope: str, key: str | None, fp: str, answer: Any) -> None:
+def record(store: Store, scope: str, key: str | None, fp: str, answer: Any) -> None:
     """Inside the transaction that made the effect: remember the answer for replays."""
     if key is not None:
-        ctl.store.fleet.put_idempotent(scope, key, fp, answer)
+        store.fleet.put_idempotent(scope, key, fp, answer)

@@ -2,8 +2,8 @@
 
 Token rule: a batch is accepted only from the request's current owner at its current epoch,
 and only when it continues the stored tokens exactly (`start` == stored count; an overlap with
-stored tokens must match them bit for bit and is then idempotent). `judge` decides, the
-functions below apply.
+stored tokens must match them bit for bit and is then idempotent). `judge` decides (pure);
+`Ingest` applies, through the concerns that own what changes.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scheduler import flips, migrations, ownership, scoring
 from scheduler.errors import Invalid
 from scheduler.protocol import (
     BroadcastEvent,
@@ -25,12 +24,16 @@ from scheduler.protocol import (
     TokenRecord,
     dispatch,
 )
-from scheduler.store.owners import RequestRow
-
-log = logging.getLogger("cellflip.scheduler")
 
 if TYPE_CHECKING:
-    from scheduler.controller import Controller, Effects
+    from scheduler.context import Context, Effects
+    from scheduler.flips import Flips
+    from scheduler.migrations import Migrations
+    from scheduler.ownership import Ownership
+    from scheduler.scoring import Scoring
+    from scheduler.store.owners import RequestRow
+
+log = logging.getLogger("cellflip.scheduler")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,64 +72,6 @@ def judge(req: RequestRow | None, cell_id: str, batch: TokenBatch, stored: list[
     return Verdict(True, new=new)
 
 
-def accept_tokens(ctl: Controller, fx: Effects, cell_id: str, batches: list[TokenBatch]) -> tuple[list[str], list[tuple[str, str]], list[tuple[str, str]]]:
-    """Phase 1 (non-durable txn): append accepted tokens. Returns (rejected ids, revocations
-    [(id, reason)], finishes [(id, finish_reason)]) for the durable phase 2."""
-    rejected: list[str] = []
-    revokes: list[tuple[str, str]] = []
-    finishes: list[tuple[str, str]] = []
-    for b in batches:
-        req = ctl.store.owners.get_request(b.request_id)
-        stored = []
-        if req is not None and b.start < req.num_generated:
-            end = min(req.num_generated, b.start + len(b.records))
-            stored = ctl.store.sessions.read(req.session_id, req.base + b.start, req.base + end)
-        v = judge(req, cell_id, b, stored)
-        if not v.accept:
-            rejected.append(b.request_id)
-            fx.later(lambda r=v.reason: ctl.metrics.tokens_rejected.labels(r).inc())
-            if v.drift:
-                fx.later(ctl.metrics.drift.inc)
-            if v.revoke:
-                revokes.append((b.request_id, f"{v.reason} in tokens from {cell_id}"))
-            continue
-        assert req is not None
-        if v.new:
-            ctl.store.sessions.append_sampled(req.session_id, req.base + req.num_generated, v.new)
-            req.num_generated += len(v.new)
-            ctl.store.owners.set_num_generated(req.id, req.num_generated)
-            ctl.progress_at[req.id] = ctl.clock()
-            migrations.observe_stall(ctl, fx, ctl.stalls.on_tokens(req.id, len(v.new), ctl.clock()))
-            fx.later(lambda k=len(v.new): ctl.metrics.tokens_generated.inc(k))
-            fx.notify(("req", req.id))
-        if b.finish_reason is not None and req.is_owned:
-            finishes.append((req.id, b.finish_reason))
-    return rejected, revokes, finishes
-
-
-def apply_outcomes(ctl: Controller, fx: Effects, revokes: list[tuple[str, str]], finishes: list[tuple[str, str]]) -> None:
-    """Phase 2 (durable txn): ownership changes decided in phase 1."""
-    for rid, reason in revokes:
-        req = ctl.store.owners.get_request(rid)
-        if req is not None and req.is_owned:
-            ownership.revoke(ctl, fx, req, reason)
-    for rid, finish_reason in finishes:
-        req = ctl.store.owners.get_request(rid)
-        if req is not None and req.is_owned:
-            ownership.finish(ctl, fx, req, finish_reason)
-
-
-def apply_events(ctl: Controller, fx: Effects, cell_id: str, events: list[Message]) -> None:
-    handlers = {
-        MigrationEvent.TYPE: lambda e: _on_migration(ctl, fx, e),
-        ScoredEvent.TYPE: lambda e: _on_scored(ctl, e),
-        BroadcastEvent.TYPE: lambda e: _on_broadcast(ctl, fx, e),
-        RoleFailedEvent.TYPE: lambda e: flips.role_failed(ctl, fx, cell_id, e.flip_id, e.reason),
-    }
-    for e in events:
-        dispatch(handlers, e)
-
-
 def check_events(events: list[Message]) -> None:
     """Rules pydantic cannot express; raises Invalid (422) before anything is committed."""
     for e in events:
@@ -136,21 +81,95 @@ def check_events(events: list[Message]) -> None:
             raise Invalid("scored start must be >= 0")
 
 
-def _on_migration(ctl: Controller, fx: Effects, e: MigrationEvent) -> None:
-    def observe() -> None:
-        if e.bytes > 0:
-            ctl.metrics.migration_bytes.inc(e.bytes)
-    fx.later(observe)
+Outcomes = tuple[list[str], list[tuple[str, str]], list[tuple[str, str]]]
+"""(rejected request ids, revocations [(id, reason)], finishes [(id, finish_reason)])."""
 
 
-def _on_scored(ctl: Controller, e: ScoredEvent) -> None:
-    scoring.on_scored(ctl, e)
+class Ingest:
+    """Applies what a sync brings in, through the concerns that own the state it changes.
+    Holds no state of its own."""
 
+    def __init__(self, ctx: Context, ownership: Ownership, migrations: Migrations, scoring: Scoring,
+                 flips: Flips) -> None:
+        self.ctx = ctx
+        self.ownership = ownership
+        self.migrations = migrations
+        self.scoring = scoring
+        self.flips = flips
 
-def _on_broadcast(ctl: Controller, fx: Effects, e: BroadcastEvent) -> None:
-    if e.ok and e.seconds >= 0:
-        fx.later(lambda: ctl.metrics.broadcast.observe(e.seconds))
-    if not e.ok:
-        log.warning("version %d did not arrive by %s: %s", e.version, e.mode, e.reason)
-        if not e.activate:
-            scoring.on_fetch_failed(ctl, e.version, e.reason)
+    def accept_tokens(self, fx: Effects, cell_id: str, batches: list[TokenBatch]) -> Outcomes:
+        """Phase 1 (non-durable txn): append accepted tokens. Returns the rejected ids and the
+        ownership outcomes for the durable phase 2."""
+        ctx = self.ctx
+        rejected: list[str] = []
+        revokes: list[tuple[str, str]] = []
+        finishes: list[tuple[str, str]] = []
+        for b in batches:
+            req = ctx.store.owners.get_request(b.request_id)
+            stored = []
+            if req is not None and b.start < req.num_generated:
+                end = min(req.num_generated, b.start + len(b.records))
+                stored = ctx.store.sessions.read(req.session_id, req.base + b.start, req.base + end)
+            v = judge(req, cell_id, b, stored)
+            if not v.accept:
+                rejected.append(b.request_id)
+                fx.later(lambda r=v.reason: ctx.metrics.tokens_rejected.labels(r).inc())
+                if v.drift:
+                    fx.later(ctx.metrics.drift.inc)
+                if v.revoke:
+                    revokes.append((b.request_id, f"{v.reason} in tokens from {cell_id}"))
+                continue
+            assert req is not None
+            if v.new:
+                self._append(fx, req, v.new)
+            if b.finish_reason is not None and req.is_owned:
+                finishes.append((req.id, b.finish_reason))
+        return rejected, revokes, finishes
+
+    def _append(self, fx: Effects, req: RequestRow, new: list[TokenRecord]) -> None:
+        ctx = self.ctx
+        ctx.store.sessions.append_sampled(req.session_id, req.base + req.num_generated, new)
+        req.num_generated += len(new)
+        ctx.store.owners.set_num_generated(req.id, req.num_generated)
+        self.ownership.advanced(req.id)
+        self.migrations.tokens_arrived(fx, req.id, len(new))
+        fx.later(lambda k=len(new): ctx.metrics.tokens_generated.inc(k))
+        fx.notify(("req", req.id))
+
+    def apply_outcomes(self, fx: Effects, revokes: list[tuple[str, str]], finishes: list[tuple[str, str]]) -> None:
+        """Phase 2 (durable txn): ownership changes decided in phase 1."""
+        owners = self.ctx.store.owners
+        for rid, reason in revokes:
+            req = owners.get_request(rid)
+            if req is not None and req.is_owned:
+                self.ownership.revoke(fx, req, reason)
+        for rid, finish_reason in finishes:
+            req = owners.get_request(rid)
+            if req is not None and req.is_owned:
+                self.ownership.finish(fx, req, finish_reason)
+
+    def apply_events(self, fx: Effects, cell_id: str, events: list[Message]) -> None:
+        handlers = {
+            MigrationEvent.TYPE: lambda e: self._on_migration(fx, e),
+            ScoredEvent.TYPE: self.scoring.on_scored,
+            BroadcastEvent.TYPE: lambda e: self._on_broadcast(fx, e),
+            RoleFailedEvent.TYPE: lambda e: self.flips.role_failed(fx, cell_id, e.flip_id, e.reason),
+        }
+        for e in events:
+            dispatch(handlers, e)
+
+    def _on_migration(self, fx: Effects, e: MigrationEvent) -> None:
+        metrics = self.ctx.metrics
+
+        def observe() -> None:
+            if e.bytes > 0:
+                metrics.migration_bytes.inc(e.bytes)
+        fx.later(observe)
+
+    def _on_broadcast(self, fx: Effects, e: BroadcastEvent) -> None:
+        if e.ok and e.seconds >= 0:
+            fx.later(lambda: self.ctx.metrics.broadcast.observe(e.seconds))
+        if not e.ok:
+            log.warning("version %d did not arrive by %s: %s", e.version, e.mode, e.reason)
+            if not e.activate:
+                self.scoring.on_fetch_failed(e.version, e.reason)

@@ -4,100 +4,140 @@
 versions that every rollout cell serves become active, gauges follow the store). `step_next`
 is active: it acts on the difference between the store and the cells (time out migrations,
 advance flips, restate a role a cell lost track of, re-place requests their owner lost, drop
-strays, place waiting requests).
-`step_next` runs only once the inventory is rebuilt after a start.
+strays, place waiting requests, catch cells up on the version, hand out scoring, let the
+planner flip). `step_next` runs only once the inventory is rebuilt after a start.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from scheduler import cellsync, flips, idempotency, migrations, ownership, scoring, versions
+from scheduler import idempotency
+from scheduler.metrics import CELL_STATES
 
 if TYPE_CHECKING:
-    from scheduler.controller import Controller
+    from scheduler.cellsync import Membership
+    from scheduler.context import Context
+    from scheduler.flips import Flips
+    from scheduler.migrations import Migrations
+    from scheduler.ownership import Ownership
+    from scheduler.rates import Rates
+    from scheduler.scoring import Scoring
+    from scheduler.versions import Versions
 
 SLOW_GAUGES_EVERY_S = 2.0
 """Store-wide gauges (log-prob backlog per version) are recomputed at most this often."""
 
 
-def sync_from(ctl: Controller) -> None:
-    now = ctl.clock()
-    _account_role_seconds(ctl, now - ctl.last_tick)
-    _measure_slots(ctl, now - ctl.last_tick)
-    ctl.last_tick = now
-    for cell_id in ctl.registry.expired():
-        cellsync.fence(ctl, cell_id, "lease expired")
-    if not ctl.ready:
-        known = [e for e in ctl.registry.live.values()]
-        ctl.ready = all(e.seen for e in known) or now - ctl.started_at > ctl.cfg.lease_s
-    versions.progress(ctl)
-    versions.auto_retire(ctl)
-    _refresh_gauges(ctl, now)
+@dataclass
+class Concerns:
+    """What one tick visits, in this order."""
+
+    membership: Membership
+    versions: Versions
+    migrations: Migrations
+    flips: Flips
+    ownership: Ownership
+    scoring: Scoring
 
 
-def step_next(ctl: Controller) -> None:
-    migrations.expire(ctl)
-    flips.step(ctl)
-    flips.align_roles(ctl)
-    ownership.reconcile_reports(ctl)
-    ownership.place_waiting(ctl)
-    versions.catch_up(ctl)
-    scoring.step(ctl)
-    if ctl.cfg.auto_flip and ctl.rates.demand is not None:  # the trainer declared its demand
-        flips.autonomous(ctl)
+class Reconciler:
+    """Owns the loop's own clock: `ready` (the inventory is rebuilt), the last tick and the
+    last slow-gauge refresh."""
 
+    def __init__(self, ctx: Context, rates: Rates, concerns: Concerns) -> None:
+        self.ctx = ctx
+        self.rates = rates
+        self.c = concerns
+        self.ready = not ctx.registry.live
+        """The inventory is rebuilt (every known cell re-synced, or the grace ran out)."""
+        self.last_tick = ctx.started_at
+        self.last_slow_tick = float("-inf")
 
-def _account_role_seconds(ctl: Controller, dt: float) -> None:
-    if dt <= 0:
-        return
-    for c in ctl.store.fleet.list_cells():
-        if c.id in ctl.registry.live:
-            ctl.metrics.role_seconds.labels(c.id, c.state).inc(dt)
+    def tick(self) -> None:
+        self.sync_from()
+        if self.ready:
+            self.step_next()
 
+    def sync_from(self) -> None:
+        ctx = self.ctx
+        now = ctx.clock()
+        self._account_role_seconds(now - self.last_tick)
+        self._measure_slots(now - self.last_tick)
+        self.last_tick = now
+        for cell_id in ctx.registry.expired():
+            self.c.membership.fence(cell_id, "lease expired")
+        if not self.ready:
+            self.ready = (all(e.seen for e in ctx.registry.live.values())
+                          or now - ctx.started_at > ctx.cfg.lease_s)
+        self.c.versions.progress()
+        self.c.versions.auto_retire()
+        self._refresh_gauges()
+        if now - self.last_slow_tick >= SLOW_GAUGES_EVERY_S:
+            self.last_slow_tick = now
+            self._refresh_slow_gauges()
 
-def _measure_slots(ctl: Controller, dt: float) -> None:
-    """Fold the tick's occupied and offered rollout slot-seconds into the measured rates (the
-    finish rate is per occupied slot; occupancy is the share of slots a session holds)."""
-    if dt <= 0:
-        return
-    owned = ctl.store.owners.live_counts()
-    occupied = offered = 0
-    for c in ctl.store.fleet.list_cells():
-        if c.state == "rollout" and c.id in ctl.registry.live:
-            offered += c.max_running
-            occupied += min(c.max_running, owned.get(c.id, 0))
-    ctl.rates.on_tick(dt, occupied, offered)
+    def step_next(self) -> None:
+        c = self.c
+        c.migrations.expire()
+        c.flips.step()
+        c.flips.align_roles()
+        c.ownership.reconcile_reports()
+        c.ownership.place_waiting()
+        c.versions.catch_up()
+        c.scoring.step()
+        if self.ctx.cfg.auto_flip and self.rates.demand is not None:  # the trainer declared its demand
+            c.flips.autonomous()
 
+    def _account_role_seconds(self, dt: float) -> None:
+        if dt <= 0:
+            return
+        for c in self.ctx.store.fleet.list_cells():
+            if c.id in self.ctx.registry.live:
+                self.ctx.metrics.role_seconds.labels(c.id, c.state).inc(dt)
 
-def _refresh_gauges(ctl: Controller, now: float) -> None:
-    m = ctl.metrics
-    cells = ctl.store.fleet.list_cells()
-    by_state: dict[str, int] = {}
-    by_role = {"rollout": 0, "training": 0}
-    for c in cells:
-        by_state[c.state] = by_state.get(c.state, 0) + 1
-        if c.state in ("rollout", "draining"):
-            by_role["rollout"] += 1
-        elif c.state in ("training", "loading"):
-            by_role["training"] += 1
-    for state in ("joining", "rollout", "draining", "training", "loading", "down"):
-        m.cells.labels(state).set(by_state.get(state, 0))
-    for role, n in by_role.items():
-        m.cells_by_role.labels(role).set(n)
-    owned = ctl.store.owners.live_counts()
-    for c in cells:
-        entry = ctl.registry.live.get(c.id)
-        m.inflight.labels(c.id).set(owned.get(c.id, 0))
-        m.kv_blocks_used.labels(c.id).set(entry.summary.kv_blocks_used if entry and entry.summary else 0)
-    counts = ctl.store.owners.count_requests()
-    m.waiting.set(counts.get("queued", 0) + counts.get("suspended", 0) + counts.get("parked", 0))
-    if now - ctl.last_slow_tick < SLOW_GAUGES_EVERY_S:
-        return
-    ctl.last_slow_tick = now
-    idempotency.expire(ctl)
-    rows = ctl.store.fleet.list_versions()
-    m.versions_live.set(sum(1 for r in rows if r.state != "retired"))
-    backlog = ctl.store.sessions.unscored_by_version()
-    for r in rows:
-        m.logprob_backlog.labels(str(r.v)).set(backlog.get(r.v, 0))
+    def _measure_slots(self, dt: float) -> None:
+        """Fold the tick's occupied and offered rollout slot-seconds into the measured rates
+        (the finish rate is per occupied slot; occupancy is the share of slots a session holds)."""
+        if dt <= 0:
+            return
+        owned = self.ctx.store.owners.live_counts()
+        occupied = offered = 0
+        for c in self.ctx.store.fleet.list_cells():
+            if c.state == "rollout" and c.id in self.ctx.registry.live:
+                offered += c.max_running
+                occupied += min(c.max_running, owned.get(c.id, 0))
+        self.rates.on_tick(dt, occupied, offered)
+
+    def _refresh_gauges(self) -> None:
+        ctx, m = self.ctx, self.ctx.metrics
+        cells = ctx.store.fleet.list_cells()
+        by_state: dict[str, int] = {}
+        by_role = {"rollout": 0, "training": 0}
+        for c in cells:
+            by_state[c.state] = by_state.get(c.state, 0) + 1
+            if c.state in ("rollout", "draining"):
+                by_role["rollout"] += 1
+            elif c.state in ("training", "loading"):
+                by_role["training"] += 1
+        for state in CELL_STATES:
+            m.cells.labels(state).set(by_state.get(state, 0))
+        for role, n in by_role.items():
+            m.cells_by_role.labels(role).set(n)
+        owned = ctx.store.owners.live_counts()
+        for c in cells:
+            summary = ctx.registry.summary(c.id)
+            m.inflight.labels(c.id).set(owned.get(c.id, 0))
+            m.kv_blocks_used.labels(c.id).set(summary.kv_blocks_used if summary else 0)
+        counts = ctx.store.owners.count_requests()
+        m.waiting.set(counts.get("queued", 0) + counts.get("suspended", 0) + counts.get("parked", 0))
+
+    def _refresh_slow_gauges(self) -> None:
+        ctx, m = self.ctx, self.ctx.metrics
+        idempotency.expire(ctx.store, ctx.cfg.idempotency_ttl_s)
+        rows = ctx.store.fleet.list_versions()
+        m.versions_live.set(sum(1 for r in rows if r.state != "retired"))
+        backlog = ctx.store.sessions.unscored_by_version()
+        for r in rows:
+            m.logprob_backlog.labels(str(r.v)).set(backlog.get(r.v, 0))

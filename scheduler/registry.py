@@ -51,6 +51,11 @@ class Registry:
         self.live.pop(cell_id, None)
         self.notifier.notify(("cell", cell_id))
 
+    def summary(self, cell_id: str) -> Summary | None:
+        """The cell's last reported summary (None: not live, or not synced since admitted)."""
+        entry = self.live.get(cell_id)
+        return None if entry is None else entry.summary
+
     def renew(self, cell_id: str, lease_s: float, summary: Summary) -> None:
         entry = self.live[cell_id]
         now = self.clock()

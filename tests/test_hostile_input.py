@@ -594,9 +594,9 @@ def test_idempotency_keys_expire_after_their_ttl(harness):
     first = harness.client.post("/v1/flips", json={"cell": "c0", "to": "training"}, headers=key)
     assert first.status_code == 202
     ctl, ttl = harness.ctl, harness.ctl.cfg.idempotency_ttl_s
-    assert harness.client.portal.call(lambda: idempotency.expire(ctl, time.time() + ttl - 60)) == 0  # not yet
+    assert harness.client.portal.call(lambda: idempotency.expire(ctl.store, ttl, time.time() + ttl - 60)) == 0  # not yet
     assert harness.client.post("/v1/flips", json={"cell": "c0", "to": "training"}, headers=key).json() == first.json()
-    assert harness.client.portal.call(lambda: idempotency.expire(ctl, time.time() + ttl + 60)) == 1
+    assert harness.client.portal.call(lambda: idempotency.expire(ctl.store, ttl, time.time() + ttl + 60)) == 1
     r = harness.client.post("/v1/flips", json={"cell": "c1", "to": "training"}, headers=key)
     assert r.status_code == 202 and r.json()["id"] != first.json()["id"]  # the key is free again
 

@@ -9,7 +9,6 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query
 from pydantic import Field
 
-from scheduler import staleness
 from scheduler.api.deps import ApiRoute, Ctl
 from scheduler.api.schemas import SessionFinish, _Body, errors
 from scheduler.metrics import GROUP_DROP_REASONS
@@ -30,9 +29,7 @@ async def finish_session(session_id: str, body: SessionFinish, ctl: Ctl) -> dict
 @router.get("/v1/trajectories", responses=errors(422))
 async def trajectories(ctl: Ctl, cursor: Annotated[int, Query(ge=0, lt=1 << 63)] = 0,
                        limit: Annotated[int, Query(ge=1, le=1000)] = 16) -> dict:
-    items, nxt = ctl.store.sessions.trajectories(cursor, limit)
-    ctl.trajectory_cursor = max(ctl.trajectory_cursor, nxt)
-    return {"trajectories": staleness.apply_to_trajectories(ctl, items), "next_cursor": nxt}
+    return ctl.trajectories(cursor, limit)
 
 
 class GroupsDropped(_Body):

@@ -6,7 +6,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Path
 
-from scheduler import staleness
 from scheduler.api.deps import ApiRoute, Ctl
 from scheduler.api.schemas import VersionCreate, errors
 
@@ -15,10 +14,7 @@ router = APIRouter(prefix="/v1/versions", tags=["versions"], route_class=ApiRout
 
 @router.get("")
 async def list_versions(ctl: Ctl) -> dict:
-    st = ctl.scoring
-    return {"versions": ctl.list_versions(),
-            "scoring": {"tokens": st.scored_tokens, "seconds": round(st.scoring_seconds, 6), "tasks": len(st.tasks)},
-            "staleness": staleness.to_api(ctl)}
+    return ctl.versions_view()
 
 
 @router.post("", status_code=201, responses=errors(409, 413, 422))

@@ -279,8 +279,6 @@ def test_different_kv_stores_or_versions_fall_back_to_reprefill(harness):
 
 
 def test_kv_store_path_needs_the_same_version(harness):
-    from scheduler import migrations
-
     c0 = FakeCell(harness.client, "c0", kv_export=False, kv_store="s", version=1)
     c1 = FakeCell(harness.client, "c1", kv_export=False, kv_store="s", version=2)
     c2 = FakeCell(harness.client, "c2", kv_export=True, kv_store="s", version=1)
@@ -289,12 +287,12 @@ def test_kv_store_path_needs_the_same_version(harness):
         c.register(), c.sync()
     ctl = harness.ctl
     row = {c.cell_id: ctl.store.fleet.get_cell(c.cell_id) for c in (c0, c1, c2, c3)}
-    assert migrations.path_for(ctl, row["c0"], row["c1"]) == "reprefill"  # KV of v1 is no use to v2
-    assert migrations.path_for(ctl, row["c0"], row["c2"]) == "kv_store"
-    assert migrations.path_for(ctl, row["c2"], row["c3"]) == "kv"
-    assert migrations.path_for(ctl, row["c2"], row["c3"], hint="reprefill") == "reprefill"
-    assert migrations.path_for(ctl, row["c0"], row["c2"], hint="kv") == "kv_store"  # the best both support
-    assert migrations.path_for(ctl, row["c2"], row["c0"], hint="kv_store") == "kv_store"
+    assert ctl.migrations.path_for(row["c0"], row["c1"]) == "reprefill"  # KV of v1 is no use to v2
+    assert ctl.migrations.path_for(row["c0"], row["c2"]) == "kv_store"
+    assert ctl.migrations.path_for(row["c2"], row["c3"]) == "kv"
+    assert ctl.migrations.path_for(row["c2"], row["c3"], hint="reprefill") == "reprefill"
+    assert ctl.migrations.path_for(row["c0"], row["c2"], hint="kv") == "kv_store"  # the best both support
+    assert ctl.migrations.path_for(row["c2"], row["c0"], hint="kv_store") == "kv_store"
 
 
 def test_role_failure_rolls_back(harness):

@@ -102,7 +102,7 @@ def test_pending_migration_times_out(harness):
     a, b, fut, rid, mid = _migrating(harness)
     harness.clock.advance(4.0)
     a.sync(), b.sync()
-    harness.ctl.mig_cfg = harness.ctl.mig_cfg.model_copy(update={"transfer_timeout_s": 0.5})
+    harness.ctl.ctx.mig_cfg = harness.ctl.ctx.mig_cfg.model_copy(update={"transfer_timeout_s": 0.5})
     harness.tick()
     assert harness.ctl.store.owners.get_migration(mid).state == "aborted"
     a.sync(), b.sync()

@@ -152,7 +152,7 @@ def test_no_fetch_for_scoring_to_a_cell_that_cannot_score_then_missing_after_the
     harness.tick(), c.sync()
     sess = harness.client.get("/v1/sessions/s").json()
     assert "missing" not in sess["provenance"]  # the grace: a scoring cell may still come
-    keep_alive(harness, [c], harness.ctl.ver_cfg.task_timeout_s + 1.0)
+    keep_alive(harness, [c], harness.ctl.ctx.ver_cfg.task_timeout_s + 1.0)
     harness.tick(), c.sync()
     assert [x["mode"] for x in c.commands if x["type"] == "load_version" and x["version"] == 1] == ["broadcast"]
     assert not _scores(c)

@@ -100,7 +100,7 @@ class Mirror:
             if tr.version and store.fleet.get_version(tr.version) is None:
                 store.fleet.put_version(VersionRow(tr.version, "active", t))
         consumed = tr.trained_sessions + (tr.step.sessions if tr.step else 0)
-        ctl.trajectory_cursor = consumed  # the trainer fetched what its steps took
+        ctl.staleness.trajectory_cursor = consumed  # the trainer fetched what its steps took
         body = {"batch_size": tr.batch_size, "steps_in_progress": len(tr.steps),
                 "max_cells_per_step": tr.width}
         if tr.last_step is not self.last_step:

@@ -61,4 +61,4 @@ def test_planner_flips_only_after_the_trainer_reports_and_explicit_flips_stay(ha
             c.sync()
     assert harness.client.get("/v1/cells/c0").json()["state"] == "training"
     r = harness.client.post("/v1/flips", json={"cell": "c0", "to": "rollout"})
-    assert r.status_code == 202 and "c0" not in ctl.pinned_training
+    assert r.status_code == 202 and "c0" not in ctl.flips.pinned_training
