@@ -1,8 +1,11 @@
-"""The controller's one door to the planner: the planner's own `Snapshot` in, decisions out.
+"""The control plane's one door to the planner (scheduler/planner.py): the planner's own
+`Snapshot` in, decisions out.
 
-The controller builds `scheduler.planner_types.Snapshot` itself (`Controller.snapshot`), with
-every field the cluster simulator fills; these helpers only turn the planner's answers into
-the string cell ids and `None`-for-nowhere the handlers use. Nothing here mutates anything.
+scheduler/snapshot.py builds the `Snapshot` (every field the cluster simulator fills). These
+helpers turn the planner's answers into the string cell ids the concerns use, with None for
+"nowhere", and add the one rule the planner does not make: a later turn of a session goes back
+to the cell that served its earlier turns when that cell has room (`sticky_destination`).
+Nothing here mutates anything.
 """
 
 from __future__ import annotations
@@ -10,15 +13,12 @@ from __future__ import annotations
 from scheduler import planner
 from scheduler.planner_types import CellSummary, Destination, RequestSummary, Snapshot
 
-__all__ = ["CellSummary", "Destination", "RequestSummary", "Snapshot", "choose_cells_to_flip",
-           "choose_destination", "has_room", "plan_flips", "sticky_destination"]
-
-UNKNOWN_VERSION = -1
-"""Stands for "no version yet" in the planner's integer version fields."""
+__all__ = ["choose_cells_to_flip", "choose_destination", "has_room", "plan_flips", "sticky_destination"]
 
 
 def has_room(c: CellSummary, num_tokens: int = 0, block_size: int = planner.DEFAULT_COST.block_size) -> bool:
-    """A rollout cell with a free slot and the KV blocks for `num_tokens`."""
+    """A rollout cell with a free slot and the KV blocks for `num_tokens` (at least one block;
+    in the snapshot's 16-token blocks, as the planner counts them)."""
     return (c.role == "rollout" and c.inflight < c.capacity
             and c.kv_blocks_free >= max(1, -(-num_tokens // block_size)))
 
@@ -34,7 +34,8 @@ def choose_destination(snapshot: Snapshot, source_cell_id: str | None,
 def sticky_destination(snapshot: Snapshot, cell_id: str | None,
                        request: RequestSummary) -> Destination | None:
     """The session's previous cell when it can take the request: a later turn then reuses the
-    KV its earlier turns left there (sessions stay on a cell until a migration moves them)."""
+    KV its earlier turns left in that cell's prefix cache (path "kv": nothing moves). None
+    when it has no room; the caller then takes the planner's choice (`choose_destination`)."""
     if cell_id is None:
         return None
     c = snapshot.cell(cell_id)
