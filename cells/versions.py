@@ -7,11 +7,11 @@ the stale KV, `recompute` re-prefills every running request under the new weight
 `broadcast` event. The engine never serves a half-received version: only tensors whose every
 bucket matched its CRC32 are staged, and activation is one call under the engine lock.
 
-Cells whose engine receives versions through its own collective (`engine.num_update_ranks`
+Cells whose engine receives versions through its own collective (`capabilities.update_ranks`
 > 0, SGLang), one line: `load_version` (broadcast) → the loader thread waits (bounded) for
 this cell's update-group spec and bucket plan from the trainer → staged → the engine loop,
-between two steps, has the engine receive it (`engine.receive_version`: paused, updated in
-place, verified, continued) → reported to the trainer → a `broadcast` event. A failed update
+between two steps, has the engine receive it (`CollectiveUpdate.receive_version`: paused,
+updated in place, verified, continued) → reported to the trainer → a `broadcast` event. A failed update
 asks the trainer once for a fresh group, then falls back to a point-to-point fetch, which
 such an engine installs in place (`engine.load_weights`).
 
@@ -22,7 +22,6 @@ decoding and without the engine lock → a `scored` event with provenance `exact
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import queue
@@ -31,6 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from cells.engine.base import Engine, collective_update, versioned_weights
 from cells.trainer.versions_host import (
     GROUP_RETRIES,
     UpdateAssignment,
@@ -70,23 +70,9 @@ class Staged:
     t0: float = 0.0
 
 
-def update_ranks(engine: object | None) -> int:
+def update_ranks(engine: Engine | None) -> int:
     """Ranks `engine` adds to a version's update group (0: it takes tensors, no collective)."""
-    n = getattr(engine, "num_update_ranks", 0) or 0
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
-
-
-def _call_keeping_previous(install: Callable, *args) -> None:
-    """Install a version, keeping the previous one for scoring where the engine can
-    (`keep_previous=True`); an engine without that option holds only the served version."""
-    try:
-        keeps = "keep_previous" in inspect.signature(install).parameters
-    except (TypeError, ValueError):  # no introspectable signature
-        keeps = False
-    if keeps:
-        install(*args, keep_previous=True)
-    else:
-        install(*args)
+    return engine.capabilities.update_ranks if engine is not None else 0
 
 
 def _source(cmd: LoadVersionCmd) -> tuple[StoreAddress, str]:
@@ -99,14 +85,14 @@ class CellVersions:
 
     def __init__(self, cell_id: str, emit: Callable[[dict], None], wake: Callable[[], None],
                  timeout_s: float = 30.0, prepare: Callable | None = None, *,
-                 engine: object | None = None, join_timeout_s: float = 60.0,
+                 engine: Engine | None = None, join_timeout_s: float = 60.0,
                  local: Callable[[int], dict | None] | None = None) -> None:
         self.cell_id, self.emit, self.wake, self.timeout_s = cell_id, emit, wake, timeout_s
         self.prepare = prepare
-        """The engine's `prepare_weights`: run on the loader thread, so that activation on the
-        engine loop is a swap, not a rebuild of every weight."""
+        """The engine's `prepare_weights` (`VersionedWeights`): run on the loader thread, so that
+        activation on the engine loop is a swap, not a rebuild of every weight."""
         self.engine = engine
-        """The cell's engine, read here only for `num_update_ranks` (which path a broadcast
+        """The cell's engine, read here only for its capabilities (which path a broadcast
         takes); every engine call happens in `activate_staged`, on the engine loop."""
         self.join_timeout_s = join_timeout_s
         """How long a broadcast waits for the trainer's plan naming this cell."""
@@ -235,7 +221,7 @@ class CellVersions:
                                      mode="broadcast", activate=s.activate).to_dict())
             return
         try:
-            _call_keeping_previous(engine.receive_version, s.version, a.group, list(a.buckets))
+            collective_update(engine).receive_version(s.version, a.group, list(a.buckets), keep_previous=True)
         except Exception as e:  # the engine says whether it still serves the old version
             pause = time.perf_counter() - t0
             self.pause_s += pause
@@ -298,12 +284,12 @@ class CellVersions:
                 activate = s.activate and s.version > engine.version
                 if s.prepared:
                     if activate or s.version != engine.version:
-                        engine.install_prepared(s.version, s.tensors, activate=activate)
+                        versioned_weights(engine).install_prepared(s.version, s.tensors, activate=activate)
                 elif activate:
-                    _call_keeping_previous(engine.load_weights, s.version, s.tensors)
+                    engine.load_weights(s.version, s.tensors, keep_previous=True)
                 elif s.version != engine.version:
-                    engine.hold_weights(s.version, s.tensors)
-                if activate and s.policy == "recompute" and hasattr(engine, "recompute_all"):
+                    versioned_weights(engine).hold_weights(s.version, s.tensors)
+                if activate and s.policy == "recompute":
                     engine.recompute_all()  # engines that update in place restart requests anyway
             except Exception as e:  # a bad version (shapes): keep serving the old one, say so
                 log.error("version %d not installed: %s", s.version, e)
@@ -326,7 +312,8 @@ class CellVersions:
 
     # -- scoring ----------------------------------------------------------------------------
     def score(self, cmd: ScoreCmd, scorer: Callable | None) -> None:
-        """Queue a scoring task (`scorer` from `engine.scorer(version)`, None if not held)."""
+        """Queue a scoring task (`scorer` from the engine's `Scoring.scorer(version)`, None if
+        not held)."""
         if scorer is None:
             log.warning("score task %s: version %d is not held here", cmd.task_id, cmd.version)
             return  # the scheduler hands it to a holder after its timeout

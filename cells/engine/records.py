@@ -1,9 +1,6 @@
-"""The engine interface the cell agent talks to.
-
-Two engines sit behind it: the embedded torch engine (per-request KV export/import, scoring
-with training numerics, staged weight swaps) and SGLang on GPU cells (no per-request KV
-export, in-place weight updates). What an engine can do is declared in `Capabilities`; the
-cell agent and the planner read it instead of guessing from the class.
+"""What goes into an engine and comes out of it: sampling params, token records and events,
+request snapshots for hand-over, and `EngineError`. The engine interface itself is in
+base.py.
 
 Records here are plain dataclasses whose `to_dict`/`from_dict` are JSON-able: they cross
 processes as JSON, never pickle.
@@ -12,29 +9,12 @@ processes as JSON, never pickle.
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import Literal
-
-import torch
 
 
 class EngineError(ValueError):
     """Bad input to an engine (invalid sampling params, unknown request, wrong model shape)."""
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What an engine supports; the agent and the planner branch on these, not on types."""
-
-    kv_export: bool
-    """Per-request KV export/import (live migration); otherwise migration re-prefills."""
-    scoring: bool
-    """Full-forward scoring with training numerics (the log-prob service primitive)."""
-    weight_update: Literal["staged", "in_place"]
-    """`staged`: receive into a second copy, swap between steps; `in_place`: pause, update, resume."""
-    batch_invariant: bool
-    """A token's numbers do not depend on its batch; decode and scoring agree bitwise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +79,6 @@ class TokenRecord:
     def to_list(self) -> list:
         return [self.token_id, self.logprob, self.version, int(self.truncated)]
 
-    @classmethod
-    def from_list(cls, x: list) -> TokenRecord:
-        return cls(int(x[0]), float(x[1]), int(x[2]), bool(x[3]))
-
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -152,43 +128,3 @@ class RequestSnapshot:
             return cls(**d)
         except TypeError as e:
             raise EngineError(f"malformed request snapshot: {e}") from None
-
-
-class Engine(ABC):
-    """A model replica that decodes many requests, hands one over, and scores sequences.
-
-    Mutating calls happen between `step()` calls, on the thread that calls `step()`.
-    """
-
-    capabilities: Capabilities
-
-    @property
-    @abstractmethod
-    def version(self) -> int:
-        """Weight version currently served."""
-
-    @abstractmethod
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises EngineError on bad ids, duplicate id or bad params."""
-
-    @abstractmethod
-    def step(self) -> list[TokenEvent]:
-        """Run one engine step (chunked prefill + batched decode); return the new tokens."""
-
-    @abstractmethod
-    def has_work(self) -> bool:
-        """True while any request is waiting or running."""
-
-    @abstractmethod
-    def abort(self, request_id: str) -> None:
-        """Drop a request and free its blocks. Unknown ids are ignored."""
-
-    @abstractmethod
-    def score(self, token_ids: list[int], *, temperature: float = 1.0) -> torch.Tensor:
-        """Log-prob of token t given tokens < t, for t = 1..L-1, by a full forward with no KV
-        cache (training numerics). Does not touch the KV cache or any request."""
-
-    @abstractmethod
-    def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Swap to `version` between steps. Raises EngineError on a name/shape mismatch,
-        leaving the served weights untouched."""

@@ -50,7 +50,7 @@ def test_quiesce_pauses_the_engine_loop_and_lets_it_go(agent):
     loop.start()
     try:
         _wait(lambda: agent.engine.num_steps >= 2)
-        with agent._quiesce():
+        with agent.quiesce():
             assert agent._quieted()
             time.sleep(0.05)  # let a step in flight finish
             steps = agent.engine.num_steps
@@ -60,19 +60,19 @@ def test_quiesce_pauses_the_engine_loop_and_lets_it_go(agent):
         _wait(lambda: agent.engine.num_steps > steps)  # woken at once, not after a timeout
     finally:
         stop.set()
-        agent._wake()
+        agent.wake()
         loop.join(10)
 
 
 def test_quiesce_is_bounded_and_can_be_off():
     a = _agent()
     a._quiesce_s = 0.05
-    with a._quiesce():
+    with a.quiesce():
         assert a._quieted()
         time.sleep(0.1)
         assert not a._quieted()  # past copy_quiesce_max_ms decoding goes on regardless
     off = _agent("off")
-    with off._quiesce():
+    with off.quiesce():
         assert not off._quieted()
     for x in (a, off):
         x.client.close(), x.versions.close(), x.store_host.close()

@@ -62,7 +62,7 @@ def main() -> None:
     for k, v in kv:
         dist.send(k.contiguous(), 0)
         dist.send(v.contiguous(), 0)
-    eng.resume(snap.request_id)
+    eng.resume_request(snap.request_id)
     out = run_all(eng)
     tokens = [[e.index, e.record.token_id] for e in out[snap.request_id]]
     with open(args["out"], "w") as f:

@@ -16,7 +16,7 @@ def migrate(src, dst, rid, rounds=2):
             dst.import_kv(rid, sent, src.export_kv(rid, sent, done))
             sent = done
         events += src.step()  # the request keeps decoding between rounds
-    src.pause(rid)
+    src.pause_request(rid)
     end = src.num_kv_blocks(rid)
     if end > sent:
         dst.import_kv(rid, sent, src.export_kv(rid, sent, end))
@@ -26,7 +26,7 @@ def migrate(src, dst, rid, rounds=2):
         ks, vs = src.pool.read(layer, rid, snap.num_computed)
         kd, vd = dst.pool.read(layer, rid, snap.num_computed)
         assert torch.equal(ks, kd) and torch.equal(vs, vd), "imported KV differs"
-    dst.resume(rid)
+    dst.resume_request(rid)
     src.release(rid)
     return events
 
@@ -87,7 +87,7 @@ def test_state_from_a_different_model_shape_is_refused():
     src = make_engine(True)
     src.add_request("r", prompts(1)[0], SamplingParams(max_tokens=5))
     src.step()
-    src.pause("r")
+    src.pause_request("r")
     other = make_engine(True, block_size=16)
     assert other.reserve("r", 100)
     with pytest.raises(EngineError, match="shape"):
@@ -109,9 +109,9 @@ def test_source_resumes_after_an_aborted_hand_over():
     src = make_engine(True)
     src.add_request("r0", ps[0], params(0, max_tokens=15))
     toks = [e.record.token_id for _ in range(4) for e in src.step()]
-    src.pause("r0")
+    src.pause_request("r0")
     assert src.step() == []  # paused: nothing decodes
-    src.resume("r0")
+    src.resume_request("r0")
     toks += [e.record.token_id for e in run_all(src)["r0"]]
     assert toks == ref
 
@@ -151,14 +151,14 @@ def test_parked_request_frees_its_blocks_and_moves_on_token_identical():
         got.setdefault(k, []).extend(e.record.token_id for e in evs)
     assert "r2" in src.requests and src.pool.num_used == 0
     assert torch.equal(src.export_kv("r2", 0, before.shape[2]), before)
-    src.resume("r2")  # an aborted move out: it stays parked
+    src.resume_request("r2")  # an aborted move out: it stays parked
     assert src.parked() == ["r2"]
     snap = src.snapshot("r2")
     assert dst.reserve("r2", snap.num_tokens, headroom_blocks=2)
-    src.pause("r2")
+    src.pause_request("r2")
     dst.import_kv("r2", 0, src.export_kv("r2", 0, src.num_kv_blocks("r2")))
     dst.import_request(src.snapshot("r2"))
-    dst.resume("r2")
+    dst.resume_request("r2")
     src.release("r2")
     for k, evs in run_all(dst).items():
         got.setdefault(k, []).extend(e.record.token_id for e in evs)

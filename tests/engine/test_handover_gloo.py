@@ -52,7 +52,7 @@ def test_two_process_hand_over(tmp_path, free_port, batch_invariant, after_steps
         send_kv(src, rid, 0, sent)  # copy round while decoding continues
         for ev in src.step():
             got.setdefault(ev.request_id, []).append((ev.index, ev.record.token_id))
-        src.pause(rid)
+        src.pause_request(rid)
         end = src.num_kv_blocks(rid)
         if end > sent:
             send_kv(src, rid, sent, end)

@@ -201,11 +201,12 @@ class TestOneEngine:
             head = run_until(engine, lambda ev: sum(e.request_id == "m" for e in ev) >= 12)
             assert any(e.request_id == "x" for e in head)
             engine.abort("x")  # mid-stream
-            snap = engine.export_request("m")
-            engine.add_request("m", snap.token_ids, params, prompt_len=len(prompt), path="reprefill")
+            ids = prompt + [e.record.token_id for e in head if e.request_id == "m"]
+            engine.abort("m")  # moved away: the scheduler re-prefills it from the session's tokens
+            engine.add_request("m", ids, params, prompt_len=len(prompt), path="reprefill")
             tail = run_until(engine, lambda ev: any(e.request_id == "m" and e.finish_reason for e in ev))
             engine.abort("y")
-            return snap.token_ids[len(prompt):], head, tail
+            return ids[len(prompt):], head, tail
 
         want = runner(twin)
         moved_head, head, tail = runner(moved)
@@ -376,23 +377,23 @@ def test_f_two_engines_share_a_hicache_file_store(checkpoint, runner, tmp_path):
         a.add_request("f", prompt, params)
         want = [e.record.token_id for e in run_until(a, lambda ev: False)]
         a.add_request("f", prompt, params)
-        run_until(a, lambda ev: len(ev) >= 24)
-        snap = a.export_request("f")
+        ids = prompt + [e.record.token_id for e in run_until(a, lambda ev: len(ev) >= 24)]
+        a.abort("f")  # moved out: its KV is written through to the store
         time.sleep(3.0)  # the write-through to the store finishes before A goes away
-        return want, snap, a.migration_endpoint
+        return want, ids, a.capabilities.kv_store
 
-    want, snap, source = runner(on_a)
+    want, ids, store = runner(on_a)
     runner(a.close)
     b = start_engine(checkpoint, hicache)
     try:
         def on_b():
-            path = b.import_request(snap, source=source)
-            b.resume_request("f")
-            return path, run_until(b, lambda ev: False)
+            b.add_request("f", ids, params, prompt_len=len(prompt), path="kv_store")
+            return run_until(b, lambda ev: False)
 
-        path, tail = runner(on_b)
-        report("hicache_move", cached_tokens=b.kv_store_cached_tokens, moved_tokens=snap.num_tokens)
-        assert path == "kv_store" and b.kv_store_moves["hit"] == 1 and b.kv_store_cached_tokens > 0
-        assert snap.token_ids[len(prompt):] + [e.record.token_id for e in tail] == want
+        tail = runner(on_b)
+        report("hicache_move", cached_tokens=b.kv_store_cached_tokens, moved_tokens=len(ids))
+        assert store == b.capabilities.kv_store is not None  # the planner's condition for the kv_store path
+        assert b.kv_store_moves["hit"] == 1 and b.kv_store_cached_tokens > 0
+        assert ids[len(prompt):] + [e.record.token_id for e in tail] == want
     finally:
         runner(b.close)

@@ -64,7 +64,7 @@ class SGLangCells:
             t.start()
 
     def fake(self, cell_id: str) -> fake_sglang.FakeEngine:
-        return self.engines[cell_id]._engine
+        return self.engines[cell_id].runtime.sglang
 
     def cells(self) -> list[dict]:
         """These cells as the scheduler shows them."""

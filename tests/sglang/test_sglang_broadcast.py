@@ -83,7 +83,7 @@ class SGLangCell:
         cfg = SGLangEngineConfig(model_path="m", scoring="cell_copy" if scorer else "trainer_copy")
         self.cell_id, self.scorer = cell_id, scorer
         self.engine = SGLangEngine(cfg, modules=mods, scorer=scorer, transfer_timeout_s=OP_TIMEOUT_S + SLACK_S)
-        self.fake = self.engine._engine
+        self.fake = self.engine.runtime.sglang
         self.events: list[dict] = []
         self.tokens: list = []
         self._wake = threading.Event()

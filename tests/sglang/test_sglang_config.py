@@ -20,7 +20,7 @@ def test_gpu_cluster_example_loads_and_builds_a_cell():
     mods, _ = fake_sglang.fake_modules()
     eng = SGLangEngine(eng_cfg, modules=mods)
     assert not eng.capabilities.scoring and eng.num_update_ranks == 8
-    assert eng._engine.server_args["tp_size"] == 8
+    assert eng.runtime.sglang.server_args["tp_size"] == 8
     eng.close()
 
 
@@ -44,5 +44,5 @@ def test_gpu_cluster_example_promises_exact_reprefill_and_starts_sglang_determin
     assert eng_cfg.deterministic
     mods, _ = fake_sglang.fake_modules()
     eng = SGLangEngine(eng_cfg, modules=mods)
-    assert eng._engine.server_args["enable_deterministic_inference"] is True and eng.capabilities.batch_invariant
+    assert eng.runtime.sglang.server_args["enable_deterministic_inference"] is True and eng.capabilities.batch_invariant
     eng.close()

@@ -25,7 +25,7 @@ import fake_sglang
 import pytest
 import torch
 
-from cells.engine.records import EngineError, RequestSnapshot, SamplingParams
+from cells.engine.records import EngineError, SamplingParams
 from cells.engine.sglang import backend as sb
 from cells.engine.sglang.engine import SGLangEngine
 from cells.engine.sglang.weights import (
@@ -284,23 +284,23 @@ def record_adapter_usage() -> fake_sglang.Recorder:
         for _ in range(3):
             a.step()
         a.abort("r3")
-        a.pause()
-        a.resume()
+        a.pause_all()
+        a.resume_all()
         a.receive_version(1, UpdateGroup("127.0.0.1", 1, 1, 2, "g1"),
                           [BucketSpec(("w",), ("bfloat16",), ((2, 2),))])
         a.load_weights(2, {"w": torch.zeros(2, 2, dtype=torch.bfloat16)})
-        a._engine.fail["update_weights_from_distributed"] = "injected"
+        a.runtime.sglang.fail["update_weights_from_distributed"] = "injected"
         with pytest.raises(EngineError):
             a.receive_version(3, UpdateGroup("127.0.0.1", 1, 1, 2, "g2"),
                               [BucketSpec(("w",), ("bfloat16",), ((2, 2),))])
-        a._engine.fail.clear()
+        a.runtime.sglang.fail.clear()
         a.receive_version(3, UpdateGroup("127.0.0.1", 1, 1, 2, "g3"),
                           [BucketSpec(("w",), ("bfloat16",), ((2, 2),))])
         b.receive_version(3, UpdateGroup("127.0.0.1", 1, 1, 2, "g4"),
                           [BucketSpec(("w",), ("bfloat16",), ((2, 2),))])
-        snap = a.export_request("r1")
-        b.import_request(RequestSnapshot.from_dict(snap.to_dict()), source=a.migration_endpoint)
-        b.resume_request("r1")
+        a.abort("r1")  # moved by the scheduler through the shared store
+        b.add_request("r1", [5, 6, 7, 8], SamplingParams(max_tokens=40, top_p=0.9, seed=3), prompt_len=3,
+                      path="kv_store")
         _drain(a)
         _drain(b)
         a.release_memory(["weights", "kv_cache"])
@@ -312,7 +312,7 @@ def record_adapter_usage() -> fake_sglang.Recorder:
 
 def adapter_sglang_names() -> dict[str, set[str]]:
     """SGLang names the adapter's source uses, by AST: methods called on the engine or the
-    tokenizer manager (directly or through `_control("name", ...)`), attributes read from
+    tokenizer manager (directly or through `control("name", ...)`), attributes read from
     the engine, and io_struct classes."""
     out: dict[str, set[str]] = {"Engine": set(), "TokenizerManager": set(), "io_struct": set(), "attr": set()}
     root = Path(sb.__file__).parent
@@ -327,7 +327,7 @@ def adapter_sglang_names() -> dict[str, set[str]]:
                     out["TokenizerManager"].add(attr)
                 elif holder == "io_struct":
                     out["io_struct"].add(attr)
-                elif attr == "_control" and node.args and isinstance(node.args[0], ast.Constant):
+                elif attr == "control" and node.args and isinstance(node.args[0], ast.Constant):
                     out["Engine"].add(node.args[0].value)
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) \
                     and node.value.attr == "_engine" and isinstance(node.ctx, ast.Load):

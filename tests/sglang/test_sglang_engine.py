@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from cells.engine.records import EngineError, RequestSnapshot, SamplingParams
+from cells.engine.records import EngineError, SamplingParams
 from cells.engine.sglang import backend as sb
 from cells.engine.sglang.engine import SGLangEngine
 from cells.engine.sglang.weights import (
@@ -48,7 +48,7 @@ def make(model_path: str = "m", scoring: str = "trainer_copy", store=None, rec=N
     cfg = SGLangEngineConfig(model_path=model_path, scoring=scoring)
     eng = SGLangEngine(cfg, modules=mods, **kw)
     _ENGINES.append(eng)
-    return eng, eng._engine
+    return eng, eng.runtime.sglang
 
 
 def drain(engine, limit: int = 500) -> list:
@@ -120,7 +120,7 @@ def test_token_in_token_out_with_logprobs(incremental):
         assert (e.record.token_id, e.record.logprob, e.record.version) == (tok, pytest.approx(lp), 0)
         ctx.append(tok)
     assert len(got["c"]) == 1 and got["c"][0].finish_reason == "stop"
-    assert not eng.has_work() and eng._reqs == {}
+    assert not eng.has_work() and eng.streams.reqs == {}
 
 
 def test_sampling_params_translate_to_sglang():
@@ -147,7 +147,7 @@ def test_abort_drops_undelivered_tokens_and_aborts_in_sglang():
     eng.add_request("b", [3], SamplingParams(max_tokens=5))
     eng.step()
     fake._loop.run_until_complete(fake_sleep(5))  # tokens arrive but are not delivered yet
-    assert any(r.request_id == "a" for r, _ in eng._pending)
+    assert any(r.request_id == "a" for r, _ in eng.streams.pending)
     eng.abort("a")
     eng.abort("nope")
     events = drain(eng)
@@ -272,11 +272,11 @@ def test_failure_before_any_bucket_keeps_the_old_version():
 
 def test_paused_cell_stays_paused_across_an_update():
     eng, fake = make()
-    eng.pause()
+    eng.pause_all()
     assert ("pause", "in_place") in fake.log
     eng.receive_version(1, group(), [W])
     assert eng.state == "paused" and ("continue",) not in fake.log
-    eng.resume()
+    eng.resume_all()
     assert eng.state == "serving" and fake.log[-1] == ("continue",)
 
 
@@ -284,10 +284,10 @@ def test_pause_freezes_decoding():
     eng, fake = make()
     eng.add_request("a", [1], SamplingParams(max_tokens=50))
     drain_n(eng, 2)
-    eng.pause()
+    eng.pause_all()
     eng.step()  # what was already on its way
     assert eng.step() == [] and eng.step() == []
-    eng.resume()
+    eng.resume_all()
     assert drain_n(eng, 1)
 
 
@@ -348,7 +348,7 @@ def test_memory_handover_to_training_and_back(checkpoint):
     eng.step()
     with pytest.raises(EngineError, match="migrate them out"):
         eng.release_memory()
-    eng.export_request("a")
+    eng.abort("a")
     eng.release_memory()
     assert fake.released == {"weights", "kv_cache"} and eng.metadata()["released"] == ["kv_cache", "weights"]
     with pytest.raises(EngineError, match="no complete weight version"):
@@ -386,78 +386,26 @@ def _reference(prompt, params, request_id="r"):
     return [e.record.token_id for e in drain(eng)]
 
 
-def test_migration_reprefills_token_exact():
-    params = SamplingParams(max_tokens=25, seed=9, stop_token_ids=(999999,))
-    want = _reference([4, 5, 6], params)
-    src, _ = make()
-    dst, dst_fake = make()
-    src.add_request("r", [4, 5, 6], params)
-    head = drain_n(src, 7)
-    snap = RequestSnapshot.from_dict(src.export_request("r").to_dict())
-    assert (snap.prompt_len, snap.num_tokens, snap.num_computed) == (3, 3 + len(head), 0)
-    assert snap.token_ids == [4, 5, 6] + [e.record.token_id for e in head]
-    assert [r[0] for r in snap.records] == snap.token_ids[3:] and snap.params["max_tokens"] == 25
-    assert not src.has_work()
-    path = dst.import_request(snap, source=src.migration_endpoint)
-    assert path == "reprefill" and dst.migrations_total == {"reprefill": 1}
-    assert not dst_fake.gens  # nothing decodes before the commit
-    dst.resume_request("r")
-    tail = drain(dst)
-    assert [e.index for e in tail] == list(range(len(head), 25))
-    assert [e.record.token_id for e in head + tail] == want
-
-
-def test_migration_loads_the_prefix_from_a_shared_store():
+def test_a_request_moved_through_a_shared_store_loads_its_prefix_from_it():
     store = fake_sglang.SharedStore()
     hicache = {"enable_hierarchical_cache": True, "hicache_storage_backend": "file"}
     src, _ = make(store=store, server_args=hicache)
     dst, dst_fake = make(store=store, server_args=hicache)
-    other, _ = make(store=store, server_args={**hicache, "hicache_storage_backend_extra_config": "{}"})
     assert src.metadata()["migration_paths"] == ["kv_store", "reprefill"]
-    src.add_request("r", [1, 2, 3, 4], SamplingParams(max_tokens=30))
-    drain_n(src, 5)
-    snap = src.export_request("r")
+    params = SamplingParams(max_tokens=30)
+    src.add_request("r", [1, 2, 3, 4], params)
+    ids = [1, 2, 3, 4] + [e.record.token_id for e in drain_n(src, 5)]
+    src.abort("r")  # the source stops it (the scheduler moved it: `path` kv_store)
     src.step()  # SGLang ends the aborted request and commits its KV (write-through to the store)
-    assert other.import_request(snap, source=src.migration_endpoint) == "reprefill"  # another store
-    assert dst.import_request(snap, source=src.migration_endpoint) == "kv_store"
-    dst.resume_request("r")
+    dst.add_request("r", ids, params, prompt_len=4, path="kv_store")
     dst.step()
     rid, salt, matched, where = dst_fake.cache_hits[-1]
-    assert where == "store" and matched == snap.num_tokens
+    assert where == "store" and matched == len(ids)
 
 
-def test_kv_store_needs_the_same_version():
-    store = fake_sglang.SharedStore()
-    hicache = {"enable_hierarchical_cache": True, "hicache_storage_backend": "file"}
-    src, _ = make(store=store, server_args=hicache)
-    dst, _ = make(store=store, server_args=hicache)
-    dst.receive_version(1, group(), [W])
-    src.add_request("r", [1, 2], SamplingParams(max_tokens=30))
-    drain_n(src, 2)
-    assert dst.import_request(src.export_request("r"), source=src.migration_endpoint) == "reprefill"
+def test_a_named_kv_store_needs_hicache_with_a_storage_backend():
     with pytest.raises(EngineError, match="kv_store"):
         make(kv_store="shared")
-
-
-def test_import_is_validated():
-    eng, _ = make()
-    snap = RequestSnapshot("r", 2, 4, 0, SamplingParams(max_tokens=5).to_dict(), 0,
-                           {"engine": "sglang", "model": "m", "tp": 1}, 1, 0, [], 0, [1, 2, 3, 4])
-    with pytest.raises(EngineError, match="model"):
-        eng.import_request(RequestSnapshot(**{**snap.to_dict(), "model_signature": {"model": "x"}}))
-    with pytest.raises(EngineError, match="token ids"):
-        eng.import_request(RequestSnapshot(**{**snap.to_dict(), "token_ids_from": 2, "token_ids": [3, 4]}))
-    with pytest.raises(EngineError, match="no tokens left"):
-        eng.import_request(RequestSnapshot(**{**snap.to_dict(), "params": SamplingParams(max_tokens=2).to_dict()}))
-    assert eng.import_request(RequestSnapshot(**{**snap.to_dict(), "token_ids_from": 2, "token_ids": [3, 4]}),
-                              [1, 2, 3, 4]) == "reprefill"
-    with pytest.raises(EngineError, match="already"):
-        eng.import_request(snap)
-    eng.abort("r")
-    with pytest.raises(EngineError, match="no imported request"):
-        eng.resume_request("r")
-    with pytest.raises(EngineError, match="unknown request"):
-        eng.export_request("r")
 
 
 # -- scoring ---------------------------------------------------------------------------
@@ -552,11 +500,11 @@ def test_a_finish_after_the_last_token_closes_the_request():
     eng.add_request("a", [1], SamplingParams(max_tokens=50))
     drain_n(eng, 1)
     fake._loop.run_until_complete(fake_sleep(3))  # more tokens pending
-    req = eng._reqs["a"]
-    eng._on_chunk(req, {"output_ids": list(req.seen_ids), "meta_info": {
+    req = eng.streams.reqs["a"]
+    eng.streams.on_chunk(req, {"output_ids": list(req.seen_ids), "meta_info": {
         "completion_tokens": len(req.seen_ids), "output_token_logprobs": [], "finish_reason": {"type": "stop"}}})
     events = eng.step()
-    assert events[-1].finish_reason == "stop" and "a" not in eng._reqs and eng.ended_without_token == []
+    assert events[-1].finish_reason == "stop" and "a" not in eng.streams.reqs and eng.ended_without_token == []
 
 
 def test_default_scoring_copy_is_the_embedded_model_fed_by_the_broadcast(tmp_path):
@@ -618,17 +566,8 @@ def test_a_moved_request_continues_where_it_left_off():
         eng.add_request("s", [7], params, prompt_len=2)
 
 
-def test_per_request_handover_names():
-    eng, fake = make()
-    eng.add_request("a", [1], SamplingParams(max_tokens=50))
-    with pytest.raises(EngineError, match="re-prefill"):
-        eng.pause("a")  # no stop-and-copy: SGLang cannot hand one request's KV over
-    with pytest.raises(EngineError, match="no imported request"):
-        eng.resume("a")
-    sgl_rid = eng.requests["a"].sgl_rid
-    eng.release("a")
-    assert not eng.has_work() and fake.log[-1] == ("abort", sgl_rid)
-    eng.release("unknown")  # ignored
+def test_recompute_all_has_nothing_left_to_do():
+    eng, _ = make()
     assert eng.recompute_all() == 0  # every update already re-submits what is in flight
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from cells.engine.records import EngineError, RequestSnapshot, SamplingParams
+from cells.engine.records import EngineError, SamplingParams
 from cells.engine.sglang import backend as sb
 from cells.engine.sglang.barrier import VERDICT_SLACK_S, joined_key, verdict_key
 from cells.engine.sglang.engine import SGLangEngine
@@ -44,7 +44,7 @@ def make(model_path: str = "m", *, store=None, tp: int = 1, deterministic: bool 
     cfg = SGLangEngineConfig(model_path=model_path, tp=tp, deterministic=deterministic, scoring=scoring)
     eng = SGLangEngine(cfg, modules=mods, **kw)
     _ENGINES.append(eng)
-    return eng, eng._engine
+    return eng, eng.runtime.sglang
 
 
 def on_engine_thread(fn, *args, **kwargs):
@@ -113,24 +113,22 @@ def test_the_fake_refuses_an_abort_off_the_loop_and_a_control_call_inside_it():
         fake._loop.run_until_complete(nested())
 
 
-def test_aborts_migrations_and_updates_work_from_the_engine_thread(checkpoint):
+def test_aborts_and_updates_work_from_the_engine_thread(checkpoint):
     eng, fake = make(checkpoint)
 
     def run():
         for rid in ("a", "b", "c", "d"):
             eng.add_request(rid, [1, 2, 3], SamplingParams(max_tokens=60))
         steps(eng, 8)
-        eng.abort("a")
-        snap = eng.export_request("b")
-        eng.release("c")
+        for rid in ("a", "b", "c"):
+            eng.abort(rid)
         eng.load_weights(1, full_version(1))  # every request left is restarted: abort, resubmit
-        tail = drain(eng)
-        return snap, tail
+        return drain(eng)
 
-    snap, tail = on_engine_thread(run)
+    tail = on_engine_thread(run)
     aborted = [e[1] for e in fake.log if e[0] == "abort"]
     assert [r.split("#")[0] for r in aborted] == ["a", "b", "c", "d"]
-    assert snap.request_id == "b" and {e.request_id for e in tail} == {"d"}
+    assert {e.request_id for e in tail} == {"d"}
     assert tail[-1].record.version == 1 and eng.state == "serving"
 
 
@@ -177,7 +175,7 @@ def test_a_version_from_tensors_travels_in_flattened_buckets_in_one_session(chec
     assert updates[-1] < calls.index("end_weight_update") and calls.count("begin_weight_update") == 1
     assert [flush for _, _, flush in fake.tensor_payloads] == [False, True]  # flushed once, after the last
     assert [n for n, _, _ in fake.tensor_payloads] == [128, 32 + 12]
-    assert {d for _, d, _ in fake.tensor_payloads} == {str(eng._update_device)}
+    assert {d for _, d, _ in fake.tensor_payloads} == {str(eng.update.update_device)}
     assert all(torch.equal(fake.weights[k], v) for k, v in v1.items()) and eng.version == 1
     assert fake_sglang._PAYLOADS == {}  # every rank decoded its own payload, once
 
@@ -218,19 +216,6 @@ def test_deterministic_inference_comes_from_the_config():
         make(deterministic=True, server_args={"enable_deterministic_inference": False})
     plain, fake2 = make()
     assert "enable_deterministic_inference" not in fake2.server_args and not plain.capabilities.batch_invariant
-
-
-def test_moves_are_counted_inexact_without_determinism_on_both_ends_or_across_tp():
-    src, _ = make(deterministic=True)
-    same, _ = make(deterministic=True)
-    wider, _ = make(deterministic=True, tp=2)
-    fast, _ = make()
-    src.add_request("r", [1, 2, 3], SamplingParams(max_tokens=30))
-    steps(src, 3)
-    snap = RequestSnapshot.from_dict(src.export_request("r").to_dict())
-    for dst in (same, wider, fast):
-        dst.import_request(snap, source=src.migration_endpoint)
-    assert (same.inexact_moves, wider.inexact_moves, fast.inexact_moves) == (0, 1, 1)
 
 
 # -- 5. update-group liveness -----------------------------------------------------------
@@ -275,7 +260,7 @@ def test_a_failure_after_joining_restarts_the_engine(sender_store, free_port):
     with pytest.raises(EngineError, match="restarted"):
         on_engine_thread(eng.receive_version, 1, UpdateGroup("127.0.0.1", free_port, 1, 2, "v1", "nccl",
                                                              barrier_s=5.0), [W])
-    new = eng._engine
+    new = eng.runtime.sglang
     assert new is not old and old.shut_down and eng.engine_restarts == 1
     assert eng.state == "broken" and eng.summary()["version"] is None and "a" in eng.requests
     with pytest.raises(EngineError, match="no complete weight version"):
@@ -313,9 +298,7 @@ def test_store_identity_carries_model_tp_and_page_size():
     assert kv_store_identity(base, "shared") != kv_store_identity({**base, "tp_size": 2}, "shared")
     a, _ = make(server_args={**HICACHE, "page_size": 16})
     b, _ = make(server_args={**HICACHE, "page_size": 64})
-    a.add_request("r", [1, 2, 3], SamplingParams(max_tokens=30))
-    steps(a, 3)
-    assert b.import_request(a.export_request("r"), source=a.migration_endpoint) == "reprefill"
+    assert a.capabilities.kv_store != b.capabilities.kv_store  # the planner never moves by kv_store between them
 
 
 @pytest.mark.parametrize("store_has_it", [True, False])
@@ -323,17 +306,17 @@ def test_kv_store_moves_count_what_sglang_found_cached(store_has_it):
     store = fake_sglang.SharedStore()
     src, _ = make(store=store, server_args=HICACHE)
     dst, _ = make(store=store, server_args=HICACHE)
-    src.add_request("r", [1, 2, 3, 4], SamplingParams(max_tokens=30))
-    steps(src, 5)
-    snap = src.export_request("r")
+    params = SamplingParams(max_tokens=30)
+    src.add_request("r", [1, 2, 3, 4], params)
+    ids = [1, 2, 3, 4] + [e.record.token_id for e in steps(src, 5)]
+    src.abort("r")  # moved by the scheduler through the shared store
     src.step()  # SGLang ends the aborted request and writes its KV through to the store
     if not store_has_it:
         store.entries.clear()  # evicted before the destination asked
-    assert dst.import_request(snap, source=src.migration_endpoint) == "kv_store"
-    dst.resume_request("r")
+    dst.add_request("r", ids, params, prompt_len=4, path="kv_store")
     steps(dst, 1)
     if store_has_it:
-        assert dst.kv_store_moves == {"hit": 1} and dst.kv_store_cached_tokens == snap.num_tokens
+        assert dst.kv_store_moves == {"hit": 1} and dst.kv_store_cached_tokens == len(ids)
     else:
         assert dst.kv_store_moves == {"miss": 1} and dst.kv_store_cached_tokens == 0
     assert dst.migrations_total == {"kv_store": 1}
@@ -393,7 +376,7 @@ def test_an_abort_echo_during_a_restart_does_not_end_the_request(checkpoint):
     """Running the abort inside SGLang's loop lets the old submission's stream move too: its
     abort echo may arrive before the resubmission. It belongs to the old submission."""
     eng, fake = make(checkpoint)
-    abort = eng._abort_in_sglang
+    abort = eng.runtime.abort
 
     async def turns(n: int):
         import asyncio
@@ -402,9 +385,9 @@ def test_an_abort_echo_during_a_restart_does_not_end_the_request(checkpoint):
 
     def abort_then_echo(rid: str) -> None:
         abort(rid)
-        eng._loop.run_until_complete(turns(5))  # SGLang's abort echo arrives meanwhile
+        eng.runtime.loop.run_until_complete(turns(5))  # SGLang's abort echo arrives meanwhile
 
-    eng._abort_in_sglang = abort_then_echo
+    eng.runtime.abort = abort_then_echo
     eng.add_request("a", [1], SamplingParams(max_tokens=20))
     head = steps(eng, 3)
     on_engine_thread(eng.load_weights, 1, full_version(1))

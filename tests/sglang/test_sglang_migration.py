@@ -1,34 +1,13 @@
-"""Migration path choice and cost for SGLang cells."""
+"""Migration endpoints, path costs and shared-store identities for SGLang cells (the planner
+chooses the path: tests/scheduler)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cells.engine.sglang.migration import (
-    MigrationEndpoint,
-    choose_migration_path,
-    kv_store_identity,
-)
+from cells.engine.sglang.migration import MigrationEndpoint, kv_store_identity
 
-EMB = MigrationEndpoint(kv_export=True, kv_store=None, model="m", version=3)
-SGL = MigrationEndpoint(kv_export=False, kv_store=None, model="m", version=3)
 HIC = MigrationEndpoint(kv_export=False, kv_store="file:abc", model="m", version=3)
-
-
-@pytest.mark.parametrize("src,dst,path", [
-    (EMB, EMB, "kv"),
-    (EMB, SGL, "reprefill"),
-    (SGL, EMB, "reprefill"),
-    (HIC, HIC, "kv_store"),
-    (HIC, SGL, "reprefill"),
-    (HIC, MigrationEndpoint(False, "file:other", "m", 3), "reprefill"),
-    (HIC, MigrationEndpoint(False, "file:abc", "m", 4), "reprefill"),  # KV of another version: never reused
-    (HIC, MigrationEndpoint(False, "file:abc", "m2", 3), "reprefill"),
-    (EMB, MigrationEndpoint(True, None, "m", None), "reprefill"),
-    (MigrationEndpoint(True, "s", "m", 3), MigrationEndpoint(True, "s", "m", 3), "kv"),
-])
-def test_path_choice(src, dst, path):
-    assert choose_migration_path(src, dst) == path
 
 
 def test_endpoint_json_roundtrip():

@@ -33,7 +33,7 @@ class Request:
     """Host copy of the KV of a parked request (its pool blocks are free): a tensor shaped
     like `BlockPool.export_blocks` of every computed block."""
     pause_at: int | None = None
-    """Pause (as `pause` does) once `token_ids` reaches this length (`pause_after`)."""
+    """Pause (as `pause_request` does) once `token_ids` reaches this length (`pause_after`)."""
 
     @property
     def num_generated(self) -> int:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cells.engine.base import Capabilities, Engine
 from cells.engine.embedded.batcher import Batcher, Request, WorkItem
 from cells.engine.embedded.checkpoint import load_checkpoint
 from cells.engine.embedded.handover import HandoverMixin
@@ -28,14 +29,7 @@ from cells.engine.embedded.model import (
 )
 from cells.engine.embedded.model_spec import ModelSpec, resolve_spec
 from cells.engine.embedded.sampling import sample
-from cells.engine.records import (
-    Capabilities,
-    Engine,
-    EngineError,
-    SamplingParams,
-    TokenEvent,
-    TokenRecord,
-)
+from cells.engine.records import EngineError, SamplingParams, TokenEvent, TokenRecord
 from scheduler.config import EmbeddedEngineConfig
 
 
@@ -69,11 +63,12 @@ class EmbeddedEngine(HandoverMixin, Engine):
         # Prefix cache: a finished request's KV stays, keyed by its session, until a later turn
         # of the same session extends it (KV reuse across turns) or the blocks are needed.
         self.prefix_cache: OrderedDict[str, CachedPrefix] = OrderedDict()
-        self.batcher.evict = self._evict_one
+        self.batcher.evict = self.evict_one
         self.num_cached_tokens = 0
         """Prompt tokens whose KV came from the prefix cache instead of a prefill."""
         self.capabilities = Capabilities(kv_export=True, scoring=True, weight_update="staged",
-                                         batch_invariant=cfg.batch_invariant)
+                                         batch_invariant=cfg.batch_invariant, versioned_weights=True,
+                                         block_size=cfg.block_size)
         self.num_steps = 0
 
     # -- versions ---------------------------------------------------------------------------
@@ -143,10 +138,12 @@ class EmbeddedEngine(HandoverMixin, Engine):
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    *, prompt_len: int | None = None, cache_key: str | None = None) -> None:
+                    *, prompt_len: int | None = None, cache_key: str | None = None, path: str | None = None) -> None:
         """Queue a request. `prompt_len` < len(prompt_ids) resumes a request whose tokens after
         `prompt_len` were already generated (re-prefill elsewhere): generation continues at
-        generated index len(prompt_ids) - prompt_len, with the same noise as if never moved."""
+        generated index len(prompt_ids) - prompt_len, with the same noise as if never moved.
+        `cache_key`: the session, whose cached prefix is reused. `path` is not used: a moved
+        request re-prefills here whichever way it came (this engine shares no KV store)."""
         if request_id in self.requests:
             raise EngineError(f"duplicate request id {request_id!r}")
         if not isinstance(params, SamplingParams):
@@ -280,7 +277,7 @@ class EmbeddedEngine(HandoverMixin, Engine):
         req.num_computed = min(n, len(req.token_ids) - 1)  # at least one token left to compute
         self.num_cached_tokens += req.num_computed
 
-    def _evict_one(self) -> bool:
+    def evict_one(self) -> bool:
         """Free the least recently cached prefix; False when the cache is empty."""
         if not self.prefix_cache:
             return False

@@ -2,26 +2,43 @@
 import it on another engine.
 
 Source side: `export_kv` copies a block range while the request keeps decoding (copy rounds
-send only blocks completed since the last round); `pause` stops it for the stop-and-copy;
-`snapshot` carries position, sampling params and only the records added since a given index;
-`release` frees it after the commit, `resume` continues it after an abort.
+send only blocks completed since the last round); `pause_request` stops it for the
+stop-and-copy; `snapshot` carries position, sampling params and only the records added since
+a given index; `release` frees it after the commit, `unpause` continues it after an abort.
 Parking (suspension when no cell has room): `park` copies the KV to host memory and frees the
 request's blocks; a parked request never decodes here again, but every source-side call above
 works on it (exports read the host copy), so it moves on by an ordinary migration.
-Destination side: `reserve` → `import_kv` (per round) → `import_request` (paused) → `resume`.
-A destination never decodes an imported request before `resume`, and `release` drops it
-(watchdog or aborted migration).
+Destination side: `reserve` → `import_kv` (per round) → `import_request` (paused) →
+`resume_request`. A destination never decodes an imported request before `resume_request`,
+and `release` drops it (watchdog or aborted migration).
+
+This is `EmbeddedEngine`'s implementation of the `KVHandover` protocol (cells/engine/base.py),
+kept in its own file; it works on the engine's request table, batcher and KV pool, declared
+below.
 """
 
 from __future__ import annotations
 
 import torch
 
-from cells.engine.embedded.batcher import Request
+from cells.engine.embedded.batcher import Batcher, Request
+from cells.engine.embedded.kv_cache import BlockPool
+from cells.engine.embedded.model_spec import ModelSpec
 from cells.engine.records import EngineError, RequestSnapshot, SamplingParams
 
 
 class HandoverMixin:
+    """`KVHandover` for `EmbeddedEngine` (see the module docstring)."""
+
+    requests: dict[str, Request]
+    pool: BlockPool
+    batcher: Batcher
+    spec: ModelSpec
+    version: int
+
+    def evict_one(self) -> bool:  # the engine's prefix cache
+        raise NotImplementedError
+
     # -- source -----------------------------------------------------------------------------
     def _req(self, request_id: str) -> Request:
         req = self.requests.get(request_id)
@@ -41,6 +58,18 @@ class HandoverMixin:
     def num_kv_blocks(self, request_id: str) -> int:
         """Blocks holding any computed KV (the last one may be partial)."""
         return self.pool.blocks_for(self._req(request_id).num_computed)
+
+    def kv_bytes_per_block(self) -> int:
+        return self.pool.bytes_per_block()
+
+    def kv_pool_nbytes(self) -> int:
+        """Bytes of the KV pool, keys and values."""
+        k = self.pool.k
+        return k.numel() * k.element_size() * 2
+
+    def kv_on_host(self) -> bool:
+        """The KV pool is in host memory (a CPU cell: copies share the cores with decoding)."""
+        return self.pool.k.device.type == "cpu"
 
     def export_kv(self, request_id: str, start: int, end: int) -> torch.Tensor:
         """KV of table blocks [start, end): [2, layers, n, block_size, kv_heads, head_dim]."""
@@ -75,7 +104,7 @@ class HandoverMixin:
     def parked(self) -> list[str]:
         return sorted(rid for rid, r in self.requests.items() if r.status == "parked")
 
-    def pause(self, request_id: str) -> None:
+    def pause_request(self, request_id: str) -> None:
         """Stop decoding one request, keeping its blocks (stop-and-copy). A request that had
         been preempted (no KV) is paused too: its importer re-prefills."""
         req = self._req(request_id)
@@ -92,19 +121,24 @@ class HandoverMixin:
         if req.status in ("parked", "paused"):
             return
         if len(req.token_ids) >= num_tokens:
-            self.pause(request_id)
+            self.pause_request(request_id)
         else:
             req.pause_at = num_tokens
 
     def unpause(self, request_id: str) -> None:
-        """Undo `pause` or a pending `pause_after` (the source, after an aborted migration);
-        nothing for a request that is neither (or gone)."""
+        """Undo `pause_request` or a pending `pause_after` (the source, after an aborted
+        migration); nothing for a request that is neither (or gone)."""
         req = self.requests.get(request_id)
         if req is None:
             return
         req.pause_at = None
         if req.status == "paused":
-            self.resume(request_id)
+            self.resume_request(request_id)
+
+    def is_paused(self, request_id: str) -> bool:
+        """The request is here and stopped (`pause_request`, or imported and not yet resumed)."""
+        req = self.requests.get(request_id)
+        return req is not None and req.status == "paused"
 
     def snapshot(self, request_id: str, records_from: int = 0, token_ids_from: int = 0) -> RequestSnapshot:
         req = self._req(request_id)
@@ -131,7 +165,7 @@ class HandoverMixin:
             self.batcher.remove(req)
         self.pool.free(request_id)
 
-    def resume(self, request_id: str) -> None:
+    def resume_request(self, request_id: str) -> None:
         """Continue a paused request (destination after commit, or source after an abort)."""
         req = self._req(request_id)
         if req.status == "parked":
@@ -150,7 +184,7 @@ class HandoverMixin:
         if request_id in self.requests or request_id in self.pool.tables:
             raise EngineError(f"request {request_id!r} already present")
         need = self.pool.blocks_for(num_tokens) + headroom_blocks
-        while not self.pool.can_allocate(need) and self._evict_one():
+        while not self.pool.can_allocate(need) and self.evict_one():
             pass
         if not self.pool.can_allocate(need):
             return False
@@ -172,7 +206,7 @@ class HandoverMixin:
         self.pool.import_blocks(request_id, start, data.to(self.pool.k.dtype))
 
     def import_request(self, snap: RequestSnapshot) -> None:
-        """Install a request whose KV has been imported, paused until `resume`."""
+        """Install a request whose KV has been imported, paused until `resume_request`."""
         if snap.model_signature != self.spec.signature():
             raise EngineError("request state comes from a model of a different shape")
         if snap.block_size != self.pool.block_size:

@@ -1,4 +1,4 @@
-"""Which path a migration takes, decided from what each end can do.
+"""The migration paths, and what one end of a move offers.
 
 Paths, best first:
 - `kv`: the source exports the request's KV blocks and the destination imports them
@@ -13,9 +13,12 @@ Paths, best first:
 
 Both KV paths need the same model and the same weight version at both ends: KV computed
 under another version must never be reused (the prefix cache is salted per version for
-the same reason). The scheduler decides the path of each move the same way, weighing the
-paths' costs (`scheduler.planner.move_seconds`, `LinkCostModel`); this is the cell's view.
-This module imports neither torch nor the engines, so the control plane can share it.
+the same reason). The scheduler's planner alone decides each move's path, weighing the
+paths' costs (`scheduler.planner.move_seconds`, `LinkCostModel`) over what each cell
+registered (`Capabilities.kv_export`, `kv_store`); the cell carries out the path its command
+names (`start` with `path`, or `migrate_out`/`migrate_in` for `kv`). This module describes an
+end (`MigrationEndpoint`, published in the engine's `metadata()`) and the shared-store
+identity; it imports neither torch nor the engines.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 MigrationPath = Literal["kv", "kv_store", "reprefill"]
-MIGRATION_PATHS: tuple[MigrationPath, ...] = ("kv", "kv_store", "reprefill")
 
 
 @dataclass(frozen=True)
@@ -51,16 +53,6 @@ class MigrationEndpoint:
             return cls(bool(d["kv_export"]), d.get("kv_store"), str(d["model"]), d.get("version"))
         except (KeyError, TypeError) as e:
             raise ValueError(f"malformed migration endpoint: {e}") from None
-
-
-def choose_migration_path(src: MigrationEndpoint, dst: MigrationEndpoint) -> MigrationPath:
-    """The best path both ends support. Pure; the planner and the adapters share it."""
-    same_kv = src.model == dst.model and src.version is not None and src.version == dst.version
-    if same_kv and src.kv_export and dst.kv_export:
-        return "kv"
-    if same_kv and src.kv_store is not None and src.kv_store == dst.kv_store:
-        return "kv_store"
-    return "reprefill"
 
 
 def kv_store_identity(server_args: Mapping, name: str | None = None) -> str | None:

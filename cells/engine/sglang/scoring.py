@@ -16,13 +16,13 @@ final pass.
 
 from __future__ import annotations
 
-import inspect
 import threading
 from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
+from cells.engine.base import Engine, VersionedWeights, scoring, versioned_weights
 from cells.engine.records import EngineError
 from cells.engine.sglang.weights import (
     BucketSpec,
@@ -43,37 +43,34 @@ class ScoringCopy(Protocol):
     def load_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None: ...
 
 
-MULTI_VERSION_SURFACE = ("versions_held", "hold_weights", "scorer", "drop_version")
-"""What a scoring copy needs to hold several versions (the embedded engine's version surface)."""
-
-
 class ScoringVersions:
     """The versions a cell's scoring copy can score, and the scorers the log-prob service
     runs beside decoding (without the engine lock).
 
-    A copy with the embedded engine's version surface (`MULTI_VERSION_SURFACE`; the default
-    copy has it) holds the served version and older ones until `drop`; its scorers keep
-    their own reference to their version's weights. Any other copy (`score` and
-    `load_weights` only) holds the served version only: its scorer checks, under a lock that
-    a version change also takes, that the copy still holds that version, so a log-prob is
-    never computed with another version's weights."""
+    A copy that is an engine with versioned weights (`Capabilities.versioned_weights`; the
+    default copy, an `EmbeddedEngine`, is one) holds the served version and older ones until
+    `drop`; its scorers keep their own reference to their version's weights. Any other copy
+    (`score` and `load_weights` only) holds the served version only: its scorer checks, under
+    a lock that a version change also takes, that the copy still holds that version, so a
+    log-prob is never computed with another version's weights."""
 
     def __init__(self, copy: ScoringCopy, version: int) -> None:
         self.copy = copy
-        self.multi = all(hasattr(copy, name) for name in MULTI_VERSION_SURFACE)
+        self.multi = isinstance(copy, Engine) and copy.capabilities.versioned_weights
+        self._versioned: VersionedWeights | None = versioned_weights(copy) if self.multi else None
         self._version = version
         """The version a single-version copy holds."""
         self._lock = threading.Lock()
 
     @property
     def held(self) -> list[int]:
-        return sorted(self.copy.versions_held) if self.multi else [self._version]
+        return sorted(self._versioned.versions_held) if self._versioned is not None else [self._version]
 
     def load(self, version: int, tensors: dict[str, torch.Tensor], *, keep_previous: bool) -> None:
         """The served version became `version` (the tensors SGLang received). With
         `keep_previous` a multi-version copy keeps the one it served for scoring."""
         with self._lock:
-            if self.multi and "keep_previous" in inspect.signature(self.copy.load_weights).parameters:
+            if self.multi:
                 self.copy.load_weights(version, tensors, keep_previous=keep_previous)
             else:
                 self.copy.load_weights(version, tensors)
@@ -81,10 +78,10 @@ class ScoringVersions:
 
     def hold(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Keep `version` for scoring only (SGLang's weights do not change)."""
-        if not self.multi:
-            raise EngineError(f"the scoring copy holds one version only (it lacks {list(MULTI_VERSION_SURFACE)}); "
-                              f"version {version} cannot be kept beside the served one")
-        self.copy.hold_weights(version, tensors)
+        if self._versioned is None:
+            raise EngineError(f"the scoring copy holds one version only (it is not an engine with versioned "
+                              f"weights); version {version} cannot be kept beside the served one")
+        self._versioned.hold_weights(version, tensors)
 
     def scorer(self, version: int) -> Callable[..., torch.Tensor] | None:
         """`fn(token_ids, temperature) -> log-probs of tokens 1..L-1` under `version`, or
@@ -92,7 +89,7 @@ class ScoringVersions:
         if version not in self.held:
             return None
         if self.multi:
-            return self.copy.scorer(version)
+            return scoring(self.copy).scorer(version)
 
         def run(token_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
             with self._lock:
@@ -104,8 +101,8 @@ class ScoringVersions:
     def drop(self, version: int) -> None:
         """Free `version` from the copy. The version the copy serves (the cell's last
         installed one) stays until a newer one replaces it, as does a single-version copy's."""
-        if self.multi and version != self._version and version in self.held:
-            self.copy.drop_version(version)
+        if self._versioned is not None and version != self._version and version in self.held:
+            self._versioned.drop_version(version)
 
 
 def default_scoring_copy(model_path: str, version: int) -> ScoringCopy:

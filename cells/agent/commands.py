@@ -1,0 +1,168 @@
+"""The scheduler's commands on a cell, routed by type (`scheduler.protocol.dispatch`).
+
+Every handler runs on the sync loop under the engine lock, between two engine steps. What an
+engine can do is read from its `Capabilities`: a command it cannot carry out is refused the
+way the scheduler expects (a park it cannot do drops the request for a re-prefill; a role
+flip it refuses rolls the flip back).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from cells.agent.owned import Owned
+from cells.engine.base import kv_handover, role_handover, scoring, versioned_weights
+from cells.engine.records import EngineError, SamplingParams
+from cells.transport.store import StoreAddress
+from scheduler.protocol import (
+    AbortCmd,
+    CancelMigrationCmd,
+    DropVersionCmd,
+    LoadVersionCmd,
+    MigrateInCmd,
+    MigrateOutCmd,
+    RoleFailedEvent,
+    ScoreCmd,
+    SetRoleCmd,
+    StartCmd,
+    SuspendCmd,
+    decode_command,
+    dispatch,
+)
+
+if TYPE_CHECKING:
+    from cells.agent.cell import CellAgent
+
+log = logging.getLogger("cellflip.cell")
+
+
+class Commands:
+    """The cell's command handlers (one per command type)."""
+
+    def __init__(self, agent: CellAgent) -> None:
+        self.agent = agent
+        moves = agent.moves
+        self.table: dict[str, Callable[[Any], None]] = {
+            StartCmd.TYPE: self.start,
+            MigrateOutCmd.TYPE: moves.migrate_out,
+            MigrateInCmd.TYPE: moves.migrate_in,
+            CancelMigrationCmd.TYPE: moves.cancel,
+            AbortCmd.TYPE: self.abort,
+            SuspendCmd.TYPE: self.suspend,
+            SetRoleCmd.TYPE: self.set_role,
+            LoadVersionCmd.TYPE: self.load_version,
+            ScoreCmd.TYPE: self.score,
+            DropVersionCmd.TYPE: self.drop_version,
+        }
+
+    def handle(self, raw: dict) -> None:
+        """Decode one command from a sync response and run its handler."""
+        dispatch(self.table, decode_command(raw))
+
+    # -- requests ---------------------------------------------------------------------------
+    def start(self, cmd: StartCmd) -> None:
+        a = self.agent
+        try:
+            # resume point, KV reuse across the session's turns, and how a moved request came
+            a.engine.add_request(cmd.request_id, cmd.token_ids, SamplingParams.from_dict(cmd.params),
+                                 prompt_len=cmd.prompt_len, cache_key=cmd.session_id, path=cmd.path)
+        except EngineError as e:
+            log.warning("start %s refused: %s", cmd.request_id, e)
+            a.owned[cmd.request_id] = Owned(cmd.epoch, cmd.num_generated, finish_reason=f"error: {e}"[:200])
+            return
+        a.owned[cmd.request_id] = Owned(cmd.epoch, cmd.num_generated)
+
+    def abort(self, cmd: AbortCmd) -> None:
+        self.agent.forget(cmd.request_id, abort_engine=True)
+
+    def suspend(self, cmd: SuspendCmd) -> None:
+        if cmd.park:
+            self._park(cmd.request_id)
+        else:
+            self.agent.forget(cmd.request_id, abort_engine=True)
+
+    def _park(self, rid: str) -> None:
+        """Keep the request's KV in host memory, off the KV pool; its unsynced tokens still
+        ship. If the engine cannot park it (finished meanwhile, no KV export), it is dropped
+        and the scheduler, no longer seeing it reported, re-prefills it from the store."""
+        a = self.agent
+        o = a.owned.get(rid)
+        try:
+            if o is None:
+                raise EngineError("nothing to park")
+            nbytes = kv_handover(a.engine).park(rid)
+        except EngineError as e:
+            if o is not None and o.finish_reason:
+                return  # it finished first: the finish ships with its last tokens
+            log.warning("park %s failed (%s): dropping it for a re-prefill", rid, e)
+            a.forget(rid, abort_engine=True)
+            return
+        o.parked = True
+        log.info("parked %s (%d bytes of KV in host memory)", rid, nbytes)
+
+    # -- roles ------------------------------------------------------------------------------
+    def set_role(self, cmd: SetRoleCmd) -> None:
+        a = self.agent
+        if cmd.role == "training":
+            for rid, o in list(a.owned.items()):  # anything else left was suspended by the drain deadline
+                if not o.parked:
+                    a.forget(rid, abort_engine=True)
+            if self._engine_role("training", cmd.flip_id):
+                a.role.set("training", f"flip {cmd.flip_id}")
+                a.training.enter()  # a rank from the next step boundary
+            return
+        if a.role.state == "training":
+            a.training.leave()  # at a step boundary: the trainer flips back between steps
+            a.role.set("loading", f"flip {cmd.flip_id}")
+        if self._engine_role("rollout", cmd.flip_id):
+            a.role.set("rollout", f"flip {cmd.flip_id}, version {a.engine.version}")
+        elif a.role.state == "loading":
+            a.role.set("training", f"flip {cmd.flip_id} failed on the engine")
+
+    def _engine_role(self, role: str, flip_id: str) -> bool:
+        """Hand the engine's memory over for `role` where the engine does (`RoleHandover`:
+        SGLang releases its GPU memory to training and takes it back). False, with a
+        `role_failed` event that rolls the flip back, when the engine refuses."""
+        a = self.agent
+        if not a.engine.capabilities.role_handover:
+            return True
+        try:
+            role_handover(a.engine).enter_role(role)
+        except EngineError as e:
+            log.warning("cell %s cannot take the %s role: %s", a.cell_id, role, e)
+            a.events_append(RoleFailedEvent(flip_id, f"{role}: {e}"[:500]).to_dict())
+            return False
+        return True
+
+    # -- versions and scoring ---------------------------------------------------------------
+    def held(self) -> list[int]:
+        """The versions the engine holds (the served one alone where it keeps no others)."""
+        engine = self.agent.engine
+        if engine.capabilities.versioned_weights:
+            return list(versioned_weights(engine).versions_held)
+        return [engine.version]
+
+    def load_version(self, cmd: LoadVersionCmd) -> None:
+        a = self.agent
+        a.training.source = StoreAddress.from_dict(cmd.source)  # the trainer's store
+        a.versions.load(cmd, self.held(), a.engine.version)
+
+    def score(self, cmd: ScoreCmd) -> None:
+        engine = self.agent.engine
+        held = engine.capabilities.scoring and cmd.version in self.held()
+        self.agent.versions.score(cmd, scoring(engine).scorer(cmd.version) if held else None)
+
+    def drop_version(self, cmd: DropVersionCmd) -> None:
+        engine = self.agent.engine
+        if not engine.capabilities.versioned_weights:
+            return  # it holds the served version alone
+        if cmd.version == engine.version or cmd.version not in self.held():
+            return
+        try:
+            versioned_weights(engine).drop_version(cmd.version)
+        except EngineError as e:  # still needed here; the scheduler asks again later
+            log.warning("version %d not dropped: %s", cmd.version, e)
+            return
+        log.info("dropped version %d", cmd.version)

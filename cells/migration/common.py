@@ -1,0 +1,107 @@
+"""What both sides of a migration share: outcomes, cancellation, warm receive buffers, the
+header of a KV message."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cells.engine.base import KVHandover
+from scheduler.protocol import MigrationEvent
+
+OnEngine = Callable[[Callable[[KVHandover], Any]], Any]
+"""`on_engine(fn)` runs `fn(engine)` on the cell's engine (as a KVHandover) between two steps."""
+Quiesce = Callable[[], contextlib.AbstractContextManager]
+"""`with quiesce():` pauses this cell's decoding for the block (bounded by the agent)."""
+
+CHUNK_BYTES = 64 << 20
+"""Largest KV message of a copy round: bounds how long one export holds the engine lock."""
+
+CANCELLED = "cancelled by the scheduler"
+
+
+class Cancelled(Exception):
+    """The scheduler cancelled the migration (`cancel_migration`); raised at the next step."""
+
+
+class Cancellable:
+    """A migration side that the scheduler may cancel from another thread: the flag is read
+    between the steps of the transfer (a transfer op in flight ends on its own, or on the
+    peer's abort, within the op timeout)."""
+
+    def __init__(self) -> None:
+        self._cancel = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def check_cancel(self) -> None:
+        if self._cancel.is_set():
+            raise Cancelled(CANCELLED)
+
+
+class StagingBuffers:
+    """Receive buffers for KV copy rounds, kept for the next round. A fresh buffer is
+    page-faulted in while the bytes arrive, which halves a receive's rate on a CPU cell
+    (loopback gloo: about 4 GB/s into a warm buffer, 2 into a fresh one). At most `keep`
+    buffers are kept; `prealloc_numel` floats are faulted in up front."""
+
+    def __init__(self, prealloc_numel: int = 0, keep: int = 4) -> None:
+        self._free: list[torch.Tensor] = [torch.zeros(prealloc_numel)] if prealloc_numel > 0 else []
+        self._lock = threading.Lock()
+        self.keep = keep
+
+    def take(self, shape: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a float32 tensor of `shape` to receive into, its backing buffer for `give`)."""
+        n = math.prod(shape)
+        with self._lock:  # by position: `==` on tensors compares elements
+            fits = [i for i, b in enumerate(self._free) if b.numel() >= n]
+            buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel())) if fits else None
+        if buf is None:
+            buf = torch.empty(n)
+        return buf[:n].view(shape), buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+            if len(self._free) > self.keep:
+                self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
+
+    def sizes(self) -> list[int]:
+        """Numels of the kept buffers (tests, diagnostics)."""
+        with self._lock:
+            return sorted(b.numel() for b in self._free)
+
+
+@dataclass
+class Outcome:
+    """What the agent needs to know when a migration thread ends."""
+
+    request_id: str
+    migration_id: str
+    role: str  # "source" | "destination"
+    result: str  # committed | aborted | refused | failed
+    epoch: int | None = None
+    num_generated: int = 0
+    bytes: int = 0
+    reason: str = ""
+    transfer_s: float = 0.0
+    """Wall time spent inside KV tensor sends (source) — what the link bandwidth bounds."""
+    total_s: float = 0.0
+    """From the command to the outcome."""
+    marks: dict = field(default_factory=dict)
+    """Wall-clock instants of the stop-and-copy steps (for post-mortems and the bench)."""
+
+
+def kv_header(start: int, data: torch.Tensor, ids_from: int, ids: list[int]) -> dict:
+    return {"kind": "kv", "start": start, "shape": list(data.shape), "token_ids_from": ids_from, "token_ids": ids}
+
+
+def migration_event(o: Outcome) -> dict:
+    return MigrationEvent(migration_id=o.migration_id, outcome=o.result, path="kv", bytes=o.bytes).to_dict()
