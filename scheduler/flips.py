@@ -46,7 +46,7 @@ ALIGN_FLIP_ID = "align"
 
 
 class Flips:
-    """Role changes of cells. Owns `drain_deadline` and `pinned_training`."""
+    """Role changes of cells. Owns `drain_deadline`, `pinned_training` and `role_sent`."""
 
     def __init__(self, ctx: Context, ownership: Ownership, migrations: Migrations, versions: Versions,
                  scoring: Scoring, snapshot: Callable[[], Snapshot]) -> None:
@@ -60,6 +60,8 @@ class Flips:
         """flip id → monotonic drain deadline (restarts at now + drain_deadline_s after a restart)."""
         self.pinned_training: set[str] = set()
         """Cells an explicit flip sent to training: the planner does not flip them back."""
+        self.role_sent: dict[str, tuple[str, float]] = {}
+        """cell → (flip id, monotonic time) of the last `set_role` sent to it."""
 
     # ------------------------------------------------------------------ requests for flips
     def request(self, to: str, cell: str | None, count: int | None, expected_generation: int | None,
@@ -262,11 +264,11 @@ class Flips:
     def _send_role(self, fx: Effects, cell_id: str, role: str, flip_id: str, version: int | None) -> bool:
         """set_role is idempotent on the cell; resend it once per lease until the cell reports
         the role. True when it was sent now."""
-        entry = self.ctx.registry.live.get(cell_id)
         now = self.ctx.clock()
-        if entry is None or (entry.role_sent[0] == flip_id and now - entry.role_sent[1] < self.ctx.cfg.lease_s):
+        last_flip, last_at = self.role_sent.get(cell_id, ("", float("-inf")))
+        if cell_id not in self.ctx.registry.live or (last_flip == flip_id and now - last_at < self.ctx.cfg.lease_s):
             return False
-        entry.role_sent = (flip_id, now)
+        self.role_sent[cell_id] = (flip_id, now)
         fx.send(cell_id, lambda i: SetRoleCmd(i, role, flip_id, version))
         return True
 
@@ -315,3 +317,4 @@ class Flips:
         if flip is not None:
             self.finish(fx, flip, "failed", f"cell lost: {reason}")
         self.pinned_training.discard(cell_id)
+        self.role_sent.pop(cell_id, None)

@@ -42,8 +42,9 @@ def bump(snapshot: Snapshot, cell_id: str) -> Snapshot:
 
 
 class Ownership:
-    """The owner of every request. Owns `progress_at` (the lost and stall rules' clock) and
-    `avoid_cell` (where a stalled request is not placed again)."""
+    """The owner of every request. Owns `progress_at` (the lost and stall rules' clock),
+    `avoid_cell` (where a stalled request is not placed again) and `abort_sent` (strays told
+    to go)."""
 
     def __init__(self, ctx: Context, migrations: Migrations, snapshot: Callable[[], Snapshot]) -> None:
         self.ctx = ctx
@@ -54,6 +55,9 @@ class Ownership:
         or commit) or committed a token. The lost and stall rules of `reconcile_reports`."""
         self.avoid_cell: dict[str, str] = {}
         """request id → the cell it stalled on: not placed there again."""
+        self.abort_sent: dict[str, dict[str, float]] = {}
+        """cell → request id → when an `abort` was sent for a request the cell reports but does
+        not own (resent once per lease while it still reports it)."""
 
     def advanced(self, request_id: str) -> None:
         """The request's current owner advanced it now (tokens committed, or a commit gave it)."""
@@ -202,7 +206,7 @@ class Ownership:
             owned = self.ctx.store.owners.requests_on(cell_id, OWNED_REQUEST_STATES)
             self._revoke_lost(cell_id, entry, owned, reported)
             self._revoke_stalled(cell_id, owned, reported)
-            self._drop_strays(cell_id, entry, {r.id for r in owned}, reported, incoming)
+            self._drop_strays(cell_id, {r.id for r in owned}, reported, incoming)
 
     def _since_progress(self, req: RequestRow, now: float) -> float:
         return now - self.progress_at.get(req.id, self.ctx.started_at)
@@ -230,21 +234,23 @@ class Ownership:
                 self.avoid_cell[req.id] = cell_id
                 fx.later(lambda: ctx.metrics.requests_stalled.labels(cell_id).inc())
 
-    def _drop_strays(self, cell_id: str, entry: LiveCell, owned: set[str], reported: set[str],
+    def _drop_strays(self, cell_id: str, owned: set[str], reported: set[str],
                      incoming: set[tuple[str, str]]) -> None:
         now, lease = self.ctx.clock(), self.ctx.cfg.lease_s
+        sent = self.abort_sent.setdefault(cell_id, {})
         for rid in reported - owned:
-            if (cell_id, rid) in incoming or now - entry.abort_sent.get(rid, float("-inf")) < lease:
+            if (cell_id, rid) in incoming or now - sent.get(rid, float("-inf")) < lease:
                 continue
-            entry.abort_sent[rid] = now
+            sent[rid] = now
             self.ctx.registry.send(cell_id, lambda i, rid=rid: AbortCmd(i, rid))
-        for rid in list(entry.abort_sent):
+        for rid in list(sent):
             if rid not in reported:
-                del entry.abort_sent[rid]
+                del sent[rid]
 
     def on_cell_fenced(self, fx: Effects, cell_id: str, reason: str) -> None:
         """Every request the cell owned is re-placed at epoch + 1 (its pending migrations are
         aborted before this is asked)."""
+        self.abort_sent.pop(cell_id, None)
         for req in self.ctx.store.owners.requests_on(cell_id, OWNED_REQUEST_STATES):
             self.revoke(fx, req, f"owner {cell_id} fenced: {reason}")
 

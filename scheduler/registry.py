@@ -26,10 +26,6 @@ class LiveCell:
     seen: bool = False
     """Registered or synced since this scheduler process started."""
     commands: deque = field(default_factory=deque)
-    abort_sent: dict[str, float] = field(default_factory=dict)
-    """request id → when an `abort` for a request this cell reports but does not own was sent."""
-    role_sent: tuple[str, float] = ("", float("-inf"))
-    """(flip id, when) of the last set_role sent."""
 
 
 class Registry:
