@@ -36,7 +36,7 @@ def error_response(
 def backend_error_response(e: BackendError, hdrs: dict[str, str]) -> JSONResponse:
     """A backend failure's status, with ``Retry-After`` (whole seconds, >= 1) when it has one."""
     h = dict(hdrs)
-    ra = getattr(e, "retry_after", None)
+    ra = e.retry_after_s
     if ra is not None:
         h["Retry-After"] = str(max(1, int(round(ra))))
     return error_response(e.status, str(e) or e.code, code=e.code, headers=h)
