@@ -22,11 +22,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config) if args.config else CellflipConfig()
+        if args.host:  # the address it binds is the one the auth check sees (auth: none is loopback-only)
+            cfg = cfg.model_copy(update={"scheduler": cfg.scheduler.model_copy(update={"host": args.host})})
         app = create_app(cfg, db_path=args.db)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    uvicorn.run(app, host=args.host or cfg.scheduler.host, port=args.port if args.port is not None else cfg.scheduler.port,
+    uvicorn.run(app, host=cfg.scheduler.host, port=args.port if args.port is not None else cfg.scheduler.port,
                 log_level="warning")
     return 0
 
