@@ -31,7 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cells.engine.base import Engine, collective_update, versioned_weights
-from cells.trainer.versions_host import (
+from cells.transport.p2p import TransferError
+from cells.transport.receive import (
     GROUP_RETRIES,
     UpdateAssignment,
     VersionUnavailable,
@@ -40,7 +41,6 @@ from cells.trainer.versions_host import (
     receive_broadcast,
     report_update,
 )
-from cells.transport.p2p import TransferError
 from cells.transport.store import StoreAddress
 from scheduler.failpoints import failpoint
 from scheduler.protocol import BroadcastEvent, LoadVersionCmd, ScoreCmd, ScoredEvent

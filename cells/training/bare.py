@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from cells.trainer.versions_host import fetch_version, receive_broadcast
 from cells.training.wire import weights_checksum
 from cells.training.worker import TrainingWorker
+from cells.transport.receive import fetch_version, receive_broadcast
 from cells.transport.store import StoreAddress, connect, get_json, set_json
 
 log = logging.getLogger("cellflip.training")

@@ -18,7 +18,8 @@ import torch
 
 from cells.engine.records import SamplingParams
 from cells.engine.sglang.engine import SGLangEngine
-from cells.trainer.versions_host import VersionHost, receive_broadcast
+from cells.trainer.versions_host import VersionHost
+from cells.transport.receive import receive_broadcast
 from cells.transport.store import connect, get_json
 from cells.versions import CellVersions
 from scheduler.config import SGLangEngineConfig

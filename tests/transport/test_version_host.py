@@ -22,13 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from transport_harness import OP_TIMEOUT_S, make_tensors  # noqa: E402
 
-from cells.trainer.versions_host import (  # noqa: E402
-    VersionHost,
-    VersionUnavailable,
-    fetch_version,
-    receive_broadcast,
-)
+from cells.trainer.versions_host import VersionHost  # noqa: E402
 from cells.transport.p2p import PairChannel, TransferError  # noqa: E402
+from cells.transport.receive import VersionUnavailable, fetch_version, receive_broadcast  # noqa: E402
 from cells.transport.store import StoreAddress, connect, set_json  # noqa: E402
 
 pytestmark = pytest.mark.slow
