@@ -49,6 +49,11 @@ STALL_LOG_S = 10.0
 
 
 class CellAgent:
+    """One cell's agent: owns the engine (behind the engine lock), the requests it owns, the
+    events to report, and the parts that act on them: `commands` (the scheduler's commands),
+    `moves` (migration threads), `versions` (weight versions and scoring), `training` (the
+    training rank)."""
+
     def __init__(self, cfg: CellflipConfig, *, cell_id: str, scheduler_url: str, engine: Engine,
                  host: str = "127.0.0.1", token: str | None = None):
         self.cfg, self.cell_id, self.host, self.engine = cfg, cell_id, host, engine

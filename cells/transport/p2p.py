@@ -228,10 +228,6 @@ class PairChannel:
             raise TransferError(f"{self.name}: malformed JSON from peer: {e}") from e
 
     # -- lifecycle -----------------------------------------------------------------------
-    @property
-    def is_broken(self) -> bool:
-        return self._broken is not None
-
     def close(self) -> None:
         """Releases the group. Never blocks on a peer; safe to call twice."""
         if self._backend is not None:

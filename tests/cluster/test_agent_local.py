@@ -3,6 +3,7 @@ stall report. The agent is built but never registered; its engine loop runs on a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -117,3 +118,102 @@ def test_staging_buffers_are_reused_by_size_and_bounded():
     assert e_buf.numel() == 2000 and st.sizes() == [1000]
     zero, _ = st.take([0, 4])
     assert zero.numel() == 0
+
+
+# -- cancel_migration ------------------------------------------------------------------------
+
+class _Client:
+    """The scheduler's migration endpoints as a cell sees them (nothing refused)."""
+
+    def __init__(self) -> None:
+        self.aborts: list[tuple[str, str]] = []
+        self.commits: list[str] = []
+
+    def abort_migration(self, mid, req) -> None:
+        self.aborts.append((mid, req.reason))
+
+    def commit(self, mid, req) -> int:
+        self.commits.append(mid)
+        return req.epoch + 1
+
+
+def _pair(cancel: str):
+    """A source and a destination engine, one migration between them on two threads; the side
+    named by `cancel` is cancelled right after its first copy round. Returns (outcomes, engines,
+    client)."""
+    from cells.engine.base import kv_handover
+    from cells.migration import MigrationReceiver, MigrationSender
+    from cells.transport.store import StoreHost
+    from scheduler.protocol import MigrateInCmd, MigrateOutCmd
+
+    cfg = parse_config({"cells": {"engine": {"type": "embedded", "model": {"preset": "tiny"}, "num_blocks": 64,
+                                             "block_size": 16}},
+                        "migration": {"stop_copy_blocks": 1, "max_copy_rounds": 4, "transfer_timeout_s": 20}})
+    src, dst = EmbeddedEngine(cfg.cells.engine), EmbeddedEngine(cfg.cells.engine)
+    src.add_request("r", list(range(1, 100)), SamplingParams(max_tokens=40, seed=3))
+    src.step()  # the prompt's KV: six complete blocks to copy
+    locks = {"src": threading.Lock(), "dst": threading.Lock()}
+
+    def on(engine, name):
+        def run(fn):
+            with locks[name]:
+                return fn(kv_handover(engine))
+        return run
+
+    host, client, box = StoreHost("127.0.0.1", 0), _Client(), {}
+    out_cmd = MigrateOutCmd(1, "r", 0, "m1", "dst", "127.0.0.1:0", 0)
+    in_cmd = MigrateInCmd(1, "r", "m1", "src", "127.0.0.1:0", host.address.port, 200, 0)
+    sides = {}
+
+    @contextlib.contextmanager
+    def quiesce(name):
+        yield
+        if name == cancel:
+            sides[name].cancel()  # the scheduler's cancel_migration, between two rounds
+
+    sides["src"] = MigrationSender(out_cmd, cell_id="src", incarnation="i", store=host.store, client=client,
+                                   cfg=cfg.migration, on_engine=on(src, "src"), flushed=lambda: 0,
+                                   quiesce=lambda: quiesce("src"))
+    sides["dst"] = MigrationReceiver(in_cmd, cell_id="dst", incarnation="j", client=client, cfg=cfg.migration,
+                                     on_engine=on(dst, "dst"), on_commit=lambda *a: None,
+                                     quiesce=lambda: quiesce("dst"))
+    threads = [threading.Thread(target=lambda n=n: box.__setitem__(n, sides[n].run())) for n in sides]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    host.close()
+    return box, src, dst, client
+
+
+@pytest.mark.parametrize("cancel", ["src", "dst"])
+def test_cancel_migration_stops_the_transfer_and_keeps_the_request_on_the_source(cancel):
+    outcomes, src, dst, client = _pair(cancel)
+    assert outcomes["src"].result == "aborted" and outcomes[cancel].reason == "cancelled by the scheduler"
+    assert outcomes["dst"].result in ("aborted", "failed") and client.commits == []
+    assert client.aborts and client.aborts[0][0] == "m1"  # the source settles it at the scheduler
+    assert "r" not in dst.requests and dst.pool.num_free == dst.pool.num_blocks  # the reservation is freed
+    assert not src.is_paused("r")
+    steps = 0
+    while src.has_work() and steps < 200:  # the source still decodes it to its end
+        src.step()
+        steps += 1
+    assert not src.has_work() and "r" not in src.requests
+
+
+def test_cancel_migration_without_a_thread_resumes_the_source_and_frees_the_destination(agent):
+    from cells.agent import Owned
+    from scheduler.protocol import CancelMigrationCmd
+
+    eng = agent.engine
+    eng.add_request("s", [1, 2, 3, 4], SamplingParams(max_tokens=20, seed=1))
+    eng.step()
+    eng.pause_request("s")  # its abort never reached the scheduler: it stayed paused
+    agent.owned["s"] = Owned(0, 0)
+    assert eng.reserve("d", 40)  # a destination's reservation, its thread gone
+    free = eng.pool.num_free
+    with agent.access():
+        agent.commands.handle(CancelMigrationCmd(7, "s", "m-s").to_dict())
+        agent.commands.handle(CancelMigrationCmd(8, "d", "m-d").to_dict())
+    assert not eng.is_paused("s") and "s" in agent.owned
+    assert eng.pool.num_free > free and "d" not in eng.pool.tables
