@@ -9,7 +9,8 @@ session); `segment_starts` lists where each one begins in the buffer.
 Gateway-facing API (no HTTP): `ensure`, `append_prompt`, `new_segment`, `current_segment`,
 `read`, and the gateway's own per-session state (`gateway_state`, `put_gateway_state`: a small
 JSON object of message fingerprints and turn boundaries, kept beside the buffer). Sampled
-tokens arrive only through the controller (`append_sampled`).
+tokens arrive only from the cells, through the control plane (`append_sampled`: a sync's
+batches, a migration commit's tail).
 """
 
 from __future__ import annotations
