@@ -35,11 +35,6 @@ class CellflipError(Exception):
         if "default_reason" in cls.__dict__:
             cls.code = cls.__dict__["default_reason"]
 
-    @property
-    def retry_after(self) -> float | None:
-        """`retry_after_s` under the name the gateway's responses read."""
-        return self.retry_after_s
-
 
 def http_answer(exc: CellflipError) -> tuple[int, dict[str, Any], dict[str, str]]:
     """(status, body, headers) of the REST API's answer to `exc`: the body is `ApiError`

@@ -25,11 +25,11 @@ def test_status_code_and_retry_after_per_class():
     assert (Conflict("x", code="stale_epoch").status, Conflict("x", code="stale_epoch").code) == (409, "stale_epoch")
     assert (IllegalTransition("x").status, IllegalTransition("x").code) == (409, "illegal_transition")
     busy = BackendBusy()
-    assert (busy.status, busy.code, busy.retry_after_s, busy.retry_after) == (429, "no_capacity", 1.0, 1.0)
+    assert (busy.status, busy.code, busy.retry_after_s) == (429, "no_capacity", 1.0)
     assert isinstance(busy, NoCapacity) and str(busy) == "no rollout capacity"
     assert (BackendUnavailable("down").status, BackendUnavailable("down").code) == (503, "backend_unavailable")
     assert (SessionNotFound("s").status, SessionFinished("s").status) == (404, 409)
-    assert NotFound("x").retry_after is None
+    assert NotFound("x").retry_after_s is None
 
 
 def test_one_translation_to_the_api_answer():
