@@ -550,7 +550,7 @@ def test_summary_for_the_cell_agent():
     assert eng.summary()["versions_held"] == [0] and eng.summary()["max_running"] == 256  # the config's
 
 
-# -- the cell agent's surface (sglang_cell.py) ----------------------------------------
+# -- what the cell agent calls: moved requests, versions, roles (engine.py, memory.py) --------
 
 def test_a_moved_request_continues_where_it_left_off():
     params = SamplingParams(max_tokens=20, seed=5)
