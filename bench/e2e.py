@@ -9,12 +9,14 @@ Fields:
 - seeds, steps: seeds run, RL steps per run.
 - reward_first / reward_last: mean batch reward over the first / last WINDOW steps of the RL
   runs (mean over seeds); reward_control_last: the same for the control runs.
-- per_seed: each seed's three rewards (the target is per seed).
+- per_seed: each seed's rewards, held-out scores, staleness_max, clip_frac_mean, lost_rollouts,
+  exact_frac and trees (the targets are per seed).
 - flips, migrations, lost_rollouts: summed over the RL runs (flips both ways; migrations
   committed during flips to training; episodes abandoned on an error).
 - exact_frac: trained-on sampled tokens with an exact old log-prob, over all RL runs.
 - max_train_cells: the largest data-parallel group of training cells in any RL step of the RL
-  runs (two cells flip to training per step; target >= 2).
+  runs (up to `train_cells` = 2 per step; the planner flips them, cells/trainer/step_cells.py).
+- trees: forked episodes trained as one tree (the tree loss), summed over the RL runs' steps.
 - coordinator_backward_s: seconds the trainer process spent in backward passes of RL steps,
   over the RL runs (the training cells compute; target 0).
 - heldout_first / heldout_last: greedy (temperature 0) mean reward on HELDOUT fixed held-out
@@ -81,8 +83,10 @@ def run_one(seed: int, steps: int, lr: float | None, quick: bool) -> dict:
             publish()
 
         trainer._publish = publish_and_keep_first
+        t0 = time.monotonic()
         out = trainer.run()
         out.update(_evaluation(trainer, first.get("weights"), c, seed))
+        out["wall_s"] = round(time.monotonic() - t0, 1)
         return out
     finally:
         c.stop()
@@ -100,11 +104,12 @@ def _evaluation(trainer, first_weights: dict | None, c: Cluster, seed: int) -> d
         staleness = client.versions().get("staleness", {})
     finally:
         client.close()
-    clip = [h["clip_frac"] for h in trainer.history if h.get("event") == "step" and "clip_frac" in h]
+    steps = [h for h in trainer.history if h.get("event") == "step"]
+    clip = [h["clip_frac"] for h in steps if "clip_frac" in h]
     return {"heldout_first": heldout(first_weights), "heldout_last": heldout(trainer.learner.weights()),
             "groups_dropped": sum(trainer.groups.groups_dropped.values()),
             "staleness_max": staleness.get("max_seen"), "staleness_bound": trainer.cfg.scheduler.staleness_bound,
-            "clip_frac": clip}
+            "clip_frac": clip, "trees": int(sum(h.get("num_trees", 0) for h in steps))}
 
 
 def _mean(xs: list[float]) -> float:
@@ -130,7 +135,9 @@ def main() -> None:
                          "reward_last": round(_mean(rl["rewards"][-WINDOW:]), 4),
                          "reward_control_last": round(_mean(ctl["rewards"][-WINDOW:]), 4),
                          "heldout_first": rl["heldout_first"], "heldout_last": rl["heldout_last"],
-                         "heldout_control_last": ctl["heldout_last"]})
+                         "heldout_control_last": ctl["heldout_last"], "staleness_max": rl["staleness_max"],
+                         "clip_frac_mean": _round_mean(rl["clip_frac"], 6), "lost_rollouts": rl["lost_rollouts"],
+                         "exact_frac": rl["exact_frac"], "trees": rl["trees"], "wall_s": rl["wall_s"] + ctl["wall_s"]})
         if not args.json:
             print(per_seed[-1], flush=True)
     tokens_exact = [r["exact_frac"] for r in rl_runs if r["exact_frac"] is not None]
@@ -149,6 +156,7 @@ def main() -> None:
         "heldout_last": _round_mean([p["heldout_last"] for p in per_seed]),
         "heldout_control_last": _round_mean([p["heldout_control_last"] for p in per_seed]),
         "groups_dropped": sum(r["groups_dropped"] for r in rl_runs),
+        "trees": sum(r["trees"] for r in rl_runs),
         "staleness_max": max((r["staleness_max"] for r in rl_runs if r["staleness_max"] is not None), default=None),
         "staleness_bound": rl_runs[0]["staleness_bound"],
         "clip_frac_mean": _round_mean([x for r in rl_runs for x in r["clip_frac"]], 6),

@@ -63,6 +63,10 @@ class TrainerClient:
         headers = {"Idempotency-Key": key or uuid.uuid4().hex}
         return self._call("POST", "/v1/flips", json=body, headers=headers)["flips"]
 
+    def flips(self, active: bool = False) -> list[dict]:
+        """Every flip (`active`: only those under way), whoever requested it."""
+        return self._call("GET", "/v1/flips", params={"active": active})["flips"]
+
     def report_training(self, *, batch_size: int, steps_in_progress: int, max_cells_per_step: int,
                         step_s: float | None = None, sessions: int | None = None,
                         tokens: int | None = None, cells: int | None = None) -> dict:

@@ -45,6 +45,11 @@ def member_id(trajectory: dict[str, Any]) -> str:
     return _BRANCH.sub("", str(trajectory["id"]))
 
 
+def num_members(trajectories: Sequence[dict[str, Any]]) -> int:
+    """Rollouts among `trajectories` (a tree's branch sessions count once)."""
+    return len({(t.get("group_id"), member_id(t)) for t in trajectories})
+
+
 def is_trunk(trajectory: dict[str, Any]) -> bool:
     """The member's own session (finished last, after its branches)."""
     return member_id(trajectory) == str(trajectory["id"])
@@ -86,10 +91,11 @@ class GroupGate:
         """group id → 'taken' or its drop reason, for the last MAX_CLOSED groups: a member
         arriving after its group was settled is dropped with it, not started as a new group."""
 
-    def select(self, pending: Sequence[dict[str, Any]], max_trajectories: int) -> Selection:
-        """Ready groups, whole, oldest first, until at least `max_trajectories` are taken (a
-        group is never split, so the last one may go past it); every group that can no longer
-        be trained is dropped and counted. Mutates only the gate's bookkeeping."""
+    def select(self, pending: Sequence[dict[str, Any]], max_members: int) -> Selection:
+        """Ready groups, whole, oldest first, until at least `max_members` rollouts are taken
+        (a tree counts once; a group is never split, so the last one may go past it); every
+        group that can no longer be trained is dropped and counted. Mutates only the gate's
+        bookkeeping."""
         now = self.clock()
         out = Selection()
         groups: dict[str, list[dict[str, Any]]] = {}
@@ -115,7 +121,7 @@ class GroupGate:
                 self._drop(out, reason, members)
                 self._close(gid, reason)
         for _, gid in sorted(ready):
-            if len(out.ready) >= max_trajectories:
+            if num_members(out.ready) >= max_members:
                 break
             out.ready += groups[gid]
             self._close(gid, "taken")

@@ -37,11 +37,12 @@ from torch import Tensor
 from cells.engine.embedded.layers import rope_tables
 from cells.engine.embedded.model import check_weights, prepare, token_logprobs
 from cells.engine.embedded.model_spec import ModelSpec
-from cells.trainer.objectives import PPOEWMA, ObjectiveConfig
+from cells.trainer.objectives import PPOEWMA, ObjectiveConfig, SerializedTree
 from cells.trainer.vocab_rows import EMBED, HEAD, VocabRows, id_ranges
 from cells.training.batch import EXACT, MISSING  # noqa: F401  (re-exported)
 from cells.training.plan import plan_update
 from cells.training.reduce import LocalReducer
+from cells.training.trees import tree_token_logprobs
 from cells.training.update import run_update
 
 STATE_FORMAT = 1
@@ -256,6 +257,16 @@ class Learner:
                      ) -> tuple[list[Tensor], dict[str, Tensor], Tensor | None]:
         """Per-token log-probs of `seqs` under `weights` at the cells' tile (see `_logprobs`)."""
         return self._logprobs(weights, seqs, grad)
+
+    def tree_logprobs(self, weights: dict[str, Tensor], tree: SerializedTree, grad: bool
+                      ) -> tuple[Tensor, dict[str, Tensor], Tensor | None]:
+        """Per-token log-probs (L,) of a serialised rollout tree under `weights`, from one
+        forward in which each node attends to its own path (cells/training/trees.py); equal to
+        each branch's own forward at the cells' tile."""
+        spec, w, rows, (ids,) = self._vocab.compact(weights, [tree.token_ids], grad)
+        with torch.set_grad_enabled(grad):
+            lp = tree_token_logprobs(prepare(spec, w, self._rope), tree, ids, self.temperature, self.tile)
+        return lp, w, rows
 
     def zero_grads(self) -> dict[str, Tensor]:
         """Zero gradients for every parameter (a rank with no rows adds zeros to the sum), and

@@ -6,18 +6,21 @@ memory (its VersionHost, which cells broadcast from and catch up from), the refe
 PPO-EWMA copies, the data cursor; checkpointed every few steps and resumed from.
 
 One step:
-    batch   = the next `batch_episodes` finished trajectories (agents keep playing meanwhile)
-    flip    `train_cells` cells to training — their in-flight rollouts move live to other cells
+    batch   the next `batch_episodes` rollouts of whole groups (agents keep playing meanwhile)
+    cells   declare the step (POST /v1/trainer/report) and bring `train_cells` cells to training
+            — the planner flips them, or the trainer does (cells/trainer/step_cells.py); their
+            in-flight rollouts move live to other cells
     wait    until every sampled token of the batch has its old log-prob (exact, or missing)
     train   one RL update on the training cells, data-parallel (cells/training/): this process
             plans and coordinates, the cells compute; the new state comes back to the host copy
     publish version v+1: host copy → POST /v1/versions → broadcast to the rollout cells
-    flip    the training cells back to rollout (loading: they already hold v+1 and install it
-            locally after checking its checksum; nothing is sent to them)
+    back    the training cells return to rollout (loading: they already hold v+1 and install it
+            locally after checking its checksum; nothing is sent to them); report the step
     retire  superseded versions leave the host once the scheduler retired them (all scored)
-This process runs no forward or backward in RL steps unless no cell could train (every
-attempt failed, or no cell was flipped): then it computes the update itself, counted as
-`coordinator_fallback`. The supervised warm-up runs here.
+The report declares the trainer's batch size, which the staleness bound's admission rule
+counts in. This process runs no forward or backward in RL steps unless no cell could train
+(every attempt failed, or no cell reached training): then it computes the update itself,
+counted as `coordinator_fallback`. The supervised warm-up runs here.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ import logging
 import os
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,9 +41,10 @@ from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import resolve_spec
 from cells.trainer.agents import AgentPool
 from cells.trainer.client import TrainerClient
-from cells.trainer.groups import GroupGate
+from cells.trainer.groups import GroupGate, num_members
 from cells.trainer.learner import Learner
 from cells.trainer.objectives.config import ObjectiveConfig
+from cells.trainer.step_cells import StepCells, StepFigures
 from cells.trainer.versions_host import VersionHost
 from cells.trainer.warmup import run_warmup
 from cells.training.coordinator import TrainingCoordinator
@@ -85,6 +89,8 @@ class Trainer:
                                 drop_uniform=self.tc.drop_uniform_groups)
         self.rl_step = 0
         """RL steps taken (the learner's own count includes the warm-up's steps)."""
+        self.cells = StepCells(self.client, batch_size=self.tc.batch_episodes, train_cells=self.tc.train_cells,
+                               choice=self.tc.train_cell_choice, emit=self._emit)
 
     # -- lifecycle ------------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
@@ -100,6 +106,7 @@ class Trainer:
                 self.learner.start_rl()  # fresh moments; the RL learning-rate warm-up starts
                 self._publish()
             self.learner.lr = self.tc.lr
+            self.cells.declare(0)  # the admission rule's unit: the batch size
             self.agents.start()
             while self.rl_step < self.tc.steps and not stop.is_set():
                 self._step(stop)
@@ -151,36 +158,44 @@ class Trainer:
     def _step(self, stop: threading.Event) -> None:
         t0 = time.monotonic()
         batch: list[dict] = []
-        while len(batch) < self.tc.batch_episodes and not stop.is_set():
+        while num_members(batch) < self.tc.batch_episodes and not stop.is_set():
             self.batch += self.client.trajectories(limit=64)
-            batch += self._complete_groups(self.tc.batch_episodes - len(batch))
-            if len(batch) < self.tc.batch_episodes:
+            batch += self._complete_groups(self.tc.batch_episodes - num_members(batch))
+            if num_members(batch) < self.tc.batch_episodes:
                 time.sleep(0.2)
         if stop.is_set():
             return
         t_batch = time.monotonic()
-        flipped = self._flip_to_training()
+        self._flip_to_training()
         t_flip = time.monotonic()
         batch = self.client.wait_scored(batch, timeout_s=600)
         t_scored = time.monotonic()
-        cells = self._training_cells(flipped)
+        cells = self.cells.group()
         metrics = self.coordinator.update(batch, cells, next_version=self._next_version, cursor=self.client.cursor)
         self.rl_step += 1
         t_train = time.monotonic()
         self._publish()  # under the number the update was committed as (the cells hold it)
-        back = self._flip_back(cells)
+        self.cells.release(cells)
+        prov = [p for t in batch for m, p in zip(t["loss_mask"], t["provenance"], strict=True) if m]
+        figures = StepFigures(round(t_train - t_flip, 3), len(batch), len(prov), len(cells)) if cells else None
+        self.cells.declare(0, figures)
         self._drop_retired()
         if self.rl_step % self.tc.checkpoint_every == 0:
             self._checkpoint()
+        self._record(batch, metrics, prov, t0, [t_batch, t_flip, t_scored, t_train])
+
+    def _record(self, batch: list[dict], metrics: dict, prov: list, t0: float, marks: list[float]) -> None:
+        """The step record (trainer.jsonl, the live view, the summary)."""
+        t_batch, t_flip, t_scored, t_train = marks
         rewards = [t["reward"] for t in batch]
-        prov = [p for t in batch for m, p in zip(t["loss_mask"], t["provenance"], strict=True) if m]
+        flips = self.cells.finished_flips()
         rec = {
             **{k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k not in ("step", "version")},
             "event": "step", "step": self.rl_step, "version": self.learner.version,
-            "reward": sum(rewards) / len(rewards), "episodes": len(batch),
+            "reward": sum(rewards) / len(rewards), "episodes": num_members(batch), "sessions": len(batch),
             "tokens": len(prov), "exact": sum(p == "exact" for p in prov), "missing": sum(p == "missing" for p in prov),
-            "flips": len(flipped) + len(back), "migrated": sum(f.get("migrated", 0) for f in flipped),
-            "suspended": sum(f.get("suspended", 0) for f in flipped),
+            "flips": len(flips), "migrated": sum(f.get("migrated", 0) for f in flips),
+            "suspended": sum(f.get("suspended", 0) for f in flips), "planner_flips": self.cells.planner_flips,
             "wait_batch_s": round(t_batch - t0, 2), "flip_s": round(t_flip - t_batch, 2),
             "wait_scored_s": round(t_scored - t_flip, 2), "train_s": round(t_train - t_scored, 2),
             "coordinator_forward_s": round(self.learner.compute_s["forward"], 4),
@@ -211,41 +226,8 @@ class Trainer:
         return sel.ready
 
     def _flip_to_training(self) -> list[dict]:
-        """Flip `train_cells` cells to training; returns the finished flips. A refusal part way
-        (e.g. `min_rollout_cells`) keeps the flips already accepted: they train this step."""
-        if self.tc.train_cells <= 0:
-            return []
-        flips: list[dict] = []
-        try:
-            if self.tc.train_cell_choice == "busiest":
-                cells = sorted((c for c in self.client.cells() if c["state"] == "rollout"),
-                               key=lambda c: -c.get("inflight", 0))[: self.tc.train_cells]
-                for c in cells:
-                    flips += self.client.flip("training", cell=c["id"])
-            else:
-                flips = self.client.flip("training", count=self.tc.train_cells)
-        except Exception as e:  # e.g. min_rollout_cells: train on the cells flipped so far
-            self._emit({"event": "flip_refused", "reason": str(e)[:200], "accepted": len(flips)})
-        return self.client.wait_flips(flips, timeout_s=600) if flips else []
-
-    def _training_cells(self, flipped: list[dict]) -> list[str]:
-        """The step's data-parallel group: the cells this step flipped, and any other cell
-        already in the training role (a flip a refusal left behind): none stays idle there."""
-        mine = [f["cell"] for f in flipped if f["state"] == "done"]
-        try:
-            idle = [c["id"] for c in self.client.cells() if c["state"] == "training" and c["id"] not in mine]
-        except Exception:  # the scheduler briefly unreachable: the flipped cells suffice
-            idle = []
-        return mine + idle
-
-    def _flip_back(self, cells: list[str]) -> list[dict]:
-        flips: list[dict] = []
-        for c in cells:
-            try:
-                flips += self.client.flip("rollout", cell=c)
-            except Exception as e:  # already on its way back, or gone: the others go on
-                self._emit({"event": "flip_refused", "cell": c, "reason": str(e)[:200]})
-        return self.client.wait_flips(flips, timeout_s=600) if flips else []
+        """Declare the step and bring its cells to the training role (cells/trainer/step_cells.py)."""
+        return self.cells.acquire()
 
     def _next_version(self) -> int:
         """The number the next published version gets: the learner's (one per RL update, what

@@ -1,18 +1,22 @@
 """A batch of finished trajectories as padded token tensors (the store's `to_api` format in).
 
 Each segment of a session with sampled tokens is its own sequence; token t of a row is at
-column t. Built on whichever process runs the compute (a training cell, or the coordinator
-when no cell trains) from the JSON trajectories of its share.
+column t. A forked episode (a member with branch sessions `sid.b<k>`) is one serialised tree
+instead (cells/training/trees.py). Built on whichever process runs the compute (a training
+cell, or the coordinator when no cell trains) from the JSON trajectories of its share.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from cells.trainer.objectives.config import TreeConfig
+from cells.training.trees import TreeUnit, build_tree, is_tree, members, token_fields
 
 EXACT, MISSING = "exact", "missing"
 """Provenance values of the store's trajectories (None: not scored yet)."""
@@ -40,6 +44,11 @@ class Batch:
     """Per trajectory."""
     groups: Tensor
     """Group index per trajectory."""
+    trees: list[TreeUnit] = field(default_factory=list)
+    """The forked members, one serialised tree each (their trajectories have no rows)."""
+    num_unrolled: int = 0
+    """Forked members that could not form a tree (a branch with several segments): trained
+    as separate rows, their shared prefix in branch 0's rows only."""
 
     @property
     def size(self) -> int:
@@ -50,26 +59,38 @@ class Batch:
         return self.mask.shape[1]
 
     @classmethod
-    def build(cls, trajs: Sequence[dict[str, Any]]) -> Batch:
-        rows = [r for i, t in enumerate(trajs) for r in segments(i, t)]
-        if not rows:
-            raise ValueError("the batch has no sampled tokens")
-        T = max(len(r["ids"]) for r in rows)
+    def build(cls, trajs: Sequence[dict[str, Any]], tree: TreeConfig | None = None) -> Batch:
         for t in trajs:
             if t.get("reward") is None:
                 raise ValueError(f"trajectory {t.get('id')} has no reward (not finished?)")
+        trees, plain, unrolled = [], [], 0
+        for idx in members(trajs):
+            if is_tree([trajs[i] for i in idx]):
+                trees.append(build_tree(trajs, idx, tree or TreeConfig()))
+            else:
+                plain += idx
+                unrolled += len(idx) > 1
+        rows = [r for i in sorted(plain) for r in segments(i, trajs[i])]
+        if not rows and not any(bool(u.ser.loss_mask.any()) for u in trees):
+            raise ValueError("the batch has no sampled tokens")
+        T = max((len(r["ids"]) for r in rows), default=1)
         index: dict[Any, int] = {}
+
+        def stack(key: str, value: Any, dtype: torch.dtype) -> Tensor:
+            return pad([r[key] for r in rows], T, value) if rows else torch.full((0, T), value, dtype=dtype)
+
         return cls(
             ids=[r["ids"] for r in rows],
-            mask=pad([r["mask"] for r in rows], T, False),
-            behav=pad([r["behav"] for r in rows], T, 0.0),
-            old=pad([r["old"] for r in rows], T, 0.0),
-            missing=pad([r["missing"] for r in rows], T, False),
-            unscored=pad([r["unscored"] for r in rows], T, False),
-            versions=pad([r["versions"] for r in rows], T, -1),
-            traj=torch.tensor([r["traj"] for r in rows]),
+            mask=stack("mask", False, torch.bool),
+            behav=stack("behav", 0.0, torch.float32),
+            old=stack("old", 0.0, torch.float32),
+            missing=stack("missing", False, torch.bool),
+            unscored=stack("unscored", False, torch.bool),
+            versions=stack("versions", -1, torch.long),
+            traj=torch.tensor([r["traj"] for r in rows], dtype=torch.long),
             rewards=torch.tensor([float(t["reward"]) for t in trajs], dtype=torch.float32),
             groups=torch.tensor([index.setdefault(t["group_id"], len(index)) for t in trajs]),
+            trees=trees, num_unrolled=unrolled,
         )
 
     def metrics(self, lp_theta: Tensor, version: int) -> dict[str, float]:
@@ -90,10 +111,12 @@ class Batch:
 
 
 def usable(trajectories: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-    """Trajectories whose group has at least two members, and how many were dropped."""
+    """Trajectories whose group has at least two members (a tree counts once), and how many
+    were dropped."""
     counts: dict[Any, int] = {}
-    for t in trajectories:
-        counts[t.get("group_id")] = counts.get(t.get("group_id"), 0) + 1
+    for idx in members(trajectories):
+        gid = trajectories[idx[0]].get("group_id")
+        counts[gid] = counts.get(gid, 0) + 1
     keep = [t for t in trajectories
             if t.get("group_id") is not None and counts[t["group_id"]] >= 2]
     return keep, len(trajectories) - len(keep)
@@ -113,23 +136,12 @@ def segments(traj_index: int, t: dict[str, Any]) -> list[dict[str, Any]]:
         if b - a < 2 or not any(mask[1:]):
             continue
         mask[0] = False
-        behav, old, miss, unsc, vers = [], [], [], [], []
-        for i in range(a, b):
-            m = mask[i - a]
-            lp, o, prov = t["logprobs"][i], t["old_logprobs"][i], t["provenance"][i]
-            if m and lp is None:
-                raise ValueError(f"trajectory {t.get('id')}: sampled token {i} has no log-prob")
-            exact = m and prov == EXACT and o is not None
-            behav.append(float(lp) if m else 0.0)
-            old.append(float(o) if exact else 0.0)
-            miss.append(m and not exact)
-            unsc.append(m and prov is None)
-            vers.append(int(t["versions"][i]) if m and t["versions"][i] is not None else -1)
+        behav, old, miss, unsc, vers = zip(*(token_fields(t, i, mask[i - a]) for i in range(a, b)))
         out.append({
             "traj": traj_index, "ids": torch.tensor(t["token_ids"][a:b], dtype=torch.long),
             "mask": torch.tensor(mask), "behav": torch.tensor(behav, dtype=torch.float32),
-            "old": torch.tensor(old, dtype=torch.float32), "missing": torch.tensor(miss),
-            "unscored": torch.tensor(unsc), "versions": torch.tensor(vers, dtype=torch.long),
+            "old": torch.tensor(old, dtype=torch.float32), "missing": torch.tensor(miss, dtype=torch.bool),
+            "unscored": torch.tensor(unsc, dtype=torch.bool), "versions": torch.tensor(vers, dtype=torch.long),
         })
     return out
 

@@ -3,6 +3,11 @@
 One line: usable trajectories → task advantages by group → minibatches (token-balanced,
 contiguous) → each minibatch split across the ranks by token shares → one JSON share per rank.
 
+The unit of all of it is the member (one rollout): a forked episode's branch sessions are one
+member of their group (its reward for the group statistics is the mean of its branches', each
+branch keeps its own advantage), stay together in one minibatch on one rank, and count their
+(branch, token) pairs in N0 (cells/training/trees.py).
+
 The update must not depend on how many cells train, so everything that needs the whole batch
 is decided here, once: the group statistics of the advantages (the task reward only; a KL
 penalty is subtracted per sequence on the ranks, after the normalisation, docs/RL.md), which trajectory lands in which minibatch, and each minibatch's global token
@@ -18,8 +23,10 @@ from typing import Any
 
 import torch
 
-from cells.trainer.objectives import ObjectiveConfig, compute_advantages
+from cells.trainer.objectives import ObjectiveConfig, member_advantages
+from cells.trainer.objectives.config import TreeConfig
 from cells.training.batch import segments, usable
+from cells.training.trees import build_tree, is_tree, members
 
 WIRE_KEYS = ("id", "reward", "group_id", "segment_starts", "token_ids", "loss_mask", "logprobs",
              "versions", "old_logprobs", "provenance")
@@ -56,7 +63,7 @@ class UpdatePlan:
     num_trajectories: int
     num_dropped: int
     tokens: list[int] = field(default_factory=list)
-    """Masked tokens per usable trajectory."""
+    """Masked tokens per member ((branch, token) pairs for a tree), in N0's units."""
     rewards: list[float] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
 
@@ -73,35 +80,47 @@ def masked_tokens(t: dict[str, Any]) -> int:
     return sum(int(s["mask"].sum()) for s in segments(0, t))
 
 
+def member_tokens(trajs: Sequence[dict[str, Any]], idx: list[int], tree: TreeConfig) -> int:
+    """What a member adds to N0: a tree's masked (branch, token) pairs, else its tokens."""
+    if is_tree([trajs[i] for i in idx]):
+        return build_tree(trajs, idx, tree).num_pairs()
+    return sum(masked_tokens(trajs[i]) for i in idx)
+
+
 def plan_update(trajectories: Sequence[dict[str, Any]], objective: ObjectiveConfig,
                 minibatches: int, shares: Sequence[float]) -> UpdatePlan:
-    """Split the usable part of `trajectories` into `minibatches` (at most one per trajectory)
-    and each minibatch across len(shares) ranks in proportion to `shares` by tokens.
-    Raises ValueError when no group has two members."""
+    """Split the usable part of `trajectories` into `minibatches` (at most one per member)
+    and each minibatch across len(shares) ranks in proportion to `shares` by tokens, a member
+    never split. Raises ValueError when no group has two members."""
     trajs, dropped = usable(trajectories)
     if not trajs:
         raise ValueError("no group in the batch has two or more trajectories")
     if minibatches < 1 or not shares or min(shares) <= 0:
         raise ValueError(f"need minibatches >= 1 and positive shares, got {minibatches}, {list(shares)}")
+    units = members(trajs)
+    member = torch.zeros(len(trajs), dtype=torch.long)
+    for u, idx in enumerate(units):
+        member[idx] = u
     index: dict[Any, int] = {}
     groups = torch.tensor([index.setdefault(t["group_id"], len(index)) for t in trajs])
     rewards = torch.tensor([float(t["reward"]) for t in trajs], dtype=torch.float32)
-    adv = compute_advantages(rewards, objective.advantage, groups).tolist()
-    tokens = [masked_tokens(t) for t in trajs]
-    mb = _cut(tokens, [1.0] * min(minibatches, len(trajs)))
+    adv = member_advantages(rewards, objective.advantage, groups, member).tolist()
+    tokens = [member_tokens(trajs, idx, objective.tree) for idx in units]
+    mb = _cut(tokens, [1.0] * min(minibatches, len(units)))
     k = max(mb) + 1
     n0 = [sum(n for n, j in zip(tokens, mb) if j == i) for i in range(k)]
-    owner = [0] * len(trajs)
+    owner = [0] * len(units)
     for j in range(k):
-        members = [i for i in range(len(trajs)) if mb[i] == j]
-        for i, r in zip(members, _cut([tokens[i] for i in members], list(shares))):
-            owner[i] = r
+        mine = [u for u in range(len(units)) if mb[u] == j]
+        for u, r in zip(mine, _cut([tokens[u] for u in mine], list(shares))):
+            owner[u] = r
     out = [Share([], [], [], n0) for _ in shares]
-    for i, t in enumerate(trajs):
-        s = out[owner[i]]
-        s.trajectories.append(t)
-        s.advantages.append(float(adv[i]))
-        s.minibatch.append(mb[i])
+    for u, idx in enumerate(units):
+        s = out[owner[u]]
+        for i in idx:
+            s.trajectories.append(trajs[i])
+            s.advantages.append(float(adv[i]))
+            s.minibatch.append(mb[u])
     return UpdatePlan(out, len(trajs), dropped, tokens, rewards.tolist(), [float(a) for a in adv])
 
 

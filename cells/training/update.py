@@ -3,8 +3,10 @@ the cells of a training group.
 
 One line: detached forwards at the start (lp_prox, the EWMA stand-in, the reference) → per
 sequence advantage (task advantage − beta·KL when the KL is in the reward) → per minibatch:
-forward/backward on this rank's rows → sum the gradients over the ranks → clip → AdamW step →
-EWMA → sum the metrics. One published version per update, one optimizer step per minibatch.
+forward/backward on this rank's rows and trees → sum the gradients over the ranks → clip →
+AdamW step → EWMA → sum the metrics. One published version per update, one optimizer step per
+minibatch. A forked episode is one tree (cells/training/tree_loss.py): one forward over its
+serialised tokens, the tree loss with one advantage per branch.
 
 Every rank applies the same summed gradient to the same state, so the states stay equal; the
 loss of a minibatch is normalised by its global token count N0 (from the plan), so the sum
@@ -19,10 +21,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cells.trainer.objectives import KLInReward, apply_correction, decoupled_ppo_loss, kl_reward_penalty, token_weights
+from cells.trainer.objectives import (
+    KLInReward,
+    apply_correction,
+    decoupled_ppo_loss,
+    kl_reward_penalty,
+    token_weights,
+)
 from cells.training.batch import Batch, pad
 from cells.training.plan import Share
 from cells.training.reduce import Reducer, sum_gradients
+from cells.training.tree_loss import (
+    approx_kl_sum,
+    batch_counts,
+    correction_sums,
+    start_trees,
+    tree_loss,
+)
 from scheduler.failpoints import failpoint
 
 # Per-minibatch sums reduced over the ranks; the reported means are rebuilt from them.
@@ -39,7 +54,7 @@ def run_update(learner: Any, share: Share, reducer: Reducer) -> dict[str, float]
     rank's `share`; every rank of `reducer` must call it with its share of the same plan.
     Returns the update's metrics summed over the ranks (equal on every rank)."""
     t0 = time.perf_counter()
-    b = Batch.build(share.trajectories) if share.trajectories else None
+    b = Batch.build(share.trajectories, learner.objective.tree) if share.trajectories else None
     pre = _start_of_update(learner, b, share)
     learner.compute_s["forward"] += time.perf_counter() - t0
     totals = torch.zeros(len(_SUMS), dtype=torch.float64)
@@ -65,11 +80,15 @@ def run_update(learner: Any, share: Share, reducer: Reducer) -> dict[str, float]
     return out
 
 
-def _start_of_update(learner: Any, b: Batch | None, share: Share) -> dict[str, Tensor]:
-    """The detached per-token tensors of the update, from forwards at its start."""
+def _start_of_update(learner: Any, b: Batch | None, share: Share) -> dict[str, Any]:
+    """The detached per-token tensors of the update, from forwards at its start: rows padded
+    (B, T), trees in `pre["trees"]`."""
     if b is None:
-        return {}
+        return {"trees": []}
     cfg = learner.objective
+    trees = start_trees(learner, b.trees, share.advantages, share.minibatch)
+    if b.size == 0:
+        return {"trees": trees, "mb": torch.zeros(0, dtype=torch.long)}
     lp_prox = pad(learner.seq_logprobs(learner.params, b.ids, False)[0], b.length, 0.0)
     lp_stand = torch.zeros_like(b.behav)
     need = [i for i in range(b.size) if bool(b.missing[i].any())]
@@ -89,14 +108,21 @@ def _start_of_update(learner: Any, b: Batch | None, share: Share) -> dict[str, T
         pen = kl_reward_penalty(lp_prox, lp_ref, w, b.mask, coef=cfg.kl.coef, estimator=cfg.kl.estimator)
         adv_traj = adv_traj - torch.zeros_like(adv_traj).index_add_(0, b.traj, pen.to(adv_traj.dtype))
     mb = torch.tensor(share.minibatch, dtype=torch.long)[b.traj]
-    return {"lp_prox": lp_prox, "lp_stand": lp_stand, "lp_ref": lp_ref, "adv": adv_traj[b.traj], "mb": mb}
+    return {"lp_prox": lp_prox, "lp_stand": lp_stand, "lp_ref": lp_ref, "adv": adv_traj[b.traj], "mb": mb,
+            "trees": trees}
 
 
 def _rows(b: Batch | None, pre: dict, j: int) -> list[int]:
     return [] if b is None else torch.nonzero(pre["mb"] == j).flatten().tolist()
 
 
-def _normalizer(learner: Any, b: Batch | None, pre: dict, rows: list[int], reducer: Reducer) -> Tensor | None:
+def _trees(pre: dict, j: int) -> list[int]:
+    """Indices of the trees of minibatch j."""
+    return [i for i, s in enumerate(pre["trees"]) if s.minibatch == j]
+
+
+def _normalizer(learner: Any, b: Batch | None, pre: dict, rows: list[int], trees: list[int],
+                reducer: Reducer) -> Tensor | None:
     """The minibatch-wide mean of the kept correction weights (self-normalisation), over all
     ranks; it depends only on the anchors and the behaviour log-probs."""
     cfg = learner.objective
@@ -109,19 +135,21 @@ def _normalizer(learner: Any, b: Batch | None, pre: dict, rows: list[int], reduc
         corr = apply_correction(torch.where(b.mask[idx], anchor - b.behav[idx], 0.0), b.mask[idx],
                                 cfg.correction, reject_below=cfg.reject_below)
         acc += torch.stack([corr.weight.sum(), corr.keep.sum()]).to(torch.float64)
+    for i in trees:
+        acc += correction_sums(cfg, b.trees[i], pre["trees"][i])
     reducer.all_reduce(acc)
     return (acc[0] / acc[1]).to(torch.float32) if acc[1] > 0 else torch.tensor(1.0)
 
 
 def _minibatch(learner: Any, b: Batch | None, pre: dict, share: Share, j: int, reducer: Reducer
                ) -> tuple[Tensor, float]:
-    """Forward/backward of this rank's rows of minibatch j, the summed gradient applied as one
-    optimizer step; returns the minibatch's metric sums over all ranks and the grad norm."""
-    cfg, rows = learner.objective, _rows(b, pre, j)
-    normalizer = _normalizer(learner, b, pre, rows, reducer)
+    """Forward/backward of this rank's rows and trees of minibatch j, the summed gradient applied
+    as one optimizer step; returns the minibatch's metric sums over all ranks and the grad norm."""
+    cfg, rows, trees = learner.objective, _rows(b, pre, j), _trees(pre, j)
+    normalizer = _normalizer(learner, b, pre, rows, trees, reducer)
     n0 = torch.tensor(float(max(share.n0[j], 1)))
     touched = learner.zero_grads()
-    lt_rows = []
+    lt_rows, lt_trees = [], []
     for lo in range(0, len(rows), learner.micro_batch):
         idx = torch.tensor(rows[lo: lo + learner.micro_batch])
         t0 = time.perf_counter()
@@ -129,13 +157,16 @@ def _minibatch(learner: Any, b: Batch | None, pre: dict, share: Share, j: int, r
         lt = pad(lps, b.length, 0.0)
         loss, _ = decoupled_ppo_loss(lt, pre["lp_prox"][idx], b.behav[idx], pre["adv"][idx], b.mask[idx], cfg,
                                      **_extra(b, pre, idx), num_tokens=n0, normalizer=normalizer)
-        t1 = time.perf_counter()
-        loss.backward()
-        learner.compute_s["forward"] += t1 - t0
-        learner.compute_s["backward"] += time.perf_counter() - t1
-        learner.add_row_grads(w, vocab_rows, touched)
+        _backward(learner, loss, w, vocab_rows, touched, t0)
         lt_rows.append(lt.detach())
+    for i in trees:
+        t0 = time.perf_counter()
+        lt, w, vocab_rows = learner.tree_logprobs(learner.params, b.trees[i].ser, True)
+        loss, _ = tree_loss(learner, b.trees[i], pre["trees"][i], lt, n0, normalizer)
+        _backward(learner, loss, w, vocab_rows, touched, t0)
+        lt_trees.append(lt.detach())
     sums = _local_sums(learner, b, pre, rows, lt_rows, n0, normalizer)
+    sums += _tree_sums(learner, b, pre, trees, lt_trees, n0, normalizer)
     reducer.all_reduce(sums)
     sum_gradients(reducer, learner.params, touched)
     norm = learner.apply_gradients()
@@ -147,6 +178,15 @@ def _minibatch(learner: Any, b: Batch | None, pre: dict, share: Share, j: int, r
     return sums, norm
 
 
+def _backward(learner: Any, loss: Tensor, w: dict[str, Tensor], vocab_rows: Tensor | None,
+              touched: dict[str, Tensor], t0: float) -> None:
+    t1 = time.perf_counter()
+    loss.backward()
+    learner.compute_s["forward"] += t1 - t0
+    learner.compute_s["backward"] += time.perf_counter() - t1
+    learner.add_row_grads(w, vocab_rows, touched)
+
+
 def _extra(b: Batch, pre: dict, idx: Tensor) -> dict[str, Any]:
     return {"lp_old": b.old[idx], "provenance": b.missing[idx], "lp_stand": pre["lp_stand"][idx],
             "lp_ref": None if pre["lp_ref"] is None else pre["lp_ref"][idx]}
@@ -155,18 +195,33 @@ def _extra(b: Batch, pre: dict, idx: Tensor) -> dict[str, Any]:
 @torch.no_grad()
 def _local_sums(learner: Any, b: Batch | None, pre: dict, rows: list[int], lt_rows: list[Tensor],
                 n0: Tensor, normalizer: Tensor | None) -> Tensor:
-    """This rank's contribution to minibatch j's metric sums (no forward: the log-probs of the
-    backward pass are kept)."""
-    out = torch.zeros(len(_SUMS), dtype=torch.float64)
+    """This rank's rows' contribution to minibatch j's metric sums (no forward: the log-probs
+    of the backward pass are kept)."""
     if not rows:
-        return out
+        return torch.zeros(len(_SUMS), dtype=torch.float64)
     idx = torch.tensor(rows)
     lt = torch.cat(lt_rows)
     _, m = decoupled_ppo_loss(lt, pre["lp_prox"][idx], b.behav[idx], pre["adv"][idx], b.mask[idx],
                               learner.objective, **_extra(b, pre, idx), num_tokens=n0, normalizer=normalizer)
-    m["num_sequences"] = float(len(rows))
     log_r = torch.where(b.mask[idx], pre["lp_prox"][idx] - lt, 0.0)
-    m["approx_kl_sum"] = float((log_r.exp() - 1.0 - log_r).sum())  # k3 of pi_prox vs this step's pi
+    return _as_sums(m, len(rows), float((log_r.exp() - 1.0 - log_r).sum()))  # k3 of pi_prox vs this step's pi
+
+
+@torch.no_grad()
+def _tree_sums(learner: Any, b: Batch | None, pre: dict, trees: list[int], lt_trees: list[Tensor],
+               n0: Tensor, normalizer: Tensor | None) -> Tensor:
+    """This rank's trees' contribution to minibatch j's metric sums ((branch, token) pairs)."""
+    out = torch.zeros(len(_SUMS), dtype=torch.float64)
+    for i, lt in zip(trees, lt_trees):
+        u, s = b.trees[i], pre["trees"][i]
+        _, m = tree_loss(learner, u, s, lt, n0, normalizer)
+        out += _as_sums(m, u.num_branches, approx_kl_sum(u, s, lt))
+    return out
+
+
+def _as_sums(m: dict[str, float], num_sequences: int, approx_kl: float) -> Tensor:
+    """A loss's metrics as the sums `_SUMS` (means times their counts)."""
+    m = {**m, "num_sequences": float(num_sequences), "approx_kl_sum": approx_kl}
     for k, d in _MEANS.items():
         m[k] = m[k] * m[d]
     return torch.tensor([float(m[k]) for k in _SUMS], dtype=torch.float64)
@@ -189,22 +244,29 @@ def _finish_metrics(totals: Tensor, mb_losses: list[Tensor], n0: list[int]) -> d
 
 def _batch_metrics(b: Batch | None, pre: dict, reducer: Reducer, version: int) -> dict[str, float]:
     """Provenance counts, staleness against the update's version, and how many exact old
-    log-probs lp_prox reproduces bitwise, over all ranks."""
-    s = torch.zeros(8, dtype=torch.float64)
+    log-probs lp_prox reproduces bitwise, over all ranks (a tree's tokens counted once)."""
+    s = torch.zeros(10, dtype=torch.float64)
     mx = torch.full((1,), -1e9, dtype=torch.float64)
-    if b is not None:
+    if b is not None and b.size:
         exact = b.mask & ~b.missing
         stale = (version - b.versions)[b.mask].to(torch.float64)
         s += torch.tensor([float(exact.sum()), float((b.missing & ~b.unscored).sum()), float(b.unscored.sum()),
                            float(stale.sum()), float(stale.numel()),
                            float((pre["lp_prox"] == b.old)[exact].sum()),
-                           float(pre["adv"].abs().sum()), float(b.size)], dtype=torch.float64)
+                           float(pre["adv"].abs().sum()), float(b.size), 0.0, 0.0], dtype=torch.float64)
         if stale.numel():
             mx[0] = stale.max()
+    for u, st in zip(b.trees if b is not None else [], pre["trees"]):
+        counts, most = batch_counts(u, st, version)
+        s += torch.cat([counts, torch.tensor([1.0, 0.0], dtype=torch.float64)])
+        mx[0] = max(float(mx[0]), most)
+    if b is not None:
+        s[9] += b.num_unrolled
     reducer.all_reduce(s)
     reducer.all_reduce(mx, "max")
     exact_n, n = s[0].item(), s[4].item()
     return {"tokens_exact": exact_n, "tokens_missing": s[1].item(), "tokens_unscored": s[2].item(),
             "staleness_mean": s[3].item() / n if n else 0.0, "staleness_max": mx.item() if n else 0.0,
             "frac_bitwise_equal": s[5].item() / exact_n if exact_n else float("nan"),
-            "adv_seq_abs_mean": s[6].item() / s[7].item() if s[7].item() else 0.0}
+            "adv_seq_abs_mean": s[6].item() / s[7].item() if s[7].item() else 0.0,
+            "num_trees": s[8].item(), "num_trees_unrolled": s[9].item()}

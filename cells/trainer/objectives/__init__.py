@@ -15,6 +15,7 @@ from cells.trainer.objectives.advantages import (
     compute_advantages,
     expand_to_tokens,
     grpo_advantages,
+    member_advantages,
     rloo_advantages,
 )
 from cells.trainer.objectives.config import (
@@ -82,6 +83,7 @@ __all__ = [
     "decoupled_ppo_loss",
     "expand_to_tokens",
     "grpo_advantages",
+    "member_advantages",
     "kl_estimate",
     "kl_loss",
     "kl_reward_penalty",

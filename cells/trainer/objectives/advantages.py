@@ -5,6 +5,9 @@
 
 Every group needs n ≥ 2. Rewards come either as a (groups, n) matrix or as a flat (B,)
 vector with a group id per response (groups may then differ in size).
+
+A tree rollout is one member of its group with one reward per branch (`member_advantages`):
+the group's statistics are over its members, a member's reward the mean of its branches'.
 """
 
 from __future__ import annotations
@@ -45,6 +48,37 @@ def compute_advantages(
     if isinstance(cfg, RLOOAdvantage):
         return rloo_advantages(rewards, group_ids)
     raise ValueError(f"unknown advantage estimator {cfg!r}")
+
+
+def member_advantages(
+    rewards: Tensor, cfg: AdvantageConfig, group_ids: Tensor, member_ids: Tensor
+) -> Tensor:
+    """One advantage per branch (B,) when a member (one rollout) may hold several branches,
+    each with its own reward. The group's statistics are over its members, R_m being the mean
+    of member m's branch rewards; each branch b of member m is centred (GRPO: and scaled) by
+    them:
+
+        GRPO  A_b = (R_b − mean_G R_m) / (std_G R_m + eps)
+        RLOO  A_b = R_b − (sum_{j != m} R_j) / (n − 1)      (n = members of the group)
+
+    With one branch per member this is `compute_advantages`. Every group needs two members.
+    """
+    flat = rewards.reshape(-1).to(torch.float64)
+    _, m_inv, m_counts = torch.unique(member_ids.reshape(-1), return_inverse=True, return_counts=True)
+    r_m = torch.zeros(len(m_counts), dtype=flat.dtype).index_add_(0, m_inv, flat) / m_counts
+    g_of_m = torch.zeros(len(m_counts), dtype=torch.long).scatter_(0, m_inv, group_ids.reshape(-1).long())
+    r_m, g_inv, g_counts = _groups(r_m, g_of_m)
+    n = g_counts[g_inv].to(flat.dtype)
+    total = _group_sum(r_m, g_inv, g_counts)[g_inv]
+    if isinstance(cfg, GRPOAdvantage):
+        mean = total / n
+        var = _group_sum((r_m - mean).square(), g_inv, g_counts)[g_inv] / (n - 1)
+        out = (flat - mean[m_inv]) / (var.sqrt() + cfg.eps)[m_inv]
+    elif isinstance(cfg, RLOOAdvantage):
+        out = flat - ((total - r_m) / (n - 1))[m_inv]
+    else:
+        raise ValueError(f"unknown advantage estimator {cfg!r}")
+    return out.to(rewards.dtype if rewards.is_floating_point() else torch.get_default_dtype())
 
 
 def expand_to_tokens(advantages: Tensor, mask: Tensor) -> Tensor:

@@ -3,9 +3,8 @@
 A trainer recognises a tree as the sessions of one group whose ids share the stem before
 `.b`, and whose token ids share a prefix (branch 0 sampled it; the others got the same tokens
 from the gateway's full render of the shared messages): `rollout_tree` builds the
-`RolloutTree` of objectives/tree.py from them. Treated as separate sequences, the branches
-give the same loss as the tree except that the shared sampled tokens count once (in branch 0)
-instead of once per branch.
+`RolloutTree` of objectives/tree.py from them, as the RL update does
+(cells/training/trees.py: one member of its group, trained with the tree loss).
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cells.trainer.objectives.tree import RolloutTree
+from cells.training.trees import trajectory_tree
 
 
 def branch_session_id(session_id: str, branch: int) -> str:
@@ -43,24 +43,14 @@ def branch_groups(trajectories: Iterable[dict[str, Any]]) -> list[BranchGroup]:
 
 
 def rollout_tree(branches: Sequence[dict[str, Any]]) -> tuple[RolloutTree, list[int]]:
-    """The rollout tree of forked sessions (single-segment trajectories): the longest common
-    prefix of their token ids is the root (loss mask: 1 where any branch sampled the token),
-    each branch's remainder a leaf. Returns (tree, leaf of each branch in input order)."""
+    """The rollout tree of forked sessions (single-segment trajectories, branch 0 first): the
+    shared prefix is the root (loss mask: 1 where a branch sampled the token), each branch's
+    remainder a leaf (cells/training/trees.py, `trajectory_tree`). Returns (tree, leaf of each
+    branch in input order)."""
     if not branches:
         raise ValueError("no branches")
-    seqs = [b["token_ids"] for b in branches]
     for b in branches:
         if len(b.get("segment_starts", [0])) != 1:
             raise ValueError(f"trajectory {b.get('id')} has several segments")
-    n = min(len(s) for s in seqs)
-    common = 0
-    while common < n and all(s[common] == seqs[0][common] for s in seqs):
-        common += 1
-    if len(branches) > 1:
-        common = min(common, n - 1)  # every branch keeps at least one token of its own
-    tree = RolloutTree()
-    root_mask = [any(b["loss_mask"][i] for b in branches) for i in range(common)]
-    root = tree.add_node(seqs[0][:common], None, root_mask) if common else None
-    leaves = [tree.add_node(b["token_ids"][common:], root, [bool(x) for x in b["loss_mask"][common:]])
-              for b in branches]
+    tree, leaves, _ = trajectory_tree(branches)
     return tree, leaves
