@@ -1,8 +1,8 @@
 """How much trained throughput does flipping cells buy over the baselines a user would pick?
 
 Discrete-event simulation of N cells and their sessions (bench/sim/); every flip and
-placement decision of `flip_abort`, `flip_reprefill` and `cellflip` is `scheduler.planner`'s,
-unchanged, on a `Snapshot` measured by the controller's own `scheduler.rates`. Policies on
+placement decision of `flip_abort`, `flip_reprefill` and `cellflip` is `scheduler.planner.plan`'s,
+unchanged, on a `Snapshot` measured by the controller's own `scheduler.control.rates`. Policies on
 the same workload: sync (verl-like rounds; sync_p99 beside it), static (its rollout share
 chosen on seed 0 over 0.00..1.00, a 0.05 sweep refined by 0.01), flip_abort, flip_reprefill,
 cellflip, and the free oracle (the ceiling). Every policy is reported as the mean over seeds

@@ -42,7 +42,7 @@ from common import emit, parse_args, set_threads
 from cells.localcluster import Cluster
 from cells.trainer.client import TrainerClient
 from cells.trainer.toy_task import TOY_RENDERER, TaskSpec, heldout_eval
-from scheduler.config import parse_config
+from scheduler.contract.config import parse_config
 
 WINDOW = 3
 HELDOUT = 32

@@ -48,7 +48,7 @@ Fields of the JSON line:
   max_healthy_s: until the whole cluster is healthy again, restarts and catch-ups included).
 - checker_errors: checks that raised (main and canary runs); a crashed checker fails the run.
 - canary_violations: violations the same checkers report in the canary runs, where the
-  scheduler runs with the test-only CELLFLIP_CANARY_NO_FENCING=1 (scheduler/migrations.py: a
+  scheduler runs with the test-only CELLFLIP_CANARY_NO_FENCING=1 (scheduler/control/migrations.py: a
   source's abort after the destination's commit won is accepted, fenced parties are not
   refused, and a stale epoch's tokens are stored) over the fencing-sensitive scenarios.
   Must be > 0: the checkers can fail.

@@ -35,7 +35,7 @@ from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import resolve_spec
 from cells.localcluster import Cluster, Streamer, cluster_config
 from cells.trainer.versions_host import VersionHost
-from scheduler.config import parse_config
+from scheduler.contract.config import parse_config
 
 
 def _weights(cfg: dict, n: int) -> dict[int, dict[str, torch.Tensor]]:

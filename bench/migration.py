@@ -36,7 +36,7 @@ from pathlib import Path
 from common import Timer, emit, parse_args, set_threads
 
 from cells.localcluster import Cluster, Streamer, find_free_port
-from scheduler.config import parse_config
+from scheduler.contract.config import parse_config
 
 NEW_TOKENS = 768
 FLIP_AFTER = 8

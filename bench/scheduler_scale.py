@@ -8,7 +8,7 @@ flipped to training. The fleet state is moved out of the cyclic GC first (`gc.fr
 finish and admit sessions, the backlog of finished trajectories wanders (so the planner
 flips both ways), and the last tick's decisions are applied.
 
-REST: the real app (`scheduler.app.create_app`) under uvicorn on 127.0.0.1 with its SQLite
+REST: the real app (`scheduler.api.app.create_app`) under uvicorn on 127.0.0.1 with its SQLite
 store, a bounded loop of sequential keep-alive requests from one client:
 GET /v1/cells/{id} and POST /v1/flips {"count": 1}.
 
@@ -33,8 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scheduler.planner import choose_destinations, plan_flips  # noqa: E402
-from scheduler.planner_types import CellSummary, RequestSummary, Snapshot  # noqa: E402
+from scheduler.planner.destinations import choose_destinations  # noqa: E402
+from scheduler.planner.plan import plan_flips  # noqa: E402
+from scheduler.planner.types import CellSummary, RequestSummary, Snapshot  # noqa: E402
 
 CAPACITY = 128
 """Sessions per rollout cell (1,000,000 sessions on ~9,000 rollout cells)."""
@@ -169,8 +170,8 @@ def bench_api(seconds: float, n_cells: int) -> dict | None:
         import httpx
         import uvicorn
 
-        from scheduler.app import create_app
-        from scheduler.config import SchedulerConfig
+        from scheduler.api.app import create_app
+        from scheduler.contract.config import SchedulerConfig
     except ImportError as e:
         print(f"api: skipped ({e})")
         return None

@@ -41,10 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scheduler.gateway.memory import InMemoryBackend, ReplayEngine, echo_assistant  # noqa: E402
-from scheduler.gateway.render import ChatRenderer, load_renderer  # noqa: E402
+from scheduler.contract.tito.memory import InMemoryBackend, ReplayEngine, echo_assistant  # noqa: E402
+from scheduler.contract.tito.render import ChatRenderer, load_renderer  # noqa: E402
+from scheduler.contract.tito.tito import naive_rerender_drift  # noqa: E402
 from scheduler.gateway.router import make_chat_router  # noqa: E402
-from scheduler.gateway.tito import naive_rerender_drift  # noqa: E402
 
 DATA = ROOT / "bench" / "data"
 RENDERERS = ("qwen3", "deepseek-v3")

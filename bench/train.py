@@ -43,8 +43,6 @@ from pathlib import Path
 
 from common import ROOT, emit, parse_args, set_threads
 
-import torch
-
 from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import PRESETS
 from cells.trainer.learner import Learner

@@ -33,7 +33,7 @@ VOCAB, HIDDEN, ROWS = 151_936, 256, 2_000
 
 def _ours(rank: int, port: int, q, repeats: int, dense: bool) -> None:
     from cells.transport.p2p import join_group
-    from cells.transport.store import connect, StoreAddress
+    from cells.transport.store import StoreAddress, connect
 
     store = connect(StoreAddress("127.0.0.1", port))
     pg = join_group(store, f"bench/{dense}/", rank, 2, timeout_s=60, connect_timeout_s=60, device=torch.device("cpu"))

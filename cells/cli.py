@@ -17,16 +17,16 @@ import threading
 
 
 def _load(path: str | None):
-    from scheduler.config import CellflipConfig, load_config
+    from scheduler.contract.config import CellflipConfig, load_config
 
     return load_config(path) if path else CellflipConfig()
 
 
 def _token(cfg, token_file: str | None = None) -> str | None:
-    """The API token a client of the scheduler sends (scheduler/auth.py: the config's file,
+    """The API token a client of the scheduler sends (scheduler/contract/tokens.py: the config's file,
     CELLFLIP_API_TOKEN, or the file the scheduler generated); a bad file exits with one line."""
-    from scheduler.auth import client_token
-    from scheduler.config import ConfigError
+    from scheduler.contract.config import ConfigError
+    from scheduler.contract.tokens import client_token
 
     try:
         return client_token(cfg.scheduler, token_file)
@@ -52,8 +52,8 @@ def cmd_scheduler(args) -> int:
     import runpy
     import warnings
 
-    from scheduler.auth import server_token
-    from scheduler.config import ConfigError
+    from scheduler.contract.config import ConfigError
+    from scheduler.contract.tokens import server_token
 
     cfg = _load(args.config)
     db = args.db or cfg.scheduler.db_path
@@ -85,7 +85,7 @@ def cell_config(args, cfg):
     or SGLang's model path. Raises SystemExit naming the flag on a bad combination."""
     from pydantic import ValidationError
 
-    from scheduler.config import EmbeddedEngineConfig, SGLangEngineConfig
+    from scheduler.contract.config import EmbeddedEngineConfig, SGLangEngineConfig
 
     base = cfg.cells.engine
     kind = args.engine or base.type
@@ -116,7 +116,7 @@ def cell_config(args, cfg):
 def build_engine(eng_cfg):
     """The cell's engine. SGLang that cannot run here (not installed, a wrong version, a
     setting that changes what log-probs mean) exits with the adapter's message."""
-    from scheduler.config import EmbeddedEngineConfig
+    from scheduler.contract.config import EmbeddedEngineConfig
 
     if isinstance(eng_cfg, EmbeddedEngineConfig):
         import torch
@@ -183,7 +183,7 @@ def cmd_up(args) -> int:
 
 def _launcher(cfg, ray_address: str | None):
     """The config's launcher; `--ray [ADDRESS]` selects Ray (keeping the config's Ray settings)."""
-    from scheduler.config import RayLauncherConfig
+    from scheduler.contract.config import RayLauncherConfig
 
     if ray_address is None:
         return cfg.launcher

@@ -1,10 +1,10 @@
-"""The cell's HTTP client for the scheduler's internal protocol (scheduler/protocol.py)."""
+"""The cell's HTTP client for the scheduler's internal protocol (scheduler/contract/protocol.py)."""
 
 from __future__ import annotations
 
 import httpx
 
-from scheduler.protocol import (
+from scheduler.contract.protocol import (
     AbortMigrationRequest,
     CommitRequest,
     RegisterRequest,

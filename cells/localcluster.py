@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from scheduler.auth import TOKEN_ENV, auth_headers
+from scheduler.contract.tokens import TOKEN_ENV, auth_headers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -90,8 +90,8 @@ class Cluster:
         """The cluster's API token, passed to every process it starts: the one clients would
         find (the config's file, $CELLFLIP_API_TOKEN, the scheduler's generated file), else a
         fresh one; None where the config turns auth off."""
-        from scheduler.auth import client_token
-        from scheduler.config import parse_config
+        from scheduler.contract.config import parse_config
+        from scheduler.contract.tokens import client_token
 
         sched = parse_config(self.cfg).scheduler
         if sched.auth == "none":
@@ -250,7 +250,7 @@ def reference_tokens(cfg: dict, request_id: str, prompt: list[int], max_tokens: 
     """The same request on one in-process engine, never moved (batch-invariant mode)."""
     from cells.engine.embedded import EmbeddedEngine
     from cells.engine.records import SamplingParams
-    from scheduler.config import parse_config
+    from scheduler.contract.config import parse_config
 
     eng = EmbeddedEngine(parse_config(cfg).cells.engine)
     eng.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, seed=seed))

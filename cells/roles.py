@@ -1,5 +1,5 @@
 """The cell's own view of its role: a table of allowed edges (each with its reason) and a
-history. The scheduler keeps the authoritative machine (scheduler/states.py, which adds
+history. The scheduler keeps the authoritative machine (scheduler/contract/states.py, which adds
 `joining`, `draining` and `down`); the cell reports the role it is ready for in every sync.
 """
 

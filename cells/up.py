@@ -82,8 +82,8 @@ def cmd_up(args) -> int:
 def _ensure_token(cfg) -> str:
     """Make sure the scheduler's token exists before anything starts (every process of the
     cluster reads the same one); returns where it is, for the start-up lines."""
-    from scheduler.auth import TOKEN_ENV, default_token_path, server_token
-    from scheduler.config import ConfigError
+    from scheduler.contract.config import ConfigError
+    from scheduler.contract.tokens import TOKEN_ENV, default_token_path, server_token
 
     try:
         token = server_token(cfg.scheduler)

@@ -42,8 +42,8 @@ from cells.transport.receive import (
     report_update,
 )
 from cells.transport.store import StoreAddress
-from scheduler.failpoints import failpoint
-from scheduler.protocol import BroadcastEvent, LoadVersionCmd, ScoreCmd, ScoredEvent
+from scheduler.contract.failpoints import failpoint
+from scheduler.contract.protocol import BroadcastEvent, LoadVersionCmd, ScoreCmd, ScoredEvent
 
 log = logging.getLogger("cellflip.versions")
 

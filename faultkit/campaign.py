@@ -20,7 +20,7 @@ scheduler SIGKILLed between recording a flip and acting on it and at every migra
 mid-bucket, and a cell killed or failing during the log-prob scoring pass.
 
 The canary (`canary=True`) restarts the scheduler with the test-only switch
-CELLFLIP_CANARY_NO_FENCING=1 (scheduler/migrations.py) and runs the fencing-sensitive
+CELLFLIP_CANARY_NO_FENCING=1 (scheduler/control/migrations.py) and runs the fencing-sensitive
 scenarios again; the checkers must report violations there.
 """
 
@@ -54,7 +54,7 @@ HEALTHY_DEADLINE_S = 60.0
 STALL_TIMEOUT_S = 15.0
 """The scheduler's stall watchdog here: well inside the 60 s a run waits for tokens."""
 STALL_LOG_LINE = "has not advanced for"
-"""What the scheduler logs when its watchdog takes requests back (scheduler/ownership.py)."""
+"""What the scheduler logs when its watchdog takes requests back (scheduler/control/ownership.py)."""
 BUCKET_BYTES = 256 << 10
 CELLS = 3
 
@@ -441,7 +441,7 @@ class Campaign:
     def reference(self, v: int, client: Streamer) -> list[int]:
         from cells.engine.embedded import EmbeddedEngine
         from cells.engine.records import SamplingParams
-        from scheduler.config import parse_config
+        from scheduler.contract.config import parse_config
 
         eng = self._engines.get(v)
         if eng is None:
@@ -991,7 +991,7 @@ def scn_training_rank_fault(camp: Campaign, run: Run, k: int) -> None:
     from cells.engine.embedded.model_spec import resolve_spec
     from cells.trainer.learner import Learner
     from cells.training.coordinator import TrainingCoordinator
-    from scheduler.config import parse_config
+    from scheduler.contract.config import parse_config
 
     variant = ["kill", "stop"][k % 2]
     victim, other, _ = _names(run.rng)

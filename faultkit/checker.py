@@ -41,7 +41,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from scheduler.states import FLIP, MIGRATION, REQUEST, VERSION, Machine
+from scheduler.contract.states import FLIP, MIGRATION, REQUEST, VERSION, Machine
 
 OWNED = ("running", "migrating", "parked")
 WAITING = ("queued", "suspended")

@@ -1,7 +1,7 @@
 """The nemesis: fault actions on a local cluster's real processes, each recorded in the history.
 
 - failpoints per process: a cell (or the scheduler) is (re)started with `CELLFLIP_FAILPOINTS`
-  (scheduler/failpoints.py: raise / kill / stop / sleep:S / block, `N*` for the N-th hit only);
+  (scheduler/contract/failpoints.py: raise / kill / stop / sleep:S / block, `N*` for the N-th hit only);
 - signals: SIGKILL (a crash), SIGSTOP then SIGCONT (a stall past the lease: a zombie);
 - restarts: a killed cell comes back as a new incarnation, a killed scheduler on the same store;
 - the trainer: a separate process that holds one weight version and broadcasts it, so that it
@@ -44,7 +44,7 @@ def version_weights(cfg: dict, version: int):
 
     from cells.engine.embedded.model import init_weights
     from cells.engine.embedded.model_spec import resolve_spec
-    from scheduler.config import parse_config
+    from scheduler.contract.config import parse_config
 
     ecfg = parse_config(cfg).cells.engine
     w = init_weights(resolve_spec(ecfg.model), ecfg.model.seed)
@@ -215,7 +215,7 @@ def _trainer_main(args: argparse.Namespace) -> int:
     import yaml
 
     from cells.trainer.versions_host import VersionHost
-    from scheduler.auth import TOKEN_ENV, auth_headers
+    from scheduler.contract.tokens import TOKEN_ENV, auth_headers
 
     cfg = yaml.safe_load(Path(args.config).read_text())
     host = VersionHost(bucket_bytes=args.bucket_bytes, timeout_s=args.timeout, join_timeout_s=args.timeout)

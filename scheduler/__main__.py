@@ -10,8 +10,8 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    from scheduler.app import create_app
-    from scheduler.config import CellflipConfig, ConfigError, load_config
+    from scheduler.api.app import create_app
+    from scheduler.contract.config import CellflipConfig, ConfigError, load_config
 
     p = argparse.ArgumentParser(prog="python -m scheduler", description="cellflip scheduler (control plane)")
     p.add_argument("--config", help="YAML config file (default: built-in defaults)")

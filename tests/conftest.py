@@ -9,7 +9,7 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The API token every scheduler a test starts requires, and every client of it sends
-# (scheduler/auth.py: an unset token file falls back to this variable). Tests of the token
+# (scheduler/contract/tokens.py: an unset token file falls back to this variable). Tests of the token
 # file itself unset it.
 os.environ["CELLFLIP_API_TOKEN"] = "test-token-" + os.urandom(8).hex()
 AUTH = {"Authorization": f"Bearer {os.environ['CELLFLIP_API_TOKEN']}"}

@@ -18,7 +18,7 @@ from sim import BUILTIN, Workload, WorkloadError, load_workload, make_policy, ru
 from sim.cluster import LOADING, ROLLOUT, TRAINING, Cluster  # noqa: E402
 from sim.trainer import Trainer  # noqa: E402
 
-from scheduler.planner import plan_flips  # noqa: E402
+from scheduler.planner.plan import plan_flips  # noqa: E402
 
 HOUR = 3600.0
 

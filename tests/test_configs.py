@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.config import ConfigError, load_config, parse_config
+from scheduler.contract.config import ConfigError, load_config, parse_config
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # configs/sim/ holds cluster-simulator workloads, a different schema with its own tests.

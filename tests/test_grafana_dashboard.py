@@ -2,7 +2,7 @@
 
 Every `cellflip_*` identifier in a panel's PromQL (and in the templating queries) must be a
 sample name the scheduler's registry exposes (`_total` for counters, `_bucket/_sum/_count`
-for histograms), so renaming a metric in scheduler/metrics.py fails here. Labels named in
+for histograms), so renaming a metric in scheduler/control/metrics.py fails here. Labels named in
 `by (...)`, `without (...)`, selectors, `label_values(...)` and `{{legend}}` templates must be
 declared on the metric they apply to.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.metrics import MetricWrapperBase
 
-from scheduler.metrics import Metrics
+from scheduler.control.metrics import Metrics
 
 DASHBOARD = (
     Path(__file__).resolve().parent.parent / "configs" / "grafana" / "cellflip-dashboard.json"

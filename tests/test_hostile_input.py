@@ -40,9 +40,9 @@ import uvicorn
 import yaml
 from fastapi.testclient import TestClient
 
-from scheduler.app import create_app
-from scheduler.auth import BearerAuth
-from scheduler.config import ConfigError, SchedulerConfig
+from scheduler.api.app import create_app
+from scheduler.api.auth import BearerAuth
+from scheduler.contract.config import ConfigError, SchedulerConfig
 from tests.scheduler.sched_fakes import FakeCell, Harness, make_config, pump
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -587,7 +587,7 @@ def test_version_publish_replay_returns_the_first_answer(harness):
 
 
 def test_idempotency_keys_expire_after_their_ttl(harness):
-    from scheduler import idempotency
+    from scheduler.control import idempotency
 
     _fleet(harness, 3)
     key = {"Idempotency-Key": "old"}

@@ -31,7 +31,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-SCAN = ("cells", "scheduler", "bench")
+SCAN = ("cells", "scheduler", "bench", "faultkit")
 
 PICKLE_MODULES = {"pickle", "cPickle", "_pickle", "pickletools", "dill", "cloudpickle", "shelve", "marshal",
                   "joblib", "copyreg", "torch.distributed.rpc", "multiprocessing.connection",
@@ -168,7 +168,7 @@ msg = "pickle"
 
 def test_no_pickle_in_the_source_tree():
     files = _sources()
-    assert len(files) > 50 and ROOT / "scheduler" / "protocol.py" in files and ROOT / "cells" / "transport" / "p2p.py" in files
+    assert len(files) > 50 and ROOT / "scheduler" / "contract" / "protocol.py" in files and ROOT / "cells" / "transport" / "p2p.py" in files
     findings = [f"{p.relative_to(ROOT)}:{line}: {what}" for p in files for line, what in scan_source(p.read_text(), str(p))]
     assert findings == [], "\n".join(findings)
 
@@ -225,8 +225,8 @@ def test_refusal_is_in_force(no_pickle):
 
 
 def _messages() -> list[type]:
-    from scheduler import protocol, protocol_commands
-    from scheduler.protocol_base import Message
+    from scheduler.contract import protocol, protocol_commands
+    from scheduler.contract.protocol_base import Message
     out = {c for m in (protocol, protocol_commands) for c in vars(m).values()
            if isinstance(c, type) and issubclass(c, Message) and dataclasses.is_dataclass(c)}
     return sorted(out, key=lambda c: c.__name__)
@@ -257,7 +257,7 @@ def _build(cls):
 
 
 def test_every_protocol_message_round_trips_through_json_text(no_pickle):
-    from scheduler.protocol import COMMANDS, EVENTS, decode_command, decode_event
+    from scheduler.contract.protocol import COMMANDS, EVENTS, decode_command, decode_event
 
     classes = _messages()
     assert len(classes) >= 20 and set(COMMANDS.values()) | set(EVENTS.values()) <= set(classes)

@@ -11,15 +11,17 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scheduler.planner import (  # noqa: E402
-    choose_cells_to_flip,
+from scheduler.planner.destinations import (  # noqa: E402
     choose_destination,
     choose_destinations,
     move_seconds,
+)
+from scheduler.planner.plan import (  # noqa: E402
+    choose_cells_to_flip,
     plan_flips,
     wanted_training_cells,
 )
-from scheduler.planner_types import (  # noqa: E402
+from scheduler.planner.types import (  # noqa: E402
     CellSummary,
     LinkCostModel,
     PlannerPolicy,
@@ -279,7 +281,7 @@ def test_rollout_rate_is_per_occupied_slot():
 
 
 def test_backlog_horizon_follows_measured_durations():
-    from scheduler.planner import backlog_horizon_s
+    from scheduler.planner.plan import backlog_horizon_s
 
     pol = PlannerPolicy()
     cells = [cell(i) for i in range(10)]

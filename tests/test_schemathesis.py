@@ -37,7 +37,7 @@ from schemathesis.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from scheduler.app import create_app  # noqa: E402
+from scheduler.api.app import create_app  # noqa: E402
 from tests.conftest import AUTH  # noqa: E402
 from tests.scheduler.sched_fakes import make_config  # noqa: E402
 

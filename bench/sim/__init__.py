@@ -20,7 +20,7 @@ Model (what the figures of bench/cluster_sim.py rest on):
 - Weight versions reach rollout cells while they decode; a cell entering rollout loads for
   `broadcast_s` first. Per-cell versions are therefore all current and not modelled.
 - Measurements: the planner's `Snapshot` carries rates measured by the controller's own
-  `scheduler.rates.Rates`, fed what the simulator observes, as the scheduler feeds it.
+  `scheduler.control.rates.Rates`, fed what the simulator observes, as the scheduler feeds it.
 """
 
 from .policies import POLICIES, Oracle, Planned, Policy, Static, Sync, make_policy

@@ -27,14 +27,14 @@ from collections import deque
 
 import numpy as np
 
-from scheduler.planner import choose_destinations
-from scheduler.planner_types import (
+from scheduler.control.rates import Rates
+from scheduler.planner.destinations import choose_destinations
+from scheduler.planner.types import (
     CellSummary,
     LinkCostModel,
     RequestSummary,
     Snapshot,
 )
-from scheduler.rates import Rates
 
 from .trainer import Trainer
 from .workload import Workload
@@ -337,7 +337,7 @@ class Cluster:
     # ------------------------------------------------------------ planner view
     def snapshot(self, t: float, rates: Rates | None = None) -> Snapshot:
         """Rebuild summaries of changed cells and return the planner's view, every field filled
-        as the controller fills it (rates measured by `rates`, the same `scheduler.rates.Rates`).
+        as the controller fills it (rates measured by `rates`, the same `scheduler.control.rates.Rates`).
         Changes nothing but the summary cache."""
         # in-flight tokens grow while cells decode: a summary more than TOKENS_SLACK off is rebuilt
         tokens = self._tokens_per_cell(t)

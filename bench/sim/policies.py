@@ -6,7 +6,7 @@
   cut sessions' tokens are discarded).
 - `static`: a fixed rollout/training split, continuous admission, asynchronous training
   within the staleness bound (AReaL-like).
-- `flip_abort`: `scheduler.planner.plan_flips` decides; a flip aborts its cell's rollouts,
+- `flip_abort`: `scheduler.planner.plan.plan_flips` decides; a flip aborts its cell's rollouts,
   which restart from the prompt elsewhere (progress lost), as verl and ROLL do today.
 - `flip_reprefill`: the planner decides; a flip re-prefills its rollouts elsewhere, keeping
   their tokens, the prefill paid by the destination cell.
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler.planner import plan_flips
-from scheduler.planner_types import FlipDecision, PlannerPolicy, Snapshot
-from scheduler.rates import Rates
+from scheduler.control.rates import Rates
+from scheduler.planner.plan import plan_flips
+from scheduler.planner.types import FlipDecision, PlannerPolicy, Snapshot
 
 from .cluster import LOADING, ROLLOUT, TRAINING, Cluster
 

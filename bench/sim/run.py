@@ -1,7 +1,7 @@
 """One simulated run: a workload, a policy, N cells, H hours -> `RunResult`.
 
 One line: advance to the tick (exact finishes and training events) -> measure rates (the
-controller's `scheduler.rates.Rates`) ->
+controller's `scheduler.control.rates.Rates`) ->
 policy decides (flips, migrations) -> resume suspended -> admit -> record.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from scheduler.rates import Rates, TrainerDemand
+from scheduler.control.rates import Rates, TrainerDemand
 
 from .cluster import LOADING, ROLLOUT, TRAINING, Cluster
 from .policies import Policy
@@ -85,7 +85,7 @@ def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float | None =
     policy.start(cl)
     if policy.admits(cl, 0.0):
         cl.admit(0.0)
-    # the controller's measurements, by the controller's own code (scheduler.rates)
+    # the controller's measurements, by the controller's own code (scheduler.control.rates)
     rates = Rates()
     last_step = None
     occupied = int(cl.inflight.sum())

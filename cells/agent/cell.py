@@ -34,8 +34,14 @@ from cells.roles import CellRole
 from cells.training.worker import TrainingWorker
 from cells.transport.store import StoreHost
 from cells.versions import CellVersions
-from scheduler.config import CellflipConfig
-from scheduler.protocol import Capabilities, RegisterRequest, Summary, SyncRequest, TokenBatch
+from scheduler.contract.config import CellflipConfig
+from scheduler.contract.protocol import (
+    Capabilities,
+    RegisterRequest,
+    Summary,
+    SyncRequest,
+    TokenBatch,
+)
 
 log = logging.getLogger("cellflip.cell")
 

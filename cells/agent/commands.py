@@ -1,4 +1,4 @@
-"""The scheduler's commands on a cell, routed by type (`scheduler.protocol.dispatch`).
+"""The scheduler's commands on a cell, routed by type (`scheduler.contract.protocol.dispatch`).
 
 Every handler runs on the sync loop under the engine lock, between two engine steps. What an
 engine can do is read from its `Capabilities`: a command it cannot carry out is refused the
@@ -16,7 +16,7 @@ from cells.agent.owned import Owned
 from cells.engine.base import kv_handover, role_handover, scoring, versioned_weights
 from cells.engine.records import EngineError, SamplingParams
 from cells.transport.store import StoreAddress
-from scheduler.protocol import (
+from scheduler.contract.protocol import (
     AbortCmd,
     CancelMigrationCmd,
     DropVersionCmd,

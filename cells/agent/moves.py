@@ -26,7 +26,7 @@ from cells.migration import (
     StagingBuffers,
     migration_event,
 )
-from scheduler.protocol import CancelMigrationCmd, MigrateInCmd, MigrateOutCmd
+from scheduler.contract.protocol import CancelMigrationCmd, MigrateInCmd, MigrateOutCmd
 
 if TYPE_CHECKING:
     from cells.agent.cell import CellAgent

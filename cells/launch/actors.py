@@ -96,7 +96,7 @@ def scheduler_url(namespace: str, timeout_s: float = LOOKUP_TIMEOUT_S) -> str:
 
 def _load(config_json: str):
     """The deployment's config; also points this process's logging at Ray's worker log."""
-    from scheduler.config import parse_config
+    from scheduler.contract.config import parse_config
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -124,20 +124,22 @@ def _die_with(target, name: str):
 
 
 class SchedulerActor:
-    """The control plane in this process: uvicorn serving `scheduler.app` on the node's IP."""
+    """The control plane in this process: uvicorn serving `scheduler.api.app` on the node's IP."""
 
     def __init__(self, config_json: str) -> None:
         import uvicorn
 
-        from scheduler.app import create_app
+        from scheduler.contract.config import SCHEDULER_CONFIG_ENV
 
         cfg = _load(config_json)
         self.ip, self.node_id = node_address()
         url_file = Path(cfg.scheduler.db_path).resolve().parent / URL_FILE
         port = cfg.scheduler.port or _remembered_port(url_file, self.ip) or _free_port(self.ip)
         sched = cfg.scheduler.model_copy(update={"host": self.ip, "port": port})
-        app = create_app(cfg.model_copy(update={"scheduler": sched}))
-        self.server = uvicorn.Server(uvicorn.Config(app, host=self.ip, port=port, log_level="warning"))
+        # the app is built by module path from the config's JSON text, in this process
+        os.environ[SCHEDULER_CONFIG_ENV] = cfg.model_copy(update={"scheduler": sched}).model_dump_json()
+        self.server = uvicorn.Server(uvicorn.Config("scheduler.api.app:create_app_from_env", factory=True,
+                                                    host=self.ip, port=port, log_level="warning"))
         self.thread, self._stopping = _die_with(self.server.run, "scheduler")
         deadline = time.monotonic() + 60
         while not self.server.started:
@@ -204,7 +206,7 @@ class CellActor(_LoopActor):
     def __init__(self, config_json: str, cell_id: str, namespace: str) -> None:
         from cells.agent import CellAgent
         from cells.cli import build_engine
-        from scheduler.auth import client_token
+        from scheduler.contract.tokens import client_token
 
         cfg = _load(config_json)
         self.cell_id, self.namespace = cell_id, namespace
@@ -273,7 +275,7 @@ class TrainerActor(_LoopActor):
         import torch
 
         from cells.trainer.trainer import Trainer
-        from scheduler.auth import client_token
+        from scheduler.contract.tokens import client_token
 
         torch.set_num_threads(1)
         cfg = _load(config_json)

@@ -30,8 +30,8 @@ from cells.launch.actors import (
     cell_name,
 )
 from cells.localcluster import Cluster
-from scheduler.auth import TOKEN_ENV, auth_headers
-from scheduler.config import RayLauncherConfig, SGLangEngineConfig, parse_config
+from scheduler.contract.config import RayLauncherConfig, SGLangEngineConfig, parse_config
+from scheduler.contract.tokens import TOKEN_ENV, auth_headers
 
 RAY_HINT = "cellflip up --ray needs Ray: pip install 'cellflip[ray]'"
 

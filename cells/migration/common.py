@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from cells.engine.base import KVHandover
-from scheduler.protocol import MigrationEvent
+from scheduler.contract.protocol import MigrationEvent
 
 OnEngine = Callable[[Callable[[KVHandover], Any]], Any]
 """`on_engine(fn)` runs `fn(engine)` on the cell's engine (as a KVHandover) between two steps."""

@@ -27,9 +27,9 @@ from cells.migration.common import (
 )
 from cells.transport.p2p import PairChannel, TransferError
 from cells.transport.store import StoreAddress, connect
-from scheduler.config import MigrationConfig
-from scheduler.failpoints import failpoint
-from scheduler.protocol import CommitRequest, MigrateInCmd, Tail
+from scheduler.contract.config import MigrationConfig
+from scheduler.contract.failpoints import failpoint
+from scheduler.contract.protocol import CommitRequest, MigrateInCmd, Tail
 
 log = logging.getLogger("cellflip.migration")
 

@@ -28,9 +28,9 @@ from cells.migration.common import (
     kv_header,
 )
 from cells.transport.p2p import PairChannel, TransferError
-from scheduler.config import MigrationConfig
-from scheduler.failpoints import failpoint
-from scheduler.protocol import AbortMigrationRequest, MigrateOutCmd
+from scheduler.contract.config import MigrationConfig
+from scheduler.contract.failpoints import failpoint
+from scheduler.contract.protocol import AbortMigrationRequest, MigrateOutCmd
 
 log = logging.getLogger("cellflip.migration")
 

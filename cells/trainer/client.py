@@ -27,7 +27,7 @@ class TrainerClient:
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
         """`token`: the API token; None reads it as every client does ($CELLFLIP_API_TOKEN,
         else the scheduler's generated `runs/api.token`)."""
-        from scheduler.auth import client_token
+        from scheduler.contract.tokens import client_token
 
         token = token if token is not None else client_token()
         headers = {"Authorization": f"Bearer {token}"} if token else {}

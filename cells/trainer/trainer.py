@@ -48,7 +48,7 @@ from cells.trainer.step_cells import StepCells, StepFigures
 from cells.trainer.versions_host import VersionHost
 from cells.trainer.warmup import run_warmup
 from cells.training.coordinator import TrainingCoordinator
-from scheduler.config import CellflipConfig, EmbeddedEngineConfig
+from scheduler.contract.config import CellflipConfig, EmbeddedEngineConfig
 
 log = logging.getLogger("cellflip.trainer")
 

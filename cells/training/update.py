@@ -38,7 +38,7 @@ from cells.training.tree_loss import (
     start_trees,
     tree_loss,
 )
-from scheduler.failpoints import failpoint
+from scheduler.contract.failpoints import failpoint
 
 # Per-minibatch sums reduced over the ranks; the reported means are rebuilt from them.
 _COUNTS = ("num_tokens", "num_kept", "num_exact", "num_missing", "num_missing_kept", "num_missing_in_band")

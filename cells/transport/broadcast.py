@@ -40,7 +40,7 @@ from cells.transport.buckets import (
 from cells.transport.catchup import recv_version_p2p, send_version_p2p  # noqa: F401 (re-export)
 from cells.transport.p2p import TransferError, discard, join_group, wait_work
 from cells.transport.store import POLL_S, get_json, set_json, wait_json, wait_keys
-from scheduler.failpoints import failpoint
+from scheduler.contract.failpoints import failpoint
 
 
 @dataclass

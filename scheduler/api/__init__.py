@@ -1,6 +1,2 @@
-"""REST API: one APIRouter per resource; handlers validate, call the controller, return."""
-
-from scheduler.api import cells, completions, flips, internal, ops, sessions, trainer, versions
-
-ROUTERS = (ops.router, cells.router, flips.router, versions.router, sessions.router,
-           completions.router, internal.router, trainer.router)
+"""The REST API: the app factory (app.py), bearer auth, request limits, idempotency and one
+router per resource (routes.py)."""

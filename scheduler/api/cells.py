@@ -6,7 +6,7 @@ from fastapi import APIRouter
 
 from scheduler.api.deps import ApiRoute, Ctl
 from scheduler.api.schemas import errors
-from scheduler.errors import NotFound
+from scheduler.contract.errors import NotFound
 
 router = APIRouter(prefix="/v1/cells", tags=["cells"], route_class=ApiRoute, responses=errors(401))
 

@@ -15,8 +15,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from scheduler.controller import Controller
-from scheduler.errors import Invalid
+from scheduler.contract.errors import Invalid
+from scheduler.control.controller import Controller
 
 
 def get_controller(request: Request) -> Controller:

@@ -1,4 +1,4 @@
-"""Cell protocol routes (see scheduler.protocol for every message and rule)."""
+"""Cell protocol routes (see scheduler.contract.protocol for every message and rule)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,12 @@ from fastapi import APIRouter
 
 from scheduler.api.deps import ApiRoute, Ctl, check_int64
 from scheduler.api.schemas import errors
-from scheduler.protocol import AbortMigrationRequest, CommitRequest, RegisterRequest, SyncRequest
+from scheduler.contract.protocol import (
+    AbortMigrationRequest,
+    CommitRequest,
+    RegisterRequest,
+    SyncRequest,
+)
 
 router = APIRouter(prefix="/internal/v1", tags=["internal"], route_class=ApiRoute, responses=errors(401))
 

@@ -1,5 +1,5 @@
 """GET /v1/sessions/{id}, POST /v1/sessions/{id}/finish, GET /v1/trajectories (with each
-trajectory's staleness, past the bound handled by policy: scheduler/staleness.py),
+trajectory's staleness, past the bound handled by policy: scheduler/control/staleness.py),
 POST /v1/trajectories/dropped (groups the trainer dropped, counted)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pydantic import Field
 
 from scheduler.api.deps import ApiRoute, Ctl
 from scheduler.api.schemas import SessionFinish, _Body, errors
-from scheduler.metrics import GROUP_DROP_REASONS
+from scheduler.control.metrics import GROUP_DROP_REASONS
 
 router = APIRouter(tags=["sessions"], route_class=ApiRoute, responses=errors(401))
 

@@ -13,9 +13,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from scheduler.gateway.openai_schema import ChatCompletionRequest
+from scheduler.api.jsontext import MAX_DEPTH, depth, lone_surrogate_path
+from scheduler.contract.tito.openai_schema import ChatCompletionRequest
 from scheduler.gateway.responses import error_response
-from scheduler.jsontext import MAX_DEPTH, depth, lone_surrogate_path
 
 __all__ = ["SESSION_HEADER", "parse_chat_request", "read_body", "session_id"]
 

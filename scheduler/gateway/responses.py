@@ -6,9 +6,9 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-from scheduler.gateway.backend import BackendError
-from scheduler.gateway.openai_schema import ChatCompletionRequest, error_body
-from scheduler.gateway.turn import TurnResult
+from scheduler.contract.tito.backend import BackendError
+from scheduler.contract.tito.openai_schema import ChatCompletionRequest, error_body
+from scheduler.contract.tito.turn import TurnResult
 
 __all__ = [
     "backend_error_response",

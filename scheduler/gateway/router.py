@@ -38,7 +38,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from scheduler.gateway.backend import (
+from scheduler.contract.tito.backend import (
     BackendError,
     CompletionBackend,
     GatewayCounters,
@@ -46,18 +46,18 @@ from scheduler.gateway.backend import (
     SessionFinished,
     SessionNotFound,
 )
-from scheduler.gateway.config import DEFAULT_MAX_PROMPT_TOKENS
-from scheduler.gateway.intake import SESSION_HEADER, parse_chat_request, read_body, session_id
-from scheduler.gateway.openai_schema import (
+from scheduler.contract.tito.config import DEFAULT_MAX_PROMPT_TOKENS
+from scheduler.contract.tito.openai_schema import (
     ChatCompletion,
     ChatCompletionRequest,
     ErrorResponse,
     FinishRequest,
 )
-from scheduler.gateway.render import ChatRenderer, load_renderer
+from scheduler.contract.tito.render import ChatRenderer, load_renderer
+from scheduler.contract.tito.tito import GatewayError, TitoGateway
+from scheduler.gateway.intake import SESSION_HEADER, parse_chat_request, read_body, session_id
 from scheduler.gateway.responses import backend_error_response, completion_body, error_response
 from scheduler.gateway.streaming import start_stream
-from scheduler.gateway.tito import GatewayError, TitoGateway
 
 __all__ = ["make_chat_router", "SESSION_HEADER"]
 
@@ -98,7 +98,7 @@ def make_chat_router(
     """Build the gateway router.
 
     ``tokenizer_name`` selects a renderer preset (``qwen3``, ``qwen3-nothink``,
-    ``deepseek-v3``; see :mod:`scheduler.gateway.render`), or pass ``renderer``. Counters:
+    ``deepseek-v3``; see :mod:`scheduler.contract.tito.render`), or pass ``renderer``. Counters:
     ``counters`` if given, else Prometheus counters registered in ``registry`` when one is
     given, else plain in-process counters. ``finish_route=False`` leaves
     ``POST /v1/sessions/{id}/finish`` to the application. The router's ``gateway`` attribute

@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from scheduler.states import role_of
+from scheduler.contract.states import role_of
 from scheduler.store.codec import dumps, loads
 
 if TYPE_CHECKING:

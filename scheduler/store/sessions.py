@@ -19,11 +19,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from scheduler.errors import Conflict, NotFound
+from scheduler.contract.errors import Conflict, NotFound
 from scheduler.store.codec import dumps, loads
 
 if TYPE_CHECKING:
-    from scheduler.protocol import TokenRecord
+    from scheduler.contract.protocol import TokenRecord
     from scheduler.store.db import Store
 
 SCHEMA = """

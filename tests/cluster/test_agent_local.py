@@ -15,7 +15,7 @@ import torch
 from cells.agent import STALL_LOG_S, CellAgent
 from cells.engine.embedded import EmbeddedEngine
 from cells.engine.records import SamplingParams
-from scheduler.config import parse_config
+from scheduler.contract.config import parse_config
 
 torch.set_num_threads(1)
 
@@ -144,7 +144,7 @@ def _pair(cancel: str):
     from cells.engine.base import kv_handover
     from cells.migration import MigrationReceiver, MigrationSender
     from cells.transport.store import StoreHost
-    from scheduler.protocol import MigrateInCmd, MigrateOutCmd
+    from scheduler.contract.protocol import MigrateInCmd, MigrateOutCmd
 
     cfg = parse_config({"cells": {"engine": {"type": "embedded", "model": {"preset": "tiny"}, "num_blocks": 64,
                                              "block_size": 16}},
@@ -203,7 +203,7 @@ def test_cancel_migration_stops_the_transfer_and_keeps_the_request_on_the_source
 
 def test_cancel_migration_without_a_thread_resumes_the_source_and_frees_the_destination(agent):
     from cells.agent import Owned
-    from scheduler.protocol import CancelMigrationCmd
+    from scheduler.contract.protocol import CancelMigrationCmd
 
     eng = agent.engine
     eng.add_request("s", [1, 2, 3, 4], SamplingParams(max_tokens=20, seed=1))

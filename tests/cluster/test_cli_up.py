@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from cells.localcluster import ROOT, SMALL_MODEL, Cluster, find_free_port
-from scheduler.auth import TOKEN_ENV
+from scheduler.contract.tokens import TOKEN_ENV
 
 pytestmark = pytest.mark.slow
 

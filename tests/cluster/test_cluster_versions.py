@@ -12,7 +12,7 @@ from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import resolve_spec
 from cells.engine.records import SamplingParams
 from cells.trainer.versions_host import VersionHost
-from scheduler.config import parse_config
+from scheduler.contract.config import parse_config
 
 from .harness import Cluster
 from .test_cluster_faults import _start

@@ -11,7 +11,7 @@ import pytest
 
 from cells.localcluster import Cluster
 from cells.trainer.trainer import Trainer
-from scheduler.config import parse_config
+from scheduler.contract.config import parse_config
 
 pytestmark = pytest.mark.slow
 

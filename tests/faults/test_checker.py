@@ -5,7 +5,7 @@ import copy
 
 from faultkit import checker
 from faultkit.history import History, load, pairs
-from scheduler.states import FLIP, REQUEST
+from scheduler.contract.states import FLIP, REQUEST
 
 
 def _sample(t=0.0, **over):

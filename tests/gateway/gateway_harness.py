@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from scheduler.gateway.memory import echo_assistant
+from scheduler.contract.tito.memory import echo_assistant
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = ROOT / "bench" / "data"

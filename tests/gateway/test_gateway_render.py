@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.gateway.render import RENDERER_PRESETS, load_renderer
+from scheduler.contract.tito.render import RENDERER_PRESETS, load_renderer
 
 TOOLS = [
     {

@@ -8,10 +8,10 @@ import copy
 import pytest
 from gateway_harness import load_corpus, next_messages
 
-from scheduler.gateway.backend import BackendBusy, PrometheusCounters, SimpleCounters
-from scheduler.gateway.memory import InMemoryBackend, ReplayEngine
-from scheduler.gateway.openai_schema import ChatCompletionRequest
-from scheduler.gateway.tito import GatewayError, TitoGateway, canonical_arguments
+from scheduler.contract.tito.backend import BackendBusy, PrometheusCounters, SimpleCounters
+from scheduler.contract.tito.memory import InMemoryBackend, ReplayEngine
+from scheduler.contract.tito.openai_schema import ChatCompletionRequest
+from scheduler.contract.tito.tito import GatewayError, TitoGateway, canonical_arguments
 
 TOOLS = [
     {

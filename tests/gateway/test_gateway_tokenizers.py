@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.gateway.tokenizers import QWEN3_ADDED_TOKENS, load_tokenizer
+from scheduler.contract.tito.tokenizers import QWEN3_ADDED_TOKENS, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_offline_and_free_of_torch_and_cells():
             raise OSError("network access attempted")
         socket.socket.connect = refuse
         socket.create_connection = refuse
-        from scheduler.gateway.render import load_renderer
+        from scheduler.contract.tito.render import load_renderer
         for name in ("qwen3", "deepseek-v3"):
             r = load_renderer(name)
             ids = r.render_ids([{"role": "user", "content": "hi"}], None, add_generation_prompt=True)

@@ -14,7 +14,12 @@ import yaml
 from cells.launch.actors import ACTOR_CLASSES, check_plain, json_boundary
 from cells.launch.ray_launcher import absolute_paths, cell_bundle, check_reachable
 from cells.localcluster import ROOT, find_free_port
-from scheduler.config import ConfigError, LocalLauncherConfig, RayLauncherConfig, parse_config
+from scheduler.contract.config import (
+    ConfigError,
+    LocalLauncherConfig,
+    RayLauncherConfig,
+    parse_config,
+)
 
 
 def _public_methods(cls):
@@ -86,7 +91,7 @@ def test_paths_reach_the_actors_absolute(tmp_path, monkeypatch):
 
 
 def test_the_embedded_default_never_imports_ray():
-    code = ("import sys, cells.cli, cells.localcluster, scheduler.app, scheduler.config; "
+    code = ("import sys, cells.cli, cells.localcluster, scheduler.api.app, scheduler.contract.config; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
 

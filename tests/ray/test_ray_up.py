@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from cells.localcluster import ROOT, Cluster, Streamer, cluster_config, reference_tokens
-from scheduler.auth import TOKEN_ENV, auth_headers
+from scheduler.contract.tokens import TOKEN_ENV, auth_headers
 
 from .conftest import is_alive
 

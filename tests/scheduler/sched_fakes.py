@@ -9,10 +9,9 @@ from dataclasses import dataclass, field
 
 from fastapi.testclient import TestClient
 
+from scheduler.api.app import create_app
+from scheduler.contract.config import CellflipConfig, MigrationConfig, SchedulerConfig
 from tests.conftest import AUTH
-
-from scheduler.app import create_app
-from scheduler.config import CellflipConfig, MigrationConfig, SchedulerConfig
 
 
 class FakeClock:

@@ -7,13 +7,12 @@ import stat
 
 import pytest
 from fastapi.testclient import TestClient
-
 from sched_fakes import make_config
 
+from scheduler.api.app import create_app
+from scheduler.contract.config import ConfigError, SchedulerConfig
+from scheduler.contract.tokens import TOKEN_ENV, client_token, default_token_path, server_token
 from tests.conftest import AUTH
-from scheduler.app import create_app
-from scheduler.auth import TOKEN_ENV, client_token, default_token_path, server_token
-from scheduler.config import ConfigError, SchedulerConfig
 
 
 @pytest.fixture

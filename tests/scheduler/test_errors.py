@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from scheduler.errors import CellflipError, Conflict, Invalid, NoCapacity, NotFound, http_answer
-from scheduler.gateway.backend import (
+from scheduler.contract.errors import (
+    CellflipError,
+    Conflict,
+    Invalid,
+    NoCapacity,
+    NotFound,
+    http_answer,
+)
+from scheduler.contract.states import IllegalTransition
+from scheduler.contract.tito.backend import (
     BackendBusy,
     BackendError,
     BackendUnavailable,
     SessionFinished,
     SessionNotFound,
 )
-from scheduler.states import IllegalTransition
 
 
 def test_every_refusal_is_a_cellflip_error():

@@ -7,13 +7,12 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
-
-from tests.conftest import AUTH
 from sched_fakes import FakeCell, make_config, open_harness
 
-from scheduler.app import create_app
-from scheduler.config import ConfigError
-from scheduler.limits import BodySizeLimit
+from scheduler.api.app import create_app
+from scheduler.api.limits import BodySizeLimit
+from scheduler.contract.config import ConfigError
+from tests.conftest import AUTH
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ if str(ROOT / "bench") not in sys.path:
 from sim import Workload, make_policy, run_policy  # noqa: E402
 from sim.cluster import INF, TRAINING  # noqa: E402
 
-from scheduler.planner_types import Snapshot  # noqa: E402
+from scheduler.planner.types import Snapshot  # noqa: E402
 from scheduler.store.fleet import VersionRow  # noqa: E402
 from scheduler.store.owners import RequestRow  # noqa: E402
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from sched_fakes import FakeCell, Harness, pump
 
-from scheduler.staleness import trajectory_staleness, versions_behind
+from scheduler.control.staleness import trajectory_staleness, versions_behind
 
 
 @pytest.fixture

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.ingest import judge
-from scheduler.protocol import (
+from scheduler.contract.protocol import (
     COMMANDS,
     EVENTS,
     ProtocolError,
@@ -16,7 +15,16 @@ from scheduler.protocol import (
     decode_event,
     dispatch,
 )
-from scheduler.states import CELL, FLIP, MIGRATION, REQUEST, VERSION, IllegalTransition, set_state
+from scheduler.contract.states import (
+    CELL,
+    FLIP,
+    MIGRATION,
+    REQUEST,
+    VERSION,
+    IllegalTransition,
+    set_state,
+)
+from scheduler.control.ingest import judge
 from scheduler.store.owners import RequestRow
 
 

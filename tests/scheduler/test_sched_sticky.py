@@ -1,7 +1,7 @@
 """A session's later turns go back to the cell that holds its KV, while it has room."""
 
-from scheduler.placement import sticky_destination
-from scheduler.planner_types import CellSummary, RequestSummary, Snapshot
+from scheduler.planner.placement import sticky_destination
+from scheduler.planner.types import CellSummary, RequestSummary, Snapshot
 
 
 def _cell(cid, state="rollout", inflight=0, used=0):

@@ -1,6 +1,6 @@
 """The migration stall as the scheduler's token stream sees it."""
 
-from scheduler.stallmeter import AFTER_COMMIT, StallMeter
+from scheduler.control.stallmeter import AFTER_COMMIT, StallMeter
 
 
 def _steady(m, rid, t0, t1, gap):

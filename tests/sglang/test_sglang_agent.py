@@ -28,7 +28,12 @@ from cells.engine.records import SamplingParams
 from cells.engine.sglang.engine import SGLangEngine
 from cells.engine.sglang.migration import kv_store_identity
 from cells.localcluster import ROOT, Cluster, Streamer, cluster_config
-from scheduler.config import CellflipConfig, EmbeddedEngineConfig, SGLangEngineConfig, parse_config
+from scheduler.contract.config import (
+    CellflipConfig,
+    EmbeddedEngineConfig,
+    SGLangEngineConfig,
+    parse_config,
+)
 
 torch.set_num_threads(1)
 

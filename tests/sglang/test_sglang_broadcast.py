@@ -22,8 +22,8 @@ from cells.trainer.versions_host import VersionHost
 from cells.transport.receive import receive_broadcast
 from cells.transport.store import connect, get_json
 from cells.versions import CellVersions
-from scheduler.config import SGLangEngineConfig
-from scheduler.protocol import LoadVersionCmd
+from scheduler.contract.config import SGLangEngineConfig
+from scheduler.contract.protocol import LoadVersionCmd
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.timeout(90)

@@ -8,7 +8,7 @@ import fake_sglang
 import pytest
 
 from cells.engine.sglang.engine import SGLangEngine
-from scheduler.config import ConfigError, SGLangEngineConfig, load_config, parse_config
+from scheduler.contract.config import ConfigError, SGLangEngineConfig, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ from cells.engine.embedded.model import init_weights, prepare, token_logprobs
 from cells.engine.embedded.model_spec import PRESETS, ModelSpec
 from cells.trainer.learner import Learner
 from cells.trainer.objectives import KLInLoss, KLInReward, ObjectiveConfig, decoupled_ppo_loss
-from scheduler.config import EmbeddedEngineConfig
+from scheduler.contract.config import EmbeddedEngineConfig
 
 torch.set_num_threads(1)
 

@@ -7,7 +7,7 @@ import torch
 
 from cells.trainer.trainer import CHECKPOINT, Trainer
 from cells.transport.broadcast import BroadcastResult
-from scheduler.config import parse_config
+from scheduler.contract.config import parse_config
 
 torch.set_num_threads(1)
 

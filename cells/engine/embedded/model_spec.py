@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from cells.engine.records import EngineError
-from scheduler.config import ModelConfig
+from scheduler.contract.config import ModelConfig
 
 # Qwen3's tokenizer: 151,643 BPE ranks, then the added special tokens up to <think>/</think>;
 # Qwen3 checkpoints pad the embedding to 151,936 rows.
@@ -81,7 +81,7 @@ PRESETS: dict[str, ModelSpec] = {
         intermediate_size=1536, vocab_size=QWEN3_VOCAB,
         output_id_ranges=((0, 16384), (QWEN3_SPECIAL_FIRST, QWEN3_SPECIAL_END)),
     ),
-    # The toy agentic task (cells/trainer/toy_task.py), trainable on CPU in minutes: Qwen3
+    # The toy agentic task (cells/trainer/toy_task/), trainable on CPU in minutes: Qwen3
     # vocabulary in the embedding (the real tokenizer and chat template work), output
     # restricted to the ids its completions use (toy_task.output_token_ids(); a test keeps
     # them in sync), so the output layer is 46 rows.

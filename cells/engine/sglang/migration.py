@@ -14,7 +14,7 @@ Paths, best first:
 Both KV paths need the same model and the same weight version at both ends: KV computed
 under another version must never be reused (the prefix cache is salted per version for
 the same reason). The scheduler's planner alone decides each move's path, weighing the
-paths' costs (`scheduler.planner.move_seconds`, `LinkCostModel`) over what each cell
+paths' costs (`scheduler.planner.destinations.move_seconds`, `LinkCostModel`) over what each cell
 registered (`Capabilities.kv_export`, `kv_store`); the cell carries out the path its command
 names (`start` with `path`, or `migrate_out`/`migrate_in` for `kv`). This module describes an
 end (`MigrationEndpoint`, published in the engine's `metadata()`) and the shared-store

@@ -1,0 +1,147 @@
+"""The scheduler's FastAPI app: `create_app(config) -> FastAPI`.
+
+The lifespan opens the store, builds the controller (which rebuilds from the store) onto
+`app.state.controller` and runs the control loop; routers read it from there. The auth token
+is read when the app is created, so an unreadable token file stops start-up at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from scheduler.api.auth import BearerAuth
+from scheduler.api.docs import declare_bearer, install_docs
+from scheduler.api.limits import BodySizeLimit
+from scheduler.api.routes import ROUTERS
+from scheduler.contract.config import (
+    SCHEDULER_CONFIG_ENV,
+    CellflipConfig,
+    ConfigError,
+    MigrationConfig,
+    SchedulerConfig,
+    VersionsConfig,
+    parse_config,
+)
+from scheduler.contract.errors import CellflipError, Invalid, http_answer
+from scheduler.contract.protocol import ProtocolError
+from scheduler.contract.tito.backend import CallbackCounters
+from scheduler.contract.tito.config import GatewayConfig
+from scheduler.contract.tito.openai_schema import ChatCompletionRequest
+from scheduler.contract.tokens import scrape_token, server_token
+from scheduler.control.controller import Controller
+from scheduler.control.metrics import Metrics
+from scheduler.gateway import make_chat_router
+from scheduler.gateway.control_backend import ControlPlaneBackend
+from scheduler.store import Store
+
+log = logging.getLogger("cellflip.scheduler")
+
+DEFAULT_TICK_S = 0.2
+"""Control-loop period; a flip request or a new cell also wakes the loop at once."""
+
+
+def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_path: str | None = None,
+               clock: Callable[[], float] = time.monotonic, tick_interval_s: float | None = DEFAULT_TICK_S) -> FastAPI:
+    """Build the app. `tick_interval_s=None` runs no background loop (tests tick by hand);
+    `clock` is the monotonic clock of leases and deadlines."""
+    if isinstance(config, CellflipConfig):
+        sched, migration, gateway, vers = config.scheduler, config.migration, config.gateway, config.versions
+    else:
+        sched, migration, gateway, vers = config or SchedulerConfig(), MigrationConfig(), GatewayConfig(), VersionsConfig()
+    # tokens live beside the store this app opens (db_path overrides the config's)
+    where = sched.model_copy(update={"db_path": db_path or sched.db_path})
+    token = server_token(where)
+    scrape = scrape_token(where) if token is not None else None
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = Store(db_path or sched.db_path)
+        ctl = Controller(store, sched, migration, clock=clock, metrics=metrics, versions=vers)
+        app.state.controller = ctl
+        task = asyncio.create_task(ctl.run(tick_interval_s)) if tick_interval_s else None
+        try:
+            yield
+        finally:
+            ctl.close()
+            await asyncio.sleep(0)  # let woken streams see `closing` before the store closes
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            store.close()
+
+    app = FastAPI(title="cellflip scheduler", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  description="Control plane: cells, flips, weight versions, sessions, completions.")
+    app.state.metrics = metrics
+    for router in ROUTERS:
+        app.include_router(router)
+    # The chat gateway records on the durable session store and decodes on the cells; its
+    # own finish route stays off (the sessions router serves it).
+    counters = CallbackCounters(lambda n: metrics.drift.inc(n), metrics.history_rewrites.inc)
+    app.include_router(make_chat_router(ControlPlaneBackend(app), gateway.renderer, counters=counters,
+                                        **{**gateway.router_kwargs(), "finish_route": False}))
+    _install_error_handlers(app)
+    _publish_chat_schemas(app)
+    install_docs(app)
+    # outermost first: refuse unauthenticated requests before reading any body
+    app.add_middleware(BodySizeLimit, max_bytes=sched.max_body_bytes)
+    if token is not None:
+        app.add_middleware(BearerAuth, token=token, scrape=scrape)
+    return app
+
+
+def create_app_from_env() -> FastAPI:
+    """The app of a server started by module path (`uvicorn.Config("scheduler.api.app:create_app_from_env",
+    factory=True)`): its config is the JSON text in $CELLFLIP_SCHEDULER_CONFIG."""
+    text = os.environ.get(SCHEDULER_CONFIG_ENV)
+    if not text:
+        raise ConfigError(f"${SCHEDULER_CONFIG_ENV} holds no config")
+    return create_app(parse_config(json.loads(text), f"${SCHEDULER_CONFIG_ENV}"))
+
+
+def _publish_chat_schemas(app: FastAPI) -> None:
+    """The chat route's request schema is given inline (its body is read raw, to count and
+    refuse it before parsing): its nested models join the document's components, so every
+    `$ref` in /openapi.json resolves."""
+    base = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = base()
+            defs = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {})
+            known = doc.setdefault("components", {}).setdefault("schemas", {})
+            for name, schema in defs.items():
+                known.setdefault(name, schema)
+            declare_bearer(doc)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(CellflipError)
+    async def _domain(_: Request, exc: CellflipError) -> JSONResponse:
+        status, body, headers = http_answer(exc)
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.exception_handler(ProtocolError)
+    async def _protocol(_: Request, exc: ProtocolError) -> JSONResponse:
+        status, body, headers = http_answer(Invalid(str(exc)))  # a malformed cell message
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse({"detail": "internal error", "reason": "internal"}, status_code=500)

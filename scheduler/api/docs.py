@@ -1,0 +1,54 @@
+"""`/docs` (Swagger UI) and `/redoc` from assets installed with cellflip (the fastapi-offline
+package ships them), so the API's documentation works on a machine with no internet.
+
+Like every route but /healthz they need the token (README: Auth says how a browser sends it);
+the document declares the bearer scheme, so Swagger UI's Authorize button sends it on calls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import fastapi_offline
+from fastapi import FastAPI
+from fastapi.openapi.docs import (
+    get_redoc_html,
+    get_swagger_ui_html,
+    get_swagger_ui_oauth2_redirect_html,
+)
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
+
+ASSETS = Path(fastapi_offline.__file__).parent / "static"
+ASSETS_URL = "/docs-assets"
+
+
+def install_docs(app: FastAPI) -> None:
+    """Serve the docs pages and their assets locally (the app is built with docs_url=None)."""
+    app.mount(ASSETS_URL, StaticFiles(directory=ASSETS), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    def swagger() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} — API",
+                                   swagger_js_url=f"{ASSETS_URL}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{ASSETS_URL}/swagger-ui.css",
+                                   swagger_favicon_url=f"{ASSETS_URL}/favicon.png",
+                                   oauth2_redirect_url="/docs/oauth2-redirect",
+                                   swagger_ui_parameters={"persistAuthorization": True})
+
+    @app.get("/docs/oauth2-redirect", include_in_schema=False)
+    def oauth2_redirect() -> HTMLResponse:
+        return get_swagger_ui_oauth2_redirect_html()
+
+    @app.get("/redoc", include_in_schema=False)
+    def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title=f"{app.title} — API",
+                              redoc_js_url=f"{ASSETS_URL}/redoc.standalone.js",
+                              redoc_favicon_url=f"{ASSETS_URL}/favicon.png", with_google_fonts=False)
+
+
+def declare_bearer(doc: dict) -> None:
+    """Every operation needs `Authorization: Bearer <token>` (Swagger UI's Authorize button)."""
+    doc.setdefault("components", {}).setdefault("securitySchemes", {})["bearer"] = {
+        "type": "http", "scheme": "bearer",
+        "description": "The API token: `api.token` beside the store, or $CELLFLIP_API_TOKEN."}
+    doc["security"] = [{"bearer": []}]

@@ -1,0 +1,321 @@
+"""Configuration: YAML files loaded into pydantic models.
+
+Every field carries a docstring; unknown keys are rejected, and a bad file fails with a
+`ConfigError` that names the offending key path and value. This module imports neither
+torch nor `cells`, so the control plane, the cells and the cluster simulator share it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from scheduler.contract.config_base import ConfigError
+from scheduler.contract.config_base import Strict as _Strict
+from scheduler.contract.engine_config import (
+    EmbeddedEngineConfig,
+    EngineConfig,
+    ModelConfig,
+    SGLangEngineConfig,
+)
+
+SCHEDULER_CONFIG_ENV = "CELLFLIP_SCHEDULER_CONFIG"
+"""A scheduler started by module path reads its whole config (JSON text) from this variable."""
+
+__all__ = ["SCHEDULER_CONFIG_ENV", "ConfigError", "EmbeddedEngineConfig", "EngineConfig", "ModelConfig", "SGLangEngineConfig"]
+
+
+class MigrationConfig(_Strict):
+    """Live KV migration."""
+
+    max_copy_rounds: int = Field(default=4, ge=0)
+    """Copy rounds while decoding before the stop-and-copy."""
+    stop_copy_blocks: int = Field(default=2, ge=0)
+    """Stop and copy once fewer than this many blocks remain to send."""
+    on_round_limit: Literal["stop_and_copy", "abort"] = "stop_and_copy"
+    """What to do when the round limit is hit with more than stop_copy_blocks left."""
+    transfer_timeout_s: float = Field(default=20.0, gt=0)
+    """Bound on any one transfer; a fresh group is made after an error."""
+    headroom_blocks: int = Field(default=8, ge=0)
+    """Blocks the destination reserves beyond the current length."""
+    copy_quiesce: Literal["auto", "on", "off"] = "auto"
+    """Pause decoding on both ends while a copy round's KV is on the wire. On CPU cells the
+    transfer and the decode share the cores: a copy round competing with a decode loop runs
+    several times slower than the link (every socket-buffer refill waits for a time slice),
+    which holds the migration, and a flip, open that much longer. `auto`: on where the KV pool
+    is in host memory."""
+    copy_quiesce_max_ms: float = Field(default=100.0, gt=0)
+    """Bound on one quiesce: decoding goes on after this even if the copy has not finished."""
+    path: Literal["auto", "reprefill"] = "auto"
+    """`auto`: move the KV where both cells export it and serve the same version, else
+    re-prefill; `reprefill`: always abort and re-prefill elsewhere (what systems without live
+    KV migration do; kept for comparison)."""
+    park_on_deadline: bool = True
+    """At a drain deadline, requests that found no destination keep their KV in the draining
+    cell's host memory (parked) and move on by KV migration once a cell has room; off (or a
+    cell that cannot export KV): they are dropped there and re-prefilled later."""
+
+
+class VersionsConfig(_Strict):
+    """Weight versions and the log-prob service."""
+
+    bucket_bytes: int = Field(default=8 << 20, gt=0)
+    """Bytes per broadcast bucket."""
+    update_backend: Literal["gloo", "nccl"] = "gloo"
+    """Collective of the update groups that carry versions to cells receiving them through
+    their engine's own group (SGLang cells): `nccl` on GPU clusters, `gloo` on CPU."""
+    inflight_policy: Literal["keep_kv", "recompute"] = "keep_kv"
+    """In-flight requests across an update: continue on stale KV, or re-prefill."""
+    score_batch_tokens: int = Field(default=256, gt=0)
+    """A request still generating under a version is scored once this many of its tokens wait
+    (ended requests and switched versions are scored at once)."""
+    score_interval_s: float = Field(default=0.2, gt=0)
+    """How often the scheduler hands out scoring tasks."""
+    max_tasks_per_cell: int = Field(default=4, gt=0)
+    """Scoring tasks outstanding per cell (scoring runs at low priority beside decoding)."""
+    task_timeout_s: float = Field(default=60.0, gt=0)
+    """A scoring task (or scoring-only fetch) unanswered for this long is handed out again."""
+    max_ranges_per_pass: int = Field(default=256, gt=0)
+    """Unscored (request, version) ranges considered per pass."""
+    auto_retire: bool = True
+    """Retire a superseded version as soon as no cell serves it and every token is scored."""
+    load_timeout_s: float = Field(default=60.0, gt=0)
+    """A cell that has not reported a version it was told to load is told again after this."""
+
+
+class SchedulerConfig(_Strict):
+    """The control plane process."""
+
+    host: str = "127.0.0.1"
+    """Bind address (loopback unless told otherwise)."""
+    port: int = Field(default=8700, ge=0, lt=65536)
+    """REST port (0 = pick a free port)."""
+    db_path: str = "runs/cellflip.sqlite"
+    """SQLite file of the durable store."""
+    lease_s: float = Field(default=5.0, gt=0)
+    """A cell whose heartbeat is older than this (scheduler monotonic clock) is fenced."""
+    heartbeat_s: float = Field(default=0.5, gt=0)
+    """Cell heartbeat interval."""
+    auth: Literal["token", "none"] = "token"
+    """`token`: every route but /healthz needs `Authorization: Bearer <token>` (scheduler/contract/tokens.py
+    says where the token comes from). `none`: no auth, refused on a non-loopback `host`."""
+    auth_token_file: str | None = None
+    """File holding the bearer token. Unset: `CELLFLIP_API_TOKEN`, else `api.token` beside the
+    store, generated on first start (mode 0600). Unreadable or empty file: start-up fails."""
+    metrics_token_file: str | None = None
+    """Read-only token for `/metrics` (Prometheus); unset: `metrics.token` beside the store,
+    generated on first start. The API token is accepted there too."""
+    max_body_bytes: int = Field(default=8 << 20, gt=0)
+    """Largest accepted request body (413 beyond)."""
+    min_rollout_cells: int = Field(default=1, ge=0)
+    """Rollout capacity that is never flipped away."""
+    drain_deadline_s: float = Field(default=30.0, gt=0)
+    """After this, requests still on a draining cell are suspended."""
+    idempotency_ttl_s: float = Field(default=86400.0, gt=0)
+    """An Idempotency-Key is remembered this long (wall clock); a replay after that is a new request."""
+    stall_timeout_s: float = Field(default=120.0, gt=0)
+    """A running request that its owner keeps reporting but that commits no token for this
+    long is taken back (epoch + 1) and re-placed on another cell, token-exact from the store:
+    the safety net for a cell that holds a request it does not decode. Counted in
+    `cellflip_requests_stalled_total`; above any prefill time (chunked) on the fleet."""
+    staleness_bound: int = Field(default=8, ge=0)
+    """Most versions (published RL updates) a trajectory may lag the version it is trained at
+    (AReaL's bound on off-policyness). Admission: a new session gets 429 while the sessions in
+    flight plus the finished ones the trainer has not fetched reach (bound + 1) × the
+    trainer's batch size. Hand-out: a trajectory whose oldest sampled token is more versions
+    old than this follows `staleness_policy`. The planner reads the same bound."""
+    staleness_policy: Literal["correct", "drop"] = "correct"
+    """A trajectory past the staleness bound at hand-out: `correct` trains it with its
+    correction weights (decoupled PPO: r_stale capped by the objective's C_s), `drop` hands out
+    only a record saying it was dropped (the trainer drops its whole group). Counted either way
+    in `cellflip_stale_trajectories_total{policy}` and `GET /v1/versions`."""
+    auto_flip: bool = True
+    """Run the planner's autonomous flip policy once the trainer has declared its demand
+    (POST /v1/trainer/report); an explicit POST /v1/flips overrides it."""
+
+
+class CellsConfig(_Strict):
+    """Cell processes started by `cellflip up`."""
+
+    count: int = Field(default=3, gt=0)
+    """Number of cell processes."""
+    engine: EngineConfig = EmbeddedEngineConfig()
+    """Inference engine of every cell."""
+
+
+from scheduler.contract.tito.config import GatewayConfig  # noqa: E402  (no tokenizer is loaded here)
+
+
+class TrainerConfig(_Strict):
+    """The built-in trainer and the toy agentic task that `cellflip up` runs."""
+
+    enabled: bool = False
+    """Run the trainer and the agents (off: `cellflip up` serves the API only)."""
+    steps: int = Field(default=20, ge=0)
+    """RL steps; each flips cells to training, trains on a batch, publishes a version."""
+    batch_episodes: int = Field(default=16, gt=0)
+    """Finished episodes (trajectories) per RL step."""
+    group_size: int = Field(default=4, gt=1)
+    """Episodes per task instance (a GRPO/RLOO group); a group is trained only whole."""
+    group_deadline_s: float = Field(default=600.0, gt=0)
+    """A group not complete this long after its first member reached the trainer is dropped
+    whole and counted (`cellflip_groups_dropped_total{reason="deadline"}`)."""
+    drop_uniform_groups: bool = False
+    """Dynamic sampling: drop (and count) complete groups whose rewards are all equal; their
+    advantages are zero, so they only dilute the token mean."""
+    train_cells: int = Field(default=1, ge=0)
+    """Cells flipped to training for each step (they hand their rollouts over live)."""
+    train_cell_choice: Literal["planner", "busiest"] = "planner"
+    """Which cells train: the planner's pick (the cheapest to drain), or the rollout cells
+    with the most requests in flight (every flip then moves live rollouts: the demo's
+    choice, to show live migration under load)."""
+    lr: float = Field(default=2e-3, ge=0)
+    """RL learning rate (0: a control run whose weights never move after the warm-up)."""
+    minibatches: int = Field(default=2, ge=1)
+    """Optimizer steps per RL update (one published version): lp_prox is taken once at the
+    start of the update, so from the second minibatch on the PPO clip binds."""
+    lr_warmup_steps: int = Field(default=4, ge=0)
+    """Optimizer steps over which the RL learning rate ramps up linearly (the optimizer's
+    moments are reset when RL starts)."""
+    train_timeout_s: float = Field(default=30.0, gt=0)
+    """Per-operation timeout of a training step on the cells: a dead or stalled training cell
+    fails the step's attempt after this, and the step is redone without it."""
+    warmup_lr: float = Field(default=3e-3, ge=0)
+    """Learning rate of the supervised warm-up (its optimizer moments are dropped when RL starts)."""
+    warmup_steps: int = Field(default=300, ge=0)
+    """Supervised warm-up steps on synthetic demonstrations before RL."""
+    init_std: float = Field(default=0.1, gt=0)
+    """Initial weight scale of the trainer's model (small toy models need more than 0.02 to
+    learn to copy within a CPU warm-up)."""
+    warmup_batch: int = Field(default=16, gt=0)
+    seed: int = 0
+    """Seeds the task stream, the warm-up and the sampling seeds of the agents."""
+    agents: int = Field(default=8, gt=0)
+    """Episodes in flight at once."""
+    max_turns: int = Field(default=6, gt=0)
+    temperature: float = Field(default=1.0, ge=0)
+    max_tokens_per_turn: int = Field(default=64, gt=0)
+    branch_fraction: float = Field(default=0.25, ge=0, le=1)
+    """Share of episodes that fork into sub-agent branches (tree rollouts)."""
+    long_fraction: float = Field(default=0.0, ge=0, le=1)
+    """Share of episodes followed by a long continuation (a few hundred to a few thousand
+    sampled tokens, long-tailed) on a session of its own, never trained on: the toy task's
+    turns are short, and these are the long rollouts a flip must move live."""
+    long_max_tokens: int = Field(default=2048, gt=0)
+    checkpoint_dir: str | None = "runs/trainer"
+    """Checkpoints (parameters, optimizer, RNG, data cursor, version); None: none."""
+    checkpoint_every: int = Field(default=5, gt=0)
+    host: str = "127.0.0.1"
+    """Address cells reach the trainer's version host at."""
+    objective: dict[str, Any] = Field(default_factory=dict)
+    """The RL objective (cells/trainer/objectives/config.py: advantages, correction, PPO
+    clip, EWMA, KL); validated by the trainer at start-up."""
+
+
+class LocalLauncherConfig(_Strict):
+    """`cellflip up` starts every process on this machine as its own child (the embedded default)."""
+
+    type: Literal["local"] = "local"
+    """Launcher selector."""
+
+
+class RayLauncherConfig(_Strict):
+    """`cellflip up --ray`: the scheduler, the trainer and the cells start as actors on an
+    existing Ray cluster (docs/RAY.md). Needs the `ray` extra."""
+
+    type: Literal["ray"] = "ray"
+    """Launcher selector."""
+    address: str = "auto"
+    """Ray cluster to join: `auto` (the one this machine belongs to) or a head's `host:port`."""
+    namespace: str = Field(default="cellflip", min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Ray namespace of the deployment's named actors (`cellflip-scheduler`, `cellflip-cell-N`,
+    `cellflip-trainer`); two deployments on one Ray cluster need two namespaces."""
+    scheduler_node: str | None = None
+    """Node that holds the scheduler's store (a Ray node id or a node IP): `scheduler.db_path`
+    is a path on it, and the scheduler actor is pinned there so that a restarted one reopens
+    the same store. None: the node `cellflip up` runs on."""
+    placement: Literal["SPREAD", "STRICT_SPREAD", "PACK"] = "SPREAD"
+    """Strategy of the cells' placement group (one bundle per cell)."""
+    cpus_per_cell: float = Field(default=1.0, gt=0)
+    """CPUs in each cell's bundle."""
+    gpus_per_cell: int | None = Field(default=None, ge=0)
+    """GPUs in each cell's bundle; None: the SGLang engine's `tp` (0 for the embedded engine)."""
+    max_restarts: int = Field(default=3, ge=0)
+    """Restarts Ray grants each actor. A restarted cell is a new incarnation: the scheduler's
+    fencing decides what it may still own."""
+    ready_timeout_s: float = Field(default=300.0, gt=0)
+    """Bound on the placement group, the scheduler and every cell coming up."""
+
+
+LauncherConfig = Annotated[LocalLauncherConfig | RayLauncherConfig, Field(discriminator="type")]
+
+
+class CellflipConfig(_Strict):
+    """Top-level configuration file."""
+
+    scheduler: SchedulerConfig = SchedulerConfig()
+    """The control plane."""
+    cells: CellsConfig = CellsConfig()
+    """The cells."""
+    migration: MigrationConfig = MigrationConfig()
+    """Live KV migration."""
+    versions: VersionsConfig = VersionsConfig()
+    """Weight versions and old log-prob scoring."""
+    gateway: GatewayConfig = GatewayConfig()
+    """The OpenAI-compatible chat gateway (`POST /v1/chat/completions`)."""
+    trainer: TrainerConfig = TrainerConfig()
+    """The built-in trainer and toy task (`cellflip up`)."""
+    launcher: LauncherConfig = LocalLauncherConfig()
+    """Where `cellflip up` starts its processes: this machine (`local`) or a Ray cluster (`ray`)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> CellflipConfig:
+        eng = self.cells.engine
+        if isinstance(eng, EmbeddedEngineConfig) and eng.max_running > eng.num_blocks:
+            raise ValueError("cells.engine.max_running exceeds cells.engine.num_blocks")
+        if isinstance(eng, SGLangEngineConfig) and eng.scoring == "cell_copy" and self.versions.update_backend == "nccl":
+            # The scoring copy's rank would receive on the cell's first GPU, which SGLang's tp
+            # rank 0 already holds in the same communicator: NCCL refuses two ranks on one device.
+            raise ValueError("cells.engine.scoring 'cell_copy' cannot be combined with versions.update_backend "
+                             "'nccl' on SGLang cells (the scoring rank and SGLang's tp rank 0 would share one GPU "
+                             "in one NCCL communicator); use scoring 'trainer_copy', or update_backend 'gloo'")
+        return self
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        val = e.get("input")
+        shown = repr(val) if not isinstance(val, dict) else "{...}"
+        lines.append(f"  {loc} = {shown[:80]}: {e['msg']}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict | None, source: str = "<dict>") -> CellflipConfig:
+    """Validate a mapping into a `CellflipConfig`; raise `ConfigError` naming bad keys."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid config {source}: top level must be a mapping, got {type(data).__name__}")
+    try:
+        return CellflipConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, source)) from None
+
+
+def load_config(path: str | Path) -> CellflipConfig:
+    """Read a YAML file into a `CellflipConfig`."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {p}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"invalid YAML in {p}: {e}") from None
+    return parse_config(data, str(p))

@@ -1,0 +1,101 @@
+"""The engines' configs: the model (a Qwen3-family preset or checkpoint), the embedded torch
+engine and the SGLang engine, one discriminated union."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from scheduler.contract.config_base import Strict as _Strict
+
+
+class ModelConfig(_Strict):
+    """Model architecture (Qwen3 family) or a preset name, optionally a checkpoint path."""
+
+    preset: Literal["tiny", "small", "qwen3-vocab", "toy"] | None = "tiny"
+    """Named size preset; explicit fields below override it."""
+    path: str | None = None
+    """Hugging Face checkpoint directory (config.json + *.safetensors); random-init if unset."""
+    hidden_size: int | None = Field(default=None, gt=0)
+    """Width of the residual stream."""
+    num_layers: int | None = Field(default=None, gt=0)
+    """Number of decoder layers."""
+    num_heads: int | None = Field(default=None, gt=0)
+    """Query heads per layer."""
+    num_kv_heads: int | None = Field(default=None, gt=0)
+    """Key/value heads per layer (GQA); must divide num_heads."""
+    head_dim: int | None = Field(default=None, gt=0)
+    """Width of one attention head."""
+    intermediate_size: int | None = Field(default=None, gt=0)
+    """Hidden width of the SwiGLU MLP."""
+    vocab_size: int | None = Field(default=None, gt=0)
+    """Embedding rows (the tokenizer's full vocabulary, padded as in the checkpoint)."""
+    output_id_ranges: list[tuple[int, int]] | None = None
+    """Restrict sampling and scoring to these half-open token-id ranges (None: all ids).
+    Applied identically when sampling and scoring, so log-probs stay exact."""
+    rope_theta: float | None = Field(default=None, gt=0)
+    """RoPE base frequency."""
+    rms_norm_eps: float | None = Field(default=None, gt=0)
+    """RMSNorm epsilon."""
+    max_position: int | None = Field(default=None, gt=0)
+    """Largest supported context length (RoPE table size)."""
+    tie_word_embeddings: bool | None = None
+    """Share the input embedding with the output layer."""
+    seed: int = 0
+    """Seed for random initialisation (ignored when a checkpoint path is given)."""
+
+
+class EmbeddedEngineConfig(_Strict):
+    """The embedded torch engine (CPU default; the reference implementation)."""
+
+    type: Literal["embedded"] = "embedded"
+    """Engine selector."""
+    model: ModelConfig = ModelConfig()
+    """Model to serve."""
+    block_size: int = Field(default=16, gt=0)
+    """Tokens per KV block."""
+    num_blocks: int = Field(default=2048, gt=0)
+    """KV blocks in the pool (per cell)."""
+    max_running: int = Field(default=32, gt=0)
+    """Most requests decoding at once."""
+    prefill_chunk: int = Field(default=512, gt=0)
+    """Most prompt tokens prefilled per engine step (chunked prefill budget)."""
+    batch_invariant: bool = False
+    """Batch-invariant numerics: a token's log-prob does not depend on its batch, and the
+    decode and scoring paths agree bitwise."""
+    row_tile: int = Field(default=4, gt=0)
+    """Rows per fixed-shape matmul tile in batch-invariant mode."""
+    threads: int = Field(default=1, gt=0)
+    """torch intra-op threads in the cell process."""
+
+
+class SGLangEngineConfig(_Strict):
+    """SGLang on GPU cells (needs the `gpu` extra)."""
+
+    type: Literal["sglang"] = "sglang"
+    """Engine selector."""
+    model_path: str
+    """Model directory or hub-free local path."""
+    tp: int = Field(default=1, gt=0)
+    """Tensor-parallel degree."""
+    mem_fraction_static: float = Field(default=0.85, gt=0, le=1)
+    """Fraction of GPU memory SGLang reserves."""
+    scoring: Literal["cell_copy", "trainer_copy"] = "trainer_copy"
+    """Where old log-probs are computed: a scoring copy of the version on the cell (host
+    memory: 4 bytes per parameter), or the trainer's kept copy (no cell memory)."""
+    server_args: dict[str, Any] = {}
+    """Extra `sglang.Engine` arguments (HiCache storage, page size, attention backend…); they
+    override the adapter's, except that they cannot switch `deterministic` off."""
+    deterministic: bool = False
+    """Start SGLang with `enable_deterministic_inference` (batch-invariant kernels, and the
+    per-request `sampling_seed` honoured). Needed for token-exact re-prefill migration, which
+    holds between cells of the same `tp` (docs/GPU.md); costs decode throughput. Off: a moved
+    request loses and doubles no token, but may continue differently."""
+    kv_store: str | None = None
+    """Name of a shared hierarchical KV store, when its backend config alone does not say."""
+    max_running: int = Field(default=256, gt=0)
+    """Request slots this cell reports to the scheduler."""
+
+
+EngineConfig = Annotated[EmbeddedEngineConfig | SGLangEngineConfig, Field(discriminator="type")]

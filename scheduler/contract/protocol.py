@@ -1,0 +1,227 @@
+"""Cell ⇄ scheduler protocol: one dataclass per message, JSON on the wire, never pickle.
+
+One line: register → sync every heartbeat (summary + committed tokens + events ⇄ commands)
+→ migrations end in a commit (compare-and-set of the owner) or an abort.
+
+Routes (JSON bodies; `Authorization: Bearer <token>` when the scheduler has one):
+  POST /internal/v1/cells/register          RegisterRequest → RegisterResponse
+      409 {reason: "fenced"} when this (cell_id, incarnation) was fenced: restart as a new one.
+      A new incarnation of a known cell id fences the old one; its requests re-prefill elsewhere.
+  POST /internal/v1/cells/{cell_id}/sync    SyncRequest → SyncResponse
+      404 unknown cell (register first); 409 {reason: "fenced" | "stale_incarnation"} when the
+      incarnation is not the current one or its lease expired: drop every request, register
+      again under a new incarnation. Leases run on the scheduler's monotonic clock only.
+  POST /internal/v1/migrations/{id}/commit  CommitRequest → CommitResponse
+      409 {reason}: "aborted", "stale_epoch", "not_destination", "fenced", "mismatch",
+      "length_mismatch", "finished" (never resume), or "gap" (retryable: the migration stays
+      pending; the source's earlier tokens have not arrived yet).
+  POST /internal/v1/migrations/{id}/abort   AbortMigrationRequest → {"state": "aborted"}
+      409 {reason: "committed"} when the commit already won: the caller must not resume.
+
+Token rules (sync `tokens`): a batch is accepted only from the request's current owner at the
+current epoch and only when `start` equals the number of generated tokens stored; an exact
+duplicate of stored tokens is idempotent (its new suffix, if any, is appended). Accepted tokens
+are committed before the sync returns, and only then released to the client's stream. A batch
+refused for any reason puts its request id in `rejected`: the cell drops that request at once
+(if it was the owner, ownership was revoked and the request re-prefills from the store).
+
+Token record: `[token_id, logprob, version, truncated]` (behavior log-prob and version under
+which it was sampled; `truncated`: the log-prob is of the top-k/top-p truncated distribution).
+Generated index `i` of a request is its i-th sampled token; `start` counts in that index.
+
+Long-poll: with nothing to send, the scheduler holds the sync up to `wait_s` (≤ 1 s) or until a
+command is queued for the cell. Commands are delivered once, in order; the scheduler's
+reconciler re-derives lost ones (a request its owner does not report within a lease is
+re-placed at epoch + 1; a cell reporting a request it does not own gets `abort`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.contract.protocol_base import MAX_WAIT_S, Message, ProtocolError, TokenRecord
+from scheduler.contract.protocol_commands import (
+    COMMANDS,
+    EVENTS,
+    AbortCmd,
+    BroadcastEvent,
+    CancelMigrationCmd,
+    Command,
+    DropVersionCmd,
+    LoadVersionCmd,
+    MigrateInCmd,
+    MigrateOutCmd,
+    MigrationEvent,
+    RoleFailedEvent,
+    ScoreCmd,
+    ScoredEvent,
+    SetRoleCmd,
+    StartCmd,
+    SuspendCmd,
+)
+
+__all__ = [
+    "COMMANDS", "EVENTS", "MAX_WAIT_S", "AbortCmd", "AbortMigrationRequest", "BroadcastEvent", "CancelMigrationCmd",
+    "Capabilities", "Command", "CommitRequest", "CommitResponse", "DropVersionCmd", "LoadVersionCmd", "Message",
+    "MigrateInCmd", "MigrateOutCmd", "ScoreCmd",
+    "MigrationEvent", "ProtocolError", "RegisterRequest", "RegisterResponse", "RoleFailedEvent", "ScoredEvent",
+    "SetRoleCmd", "StartCmd", "Summary", "SuspendCmd", "SyncRequest", "SyncResponse", "Tail", "TokenBatch",
+    "TokenRecord", "decode_command", "decode_event", "dispatch",
+]
+
+
+# ---------------------------------------------------------------- register
+
+
+@dataclass
+class Capabilities(Message):
+    """What a cell's engine supports; the planner and the flip logic branch on these."""
+
+    kv_export: bool = False
+    scoring: bool = False
+    weight_update: str | bool = "staged"
+    batch_invariant: bool = False
+    block_size: int = 16
+    """Tokens per KV block (sizes `reserve_tokens` headroom)."""
+    kv_store: str | None = None
+    """Identity of a shared hierarchical KV store the engine reads and writes (SGLang HiCache
+    with a storage backend); two cells with the same identity can move a request by the
+    `kv_store` path. None: no shared store."""
+    update_ranks: int = 0
+    """Ranks the cell adds to a version's update group when it receives versions through its
+    engine's own collective (SGLang: tp ranks, plus the scoring copy). 0: the cell receives
+    the trainer's bucketed broadcast itself (embedded engine)."""
+
+
+@dataclass
+class RegisterRequest(Message):
+    cell_id: str
+    incarnation: str
+    address: str
+    """host:port where peers reach the cell's agent."""
+    store_port: int
+    """Port of the cell's torch.distributed store for per-pair transfer groups."""
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    kv_blocks_total: int = 0
+    max_running: int = 1
+    version: int | None = None
+    """Weight version the cell holds now."""
+    node: str | None = None
+    """The machine the cell runs on, as its launcher names it (Ray: node IP and node id);
+    shown to operators (`GET /v1/cells` `capabilities.node`, the live view), read by no decision."""
+
+
+@dataclass
+class RegisterResponse(Message):
+    generation: int
+    lease_s: float
+    heartbeat_s: float
+
+
+# ---------------------------------------------------------------- sync
+
+
+@dataclass
+class Summary(Message):
+    inflight: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    version: int | None = None
+    request_ids: list[str] = field(default_factory=list)
+    """Every request the cell holds (decoding, stopped for migration, or imported)."""
+    role: str | None = None
+    """"rollout" or "training": the role the cell is ready for (after set_role completes)."""
+    versions_held: list[int] = field(default_factory=list)
+    """Weight versions in memory (the served one and older ones kept for scoring)."""
+    loading: list[int] = field(default_factory=list)
+    """Versions being received now."""
+    parked: list[str] = field(default_factory=list)
+    """Requests suspended here with their KV in host memory."""
+
+
+@dataclass
+class TokenBatch(Message):
+    request_id: str
+    epoch: int
+    start: int
+    records: list[TokenRecord] = field(default_factory=list)
+    finish_reason: str | None = None
+    """Set with the last batch of a request ("stop", "length", ...)."""
+
+
+@dataclass
+class SyncRequest(Message):
+    incarnation: str
+    summary: Summary = field(default_factory=Summary)
+    tokens: list[TokenBatch] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    """Encoded `Event`s (see EVENTS)."""
+    wait_s: float = 0.0
+
+
+@dataclass
+class SyncResponse(Message):
+    commands: list[dict[str, Any]] = field(default_factory=list)
+    rejected: list[str] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- migrations
+
+
+@dataclass
+class Tail(Message):
+    start: int = 0
+    records: list[TokenRecord] = field(default_factory=list)
+
+
+@dataclass
+class CommitRequest(Message):
+    """Sent by the destination after importing the KV, before it resumes decoding."""
+
+    cell_id: str
+    incarnation: str
+    request_id: str
+    epoch: int
+    """The epoch the source owned the request at (the commit moves it to epoch + 1)."""
+    num_tokens: int
+    """Generated tokens the destination holds (= tail.start + len(tail.records))."""
+    tail: Tail = field(default_factory=Tail)
+    """Records the source produced that it may not have synced yet (merged idempotently)."""
+    path: str | None = None
+    """"kv" or "kv_store" as actually used; defaults to the path the scheduler chose."""
+
+
+@dataclass
+class CommitResponse(Message):
+    epoch: int
+
+
+@dataclass
+class AbortMigrationRequest(Message):
+    cell_id: str
+    incarnation: str
+    reason: str = ""
+
+
+def _decode(table: Mapping[str, type[Message]], d: Mapping[str, Any], what: str) -> Message:
+    if not isinstance(d, Mapping):
+        raise ProtocolError(f"{what} must be an object, got {type(d).__name__}")
+    cls = table.get(d.get("type"))  # type: ignore[arg-type]
+    if cls is None:
+        raise ProtocolError(f"unknown {what} type {d.get('type')!r} (known: {sorted(table)})")
+    return cls.from_dict(d)
+
+
+def decode_command(d: Mapping[str, Any]) -> Command:
+    return _decode(COMMANDS, d, "command")  # type: ignore[return-value]
+
+
+def decode_event(d: Mapping[str, Any]) -> Message:
+    return _decode(EVENTS, d, "event")
+
+
+def dispatch(handlers: Mapping[str, Callable[[Any], Any]], msg: Message) -> Any:
+    """Route a decoded command or event to `handlers[msg.TYPE]` (the type→handler table)."""
+    return handlers[msg.TYPE](msg)

@@ -1,0 +1,211 @@
+"""Cell membership: register, sync (heartbeat + tokens + events ⇄ commands), fence.
+
+One line per sync: check incarnation and lease → renew the lease → commit tokens (then wake
+client streams) → apply ownership outcomes and events durably → long-poll for commands.
+
+Fencing is the only way a cell incarnation leaves: a lost lease or a new incarnation under the
+same id marks it `down` (generation + 1), then asks each concern in turn what the cell held
+(`on_cell_fenced`): migrations abort its pending moves, ownership re-places its requests at
+epoch + 1, flips fail its flip, scoring forgets its tasks, versions forget what it was told to
+load. Nothing it sends later is accepted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from scheduler.contract.errors import Conflict, NotFound
+from scheduler.contract.protocol import (
+    MAX_WAIT_S,
+    RegisterRequest,
+    RegisterResponse,
+    SyncRequest,
+    SyncResponse,
+    decode_event,
+)
+from scheduler.contract.states import CELL, set_state
+from scheduler.control.ingest import check_events
+from scheduler.store.fleet import CellRow
+
+if TYPE_CHECKING:
+    from scheduler.control.context import Context, Effects
+    from scheduler.control.ingest import Ingest
+    from scheduler.control.versions import Versions
+
+
+class CellHolder(Protocol):
+    """A concern that holds something of a cell and lets go of it when the cell is fenced."""
+
+    def on_cell_fenced(self, fx: Effects, cell_id: str, reason: str) -> None: ...
+
+
+class Membership:
+    """Register, sync and fence: the cell side of the control plane. Holds no state beyond the
+    context's registry of live cells."""
+
+    def __init__(self, ctx: Context, versions: Versions, ingest: Ingest, holders: Sequence[CellHolder]) -> None:
+        self.ctx = ctx
+        self.versions = versions
+        self.ingest = ingest
+        self.holders = tuple(holders)
+        """Asked in this order when a cell is fenced."""
+
+    def recover(self) -> None:
+        """After a start: every cell the store has not down gets a lease of `lease_s` (the
+        grace) and must sync or re-register within it."""
+        for cell in self.ctx.store.fleet.list_cells():
+            if cell.state != "down":
+                self.ctx.registry.admit(cell.id, self.ctx.cfg.lease_s, seen=False)
+
+    # ------------------------------------------------------------------ register
+    def register(self, msg: RegisterRequest) -> RegisterResponse:
+        """Join (or re-join after a scheduler restart) the fleet. A new incarnation fences the old."""
+        ctx = self.ctx
+        known = ctx.store.fleet.get_cell(msg.cell_id)
+        if (known is not None and known.incarnation == msg.incarnation and known.state != "down"
+                and ctx.registry.is_expired(msg.cell_id)):  # its lease ran out: same rule as a sync
+            self.fence(msg.cell_id, "lease expired")
+            raise Conflict(f"lease of {msg.cell_id} expired", code="fenced")
+        with ctx.txn(durable=True) as fx:
+            row = self._registered_row(fx, msg)
+            ctx.store.fleet.put_cell(row)
+        if row.state == "joining":  # a new process: what the old one was told to load does not carry over
+            self.versions.forget_cell(msg.cell_id)
+        entry = ctx.registry.live.get(msg.cell_id)
+        if entry is not None and row.state != "joining":
+            entry.lease_deadline, entry.seen = ctx.clock() + ctx.cfg.lease_s, True
+        else:
+            ctx.registry.admit(msg.cell_id, ctx.cfg.lease_s, seen=True)
+        ctx.kick()
+        return RegisterResponse(row.generation, ctx.cfg.lease_s, ctx.cfg.heartbeat_s)
+
+    def _registered_row(self, fx: Effects, msg: RegisterRequest) -> CellRow:
+        """The cell's row after this registration (the caller puts it)."""
+        caps = msg.capabilities.to_dict()
+        if msg.node:  # stored with the capabilities: where the cell runs, for operators only
+            caps["node"] = msg.node
+        row = self.ctx.store.fleet.get_cell(msg.cell_id)
+        if row is None:
+            row = CellRow(msg.cell_id, msg.incarnation, "joining", 1, msg.version, msg.address,
+                          msg.store_port, caps, msg.kv_blocks_total, 0, msg.max_running)
+            row.history.append(("joining", time.time(), f"registered as {msg.incarnation}"))
+        elif row.incarnation == msg.incarnation:
+            if row.state == "down":
+                raise Conflict(f"incarnation {msg.incarnation} of {msg.cell_id} was fenced", code="fenced")
+        else:
+            if row.state != "down":
+                self.fence_in_tx(fx, row, f"replaced by incarnation {msg.incarnation}")
+            set_state(CELL, row, "joining", f"new incarnation {msg.incarnation}")
+            row.incarnation, row.generation = msg.incarnation, row.generation + 1
+        row.address, row.store_port, row.capabilities = msg.address, msg.store_port, caps
+        row.kv_blocks_total, row.max_running, row.version = msg.kv_blocks_total, msg.max_running, msg.version
+        return row
+
+    # ------------------------------------------------------------------ sync
+    def _current(self, cell_id: str, incarnation: str) -> CellRow:
+        row = self.ctx.store.fleet.get_cell(cell_id)
+        if row is None:
+            raise NotFound(f"unknown cell {cell_id!r}: register first")
+        if row.incarnation != incarnation:
+            raise Conflict(f"incarnation {incarnation} of {cell_id} is stale", code="stale_incarnation")
+        if row.state == "down" or cell_id not in self.ctx.registry.live:
+            raise Conflict(f"incarnation {incarnation} of {cell_id} is fenced", code="fenced")
+        return row
+
+    async def sync(self, cell_id: str, msg: SyncRequest) -> SyncResponse:
+        ctx = self.ctx
+        events = [decode_event(e) for e in msg.events]  # 422 before anything is committed
+        check_events(events)
+        row = self._current(cell_id, msg.incarnation)
+        if ctx.registry.is_expired(cell_id):
+            self.fence(cell_id, "lease expired")
+            raise Conflict(f"lease of {cell_id} expired", code="fenced")
+        ctx.registry.renew(cell_id, ctx.cfg.lease_s, msg.summary)
+        rejected: list[str] = []
+        revokes: list[tuple[str, str]] = []
+        finishes: list[tuple[str, str]] = []
+        if msg.tokens:
+            with ctx.txn(durable=False) as fx:  # token batches: NORMAL sync, committed before release
+                rejected, revokes, finishes = self.ingest.accept_tokens(fx, cell_id, msg.tokens)
+        if revokes or finishes or events or _is_news(row, msg):  # a plain heartbeat writes nothing
+            with ctx.txn(durable=True) as fx:
+                self.ingest.apply_outcomes(fx, revokes, finishes)
+                self.ingest.apply_events(fx, cell_id, events)
+                self._observe_summary(row, msg)
+        if not ctx.registry.has_commands(cell_id) and msg.wait_s > 0:
+            await ctx.notifier.wait(("cell", cell_id), min(msg.wait_s, MAX_WAIT_S))
+            if cell_id not in ctx.registry.live:  # fenced while parked
+                raise Conflict(f"{cell_id} was fenced", code="fenced")
+        return SyncResponse(commands=ctx.registry.take(cell_id), rejected=rejected)
+
+    def _observe_summary(self, row: CellRow, msg: SyncRequest) -> None:
+        fresh = self.ctx.store.fleet.get_cell(row.id)
+        assert fresh is not None
+        if not _is_news(fresh, msg):
+            return
+        s = msg.summary
+        fresh.version, fresh.kv_blocks_used = s.version, s.kv_blocks_used
+        fresh.kv_blocks_total = s.kv_blocks_total or fresh.kv_blocks_total
+        if fresh.state == "joining":
+            # a fresh cell serves only a version within the staleness bound: until its fetch of the
+            # current one completes (Versions.catch_up tells it) it is `loading`, given no request
+            if self.versions.servable(s.version):
+                set_state(CELL, fresh, "rollout", "first sync")
+            else:
+                set_state(CELL, fresh, "loading", f"first sync at version {s.version}: fetching the current one")
+            fresh.generation += 1
+        elif (fresh.state == "loading" and self.ctx.store.fleet.active_flip_for(fresh.id) is None
+              and self.versions.servable(s.version)):  # a fresh cell's fetch completed (a flip's load is Flips._load's)
+            set_state(CELL, fresh, "rollout", f"loaded version {s.version}")
+            fresh.generation += 1
+        self.ctx.store.fleet.put_cell(fresh)
+
+    # ------------------------------------------------------------------ fence
+    def fence(self, cell_id: str, reason: str) -> None:
+        with self.ctx.txn(durable=True) as fx:
+            row = self.ctx.store.fleet.get_cell(cell_id)
+            if row is None or row.state == "down":
+                self.ctx.registry.drop(cell_id)
+                return
+            self.fence_in_tx(fx, row, reason)
+            self.ctx.store.fleet.put_cell(row)
+
+    def fence_in_tx(self, fx: Effects, row: CellRow, reason: str) -> None:
+        """Mark the cell's current incarnation down and ask each concern in turn to let go of
+        what it held (the caller puts the row)."""
+        set_state(CELL, row, "down", reason)
+        row.generation += 1
+        metrics = self.ctx.metrics
+        fx.later(lambda: metrics.fenced.labels("lease" if "lease" in reason else "replaced").inc())
+        for holder in self.holders:
+            holder.on_cell_fenced(fx, row.id, reason)
+        cell_id = row.id
+        fx.later(lambda: self.ctx.registry.drop(cell_id))
+
+    # ------------------------------------------------------------------ views
+    def view(self, cell_id: str | None = None) -> list[dict[str, Any]]:
+        """GET /v1/cells: each cell's row, its live load and its remaining lease."""
+        ctx = self.ctx
+        owned = ctx.store.owners.live_counts()
+        out = []
+        for c in ctx.store.fleet.list_cells():
+            if cell_id is not None and c.id != cell_id:
+                continue
+            d = c.to_api()
+            entry = ctx.registry.live.get(c.id)
+            d["inflight"] = owned.get(c.id, 0)
+            if entry is not None and entry.summary is not None:  # live load, not the stored copy
+                d["kv_blocks_used"] = entry.summary.kv_blocks_used
+            d["lease_remaining_s"] = max(0.0, entry.lease_deadline - ctx.clock()) if entry else 0.0
+            d["history"] = [list(h) for h in c.history]
+            out.append(d)
+        return out
+
+
+def _is_news(row: CellRow, msg: SyncRequest) -> bool:
+    """Does the summary change what the store records about the cell (not the volatile load)?"""
+    s = msg.summary
+    return (row.state == "joining" or row.version != s.version
+            or bool(s.kv_blocks_total and s.kv_blocks_total != row.kv_blocks_total))

@@ -1,0 +1,123 @@
+"""Token-in/token-out completions on top of the session store.
+
+One line: admit (a new session within the staleness bound, and a rollout cell has room, else
+429) → align the prompt with the session's
+buffer (append the new tokens; a rewritten history starts a new segment) → record the request
+and its owner → `start` on that cell → stream tokens as they are committed.
+
+A client only ever reads tokens back from the store, after the sync that carried them has
+committed: nothing is shown that a scheduler restart could take back.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+from scheduler.contract.errors import Conflict, Invalid, NoCapacity
+from scheduler.control import idempotency
+from scheduler.planner.placement import choose_destination, sticky_destination
+from scheduler.planner.types import RequestSummary
+from scheduler.store.owners import RequestRow
+
+if TYPE_CHECKING:
+    from scheduler.control.context import Context, Effects
+    from scheduler.control.ownership import Ownership
+    from scheduler.control.staleness import Staleness
+    from scheduler.planner.types import Destination, Snapshot
+
+IDEMPOTENCY_SCOPE = "completions"
+
+FOLLOW_POLL_S = 1.0
+"""A waiting stream re-reads the store at least this often (a missed wake-up costs ≤ 1 s)."""
+
+
+class Completions:
+    """Admission and streaming of completions. Holds no state of its own: a request is the
+    store's, its owner `Ownership`'s."""
+
+    def __init__(self, ctx: Context, ownership: Ownership, staleness: Staleness,
+                 snapshot: Callable[[], Snapshot]) -> None:
+        self.ctx = ctx
+        self.ownership = ownership
+        self.staleness = staleness
+        self.snapshot = snapshot
+
+    def submit(self, session_id: str | None, prompt_ids: list[int], params: dict[str, Any],
+               idempotency_key: str | None = None) -> RequestRow:
+        """Admit and start one completion; returns the request (already owned by a cell).
+        Under an Idempotency-Key, a replay returns the request the first call started (the
+        client follows it again from its first token: a dropped connection never starts a
+        second rollout); the same key with another body is a 409. The key is recorded with the
+        request, durably."""
+        ctx = self.ctx
+        fp = idempotency.fingerprint([session_id, list(prompt_ids), params])
+        hit = idempotency.replay(ctx.store, IDEMPOTENCY_SCOPE, idempotency_key, fp)
+        if hit is not None:
+            first = ctx.store.owners.get_request(hit["request_id"])
+            assert first is not None, f"idempotency record of a request the store lacks: {hit}"
+            return first
+        self.staleness.check_admission(session_id)
+        rid = f"req-{uuid.uuid4().hex[:16]}"
+        sid = session_id or f"anon-{rid[4:]}"
+        dst = self._destination(rid, sid, len(prompt_ids), sticky=bool(session_id))
+        with ctx.txn(durable=True) as fx:
+            req = self._record(fx, rid, sid, prompt_ids, params)
+            self.ownership.assign(fx, req, dst.cell_id)
+            idempotency.record(ctx.store, IDEMPOTENCY_SCOPE, idempotency_key, fp,
+                               {"request_id": rid, "session_id": sid})
+        return req
+
+    def _destination(self, rid: str, sid: str, num_tokens: int, sticky: bool) -> Destination:
+        """The session's previous cell when it has room, else the planner's choice; 429 when
+        no rollout cell has room."""
+        snapshot = self.snapshot()
+        summary = RequestSummary(rid, num_tokens, snapshot.current_version, sid)
+        last = self.ctx.store.owners.last_cell_for_session(sid) if sticky else None
+        dst = sticky_destination(snapshot, last, summary) or choose_destination(snapshot, None, summary)
+        if dst is None:
+            self.ctx.metrics.admission_rejected.inc()
+            raise NoCapacity("no rollout cell has room", retry_after_s=max(1.0, self.ctx.cfg.heartbeat_s * 2))
+        return dst
+
+    def _record(self, fx: Effects, rid: str, sid: str, prompt_ids: list[int], params: dict[str, Any]) -> RequestRow:
+        """Align the prompt with the session's buffer and record the request (queued)."""
+        ctx = self.ctx
+        sessions = ctx.store.sessions
+        sessions.ensure(sid)
+        if ctx.store.owners.active_request_for_session(sid) is not None:
+            raise Conflict(f"session {sid!r} has a request in flight", code="session_busy")
+        start, segment = sessions.current_segment(sid)
+        if not prompt_ids or prompt_ids[: len(segment)] == segment:
+            new = prompt_ids[len(segment):]
+        else:  # the harness edited earlier turns: keep the old tokens, open a new segment
+            fx.later(ctx.metrics.history_rewrites.inc)
+            start, new = sessions.new_segment(sid), prompt_ids
+        length = sessions.append_prompt(sid, new) if new else sessions.require(sid).length
+        if length == start:
+            raise Invalid("empty prompt: send prompt_ids (the session has no tokens to continue)")
+        req = RequestRow(rid, sid, base=length, prompt_start=start, num_generated=0, params=params,
+                         cell_id=None, epoch=1, state="queued")
+        ctx.store.owners.put_request(req)
+        return req
+
+    async def follow(self, request_id: str) -> AsyncIterator[tuple[list[tuple], RequestRow]]:
+        """Yield (new committed token rows, request) until the request is finished or failed;
+        the last item carries the terminal request (possibly with no rows)."""
+        ctx = self.ctx
+        sent = 0
+        while True:
+            req = ctx.store.owners.get_request(request_id)
+            assert req is not None
+            if req.num_generated > sent:
+                rows = ctx.store.sessions.read(req.session_id, req.base + sent, req.base + req.num_generated)
+                sent += len(rows)
+                yield rows, req
+                continue  # re-read before parking: a notify may have come while the client read
+            if req.state in ("finished", "failed"):
+                yield [], req
+                return
+            await ctx.notifier.wait(("req", request_id), FOLLOW_POLL_S)
+            if ctx.closing:  # shutdown: the client gets what was committed so far
+                return

@@ -1,0 +1,211 @@
+"""The controller: composes the control plane's concerns around one shared context.
+
+One tick:  sync_from() (passive: leases, versions, gauges)  →  step_next() (active: flips,
+migrations, placement) — the second only once the inventory is rebuilt after a start.
+
+On start the controller rebuilds from the store: every cell not `down` gets a lease of
+`lease_s` (the grace) and must sync or re-register within it; until every such cell has done
+so (or the grace ran out and the silent ones were fenced) nothing active happens. Then the
+reconciler is level-triggered: it compares what the store says with what cells report, so an
+unfinished flip simply continues (or rolls back) from where the store says it is.
+
+Each concern owns its state and the methods that change it (see `Controller.__init__` for
+which holds what); handlers call the thin methods below.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from scheduler.contract.config import MigrationConfig, SchedulerConfig, VersionsConfig
+from scheduler.contract.errors import Conflict
+from scheduler.contract.protocol import (
+    AbortMigrationRequest,
+    CommitRequest,
+    CommitResponse,
+    RegisterRequest,
+    RegisterResponse,
+    SyncRequest,
+    SyncResponse,
+)
+from scheduler.control.cellsync import Membership
+from scheduler.control.completions import Completions
+from scheduler.control.context import TICK_KEY, Context, Effects
+from scheduler.control.flips import Flips
+from scheduler.control.ingest import Ingest
+from scheduler.control.metrics import Metrics
+from scheduler.control.migrations import Migrations
+from scheduler.control.ownership import Ownership
+from scheduler.control.rates import Rates, TrainerDemand
+from scheduler.control.reconcile import Concerns, Reconciler
+from scheduler.control.scoring import Scoring
+from scheduler.control.snapshot import build_snapshot
+from scheduler.control.staleness import Staleness
+from scheduler.control.versions import Versions
+from scheduler.planner.types import Snapshot
+from scheduler.store import Store
+from scheduler.store.owners import RequestRow
+
+log = logging.getLogger("cellflip.scheduler")
+
+
+class Controller:
+    def __init__(self, store: Store, cfg: SchedulerConfig, migration: MigrationConfig | None = None,
+                 *, clock: Callable[[], float] = time.monotonic, metrics: Metrics | None = None,
+                 versions: VersionsConfig | None = None) -> None:
+        ctx = self.ctx = Context(store, cfg, migration or MigrationConfig(), versions or VersionsConfig(),
+                                 metrics or Metrics(), clock)
+        self.rates = Rates()
+        """Finish rate, slot occupancy and training speed as measured here (the planner's inputs)."""
+        self.scoring = Scoring(ctx)
+        """Scoring tasks, scoring-only fetches, version drops and final passes."""
+        self.versions = Versions(ctx, self.scoring)
+        """Which cell was told to load which version, when."""
+        self.migrations = Migrations(ctx, self.versions)
+        """When each pending KV copy began; each move's client-visible stall."""
+        self.ownership = Ownership(ctx, self.migrations, self.snapshot)
+        """Each request's progress clock and the cell a stalled request avoids."""
+        self.flips = Flips(ctx, self.ownership, self.migrations, self.versions, self.scoring, self.snapshot)
+        """Drain deadlines and the cells an explicit flip pinned in training."""
+        self.staleness = Staleness(ctx, self.rates)
+        """The trajectory cursor and the staleness rules' counters."""
+        self.completions = Completions(ctx, self.ownership, self.staleness, self.snapshot)
+        ingest = Ingest(ctx, self.ownership, self.migrations, self.scoring, self.flips)
+        self.membership = Membership(ctx, self.versions, ingest,
+                                     holders=(self.migrations, self.ownership, self.flips, self.scoring, self.versions))
+        """Register, sync, fence; fencing asks each holder above in that order."""
+        self.membership.recover()
+        self.loop = Reconciler(ctx, self.rates, Concerns(self.membership, self.versions, self.migrations,
+                                                         self.flips, self.ownership, self.scoring))
+        """Whether the inventory is rebuilt; the last tick."""
+
+    # ------------------------------------------------------------------ plumbing
+    @property
+    def store(self) -> Store:
+        return self.ctx.store
+
+    @property
+    def cfg(self) -> SchedulerConfig:
+        return self.ctx.cfg
+
+    @property
+    def metrics(self) -> Metrics:
+        return self.ctx.metrics
+
+    @property
+    def ready(self) -> bool:
+        """The inventory is rebuilt (every known cell re-synced, or the grace ran out)."""
+        return self.loop.ready
+
+    def txn(self, durable: bool = True) -> AbstractContextManager[Effects]:
+        """A store transaction whose Effects run after it commits (nested calls join it)."""
+        return self.ctx.txn(durable)
+
+    def close(self) -> None:
+        """Release every long-poll and client stream so shutdown does not wait on them."""
+        self.ctx.close()
+
+    def snapshot(self) -> Snapshot:
+        """The planner's `Snapshot` (scheduler/control/snapshot.py), every field filled from what this
+        scheduler measures."""
+        return build_snapshot(self.ctx, self.rates, pinned=self.flips.pinned_training,
+                              version=self.versions.current(), finished_waiting=self.staleness.finished_waiting())
+
+    # ------------------------------------------------------------------ loop
+    def tick(self) -> None:
+        """One control-loop iteration (synchronous: runs on the event loop's thread)."""
+        self.loop.tick()
+
+    async def run(self, interval_s: float) -> None:
+        """The control loop, until `close()`: it ends by itself then, since a cancel that lands
+        while the wait it interrupts is also being woken can be lost."""
+        while not self.ctx.closing:
+            try:
+                self.tick()
+            except Exception:  # the loop's boundary: log the reason and keep going
+                log.exception("control loop tick failed")
+            await self.ctx.notifier.wait(TICK_KEY, interval_s)
+
+    # ------------------------------------------------------------------ thin API: cells
+    def register(self, msg: RegisterRequest) -> RegisterResponse:
+        return self.membership.register(msg)
+
+    async def sync(self, cell_id: str, msg: SyncRequest) -> SyncResponse:
+        return await self.membership.sync(cell_id, msg)
+
+    def cell_view(self, cell_id: str | None = None) -> list[dict]:
+        return self.membership.view(cell_id)
+
+    def commit_migration(self, migration_id: str, body: CommitRequest) -> CommitResponse:
+        """The destination's compare-and-set; the new owner's progress clock starts at it."""
+        answer, moved = self.migrations.commit(migration_id, body)
+        if moved is not None:
+            self.ownership.advanced(moved)
+        return answer
+
+    def abort_migration(self, migration_id: str, body: AbortMigrationRequest) -> dict:
+        return self.migrations.abort_by_cell(migration_id, body)
+
+    def check_integrity(self) -> list[str]:
+        """Violated ownership invariants (empty when all hold)."""
+        return self.ownership.integrity_problems()
+
+    # ------------------------------------------------------------------ thin API: operators, trainer
+    def create_flips(self, to: str, cell: str | None, count: int | None, expected_generation: int | None,
+                     idempotency_key: str | None = None) -> dict:
+        return self.flips.request(to, cell, count, expected_generation, idempotency_key)
+
+    def get_flip(self, flip_id: str) -> dict:
+        return self.flips.get(flip_id)
+
+    def publish_version(self, version: int, source: dict | None = None, idempotency_key: str | None = None) -> dict:
+        return self.versions.publish(version, source, idempotency_key)
+
+    def retire_version(self, version: int) -> dict:
+        return self.versions.retire(version)
+
+    def versions_view(self) -> dict[str, Any]:
+        """GET /v1/versions: every version, the scoring totals and the staleness rules."""
+        return {"versions": self.versions.list_all(), "scoring": self.scoring.to_api(),
+                "staleness": self.staleness.to_api()}
+
+    def trajectories(self, cursor: int, limit: int) -> dict[str, Any]:
+        return self.staleness.hand_out(cursor, limit)
+
+    def report_training(self, batch_size: int, steps_in_progress: int, max_cells_per_step: int,
+                        max_concurrent_steps: int = 1, step_s: float | None = None,
+                        sessions: int | None = None, tokens: int | None = None,
+                        cells: int | None = None) -> dict:
+        """The trainer's demand and its last step (POST /v1/trainer/report): the planner's
+        training side. Wakes the loop so the planner sees it at once."""
+        self.rates.on_trainer_report(
+            TrainerDemand(batch_size, steps_in_progress, max_cells_per_step, max_concurrent_steps),
+            step_s, sessions, tokens, cells)
+        if step_s is not None:
+            self.metrics.training_step.observe(step_s)
+            self.metrics.training_cells.set(cells or 0)
+        self.ctx.kick()
+        r = self.rates
+        return {"train_rate_per_cell_s": r.train_rate_per_cell_s, "train_step_s": r.train_step_s,
+                "tokens_per_step": r.tokens_per_step, "auto_flip": self.cfg.auto_flip}
+
+    # ------------------------------------------------------------------ thin API: sessions
+    def submit_completion(self, session_id: str | None, prompt_ids: list[int], params: dict[str, Any],
+                          idempotency_key: str | None = None) -> RequestRow:
+        return self.completions.submit(session_id, prompt_ids, params, idempotency_key)
+
+    def follow_request(self, request_id: str) -> AsyncIterator[tuple[list[tuple], RequestRow]]:
+        return self.completions.follow(request_id)
+
+    def finish_session(self, session_id: str, reward: float, group_id: str | None) -> dict:
+        if self.store.owners.active_request_for_session(session_id) is not None:
+            raise Conflict(f"session {session_id!r} has a request in flight", code="session_busy")
+        before = self.store.sessions.get(session_id)
+        row = self.store.sessions.finish(session_id, reward, group_id)
+        if before is None or before.state != "finished":  # a replay finished nothing new
+            self.rates.on_finish()
+        return {"id": row.id, "state": row.state, "reward": row.reward, "group_id": row.group_id, "cursor": row.finish_seq}

@@ -1,0 +1,321 @@
+"""Flips: a cell changes role without killing a live rollout.
+
+To training:  pending → draining (migrate every request out; suspend what is left at the drain
+deadline) → set_role training → the cell reports role "training" → done.
+To rollout:   pending → loading (set_role rollout with the current version) → the cell reports
+role "rollout" → done.
+
+The flip row is written (pending) before anything happens and every step is level-triggered
+from the store, so a restarted scheduler continues a flip from its recorded state: it
+completes, or rolls back (rollout capacity fell under `min_rollout_cells`, the cell could not
+load), or fails (the cell was lost) — and never runs twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from scheduler.contract.errors import Conflict, NotFound
+from scheduler.contract.failpoints import failpoint
+from scheduler.contract.protocol import SetRoleCmd
+from scheduler.contract.states import CELL, FLIP, set_state
+from scheduler.control import idempotency
+from scheduler.control.ownership import bump
+from scheduler.planner import placement
+from scheduler.store.fleet import FlipRow
+
+if TYPE_CHECKING:
+    from scheduler.control.context import Context, Effects
+    from scheduler.control.migrations import Migrations
+    from scheduler.control.ownership import Ownership
+    from scheduler.control.scoring import Scoring
+    from scheduler.control.versions import Versions
+    from scheduler.planner.types import Snapshot
+    from scheduler.store.fleet import CellRow
+    from scheduler.store.owners import RequestRow
+
+log = logging.getLogger("cellflip.scheduler")
+
+IDEMPOTENCY_SCOPE = "flips"
+
+ALIGN_FLIP_ID = "align"
+"""The flip id of a `set_role` that restates a settled role (no flip is under way)."""
+
+
+class Flips:
+    """Role changes of cells. Owns `drain_deadline`, `pinned_training` and `role_sent`."""
+
+    def __init__(self, ctx: Context, ownership: Ownership, migrations: Migrations, versions: Versions,
+                 scoring: Scoring, snapshot: Callable[[], Snapshot]) -> None:
+        self.ctx = ctx
+        self.ownership = ownership
+        self.migrations = migrations
+        self.versions = versions
+        self.scoring = scoring
+        self.snapshot = snapshot
+        self.drain_deadline: dict[str, float] = {}
+        """flip id → monotonic drain deadline (restarts at now + drain_deadline_s after a restart)."""
+        self.pinned_training: set[str] = set()
+        """Cells an explicit flip sent to training: the planner does not flip them back."""
+        self.role_sent: dict[str, tuple[str, float]] = {}
+        """cell → (flip id, monotonic time) of the last `set_role` sent to it."""
+
+    # ------------------------------------------------------------------ requests for flips
+    def request(self, to: str, cell: str | None, count: int | None, expected_generation: int | None,
+                idempotency_key: str | None = None) -> dict[str, Any]:
+        """An explicit flip (POST /v1/flips): it overrides the planner, which then leaves a cell
+        flipped to training there (as busy) until an explicit flip brings it back."""
+        out = self.create(to, cell, count, expected_generation, idempotency_key)
+        for f in out.get("flips", []):
+            if to == "training":
+                self.pinned_training.add(f["cell"])
+            else:
+                self.pinned_training.discard(f["cell"])
+        return out
+
+    def create(self, to: str, cell: str | None, count: int | None, expected_generation: int | None,
+               idempotency_key: str | None = None) -> dict[str, Any]:
+        """Record flips durably (pending); the loop carries them out. Replays of an
+        Idempotency-Key return the original answer; a key reused with another body is a 409."""
+        ctx = self.ctx
+        fp = idempotency.fingerprint([to, cell, count, expected_generation])
+        hit = idempotency.replay(ctx.store, IDEMPOTENCY_SCOPE, idempotency_key, fp)
+        if hit is not None:
+            return hit
+        with ctx.txn(durable=True):
+            made = [self._new_flip(c, to, idempotency_key) for c in self._targets(to, cell, count, expected_generation)]
+            response = {"id": made[0].id, "state": made[0].state,
+                        "flips": [{"id": f.id, "cell": f.cell_id, "state": f.state} for f in made]}
+            idempotency.record(ctx.store, IDEMPOTENCY_SCOPE, idempotency_key, fp, response)
+        failpoint("flip.after_record")  # recorded durably, nothing done yet: a restart must carry it out
+        ctx.kick()
+        return response
+
+    def _targets(self, to: str, cell: str | None, count: int | None, expected_generation: int | None) -> list[CellRow]:
+        fleet = self.ctx.store.fleet
+        if cell is not None:
+            row = fleet.get_cell(cell)
+            if row is None:
+                raise NotFound(f"unknown cell {cell!r}")
+            if expected_generation is not None and expected_generation != row.generation:
+                raise Conflict(f"cell {cell} is at generation {row.generation}, not {expected_generation}",
+                               code="stale_generation")
+            return [row]
+        want = count or 1
+        ids = placement.choose_cells_to_flip(self.snapshot(), to, want)
+        if len(ids) < want:
+            raise Conflict(f"only {len(ids)} cells can flip to {to}, {want} asked", code="no_cells")
+        return [fleet.get_cell(i) for i in ids]  # type: ignore[misc]
+
+    def _new_flip(self, cell: CellRow, to: str, key: str | None) -> FlipRow:
+        fleet, min_rollout = self.ctx.store.fleet, self.ctx.cfg.min_rollout_cells
+        if fleet.active_flip_for(cell.id) is not None:
+            raise Conflict(f"cell {cell.id} already has a flip in progress", code="flip_in_progress")
+        need = "rollout" if to == "training" else "training"
+        if cell.state != need:
+            raise Conflict(f"cell {cell.id} is {cell.state}; a flip to {to} needs {need}", code="illegal_transition")
+        if to == "training" and self._spare_rollout(exclude=cell.id) < min_rollout:
+            raise Conflict(f"flipping {cell.id} would leave fewer than {min_rollout} rollout cells",
+                           code="min_rollout_cells")
+        now = time.time()
+        flip = FlipRow(f"flip-{uuid.uuid4().hex[:16]}", cell.id, to, "pending", key, created_at=now)
+        flip.history.append(("pending", now, f"{cell.id} to {to}"))
+        fleet.put_flip(flip)
+        return flip
+
+    def get(self, flip_id: str) -> dict[str, Any]:
+        row = self.ctx.store.fleet.get_flip(flip_id)
+        if row is None:
+            raise NotFound(f"unknown flip {flip_id!r}")
+        return row.to_api()
+
+    def _spare_rollout(self, exclude: str) -> int:
+        """Rollout cells that stay in rollout: live, in state rollout, not flipping to training."""
+        fleet = self.ctx.store.fleet
+        leaving = {f.cell_id for f in fleet.list_flips(active_only=True) if f.to_role == "training"}
+        return sum(1 for c in fleet.list_cells()
+                   if c.state == "rollout" and c.id != exclude and c.id not in leaving and c.id in self.ctx.registry.live)
+
+    def finish(self, fx: Effects, flip: FlipRow, outcome: str, reason: str | None = None) -> None:
+        """pending/draining/loading → done | failed | rolled_back (caller saved the cell)."""
+        metrics = self.ctx.metrics
+        set_state(FLIP, flip, outcome, reason or "")
+        flip.reason, flip.finished_at = reason, time.time()
+        self.ctx.store.fleet.put_flip(flip)
+        self.drain_deadline.pop(flip.id, None)
+        duration = flip.finished_at - flip.created_at
+        fx.later(lambda: metrics.flips.labels(outcome).inc())
+        fx.later(lambda: metrics.flip_duration.observe(max(0.0, duration)))
+
+    # ------------------------------------------------------------------ the loop's side
+    def step(self) -> None:
+        """Advance every unfinished flip by one level-triggered step."""
+        fleet = self.ctx.store.fleet
+        for flip in fleet.list_flips(active_only=True):
+            with self.ctx.txn(durable=True) as fx:
+                cell = fleet.get_cell(flip.cell_id)
+                if cell is None or cell.state == "down":
+                    self.finish(fx, flip, "failed", "cell lost")
+                    continue
+                if flip.state == "pending":
+                    self._begin(fx, flip, cell)
+                if flip.state == "draining":
+                    self._drain(fx, flip, cell)
+                elif flip.state == "loading":
+                    self._load(fx, flip, cell)
+
+    def _begin(self, fx: Effects, flip: FlipRow, cell: CellRow) -> None:
+        need = "rollout" if flip.to_role == "training" else "training"
+        if cell.state != need:
+            self.finish(fx, flip, "failed", f"cell is {cell.state}, not {need}")
+        elif flip.to_role == "training" and self._spare_rollout(exclude=cell.id) < self.ctx.cfg.min_rollout_cells:
+            self.finish(fx, flip, "failed", "would leave fewer than min_rollout_cells rollout cells")
+        else:
+            nxt = "draining" if flip.to_role == "training" else "loading"
+            self._set_cell(cell, nxt, f"flip {flip.id}")
+            set_state(FLIP, flip, nxt)
+            self.ctx.store.fleet.put_flip(flip)
+
+    def _set_cell(self, cell: CellRow, state: str, detail: str) -> None:
+        set_state(CELL, cell, state, detail)
+        cell.generation += 1
+        self.ctx.store.fleet.put_cell(cell)
+
+    def _drain(self, fx: Effects, flip: FlipRow, cell: CellRow) -> None:
+        """Draining: migrate every request out; at the deadline park or suspend what is left;
+        once empty (and the final scoring pass done) hand the cell the training role."""
+        ctx = self.ctx
+        now = ctx.clock()
+        deadline = self.drain_deadline.setdefault(flip.id, now + ctx.cfg.drain_deadline_s)
+        live = ctx.store.owners.requests_on(cell.id)
+        if self._spare_rollout(exclude=cell.id) < ctx.cfg.min_rollout_cells:
+            self._roll_back_drain(fx, flip, cell, live)
+            return
+        if live and now >= deadline:
+            self._suspend_at_deadline(fx, flip, cell, live)
+            live = []
+        if live:
+            self._migrate_out(fx, flip, cell, live)
+            return
+        if self.scoring.sole_holder_with_backlog(cell.id) and now < deadline + ctx.cfg.drain_deadline_s:
+            return  # the final pass: tokens only this cell can score exactly, before it drops its weights
+        self._hand_over(fx, flip, cell)
+
+    def _hand_over(self, fx: Effects, flip: FlipRow, cell: CellRow) -> None:
+        """The cell is empty: done once it reports the training role, else tell it the role."""
+        if self._reported_role(cell.id) == "training":
+            self._set_cell(cell, "training", f"flip {flip.id} done")
+            self.finish(fx, flip, "done")
+        else:
+            self._send_role(fx, cell.id, "training", flip.id, None)
+
+    def _roll_back_drain(self, fx: Effects, flip: FlipRow, cell: CellRow, live: list[RequestRow]) -> None:
+        for req in live:
+            if (m := self.migrations.pending_for(req.id)) is not None:
+                self.migrations.abort(fx, m, "flip rolled back", tell=(m.src, m.dst))
+        self._set_cell(cell, "rollout", f"flip {flip.id} rolled back")
+        self.finish(fx, flip, "rolled_back", "rollout capacity fell under min_rollout_cells")
+
+    def _suspend_at_deadline(self, fx: Effects, flip: FlipRow, cell: CellRow, live: list[RequestRow]) -> None:
+        park = self.ctx.mig_cfg.park_on_deadline and bool(cell.capabilities.get("kv_export"))
+        for req in live:
+            if park:
+                self.ownership.park(fx, req, f"drain deadline of flip {flip.id}")
+            else:
+                self.ownership.revoke(fx, req, f"drain deadline of flip {flip.id}", to="suspended")
+            flip.suspended += 1
+        self.ctx.store.fleet.put_flip(flip)
+
+    def _migrate_out(self, fx: Effects, flip: FlipRow, cell: CellRow, live: list[RequestRow]) -> None:
+        snapshot = self.snapshot()
+        for req in live:
+            if req.state != "running":
+                continue
+            choice = placement.choose_destination(snapshot, cell.id, self.ownership.summarize(req))
+            dst = self.ctx.store.fleet.get_cell(choice.cell_id) if choice is not None else None
+            if dst is None:
+                continue  # no room now; retried next tick, suspended at the deadline
+            hint = "reprefill" if self.ctx.mig_cfg.path == "reprefill" else choice.path
+            self.ownership.move(fx, req, cell, dst, flip, hint)
+            snapshot = bump(snapshot, dst.id)
+        self.ctx.store.fleet.put_flip(flip)
+
+    def _load(self, fx: Effects, flip: FlipRow, cell: CellRow) -> None:
+        """Loading: the cell fetches the target version (Versions.catch_up tells it), then takes
+        the rollout role serving it."""
+        if self._reported_role(cell.id) == "rollout":
+            self._set_cell(cell, "rollout", f"flip {flip.id} done")
+            self.finish(fx, flip, "done")
+            return
+        want = self.versions.target()
+        summary = self.ctx.registry.summary(cell.id)
+        have = summary.version if summary is not None else None
+        if want is not None and have != want.v:
+            return  # still fetching it
+        self._send_role(fx, cell.id, "rollout", flip.id, have)
+
+    def _reported_role(self, cell_id: str) -> str | None:
+        summary = self.ctx.registry.summary(cell_id)
+        return summary.role if summary is not None else None
+
+    def _send_role(self, fx: Effects, cell_id: str, role: str, flip_id: str, version: int | None) -> bool:
+        """set_role is idempotent on the cell; resend it once per lease until the cell reports
+        the role. True when it was sent now."""
+        now = self.ctx.clock()
+        last_flip, last_at = self.role_sent.get(cell_id, ("", float("-inf")))
+        if cell_id not in self.ctx.registry.live or (last_flip == flip_id and now - last_at < self.ctx.cfg.lease_s):
+            return False
+        self.role_sent[cell_id] = (flip_id, now)
+        fx.send(cell_id, lambda i: SetRoleCmd(i, role, flip_id, version))
+        return True
+
+    def align_roles(self) -> None:
+        """Level-triggered: a live cell with no flip under way that reports a role other than
+        the one the store gives it is told its role again (once per lease). The two drift
+        apart when a flip is rolled back after its `set_role` went out (a drain whose rollout
+        capacity fell under the minimum just as the cell emptied): the cell took the training
+        role, the store keeps it in rollout, and a request placed there would sit undecoded
+        while the cell still reports it."""
+        fleet = self.ctx.store.fleet
+        flipping = {f.cell_id for f in fleet.list_flips(active_only=True)}
+        for cell_id, state in fleet.cell_states().items():
+            reported = self._reported_role(cell_id)
+            if cell_id in flipping or state not in ("rollout", "training") or reported is None or reported == state:
+                continue
+            with self.ctx.txn(durable=False) as fx:
+                summary = self.ctx.registry.summary(cell_id)
+                version = summary.version if summary is not None and state == "rollout" else None
+                if self._send_role(fx, cell_id, state, ALIGN_FLIP_ID, version):
+                    log.warning("cell %s reports the %s role, the store has it in %s: restating it", cell_id,
+                                reported, state)
+
+    def role_failed(self, fx: Effects, cell_id: str, flip_id: str, reason: str) -> None:
+        """The cell could not take the role: roll the flip back to the role it had."""
+        fleet = self.ctx.store.fleet
+        flip, cell = fleet.get_flip(flip_id), fleet.get_cell(cell_id)
+        if flip is None or cell is None or flip.cell_id != cell_id or FLIP.is_terminal(flip.state):
+            return
+        back = {"loading": "training", "draining": "rollout"}.get(cell.state)
+        if back is not None and flip.state in ("draining", "loading"):
+            self._set_cell(cell, back, f"flip {flip_id} failed on the cell: {reason}")
+            self.finish(fx, flip, "rolled_back", reason or "the cell could not take the role")
+
+    def autonomous(self) -> None:
+        """The planner's own flips (when `auto_flip`), as if POSTed without a key."""
+        for cell_id, to in placement.plan_flips(self.snapshot()):
+            try:
+                self.create(to, cell_id, None, None)
+            except (Conflict, NotFound):
+                continue  # the planner's view was older than the store's; it decides again next tick
+
+    def on_cell_fenced(self, fx: Effects, cell_id: str, reason: str) -> None:
+        """The cell's flip under way fails; an explicit pin of its old incarnation lapses."""
+        flip = self.ctx.store.fleet.active_flip_for(cell_id)
+        if flip is not None:
+            self.finish(fx, flip, "failed", f"cell lost: {reason}")
+        self.pinned_training.discard(cell_id)
+        self.role_sent.pop(cell_id, None)

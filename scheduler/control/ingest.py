@@ -1,0 +1,175 @@
+"""What a sync brings in: token batches (judged by pure rules) and cell events.
+
+Token rule: a batch is accepted only from the request's current owner at its current epoch,
+and only when it continues the stored tokens exactly (`start` == stored count; an overlap with
+stored tokens must match them bit for bit and is then idempotent). `judge` decides (pure);
+`Ingest` applies, through the concerns that own what changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from scheduler.contract.errors import Invalid
+from scheduler.contract.protocol import (
+    BroadcastEvent,
+    Message,
+    MigrationEvent,
+    RoleFailedEvent,
+    ScoredEvent,
+    TokenBatch,
+    TokenRecord,
+    dispatch,
+)
+
+if TYPE_CHECKING:
+    from scheduler.control.context import Context, Effects
+    from scheduler.control.flips import Flips
+    from scheduler.control.migrations import Migrations
+    from scheduler.control.ownership import Ownership
+    from scheduler.control.scoring import Scoring
+    from scheduler.store.owners import RequestRow
+
+log = logging.getLogger("cellflip.scheduler")
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    accept: bool
+    new: list[TokenRecord] = field(default_factory=list)
+    """Records past the stored end, to append (empty for an exact duplicate)."""
+    reason: str = ""
+    revoke: bool = False
+    """The owner itself sent an impossible batch (gap, mismatch): take the request away."""
+    drift: bool = False
+    """A token differs from the one stored at its index."""
+
+
+def judge(req: RequestRow | None, cell_id: str, batch: TokenBatch, stored: list[tuple]) -> Verdict:
+    """Pure decision for one batch; `stored` holds the stored token rows overlapping it.
+    Mutates nothing."""
+    if req is None:
+        return Verdict(False, reason="unknown_request")
+    if req.cell_id != cell_id:
+        return Verdict(False, reason="not_owner")
+    if req.epoch != batch.epoch:
+        return Verdict(False, reason="stale_epoch")
+    if not all(math.isfinite(float(r[1])) and r[1] <= 0 for r in batch.records):
+        return Verdict(False, reason="invalid", revoke=req.is_owned)  # a log-prob must be finite and <= 0
+    n = req.num_generated
+    if batch.start > n:
+        return Verdict(False, reason="gap", revoke=req.is_owned)
+    overlap = batch.records[: n - batch.start]
+    for s, r in zip(stored, overlap, strict=False):
+        if (s[0], s[2], s[3]) != (r[0], float(r[1]), r[2]):
+            return Verdict(False, reason="mismatch", revoke=req.is_owned, drift=True)
+    new = list(batch.records[n - batch.start:])
+    if not req.is_owned and new:
+        return Verdict(False, reason="not_running")
+    return Verdict(True, new=new)
+
+
+def check_events(events: list[Message]) -> None:
+    """Rules pydantic cannot express; raises Invalid (422) before anything is committed."""
+    for e in events:
+        if isinstance(e, ScoredEvent) and e.provenance not in ("exact", "missing"):
+            raise Invalid(f"scored provenance must be exact or missing, got {e.provenance!r}")
+        if isinstance(e, ScoredEvent) and e.start < 0:
+            raise Invalid("scored start must be >= 0")
+
+
+Outcomes = tuple[list[str], list[tuple[str, str]], list[tuple[str, str]]]
+"""(rejected request ids, revocations [(id, reason)], finishes [(id, finish_reason)])."""
+
+
+class Ingest:
+    """Applies what a sync brings in, through the concerns that own the state it changes.
+    Holds no state of its own."""
+
+    def __init__(self, ctx: Context, ownership: Ownership, migrations: Migrations, scoring: Scoring,
+                 flips: Flips) -> None:
+        self.ctx = ctx
+        self.ownership = ownership
+        self.migrations = migrations
+        self.scoring = scoring
+        self.flips = flips
+
+    def accept_tokens(self, fx: Effects, cell_id: str, batches: list[TokenBatch]) -> Outcomes:
+        """Phase 1 (non-durable txn): append accepted tokens. Returns the rejected ids and the
+        ownership outcomes for the durable phase 2."""
+        ctx = self.ctx
+        rejected: list[str] = []
+        revokes: list[tuple[str, str]] = []
+        finishes: list[tuple[str, str]] = []
+        for b in batches:
+            req = ctx.store.owners.get_request(b.request_id)
+            stored = []
+            if req is not None and b.start < req.num_generated:
+                end = min(req.num_generated, b.start + len(b.records))
+                stored = ctx.store.sessions.read(req.session_id, req.base + b.start, req.base + end)
+            v = judge(req, cell_id, b, stored)
+            if not v.accept:
+                rejected.append(b.request_id)
+                fx.later(lambda r=v.reason: ctx.metrics.tokens_rejected.labels(r).inc())
+                if v.drift:
+                    fx.later(ctx.metrics.drift.inc)
+                if v.revoke:
+                    revokes.append((b.request_id, f"{v.reason} in tokens from {cell_id}"))
+                continue
+            assert req is not None
+            if v.new:
+                self._append(fx, req, v.new)
+            if b.finish_reason is not None and req.is_owned:
+                finishes.append((req.id, b.finish_reason))
+        return rejected, revokes, finishes
+
+    def _append(self, fx: Effects, req: RequestRow, new: list[TokenRecord]) -> None:
+        ctx = self.ctx
+        ctx.store.sessions.append_sampled(req.session_id, req.base + req.num_generated, new)
+        req.num_generated += len(new)
+        ctx.store.owners.set_num_generated(req.id, req.num_generated)
+        self.ownership.advanced(req.id)
+        self.migrations.tokens_arrived(fx, req.id, len(new))
+        fx.later(lambda k=len(new): ctx.metrics.tokens_generated.inc(k))
+        fx.notify(("req", req.id))
+
+    def apply_outcomes(self, fx: Effects, revokes: list[tuple[str, str]], finishes: list[tuple[str, str]]) -> None:
+        """Phase 2 (durable txn): ownership changes decided in phase 1."""
+        owners = self.ctx.store.owners
+        for rid, reason in revokes:
+            req = owners.get_request(rid)
+            if req is not None and req.is_owned:
+                self.ownership.revoke(fx, req, reason)
+        for rid, finish_reason in finishes:
+            req = owners.get_request(rid)
+            if req is not None and req.is_owned:
+                self.ownership.finish(fx, req, finish_reason)
+
+    def apply_events(self, fx: Effects, cell_id: str, events: list[Message]) -> None:
+        handlers = {
+            MigrationEvent.TYPE: lambda e: self._on_migration(fx, e),
+            ScoredEvent.TYPE: self.scoring.on_scored,
+            BroadcastEvent.TYPE: lambda e: self._on_broadcast(fx, e),
+            RoleFailedEvent.TYPE: lambda e: self.flips.role_failed(fx, cell_id, e.flip_id, e.reason),
+        }
+        for e in events:
+            dispatch(handlers, e)
+
+    def _on_migration(self, fx: Effects, e: MigrationEvent) -> None:
+        metrics = self.ctx.metrics
+
+        def observe() -> None:
+            if e.bytes > 0:
+                metrics.migration_bytes.inc(e.bytes)
+        fx.later(observe)
+
+    def _on_broadcast(self, fx: Effects, e: BroadcastEvent) -> None:
+        if e.ok and e.seconds >= 0:
+            fx.later(lambda: self.ctx.metrics.broadcast.observe(e.seconds))
+        if not e.ok:
+            log.warning("version %d did not arrive by %s: %s", e.version, e.mode, e.reason)
+            if not e.activate:
+                self.scoring.on_fetch_failed(e.version, e.reason)

@@ -1,0 +1,138 @@
+"""The staleness bound (AReaL's bound on off-policyness), in versions = published RL updates.
+
+Two rules share `scheduler.staleness_bound` (the planner reads the same field):
+
+    admission   a NEW session gets 429 (reason `staleness_bound`) while the sessions in flight
+                plus the finished ones the trainer has not fetched reach (bound + 1) × the
+                trainer's batch size: work admitted now would otherwise be trained more than
+                `bound` updates after it started. Later turns of admitted sessions always pass.
+                Until the trainer has declared its batch size (POST /v1/trainer/report) the
+                rule has no unit and admits.
+    hand-out    at GET /v1/trajectories, a trajectory's staleness is the number of published
+                versions newer than its oldest sampled token's version. Past the bound it
+                follows `staleness_policy`: `correct` hands it out (the decoupled objective's
+                staleness weight min(r_stale, C_s) corrects it), `drop` hands out only a record
+                saying so (`dropped: "stale"`, no tokens; the trainer drops its whole group).
+
+Counted either way, never silent: `cellflip_stale_trajectories_total{policy}`,
+`cellflip_admission_staleness_paused_total`, `cellflip_trajectory_staleness_max`, and the
+`staleness` block of GET /v1/versions.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING, Any
+
+from scheduler.contract.errors import NoCapacity
+
+if TYPE_CHECKING:
+    from scheduler.control.context import Context
+    from scheduler.control.rates import Rates
+
+IN_FLIGHT_STATES = ("queued", "running", "migrating", "suspended", "parked")
+"""Request states of a session still being rolled out."""
+
+
+def versions_behind(published: list[int], version: int) -> int:
+    """Published versions newer than `version` (`published` sorted ascending)."""
+    return len(published) - bisect.bisect_right(published, version)
+
+
+def trajectory_staleness(published: list[int], traj: dict[str, Any]) -> int:
+    """Versions between a trajectory's oldest sampled token and the newest published version
+    (0 without sampled tokens)."""
+    sampled = [v for m, v in zip(traj["loss_mask"], traj["versions"], strict=True) if m and v is not None]
+    return versions_behind(published, min(sampled)) if sampled else 0
+
+
+class Staleness:
+    """The two rules, and the trajectories the trainer has fetched. Owns the hand-out cursor
+    and the rules' counters since this scheduler started (reported by GET /v1/versions)."""
+
+    def __init__(self, ctx: Context, rates: Rates) -> None:
+        self.ctx = ctx
+        self.rates = rates
+        self.trajectory_cursor = 0
+        """Highest trajectory cursor a trainer has fetched (the rest wait for training)."""
+        self.handed_out = 0
+        """Trajectories handed out (all)."""
+        self.stale_corrected = 0
+        """Past the bound, handed out to be trained with correction weights."""
+        self.stale_dropped = 0
+        """Past the bound, handed out as dropped."""
+        self.max_seen = 0
+        """Largest staleness of a trajectory handed out."""
+        self.admission_paused = 0
+        """New sessions refused by the admission rule."""
+
+    def admission_limit(self) -> int | None:
+        """(bound + 1) × the trainer's batch size, or None before the trainer declared one."""
+        demand = self.rates.demand
+        return None if demand is None else (self.ctx.cfg.staleness_bound + 1) * demand.batch_size
+
+    def finished_waiting(self) -> int:
+        """Finished sessions the trainer has not fetched."""
+        return self.ctx.store.sessions.finished_after(self.trajectory_cursor)
+
+    def untrained_work(self) -> int:
+        """Sessions in flight plus finished sessions the trainer has not fetched."""
+        counts = self.ctx.store.owners.count_requests()
+        return sum(counts.get(s, 0) for s in IN_FLIGHT_STATES) + self.finished_waiting()
+
+    def check_admission(self, session_id: str | None) -> None:
+        """Raise NoCapacity (429, code `staleness_bound`) for a new session the bound holds back."""
+        ctx = self.ctx
+        if session_id is not None and ctx.store.owners.has_requests(session_id):
+            return  # a later turn of an admitted session (the gateway creates the session first)
+        limit = self.admission_limit()
+        if limit is None:
+            return
+        work = self.untrained_work()
+        if work < limit:
+            return
+        self.admission_paused += 1
+        ctx.metrics.admission_stale.inc()
+        raise NoCapacity(f"staleness bound: {work} sessions in flight or finished and not yet trained, "
+                         f"limit (staleness_bound + 1) x batch = {limit}", code="staleness_bound",
+                         retry_after_s=max(1.0, ctx.cfg.heartbeat_s * 2))
+
+    def hand_out(self, cursor: int, limit: int) -> dict[str, Any]:
+        """GET /v1/trajectories: finished sessions past `cursor`, each with its staleness and
+        the policy applied; the trainer's cursor advances to what it fetched."""
+        items, nxt = self.ctx.store.sessions.trajectories(cursor, limit)
+        self.trajectory_cursor = max(self.trajectory_cursor, nxt)
+        return {"trajectories": self._apply(items), "next_cursor": nxt}
+
+    def _apply(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Annotate each trajectory with its `staleness` (versions) and apply the policy to
+        those past the bound; returns the list to hand out (same order, same length)."""
+        ctx = self.ctx
+        published = sorted(r.v for r in ctx.store.fleet.list_versions())
+        bound, policy = ctx.cfg.staleness_bound, ctx.cfg.staleness_policy
+        out = []
+        for t in items:
+            k = trajectory_staleness(published, t)
+            self.handed_out += 1
+            if k > self.max_seen:
+                self.max_seen = k
+                ctx.metrics.staleness_max.set(k)
+            t = {**t, "staleness": k}
+            if k > bound:
+                ctx.metrics.stale_trajectories.labels(policy).inc()
+                if policy == "drop":
+                    self.stale_dropped += 1
+                    t = {"id": t["id"], "state": t["state"], "reward": t["reward"], "group_id": t["group_id"],
+                         "staleness": k, "dropped": "stale"}
+                else:
+                    self.stale_corrected += 1
+            out.append(t)
+        return out
+
+    def to_api(self) -> dict[str, Any]:
+        """The `staleness` block of GET /v1/versions."""
+        cfg = self.ctx.cfg
+        return {"bound": cfg.staleness_bound, "policy": cfg.staleness_policy,
+                "trajectories_handed_out": self.handed_out, "stale_corrected": self.stale_corrected,
+                "stale_dropped": self.stale_dropped, "max_seen": self.max_seen,
+                "admission_limit": self.admission_limit(), "admission_paused": self.admission_paused}

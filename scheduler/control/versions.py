@@ -1,0 +1,230 @@
+"""Weight versions: broadcasting → active → retiring → retired.
+
+The trainer puts version v in its version host (host memory) and publishes it with the host's
+address (`source`); every live rollout cell is told to join the trainer's broadcast of it
+(`load_version`, mode "broadcast"), and the answer names them (`receivers`) so the trainer
+knows whom to wait for. v becomes active once every live rollout cell reports serving it
+(older active versions then start retiring). A cell that missed the broadcast (failed, late,
+or entering rollout from training) is told to fetch it point-to-point. A freshly registered
+cell whose version is not `servable` (its initial weights, or one older than the staleness
+bound allows) stays `loading`, with no request placed on it, until its fetch completes. A version is retired
+(on request, or automatically) only when no live cell serves it and every token sampled under
+it has an old log-prob (exact, or counted as missing) — otherwise 409, so a version is never
+dropped while the log-prob service still needs it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from scheduler.contract.errors import Conflict, NotFound
+from scheduler.contract.protocol import LoadVersionCmd
+from scheduler.contract.states import VERSION, set_state
+from scheduler.control import idempotency
+from scheduler.control.staleness import versions_behind
+from scheduler.store.fleet import VersionRow
+
+if TYPE_CHECKING:
+    from scheduler.control.context import Context, Effects
+    from scheduler.control.scoring import Scoring
+
+IDEMPOTENCY_SCOPE = "versions"
+
+
+class Versions:
+    """Weight versions and who was told to load which. Owns `version_sent`."""
+
+    def __init__(self, ctx: Context, scoring: Scoring) -> None:
+        self.ctx = ctx
+        self.scoring = scoring
+        self.version_sent: dict[tuple[str, int], float] = {}
+        """(cell, version) → when the cell was told to load the version (by broadcast or fetch)."""
+
+    # ------------------------------------------------------------------ reads
+    def current(self) -> int | None:
+        """The newest active version (what a loading cell must serve)."""
+        active = [v.v for v in self.ctx.store.fleet.list_versions() if v.state == "active"]
+        return max(active) if active else None
+
+    def served_by(self, cell_id: str) -> int | None:
+        """The weight version a cell serves, as last reported (else as registered)."""
+        summary = self.ctx.registry.summary(cell_id)
+        if summary is not None:
+            return summary.version
+        cell = self.ctx.store.fleet.get_cell(cell_id)
+        return cell.version if cell else None
+
+    def serving(self) -> dict[int, list[str]]:
+        """version → live cells serving it (as last reported)."""
+        out: dict[int, list[str]] = {}
+        for c in self.ctx.store.fleet.list_cells():
+            entry = self.ctx.registry.live.get(c.id)
+            if c.state == "down" or entry is None:
+                continue
+            v = entry.summary.version if entry.summary is not None else c.version
+            if v is not None:
+                out.setdefault(v, []).append(c.id)
+        return out
+
+    def servable(self, version: int | None) -> bool:
+        """May a cell serve rollouts at `version`? Yes when nothing is published yet to fetch,
+        when it is the target, or when it is a published, unretired version no more than
+        `staleness_bound` published versions behind the newest (scheduler/control/staleness.py)."""
+        t = self.target()
+        if t is None or version == t.v:
+            return True
+        rows = self.ctx.store.fleet.list_versions()
+        row = next((r for r in rows if r.v == version), None)
+        if row is None or row.state == "retired":
+            return False  # e.g. a fresh cell's initial weights, which no trainer published
+        return versions_behind(sorted(r.v for r in rows), row.v) <= self.ctx.cfg.staleness_bound
+
+    def target(self) -> VersionRow | None:
+        """The version rollout cells should serve: the newest broadcasting or active one that
+        cells can fetch (has a source)."""
+        rows = [r for r in self.ctx.store.fleet.list_versions() if r.state in ("broadcasting", "active") and r.source]
+        return max(rows, key=lambda r: r.v) if rows else None
+
+    def _rollout_cells(self, states: tuple[str, ...] = ("rollout", "draining")) -> list[str]:
+        out = []
+        for c in self.ctx.store.fleet.list_cells():
+            e = self.ctx.registry.live.get(c.id)
+            if c.state in states and e is not None and e.seen:
+                out.append(c.id)
+        return out
+
+    # ------------------------------------------------------------------ the trainer's side
+    def publish(self, version: int, source: dict | None = None, idempotency_key: str | None = None) -> dict[str, Any]:
+        """Record `version` as broadcasting and tell the rollout cells to join its broadcast.
+        Under an Idempotency-Key a replay (a trainer that lost the answer) gets the first answer."""
+        ctx = self.ctx
+        fp = idempotency.fingerprint([version, source])
+        hit = idempotency.replay(ctx.store, IDEMPOTENCY_SCOPE, idempotency_key, fp)
+        if hit is not None:
+            return hit
+        now = ctx.clock()
+        with ctx.txn(durable=True) as fx:
+            rows = ctx.store.fleet.list_versions()
+            if any(r.v == version for r in rows):
+                raise Conflict(f"version {version} exists", code="version_exists")
+            if rows and version < max(r.v for r in rows):
+                raise Conflict(f"version {version} is older than {max(r.v for r in rows)}", code="version_not_newer")
+            row = VersionRow(version, "broadcasting", time.time(), [("broadcasting", time.time(), "published")],
+                             source=source)
+            ctx.store.fleet.put_version(row)
+            receivers = self._rollout_cells() if source else []
+            policy = ctx.ver_cfg.inflight_policy
+            for cell_id in receivers:
+                self.version_sent[(cell_id, version)] = now
+                fx.send(cell_id, lambda i: LoadVersionCmd(i, version, source, "broadcast", True, policy))
+            ranks = {c.id: int(c.capabilities.get("update_ranks") or 0) for c in ctx.store.fleet.list_cells()
+                     if c.id in receivers}
+            answer = {**self._to_api(row, {}, self.serving()), "receivers": receivers, "receiver_ranks": ranks}
+            idempotency.record(ctx.store, IDEMPOTENCY_SCOPE, idempotency_key, fp, answer)
+        ctx.kick()
+        return answer
+
+    def retire(self, version: int) -> dict[str, Any]:
+        store = self.ctx.store
+        with self.ctx.txn(durable=True):
+            row = store.fleet.get_version(version)
+            if row is None:
+                raise NotFound(f"unknown version {version}")
+            if row.state != "retired":
+                VERSION.check(row.state, "retired")
+                cells = self.serving().get(version, [])
+                if cells:
+                    raise Conflict(f"version {version} is still served by {sorted(cells)}", code="version_in_use")
+                unscored = store.sessions.unscored(version)
+                if unscored:
+                    raise Conflict(f"{unscored} tokens of version {version} have no old log-prob yet",
+                                   code="unscored_tokens")
+                set_state(VERSION, row, "retired", "retired on request")
+                store.fleet.put_version(row)
+        return self._to_api(row, store.sessions.version_counts(), self.serving())
+
+    def list_all(self) -> list[dict[str, Any]]:
+        counts, cells = self.ctx.store.sessions.version_counts(), self.serving()
+        return [self._to_api(r, counts, cells) for r in self.ctx.store.fleet.list_versions()]
+
+    def _to_api(self, row: VersionRow, counts: dict, cells: dict) -> dict[str, Any]:
+        c = counts.get(row.v, {})
+        passes = self.scoring.final_pass_s.get(row.v, [])
+        when = {h[0]: h[1] for h in row.history}
+        lifetime = when["retiring"] - when["active"] if "active" in when and "retiring" in when else None
+        return {
+            "version": row.v, "state": row.state, "cells": sorted(cells.get(row.v, [])),
+            "tokens_generated": c.get("generated", 0), "tokens_scored": c.get("exact", 0),
+            "tokens_missing": c.get("missing", 0), "tokens_unscored": c.get("unscored", 0),
+            "source": row.source, "lifetime_s": lifetime,
+            "final_pass_s": sum(passes) / len(passes) if passes else None, "final_passes": len(passes),
+            "history": [list(h) for h in row.history],
+        }
+
+    # ------------------------------------------------------------------ the loop's side
+    def catch_up(self) -> None:
+        """Active: tell every rollout (or loading) cell that serves neither the target version
+        nor is receiving it to fetch it point-to-point; again after `load_timeout_s` if still not."""
+        t = self.target()
+        if t is None:
+            return
+        ctx = self.ctx
+        now = ctx.clock()
+        v, source, policy = t.v, t.source, ctx.ver_cfg.inflight_policy
+        for cell_id in self._rollout_cells(("rollout", "draining", "loading")):
+            s = ctx.registry.live[cell_id].summary
+            if s is None or s.version == t.v or t.v in s.loading:
+                continue
+            if now - self.version_sent.get((cell_id, t.v), float("-inf")) < ctx.ver_cfg.load_timeout_s:
+                continue
+            self.version_sent[(cell_id, t.v)] = now
+            ctx.registry.send(cell_id, lambda i: LoadVersionCmd(i, v, source, "fetch", True, policy))
+
+    def progress(self) -> None:
+        """Passive: activate broadcast versions that every live rollout cell serves."""
+        ctx = self.ctx
+        rows = ctx.store.fleet.list_versions()
+        pending = [r for r in rows if r.state == "broadcasting"]
+        if not pending:
+            return
+        rollout_versions = []
+        for c in ctx.store.fleet.list_cells():
+            entry = ctx.registry.live.get(c.id)
+            if c.state == "rollout" and entry is not None and entry.seen:
+                rollout_versions.append(entry.summary.version if entry.summary else c.version)
+        for row in sorted(pending, key=lambda r: r.v):
+            if any(v != row.v for v in rollout_versions):
+                continue
+            with ctx.txn(durable=True):
+                set_state(VERSION, row, "active", "every rollout cell serves it")
+                ctx.store.fleet.put_version(row)
+                for old in rows:
+                    if old.v < row.v and old.state == "active":
+                        set_state(VERSION, old, "retiring", f"version {row.v} active")
+                        ctx.store.fleet.put_version(old)
+
+    def auto_retire(self) -> None:
+        """Retire superseded versions that no cell serves and whose tokens are all scored."""
+        ctx = self.ctx
+        if not ctx.ver_cfg.auto_retire:
+            return
+        rows = [r for r in ctx.store.fleet.list_versions() if r.state == "retiring"]
+        if not rows:
+            return
+        cells, backlog = self.serving(), ctx.store.sessions.unscored_by_version()
+        for row in rows:
+            if cells.get(row.v) or backlog.get(row.v, 0):
+                continue
+            with ctx.txn(durable=True):
+                set_state(VERSION, row, "retired", "no cell serves it; every token has an old log-prob")
+                ctx.store.fleet.put_version(row)
+
+    # ------------------------------------------------------------------ membership
+    def forget_cell(self, cell_id: str) -> None:
+        """A new cell process: what an earlier one was told to load does not carry over."""
+        for key in [k for k in self.version_sent if k[0] == cell_id]:
+            del self.version_sent[key]
+
+    def on_cell_fenced(self, fx: Effects, cell_id: str, reason: str) -> None:
+        self.forget_cell(cell_id)

@@ -1,0 +1,98 @@
+"""The gateway's backend on the real control plane: the durable session store and the cells.
+
+Satisfies `scheduler.contract.tito.backend.CompletionBackend`: the chat gateway appends rendered
+prompt tokens to the session's buffer, then `complete` submits the buffer as a token-in
+completion (owned by a cell, fenced, migratable) and yields each sampled token once the store
+has committed it — so a token reaches the store before any client sees it. The control
+plane's refusals (scheduler/contract/errors.py) are the gateway's `BackendError`s: they pass through
+unchanged (429 with Retry-After when no cell has room or the staleness bound holds admission,
+409 for a session with a request in flight or already finished).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from scheduler.contract.tito.backend import (
+    SessionFinished,
+    SessionNotFound,
+    SessionTokens,
+    TokenOut,
+)
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from scheduler.control.controller import Controller
+
+_PARAMS = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed")
+
+
+class ControlPlaneBackend:
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+
+    @property
+    def ctl(self) -> Controller:
+        return self.app.state.controller  # built by the app's lifespan
+
+    async def complete(self, session_id: str, prompt_ids: list[int], params: dict[str, Any]) -> AsyncIterator[TokenOut]:
+        ctl = self.ctl
+        sp = {k: params[k] for k in _PARAMS if params.get(k) is not None}
+        sp["stop_token_ids"] = list(sp.get("stop_token_ids", []))
+        if sp.get("top_k", 0) < 0:  # OpenAI-style "off"
+            sp["top_k"] = 0
+        req = ctl.submit_completion(session_id, list(prompt_ids), sp)  # its refusals are BackendErrors
+        held = None  # one token held back so the last one can carry the finish reason
+        async for rows, cur in ctl.follow_request(req.id):
+            for r in rows:
+                if held is not None:
+                    yield held
+                held = TokenOut(int(r[0]), float(r[2]), int(r[3]))
+            if cur.state in ("finished", "failed"):
+                if held is not None:
+                    yield TokenOut(held.token_id, held.logprob, held.version, cur.reason or "stop")
+                return
+        if held is not None:
+            yield held
+
+    async def get_session_tokens(self, session_id: str, start: int = 0) -> SessionTokens | None:
+        sessions = self.ctl.store.sessions
+        row = sessions.get(session_id)
+        if row is None:
+            return None
+        seg_start = row.segment_starts[-1]
+        rows = sessions.read(session_id, seg_start + start, None)
+        return SessionTokens(
+            token_ids=[r[0] for r in rows], loss_mask=[r[1] for r in rows], segment=len(row.segment_starts) - 1,
+            length=row.length - seg_start, finished=row.state == "finished",
+            logprobs=[r[2] for r in rows], versions=[r[3] for r in rows])
+
+    async def append_prompt_tokens(self, session_id: str, ids: list[int], loss_mask: int = 0) -> None:
+        if loss_mask != 0:
+            raise ValueError("the gateway appends only non-sampled tokens")
+        self._require_open(session_id, create=True)
+        self.ctl.store.sessions.append_prompt(session_id, [int(t) for t in ids])
+
+    async def start_segment(self, session_id: str, reason: str) -> int:
+        sessions = self.ctl.store.sessions
+        self._require_open(session_id, create=True)
+        sessions.new_segment(session_id)  # counted by the router's history_rewrites counter
+        return len(sessions.require(session_id).segment_starts) - 1
+
+    async def get_gateway_state(self, session_id: str) -> dict[str, Any] | None:
+        return self.ctl.store.sessions.gateway_state(session_id)
+
+    async def set_gateway_state(self, session_id: str, state: dict[str, Any]) -> None:
+        self.ctl.store.sessions.put_gateway_state(session_id, state)
+
+    async def finish_session(self, session_id: str, reward: float | None, group_id: str | None) -> dict[str, Any]:
+        return self.ctl.finish_session(session_id, 0.0 if reward is None else reward, group_id)
+
+    def _require_open(self, session_id: str, create: bool) -> None:
+        row = self.ctl.store.sessions.get(session_id)
+        if row is None and not create:
+            raise SessionNotFound(f"unknown session {session_id!r}")
+        if row is not None and row.state == "finished":
+            raise SessionFinished(f"session {session_id!r} is finished")

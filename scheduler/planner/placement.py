@@ -1,0 +1,55 @@
+"""The control plane's one door to the planner (scheduler/planner/plan.py): the planner's own
+`Snapshot` in, decisions out.
+
+scheduler/control/snapshot.py builds the `Snapshot` (every field the cluster simulator fills). These
+helpers turn the planner's answers into the string cell ids the concerns use, with None for
+"nowhere", and add the one rule the planner does not make: a later turn of a session goes back
+to the cell that served its earlier turns when that cell has room (`sticky_destination`).
+Nothing here mutates anything.
+"""
+
+from __future__ import annotations
+
+from scheduler.planner import destinations
+from scheduler.planner import plan as planner
+from scheduler.planner.types import CellSummary, Destination, RequestSummary, Snapshot
+
+__all__ = ["choose_cells_to_flip", "choose_destination", "has_room", "plan_flips", "sticky_destination"]
+
+
+def has_room(c: CellSummary, num_tokens: int = 0, block_size: int = destinations.DEFAULT_COST.block_size) -> bool:
+    """A rollout cell with a free slot and the KV blocks for `num_tokens` (at least one block;
+    in the snapshot's 16-token blocks, as the planner counts them)."""
+    return (c.role == "rollout" and c.inflight < c.capacity
+            and c.kv_blocks_free >= max(1, -(-num_tokens // block_size)))
+
+
+def choose_destination(snapshot: Snapshot, source_cell_id: str | None,
+                       request: RequestSummary) -> Destination | None:
+    """A rollout cell with room for `request` and the planner's path (None: nowhere).
+    `source_cell_id` None places a new or waiting request."""
+    d = destinations.choose_destination(snapshot, source_cell_id, request)
+    return None if d.cell_id is None else Destination(str(d.cell_id), d.path, d.seconds)
+
+
+def sticky_destination(snapshot: Snapshot, cell_id: str | None,
+                       request: RequestSummary) -> Destination | None:
+    """The session's previous cell when it can take the request: a later turn then reuses the
+    KV its earlier turns left in that cell's prefix cache (path "kv": nothing moves). None
+    when it has no room; the caller then takes the planner's choice (`choose_destination`)."""
+    if cell_id is None:
+        return None
+    c = snapshot.cell(cell_id)
+    if c is None or not has_room(c, request.context_tokens):
+        return None
+    return Destination(c.cell_id, "kv")
+
+
+def choose_cells_to_flip(snapshot: Snapshot, to: str, count: int) -> list[str]:
+    """Up to `count` cells to flip `to` a role, never dipping under min_rollout_cells."""
+    return [str(c) for c in planner.choose_cells_to_flip(snapshot, to, count)]  # type: ignore[arg-type]
+
+
+def plan_flips(snapshot: Snapshot) -> list[tuple[str, str]]:
+    """The planner's autonomous flips as (cell_id, to)."""
+    return [(str(d.cell_id), d.to) for d in planner.plan_flips(snapshot)]
