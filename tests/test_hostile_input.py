@@ -5,6 +5,8 @@ Already covered elsewhere and not repeated here:
     answers 401 without a token or with a wrong one; a missing or empty token file stops
     start-up; basic 404/422 cases; 429 with Retry-After; 413 for a declared Content-Length
     and for a chunked TestClient body; the size-limit middleware stops reading at limit + 1.
+  tests/scheduler/test_idempotency.py: concurrent replays, count flips, refused requests,
+    completions and version publishes replayed, key expiry.
   tests/scheduler/test_sched_flips.py: Idempotency-Key replay and reuse (409), stale
     expected_generation (409), illegal transition (409).
   tests/scheduler/test_sched_restart.py: an Idempotency-Key replay after a restart.
@@ -28,10 +30,8 @@ import asyncio
 import contextlib
 import json
 import socket
-import sqlite3
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -43,7 +43,10 @@ from fastapi.testclient import TestClient
 from scheduler.api.app import create_app
 from scheduler.api.auth import BearerAuth
 from scheduler.contract.config import ConfigError, SchedulerConfig
-from tests.scheduler.sched_fakes import FakeCell, Harness, make_config, pump
+from tests.scheduler.sched_fakes import Harness, make_config, pump
+from tests.scheduler.storecheck import fleet as _fleet
+from tests.scheduler.storecheck import rejected as _rejected
+from tests.scheduler.storecheck import store_dump
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "s3cret-token"
@@ -53,16 +56,6 @@ LIMIT = 4096
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def store_dump(db_path: str | Path) -> dict[str, list]:
-    """Every row of every table of the store (read through a second connection)."""
-    conn = sqlite3.connect(str(db_path))
-    try:
-        names = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table' ORDER BY name")]
-        return {n: sorted(map(repr, conn.execute(f"SELECT * FROM {n}"))) for n in names}
-    finally:
-        conn.close()
 
 
 def _free_port() -> int:
@@ -112,23 +105,6 @@ def harness(tmp_path):
     h = Harness(str(tmp_path / "sched.sqlite"))
     yield h
     h.close()
-
-
-def _fleet(h: Harness, n: int) -> list[FakeCell]:
-    cells = [FakeCell(h.client, f"c{i}") for i in range(n)]
-    for c in cells:
-        c.register()
-        c.sync()
-    return cells
-
-
-def _rejected(client, db, method: str, path: str, status: int, **kw) -> httpx.Response:
-    """Send one request that must be refused with `status`, and leave the store unchanged."""
-    before = store_dump(db)
-    r = client.request(method, path, **kw)
-    assert r.status_code == status, (method, path, r.status_code, r.text[:300])
-    assert store_dump(db) == before, f"{method} {path} ({status}) changed the store"
-    return r
 
 
 # ----------------------------------------------------------------------------- auth
@@ -504,101 +480,6 @@ def test_illegal_transitions_are_409_and_change_nothing(harness):
     conflict("POST", "/v1/sessions/s1/finish", "session_finished", json={"reward": 0.0})
     conflict("POST", "/v1/generate", "session_finished", json={"prompt_ids": [1, 2, 3]},
              headers={"X-Session-Id": "s1"})
-
-
-# ----------------------------------------------------------------------------- idempotency
-
-
-def test_concurrent_replays_of_one_key_make_one_flip(harness):
-    _fleet(harness, 3)
-    body, key = {"cell": "c0", "to": "training"}, {"Idempotency-Key": "together"}
-    with ThreadPoolExecutor(8) as pool:
-        answers = list(pool.map(lambda _: harness.client.post("/v1/flips", json=body, headers=key), range(8)))
-    assert {r.status_code for r in answers} == {202}
-    assert len({json.dumps(r.json(), sort_keys=True) for r in answers}) == 1
-    assert len(harness.client.get("/v1/flips").json()["flips"]) == 1
-
-
-def test_count_flip_replay_returns_the_original_cells(harness):
-    _fleet(harness, 3)
-    key = {"Idempotency-Key": "by-count"}
-    first = harness.client.post("/v1/flips", json={"count": 1, "to": "training"}, headers=key)
-    assert first.status_code == 202
-    before = store_dump(harness.db_path)
-    again = harness.client.post("/v1/flips", json={"count": 1, "to": "training"}, headers=key)
-    assert again.status_code == 202 and again.json() == first.json()
-    assert store_dump(harness.db_path) == before
-    r = _rejected(harness.client, harness.db_path, "POST", "/v1/flips", 409,
-                  json={"count": 2, "to": "training"}, headers=key)
-    assert r.json()["reason"] == "idempotency_key_reused"
-
-
-def test_a_refused_request_records_no_key(harness):
-    """Nothing half-applied: a 409 under an Idempotency-Key stores neither a flip nor the key,
-    so the key is still free for the corrected request."""
-    _fleet(harness, 2)
-    key = {"Idempotency-Key": "retry-me"}
-    _rejected(harness.client, harness.db_path, "POST", "/v1/flips", 409, json={"cell": "c0", "to": "rollout"},
-              headers=key)
-    r = harness.client.post("/v1/flips", json={"cell": "c0", "to": "training"}, headers=key)
-    assert r.status_code == 202
-
-
-def test_completion_replay_follows_the_first_request(harness):
-    """A completion under an Idempotency-Key starts one request; a replay (a client whose
-    connection dropped) gets that request again, streamed or not, from its first token."""
-    cells = _fleet(harness, 2)
-    key = {"Idempotency-Key": "rollout-17", "X-Session-Id": "s17"}
-    body = {"prompt_ids": [5, 6, 7], "max_tokens": 6}
-    first = harness.complete(body, headers=key)
-    pump(cells, until=first)
-    out = first.result(timeout=60).json()
-    assert len(out["token_ids"]) == 6 and out["finish_reason"] == "length"
-    before = store_dump(harness.db_path)
-    again = harness.client.post("/v1/generate", json=body, headers=key)
-    assert again.status_code == 200 and again.json() == out  # the same request, the same tokens
-    with harness.client.stream("POST", "/v1/generate", json={**body, "stream": True}, headers=key) as r:
-        lines = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
-    assert r.headers["x-request-id"] == out["id"]
-    assert [t for ln in lines for t in ln.get("token_ids", [])] == out["token_ids"]
-    assert store_dump(harness.db_path) == before  # no second request, no second key
-    r = _rejected(harness.client, harness.db_path, "POST", "/v1/generate", 409,
-                  json={**body, "max_tokens": 7}, headers=key)
-    assert r.json()["reason"] == "idempotency_key_reused"
-    other = harness.complete(body, headers={**key, "Idempotency-Key": "rollout-18", "X-Session-Id": "s18"})
-    pump(cells, until=other)
-    assert other.result(timeout=60).json()["id"] != out["id"]  # another key: another request
-
-
-def test_version_publish_replay_returns_the_first_answer(harness):
-    _fleet(harness, 2)
-    c, key = harness.client, {"Idempotency-Key": "publish-3"}
-    body = {"version": 3, "source": {"host": "127.0.0.1", "port": 1234, "namespace": "versions"}}
-    first = c.post("/v1/versions", json=body, headers=key)
-    assert first.status_code == 201 and first.json()["receivers"] == ["c0", "c1"]
-    before = store_dump(harness.db_path)
-    again = c.post("/v1/versions", json=body, headers=key)
-    assert again.status_code == 201 and again.json() == first.json()
-    assert store_dump(harness.db_path) == before  # no second publish, no second load command
-    r = _rejected(c, harness.db_path, "POST", "/v1/versions", 409, json={**body, "version": 4}, headers=key)
-    assert r.json()["reason"] == "idempotency_key_reused"
-    r = _rejected(c, harness.db_path, "POST", "/v1/versions", 409, json=body)  # no key: a second publish
-    assert r.json()["reason"] == "version_exists"
-
-
-def test_idempotency_keys_expire_after_their_ttl(harness):
-    from scheduler.control import idempotency
-
-    _fleet(harness, 3)
-    key = {"Idempotency-Key": "old"}
-    first = harness.client.post("/v1/flips", json={"cell": "c0", "to": "training"}, headers=key)
-    assert first.status_code == 202
-    ctl, ttl = harness.ctl, harness.ctl.cfg.idempotency_ttl_s
-    assert harness.client.portal.call(lambda: idempotency.expire(ctl.store, ttl, time.time() + ttl - 60)) == 0  # not yet
-    assert harness.client.post("/v1/flips", json={"cell": "c0", "to": "training"}, headers=key).json() == first.json()
-    assert harness.client.portal.call(lambda: idempotency.expire(ctl.store, ttl, time.time() + ttl + 60)) == 1
-    r = harness.client.post("/v1/flips", json={"cell": "c1", "to": "training"}, headers=key)
-    assert r.status_code == 202 and r.json()["id"] != first.json()["id"]  # the key is free again
 
 
 # ----------------------------------------------------------------------------- 429 without cells

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from tests.test_hostile_input import _rejected, served  # noqa: F401  (the real app over a socket)
+from tests.scheduler.storecheck import rejected as _rejected
+from tests.test_hostile_input import served  # noqa: F401  (the real app over a socket)
 
 SURROGATES = ["\ud800", "x\udfff", "\udbff\udbff"]
 

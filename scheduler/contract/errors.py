@@ -5,8 +5,9 @@ the human `detail`, and `retry_after_s` where retrying later makes sense. The RE
 `{"detail": ..., "reason": <code>}` (`http_answer`); the chat gateway answers the same error
 as an OpenAI error object (scheduler/gateway/responses.py), so a cell, a trainer or a client
 branches on the same code either way. The gateway's own names (`BackendError`, `BackendBusy`,
-`SessionNotFound`, ...) are this hierarchy too (scheduler/contract/tito/backend.py): an error raised
-anywhere in the control plane reaches the client as it was raised, never re-wrapped.
+`SessionNotFound`, ...: scheduler/contract/tito/backend.py) and its request refusals
+(`GatewayError`) are this hierarchy too: an error raised anywhere in the control plane reaches
+the client as it was raised, never re-wrapped.
 """
 
 from __future__ import annotations
@@ -28,12 +29,6 @@ class CellflipError(Exception):
             self.code = code
         if retry_after_s is not None:
             self.retry_after_s = retry_after_s
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        # scheduler/contract/states.py's IllegalTransition names its code `default_reason`
-        if "default_reason" in cls.__dict__:
-            cls.code = cls.__dict__["default_reason"]
 
 
 def http_answer(exc: CellflipError) -> tuple[int, dict[str, Any], dict[str, str]]:

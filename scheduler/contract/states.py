@@ -18,7 +18,7 @@ from scheduler.contract.errors import Conflict
 class IllegalTransition(Conflict):
     """The requested edge is not in the machine."""
 
-    default_reason = "illegal_transition"
+    code = "illegal_transition"
 
 
 CELL_TRANSITIONS: dict[str, dict[str, str]] = {
