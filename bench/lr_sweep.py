@@ -108,9 +108,9 @@ def main() -> None:
     set_threads(1)
     t0 = time.monotonic()
     if args.quick:
-        p = {"grid": [2e-3, 8e-3, 3.2e-2], "steps": 4, "groups": 8, "samples": 4}
+        p = {"grid": [2e-3, 4e-3, 8e-3], "steps": 4, "groups": 8, "samples": 4}
     else:
-        p = {"grid": [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2], "steps": 8, "groups": 8, "samples": 8}
+        p = {"grid": [1e-3, 2e-3, 3e-3, 4e-3, 6e-3, 8e-3], "steps": 8, "groups": 8, "samples": 8}
     p.update({"minibatches": 2, "lr_warmup_steps": 4, "heldout": HELDOUT, "collapse_drop": COLLAPSE_DROP,
               "kl_max": KL_MAX, "warmup_steps": 300})
     spec, state, heldout_warmup = warm(p["warmup_steps"])

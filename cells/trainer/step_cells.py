@@ -127,10 +127,10 @@ class StepCells:
         return self.own + others[: max(0, self.width - len(self.own))]
 
     # -- after the step ----------------------------------------------------------------------
-    def release(self, cells: list[str]) -> list[dict]:
-        """Flip back what the trainer flips (its own cells; every one of the step's when it
-        flips them all); the planner returns its own."""
-        back = cells if not self.planner_flips else [c for c in cells if c in self.own]
+    def release(self, cells: list[str], every: bool = False) -> list[dict]:
+        """Flip back what the trainer flips (its own cells; every one of `cells` when it flips
+        them all, or `every`); the planner returns its own."""
+        back = cells if every or not self.planner_flips else [c for c in cells if c in self.own]
         flips: list[dict] = []
         for c in back:
             try:
@@ -138,6 +138,18 @@ class StepCells:
             except Exception as e:  # already on its way back, or gone: the others go on
                 self.emit({"event": "flip_refused", "cell": c, "reason": str(e)[:200]})
         return self.client.wait_flips(flips, timeout_s=WAIT_S) if flips else []
+
+    def hand_back(self) -> list[dict]:
+        """The run is over: no step runs (reported), and every cell left in the training role goes
+        back to rollout (explicit flips, whoever put it there), so the fleet serves and installs
+        the last version."""
+        try:
+            self.declare(0)
+            cells = self._in_training()
+        except Exception as e:  # the scheduler gone: nothing to hand back to
+            self.emit({"event": "hand_back_failed", "reason": str(e)[:200]})
+            return []
+        return self.release(cells, every=True)
 
     def finished_flips(self) -> list[dict[str, Any]]:
         """Flips (by anyone) finished since the last call: what the step record counts."""

@@ -110,6 +110,7 @@ class Trainer:
             self.agents.start()
             while self.rl_step < self.tc.steps and not stop.is_set():
                 self._step(stop)
+            self.cells.hand_back()
             return self.summary()
         finally:
             self.agents.close()

@@ -133,3 +133,20 @@ def test_without_the_planner_the_trainer_flips_its_cells_and_back(make):
     _pump_while(h, cells, t)
     assert [f["state"] for f in out[1]] == ["done", "done"]
     assert all(c["state"] == "rollout" for c in client.cells())
+
+
+def test_at_the_end_of_the_run_every_training_cell_is_handed_back(make):
+    h = make()
+    cells = _cells(h, 3)
+    client = _client(h)
+    step = StepCells(client, batch_size=8, train_cells=2, choice="planner", emit=lambda rec: None)
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(step.acquire()))
+    t.start()
+    _pump_while(h, cells, t)
+    assert step.planner_flips and len(step.group()) == 2
+    t = threading.Thread(target=lambda: out.append(step.hand_back()))
+    t.start()
+    _pump_while(h, cells, t)
+    assert [f["state"] for f in out[1]] == ["done", "done"]  # the planner's cells, flipped back explicitly
+    assert all(c["state"] == "rollout" for c in client.cells())
