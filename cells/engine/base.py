@@ -198,9 +198,15 @@ def _ability(engine: Engine, has: bool, what: str, kind: type[T]) -> T:
     return cast(kind, engine)
 
 
+class HoldsKVHandover(Protocol):
+    """An engine with `capabilities.kv_export` holds its hand-over helper as `handover`."""
+
+    handover: KVHandover
+
+
 def kv_handover(engine: Engine) -> KVHandover:
-    """`engine` as a KVHandover (`capabilities.kv_export`), else EngineError."""
-    return _ability(engine, engine.capabilities.kv_export, "per-request KV hand-over", KVHandover)
+    """The engine's KVHandover helper (`engine.handover`; `capabilities.kv_export`), else EngineError."""
+    return _ability(engine, engine.capabilities.kv_export, "per-request KV hand-over", HoldsKVHandover).handover
 
 
 def versioned_weights(engine: Engine) -> VersionedWeights:

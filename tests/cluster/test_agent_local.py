@@ -193,7 +193,7 @@ def test_cancel_migration_stops_the_transfer_and_keeps_the_request_on_the_source
     assert outcomes["dst"].result in ("aborted", "failed") and client.commits == []
     assert client.aborts and client.aborts[0][0] == "m1"  # the source settles it at the scheduler
     assert "r" not in dst.requests and dst.pool.num_free == dst.pool.num_blocks  # the reservation is freed
-    assert not src.is_paused("r")
+    assert not src.handover.is_paused("r")
     steps = 0
     while src.has_work() and steps < 200:  # the source still decodes it to its end
         src.step()
@@ -208,12 +208,12 @@ def test_cancel_migration_without_a_thread_resumes_the_source_and_frees_the_dest
     eng = agent.engine
     eng.add_request("s", [1, 2, 3, 4], SamplingParams(max_tokens=20, seed=1))
     eng.step()
-    eng.pause_request("s")  # its abort never reached the scheduler: it stayed paused
+    eng.handover.pause_request("s")  # its abort never reached the scheduler: it stayed paused
     agent.owned["s"] = Owned(0, 0)
-    assert eng.reserve("d", 40)  # a destination's reservation, its thread gone
+    assert eng.handover.reserve("d", 40)  # a destination's reservation, its thread gone
     free = eng.pool.num_free
     with agent.access():
         agent.commands.handle(CancelMigrationCmd(7, "s", "m-s").to_dict())
         agent.commands.handle(CancelMigrationCmd(8, "d", "m-d").to_dict())
-    assert not eng.is_paused("s") and "s" in agent.owned
+    assert not eng.handover.is_paused("s") and "s" in agent.owned
     assert eng.pool.num_free > free and "d" not in eng.pool.tables

@@ -31,7 +31,7 @@ def recv_kv(engine, rid: str, src: int) -> None:
     head = recv_json(src)
     data = torch.empty(head["shape"], dtype=torch.float32)
     dist.recv(data, src)
-    engine.import_kv(rid, head["start"], data)
+    engine.handover.import_kv(rid, head["start"], data)
 
 
 def main() -> None:
@@ -48,7 +48,7 @@ def main() -> None:
         eng.add_request(f"d{j}", p, params(60 + j, max_tokens=25))
     eng.step()
     hello = recv_json(0)
-    assert eng.reserve(hello["rid"], hello["num_tokens"], headroom_blocks=4)
+    assert eng.handover.reserve(hello["rid"], hello["num_tokens"], headroom_blocks=4)
     while True:
         kind = recv_json(0)["kind"]
         if kind == "kv":
@@ -56,13 +56,13 @@ def main() -> None:
         else:
             break
     snap = RequestSnapshot.from_dict(recv_json(0))
-    eng.import_request(snap)
+    eng.handover.import_request(snap)
     kv = [eng.pool.read(layer, snap.request_id, snap.num_computed) for layer in range(eng.spec.num_layers)]
     send_json({"ack": True}, 0)
     for k, v in kv:
         dist.send(k.contiguous(), 0)
         dist.send(v.contiguous(), 0)
-    eng.resume_request(snap.request_id)
+    eng.handover.resume_request(snap.request_id)
     out = run_all(eng)
     tokens = [[e.index, e.record.token_id] for e in out[snap.request_id]]
     with open(args["out"], "w") as f:

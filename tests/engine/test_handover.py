@@ -8,26 +8,26 @@ from .enginekit import make_engine, params, prompts, run_all
 
 def migrate(src, dst, rid, rounds=2):
     """Copy rounds while the source decodes, then stop-and-copy, import, resume, free."""
-    assert dst.reserve(rid, src.snapshot(rid).num_tokens, headroom_blocks=2)
+    assert dst.handover.reserve(rid, src.handover.snapshot(rid).num_tokens, headroom_blocks=2)
     sent, events = 0, []
     for _ in range(rounds):
-        done = src.num_complete_blocks(rid)
+        done = src.handover.num_complete_blocks(rid)
         if done > sent:
-            dst.import_kv(rid, sent, src.export_kv(rid, sent, done))
+            dst.handover.import_kv(rid, sent, src.handover.export_kv(rid, sent, done))
             sent = done
         events += src.step()  # the request keeps decoding between rounds
-    src.pause_request(rid)
-    end = src.num_kv_blocks(rid)
+    src.handover.pause_request(rid)
+    end = src.handover.num_kv_blocks(rid)
     if end > sent:
-        dst.import_kv(rid, sent, src.export_kv(rid, sent, end))
-    snap = src.snapshot(rid)
-    dst.import_request(snap)
+        dst.handover.import_kv(rid, sent, src.handover.export_kv(rid, sent, end))
+    snap = src.handover.snapshot(rid)
+    dst.handover.import_request(snap)
     for layer in range(src.spec.num_layers):
         ks, vs = src.pool.read(layer, rid, snap.num_computed)
         kd, vd = dst.pool.read(layer, rid, snap.num_computed)
         assert torch.equal(ks, kd) and torch.equal(vs, vd), "imported KV differs"
-    dst.resume_request(rid)
-    src.release(rid)
+    dst.handover.resume_request(rid)
+    src.handover.release(rid)
     return events
 
 
@@ -87,18 +87,18 @@ def test_state_from_a_different_model_shape_is_refused():
     src = make_engine(True)
     src.add_request("r", prompts(1)[0], SamplingParams(max_tokens=5))
     src.step()
-    src.pause_request("r")
+    src.handover.pause_request("r")
     other = make_engine(True, block_size=16)
-    assert other.reserve("r", 100)
+    assert other.handover.reserve("r", 100)
     with pytest.raises(EngineError, match="shape"):
-        other.import_kv("r", 0, src.export_kv("r", 0, 1))
+        other.handover.import_kv("r", 0, src.handover.export_kv("r", 0, 1))
     with pytest.raises(EngineError, match="block size"):
-        other.import_request(src.snapshot("r"))
+        other.handover.import_request(src.handover.snapshot("r"))
 
 
 def test_refused_reservation_has_no_side_effects():
     dst = make_engine(True, num_blocks=4)
-    assert not dst.reserve("r", 1000)
+    assert not dst.handover.reserve("r", 1000)
     dst.pool.check_integrity()
     assert dst.pool.num_free == 4
 
@@ -109,9 +109,9 @@ def test_source_resumes_after_an_aborted_hand_over():
     src = make_engine(True)
     src.add_request("r0", ps[0], params(0, max_tokens=15))
     toks = [e.record.token_id for _ in range(4) for e in src.step()]
-    src.pause_request("r0")
+    src.handover.pause_request("r0")
     assert src.step() == []  # paused: nothing decodes
-    src.resume_request("r0")
+    src.handover.resume_request("r0")
     toks += [e.record.token_id for e in run_all(src)["r0"]]
     assert toks == ref
 
@@ -121,7 +121,7 @@ def test_snapshot_records_do_not_grow_with_context():
     src.add_request("r", prompts(1)[0], params(0, max_tokens=30))
     for _ in range(25):
         src.step()
-    snap = src.snapshot("r", records_from=20, token_ids_from=src.snapshot("r").num_tokens)
+    snap = src.handover.snapshot("r", records_from=20, token_ids_from=src.handover.snapshot("r").num_tokens)
     assert len(snap.records) == 5 and snap.records_from == 20 and snap.token_ids == []
     assert snap.to_dict()["params"]["seed"] == 100
 
@@ -139,27 +139,27 @@ def test_parked_request_frees_its_blocks_and_moves_on_token_identical():
     for _ in range(7):
         for ev in src.step():
             got.setdefault(ev.request_id, []).append(ev.record.token_id)
-    before = src.export_kv("r2", 0, src.num_kv_blocks("r2"))
+    before = src.handover.export_kv("r2", 0, src.handover.num_kv_blocks("r2"))
     used = src.pool.num_used
-    nbytes = src.park("r2")
+    nbytes = src.handover.park("r2")
     assert nbytes == before.numel() * before.element_size() > 0
-    assert src.park("r2") == nbytes  # idempotent
+    assert src.handover.park("r2") == nbytes  # idempotent
     assert src.pool.num_used == used - before.shape[2]
-    assert src.parked() == ["r2"] and src.num_inflight() == 2
+    assert src.handover.parked() == ["r2"] and src.num_inflight() == 2
     assert src.summary()["parked"] == ["r2"] and "r2" in src.summary()["request_ids"]
     for k, evs in run_all(src).items():  # the others finish; the parked one never decodes
         got.setdefault(k, []).extend(e.record.token_id for e in evs)
     assert "r2" in src.requests and src.pool.num_used == 0
-    assert torch.equal(src.export_kv("r2", 0, before.shape[2]), before)
-    src.resume_request("r2")  # an aborted move out: it stays parked
-    assert src.parked() == ["r2"]
-    snap = src.snapshot("r2")
-    assert dst.reserve("r2", snap.num_tokens, headroom_blocks=2)
-    src.pause_request("r2")
-    dst.import_kv("r2", 0, src.export_kv("r2", 0, src.num_kv_blocks("r2")))
-    dst.import_request(src.snapshot("r2"))
-    dst.resume_request("r2")
-    src.release("r2")
+    assert torch.equal(src.handover.export_kv("r2", 0, before.shape[2]), before)
+    src.handover.resume_request("r2")  # an aborted move out: it stays parked
+    assert src.handover.parked() == ["r2"]
+    snap = src.handover.snapshot("r2")
+    assert dst.handover.reserve("r2", snap.num_tokens, headroom_blocks=2)
+    src.handover.pause_request("r2")
+    dst.handover.import_kv("r2", 0, src.handover.export_kv("r2", 0, src.handover.num_kv_blocks("r2")))
+    dst.handover.import_request(src.handover.snapshot("r2"))
+    dst.handover.resume_request("r2")
+    src.handover.release("r2")
     for k, evs in run_all(dst).items():
         got.setdefault(k, []).extend(e.record.token_id for e in evs)
     assert got == ref
@@ -182,21 +182,21 @@ def test_pause_after_stops_right_after_that_token_and_unpause_undoes_it():
 
     for _ in range(3):
         step()
-    n = eng.request_length("r0")[0]
-    eng.pause_after("r0", n + 1)
+    n = eng.handover.request_length("r0")[0]
+    eng.handover.pause_after("r0", n + 1)
     step()
-    assert eng.request_length("r0")[0] == n + 1 and eng.requests["r0"].status == "paused"
+    assert eng.handover.request_length("r0")[0] == n + 1 and eng.requests["r0"].status == "paused"
     for _ in range(3):  # r0 stands still, r1 goes on
         step()
-    assert eng.request_length("r0")[0] == n + 1 and len(got["r1"]) == 7
-    eng.pause_after("r0", n + 5)  # already paused: nothing changes
-    eng.unpause("r0")
-    eng.pause_after("r1", 1)  # already past it: paused at once
+    assert eng.handover.request_length("r0")[0] == n + 1 and len(got["r1"]) == 7
+    eng.handover.pause_after("r0", n + 5)  # already paused: nothing changes
+    eng.handover.unpause("r0")
+    eng.handover.pause_after("r1", 1)  # already past it: paused at once
     assert eng.requests["r1"].status == "paused"
-    eng.unpause("r1")
-    eng.pause_after("r0", n + 3)
-    eng.unpause("r0")  # an armed pause that never fired is dropped
-    eng.unpause("gone")  # unknown: nothing to undo
+    eng.handover.unpause("r1")
+    eng.handover.pause_after("r0", n + 3)
+    eng.handover.unpause("r0")  # an armed pause that never fired is dropped
+    eng.handover.unpause("gone")  # unknown: nothing to undo
     for k, evs in run_all(eng).items():
         got.setdefault(k, []).extend(e.record.token_id for e in evs)
     assert got == ref  # token-exact against never pausing

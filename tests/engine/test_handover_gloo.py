@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def send_kv(engine, rid, start, end):
-    data = engine.export_kv(rid, start, end).contiguous()
+    data = engine.handover.export_kv(rid, start, end).contiguous()
     send_json({"kind": "kv"}, 1)
     send_json({"start": start, "shape": list(data.shape)}, 1)
     dist.send(data, 1)
@@ -47,17 +47,17 @@ def test_two_process_hand_over(tmp_path, free_port, batch_invariant, after_steps
             for ev in src.step():
                 got.setdefault(ev.request_id, []).append((ev.index, ev.record.token_id))
         rid = "r1"
-        send_json({"rid": rid, "num_tokens": src.snapshot(rid).num_tokens}, 1)
-        sent = src.num_complete_blocks(rid)
+        send_json({"rid": rid, "num_tokens": src.handover.snapshot(rid).num_tokens}, 1)
+        sent = src.handover.num_complete_blocks(rid)
         send_kv(src, rid, 0, sent)  # copy round while decoding continues
         for ev in src.step():
             got.setdefault(ev.request_id, []).append((ev.index, ev.record.token_id))
-        src.pause_request(rid)
-        end = src.num_kv_blocks(rid)
+        src.handover.pause_request(rid)
+        end = src.handover.num_kv_blocks(rid)
         if end > sent:
             send_kv(src, rid, sent, end)
         send_json({"kind": "done"}, 1)
-        snap = src.snapshot(rid)
+        snap = src.handover.snapshot(rid)
         send_json(snap.to_dict(), 1)
         assert recv_json(1)["ack"]
         for layer in range(src.spec.num_layers):
@@ -66,7 +66,7 @@ def test_two_process_hand_over(tmp_path, free_port, batch_invariant, after_steps
             dist.recv(k_dst, 1)
             dist.recv(v_dst, 1)
             assert torch.equal(k_src, k_dst) and torch.equal(v_src, v_dst), "imported KV is not bitwise equal"
-        src.release(rid)
+        src.handover.release(rid)
         for k, evs in run_all(src).items():
             got.setdefault(k, []).extend((e.index, e.record.token_id) for e in evs)
         assert child.wait(timeout=120) == 0

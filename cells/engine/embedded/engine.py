@@ -14,7 +14,7 @@ import torch
 from cells.engine.base import Capabilities, Engine
 from cells.engine.embedded.batcher import Batcher, Request, WorkItem
 from cells.engine.embedded.checkpoint import load_checkpoint
-from cells.engine.embedded.handover import HandoverMixin
+from cells.engine.embedded.handover import EmbeddedHandover
 from cells.engine.embedded.kv_cache import BlockPool, PagedSink
 from cells.engine.embedded.layers import probe_row_invariance, rope_tables
 from cells.engine.embedded.model import (
@@ -40,7 +40,7 @@ class CachedPrefix:
     version: int
 
 
-class EmbeddedEngine(HandoverMixin, Engine):
+class EmbeddedEngine(Engine):
     def __init__(self, cfg: EmbeddedEngineConfig | None = None, *, spec: ModelSpec | None = None,
                  weights: dict[str, torch.Tensor] | None = None, version: int = 0):
         cfg = cfg or EmbeddedEngineConfig()
@@ -64,6 +64,8 @@ class EmbeddedEngine(HandoverMixin, Engine):
         # of the same session extends it (KV reuse across turns) or the blocks are needed.
         self.prefix_cache: OrderedDict[str, CachedPrefix] = OrderedDict()
         self.batcher.evict = self.evict_one
+        self.handover = EmbeddedHandover(self.requests, self.pool, self.batcher, self.spec,
+                                         lambda: self.version, self.evict_one)
         self.num_cached_tokens = 0
         """Prompt tokens whose KV came from the prefix cache instead of a prefill."""
         self.capabilities = Capabilities(kv_export=True, scoring=True, weight_update="staged",
@@ -316,7 +318,7 @@ class EmbeddedEngine(HandoverMixin, Engine):
         cached = sum(len(self.pool.tables.get(h.owner, ())) for h in self.prefix_cache.values())
         return {
             "inflight": self.num_inflight(),
-            "parked": self.parked(),
+            "parked": self.handover.parked(),
             "kv_blocks_used": self.pool.num_used - cached,  # cached prefixes are reclaimable
             "kv_blocks_cached": cached,
             "kv_blocks_total": self.pool.num_blocks,

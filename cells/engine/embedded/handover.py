@@ -12,12 +12,15 @@ Destination side: `reserve` → `import_kv` (per round) → `import_request` (pa
 `resume_request`. A destination never decodes an imported request before `resume_request`,
 and `release` drops it (watchdog or aborted migration).
 
-This is `EmbeddedEngine`'s implementation of the `KVHandover` protocol (cells/engine/base.py),
-kept in its own file; it works on the engine's request table, batcher and KV pool, declared
-below.
+`EmbeddedHandover` is `EmbeddedEngine`'s `KVHandover` (cells/engine/base.py): a helper the
+engine holds (`engine.handover`), given the engine's request table, batcher, KV pool and model
+spec, a view of its version and its prefix-cache eviction when it is built; it reads nothing
+else of the engine.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -27,17 +30,17 @@ from cells.engine.embedded.model_spec import ModelSpec
 from cells.engine.records import EngineError, RequestSnapshot, SamplingParams
 
 
-class HandoverMixin:
+class EmbeddedHandover:
     """`KVHandover` for `EmbeddedEngine` (see the module docstring)."""
 
-    requests: dict[str, Request]
-    pool: BlockPool
-    batcher: Batcher
-    spec: ModelSpec
-    version: int
-
-    def evict_one(self) -> bool:  # the engine's prefix cache
-        raise NotImplementedError
+    def __init__(self, requests: dict[str, Request], pool: BlockPool, batcher: Batcher, spec: ModelSpec,
+                 version: Callable[[], int], evict_one: Callable[[], bool]) -> None:
+        self.requests = requests  # the engine's own table (shared, not copied)
+        self.pool = pool
+        self.batcher = batcher
+        self.spec = spec
+        self._version = version
+        self.evict_one = evict_one  # the engine's prefix cache gives back a block
 
     # -- source -----------------------------------------------------------------------------
     def _req(self, request_id: str) -> Request:
@@ -149,7 +152,7 @@ class HandoverMixin:
             num_tokens=len(req.token_ids),
             num_computed=req.num_computed,
             params=req.params.to_dict(),
-            version=self.version,
+            version=self._version(),
             model_signature=self.spec.signature(),
             block_size=self.pool.block_size,
             records_from=req.records_base + rel,
