@@ -10,6 +10,12 @@ Fields:
 - verified_tokens: a random sample of at least 1% of the tokens re-scored here with the
   engine's scoring primitive and that version's weights; every one must match bitwise
   (`verified_mismatches` counts those that did not).
+- decode_match_frac, decode_match_tokens: every exact old log-prob checked against the
+  log-prob the client received when the token was sampled (the sampler's, an independent path
+  from the scorer's), bitwise; compared are the exact tokens whose request ran under one
+  version from its prefill to that token (after an in-flight version switch under `keep_kv`
+  the decode attends to KV of the older version, so the two legitimately differ there);
+  decode_match_tokens / exact tokens is `decode_compared_frac`.
 - version_lifetime_s: mean time a version was the active one (active → retiring).
 - sync_pass_s: mean final pass: from a cell switching off a version to it dropping that
   version (every token of it scored), over cells and versions (the scheduler's record).
@@ -46,6 +52,27 @@ def _weights(cfg: dict, n: int) -> dict[int, dict[str, torch.Tensor]]:
         w = {k: t + 0.01 * torch.randn(t.shape, generator=g) for k, t in w.items()}
         out[v] = w
     return out
+
+
+def decode_matches(streams: list[Streamer], sessions: dict[str, dict]) -> tuple[int, int]:
+    """(bitwise matches, compared): exact old log-probs against the log-probs each client
+    received at decode time, over tokens whose request ran under one version until then."""
+    match = compared = 0
+    for st in streams:
+        s = sessions.get(st.session_id or "")
+        if s is None:
+            continue
+        sampled = [i for i, m in enumerate(s["loss_mask"]) if m]
+        if len(st.logprobs) != len(sampled):
+            raise AssertionError(f"session {st.session_id}: {len(st.logprobs)} decode log-probs for {len(sampled)} tokens")
+        first = s["versions"][sampled[0]] if sampled else None
+        for lp, i in zip(st.logprobs, sampled):
+            if s["versions"][i] != first:
+                break  # the request switched version: later tokens decoded over older KV
+            if s["provenance"][i] == "exact":
+                compared += 1
+                match += float(lp) == s["old_logprobs"][i]
+    return match, compared
 
 
 def main() -> None:
@@ -110,6 +137,7 @@ def main() -> None:
             s = sessions[sid]
             lp = engines[s["versions"][i]].score(s["token_ids"][: i + 1])
             mismatches += float(lp[i - 1]) != s["old_logprobs"][i]
+        match, compared = decode_matches(streams, sessions)
         vers = listing["versions"]
         lifetimes = [v["lifetime_s"] for v in vers if v["lifetime_s"] is not None]
         passes = [v["final_pass_s"] for v in vers if v["final_pass_s"] is not None]
@@ -122,6 +150,9 @@ def main() -> None:
             "versions": n_versions, "tokens": len(sampled),
             "exact_frac": round(exact / len(sampled), 6), "verified_tokens": len(pick),
             "verified_mismatches": mismatches,
+            "decode_match_frac": round(match / compared, 6) if compared else None,
+            "decode_match_tokens": compared,
+            "decode_compared_frac": round(compared / exact, 4) if exact else None,
             "version_lifetime_s": round(life, 3) if life else None,
             "sync_pass_s": round(sync, 3) if sync is not None else None,
             "final_pass_fraction": round(sync / life, 4) if life and sync is not None else None,
