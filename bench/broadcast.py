@@ -37,6 +37,10 @@ untimed warm-up round with all three cells), a perturbed copy of the weights. Bu
   stops between two steps for `load_weights`), summed over receivers and all versioned
   broadcasts of all points.
 - pause_fraction: decode_pause_s / the sum of the seconds of those same broadcasts.
+- decode_rate_ratio: the three cells' decode rate (tokens per second, summed over cells)
+  inside the 3-receiver point's versioned broadcasts, over their rate in windows of the same
+  lengths with no transfer at all, measured right after that point in the same run (the
+  cells decode the same way throughout). Target >= 0.8.
 Correctness, checked once after the last point: every cell serves the last version and a
 CRC32 over all its tensors equals the trainer's; otherwise the bench exits non-zero.
 Targets: efficiency >= 0.8, pause_fraction <= 0.05. On 2 shared cores both are bounded by
@@ -356,7 +360,7 @@ def main() -> None:
         v = new_version()
         _versioned(host, conns, cells, v)
         pause = install(NUM_CELLS, v)
-        points, windows, total_pause, total_seconds = [], [], 0.0, 0.0
+        points, windows, windows3, total_pause, total_seconds = [], [], [], 0.0, 0.0
         for k in range(1, NUM_CELLS + 1):
             _ask(conns, {"cmd": "decode", "on": False})
             _ask(conns[:k], {"cmd": "decode", "on": True})
@@ -370,6 +374,8 @@ def main() -> None:
                 pause = after + pause[k:]
                 vers.append(seconds)
                 windows.append(window)
+                if k == NUM_CELLS:
+                    windows3.append(window)
                 raws.append(_raw(host.address, conns[:k], raw_buf, f"{k}/{rep}/b"))
             seconds = min(vers)
             raw_s = min((a + b) / 2 for a, b in zip(raws[::2], raws[1::2]))
@@ -385,7 +391,16 @@ def main() -> None:
             if r["version"] != version or r["crc"] != want:
                 raise RuntimeError(f"{cells[i]}: version {r['version']} crc {r['crc']:#x}, "
                                    f"trainer has version {version} crc {want:#x}")
+        quiet = []
+        for a, b in windows3:  # the same lengths with no transfer: every cell still decoding
+            t = time.monotonic()
+            time.sleep(b - a)
+            quiet.append((t, time.monotonic()))
         tokens = sum(r["tokens"] for r in _ask(conns, {"cmd": "tokens", "windows": windows}))
+        during = sum(r["tokens"] for r in _ask(conns, {"cmd": "tokens", "windows": windows3}))
+        calm = sum(r["tokens"] for r in _ask(conns, {"cmd": "tokens", "windows": quiet}))
+        span = sum(b - a for a, b in windows3), sum(b - a for a, b in quiet)
+        rate_ratio = (during / span[0]) / (calm / span[1]) if calm else None
         _ask(conns, {"cmd": "stop"})
         for p in procs:
             p.join(timeout=TIMEOUT_S)
@@ -402,6 +417,7 @@ def main() -> None:
         "decode_tokens_during_broadcast": tokens,
         "decode_pause_s": round(total_pause, 4),
         "pause_fraction": round(total_pause / total_seconds, 4),
+        "decode_rate_ratio": round(rate_ratio, 4) if rate_ratio is not None else None,
     }
     emit(result, args.json)
 
