@@ -293,6 +293,18 @@ def test_backlog_horizon_follows_measured_durations():
     assert backlog_horizon_s(snap(cells, rate=0.0), pol) == pol.backlog_horizon_s  # nothing measured
 
 
+def test_backlog_is_corrected_no_faster_than_cells_can_move():
+    # training-heavy: the balance wants 70 of 100 cells; the 30 rollout cells free
+    # 30 / 7200 slots a second, so moving 70 cells' sessions takes 70 * 7200 / 30 s = 16,800 s,
+    # longer than the half-session horizon (3,600 s): a batch over the target adds less
+    cells = [cell(i) for i in range(30)] + [cell(30 + i, "training", inflight=0) for i in range(70)]
+    p = 16 * SLOT_RATE
+    q = p * 3 / 7
+    s = replace(snap(cells, waiting=2 * B), train_rate_per_cell_s=q)
+    assert wanted_training_cells(s) == pytest.approx(70.0 + B / 16800.0 / (p + q))
+    # a light training side moves fast: the half-session horizon stands (test_balance_by_hand)
+
+
 def test_idle_training_cells_return_when_the_trainer_cannot_use_them():
     # the balance wants more training cells than there are, but no step runs and no batch is
     # ready: the idle ones decode instead of waiting

@@ -12,8 +12,9 @@
   their tokens, the prefill paid by the destination cell.
 - `cellflip`: the planner decides; a flip moves its rollouts by live KV copy, paid by both ends.
 - `oracle`: a ceiling, sharing no code with the planner: every tick it gives the trainer the
-  cells the workload's true model balances (while a step runs or a batch is ready; all of
-  its width while batches pile up), and moves cells and sessions at no time and no cost.
+  cells that balance production against training (while a step runs or a batch is ready),
+  production taken from the workload's true model or from the finishes it knows are coming,
+  and moves cells and sessions at no time and no cost; the bench keeps the better of the two.
 """
 
 from __future__ import annotations
@@ -125,31 +126,53 @@ class Planned(Policy):
 
 
 class Oracle(Policy):
-    """The ceiling: the workload's true balance, free moves, a look at the next tick's
-    finishes. No planner code."""
+    """A ceiling: free moves, a look ahead at the finishes to come. No planner code.
+
+    `source` says what sizes training: "model" (the workload's true mean slot time of the
+    sessions starting now) or "finishes" (the sessions the oracle knows will finish within
+    `FINISH_TICKS` ticks, per rollout cell). Neither dominates: the model leads a drift (it
+    opens rollout slots when short sessions start, `sinusoidal`), the finishes follow a step
+    (`step_change`). The bench reports the better of the two per seed (`ORACLE_SOURCES`)."""
 
     name = "oracle"
     mode = "free"
     BACKLOG_BATCHES = 1.25
     """Batches of work kept waiting or in training, so that a step finds the next one ready."""
     BACKLOG_STEPS = 2.0
+    """A backlog off its target is brought back over about this many steps (more or fewer cells)."""
     HOLD = 0.05
     """A target within this share of the training cells (at least 2) changes nothing."""
     LOOKAHEAD_TICKS = 3
     """Training cells stay while a batch completes within this many ticks (the oracle knows)."""
-    """A backlog off its target is brought back over about this many steps (more or fewer cells)."""
+    FINISH_TICKS = 10
+    """Ticks of known finishes that measure production (source "finishes")."""
 
-    def __init__(self) -> None:
+    def __init__(self, source: str = "model") -> None:
+        if source not in ORACLE_SOURCES:
+            raise ValueError(f"oracle source must be one of {ORACLE_SOURCES}, got {source!r}")
+        self.source = source
         self.flips = 0
 
+    def _rollout_cell_s_per_session(self, cl: Cluster, t: float) -> tuple[float, float]:
+        """(rollout cell-seconds a session, tokens a session) by `source`."""
+        wl = cl.wl
+        if self.source == "model":
+            return float(wl.mean_hours_at(t, cl.horizon_s)) * 3600.0 / cl.k, float(wl.session_tokens)
+        h = self.FINISH_TICKS * cl.tick_s
+        fin = cl.end <= t + h
+        n_roll = max(1, int((cl.role == ROLLOUT).sum()))
+        per_cell = float(fin.sum()) / h / n_roll
+        tok = float(cl.tok[fin].mean()) if fin.any() else float(wl.session_tokens)
+        return 1.0 / max(per_cell, 1e-12), tok
+
     def tick(self, cl: Cluster, t: float, rates: Rates) -> None:
-        tr, wl = cl.trainer, cl.wl
+        tr = cl.trainer
         # the oracle knows which sessions finish in the next few ticks
         soon = int((cl.end <= t + self.LOOKAHEAD_TICKS * cl.tick_s).sum())
         target = 0
         if tr.step is not None or tr.queue.size + soon >= tr.batch_size:
-            a = float(wl.mean_hours_at(t, cl.horizon_s)) * 3600.0 / cl.k  # rollout cell-s a session
-            b0 = wl.session_tokens * tr.cell_s_per_token  # training cell-s a session, perfect scaling
+            a, tok = self._rollout_cell_s_per_session(cl, t)
+            b0 = tok * tr.cell_s_per_token  # training cell-s a session, perfect scaling
             c = cl.n * b0 / (a + b0)
             b = b0 / tr.eff(max(1.0, c))
             c = cl.n * b / (a + b)
@@ -160,7 +183,9 @@ class Oracle(Policy):
             extra = (tr.queue.size + left - self.BACKLOG_BATCHES * tr.batch_size) / (
                 self.BACKLOG_STEPS * max(1, tr.batch_size))
             target = min(tr.width, max(1, round(c * (1.0 + max(-0.5, min(1.0, extra))))))
-        target = min(target, cl.n - 1)
+        self._move_to(cl, t, min(target, cl.n - 1))
+
+    def _move_to(self, cl: Cluster, t: float, target: int) -> None:
         training = list(cl.train_order)
         if target and training and abs(target - len(training)) < max(2.0, self.HOLD * target):
             return  # near enough: moving a few cells back and forth only displaces sessions
@@ -178,6 +203,10 @@ class Oracle(Policy):
             self.flips += len(back)
 
 
+ORACLE_SOURCES = ("model", "finishes")
+"""What sizes the oracle's training side; the bench keeps the better run of the two."""
+
+
 def make_policy(name: str, rollout_fraction: float = 0.8, record: bool = False) -> Policy:
     if name == "sync":
         return Sync()
@@ -193,4 +222,6 @@ def make_policy(name: str, rollout_fraction: float = 0.8, record: bool = False) 
         return Planned("cellflip", "kv", record=record)
     if name == "oracle":
         return Oracle()
+    if name.startswith("oracle:"):
+        return Oracle(name.split(":", 1)[1])
     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")

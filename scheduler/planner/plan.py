@@ -24,7 +24,11 @@ a budget of moved sessions a tick, only as fast as free rollout slots can take t
 sessions, never below `min_rollout_cells`; only idle training cells come back (those beyond
 the balance, or beyond what the trainer can use now); a deadband stops flapping. The backlog
 horizon is a share of the measured mean session slot time (at least a few measured steps):
-no hour-scale constant, so minute-long sessions are balanced as well as hour-long ones.
+no hour-scale constant, so minute-long sessions are balanced as well as hour-long ones. It is
+also never shorter than the time the balance's training cells take to hand their sessions to
+the slots the rollout side frees: where training holds most of the fleet, a faster correction
+overshoots (cells flipped with nowhere to put their sessions suspend them), runs the backlog
+dry, and sends every idle cell back at the next step's end.
 """
 
 from __future__ import annotations
@@ -76,7 +80,12 @@ def _balance(snapshot: Snapshot, policy: PlannerPolicy, n_roll: int, n_train: in
     p = snapshot.finish_rate_per_slot_s * cap * min(1.0, max(0.0, snapshot.slot_occupancy))
     q = snapshot.train_rate_per_cell_s
     backlog = snapshot.finished_waiting - policy.backlog_target_batches * snapshot.batch_size
-    surplus = backlog / backlog_horizon_s(snapshot, policy)
+    horizon = backlog_horizon_s(snapshot, policy)
+    if p > 0.0 and q > 0.0 and n_roll:
+        # no faster than cells can move: the balance's training cells hand their sessions to
+        # the slots the rollout side frees (a finish rate per slot a second), or they suspend
+        horizon = max(horizon, p * n_flex / (p + q) / (n_roll * snapshot.finish_rate_per_slot_s))
+    surplus = backlog / horizon
     if q <= 0.0:
         # training speed not measured yet: give training what the ready batches can use
         want = float(_useful_training_cells(snapshot))
