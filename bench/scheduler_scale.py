@@ -1,16 +1,17 @@
-"""How long does a planner tick take at 10,000 cells and 1,000,000 sessions, and how fast is
-the REST API in front of it?
+"""How long does a controller tick take at 10,000 cells and 1,000,000 sessions, and how fast is
+the REST API in front of it at 10,000 registered cells?
 
-Planner tick = what the controller does with a fresh snapshot: wrap the per-cell summaries
-in a `Snapshot`, `plan_flips`, then `choose_destinations` for every session on the cells
-flipped to training. The fleet state is moved out of the cyclic GC first (`gc.freeze()`,
-`--no-freeze` to measure without). Between ticks (untimed) the fleet moves: a share of the rollout cells
-finish and admit sessions, the backlog of finished trajectories wanders (so the planner
-flips both ways), and the last tick's decisions are applied.
+Tick = what the controller does each tick to plan: `Controller.snapshot()` over its SQLite
+store (10,000 cells, 1,000,000 session rows, one live request each on the rollout cells), then
+`plan_flips`, the live requests of every cell flipped to training (`requests_on`), and
+`choose_destinations` for them. No `gc.freeze()`: the scheduler does not call it. Between
+ticks (untimed) the fleet moves through the store: a share of the rollout cells finish
+sessions, admit new ones and decode further, the backlog of finished trajectories wanders (so
+the planner flips both ways), and the last tick's flips and placements are written back.
 
 REST: the real app (`scheduler.api.app.create_app`) under uvicorn on 127.0.0.1 with its SQLite
-store, a bounded loop of sequential keep-alive requests from one client:
-GET /v1/cells/{id} and POST /v1/flips {"count": 1}.
+store and 10,000 cells registered and synced, a bounded loop of sequential keep-alive requests
+from one client: GET /v1/cells/{id} and POST /v1/flips {"count": 1}.
 
     python bench/scheduler_scale.py [--quick] [--json]
 """
@@ -18,7 +19,6 @@ GET /v1/cells/{id} and POST /v1/flips {"count": 1}.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import random
 import socket
@@ -27,15 +27,21 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from scheduler.contract.config import SchedulerConfig  # noqa: E402
+from scheduler.contract.protocol import Summary  # noqa: E402
+from scheduler.control.controller import Controller  # noqa: E402
+from scheduler.control.rates import TrainerDemand  # noqa: E402
 from scheduler.planner.destinations import choose_destinations  # noqa: E402
 from scheduler.planner.plan import plan_flips  # noqa: E402
-from scheduler.planner.types import CellSummary, RequestSummary, Snapshot  # noqa: E402
+from scheduler.planner.types import RequestSummary  # noqa: E402
+from scheduler.store import Store  # noqa: E402
 
 CAPACITY = 128
 """Sessions per rollout cell (1,000,000 sessions on ~9,000 rollout cells)."""
@@ -43,110 +49,144 @@ BATCH = 1024
 TRAIN_RATE = BATCH / (32 * 3600.0)
 SLOT_RATE = TRAIN_RATE / 9 / CAPACITY
 """Per-slot finish rate that puts the balance at about 10 % training cells."""
-API_CELLS = (32, 256)
-"""Fleet sizes registered for the REST loop (the JSON reports the last): every GET walks
-the whole cell table in the current controller, so the rate depends on the fleet."""
+API_CELLS = 10_000
+"""Cells registered (and synced) before the REST loop."""
 TOKENS_PER_SESSION = 20_000
 BLOCK = 16
+KV_BLOCKS = CAPACITY * TOKENS_PER_SESSION // BLOCK
+FINISHED = 32 * BATCH
+"""Of the session rows, finished ones (no live request): the trainer's backlog wanders in them."""
+CAPS = json.dumps({"kv_export": True, "block_size": BLOCK})
+_REQ = ("INSERT INTO requests(id, session_id, base, prompt_start, num_generated, params, cell_id, epoch, "
+        "state, reason, created_at, updated_at) VALUES (?,?,?,0,?,'{}',?,1,'running',NULL,?,?)")
+_SESSION = ("INSERT INTO sessions(id, state, length, segment_starts, created_at) "
+            "VALUES (?, 'open', ?, '[0]', ?)")
 
 
-class Fleet:
-    """Per-cell summaries the way the controller keeps them: rebuilt only where cells changed."""
+def _spread(rng: random.Random, cells: list[str], sessions: int) -> dict[str, int]:
+    """Sessions per rollout cell, even with some jitter, at most CAPACITY each."""
+    out, left = {}, sessions
+    for k, c in enumerate(cells):
+        share = left // (len(cells) - k)
+        out[c] = min(CAPACITY, max(0, share + rng.randint(-8, 8)))
+        left -= out[c]
+    return out
 
-    def __init__(self, cells: int, sessions: int, seed: int) -> None:
+
+class StoreFleet:
+    """A controller over a store with the fleet and its sessions, moved by SQL between ticks."""
+
+    def __init__(self, path: str, cells: int, sessions: int, seed: int) -> None:
         self.rng = random.Random(seed)
-        self.n = cells
+        self.ids = [f"cell-{i:05d}" for i in range(cells)]
         n_train = cells // 10
-        self.role = ["training"] * n_train + ["rollout"] * (cells - n_train)
-        self.inflight = [0] * cells
-        rollout = list(range(n_train, cells))
-        left = sessions
-        for k, c in enumerate(rollout):  # spread sessions evenly with some jitter
-            share = left // (len(rollout) - k)
-            self.inflight[c] = min(CAPACITY, max(0, share + self.rng.randint(-8, 8)))
-            left -= self.inflight[c]
-        self.busy = [i < n_train * 8 // 10 for i in range(cells)]
-        self.gen = [0] * cells
-        self.summaries = [self._summary(c) for c in range(cells)]
+        self.store = Store(path)
+        self.seq = 0
+        inflight = _spread(self.rng, self.ids[n_train:], sessions - FINISHED)
+        now = time.time()
+        with self.store.tx(durable=False):
+            self.store.executemany(
+                "INSERT INTO sessions(id, state, length, segment_starts, finish_seq, created_at) "
+                "VALUES (?, 'finished', ?, '[0]', ?, ?)",
+                [(f"f{j}", TOKENS_PER_SESSION, j + 1, now) for j in range(FINISHED)])
+            self.store.executemany(
+                "INSERT INTO cells VALUES (?,?,?,1,0,?,1,?,?,0,?,'[]')",
+                [(c, f"inc-{c}", "training" if i < n_train else "rollout", f"node{i // 8}:{20000 + i}", CAPS,
+                  KV_BLOCKS, CAPACITY) for i, c in enumerate(self.ids)])
+            for c, n in inflight.items():
+                self._admit(c, n, now)
+            self.store.execute("INSERT INTO versions(v, state, created_at, history) VALUES (0, 'active', ?, '[]')",
+                               (now,))
+        self.ctl = Controller(self.store, SchedulerConfig(db_path=path, min_rollout_cells=1, lease_s=1e9,
+                                                               staleness_bound=40))
+        self.ctl.rates.on_trainer_report(TrainerDemand(BATCH, max(1, cells // 10 // 128), 128))
+        self.ctl.rates.train_rate_per_cell_s = TRAIN_RATE
+        self.ctl.rates.finishes, self.ctl.rates.occupied_slot_s = 1e6, 1e6 / SLOT_RATE
+        for c in self.ids:
+            self._sync(c)
         self.waiting = 2 * BATCH
 
-    def _summary(self, c: int) -> CellSummary:
-        inflight = self.inflight[c] if self.role[c] == "rollout" else 0
-        per = TOKENS_PER_SESSION // BLOCK
-        return CellSummary(c, f"node{c // 8}", self.role[c], 0, inflight, CAPACITY,
-                           (CAPACITY - inflight) * per, CAPACITY * per, self.gen[c], True,
-                           self.role[c] == "training" and self.busy[c], inflight * TOKENS_PER_SESSION // 2)
+    def _admit(self, cell: str, n: int, now: float) -> None:
+        first = self.seq
+        self.seq += n
+        ids = [f"s{j}" for j in range(first, self.seq)]
+        self.store.executemany(_SESSION, [(s, TOKENS_PER_SESSION, now) for s in ids])
+        ctx = [self.rng.randint(1000, 2 * TOKENS_PER_SESSION // 2) for _ in ids]
+        self.store.executemany(_REQ, [(f"r-{s}", s, t // 2, t - t // 2, cell, now, now) for s, t in zip(ids, ctx)])
+
+    def _sync(self, cell: str) -> None:
+        """The cell's sync: its KV blocks in use follow its live requests."""
+        used = self.store.owners.load_of(cell)[0] * TOKENS_PER_SESSION // BLOCK
+        self.ctl.ctx.registry.renew(cell, 1e9, Summary(kv_blocks_used=used, kv_blocks_total=KV_BLOCKS, version=0))
 
     def sessions(self) -> int:
-        return sum(self.inflight[c] for c in range(self.n) if self.role[c] == "rollout")
+        return self.store.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
 
     def churn(self, share: float) -> None:
-        """Between ticks: `share` of rollout cells finish and admit a few sessions; the backlog
-        moves by up to two batches either way."""
-        for c in self.rng.sample(range(self.n), int(share * self.n)):
-            if self.role[c] == "rollout":
-                self.inflight[c] = min(CAPACITY, max(0, self.inflight[c] + self.rng.randint(-3, 3)))
-                self.summaries[c] = self._summary(c)
-        self.waiting = max(0, self.waiting + self.rng.randint(-2 * BATCH, 2 * BATCH))
-
-    def snapshot(self) -> Snapshot:
-        return Snapshot(cells=tuple(self.summaries), finished_waiting=self.waiting, batch_size=BATCH,
-                        training_in_progress=True, min_rollout_cells=1, queued_sessions=0,
-                        steps_in_progress=max(1, self.n // 10 // 128),
-                        finish_rate_per_slot_s=SLOT_RATE, train_rate_per_cell_s=TRAIN_RATE)
+        """Between ticks: `share` of the rollout cells finish a few sessions, admit a few and
+        decode further; the backlog moves by up to two batches either way."""
+        now, st = time.time(), self.store
+        with st.tx(durable=False):
+            for c in self.rng.sample(self.ids, int(share * len(self.ids))):
+                if st.execute("SELECT state FROM cells WHERE id=?", (c,)).fetchone()[0] != "rollout":
+                    continue
+                live = [r[0] for r in st.execute(
+                    "SELECT id FROM requests WHERE cell_id=? AND state='running' LIMIT 3", (c,))]
+                done = live[: self.rng.randint(0, len(live))]
+                st.executemany("UPDATE requests SET state='finished' WHERE id=?", [(r,) for r in done])
+                room = CAPACITY - self.ctl.store.owners.load_of(c)[0]
+                self._admit(c, min(room, self.rng.randint(0, 3)), now)
+                st.execute("UPDATE requests SET num_generated = num_generated + 16 "
+                           "WHERE cell_id=? AND state='running'", (c,))
+                self._sync(c)
+        self.waiting = min(FINISHED, max(0, self.waiting + self.rng.randint(-2 * BATCH, 2 * BATCH)))
+        self.ctl.staleness.trajectory_cursor = FINISHED - self.waiting  # the trainer fetched the rest
 
     def apply(self, decisions, moves, dests) -> None:
-        for d in decisions:
-            c = int(d.cell_id)
-            self.role[c] = "training" if d.to == "training" else "rollout"
-            self.gen[c] += 1
-            if d.to == "training":
-                self.inflight[c], self.busy[c] = 0, False
-            else:
-                self.inflight[c] = 0
-            self.summaries[c] = self._summary(c)
-        for dest in dests:
-            if dest.cell_id is not None:
-                self.inflight[int(dest.cell_id)] += 1
-        for c in {int(x.cell_id) for x in dests if x.cell_id is not None}:
-            self.summaries[c] = self._summary(c)
+        """The tick's flips and placements, written back as the controller would end them."""
+        st = self.store
+        with st.tx(durable=False):
+            for d in decisions:
+                st.execute("UPDATE cells SET state=?, generation=generation+1 WHERE id=?", (d.to, str(d.cell_id)))
+            st.executemany("UPDATE requests SET cell_id=? WHERE id=?",
+                           [(str(x.cell_id), str(req.request_id)) for (_, req), x in zip(moves, dests)
+                            if x.cell_id is not None])
+            st.executemany("UPDATE requests SET state='suspended' WHERE id=?",
+                           [(str(req.request_id),) for (_, req), x in zip(moves, dests) if x.cell_id is None])
+        for c in {str(d.cell_id) for d in decisions} | {str(x.cell_id) for x in dests if x.cell_id is not None}:
+            self._sync(c)
 
 
-def planner_tick(fleet: Fleet) -> tuple[float, int, int]:
-    """One timed tick; returns (seconds, flips, placements)."""
+def controller_tick(fleet: StoreFleet) -> tuple[float, int, int, list, list, list]:
+    """One timed tick: (seconds, flips, placements, decisions, moves, destinations)."""
     t0 = time.perf_counter()
-    snap = fleet.snapshot()
+    snap = fleet.ctl.snapshot()
     decisions = plan_flips(snap)
     moves = []
     for d in decisions:
         if d.to == "training":
-            c = snap.cells[int(d.cell_id)]
-            ctx = c.inflight_tokens // max(1, c.inflight)
-            moves.extend((c.cell_id, RequestSummary(f"{c.cell_id}-{j}", ctx, c.version)) for j in range(c.inflight))
+            for q in fleet.ctl.store.owners.requests_on(str(d.cell_id)):
+                moves.append((d.cell_id, RequestSummary(q.id, q.num_tokens, 0)))
     dests = choose_destinations(snap, moves) if moves else []
     dt = time.perf_counter() - t0
-    fleet.apply(decisions, moves, dests)
-    return dt, len(decisions), len(dests)
+    return dt, len(decisions), len(dests), decisions, moves, dests
 
 
-def bench_planner(cells: int, sessions: int, ticks: int, seed: int, freeze: bool = True) -> dict:
-    fleet = Fleet(cells, sessions, seed)
-    assert abs(fleet.sessions() - sessions) <= cells, "fleet does not hold the sessions asked for"
-    if freeze:
-        # long-lived state leaves the cyclic GC, as a controller does once it has loaded its
-        # store: otherwise a gen-2 collection walks it inside about one heavy tick in two
-        gc.collect()
-        gc.freeze()
-    for _ in range(5):  # warm-up
-        fleet.churn(0.02)
-        planner_tick(fleet)
+def bench_tick(cells: int, sessions: int, ticks: int, seed: int) -> dict:
+    tmp = tempfile.mkdtemp(prefix="cellflip-scale-")
+    t0 = time.perf_counter()
+    fleet = StoreFleet(f"{tmp}/scheduler.sqlite", cells, sessions, seed)
+    assert abs(fleet.sessions() - sessions) <= cells, "the store does not hold the sessions asked for"
+    print(f"store: {cells} cells, {fleet.sessions()} sessions built in {time.perf_counter() - t0:.0f} s")
     times, flips, placed = [], [], []
-    for _ in range(ticks):
+    for k in range(5 + ticks):  # five warm-up ticks
         fleet.churn(0.02)
-        dt, f, p = planner_tick(fleet)
-        times.append(dt * 1e3)
-        flips.append(f)
-        placed.append(p)
+        dt, f, p, decisions, moves, dests = controller_tick(fleet)
+        fleet.apply(decisions, moves, dests)
+        if k >= 5:
+            times.append(dt * 1e3)
+            flips.append(f)
+            placed.append(p)
     times.sort()
     return {"tick_p50_ms": round(statistics.median(times), 2),
             "tick_p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))], 2),
@@ -164,55 +204,69 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _join(base: str, headers: dict, ids: range) -> None:
+    """Register cells `ids`, then a first sync puts each in rollout (one keep-alive client)."""
+    import httpx
+
+    with httpx.Client(base_url=base, headers=headers, timeout=60.0) as client:
+        for i in ids:
+            cid, inc = f"cell-{i}", f"inc-{i}"
+            client.post("/internal/v1/cells/register", json={
+                "cell_id": cid, "incarnation": inc, "address": f"10.0.{i // 250}.{i % 250}:20000",
+                "store_port": 30000, "capabilities": {"kv_export": True, "block_size": 16},
+                "kv_blocks_total": 1024, "max_running": 16, "version": 0}).raise_for_status()
+            client.post(f"/internal/v1/cells/{cid}/sync", json={
+                "incarnation": inc, "summary": {"inflight": 0, "kv_blocks_used": 0, "kv_blocks_total": 1024,
+                                                "version": 0, "request_ids": [], "role": "rollout"}}
+                        ).raise_for_status()
+
+
+def _rate(seconds: float, fn, limit: int) -> tuple[float, int, dict[int, int]]:
+    codes: dict[int, int] = {}
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds and n < limit:
+        code = fn(n)
+        codes[code] = codes.get(code, 0) + 1
+        n += 1
+    return n / (time.perf_counter() - t0), n, codes
+
+
 def bench_api(seconds: float, n_cells: int) -> dict | None:
-    """req/s of the real app for GET /v1/cells/{id} and POST /v1/flips; None if there is no app."""
+    """req/s of the real app for GET /v1/cells/{id} and POST /v1/flips at `n_cells` registered
+    cells (with its bearer token, as deployed); None if there is no app."""
     try:
         import httpx
         import uvicorn
 
         from scheduler.api.app import create_app
-        from scheduler.contract.config import SchedulerConfig
+        from scheduler.contract.tokens import server_token
     except ImportError as e:
         print(f"api: skipped ({e})")
         return None
     tmp = tempfile.mkdtemp(prefix="cellflip-scale-")
     port = _free_port()
-    app = create_app(SchedulerConfig(port=port, db_path=f"{tmp}/scheduler.sqlite", min_rollout_cells=1,
-                                     lease_s=3600.0))
+    cfg = SchedulerConfig(port=port, db_path=f"{tmp}/scheduler.sqlite", min_rollout_cells=1, lease_s=3600.0)
+    app = create_app(cfg)
+    headers = {"Authorization": f"Bearer {server_token(cfg)}"}
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                            access_log=False))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
+    base = f"http://127.0.0.1:{port}"
     try:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10.0) as client:
-            for _ in range(200):
-                if server.started:
-                    break
-                time.sleep(0.05)
-            for i in range(n_cells):  # register, then a first sync puts the cell in rollout
-                cid, inc = f"cell-{i}", f"inc-{i}"
-                client.post("/internal/v1/cells/register", json={
-                    "cell_id": cid, "incarnation": inc, "address": f"127.0.0.1:{20000 + i}",
-                    "store_port": 30000 + i, "capabilities": {"kv_export": True, "block_size": 16},
-                    "kv_blocks_total": 1024, "max_running": 16, "version": 0}).raise_for_status()
-                client.post(f"/internal/v1/cells/{cid}/sync", json={
-                    "incarnation": inc, "summary": {"inflight": 0, "kv_blocks_used": 0, "kv_blocks_total": 1024,
-                                                    "version": 0, "request_ids": [], "role": "rollout"}}
-                            ).raise_for_status()
-
-            def loop(fn, limit: int) -> tuple[float, int, dict[int, int]]:
-                codes: dict[int, int] = {}
-                n, t0 = 0, time.perf_counter()
-                while time.perf_counter() - t0 < seconds and n < limit:
-                    code = fn(n)
-                    codes[code] = codes.get(code, 0) + 1
-                    n += 1
-                return n / (time.perf_counter() - t0), n, codes
-
-            get_rps, n_get, get_codes = loop(
-                lambda i: client.get(f"/v1/cells/cell-{i % n_cells}").status_code, 10**9)
+        for _ in range(200):
+            if server.started:
+                break
+            time.sleep(0.05)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(8) as pool:  # joining is not what is measured: in parallel
+            list(pool.map(lambda k: _join(base, headers, range(k, n_cells, 8)), range(8)))
+        print(f"api: {n_cells} cells registered and synced in {time.perf_counter() - t0:.0f} s")
+        with httpx.Client(base_url=base, headers=headers, timeout=10.0) as client:
+            get_rps, n_get, get_codes = _rate(
+                seconds, lambda i: client.get(f"/v1/cells/cell-{i % n_cells}").status_code, 10**9)
             # each flip takes one more rollout cell (the planner picks it): stop before they run out
-            flip_rps, n_flip, flip_codes = loop(lambda i: client.post(
+            flip_rps, n_flip, flip_codes = _rate(seconds, lambda i: client.post(
                 "/v1/flips", json={"count": 1, "to": "training"},
                 headers={"Idempotency-Key": f"k-{i}"}).status_code, n_cells - 1)
         print(f"api: {n_cells} cells; GET /v1/cells/{{id}} {get_rps:.0f} req/s ({n_get} requests, status "
@@ -229,22 +283,20 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the result as one JSON line last")
     ap.add_argument("--cells", type=int, default=10_000)
     ap.add_argument("--sessions", type=int, default=1_000_000)
+    ap.add_argument("--api-cells", type=int, default=API_CELLS, help="cells registered for the REST loop")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-api", action="store_true", help="skip the REST measurement")
-    ap.add_argument("--no-freeze", action="store_true", help="leave the fleet state in the cyclic GC")
     args = ap.parse_args()
     ticks = 60 if args.quick else 300
-    planner = bench_planner(args.cells, args.sessions, ticks, args.seed, freeze=not args.no_freeze)
-    print(f"planner: {args.cells} cells, {args.sessions} sessions, {ticks} ticks: "
-          f"p50 {planner['tick_p50_ms']} ms, p99 {planner['tick_p99_ms']} ms, max {planner['tick_max_ms']} ms; "
-          f"{planner['flips_per_tick']} flips + {planner['placements_per_tick']} placements a tick")
-    api = None
-    if not args.no_api:
-        for n in API_CELLS:  # the rate falls with the fleet: see API_CELLS
-            api = bench_api(2.0 if args.quick else 5.0, n)
-    result = {"cells": args.cells, "sessions": args.sessions,
-              "tick_p50_ms": planner["tick_p50_ms"], "tick_p99_ms": planner["tick_p99_ms"],
-              "decisions_per_tick": planner["decisions_per_tick"],
+    tick = bench_tick(args.cells, args.sessions, ticks, args.seed)
+    print(f"tick (snapshot + planner): {args.cells} cells, {args.sessions} sessions, {ticks} ticks: "
+          f"p50 {tick['tick_p50_ms']} ms, p99 {tick['tick_p99_ms']} ms, max {tick['tick_max_ms']} ms; "
+          f"{tick['flips_per_tick']} flips + {tick['placements_per_tick']} placements a tick")
+    api = None if args.no_api else bench_api(2.0 if args.quick else 5.0, args.api_cells)
+    result = {"cells": args.cells, "sessions": args.sessions, "tick_includes_snapshot": True,
+              "tick_p50_ms": tick["tick_p50_ms"], "tick_p99_ms": tick["tick_p99_ms"],
+              "decisions_per_tick": tick["decisions_per_tick"],
+              "api_cells": args.api_cells if api else None,
               "api_rps_get": api["api_rps_get"] if api else None,
               "api_rps_flip": api["api_rps_flip"] if api else None}
     print(json.dumps(result) if args.json else json.dumps(result, indent=2))

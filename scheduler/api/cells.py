@@ -1,19 +1,50 @@
-"""GET /v1/cells, GET /v1/cells/{id}."""
+"""GET /v1/cells (paged: `limit`, `cursor`), GET /v1/cells/{id}."""
 
 from __future__ import annotations
+
+from typing import ClassVar
 
 from fastapi import APIRouter
 
 from scheduler.api.deps import ApiRoute, Ctl
 from scheduler.api.schemas import errors
-from scheduler.contract.errors import NotFound
+from scheduler.contract.errors import CellflipError, NotFound
 
 router = APIRouter(prefix="/v1/cells", tags=["cells"], route_class=ApiRoute, responses=errors(401))
 
+DEFAULT_LIMIT = 1000
+"""Cells in a page when `limit` is not given (a small fleet fits in one)."""
+MAX_LIMIT = 10_000
+MAX_CURSOR = 256
 
-@router.get("")
-async def list_cells(ctl: Ctl) -> dict:
-    return {"cells": ctl.cell_view()}
+
+class BadPage(CellflipError):
+    """A `limit` or `cursor` the cell list cannot page by."""
+
+    status: ClassVar[int] = 400
+    code = "bad_page"
+
+
+def _limit(raw: str | None) -> int:
+    if raw is None:
+        return DEFAULT_LIMIT
+    if not raw.isascii() or not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
+        raise BadPage(f"limit must be a whole number from 1 to {MAX_LIMIT}")
+    return int(raw)
+
+
+def _cursor(raw: str | None) -> str | None:
+    if raw is not None and (not raw or len(raw) > MAX_CURSOR or not raw.isprintable()):
+        raise BadPage(f"cursor must be the next_cursor of a previous page (1 to {MAX_CURSOR} printable characters)")
+    return raw
+
+
+@router.get("", responses=errors(400))
+async def list_cells(ctl: Ctl, limit: str | None = None, cursor: str | None = None) -> dict:
+    """Cells in id order, `limit` at a time (default 1000, at most 10,000): `next_cursor` is the
+    `cursor` of the next page, null after the last."""
+    cells, nxt = ctl.cell_page(_cursor(cursor), _limit(limit))
+    return {"cells": cells, "next_cursor": nxt}
 
 
 @router.get("/{cell_id}", responses=errors(404))

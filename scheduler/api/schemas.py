@@ -25,7 +25,7 @@ class ApiError(BaseModel):
     reason: str | None = None
 
 
-_PHRASES = {401: "Missing or invalid bearer token", 404: "Unknown id", 409: "Conflict (illegal transition, stale "
+_PHRASES = {400: "Bad query parameter", 401: "Missing or invalid bearer token", 404: "Unknown id", 409: "Conflict (illegal transition, stale "
             "generation/epoch/incarnation, reused Idempotency-Key)", 413: "Request body over the limit",
             422: "Malformed request", 429: "No capacity (see Retry-After)"}
 

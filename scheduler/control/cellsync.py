@@ -76,6 +76,7 @@ class Membership:
         entry = ctx.registry.live.get(msg.cell_id)
         if entry is not None and row.state != "joining":
             entry.lease_deadline, entry.seen = ctx.clock() + ctx.cfg.lease_s, True
+            ctx.registry.changed.add(msg.cell_id)
         else:
             ctx.registry.admit(msg.cell_id, ctx.cfg.lease_s, seen=True)
         ctx.kick()
@@ -186,22 +187,33 @@ class Membership:
 
     # ------------------------------------------------------------------ views
     def view(self, cell_id: str | None = None) -> list[dict[str, Any]]:
-        """GET /v1/cells: each cell's row, its live load and its remaining lease."""
+        """GET /v1/cells/{id}: the cell's row, its live load and its remaining lease (empty: unknown);
+        without an id every cell (`page` reads them a page at a time)."""
+        if cell_id is None:
+            return self.page(None, 1 << 62)[0]
+        row = self.ctx.store.fleet.get_cell(cell_id)
+        return [] if row is None else [self._view_of(row, self.ctx.store.owners.load_of(cell_id)[0])]
+
+    def page(self, after: str | None, limit: int) -> tuple[list[dict[str, Any]], str | None]:
+        """GET /v1/cells: up to `limit` cells with ids after `after`, in id order, and the cursor
+        of the next page (None: this was the last)."""
+        rows = self.ctx.store.fleet.page_cells(after, limit + 1)
+        more = len(rows) > limit
+        rows = rows[:limit]
+        owned = self.ctx.store.owners.live_counts(rows[0].id, rows[-1].id) if rows else {}
+        out = [self._view_of(c, owned.get(c.id, 0)) for c in rows]
+        return out, (rows[-1].id if more else None)
+
+    def _view_of(self, c: CellRow, inflight: int) -> dict[str, Any]:
         ctx = self.ctx
-        owned = ctx.store.owners.live_counts()
-        out = []
-        for c in ctx.store.fleet.list_cells():
-            if cell_id is not None and c.id != cell_id:
-                continue
-            d = c.to_api()
-            entry = ctx.registry.live.get(c.id)
-            d["inflight"] = owned.get(c.id, 0)
-            if entry is not None and entry.summary is not None:  # live load, not the stored copy
-                d["kv_blocks_used"] = entry.summary.kv_blocks_used
-            d["lease_remaining_s"] = max(0.0, entry.lease_deadline - ctx.clock()) if entry else 0.0
-            d["history"] = [list(h) for h in c.history]
-            out.append(d)
-        return out
+        d = c.to_api()
+        entry = ctx.registry.live.get(c.id)
+        d["inflight"] = inflight
+        if entry is not None and entry.summary is not None:  # live load, not the stored copy
+            d["kv_blocks_used"] = entry.summary.kv_blocks_used
+        d["lease_remaining_s"] = max(0.0, entry.lease_deadline - ctx.clock()) if entry else 0.0
+        d["history"] = [list(h) for h in c.history]
+        return d
 
 
 def _is_news(row: CellRow, msg: SyncRequest) -> bool:

@@ -43,7 +43,7 @@ from scheduler.control.ownership import Ownership
 from scheduler.control.rates import Rates, TrainerDemand
 from scheduler.control.reconcile import Concerns, Reconciler
 from scheduler.control.scoring import Scoring
-from scheduler.control.snapshot import build_snapshot
+from scheduler.control.snapshot import CellSummaries, build_snapshot
 from scheduler.control.staleness import Staleness
 from scheduler.control.versions import Versions
 from scheduler.planner.types import Snapshot
@@ -60,6 +60,8 @@ class Controller:
         ctx = self.ctx = Context(store, cfg, migration or MigrationConfig(), versions or VersionsConfig(),
                                  metrics or Metrics(), clock)
         self.rates = Rates()
+        self.cell_summaries = CellSummaries(ctx)
+        """The snapshot's per-cell summaries, re-read only where the store or registry changed."""
         """Finish rate, slot occupancy and training speed as measured here (the planner's inputs)."""
         self.scoring = Scoring(ctx)
         """Scoring tasks, scoring-only fetches, version drops and final passes."""
@@ -112,7 +114,7 @@ class Controller:
     def snapshot(self) -> Snapshot:
         """The planner's `Snapshot` (scheduler/control/snapshot.py), every field filled from what this
         scheduler measures."""
-        return build_snapshot(self.ctx, self.rates, pinned=self.flips.pinned_training,
+        return build_snapshot(self.ctx, self.rates, self.cell_summaries, pinned=self.flips.pinned_training,
                               version=self.versions.current(), finished_waiting=self.staleness.finished_waiting())
 
     # ------------------------------------------------------------------ loop
@@ -139,6 +141,9 @@ class Controller:
 
     def cell_view(self, cell_id: str | None = None) -> list[dict]:
         return self.membership.view(cell_id)
+
+    def cell_page(self, after: str | None, limit: int) -> tuple[list[dict], str | None]:
+        return self.membership.page(after, limit)
 
     def commit_migration(self, migration_id: str, body: CommitRequest) -> CommitResponse:
         """The destination's compare-and-set; the new owner's progress clock starts at it."""

@@ -199,9 +199,10 @@ class Ownership:
         - reported but not owned (and not an incoming migration): tell the cell to drop it.
         """
         incoming = {(m.dst, m.request_id) for m in self.ctx.store.owners.pending_migrations()}
+        holding = self.ctx.store.owners.owned_counts()
         for cell_id, entry in list(self.ctx.registry.live.items()):
-            if entry.summary is None:
-                continue
+            if entry.summary is None or not (entry.summary.request_ids or cell_id in holding):
+                continue  # holds nothing and reports nothing: nothing to compare
             reported = set(entry.summary.request_ids)
             owned = self.ctx.store.owners.requests_on(cell_id, OWNED_REQUEST_STATES)
             self._revoke_lost(cell_id, entry, owned, reported)

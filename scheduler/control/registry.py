@@ -33,6 +33,10 @@ class Registry:
         self.clock = clock
         self.notifier = notifier
         self.live: dict[str, LiveCell] = {}
+        self.changed: set[str] = set()
+        """Cells whose entry changed what the planner's snapshot reads from it (admitted,
+        dropped, first seen, or a summary with other KV blocks or version) since the snapshot
+        last took them."""
         # command ids keep growing across scheduler restarts (a cell may dedupe on them)
         self._cmd_ids = itertools.count(int(time.time() * 1000) * 1000)
 
@@ -40,11 +44,13 @@ class Registry:
         """(Re)create the live entry with a fresh lease; drops any queued commands."""
         entry = LiveCell(cell_id, self.clock() + lease_s, seen=seen)
         self.live[cell_id] = entry
+        self.changed.add(cell_id)
         self.notifier.notify(("cell", cell_id))
         return entry
 
     def drop(self, cell_id: str) -> None:
         self.live.pop(cell_id, None)
+        self.changed.add(cell_id)
         self.notifier.notify(("cell", cell_id))
 
     def summary(self, cell_id: str) -> Summary | None:
@@ -54,6 +60,10 @@ class Registry:
 
     def renew(self, cell_id: str, lease_s: float, summary: Summary) -> None:
         entry = self.live[cell_id]
+        old = entry.summary
+        if (not entry.seen or old is None or old.kv_blocks_used != summary.kv_blocks_used
+                or old.kv_blocks_total != summary.kv_blocks_total or old.version != summary.version):
+            self.changed.add(cell_id)
         now = self.clock()
         entry.lease_deadline = now + lease_s
         entry.summary, entry.summary_at, entry.seen = summary, now, True

@@ -1,7 +1,8 @@
 """The planner's `Snapshot` of the control plane, built from what this scheduler measures.
 
-Per-cell load comes from one grouped read of the live requests, rates from `Rates`, the
-trainer's demand as it last reported it. Seen, live cells only. Reads only.
+Per-cell load comes from the store's kept counters (one row per cell, read with the cells in
+one query: store/counters.py), rates from `Rates`, the trainer's demand as it last reported
+it. Seen, live cells only. Reads only.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 from scheduler.planner.types import CellSummary, Snapshot
 
 if TYPE_CHECKING:
+    from scheduler.contract.protocol import Summary
     from scheduler.control.context import Context
     from scheduler.control.rates import Rates, TrainerDemand
 
@@ -19,61 +21,106 @@ UNKNOWN_VERSION = -1
 """Stands for "no version yet" in the planner's integer version fields."""
 
 
-def build_snapshot(ctx: Context, rates: Rates, *, pinned: set[str], version: int | None,
-                   finished_waiting: int) -> Snapshot:
+class CellSummaries:
+    """The per-cell part of the snapshot, kept between builds: a build re-reads only the cells
+    the store's triggers (`Store.changes`) or the registry (`Registry.changed`) named since the
+    last one, and everything after a rolled-back transaction."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.by_id: dict[str, CellSummary] = {}
+        self.order: list[str] = []
+        """Ids of `by_id`, sorted."""
+        self.training: set[str] = set()
+        """Ids of `by_id` in role training."""
+        self.busy_copies: dict[str, tuple[CellSummary, CellSummary]] = {}
+        """id → (summary, its busy copy), reused while the summary stands."""
+        self.changes = ctx.store.changes.reader()
+        self.rollbacks = -1
+        """`Store.changes.rollbacks` at the last build (-1: never built)."""
+
+    def current(self, demand: TrainerDemand | None, pinned: set[str]) -> tuple[CellSummary, ...]:
+        """Every seen, live, not-down cell's summary, in id order. A running step keeps up to its
+        width of training cells busy (those longest in training are the ones it started on; the
+        store keeps no finer record, so: in id order); a pinned training cell is busy too."""
+        self._refresh()
+        steps = demand.steps_in_progress if demand else 0
+        width = demand.max_cells_per_step if demand else 0
+        training = sorted(self.training)
+        busy = set(training[: steps * width if width else (len(training) if steps else 0)])
+        busy.update(pinned & self.training)
+        by_id = self.by_id
+        if not busy:
+            return tuple(by_id[k] for k in self.order)
+        return tuple(self._busy_copy(k) if k in busy else by_id[k] for k in self.order)
+
+    def _busy_copy(self, cid: str) -> CellSummary:
+        c = self.by_id[cid]
+        kept = self.busy_copies.get(cid)
+        if kept is None or kept[0] is not c:
+            kept = self.busy_copies[cid] = (c, dataclasses.replace(c, busy=True))
+        return kept[1]
+
+    def _refresh(self) -> None:
+        ctx = self.ctx
+        changes = self.changes
+        touched: set[str] | None = changes.take() | ctx.registry.changed
+        ctx.registry.changed = set()
+        if changes.rollbacks != self.rollbacks:
+            self.rollbacks, touched = changes.rollbacks, None
+            self.by_id, self.training, self.busy_copies = {}, set(), {}
+        elif not touched:
+            return
+        by_id, training = self.by_id, self.training
+        was = {cid for cid in touched if by_id.pop(cid, None) is not None} if touched is not None else None
+        training.difference_update(touched or ())
+        live = ctx.registry.live
+        for row in ctx.store.fleet.planning_rows(touched):
+            entry = live.get(row[0])
+            if entry is not None and entry.seen:
+                c = by_id[row[0]] = _summary(row, entry.summary)
+                if c.role == "training":
+                    training.add(c.cell_id)
+        if touched is None or was != {cid for cid in touched if cid in by_id}:
+            self.order = sorted(by_id)  # cells came or went
+            self.busy_copies = {k: v for k, v in self.busy_copies.items() if k in by_id}
+
+
+def build_snapshot(ctx: Context, rates: Rates, cells: CellSummaries, *, pinned: set[str],
+                   version: int | None, finished_waiting: int) -> Snapshot:
     """The cluster now: `pinned` are training cells an explicit flip holds there (busy),
     `version` the current one, `finished_waiting` the trajectories not yet fetched."""
     demand = rates.demand
     steps = demand.steps_in_progress if demand else 0
     width = demand.max_cells_per_step if demand else 0
-    cells = _busy(_cell_summaries(ctx), demand, pinned)
+    summaries = cells.current(demand, pinned)
     return Snapshot(
-        cells=cells, finished_waiting=finished_waiting,
+        cells=summaries, finished_waiting=finished_waiting,
         batch_size=demand.batch_size if demand else 1, training_in_progress=steps > 0,
         min_rollout_cells=ctx.cfg.min_rollout_cells,
         queued_sessions=ctx.store.owners.count_waiting(),
         version=UNKNOWN_VERSION if version is None else version,
         staleness_bound=ctx.cfg.staleness_bound, steps_in_progress=steps,
-        max_cells_per_step=width or max(1, len(cells)),
+        max_cells_per_step=width or max(1, len(summaries)),
         finish_rate_per_slot_s=rates.finish_rate_per_slot_s(), slot_occupancy=rates.slot_occupancy(),
         train_rate_per_cell_s=rates.train_rate_per_cell_s, train_step_s=rates.train_step_s,
         tokens_per_step=rates.tokens_per_step,
         max_concurrent_steps=demand.max_concurrent_steps if demand else 1)
 
 
-def _cell_summaries(ctx: Context) -> list[CellSummary]:
-    load = ctx.store.owners.live_load()
-    incoming = ctx.store.owners.incoming_pending()
-    cells = []
-    for c in ctx.store.fleet.list_cells():
-        entry = ctx.registry.live.get(c.id)
-        if c.state == "down" or entry is None or not entry.seen:
-            continue
-        s = entry.summary
-        n, tokens = load.get(c.id, (0, 0))
-        bs = int(c.capabilities.get("block_size") or 16)
-        total = s.kv_blocks_total if s and s.kv_blocks_total else c.kv_blocks_total
-        used = s.kv_blocks_used if s else c.kv_blocks_used
-        version = s.version if s else c.version
-        cells.append(CellSummary(
-            cell_id=c.id, node=c.address.rsplit(":", 1)[0], role=c.state,  # type: ignore[arg-type]
-            version=UNKNOWN_VERSION if version is None else version,
-            inflight=n + incoming.get(c.id, 0), capacity=c.max_running,
-            # in the planner's 16-token blocks; a cell without a block pool has no KV limit
-            kv_blocks_free=max(0, total - used) * bs // 16 if total > 0 else 1 << 40,
-            kv_blocks_total=total * bs // 16, generation=c.generation,
-            can_export_kv=bool(c.capabilities.get("kv_export")), inflight_tokens=tokens,
-            kv_store=c.capabilities.get("kv_store") or None))
-    return cells
-
-
-def _busy(cells: list[CellSummary], demand: TrainerDemand | None, pinned: set[str]) -> tuple[CellSummary, ...]:
-    """A running step keeps up to its width of training cells busy (those longest in training
-    are the ones it started on; the store keeps no finer record, so: in id order); a pinned
-    training cell is busy too."""
-    steps = demand.steps_in_progress if demand else 0
-    width = demand.max_cells_per_step if demand else 0
-    training = [i for i, c in enumerate(cells) if c.role == "training"]
-    busy = set(training[: steps * width if width else (len(training) if steps else 0)])
-    busy.update(i for i in training if cells[i].cell_id in pinned)
-    return tuple(dataclasses.replace(c, busy=True) if i in busy else c for i, c in enumerate(cells))
+def _summary(row: tuple, s: Summary | None) -> CellSummary:
+    """One cell's summary from its `planning_rows` row and its last reported load."""
+    cid, state, generation, c_version, address, caps, c_total, c_used, max_running, n, tokens, incoming = row
+    bs = int(caps.get("block_size") or 16)
+    total = s.kv_blocks_total if s and s.kv_blocks_total else c_total
+    used = s.kv_blocks_used if s else c_used
+    version = s.version if s else c_version
+    return CellSummary(
+        cell_id=cid, node=address.rsplit(":", 1)[0], role=state,
+        version=UNKNOWN_VERSION if version is None else version,
+        inflight=n + incoming, capacity=max_running,
+        # in the planner's 16-token blocks; a cell without a block pool has no KV limit
+        kv_blocks_free=max(0, total - used) * bs // 16 if total > 0 else 1 << 40,
+        kv_blocks_total=total * bs // 16, generation=generation,
+        can_export_kv=bool(caps.get("kv_export")), inflight_tokens=tokens,
+        kv_store=caps.get("kv_store") or None)

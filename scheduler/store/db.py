@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from scheduler.store import fleet, owners, sessions
+from scheduler.store import counters, fleet, owners, sessions
 
 SCHEMA = fleet.SCHEMA + owners.SCHEMA + sessions.SCHEMA
 """Every table and index (table and column names are read by faultkit's checker too)."""
@@ -45,13 +45,17 @@ class Store:
         self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
-        self._conn.executescript(SCHEMA)
+        self.changes = counters.Changes()
+        """Cells the triggers touched since a reader last took them (store/counters.py)."""
+        self._conn.create_function("cell_changed", 1, self.changes.mark, deterministic=False)
+        self._conn.executescript(SCHEMA + counters.CHANGES_SCHEMA)
         self._add_missing_columns()
         self._depth = 0
         self._durable = True
         self.fleet = fleet.FleetStore(self)
         self.owners = owners.OwnerStore(self)
         self.sessions = sessions.SessionStore(self)
+        counters.rebuild(self)  # kept by triggers; recounted here so any store file starts right
 
     @contextmanager
     def tx(self, durable: bool = True) -> Iterator[None]:
@@ -73,6 +77,7 @@ class Store:
             yield
         except BaseException:
             self._conn.execute("ROLLBACK")
+            self.changes.rollbacks += 1
             raise
         else:
             self._conn.execute("COMMIT")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.states import role_of
@@ -125,6 +126,13 @@ def _flip(r: tuple) -> FlipRow:
 class FleetStore:
     def __init__(self, store: Store) -> None:
         self.s = store
+        self._caps: dict[str, dict[str, Any]] = {}
+        """Decoded capabilities by their JSON text (most cells' texts repeat tick to tick)."""
+        self._changes = store.changes.reader()
+        self._rollbacks = -1
+        self._rows: dict[str, CellRow] = {}
+        self._order: list[str] = []
+        self._listed: list[CellRow] = []
 
     # -- cells
     def get_cell(self, cell_id: str) -> CellRow | None:
@@ -132,7 +140,57 @@ class FleetStore:
         return None if r is None else _cell(r)
 
     def list_cells(self) -> list[CellRow]:
-        return [_cell(r) for r in self.s.execute(f"SELECT {_CELL_COLS} FROM cells ORDER BY id")]
+        """Every cell in id order: rows kept decoded between calls and re-read only where the
+        store's triggers saw a write (store/counters.py), all of them after a rollback. Shared
+        rows: read them, never change them (`get_cell` gives a row of one's own to change)."""
+        changed: set[str] | None = self._changes.take()
+        if self._changes.rollbacks != self._rollbacks:
+            self._rollbacks, changed = self._changes.rollbacks, None
+        elif not changed:
+            return list(self._listed)
+        rows = self._rows = {} if changed is None else self._rows
+        was = {cid for cid in changed if rows.pop(cid, None) is not None} if changed is not None else None
+        ids = list(changed) if changed is not None else None
+        for k in range(0, len(ids), 500) if ids is not None else (None,):
+            part = ids[k:k + 500] if ids is not None else ()
+            where = f" WHERE id IN ({','.join('?' * len(part))})" if ids is not None else ""
+            for r in self.s.execute(f"SELECT {_CELL_COLS} FROM cells{where}", part):
+                rows[r[0]] = _cell(r)
+        if changed is None or was != {cid for cid in changed if cid in rows}:
+            self._order = sorted(rows)  # cells came or went
+        self._listed = [rows[k] for k in self._order]
+        return list(self._listed)
+
+    def page_cells(self, after: str | None, limit: int) -> list[CellRow]:
+        """Up to `limit` cells with ids after `after` (None: from the first), in id order."""
+        q = f"SELECT {_CELL_COLS} FROM cells WHERE id > ? ORDER BY id LIMIT ?"
+        return [_cell(r) for r in self.s.execute(q, ("" if after is None else after, limit))]
+
+    def planning_rows(self, ids: Collection[str] | None = None) -> list[tuple]:
+        """The cells `ids` (None: all) that are not down, with their kept load (store/counters.py),
+        for the planner's snapshot: (id, state, generation, version, address, capabilities,
+        kv_blocks_total, kv_blocks_used, max_running, live, tokens, incoming). No history;
+        `capabilities` are shared decoded copies: read them, never change them."""
+        q = ("SELECT c.id, c.state, c.generation, c.version, c.address, c.capabilities, c.kv_blocks_total, "
+             "c.kv_blocks_used, c.max_running, COALESCE(l.live, 0), COALESCE(l.tokens, 0), "
+             "COALESCE(l.incoming, 0) FROM cells c LEFT JOIN cell_load l ON l.cell_id = c.id "
+             "WHERE c.state != 'down'")
+        if ids is None:
+            rows = self.s.execute(q).fetchall()
+        else:
+            wanted, rows = list(ids), []
+            for k in range(0, len(wanted), 500):
+                part = wanted[k:k + 500]
+                rows += self.s.execute(f"{q} AND c.id IN ({','.join('?' * len(part))})", part).fetchall()
+        memo = self._caps
+        if len(memo) > 65536:  # texts of cells that changed or left
+            memo.clear()
+        for i, r in enumerate(rows):
+            caps = memo.get(r[5])
+            if caps is None:
+                caps = memo[r[5]] = loads(r[5])
+            rows[i] = (*r[:5], caps, *r[6:])
+        return rows
 
     def cell_states(self) -> dict[str, str]:
         """id → state of every cell, without decoding whole rows (per-tick checks at fleet scale)."""

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from scheduler.store import counters
 from scheduler.store.codec import dumps, loads
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ CREATE TABLE IF NOT EXISTS migrations(
   created_at REAL NOT NULL, finished_at REAL, history TEXT NOT NULL,
   src_state TEXT NOT NULL DEFAULT 'running');
 CREATE INDEX IF NOT EXISTS migrations_state ON migrations(state, request_id);
-"""
+""" + counters.SCHEMA
 
 LIVE_REQUEST_STATES = ("running", "migrating")
 """Decoding (or moving) on their owner: what a cell's load and a drain count."""
@@ -87,6 +88,17 @@ _REQ_COLS = "id, session_id, base, prompt_start, num_generated, params, cell_id,
 _MIG_COLS = "id, request_id, src, dst, epoch, state, path, flip_id, reason, created_at, finished_at, history, src_state"
 
 
+def _upsert(cols: str) -> str:
+    """An update in place of an existing row (not REPLACE's delete and insert), so the counter
+    triggers see one change: the old row leaves the counts, the new one enters them."""
+    rest = [c.strip() for c in cols.split(",")][1:]
+    return "ON CONFLICT(id) DO UPDATE SET " + ", ".join(f"{c}=excluded.{c}" for c in rest)
+
+
+_REQ_UPSERT = _upsert(_REQ_COLS)
+_MIG_UPSERT = _upsert(_MIG_COLS)
+
+
 def _req(r: tuple) -> RequestRow:
     return RequestRow(*r[:5], loads(r[5]), *r[6:])
 
@@ -107,7 +119,7 @@ class OwnerStore:
     def put_request(self, q: RequestRow) -> None:
         q.updated_at = time.time()
         self.s.execute(
-            f"INSERT OR REPLACE INTO requests({_REQ_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            f"INSERT INTO requests({_REQ_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?) {_REQ_UPSERT}",
             (q.id, q.session_id, q.base, q.prompt_start, q.num_generated, dumps(q.params), q.cell_id,
              q.epoch, q.state, q.reason, q.created_at, q.updated_at),
         )
@@ -125,17 +137,29 @@ class OwnerStore:
         q = f"SELECT {_REQ_COLS} FROM requests WHERE state IN ({marks}) ORDER BY created_at, id LIMIT ?"
         return [_req(r) for r in self.s.execute(q, (*states, limit))]
 
-    def live_counts(self) -> dict[str, int]:
-        """Live (running or migrating) requests per owner cell."""
-        q = "SELECT cell_id, COUNT(*) FROM requests WHERE state IN (?,?) AND cell_id IS NOT NULL GROUP BY cell_id"
-        return dict(self.s.execute(q, LIVE_REQUEST_STATES).fetchall())
+    def live_counts(self, first: str | None = None, last: str | None = None) -> dict[str, int]:
+        """Live (running or migrating) requests per owner cell (kept counts, store/counters.py);
+        with `first` and `last`, only the cells whose ids lie between them (inclusive)."""
+        if first is None or last is None:
+            return dict(self.s.execute("SELECT cell_id, live FROM cell_load WHERE live > 0").fetchall())
+        q = "SELECT cell_id, live FROM cell_load WHERE cell_id BETWEEN ? AND ? AND live > 0"
+        return dict(self.s.execute(q, (first, last)).fetchall())
 
     def live_load(self) -> dict[str, tuple[int, int]]:
-        """Live requests and their context tokens per owner cell (one grouped read of the live
-        requests, through the (state, cell_id) index: never the sessions or their tokens)."""
-        q = ("SELECT cell_id, COUNT(*), SUM(base - prompt_start + num_generated) FROM requests "
-             "WHERE state IN (?,?) AND cell_id IS NOT NULL GROUP BY cell_id")
-        return {c: (n, int(t or 0)) for c, n, t in self.s.execute(q, LIVE_REQUEST_STATES)}
+        """Live requests and their context tokens per owner cell: the kept counts
+        (store/counters.py), one row per cell, never the requests, sessions or tokens."""
+        q = "SELECT cell_id, live, tokens FROM cell_load WHERE live > 0"
+        return {c: (n, t) for c, n, t in self.s.execute(q)}
+
+    def owned_counts(self) -> dict[str, int]:
+        """Requests each cell holds (running, migrating or parked; kept counts)."""
+        return dict(self.s.execute("SELECT cell_id, owned FROM cell_load WHERE owned > 0").fetchall())
+
+    def load_of(self, cell_id: str) -> tuple[int, int, int]:
+        """One cell's (live requests, their context tokens, pending migrations headed to it)."""
+        q = "SELECT live, tokens, incoming FROM cell_load WHERE cell_id=?"
+        r = self.s.execute(q, (cell_id,)).fetchone()
+        return (0, 0, 0) if r is None else r
 
     def active_request_for_session(self, session_id: str) -> RequestRow | None:
         q = f"SELECT {_REQ_COLS} FROM requests WHERE session_id=? AND state NOT IN ('finished','failed') LIMIT 1"
@@ -154,12 +178,13 @@ class OwnerStore:
         return None if r is None else r[0]
 
     def count_waiting(self) -> int:
-        """Requests waiting for a cell (queued, suspended or parked): an index range, not a scan."""
-        q = "SELECT COUNT(*) FROM requests WHERE state IN ('queued', 'suspended', 'parked')"
+        """Requests waiting for a cell (queued, suspended or parked): kept counts."""
+        q = "SELECT COALESCE(SUM(n), 0) FROM request_counts WHERE state IN ('queued', 'suspended', 'parked')"
         return self.s.execute(q).fetchone()[0]
 
     def count_requests(self) -> dict[str, int]:
-        return dict(self.s.execute("SELECT state, COUNT(*) FROM requests GROUP BY state").fetchall())
+        """Requests per state (kept counts, store/counters.py; states with none left out)."""
+        return dict(self.s.execute("SELECT state, n FROM request_counts WHERE n > 0").fetchall())
 
     # -- migrations
     def get_migration(self, migration_id: str) -> MigrationRow | None:
@@ -168,7 +193,7 @@ class OwnerStore:
 
     def put_migration(self, m: MigrationRow) -> None:
         self.s.execute(
-            f"INSERT OR REPLACE INTO migrations({_MIG_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            f"INSERT INTO migrations({_MIG_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?) {_MIG_UPSERT}",
             (m.id, m.request_id, m.src, m.dst, m.epoch, m.state, m.path, m.flip_id, m.reason,
              m.created_at, m.finished_at, dumps(m.history), m.src_state),
         )
@@ -183,6 +208,6 @@ class OwnerStore:
         return None if r is None else _mig(r)
 
     def incoming_pending(self) -> dict[str, int]:
-        """Pending migrations per destination cell (their reservations count as load)."""
-        q = "SELECT dst, COUNT(*) FROM migrations WHERE state='pending' GROUP BY dst"
+        """Pending migrations per destination cell (their reservations count as load; kept counts)."""
+        q = "SELECT cell_id, incoming FROM cell_load WHERE incoming > 0"
         return dict(self.s.execute(q).fetchall())
