@@ -241,6 +241,11 @@ def cmd_status(args) -> int:
     if r.status_code != 200:
         raise SystemExit(f"cellflip status: {args.scheduler} answered {r.status_code}: {r.text[:200]}")
     cells = r.json()
+    if isinstance(cells, dict) and cells.get("next_cursor"):  # more pages: read them all
+        from cells.display import all_cells
+
+        with httpx.Client(timeout=5.0) as http:
+            cells = all_cells(http, args.scheduler, {"Authorization": f"Bearer {token}"} if token else None)
     cells = cells.get("cells", cells) if isinstance(cells, dict) else cells
     from cells.display import node_of
 

@@ -68,11 +68,23 @@ def spark(values: list[float]) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * (len(SPARK) - 1)))] for v in values[-40:])
 
 
+def all_cells(http: httpx.Client, url: str, headers: dict | None = None) -> list[dict]:
+    """Every cell, following GET /v1/cells's pages (`next_cursor`) to the last."""
+    cells: list[dict] = []
+    params: dict[str, str] = {}
+    while True:
+        body = http.get(f"{url}/v1/cells", params=params, headers=headers or {}).json()
+        cells += body["cells"]
+        if not body.get("next_cursor"):
+            return cells
+        params = {"cursor": body["next_cursor"]}
+
+
 class Snapshot:
     """One poll of everything shown."""
 
     def __init__(self, url: str, status_path: Path, http: httpx.Client) -> None:
-        self.cells = http.get(f"{url}/v1/cells").json()["cells"]
+        self.cells = all_cells(http, url)
         vers = http.get(f"{url}/v1/versions").json()
         self.versions = vers["versions"]
         metrics = http.get(f"{url}/metrics").text

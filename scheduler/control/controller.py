@@ -15,6 +15,7 @@ which holds what); handlers call the thin methods below.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -51,6 +52,9 @@ from scheduler.store import Store
 from scheduler.store.owners import RequestRow
 
 log = logging.getLogger("cellflip.scheduler")
+
+SLOW_TICK_S = 0.02
+"""A tick longer than this is followed by a rest as long as itself (`Controller.run`)."""
 
 
 class Controller:
@@ -126,11 +130,19 @@ class Controller:
         """The control loop, until `close()`: it ends by itself then, since a cancel that lands
         while the wait it interrupts is also being woken can be lost."""
         while not self.ctx.closing:
+            t0 = time.perf_counter()
             try:
                 self.tick()
             except Exception:  # the loop's boundary: log the reason and keep going
                 log.exception("control loop tick failed")
+            end = time.perf_counter()
+            # a slow tick (a large fleet) is followed by as long a rest even when kicked, so
+            # the loop holds at most half the event loop and requests are served between ticks
+            rest = min(end - t0, interval_s) if end - t0 > SLOW_TICK_S else 0.0
             await self.ctx.notifier.wait(TICK_KEY, interval_s)
+            left = rest - (time.perf_counter() - end)
+            if left > 0 and not self.ctx.closing:
+                await asyncio.sleep(left)
 
     # ------------------------------------------------------------------ thin API: cells
     def register(self, msg: RegisterRequest) -> RegisterResponse:

@@ -29,8 +29,10 @@ class CellSummaries:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.by_id: dict[str, CellSummary] = {}
-        self.order: list[str] = []
-        """Ids of `by_id`, sorted."""
+        self.listed: list[CellSummary] = []
+        """`by_id`'s values in id order."""
+        self.index: dict[str, int] = {}
+        """id → its place in `listed`."""
         self.training: set[str] = set()
         """Ids of `by_id` in role training."""
         self.busy_copies: dict[str, tuple[CellSummary, CellSummary]] = {}
@@ -49,10 +51,12 @@ class CellSummaries:
         training = sorted(self.training)
         busy = set(training[: steps * width if width else (len(training) if steps else 0)])
         busy.update(pinned & self.training)
-        by_id = self.by_id
         if not busy:
-            return tuple(by_id[k] for k in self.order)
-        return tuple(self._busy_copy(k) if k in busy else by_id[k] for k in self.order)
+            return tuple(self.listed)
+        out, index = list(self.listed), self.index
+        for k in busy:
+            out[index[k]] = self._busy_copy(k)
+        return tuple(out)
 
     def _busy_copy(self, cid: str) -> CellSummary:
         c = self.by_id[cid]
@@ -81,9 +85,14 @@ class CellSummaries:
                 c = by_id[row[0]] = _summary(row, entry.summary)
                 if c.role == "training":
                     training.add(c.cell_id)
-        if touched is None or was != {cid for cid in touched if cid in by_id}:
-            self.order = sorted(by_id)  # cells came or went
+        if touched is None or was != {cid for cid in touched if cid in by_id}:  # cells came or went
+            self.listed = [by_id[k] for k in sorted(by_id)]
+            self.index = {c.cell_id: i for i, c in enumerate(self.listed)}
             self.busy_copies = {k: v for k, v in self.busy_copies.items() if k in by_id}
+        else:
+            for cid in touched:
+                if cid in by_id:
+                    self.listed[self.index[cid]] = by_id[cid]
 
 
 def build_snapshot(ctx: Context, rates: Rates, cells: CellSummaries, *, pinned: set[str],
