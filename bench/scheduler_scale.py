@@ -2,12 +2,14 @@
 the REST API in front of it at 10,000 registered cells?
 
 Tick = what the controller does each tick to plan: `Controller.snapshot()` over its SQLite
-store (10,000 cells, 1,000,000 session rows, one live request each on the rollout cells), then
-`plan_flips`, the live requests of every cell flipped to training (`requests_on`), and
-`choose_destinations` for them. No `gc.freeze()`: the scheduler does not call it. Between
-ticks (untimed) the fleet moves through the store: a share of the rollout cells finish
-sessions, admit new ones and decode further, the backlog of finished trajectories wanders (so
-the planner flips both ways), and the last tick's flips and placements are written back.
+store (10,000 cells; 1,000,000 session rows: 32,768 finished, the trainer's backlog, and one
+live request each for the rest, on the rollout cells), then `plan_flips`, the live requests
+of every cell flipped to training (`requests_on`), and `choose_destinations` for them. No
+`gc.freeze()`: the scheduler does not call it. Between ticks (untimed) the fleet moves through
+the store: a share of the rollout cells finish sessions, admit new ones and decode further
+(each then syncs its KV blocks in use), the trainer runs up to 8 steps at once, the backlog
+of finished trajectories wanders (so the planner flips both ways), and the last tick's flips
+and placements are written back.
 
 REST: the real app (`scheduler.api.app.create_app`) under uvicorn on 127.0.0.1 with its SQLite
 store holding 10,000 rollout cells (as a restarted scheduler finds them) that each synced, with
@@ -50,6 +52,9 @@ BATCH = 1024
 TRAIN_RATE = BATCH / (32 * 3600.0)
 SLOT_RATE = TRAIN_RATE / 9 / CAPACITY
 """Per-slot finish rate that puts the balance at about 10 % training cells."""
+STEPS_AT_ONCE = 8
+"""Training steps the trainer runs at once (so the planner flips toward training when the
+backlog holds batches, and back when it runs dry)."""
 API_CELLS = 10_000
 """Cells registered (and synced) before the REST loop."""
 TOKENS_PER_SESSION = 20_000
@@ -100,7 +105,7 @@ class StoreFleet:
                                (now,))
         self.ctl = Controller(self.store, SchedulerConfig(db_path=path, min_rollout_cells=1, lease_s=1e9,
                                                                staleness_bound=40))
-        self.ctl.rates.on_trainer_report(TrainerDemand(BATCH, max(1, cells // 10 // 128), 128))
+        self.ctl.rates.on_trainer_report(TrainerDemand(BATCH, max(1, cells // 10 // 128), 128, STEPS_AT_ONCE))
         self.ctl.rates.train_rate_per_cell_s = TRAIN_RATE
         self.ctl.rates.finishes, self.ctl.rates.occupied_slot_s = 1e6, 1e6 / SLOT_RATE
         for c in self.ids:

@@ -15,7 +15,6 @@ which holds what); handlers call the thin methods below.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -54,7 +53,10 @@ from scheduler.store.owners import RequestRow
 log = logging.getLogger("cellflip.scheduler")
 
 SLOW_TICK_S = 0.02
-"""A tick longer than this is followed by a rest as long as itself (`Controller.run`)."""
+"""A tick longer than this is followed by a rest as long as itself (`Controller.run`)..."""
+MAX_REST_S = 2.0
+"""...up to this long."""
+REST_KEY = ("control loop", "rest")
 
 
 class Controller:
@@ -138,11 +140,11 @@ class Controller:
             end = time.perf_counter()
             # a slow tick (a large fleet) is followed by as long a rest even when kicked, so
             # the loop holds at most half the event loop and requests are served between ticks
-            rest = min(end - t0, interval_s) if end - t0 > SLOW_TICK_S else 0.0
+            rest = min(end - t0, MAX_REST_S) if end - t0 > SLOW_TICK_S else 0.0
             await self.ctx.notifier.wait(TICK_KEY, interval_s)
             left = rest - (time.perf_counter() - end)
-            if left > 0 and not self.ctx.closing:
-                await asyncio.sleep(left)
+            if left > 0 and not self.ctx.closing:  # kicks do not end the rest; `close()` does
+                await self.ctx.notifier.wait(REST_KEY, left)
 
     # ------------------------------------------------------------------ thin API: cells
     def register(self, msg: RegisterRequest) -> RegisterResponse:

@@ -7,8 +7,8 @@ same transaction, through `states.set_state` for the state column).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.states import role_of
