@@ -242,7 +242,7 @@ def cmd_status(args) -> int:
         raise SystemExit(f"cellflip status: {args.scheduler} answered {r.status_code}: {r.text[:200]}")
     cells = r.json()
     if isinstance(cells, dict) and cells.get("next_cursor"):  # more pages: read them all
-        from cells.display import all_cells
+        from cells.client import all_cells
 
         with httpx.Client(timeout=5.0) as http:
             cells = all_cells(http, args.scheduler, {"Authorization": f"Bearer {token}"} if token else None)

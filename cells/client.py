@@ -60,3 +60,15 @@ class SchedulerClient:
 
     def abort_migration(self, migration_id: str, req: AbortMigrationRequest) -> None:
         self._post(f"/internal/v1/migrations/{migration_id}/abort", req.to_dict())
+
+
+def all_cells(http: httpx.Client, url: str, headers: dict | None = None) -> list[dict]:
+    """Every cell, following GET /v1/cells's pages (`next_cursor`) to the last."""
+    cells: list[dict] = []
+    params: dict[str, str] = {}
+    while True:
+        body = http.get(f"{url}/v1/cells", params=params, headers=headers or {}).json()
+        cells += body["cells"]
+        if not body.get("next_cursor"):
+            return cells
+        params = {"cursor": body["next_cursor"]}

@@ -19,6 +19,8 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
+from cells.client import all_cells
+
 SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -66,18 +68,6 @@ def spark(values: list[float]) -> str:
     lo, hi = min(values), max(values)
     span = (hi - lo) or 1.0
     return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / span * (len(SPARK) - 1)))] for v in values[-40:])
-
-
-def all_cells(http: httpx.Client, url: str, headers: dict | None = None) -> list[dict]:
-    """Every cell, following GET /v1/cells's pages (`next_cursor`) to the last."""
-    cells: list[dict] = []
-    params: dict[str, str] = {}
-    while True:
-        body = http.get(f"{url}/v1/cells", params=params, headers=headers or {}).json()
-        cells += body["cells"]
-        if not body.get("next_cursor"):
-            return cells
-        params = {"cursor": body["next_cursor"]}
 
 
 class Snapshot:

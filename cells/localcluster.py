@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from cells.client import all_cells
 from scheduler.contract.tokens import TOKEN_ENV, auth_headers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,8 +172,7 @@ class Cluster:
         raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
 
     def cells(self) -> list[dict]:
-        body = self.http.get("/v1/cells").json()
-        return body["cells"] if isinstance(body, dict) else body
+        return all_cells(self.http, "")
 
     def cell(self, cell_id: str) -> dict:
         return self.http.get(f"/v1/cells/{cell_id}").json()

@@ -50,7 +50,15 @@ class TrainerClient:
 
     # -- cells and flips ----------------------------------------------------------------------
     def cells(self) -> list[dict]:
-        return self._call("GET", "/v1/cells")["cells"]
+        """Every cell, following the list's pages (`next_cursor`) to the last."""
+        out: list[dict] = []
+        params: dict[str, str] = {}
+        while True:
+            body = self._call("GET", "/v1/cells", params=params)
+            out += body["cells"]
+            if not body.get("next_cursor"):
+                return out
+            params = {"cursor": body["next_cursor"]}
 
     def flip(self, to: str, *, cell: str | None = None, count: int | None = None,
              key: str | None = None) -> list[dict]:
