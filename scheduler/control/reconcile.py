@@ -11,7 +11,7 @@ planner flip). `step_next` runs only once the inventory is rebuilt after a start
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from scheduler.control import idempotency
 from scheduler.control.metrics import CELL_STATES
@@ -54,6 +54,7 @@ class Reconciler:
         """The inventory is rebuilt (every known cell re-synced, or the grace ran out)."""
         self.last_tick = ctx.started_at
         self.last_slow_tick = float("-inf")
+        self.per_cell = PerCellGauges()
 
     def tick(self) -> None:
         self.sync_from()
@@ -93,9 +94,10 @@ class Reconciler:
     def _account_role_seconds(self, dt: float) -> None:
         if dt <= 0:
             return
+        m = self.ctx.metrics
         for c in self.ctx.store.fleet.list_cells():
             if c.id in self.ctx.registry.live:
-                self.ctx.metrics.role_seconds.labels(c.id, c.state).inc(dt)
+                self.per_cell.child(m.role_seconds, c.id, c.state).inc(dt)
 
     def _measure_slots(self, dt: float) -> None:
         """Fold the tick's occupied and offered rollout slot-seconds into the measured rates
@@ -128,8 +130,8 @@ class Reconciler:
         owned = ctx.store.owners.live_counts()
         for c in cells:
             summary = ctx.registry.summary(c.id)
-            m.inflight.labels(c.id).set(owned.get(c.id, 0))
-            m.kv_blocks_used.labels(c.id).set(summary.kv_blocks_used if summary else 0)
+            self.per_cell.set(m.inflight, c.id, owned.get(c.id, 0))
+            self.per_cell.set(m.kv_blocks_used, c.id, summary.kv_blocks_used if summary else 0)
         counts = ctx.store.owners.count_requests()
         m.waiting.set(counts.get("queued", 0) + counts.get("suspended", 0) + counts.get("parked", 0))
 
@@ -141,3 +143,26 @@ class Reconciler:
         backlog = ctx.store.sessions.unscored_by_version()
         for r in rows:
             m.logprob_backlog.labels(str(r.v)).set(backlog.get(r.v, 0))
+
+
+class PerCellGauges:
+    """Per-cell metric children, looked up once and written only when their value changes: a
+    tick at 10,000 cells would otherwise spend most of its time in prometheus_client's
+    `labels()` (a lock and a tuple key per call) setting values that did not move."""
+
+    def __init__(self) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._values: dict[tuple[int, tuple[str, ...]], float] = {}
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), labels)
+        got = self._children.get(key)
+        if got is None:
+            got = self._children[key] = metric.labels(*labels)
+        return got
+
+    def set(self, metric: Any, cell_id: str, value: float) -> None:
+        key = (id(metric), (cell_id,))
+        if self._values.get(key) != value:
+            self.child(metric, cell_id).set(value)
+            self._values[key] = value
