@@ -150,3 +150,22 @@ def test_at_the_end_of_the_run_every_training_cell_is_handed_back(make):
     _pump_while(h, cells, t)
     assert [f["state"] for f in out[1]] == ["done", "done"]  # the planner's cells, flipped back explicitly
     assert all(c["state"] == "rollout" for c in client.cells())
+
+
+def test_when_the_planner_gives_no_cell_one_explicit_flip_overrides_it(make):
+    h = make()
+    cells = _cells(h, 3)
+    client, events = _client(h), []
+    step = StepCells(client, batch_size=8, train_cells=2, choice="planner", emit=events.append)
+    # training measured fast, nothing finished yet: the balance wants no training cell
+    step.declare(0, StepFigures(step_s=1.0, sessions=8, tokens=100, cells=1))
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(step.acquire()))
+    t.start()
+    _pump_while(h, cells, t)
+    assert step.planner_flips and [f["state"] for f in out[0]] == ["done"]
+    assert step.group() == step.own and len(step.own) == 1
+    t = threading.Thread(target=lambda: out.append(step.release(step.group())))
+    t.start()
+    _pump_while(h, cells, t)
+    assert [f["to"] for f in out[1]] == ["rollout"] and all(c["state"] == "rollout" for c in client.cells())
