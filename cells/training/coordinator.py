@@ -21,13 +21,21 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from cells.training import protocol as P
 from cells.training.plan import plan_update
-from cells.training.wire import pack, packed_checksum, params_view, recv_state, send_state, unpack, weights_checksum
+from cells.training.wire import (
+    pack,
+    packed_checksum,
+    params_view,
+    recv_state,
+    send_state,
+    unpack,
+    weights_checksum,
+)
 from cells.transport.p2p import TransferError, discard, join_group
 from cells.transport.store import StoreAddress, connect, get_json, set_json, wait_any, wait_keys
-
-import torch
 
 log = logging.getLogger("cellflip.training")
 

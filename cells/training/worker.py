@@ -26,7 +26,14 @@ from cells.training import protocol as P
 from cells.training.plan import Share
 from cells.training.reduce import GroupReducer, LocalReducer
 from cells.training.update import run_update
-from cells.training.wire import pack, packed_checksum, recv_state, send_state, unpack, weights_checksum
+from cells.training.wire import (
+    pack,
+    packed_checksum,
+    recv_state,
+    send_state,
+    unpack,
+    weights_checksum,
+)
 from cells.transport.p2p import TransferError, discard, join_group
 from cells.transport.store import StoreAddress, connect, get_json, set_json, wait_any, wait_json
 

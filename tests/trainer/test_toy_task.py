@@ -180,8 +180,8 @@ def test_demos_equal_what_the_http_gateway_records():
     from fastapi import FastAPI
     from starlette.testclient import TestClient
 
-    from scheduler.gateway import make_chat_router
     from scheduler.contract.tito.memory import InMemoryBackend, ReplayEngine
+    from scheduler.gateway import make_chat_router
 
     demos = demo_transcripts(6, seed=3, teacher=Demonstrator(p_skip=0.3))
     engine = ReplayEngine()
