@@ -66,20 +66,22 @@ class StepCells:
     def width(self) -> int:
         return max(1, self.train_cells)
 
-    def declare(self, steps_in_progress: int, step: StepFigures | None = None) -> None:
-        """POST /v1/trainer/report; learns from the answer who flips."""
+    def declare(self, steps_in_progress: int, step: StepFigures | None = None, *, untrained: int = 0) -> None:
+        """POST /v1/trainer/report (`untrained`: sessions fetched and not trained yet, which the
+        staleness admission rule counts); learns from the answer who flips."""
         kw = {} if step is None else {"step_s": step.step_s, "sessions": step.sessions,
                                       "tokens": step.tokens, "cells": step.cells}
         r = self.client.report_training(batch_size=self.batch_size, steps_in_progress=steps_in_progress,
-                                        max_cells_per_step=self.width, **kw)
+                                        max_cells_per_step=self.width, untrained=untrained, **kw)
         self.planner_flips = bool(r.get("auto_flip")) and self.train_cells > 0
 
     # -- before the step ---------------------------------------------------------------------
-    def acquire(self) -> list[dict]:
-        """Declare the step and bring its cells to the training role; returns the explicit flips
+    def acquire(self, untrained: int = 0) -> list[dict]:
+        """Declare the step (`untrained`: sessions fetched and not trained yet, the step's batch
+        included) and bring its cells to the training role; returns the explicit flips
         (finished records) it made."""
         self.own = []
-        self.declare(1)
+        self.declare(1, untrained=untrained)
         if self.train_cells <= 0:
             return []
         if not self.planner_flips:

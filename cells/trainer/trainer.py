@@ -167,7 +167,7 @@ class Trainer:
         if stop.is_set():
             return
         t_batch = time.monotonic()
-        self._flip_to_training()
+        self._flip_to_training(untrained=len(batch) + len(self.batch))
         t_flip = time.monotonic()
         batch = self.client.wait_scored(batch, timeout_s=600)
         t_scored = time.monotonic()
@@ -179,7 +179,7 @@ class Trainer:
         self.cells.release(cells)
         prov = [p for t in batch for m, p in zip(t["loss_mask"], t["provenance"], strict=True) if m]
         figures = StepFigures(round(t_train - t_flip, 3), len(batch), len(prov), len(cells)) if cells else None
-        self.cells.declare(0, figures)
+        self.cells.declare(0, figures, untrained=len(self.batch))
         self._drop_retired()
         if self.rl_step % self.tc.checkpoint_every == 0:
             self._checkpoint()
@@ -226,9 +226,9 @@ class Trainer:
                 log.warning("could not report dropped groups: %s", e)
         return sel.ready
 
-    def _flip_to_training(self) -> list[dict]:
+    def _flip_to_training(self, untrained: int = 0) -> list[dict]:
         """Declare the step and bring its cells to the training role (cells/trainer/step_cells.py)."""
-        return self.cells.acquire()
+        return self.cells.acquire(untrained)
 
     def _next_version(self) -> int:
         """The number the next published version gets: the learner's (one per RL update, what

@@ -26,6 +26,9 @@ class TrainerReport(_Body):
     """Cells one step can use."""
     max_concurrent_steps: int = Field(default=1, ge=1, le=1 << 20)
     """Steps the trainer runs at once (one RL job: 1)."""
+    untrained: int = Field(default=0, ge=0, le=1 << 30)
+    """Sessions the trainer has fetched and not yet trained (its buffer and the step in hand):
+    the admission rule of the staleness bound counts them with the work in flight."""
     step_s: float | None = Field(default=None, gt=0, le=1e9)
     """Duration of the step that just finished (seconds)."""
     sessions: int | None = Field(default=None, ge=1, le=1 << 30)
@@ -46,4 +49,5 @@ class TrainerReport(_Body):
 @router.post("/report", responses=errors(413, 422))
 async def report(body: TrainerReport, ctl: Ctl) -> dict:
     return ctl.report_training(body.batch_size, body.steps_in_progress, body.max_cells_per_step,
-                               body.max_concurrent_steps, body.step_s, body.sessions, body.tokens, body.cells)
+                               body.max_concurrent_steps, body.step_s, body.sessions, body.tokens, body.cells,
+                               untrained=body.untrained)

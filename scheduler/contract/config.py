@@ -157,7 +157,8 @@ class TrainerConfig(_Strict):
     steps: int = Field(default=20, ge=0)
     """RL steps; each flips cells to training, trains on a batch, publishes a version."""
     batch_episodes: int = Field(default=16, gt=0)
-    """Finished episodes (trajectories) per RL step."""
+    """Finished rollouts (group members) per RL step; a tree rollout's branch sessions count
+    once, as the one member they are."""
     group_size: int = Field(default=4, gt=1)
     """Episodes per task instance (a GRPO/RLOO group); a group is trained only whole."""
     group_deadline_s: float = Field(default=600.0, gt=0)

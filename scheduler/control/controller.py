@@ -198,11 +198,12 @@ class Controller:
     def report_training(self, batch_size: int, steps_in_progress: int, max_cells_per_step: int,
                         max_concurrent_steps: int = 1, step_s: float | None = None,
                         sessions: int | None = None, tokens: int | None = None,
-                        cells: int | None = None) -> dict:
+                        cells: int | None = None, *, untrained: int = 0) -> dict:
         """The trainer's demand and its last step (POST /v1/trainer/report): the planner's
-        training side. Wakes the loop so the planner sees it at once."""
+        training side and the staleness admission rule's fetched-but-untrained work. Wakes
+        the loop so the planner sees it at once."""
         self.rates.on_trainer_report(
-            TrainerDemand(batch_size, steps_in_progress, max_cells_per_step, max_concurrent_steps),
+            TrainerDemand(batch_size, steps_in_progress, max_cells_per_step, max_concurrent_steps, untrained),
             step_s, sessions, tokens, cells)
         if step_s is not None:
             self.metrics.training_step.observe(step_s)

@@ -34,6 +34,8 @@ class TrainerDemand:
     max_cells_per_step: int
     """Cells one step can use."""
     max_concurrent_steps: int = 1
+    untrained: int = 0
+    """Sessions the trainer fetched and has not trained yet."""
 
 
 class Rates:

@@ -2,9 +2,10 @@
 
 Two rules share `scheduler.staleness_bound` (the planner reads the same field):
 
-    admission   a NEW session gets 429 (reason `staleness_bound`) while the sessions in flight
-                plus the finished ones the trainer has not fetched reach (bound + 1) × the
-                trainer's batch size: work admitted now would otherwise be trained more than
+    admission   a NEW session gets 429 (reason `staleness_bound`) while the sessions in flight,
+                the finished ones the trainer has not fetched and the fetched ones it has not
+                trained yet (its report's `untrained`) reach (bound + 1) × the trainer's batch
+                size: work admitted now would otherwise be trained more than
                 `bound` updates after it started. Later turns of admitted sessions always pass.
                 Until the trainer has declared its batch size (POST /v1/trainer/report) the
                 rule has no unit and admits.
@@ -76,9 +77,12 @@ class Staleness:
         return self.ctx.store.sessions.finished_after(self.trajectory_cursor)
 
     def untrained_work(self) -> int:
-        """Sessions in flight plus finished sessions the trainer has not fetched."""
+        """Sessions in flight, finished sessions the trainer has not fetched, and fetched
+        ones it reported as not yet trained."""
         counts = self.ctx.store.owners.count_requests()
-        return sum(counts.get(s, 0) for s in IN_FLIGHT_STATES) + self.finished_waiting()
+        demand = self.rates.demand
+        held = demand.untrained if demand is not None else 0
+        return sum(counts.get(s, 0) for s in IN_FLIGHT_STATES) + self.finished_waiting() + held
 
     def check_admission(self, session_id: str | None) -> None:
         """Raise NoCapacity (429, code `staleness_bound`) for a new session the bound holds back."""
@@ -93,7 +97,7 @@ class Staleness:
             return
         self.admission_paused += 1
         ctx.metrics.admission_stale.inc()
-        raise NoCapacity(f"staleness bound: {work} sessions in flight or finished and not yet trained, "
+        raise NoCapacity(f"staleness bound: {work} sessions in flight, or finished and not yet trained, "
                          f"limit (staleness_bound + 1) x batch = {limit}", code="staleness_bound",
                          retry_after_s=max(1.0, ctx.cfg.heartbeat_s * 2))
 

@@ -77,6 +77,24 @@ def test_admission_pauses_when_untrained_work_reaches_the_bound_through_the_trai
     assert _session(h, cells, "l") == 200
 
 
+def test_fetched_but_untrained_sessions_count_toward_the_bound(make):
+    # bound 0, batch 2: limit 2. Fetching does not train: the trainer's buffer still counts.
+    h = make(staleness_bound=0)
+    cells = _cells(h, 1)
+    client = _client(h)
+    step = StepCells(client, batch_size=2, train_cells=1, choice="planner", emit=lambda e: None)
+    step.declare(0)
+    assert _session(h, cells, "a") == 200 and _session(h, cells, "b") == 200
+    assert _session(h, cells, "c") == 429  # two finished, not fetched
+    assert len(client.trajectories(limit=64)) == 2
+    step.declare(1, untrained=2)  # fetched into the step's batch, not trained yet
+    assert _session(h, cells, "d") == 429
+    assert h.ctl.staleness.untrained_work() == 2
+    step.declare(0, StepFigures(step_s=1.0, sessions=2, tokens=4, cells=1), untrained=0)  # trained
+    assert h.ctl.staleness.untrained_work() == 0
+    assert _session(h, cells, "e") == 200
+
+
 def _pump_while(h: Harness, cells: list[FakeCell], thread: threading.Thread, seconds: float = 30.0) -> None:
     deadline = time.monotonic() + seconds
     while thread.is_alive() and time.monotonic() < deadline:
