@@ -28,6 +28,9 @@ Fields:
   out in an RL run; staleness_bound: the bound in force (the shipped default, not raised here).
 - clip_frac_mean: mean over the RL runs' steps of the share of kept tokens whose PPO ratio was
   clipped (the clip bound).
+- updates_rejected: RL updates the trust-region guard rolled back (their KL between
+  consecutive policies past the objective's `max_update_kl`), summed over the RL runs;
+  per seed also update_kl_max, the largest such KL an update measured.
 - wall_s: the whole invocation.
 """
 
@@ -109,7 +112,9 @@ def _evaluation(trainer, first_weights: dict | None, c: Cluster, seed: int) -> d
     return {"heldout_first": heldout(first_weights), "heldout_last": heldout(trainer.learner.weights()),
             "groups_dropped": sum(trainer.groups.groups_dropped.values()),
             "staleness_max": staleness.get("max_seen"), "staleness_bound": trainer.cfg.scheduler.staleness_bound,
-            "clip_frac": clip, "trees": int(sum(h.get("num_trees", 0) for h in steps))}
+            "clip_frac": clip, "trees": int(sum(h.get("num_trees", 0) for h in steps)),
+            "updates_rejected": int(sum(h.get("update_rejected", 0) for h in steps)),
+            "update_kl_max": round(max((h.get("update_kl", 0.0) for h in steps), default=0.0), 4)}
 
 
 def _mean(xs: list[float]) -> float:
@@ -137,7 +142,9 @@ def main() -> None:
                          "heldout_first": rl["heldout_first"], "heldout_last": rl["heldout_last"],
                          "heldout_control_last": ctl["heldout_last"], "staleness_max": rl["staleness_max"],
                          "clip_frac_mean": _round_mean(rl["clip_frac"], 6), "lost_rollouts": rl["lost_rollouts"],
-                         "exact_frac": rl["exact_frac"], "trees": rl["trees"], "wall_s": rl["wall_s"] + ctl["wall_s"]})
+                         "exact_frac": rl["exact_frac"], "trees": rl["trees"],
+                         "updates_rejected": rl["updates_rejected"], "update_kl_max": rl["update_kl_max"],
+                         "wall_s": rl["wall_s"] + ctl["wall_s"]})
         if not args.json:
             print(per_seed[-1], flush=True)
     tokens_exact = [r["exact_frac"] for r in rl_runs if r["exact_frac"] is not None]
@@ -160,6 +167,7 @@ def main() -> None:
         "staleness_max": max((r["staleness_max"] for r in rl_runs if r["staleness_max"] is not None), default=None),
         "staleness_bound": rl_runs[0]["staleness_bound"],
         "clip_frac_mean": _round_mean([x for r in rl_runs for x in r["clip_frac"]], 6),
+        "updates_rejected": sum(r["updates_rejected"] for r in rl_runs),
         "wall_s": round(time.monotonic() - t0, 1),
     }
     emit(result, args.json)

@@ -4,8 +4,9 @@ the cells of a training group.
 One line: detached forwards at the start (lp_prox, the EWMA stand-in, the reference) → per
 sequence advantage (task advantage − beta·KL when the KL is in the reward) → per minibatch:
 forward/backward on this rank's rows and trees → sum the gradients over the ranks → clip →
-AdamW step → EWMA → sum the metrics. One published version per update, one optimizer step per
-minibatch. A forked episode is one tree (cells/training/tree_loss.py): one forward over its
+AdamW step → EWMA → sum the metrics → the trust-region guard (cells/training/guard.py: an update
+that moved the policy past `max_update_kl` is rolled back whole). One published version per
+update, one optimizer step per minibatch. A forked episode is one tree (cells/training/tree_loss.py): one forward over its
 serialised tokens, the tree loss with one advantage per branch.
 
 Every rank applies the same summed gradient to the same state, so the states stay equal; the
@@ -28,6 +29,7 @@ from cells.trainer.objectives import (
     kl_reward_penalty,
     token_weights,
 )
+from cells.training import guard
 from cells.training.batch import Batch, pad
 from cells.training.plan import Share
 from cells.training.reduce import Reducer, sum_gradients
@@ -57,22 +59,36 @@ def run_update(learner: Any, share: Share, reducer: Reducer) -> dict[str, float]
     b = Batch.build(share.trajectories, learner.objective.tree) if share.trajectories else None
     pre = _start_of_update(learner, b, share)
     learner.compute_s["forward"] += time.perf_counter() - t0
+    bound = learner.objective.max_update_kl
+    snap = guard.take(learner) if bound is not None else None
     totals = torch.zeros(len(_SUMS), dtype=torch.float64)
     mb_losses, mb_sums, grad_norms = [], [], []
+    stopped = False
     for j in range(share.num_minibatches):
-        sums, norm = _minibatch(learner, b, pre, share, j, reducer)
+        sums, norm = _minibatch(learner, b, pre, share, j, reducer, bound)
         mb_losses.append(sums[:3].clone())
         mb_sums.append(sums.clone())
         totals += sums
+        if norm is None:  # the steps before this minibatch already moved the policy too far
+            stopped = True
+            break
         grad_norms.append(norm)
         failpoint("training.after_minibatch")  # a rank dying or stalling mid-update (fault campaign)
+    # stopped: the KL the stopping minibatch measured (the update's, over its tokens)
+    kl = (guard.minibatch_kl(dict(zip(_SUMS, mb_sums[-1].tolist()))) if stopped
+          else guard.update_kl(learner, b, pre, reducer))
+    rejected = snap is not None and (stopped or kl > bound)
+    if rejected:
+        guard.restore(learner, snap)
     learner.version += 1
-    out = _finish_metrics(totals, mb_losses, share.n0)
+    out = _finish_metrics(totals, mb_losses, [share.n0[j] for j in range(len(mb_losses))])
+    out.update({"update_kl": kl, "update_rejected": float(rejected), "minibatches_run": float(len(grad_norms))})
     clip = [float(x[_SUMS.index("clip_frac")] / max(float(x[_SUMS.index("num_kept")]), 1.0)) for x in mb_sums]
     out["clip_frac_first"] = clip[0]
     out["clip_frac_after_first"] = sum(clip[1:]) / len(clip[1:]) if len(clip) > 1 else 0.0
     out.update(_batch_metrics(b, pre, reducer, learner.version - 1))
-    out.update({"grad_norm": grad_norms[-1], "grad_norm_max": max(grad_norms), "lr": learner.lr,
+    out.update({"grad_norm": grad_norms[-1] if grad_norms else 0.0, "grad_norm_max": max(grad_norms, default=0.0),
+                "lr": learner.lr,
                 "lr_effective": learner.last_lr,
                 "ewma_resets": float(learner.ewma.num_resets), "version": float(learner.version),
                 "optimizer_step": float(learner.step), "train_ranks": float(reducer.world),
@@ -141,10 +157,11 @@ def _normalizer(learner: Any, b: Batch | None, pre: dict, rows: list[int], trees
     return (acc[0] / acc[1]).to(torch.float32) if acc[1] > 0 else torch.tensor(1.0)
 
 
-def _minibatch(learner: Any, b: Batch | None, pre: dict, share: Share, j: int, reducer: Reducer
-               ) -> tuple[Tensor, float]:
+def _minibatch(learner: Any, b: Batch | None, pre: dict, share: Share, j: int, reducer: Reducer,
+               bound: float | None = None) -> tuple[Tensor, float | None]:
     """Forward/backward of this rank's rows and trees of minibatch j, the summed gradient applied
-    as one optimizer step; returns the minibatch's metric sums over all ranks and the grad norm."""
+    as one optimizer step; returns the minibatch's metric sums over all ranks and the grad norm,
+    or None for the norm when its forward shows the policy already past `bound` (no step)."""
     cfg, rows, trees = learner.objective, _rows(b, pre, j), _trees(pre, j)
     normalizer = _normalizer(learner, b, pre, rows, trees, reducer)
     n0 = torch.tensor(float(max(share.n0[j], 1)))
@@ -168,9 +185,11 @@ def _minibatch(learner: Any, b: Batch | None, pre: dict, share: Share, j: int, r
     sums = _local_sums(learner, b, pre, rows, lt_rows, n0, normalizer)
     sums += _tree_sums(learner, b, pre, trees, lt_trees, n0, normalizer)
     reducer.all_reduce(sums)
+    m = dict(zip(_SUMS, sums.tolist()))
+    if bound is not None and j > 0 and guard.minibatch_kl(m) > bound:  # equal on every rank
+        return sums, None
     sum_gradients(reducer, learner.params, touched)
     norm = learner.apply_gradients()
-    m = dict(zip(_SUMS, sums.tolist()))
     if learner.ewma.should_reset(m["num_missing_in_band"], m["num_missing"]):  # the band rule (docs/RL.md)
         learner.ewma.reset(learner.params)
     else:

@@ -21,9 +21,14 @@ SMALL = ModelSpec(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, hea
                   output_id_ranges=((0, 40), (500, 505)))
 
 
-def small_learner(**kw) -> Learner:
+def small_learner(guard: bool = False, **kw) -> Learner:
+    """The tiny model moves by nats in one step at these learning rates: the trust-region
+    guard (cells/training/guard.py) is off unless `guard`."""
     kw.setdefault("lr", 1e-2)
-    return Learner(SMALL, init_weights(SMALL, 0, 0.1), **kw)
+    objective = kw.pop("objective", None) or ObjectiveConfig()
+    if not guard:
+        objective = objective.model_copy(update={"max_update_kl": None})
+    return Learner(SMALL, init_weights(SMALL, 0, 0.1), objective=objective, **kw)
 
 
 def trajectory(learner: Learner, prompt: list[int], completion: list[int], reward: float,
@@ -220,8 +225,7 @@ def test_state_dict_round_trips_and_resumes_identically():
     buf.seek(0)
     state = torch.load(buf, weights_only=True)
 
-    other = Learner(SMALL, init_weights(SMALL, 9, 0.1), lr=0.5,
-                    objective=ObjectiveConfig(kl=KLInLoss()))
+    other = Learner(SMALL, init_weights(SMALL, 9, 0.1), lr=0.5, objective=learner.objective)
     other.load_state_dict(state)
     assert (other.version, other.step, other.cursor, other.lr) == (1, 1, 17, learner.lr)
     for k in learner.params:

@@ -1,0 +1,91 @@
+"""The update's trust-region guard: an RL update that moves the policy too far on its own batch
+is rejected whole.
+
+PPO's clip bounds the ratio only on tokens whose advantage pushes past it; one optimizer step
+can still move the policy by nats on the rest (a rare large gradient through Adam's moments),
+and one such step can undo an RL run. The guard measures what the update did, as the k3
+estimate of KL(π_prox ‖ π) over the batch's kept tokens (π_prox: the parameters at the start
+of the update, the previous published version):
+
+    during   the forward of minibatch j ≥ 1 (needed for its own loss) already measures the
+             steps before it; past `max_update_kl` the update stops there;
+    after    one detached forward over the batch measures the finished update
+             (`update_kl`, the approximate KL between consecutive published policies).
+
+Past the bound the update is rejected: parameters, optimizer moments, the EWMA copy and the
+optimizer-step counter go back to the start of the update (a snapshot taken there). The
+version still advances (one published RL update, same weights as the one before), so the
+commit protocol and the cells' bookkeeping are unchanged; the rejection is counted
+(`update_rejected`), never silent. Every rank computes the same summed KL, so every rank
+makes the same decision and the ranks' states stay equal.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from cells.training.batch import pad
+from cells.training.reduce import Reducer
+from cells.training.tree_loss import approx_kl_sum
+
+
+@dataclass
+class Snapshot:
+    """The learner state an update changes, as it was at its start."""
+
+    params: dict[str, Tensor]
+    optimizer: dict[str, Any]
+    ewma: dict[str, Tensor]
+    ewma_resets: int
+    step: int
+
+
+def take(learner: Any) -> Snapshot:
+    """Copy the state an update changes (parameters, AdamW moments, EWMA, step counter)."""
+    return Snapshot(params={k: v.detach().clone() for k, v in learner.params.items()},
+                    optimizer=copy.deepcopy(learner.optimizer.state_dict()),
+                    ewma={k: v.clone() for k, v in learner.ewma.state_dict().items()},
+                    ewma_resets=learner.ewma.num_resets, step=learner.step)
+
+
+@torch.no_grad()
+def restore(learner: Any, snap: Snapshot) -> None:
+    """Put the learner back to `snap` (bitwise: copies, no arithmetic)."""
+    for k, p in learner.params.items():
+        p.copy_(snap.params[k])
+        p.grad = None
+    learner.optimizer.load_state_dict(snap.optimizer)
+    learner.ewma.load_state_dict(snap.ewma)
+    learner.ewma.num_resets = snap.ewma_resets
+    learner.step = snap.step
+
+
+def minibatch_kl(sums: dict[str, float]) -> float:
+    """Mean k3 KL(π_prox ‖ π) over a minibatch's tokens, from its reduced metric sums."""
+    return sums["approx_kl_sum"] / sums["num_tokens"] if sums["num_tokens"] else 0.0
+
+
+@torch.no_grad()
+def update_kl(learner: Any, b: Any, pre: dict, reducer: Reducer) -> float:
+    """Mean k3 KL(π_prox ‖ π_now) over the batch's kept tokens (rows and trees, all ranks):
+    one detached forward at the current parameters."""
+    acc = torch.zeros(2, dtype=torch.float64)
+    if b is not None and b.size:
+        for lo in range(0, b.size, learner.micro_batch):
+            ids = b.ids[lo: lo + learner.micro_batch]
+            lt = pad(learner.seq_logprobs(learner.params, ids, False)[0], b.length, 0.0)
+            mask = b.mask[lo: lo + len(ids)]
+            log_r = torch.where(mask, pre["lp_prox"][lo: lo + len(ids)] - lt, 0.0)
+            acc[0] += float((log_r.exp() - 1.0 - log_r).sum())
+            acc[1] += float(mask.sum())
+    for u, s in zip(b.trees if b is not None else [], pre["trees"]):
+        lt, _, _ = learner.tree_logprobs(learner.params, u.ser, False)
+        acc[0] += approx_kl_sum(u, s, lt)
+        acc[1] += float(u.mask.sum())
+    reducer.all_reduce(acc)
+    return float(acc[0] / acc[1]) if acc[1] > 0 else 0.0

@@ -1,0 +1,118 @@
+"""The update's trust-region guard (cells/training/guard.py): an update that moves the policy
+past `max_update_kl` on its own batch is rolled back whole (parameters, optimizer moments, EWMA,
+step counter bitwise), the version still advances, and the KL it reports is the one an
+independent forward before and after the update measures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cells.trainer.objectives import ObjectiveConfig
+from cells.training.coordinator import TrainingCoordinator
+from tests.trainer.test_learner import BAD, GOOD, PROMPT, small_learner, trajectory
+from tests.training.cluster import Ranks, learner, trajectories
+
+torch.set_num_threads(1)
+
+
+def _batch(lrn):
+    return [trajectory(lrn, PROMPT, GOOD, 1.0, sid="a"), trajectory(lrn, PROMPT, BAD, 0.0, sid="b"),
+            trajectory(lrn, PROMPT, GOOD[:2] + BAD[2:], 1.0, sid="c"),
+            trajectory(lrn, PROMPT, BAD[:2] + GOOD[2:], 0.0, sid="d")]
+
+
+def _k3(before: list[torch.Tensor], after: list[torch.Tensor], batch: list[dict]) -> float:
+    """Mean k3 KL(before ‖ after) over the sampled tokens, from plain per-sequence forwards."""
+    terms = []
+    for t, b, a in zip(batch, before, after):
+        mask = torch.tensor(t["loss_mask"][1:], dtype=torch.bool)
+        log_r = (b - a)[mask]
+        terms.append(log_r.exp() - 1.0 - log_r)
+    return float(torch.cat(terms).mean())
+
+
+def _state(lrn) -> dict:
+    opt = lrn.optimizer.state_dict()["state"]
+    return {"params": {k: p.detach().clone() for k, p in lrn.params.items()},
+            "opt": {i: {k: v.clone() for k, v in s.items()} for i, s in opt.items()},
+            "ewma": {k: v.clone() for k, v in lrn.ewma.params.items()}, "step": lrn.step}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    same = a["step"] == b["step"] and a["opt"].keys() == b["opt"].keys()
+    same &= all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+    same &= all(torch.equal(a["ewma"][k], b["ewma"][k]) for k in a["ewma"])
+    return same and all(torch.equal(v, b["opt"][i][k]) for i, s in a["opt"].items() for k, v in s.items())
+
+
+def _measured(lr: float) -> float:
+    """The second update's KL (the first at 1e-3) from an unguarded twin, measured by
+    forwards before and after."""
+    twin = small_learner(lr=1e-3)
+    twin.rl_step(_batch(twin))  # moments in the optimizer state, as in a running job
+    twin.lr = lr
+    batch = _batch(twin)
+    before = [twin.logprobs(t["token_ids"]) for t in batch]
+    twin.rl_step(batch)
+    return _k3(before, [twin.logprobs(t["token_ids"]) for t in batch], batch)
+
+
+def test_an_update_within_the_bound_is_kept_and_reports_the_measured_kl():
+    lrn = small_learner(guard=True, lr=1e-3)
+    lrn.rl_step(_batch(lrn))
+    start = _state(lrn)
+    m = lrn.rl_step(_batch(lrn))
+    assert m["update_rejected"] == 0.0 and m["minibatches_run"] == 1.0 and lrn.step == start["step"] + 1
+    assert not _equal(start, _state(lrn))
+    assert 0.0 < m["update_kl"] < lrn.objective.max_update_kl
+    assert m["update_kl"] == pytest.approx(_measured(1e-3), rel=1e-4)
+
+
+def test_an_update_past_the_bound_is_rolled_back_whole():
+    lrn = small_learner(guard=True, lr=1e-3)
+    lrn.rl_step(_batch(lrn))  # a kept update first: the optimizer has moments to restore
+    lrn.lr = 1e-2  # the tiny model moves by about a nat in one step at this rate
+    start, version = _state(lrn), lrn.version
+    m = lrn.rl_step(_batch(lrn))
+    assert m["update_rejected"] == 1.0 and m["update_kl"] > lrn.objective.max_update_kl
+    assert m["update_kl"] == pytest.approx(_measured(1e-2), rel=1e-4)
+    assert _equal(start, _state(lrn))  # bitwise: parameters, moments, EWMA, step counter
+    assert lrn.version == version + 1  # still one published update (the same weights)
+    m = lrn.rl_step(_batch(lrn))  # the next update starts from the restored state
+    assert lrn.step in (start["step"], start["step"] + 1)
+
+
+def test_the_second_minibatch_stops_an_update_the_first_step_already_moved_too_far():
+    lrn = small_learner(guard=True, lr=5e-2, minibatches=2)
+    start = _state(lrn)
+    m = lrn.rl_step(_batch(lrn))
+    assert m["minibatches_run"] == 1.0 and m["num_minibatches"] == 2.0
+    assert m["update_rejected"] == 1.0 and m["update_kl"] > lrn.objective.max_update_kl
+    assert _equal(start, _state(lrn))
+
+
+def test_without_a_bound_nothing_is_rolled_back():
+    lrn = small_learner(lr=1e-2, objective=ObjectiveConfig(max_update_kl=None))
+    start = _state(lrn)
+    m = lrn.rl_step(_batch(lrn))
+    assert m["update_rejected"] == 0.0 and m["update_kl"] > 0.3 and not _equal(start, _state(lrn))
+
+
+@pytest.mark.slow
+def test_two_training_ranks_reject_together_and_commit_the_start_weights(tmp_path):
+    lrn = learner(lr=0.5, max_grad_norm=1.0)  # far past any bound in one step
+    start = {k: p.detach().clone() for k, p in lrn.params.items()}
+    ranks = Ranks(tmp_path, 2)
+    try:
+        coord = TrainingCoordinator(lrn, ranks.host.address, timeout_s=30, ack_timeout_s=30)
+        m = coord.update(trajectories(lrn), ["cell-0", "cell-1"], shares=[1.0, 1.0],
+                         next_version=lambda: lrn.version)
+    except Exception:
+        print(ranks.logs())
+        raise
+    finally:
+        ranks.stop()
+    assert m["coordinator_fallback"] == 0.0 and m["train_cells"] == 2.0  # both ranks agreed, committed
+    assert m["update_rejected"] == 1.0 and m["version"] == 1.0
+    assert all(torch.equal(start[k], lrn.params[k].detach()) for k in start)
