@@ -64,7 +64,8 @@ def warm(steps: int) -> tuple[object, dict, float]:
 
 def rl_run(spec: object, state: dict, lr: float, reset: bool, p: dict, heldout_warmup: float) -> dict:
     """A short RL run from the warmed-up `state` at learning rate `lr`."""
-    learner = Learner(spec, state["params"], lr=lr, objective=ObjectiveConfig(), tile=TILE, seed=SEED,
+    # the guard off: this measures what the optimizer's start does to a run, not the rollback
+    learner = Learner(spec, state["params"], lr=lr, objective=ObjectiveConfig(max_update_kl=None), tile=TILE, seed=SEED,
                       minibatches=p["minibatches"], lr_warmup_steps=p["lr_warmup_steps"] if reset else 0)
     learner.load_state_dict(state)  # parameters and the warm-up's optimizer moments
     learner.set_reference()

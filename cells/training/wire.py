@@ -42,7 +42,7 @@ def _entries(learner: Any, reference: bool) -> list[tuple[str, str, Tensor, Tens
     params = {k: p.detach() for k, p in learner.params.items()}
     for k, p in params.items():
         out.append(("param", k, p, None))
-    for i, k in enumerate(params):
+    for k in params:
         st = learner.optimizer.state.get(learner.params[k], {})
         for slot in ("exp_avg", "exp_avg_sq"):
             if slot in st:
