@@ -48,10 +48,14 @@ Fields of the JSON line:
   max_healthy_s: until the whole cluster is healthy again, restarts and catch-ups included).
 - checker_errors: checks that raised (main and canary runs); a crashed checker fails the run.
 - canary_violations: violations the same checkers report in the canary runs, where the
-  scheduler runs with the test-only CELLFLIP_CANARY_NO_FENCING=1 (scheduler/control/migrations.py: a
-  source's abort after the destination's commit won is accepted, fenced parties are not
-  refused, and a stale epoch's tokens are stored) over the fencing-sensitive scenarios.
-  Must be > 0: the checkers can fail.
+  scheduler runs with the test-only CELLFLIP_CANARY_NO_FENCING=1 (scheduler/contract/failpoints.py:
+  a source's abort after the destination's commit won is accepted, fenced parties are not
+  refused, and token batches from a non-owner or at a stale epoch are stored) over the
+  fencing-sensitive scenarios. Must be > 0: the checkers can fail.
+- canary_store_violations: those of them found in the store's own token history (a sampled
+  token stored at an epoch that a committed migration had already superseded: the epoch each
+  token was accepted under against each migration's commit point), not in the cells' logs.
+  Must be > 0 too.
 
 Exit status: non-zero on any violation, lost request, hang, unexpected exit or checker error
 outside the canary, or a canary that no checker caught.
@@ -110,6 +114,8 @@ def verdict(result: dict) -> list[str]:
                                         "checker_errors") if result.get(k)]
     if result.get("canary_runs") and not result.get("canary_violations"):
         out.append("the canary ran with fencing off and no checker caught it")
+    elif result.get("canary_runs") and not result.get("canary_store_violations"):
+        out.append("the canary ran with fencing off and the store's token history did not show it")
     return out
 
 

@@ -20,7 +20,7 @@ scheduler SIGKILLed between recording a flip and acting on it and at every migra
 mid-bucket, and a cell killed or failing during the log-prob scoring pass.
 
 The canary (`canary=True`) restarts the scheduler with the test-only switch
-CELLFLIP_CANARY_NO_FENCING=1 (scheduler/control/migrations.py) and runs the fencing-sensitive
+CELLFLIP_CANARY_NO_FENCING=1 (scheduler/contract/failpoints.py) and runs the fencing-sensitive
 scenarios again; the checkers must report violations there.
 """
 
@@ -96,9 +96,9 @@ def read_store(conn: sqlite3.Connection, sessions: list[str] | None = None, full
                          for r in conn.execute("SELECT id, cell_id, epoch, state, num_generated, session_id, base,"
                                                " reason FROM requests")}
         s["migrations"] = {r[0]: {"request": r[1], "src": r[2], "dst": r[3], "epoch": r[4], "state": r[5],
-                                  "path": r[6], "finished_at": r[7], "created_at": r[8]}
+                                  "path": r[6], "finished_at": r[7], "created_at": r[8], "commit_tokens": r[9]}
                            for r in conn.execute("SELECT id, request_id, src, dst, epoch, state, path, finished_at,"
-                                                 " created_at FROM migrations")}
+                                                 " created_at, commit_tokens FROM migrations")}
         s["cells"] = {r[0]: {"state": r[1], "generation": r[2], "incarnation": r[3], "version": r[4],
                              "history": json.loads(r[5]) if full else []}
                       for r in conn.execute("SELECT id, state, generation, incarnation, version, history FROM cells")}
@@ -113,6 +113,9 @@ def read_store(conn: sqlite3.Connection, sessions: list[str] | None = None, full
             s["tokens"] = {sid: conn.execute("SELECT idx, token_id, loss_mask, version, provenance FROM tokens"
                                              " WHERE session_id = ? ORDER BY idx", (sid,)).fetchall()
                            for sid in sessions}
+            s["token_epochs"] = {sid: conn.execute("SELECT idx, epoch FROM tokens WHERE session_id = ? AND"
+                                                   " loss_mask = 1 ORDER BY idx", (sid,)).fetchall()
+                                 for sid in sessions}
     finally:
         conn.execute("COMMIT")
     return s
@@ -599,6 +602,7 @@ class Campaign:
             self.history.info("cell", "migration_outcome", run=run.index,
                               **{k: o.get(k) for k in ("cell", "role", "result", "migration_id", "request_id", "reason")})
         out += checker.check_migration_outcomes(outcomes, final["migrations"])
+        out += checker.check_token_epochs(final["requests"], final["migrations"], final.get("token_epochs", {}))
         with self._lock:
             served = set(self.served)
         once = checker.check_fenced_commits(final) + checker.check_versions(served, token_versions, self.complete,
@@ -732,6 +736,7 @@ def summarize(runs: list[Run], canary_runs: list[Run]) -> dict:
         "max_recovery_s": round(max((r.recovery_s for r in runs if r.recovery_s is not None), default=0.0), 3),
         "checker_errors": sum(len(r.checker_errors) for r in runs + canary_runs),
         "canary_violations": len(canary_vio),
+        "canary_store_violations": sum(checker.STORE_HISTORY in v for v in canary_vio),
         "canary_runs": len(canary_runs),
         "canary_faults_fired": sum(len(r.faults) for r in canary_runs),
         "canary_examples": sorted(set(canary_vio))[:5],

@@ -8,7 +8,7 @@ sample — one consistent read of the durable store at monotonic time `t`:
      "requests":   {rid: {"cell": str|None, "epoch": int, "state": str, "n": int,
                           "session": str, "base": int, "reason": str|None}},
      "migrations": {mid: {"request": rid, "src": str, "dst": str, "epoch": int, "state": str,
-                          "path": str, "finished_at": float|None}},
+                          "path": str, "finished_at": float|None, "commit_tokens": int|None}},
      "cells":      {cid: {"state": str, "generation": int, "incarnation": str,
                           "version": int|None, "history": [[state, wall_t, detail], ...]}},
      "versions":   {v: state},  "unscored": {v: tokens with loss mask 1 and no provenance},
@@ -43,6 +43,8 @@ from typing import Any
 
 from scheduler.contract.states import FLIP, MIGRATION, REQUEST, VERSION, Machine
 
+STORE_HISTORY = "in the store's token history"
+"""Marks the violations `check_token_epochs` finds (the canary must be caught by them too)."""
 OWNED = ("running", "migrating", "parked")
 WAITING = ("queued", "suspended")
 TERMINAL = ("finished", "failed")
@@ -190,6 +192,27 @@ def check_fenced_commits(s: dict) -> list[str]:
             if a < m["finished_at"] < b:
                 out.append(f"I2: migration {mid} of {m['request']} committed by {m['dst']} at {m['finished_at']:.3f} "
                            f"while {m['dst']} was fenced (down since {a:.3f})")
+    return out
+
+
+def check_token_epochs(requests: dict[str, dict], migrations: dict[str, dict],
+                       epochs: dict[str, list[tuple[int, int | None]]]) -> list[str]:
+    """I2 in the store's own token history: once a migration committed request r at its
+    commit point (`commit_tokens` generated tokens), every sampled token of r past that point
+    was accepted under a later epoch; a token at the old epoch or older there is a fenced
+    owner's token the store took (a split owner's duplicate). `epochs`: per session, the
+    (index, epoch) of its sampled tokens (`read_store`'s `token_epochs`)."""
+    out = []
+    for mid, m in sorted(migrations.items()):
+        k = m.get("commit_tokens")
+        r = requests.get(m["request"])
+        if m["state"] != "committed" or k is None or r is None:
+            continue
+        start = r["base"] + k
+        stale = [i for i, e in epochs.get(r["session"], []) if i >= start and e is not None and e <= m["epoch"]]
+        if stale:
+            out.append(f"I2: {STORE_HISTORY}, {m['request']} has {len(stale)} token(s) at epoch <= {m['epoch']} from index "
+                       f"{stale[0]}, after {mid} committed it to epoch {m['epoch'] + 1} at index {start}")
     return out
 
 

@@ -20,6 +20,14 @@ import signal
 import threading
 import time
 
+CANARY_NO_FENCING = os.environ.get("CELLFLIP_CANARY_NO_FENCING") == "1"
+"""TEST ONLY, inert unless set; never set it outside the fault campaign's canary run
+(faultkit, bench/faults.py), which proves its checkers can fail. When set (read once, at
+import) the scheduler's epoch fence is off: a commit or abort from a fenced incarnation is not
+refused, a source's abort after the destination's commit won is answered as if the abort had
+won, so the source resumes beside the new owner (split ownership), and token batches from a
+cell that is not the owner, or at a stale epoch, are accepted (scheduler/control/ingest.py)."""
+
 FAILPOINTS: dict[str, str] = {
     "migrate.after_copy_round": "source, after each copy round while decoding",
     "migrate.before_stop_copy": "source, after pausing the request, before sending the tail",

@@ -18,13 +18,13 @@ differ: the per-token versions record the truth)."""
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from scheduler.contract.errors import Conflict, NotFound
+from scheduler.contract.failpoints import CANARY_NO_FENCING
 from scheduler.contract.protocol import (
     AbortCmd,
     AbortMigrationRequest,
@@ -44,12 +44,6 @@ if TYPE_CHECKING:
     from scheduler.store.fleet import CellRow, FlipRow
     from scheduler.store.owners import RequestRow
 
-CANARY_NO_FENCING = os.environ.get("CELLFLIP_CANARY_NO_FENCING") == "1"
-"""TEST ONLY, inert unless set; never set it outside the fault campaign's canary run
-(faultkit, bench/faults.py), which proves its checkers can fail. When set (read once, at
-import): a commit or abort from a fenced incarnation is not refused, and a source's abort
-after the destination's commit won is answered as if the abort had won, so the source resumes
-beside the new owner (split ownership)."""
 
 _RESUBMIT_REASONS = {
     "kv_store": "kv store: the destination loads the shared prefix, recomputing what is missing",
@@ -250,7 +244,7 @@ class Migrations:
             return Conflict(f"store has {n + len(new)} tokens, destination {body.num_tokens}",
                             code="length_mismatch")
         if new:
-            ctx.store.sessions.append_sampled(req.session_id, req.base + n, new)
+            ctx.store.sessions.append_sampled(req.session_id, req.base + n, new, mig.epoch + 1)
             req.num_generated = n + len(new)
             self.stalls.on_tokens(req.id, len(new), ctx.clock())  # the tail reaches clients now
             fx.later(lambda k=len(new): ctx.metrics.tokens_generated.inc(k))
@@ -262,7 +256,7 @@ class Migrations:
         ctx = self.ctx
         self.stalls.committed(req.id)
         set_state(MIGRATION, mig, "committed", f"owner {mig.src}@{mig.epoch} -> {mig.dst}@{mig.epoch + 1}")
-        mig.path, mig.finished_at = path, time.time()
+        mig.path, mig.finished_at, mig.commit_tokens = path, time.time(), req.num_generated
         ctx.store.owners.put_migration(mig)
         self.started.pop(mig.id, None)
         REQUEST.check(req.state, "running")

@@ -29,6 +29,8 @@ SCHEMA = fleet.SCHEMA + owners.SCHEMA + sessions.SCHEMA
 ADDED_COLUMNS = (
     ("migrations", "src_state", "TEXT NOT NULL DEFAULT 'running'"),
     ("flips", "kv_store", "INTEGER NOT NULL DEFAULT 0"),
+    ("migrations", "commit_tokens", "INTEGER"),
+    ("tokens", "epoch", "INTEGER"),
 )
 """Columns added after a table's first release: a store written by an older scheduler gets
 them (with their defaults) when it is opened, so a restart across an upgrade keeps its state."""

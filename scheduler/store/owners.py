@@ -29,7 +29,7 @@ CREATE TABLE IF NOT EXISTS migrations(
   id TEXT PRIMARY KEY, request_id TEXT NOT NULL, src TEXT NOT NULL, dst TEXT NOT NULL,
   epoch INTEGER NOT NULL, state TEXT NOT NULL, path TEXT NOT NULL, flip_id TEXT, reason TEXT,
   created_at REAL NOT NULL, finished_at REAL, history TEXT NOT NULL,
-  src_state TEXT NOT NULL DEFAULT 'running');
+  src_state TEXT NOT NULL DEFAULT 'running', commit_tokens INTEGER);
 CREATE INDEX IF NOT EXISTS migrations_state ON migrations(state, request_id);
 """ + counters.SCHEMA
 
@@ -82,10 +82,15 @@ class MigrationRow:
     src_state: str = "running"
     """The request's state before the move ("running", or "parked" for a move out of a parked
     copy): where an aborted migration puts it back."""
+    commit_tokens: int | None = None
+    """Generated tokens stored when the commit moved the owner (the tail included): every
+    sampled token of the request past it was written at a later epoch (the store's own
+    history of the fence; faultkit's checker reads it)."""
 
 
 _REQ_COLS = "id, session_id, base, prompt_start, num_generated, params, cell_id, epoch, state, reason, created_at, updated_at"
-_MIG_COLS = "id, request_id, src, dst, epoch, state, path, flip_id, reason, created_at, finished_at, history, src_state"
+_MIG_COLS = ("id, request_id, src, dst, epoch, state, path, flip_id, reason, created_at, finished_at, history, src_state,"
+             " commit_tokens")
 
 
 def _upsert(cols: str) -> str:
@@ -104,7 +109,7 @@ def _req(r: tuple) -> RequestRow:
 
 
 def _mig(r: tuple) -> MigrationRow:
-    return MigrationRow(*r[:11], loads(r[11]), r[12])
+    return MigrationRow(*r[:11], loads(r[11]), r[12], r[13])
 
 
 class OwnerStore:
@@ -193,9 +198,9 @@ class OwnerStore:
 
     def put_migration(self, m: MigrationRow) -> None:
         self.s.execute(
-            f"INSERT INTO migrations({_MIG_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?) {_MIG_UPSERT}",
+            f"INSERT INTO migrations({_MIG_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?) {_MIG_UPSERT}",
             (m.id, m.request_id, m.src, m.dst, m.epoch, m.state, m.path, m.flip_id, m.reason,
-             m.created_at, m.finished_at, dumps(m.history), m.src_state),
+             m.created_at, m.finished_at, dumps(m.history), m.src_state, m.commit_tokens),
         )
 
     def pending_migrations(self) -> list[MigrationRow]:

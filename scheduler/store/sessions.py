@@ -2,7 +2,9 @@
 
 Per token: token id, loss mask (1 = sampled by the policy, 0 = prompt / tool output), behavior
 log-prob and version, old log-prob and its provenance (`exact`, `missing`, or null while
-unscored). Sampled ids are stored exactly as the cell reported them; nothing here re-encodes.
+unscored), and for a sampled token the ownership epoch it was accepted under (the sync batch's,
+or the new owner's for a migration commit's tail): with the migrations' commit points, the
+store's own history of the epoch fence. Sampled ids are stored exactly as the cell reported them; nothing here re-encodes.
 A harness that rewrites earlier turns starts a new *segment* (a fresh sequence in the same
 session); `segment_starts` lists where each one begins in the buffer.
 
@@ -34,7 +36,7 @@ CREATE UNIQUE INDEX IF NOT EXISTS sessions_finish ON sessions(finish_seq);
 CREATE TABLE IF NOT EXISTS tokens(
   session_id TEXT NOT NULL, idx INTEGER NOT NULL, token_id INTEGER NOT NULL,
   loss_mask INTEGER NOT NULL, logprob REAL, version INTEGER, truncated INTEGER NOT NULL,
-  old_logprob REAL, provenance TEXT, PRIMARY KEY(session_id, idx)) WITHOUT ROWID;
+  old_logprob REAL, provenance TEXT, epoch INTEGER, PRIMARY KEY(session_id, idx)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS tokens_version ON tokens(version, provenance) WHERE loss_mask = 1;
 CREATE INDEX IF NOT EXISTS tokens_unscored ON tokens(version) WHERE loss_mask = 1 AND provenance IS NULL;
 CREATE TABLE IF NOT EXISTS gateway_state(session_id TEXT PRIMARY KEY, state TEXT NOT NULL);
@@ -115,10 +117,10 @@ class SessionStore:
         start = row.segment_starts[-1]
         return start, self.token_ids(session_id, start)
 
-    def _append_rows(self, row: SessionRow, rows: list[tuple]) -> None:
+    def _append_rows(self, row: SessionRow, rows: list[tuple], epoch: int | None = None) -> None:
         self.s.executemany(
-            f"INSERT INTO tokens(session_id, idx, {_TOK_COLS}) VALUES (?,?,?,?,?,?,?,?,?)",
-            [(row.id, row.length + i, *r) for i, r in enumerate(rows)],
+            f"INSERT INTO tokens(session_id, idx, {_TOK_COLS}, epoch) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            [(row.id, row.length + i, *r, epoch) for i, r in enumerate(rows)],
         )
         row.length += len(rows)
         self.s.execute("UPDATE sessions SET length=? WHERE id=?", (row.length, row.id))
@@ -139,11 +141,18 @@ class SessionStore:
                 self.put(row)
         return row.length
 
-    def append_sampled(self, session_id: str, at: int, records: list[TokenRecord]) -> None:
-        """Append sampled tokens (loss mask 1) at buffer index `at` == the current length."""
+    def append_sampled(self, session_id: str, at: int, records: list[TokenRecord], epoch: int) -> None:
+        """Append sampled tokens (loss mask 1) at buffer index `at` == the current length,
+        accepted under ownership `epoch`."""
         row = self.require(session_id)
         assert at == row.length, f"sampled tokens at {at} but session {session_id} has {row.length}"
-        self._append_rows(row, [(int(t), 1, float(lp), int(v), int(bool(tr)), None, None) for t, lp, v, tr in records])
+        self._append_rows(row, [(int(t), 1, float(lp), int(v), int(bool(tr)), None, None) for t, lp, v, tr in records],
+                          epoch)
+
+    def epochs(self, session_id: str, start: int = 0) -> list[tuple[int, int | None]]:
+        """(index, epoch) of the sampled tokens from `start`: the epochs they were accepted under."""
+        q = "SELECT idx, epoch FROM tokens WHERE session_id=? AND idx>=? AND loss_mask=1 ORDER BY idx"
+        return self.s.execute(q, (session_id, start)).fetchall()
 
     def fill_old_logprobs(self, session_id: str, start: int, values: list[float | None], provenance: str,
                           version: int | None = None) -> int:

@@ -311,3 +311,16 @@ def test_history_records_and_round_trips(tmp_path):
     assert got[1][1]["value"]["reason"] == "503" and recs[open_]["f"] == "request"
     assert h.completion(a)["value"] == {"tokens": 4} and h.completion(open_) is None
     assert [r["i"] for r in h.select(f="request", type_="invoke")] == [a, b, open_]
+
+
+def test_token_epochs_past_a_commit_point_must_be_newer():
+    reqs = {"r": {"session": "s", "base": 2}}
+    migs = {"m1": {"state": "committed", "request": "r", "epoch": 1, "commit_tokens": 3},
+            "m0": {"state": "aborted", "request": "r", "epoch": 1, "commit_tokens": None}}
+    clean = {"s": [(2, 1), (3, 1), (4, 2), (5, 2), (6, 2)]}  # the tail (index 4) under epoch 2
+    assert checker.check_token_epochs(reqs, migs, clean) == []
+    zombie = {"s": [(2, 1), (3, 1), (4, 2), (5, 1), (6, 2)]}  # index 5 from the fenced epoch-1 owner
+    v = checker.check_token_epochs(reqs, migs, zombie)
+    assert len(v) == 1 and _has(v, "I2", checker.STORE_HISTORY, "m1", "from index 5")
+    old_rows = {"s": [(2, None), (3, None), (5, None)]}  # a store from before epochs were kept
+    assert checker.check_token_epochs(reqs, migs, old_rows) == []

@@ -54,6 +54,45 @@ def test_commit_moves_owner_and_is_idempotent(harness):
     assert 'cellflip_migrations_total{outcome="committed",path="kv"} 1.0' in text
 
 
+def _history(harness, rid):
+    """The store's token history of the request (faultkit's checker input) and its verdict."""
+    from faultkit.checker import check_token_epochs
+
+    st = harness.ctl.store
+    r = st.owners.get_request(rid)
+    rows = st.execute("SELECT id, request_id, src, dst, epoch, state, commit_tokens FROM migrations").fetchall()
+    migs = {m[0]: {"request": m[1], "src": m[2], "dst": m[3], "epoch": m[4], "state": m[5], "commit_tokens": m[6]}
+            for m in rows}
+    epochs = st.sessions.epochs(r.session_id, r.base)
+    reqs = {rid: {"session": r.session_id, "base": r.base}}
+    return migs, epochs, check_token_epochs(reqs, migs, {r.session_id: epochs})
+
+
+def test_the_store_records_each_tokens_epoch_and_the_commit_point(harness):
+    a, b, fut, rid, mid = _migrating(harness)
+    assert hand_over(a, b, mid) == 2
+    migs, epochs, vio = _history(harness, rid)
+    assert migs[mid]["commit_tokens"] == 3 and migs[mid]["epoch"] == 1
+    assert [e for _, e in epochs] == [1, 1, 2]  # two synced by a at epoch 1, the tail under the commit's 2
+    pump([a, b], until=fut, harness=harness)
+    migs, epochs, vio = _history(harness, rid)
+    assert len(epochs) == 12 and [e for _, e in epochs[3:]] == [2] * 9 and vio == []
+
+
+def test_with_the_fence_off_the_store_history_shows_the_zombies_tokens(harness, monkeypatch):
+    from scheduler.control import ingest
+
+    a, b, fut, rid, mid = _migrating(harness)
+    assert hand_over(a, b, mid) == 2
+    monkeypatch.setattr(ingest, "CANARY_NO_FENCING", True)  # the fault campaign's canary
+    a.pending_tokens = [{"request_id": rid, "epoch": 1, "start": 3, "records": [[5, -1.0, 0, False]],
+                         "finish_reason": None}]
+    assert a.sync()["rejected"] == []  # the stale owner's token is stored
+    _, epochs, vio = _history(harness, rid)
+    assert epochs[3][1] == 1
+    assert len(vio) == 1 and "store's token history" in vio[0] and mid in vio[0]
+
+
 def test_abort_before_commit_keeps_source_owner(harness):
     a, b, fut, rid, mid = _migrating(harness)
     r = b.abort_migration(mid, "could not reserve")

@@ -129,6 +129,7 @@ def test_pending_flip_survives_restart(tmp_path):
 def test_store_from_before_added_columns_opens_with_their_defaults(tmp_path):
     """A store an older scheduler wrote (tables without the columns added since) is upgraded
     in place when opened: its rows read back with the new columns' defaults, and writes work."""
+    import re
     import sqlite3
 
     from scheduler.store import ADDED_COLUMNS, SCHEMA, Store
@@ -136,12 +137,13 @@ def test_store_from_before_added_columns_opens_with_their_defaults(tmp_path):
 
     old = SCHEMA
     for table, column, decl in ADDED_COLUMNS:
-        old = old.replace(f",\n  {column} {decl})", ")")
-        assert f"{column} {decl}" not in old, (table, column)
+        old, n = re.subn(rf",\s*{column} {re.escape(decl)}(?=\s*[,)])", "", old)
+        assert n == 1, (table, column)
     db = tmp_path / "old.db"
     conn = sqlite3.connect(db)
     conn.executescript(old)
     conn.execute("INSERT INTO flips VALUES ('f1','c0','training','done',NULL,NULL,2,0,1,1.0,2.0,'[]')")
+    conn.execute("INSERT INTO tokens VALUES ('s0',0,7,1,-0.5,0,0,NULL,NULL)")
     conn.commit()
     conn.close()
 
@@ -153,4 +155,5 @@ def test_store_from_before_added_columns_opens_with_their_defaults(tmp_path):
     store.close()
     again = Store(db)  # a second open adds nothing twice
     assert again.fleet.get_flip("f2").kv_store == 3 and again.fleet.get_flip("f1").kv_store == 0
+    assert again.sessions.epochs("s0") == [(0, None)]  # a token stored before epochs were recorded
     again.close()
