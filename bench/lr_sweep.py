@@ -102,6 +102,7 @@ def rl_run(spec: object, state: dict, lr: float, reset: bool, p: dict, heldout_w
             "reward_first": round(rows[0]["reward_mean"], 4), "reward_last": round(rows[-1]["reward_mean"], 4),
             "approx_kl_max": round(max(r["approx_kl"] for r in rows), 5),
             "approx_kl_first": round(rows[0]["approx_kl"], 5), "approx_kl": [round(r["approx_kl"], 4) for r in rows],
+            "update_kl": [round(r["update_kl"], 4) for r in rows],
             "grad_norm_first": round(rows[0]["grad_norm"], 4),
             "steps_run": len(rows), "collapsed": reason is not None, "reason": reason}
 

@@ -14,6 +14,8 @@ from tests.trainer.test_learner import BAD, GOOD, PROMPT, small_learner, traject
 from tests.training.cluster import Ranks, learner, trajectories
 
 torch.set_num_threads(1)
+GUARDED = ObjectiveConfig(max_update_kl=0.3)
+"""A bound the tiny model's steps cross at 1e-2 and stay under at 1e-3."""
 
 
 def _batch(lrn):
@@ -59,7 +61,7 @@ def _measured(lr: float) -> float:
 
 
 def test_an_update_within_the_bound_is_kept_and_reports_the_measured_kl():
-    lrn = small_learner(guard=True, lr=1e-3)
+    lrn = small_learner(guard=True, objective=GUARDED, lr=1e-3)
     lrn.rl_step(_batch(lrn))
     start = _state(lrn)
     m = lrn.rl_step(_batch(lrn))
@@ -70,7 +72,7 @@ def test_an_update_within_the_bound_is_kept_and_reports_the_measured_kl():
 
 
 def test_an_update_past_the_bound_is_rolled_back_whole():
-    lrn = small_learner(guard=True, lr=1e-3)
+    lrn = small_learner(guard=True, objective=GUARDED, lr=1e-3)
     lrn.rl_step(_batch(lrn))  # a kept update first: the optimizer has moments to restore
     lrn.lr = 1e-2  # the tiny model moves by about a nat in one step at this rate
     start, version = _state(lrn), lrn.version
@@ -84,7 +86,7 @@ def test_an_update_past_the_bound_is_rolled_back_whole():
 
 
 def test_the_second_minibatch_stops_an_update_the_first_step_already_moved_too_far():
-    lrn = small_learner(guard=True, lr=5e-2, minibatches=2)
+    lrn = small_learner(guard=True, objective=GUARDED, lr=5e-2, minibatches=2)
     start = _state(lrn)
     m = lrn.rl_step(_batch(lrn))
     assert m["minibatches_run"] == 1.0 and m["num_minibatches"] == 2.0

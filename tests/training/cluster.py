@@ -21,7 +21,7 @@ SPEC = ModelSpec(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, head
                  intermediate_size=64, vocab_size=8192, max_position=512,
                  output_id_ranges=((0, 48), (8000, 8004)))
 """Vocabulary large enough for the row-sparse state and gradient paths."""
-E2E_LR = 2e-3
+E2E_LR = 1e-3
 
 
 def learner(seed: int = 0, **kw) -> Learner:

@@ -212,7 +212,7 @@ class ObjectiveConfig(_Strict):
     """C_s in min(r_stale, C_s)."""
     kl: KLConfig | None = None
     """KL penalty to the reference policy (None: off)."""
-    max_update_kl: float | None = Field(default=0.3, gt=0)
+    max_update_kl: float | None = Field(default=1.0, gt=0)
     """Trust-region guard: an RL update whose mean k3 KL(π_prox ‖ π_new) over its batch's kept
     tokens exceeds this is rolled back whole and counted (cells/training/guard.py). None: off
     (no snapshot of the optimizer state is kept)."""
