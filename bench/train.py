@@ -53,7 +53,7 @@ from cells.training.protocol import alive_key
 from cells.training.wire import weights_checksum
 from cells.transport.store import connect, set_json, wait_json, wait_keys
 
-LR, MINIBATCHES = 2e-3, 2
+LR, MINIBATCHES = 1e-3, 2
 
 
 def batch(spec, n: int, seed: int) -> list[dict]:
