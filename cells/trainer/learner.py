@@ -221,7 +221,7 @@ class Learner:
             self._accumulate_rows(w, rows)
             total += float(loss.detach())
         norm = self._optimizer_step()
-        self.ewma.update(self.params)
+        self.update_ewma()
         return {"loss": total, "tokens": float(n_tok), "grad_norm": norm, "lr": self.lr,
                 "version": float(self.version)}
 
@@ -230,8 +230,12 @@ class Learner:
         """RL begins here: the optimizer's moments from the warm-up are dropped (they describe
         another objective's gradients) and the learning-rate warm-up counts from this step.
         Versions restart here: the warmed-up weights are version 1 and each RL update adds one
-        (the supervised steps before it are optimizer steps, not versions)."""
+        (the supervised steps before it are optimizer steps, not versions). The PPO-EWMA copy
+        starts from the warmed-up weights (counted as a reset): it stands in for policies that
+        sampled, and none sampled during the warm-up; its vocabulary rows then equal the
+        parameters', so they stay off the wire when a training cell joins."""
         self.optimizer.state.clear()
+        self.ewma.reset(self.params)
         self.rl_start_step = self.step
         self.version = 1
 

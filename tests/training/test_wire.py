@@ -35,3 +35,19 @@ def test_unpack_of_pack_is_bitwise_and_sparse_on_the_vocabulary_rows():
     a.rl_step(batch)
     b.rl_step(batch)
     assert state_equal(a, b)
+
+
+def test_after_a_warm_up_the_ewma_copy_stays_off_the_wire():
+    # the warm-up's steps fold into the EWMA copy; RL starts it from the warmed-up weights
+    a = learner()
+    for seed in range(2):
+        t = trajectories(a, seed=seed)[0]
+        a.sft_step([(t["token_ids"], t["loss_mask"])])
+    table = "model.embed_tokens.weight"
+    moved = int((a.reference[table] != a.params[table]).any(dim=1).sum())
+    assert 0 < moved < a.params[table].shape[0]
+    assert int((a.ewma.params[table] != a.params[table]).any(dim=1).sum()) <= moved  # untouched rows stay equal
+    a.start_rl()
+    assert all(torch.equal(a.ewma.params[k], a.params[k].detach()) for k in a.params)
+    rows = {(e["kind"], e["name"]): e.get("rows") for e in pack(a)[0]["entries"]}
+    assert rows[("ewma", table)] == 0
