@@ -103,7 +103,7 @@ class Trainer:
                 w = run_warmup(self.learner, steps=self.tc.warmup_steps, batch_size=self.tc.warmup_batch,
                                seed=self.tc.seed, on_step=self._warmup_progress())
                 self._emit({"event": "warmup_done", "loss": w["final_loss"], "wall_s": round(w["wall_s"], 1)})
-                self.learner.start_rl()  # fresh moments; the RL learning-rate warm-up starts
+                self._begin_rl()
                 self._publish()
             self.learner.lr = self.tc.lr
             self.cells.declare(0)  # the admission rule's unit: the batch size
@@ -154,6 +154,13 @@ class Trainer:
         self.learner.cursor = self.client.cursor
         torch.save({"learner": self.learner.state_dict(), "rl_step": self.rl_step}, tmp)
         os.replace(tmp, path)  # a crash mid-write leaves the previous checkpoint
+
+    def _begin_rl(self) -> None:
+        """The warmed-up policy is where RL starts: the KL reference (when a KL term is
+        configured) anchors at it, not at the initial weights; the optimizer's moments are
+        dropped and the RL learning-rate warm-up starts (`Learner.start_rl`)."""
+        self.learner.set_reference()
+        self.learner.start_rl()
 
     # -- one RL step ------------------------------------------------------------------------
     def _step(self, stop: threading.Event) -> None:
