@@ -36,6 +36,7 @@ from cells.training.wire import (
 )
 from cells.transport.p2p import TransferError, discard, join_group
 from cells.transport.store import StoreAddress, connect, get_json, set_json, wait_any, wait_keys
+from scheduler.contract.failpoints import failpoint
 
 log = logging.getLogger("cellflip.training")
 
@@ -215,6 +216,7 @@ class TrainingCoordinator:
         crc = weights_checksum(params_view(result["state"], flat))
         if crc != int(result["checksum"]):  # checked before the host copy changes
             raise StepFailed("the returned state does not match its checksum")
+        failpoint("training.before_commit")  # the coordinator dying with the cells' update in hand
         unpack(self.learner, result["state"], flat, idx)
         self.learner.version = next_version()
         set_json(self.store, f"{prefix}/commit", {"tag": self.tag, "version": self.learner.version,

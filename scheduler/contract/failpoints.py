@@ -39,6 +39,7 @@ FAILPOINTS: dict[str, str] = {
     "flip.after_record": "scheduler, between recording a flip and acting on it",
     "broadcast.mid_bucket": "a broadcast receiver or sender, between buckets",
     "training.after_minibatch": "a training rank, after each minibatch's optimizer step (mid-update)",
+    "training.before_commit": "the training coordinator, with the cells' update received, before committing it",
     "logprob.final_pass": "a cell, before each scoring task (the final pass before dropping a version is made of them)",
 }
 
