@@ -106,6 +106,10 @@ def read_store(conn: sqlite3.Connection, sessions: list[str] | None = None, full
         s["unscored"] = dict(conn.execute("SELECT version, COUNT(*) FROM tokens WHERE loss_mask = 1 AND provenance"
                                           " IS NULL GROUP BY version").fetchall())
         s["flips"] = {r[0]: r[1] for r in conn.execute("SELECT id, state FROM flips")}
+        s["foreign_batches"] = [{"request": r[0], "cell": r[1], "epoch": r[2], "owner": r[3], "owner_epoch": r[4],
+                                 "start": r[5], "count": r[6], "new": r[7]}
+                                for r in conn.execute("SELECT request_id, cell_id, epoch, owner, owner_epoch, start,"
+                                                      " count, new FROM foreign_batches ORDER BY at")]
         if full:
             s["flip_rows"] = {r[0]: {"cell": r[1], "to": r[2], "state": r[3], "created_at": r[4]}
                               for r in conn.execute("SELECT id, cell_id, to_role, state, created_at FROM flips")}
@@ -605,8 +609,8 @@ class Campaign:
         out += checker.check_token_epochs(final["requests"], final["migrations"], final.get("token_epochs", {}))
         with self._lock:
             served = set(self.served)
-        once = checker.check_fenced_commits(final) + checker.check_versions(served, token_versions, self.complete,
-                                                                             self.partial)
+        once = checker.check_fenced_commits(final) + checker.check_foreign_batches(final.get("foreign_batches", []))
+        once += checker.check_versions(served, token_versions, self.complete, self.partial)
         out += [v for v in once if v not in self._seen_once]  # store-wide checks: report each once
         self._seen_once.update(once)
         for v in out:

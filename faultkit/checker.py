@@ -216,6 +216,14 @@ def check_token_epochs(requests: dict[str, dict], migrations: dict[str, dict],
     return out
 
 
+def check_foreign_batches(rows: Iterable[dict]) -> list[str]:
+    """I2 in the store's own token history: every batch it took from a cell that was not the
+    request's owner at its epoch (`read_store`'s `foreign_batches`; duplicates included)."""
+    return [f"I2: {STORE_HISTORY}, {r['request']} took {r['count']} token(s) ({r['new']} new, from index "
+            f"{r['start']}) from {r['cell']}@{r['epoch']} while {r['owner']}@{r['owner_epoch']} owned it"
+            for r in rows]
+
+
 def check_migration_outcomes(outcomes: Iterable[dict], migrations: dict[str, dict]) -> list[str]:
     """I2 as the cells acted: per migration, exactly one of source and destination goes on
     with the request, and it is the one the store's record names."""

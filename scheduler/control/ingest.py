@@ -122,6 +122,8 @@ class Ingest:
                     revokes.append((b.request_id, f"{v.reason} in tokens from {cell_id}"))
                 continue
             assert req is not None
+            if req.cell_id != cell_id or req.epoch != b.epoch:  # only with the fence off
+                ctx.store.owners.record_foreign_batch(req, cell_id, b.epoch, b.start, len(b.records), len(v.new))
             if v.new:
                 self._append(fx, req, v.new, b.epoch)
             if b.finish_reason is not None and req.is_owned:

@@ -31,6 +31,10 @@ CREATE TABLE IF NOT EXISTS migrations(
   created_at REAL NOT NULL, finished_at REAL, history TEXT NOT NULL,
   src_state TEXT NOT NULL DEFAULT 'running', commit_tokens INTEGER);
 CREATE INDEX IF NOT EXISTS migrations_state ON migrations(state, request_id);
+CREATE TABLE IF NOT EXISTS foreign_batches(
+  request_id TEXT NOT NULL, cell_id TEXT NOT NULL, epoch INTEGER NOT NULL, owner TEXT,
+  owner_epoch INTEGER NOT NULL, start INTEGER NOT NULL, count INTEGER NOT NULL,
+  new INTEGER NOT NULL, at REAL NOT NULL);
 """ + counters.SCHEMA
 
 LIVE_REQUEST_STATES = ("running", "migrating")
@@ -128,6 +132,14 @@ class OwnerStore:
             (q.id, q.session_id, q.base, q.prompt_start, q.num_generated, dumps(q.params), q.cell_id,
              q.epoch, q.state, q.reason, q.created_at, q.updated_at),
         )
+
+    def record_foreign_batch(self, req: RequestRow, cell_id: str, epoch: int, start: int, count: int,
+                             new: int) -> None:
+        """A token batch the store took from a cell that is not the request's owner at its
+        epoch (even one that added nothing: a duplicate). The fence refuses these, so a row
+        here means the fence was off or broken; faultkit's checker reports every row."""
+        self.s.execute("INSERT INTO foreign_batches VALUES (?,?,?,?,?,?,?,?,?)",
+                       (req.id, cell_id, epoch, req.cell_id, req.epoch, start, count, new, time.time()))
 
     def set_num_generated(self, request_id: str, n: int) -> None:
         self.s.execute("UPDATE requests SET num_generated=?, updated_at=? WHERE id=?", (n, time.time(), request_id))

@@ -77,6 +77,7 @@ def test_the_store_records_each_tokens_epoch_and_the_commit_point(harness):
     pump([a, b], until=fut, harness=harness)
     migs, epochs, vio = _history(harness, rid)
     assert len(epochs) == 12 and [e for _, e in epochs[3:]] == [2] * 9 and vio == []
+    assert harness.ctl.store.execute("SELECT COUNT(*) FROM foreign_batches").fetchone()[0] == 0  # the fence held
 
 
 def test_with_the_fence_off_the_store_history_shows_the_zombies_tokens(harness, monkeypatch):
@@ -91,6 +92,17 @@ def test_with_the_fence_off_the_store_history_shows_the_zombies_tokens(harness, 
     _, epochs, vio = _history(harness, rid)
     assert epochs[3][1] == 1
     assert len(vio) == 1 and "store's token history" in vio[0] and mid in vio[0]
+    a.pending_tokens = [{"request_id": rid, "epoch": 1, "start": 3, "records": [[5, -1.0, 0, False]],
+                         "finish_reason": None}]
+    assert a.sync()["rejected"] == []  # an exact duplicate adds no token, but the store saw who sent it
+    from faultkit.checker import check_foreign_batches
+
+    rows = harness.ctl.store.execute("SELECT request_id, cell_id, epoch, owner, owner_epoch, start, count, new"
+                                     " FROM foreign_batches ORDER BY at").fetchall()
+    assert [r[1:] for r in rows] == [("a", 1, "b", 2, 3, 1, 1), ("a", 1, "b", 2, 3, 1, 0)]
+    keys = ("request", "cell", "epoch", "owner", "owner_epoch", "start", "count", "new")
+    vio = check_foreign_batches([dict(zip(keys, r)) for r in rows])
+    assert len(vio) == 2 and all("a@1 while b@2 owned it" in v for v in vio)
 
 
 def test_abort_before_commit_keeps_source_owner(harness):
