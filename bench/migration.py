@@ -70,7 +70,7 @@ def run_point(c: Cluster, src: str, dst: str, prompt: list[int], seed: int, mig_
     s = Streamer(c.url, prompt, max_tokens=NEW_TOKENS, seed=seed, timeout_s=600, token=c.token)
     s.start()
     c.wait(lambda: len(s.tokens) >= 2, 600, "decoding on the source", every=0.01)
-    for move in range(MOVES):
+    for _ in range(MOVES):
         assert c.wait_flip(c.flip(dst, "rollout")["id"], 120)["state"] == "done"
         n = len(s.tokens)
         c.wait(lambda n=n: len(s.tokens) >= n + FLIP_AFTER, 600, "decoding on the owner", every=0.01)
