@@ -6,8 +6,9 @@ sequence advantage (task advantage − beta·KL when the KL is in the reward) �
 forward/backward on this rank's rows and trees → sum the gradients over the ranks → clip →
 AdamW step → EWMA → sum the metrics → the trust-region guard (cells/training/guard.py: an update
 that moved the policy past `max_update_kl` is rolled back whole). One published version per
-update, one optimizer step per minibatch. A forked episode is one tree (cells/training/tree_loss.py): one forward over its
-serialised tokens, the tree loss with one advantage per branch.
+update, one optimizer step per minibatch. A forked episode is one tree
+(cells/training/tree_loss.py): one forward over its serialised tokens, the tree loss with one
+advantage per branch.
 
 Every rank applies the same summed gradient to the same state, so the states stay equal; the
 loss of a minibatch is normalised by its global token count N0 (from the plan), so the sum
