@@ -4,7 +4,8 @@ Per token: token id, loss mask (1 = sampled by the policy, 0 = prompt / tool out
 log-prob and version, old log-prob and its provenance (`exact`, `missing`, or null while
 unscored), and for a sampled token the ownership epoch it was accepted under (the sync batch's,
 or the new owner's for a migration commit's tail): with the migrations' commit points, the
-store's own history of the epoch fence. Sampled ids are stored exactly as the cell reported them; nothing here re-encodes.
+store's own history of the epoch fence. Sampled ids are stored exactly as the cell reported
+them; nothing here re-encodes.
 A harness that rewrites earlier turns starts a new *segment* (a fresh sequence in the same
 session); `segment_starts` lists where each one begins in the buffer.
 
