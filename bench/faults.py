@@ -53,9 +53,10 @@ Fields of the JSON line:
   refused, and token batches from a non-owner or at a stale epoch are stored) over the
   fencing-sensitive scenarios. Must be > 0: the checkers can fail.
 - canary_store_violations: those of them found in the store's own token history (a sampled
-  token stored at an epoch that a committed migration had already superseded: the epoch each
-  token was accepted under against each migration's commit point), not in the cells' logs.
-  Must be > 0 too.
+  token stored at an epoch a committed migration had superseded, or any token batch taken
+  from a cell that was not the owner at its epoch), not in the cells' logs. Reported, not
+  required: in the canary scenarios the split owner's batches have not reached the store
+  (tests/scheduler/test_sched_migrations.py drives those checks directly).
 
 Exit status: non-zero on any violation, lost request, hang, unexpected exit or checker error
 outside the canary, or a canary that no checker caught.
@@ -114,8 +115,6 @@ def verdict(result: dict) -> list[str]:
                                         "checker_errors") if result.get(k)]
     if result.get("canary_runs") and not result.get("canary_violations"):
         out.append("the canary ran with fencing off and no checker caught it")
-    elif result.get("canary_runs") and not result.get("canary_store_violations"):
-        out.append("the canary ran with fencing off and the store's token history did not show it")
     return out
 
 
