@@ -44,7 +44,8 @@ from typing import Any
 from scheduler.contract.states import FLIP, MIGRATION, REQUEST, VERSION, Machine
 
 STORE_HISTORY = "in the store's token history"
-"""Marks the violations `check_token_epochs` finds (the canary must be caught by them too)."""
+"""Marks the violations `check_token_epochs` and `check_foreign_batches` find: the canary's
+catches by the store's own history, counted apart (`canary_store_violations`)."""
 OWNED = ("running", "migrating", "parked")
 WAITING = ("queued", "suspended")
 TERMINAL = ("finished", "failed")

@@ -82,7 +82,7 @@ def run_update(learner: Any, share: Share, reducer: Reducer) -> dict[str, float]
     if rejected:
         guard.restore(learner, snap)
     learner.version += 1
-    out = _finish_metrics(totals, mb_losses, [share.n0[j] for j in range(len(mb_losses))])
+    out = _finish_metrics(totals, mb_losses, list(share.n0[: len(mb_losses)]))
     out.update({"update_kl": kl, "update_rejected": float(rejected), "minibatches_run": float(len(grad_norms))})
     clip = [float(x[_SUMS.index("clip_frac")] / max(float(x[_SUMS.index("num_kept")]), 1.0)) for x in mb_sums]
     out["clip_frac_first"] = clip[0]

@@ -55,10 +55,11 @@ def judge(req: RequestRow | None, cell_id: str, batch: TokenBatch, stored: list[
     Mutates nothing."""
     if req is None:
         return Verdict(False, reason="unknown_request")
-    if req.cell_id != cell_id and not CANARY_NO_FENCING:
-        return Verdict(False, reason="not_owner")
-    if req.epoch != batch.epoch and not CANARY_NO_FENCING:  # the canary: the fence is off
-        return Verdict(False, reason="stale_epoch")
+    if not CANARY_NO_FENCING:  # the fence (the fault campaign's canary turns it off)
+        if req.cell_id != cell_id:
+            return Verdict(False, reason="not_owner")
+        if req.epoch != batch.epoch:
+            return Verdict(False, reason="stale_epoch")
     if not all(math.isfinite(float(r[1])) and r[1] <= 0 for r in batch.records):
         return Verdict(False, reason="invalid", revoke=req.is_owned)  # a log-prob must be finite and <= 0
     n = req.num_generated
