@@ -75,8 +75,9 @@ class Membership:
             self.versions.forget_cell(msg.cell_id)
         entry = ctx.registry.live.get(msg.cell_id)
         if entry is not None and row.state != "joining":
-            entry.lease_deadline, entry.seen = ctx.clock() + ctx.cfg.lease_s, True
-            ctx.registry.changed.add(msg.cell_id)
+            ctx.registry.extend(msg.cell_id, ctx.cfg.lease_s)
+            entry.seen = True
+            ctx.registry.mark(msg.cell_id)
         else:
             ctx.registry.admit(msg.cell_id, ctx.cfg.lease_s, seen=True)
         ctx.kick()

@@ -63,6 +63,8 @@ class Flips:
         """Cells an explicit flip sent to training: the planner does not flip them back."""
         self.role_sent: dict[str, tuple[str, float]] = {}
         """cell → (flip id, monotonic time) of the last `set_role` sent to it."""
+        self._align_sweep = ctx.registry.rotation()
+        """The live cells `align_roles` visits next."""
 
     # ------------------------------------------------------------------ requests for flips
     def request(self, to: str, cell: str | None, count: int | None, expected_generation: int | None,
@@ -279,10 +281,10 @@ class Flips:
         apart when a flip is rolled back after its `set_role` went out (a drain whose rollout
         capacity fell under the minimum just as the cell emptied): the cell took the training
         role, the store keeps it in rollout, and a request placed there would sit undecoded
-        while the cell still reports it."""
+        while the cell still reports it. Visits the live cells a slice a tick (`Registry.rotation`)."""
         fleet = self.ctx.store.fleet
         flipping = {f.cell_id for f in fleet.list_flips(active_only=True)}
-        for cell_id, state in fleet.cell_states().items():
+        for cell_id, state in fleet.cell_states(self._align_sweep.next()).items():
             reported = self._reported_role(cell_id)
             if cell_id in flipping or state not in ("rollout", "training") or reported is None or reported == state:
                 continue

@@ -1,12 +1,17 @@
 """Prometheus metrics of the control plane, on their own CollectorRegistry (no globals).
 
-Base units (seconds, bytes), `_total` counters, histograms for latencies. Gauges that mirror
-the store (cells by state, in-flight, backlog) are refreshed by the controller's passive sync.
+Base units (seconds, bytes), `_total` counters, histograms for latencies. The fleet's
+per-cell families (cells by state and role, in-flight, KV blocks, role-seconds, waiting) are
+built at scrape time by the controller's tally (scheduler/control/tally.py, bound to `fleet`);
+the other gauges mirroring the store are refreshed by the controller's passive sync.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import Metric
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _SLOW = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -20,12 +25,9 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         p = "cellflip_"
-        self.cells = Gauge(p + "cells", "Cells by state.", ["state"], registry=r)
-        self.cells_by_role = Gauge(p + "cells_by_role", "Cells by role (draining counts as rollout, loading as training).", ["role"], registry=r)
-        self.role_seconds = Counter(p + "cell_role_seconds", "Seconds each cell spent in each state (utilization).", ["cell", "state"], registry=r)
-        self.inflight = Gauge(p + "inflight_requests", "Requests running or migrating, per owner cell.", ["cell"], registry=r)
-        self.waiting = Gauge(p + "waiting_requests", "Requests queued or suspended (waiting for a cell).", registry=r)
-        self.kv_blocks_used = Gauge(p + "kv_blocks_used", "KV blocks in use, per cell (as reported).", ["cell"], registry=r)
+        self.fleet: Callable[[], Iterable[Metric]] | None = None
+        """The fleet's families at scrape time (a controller binds its tally here)."""
+        r.register(_Fleet(self))
         self.migrations = Counter(p + "migrations", "Migrations by outcome and path.", ["outcome", "path"], registry=r)
         self.migration_downtime = Histogram(p + "migration_downtime_seconds", "Client-visible gap of a migration, minus the median inter-token gap.", buckets=_LATENCY, registry=r)
         self.migration_bytes = Counter(p + "migration_bytes", "KV bytes moved by migrations.", registry=r)
@@ -56,8 +58,6 @@ class Metrics:
                 self.migrations.labels(outcome, path)
         for outcome in ("done", "failed", "rolled_back"):
             self.flips.labels(outcome)
-        for state in CELL_STATES:
-            self.cells.labels(state)
         for reason in GROUP_DROP_REASONS:
             self.groups_dropped.labels(reason)
             self.group_trajectories_dropped.labels(reason)
@@ -66,3 +66,16 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Fleet:
+    """The collector of `Metrics.fleet` (nothing before a controller binds one)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        return [] if self.metrics.fleet is None else self.metrics.fleet()

@@ -58,6 +58,8 @@ class Ownership:
         self.abort_sent: dict[str, dict[str, float]] = {}
         """cell → request id → when an `abort` was sent for a request the cell reports but does
         not own (resent once per lease while it still reports it)."""
+        self._report_sweep = ctx.registry.rotation()
+        """The live cells `reconcile_reports` visits next."""
 
     def advanced(self, request_id: str) -> None:
         """The request's current owner advanced it now (tokens committed, or a commit gave it)."""
@@ -197,11 +199,15 @@ class Ownership:
         - owned, running and reported, but no token committed for `stall_timeout_s`: the cell
           holds it without decoding it: re-place it at epoch + 1 on another cell;
         - reported but not owned (and not an incoming migration): tell the cell to drop it.
+
+        Visits the live cells a slice a tick (`Registry.rotation`): each within a few ticks.
         """
         incoming = {(m.dst, m.request_id) for m in self.ctx.store.owners.pending_migrations()}
         holding = self.ctx.store.owners.owned_counts()
-        for cell_id, entry in list(self.ctx.registry.live.items()):
-            if entry.summary is None or not (entry.summary.request_ids or cell_id in holding):
+        live = self.ctx.registry.live
+        for cell_id in self._report_sweep.next():
+            entry = live.get(cell_id)
+            if entry is None or entry.summary is None or not (entry.summary.request_ids or cell_id in holding):
                 continue  # holds nothing and reports nothing: nothing to compare
             reported = set(entry.summary.request_ids)
             owned = self.ctx.store.owners.requests_on(cell_id, OWNED_REQUEST_STATES)

@@ -66,6 +66,8 @@ class Scoring:
         self.scored_tokens = 0
         self.scoring_seconds = 0.0
         self.last_pass = float("-inf")
+        self._drop_sweep = ctx.registry.rotation()
+        """The live cells `_drops` visits next."""
 
     def busy(self, key: tuple[str, int]) -> bool:
         return any((t.request_id, t.version) == key for t in self.tasks.values())
@@ -184,8 +186,9 @@ class Scoring:
         """Each cell frees versions it no longer serves once all their tokens are scored."""
         ctx = self.ctx
         backlog = None
-        for cell_id, e in ctx.registry.live.items():
-            if e.summary is None:
+        for cell_id in self._drop_sweep.next():  # a slice of the live cells a tick
+            e = ctx.registry.live.get(cell_id)
+            if e is None or e.summary is None:
                 continue
             for v in e.summary.versions_held:
                 if v == e.summary.version:

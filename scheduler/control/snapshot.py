@@ -23,7 +23,7 @@ UNKNOWN_VERSION = -1
 
 class CellSummaries:
     """The per-cell part of the snapshot, kept between builds: a build re-reads only the cells
-    the store's triggers (`Store.changes`) or the registry (`Registry.changed`) named since the
+    the store's triggers (`Store.changes`) or the registry (`Registry.watch`) named since the
     last one, and everything after a rolled-back transaction."""
 
     def __init__(self, ctx: Context) -> None:
@@ -38,6 +38,7 @@ class CellSummaries:
         self.busy_copies: dict[str, tuple[CellSummary, CellSummary]] = {}
         """id → (summary, its busy copy), reused while the summary stands."""
         self.changes = ctx.store.changes.reader()
+        self.watched = ctx.registry.watch()
         self.rollbacks = -1
         """`Store.changes.rollbacks` at the last build (-1: never built)."""
 
@@ -68,8 +69,8 @@ class CellSummaries:
     def _refresh(self) -> None:
         ctx = self.ctx
         changes = self.changes
-        touched: set[str] | None = changes.take() | ctx.registry.changed
-        ctx.registry.changed = set()
+        touched: set[str] | None = changes.take() | self.watched
+        self.watched.clear()
         if changes.rollbacks != self.rollbacks:
             self.rollbacks, touched = changes.rollbacks, None
             self.by_id, self.training, self.busy_copies = {}, set(), {}

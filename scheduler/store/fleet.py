@@ -192,9 +192,15 @@ class FleetStore:
             rows[i] = (*r[:5], caps, *r[6:])
         return rows
 
-    def cell_states(self) -> dict[str, str]:
-        """id → state of every cell, without decoding whole rows (per-tick checks at fleet scale)."""
-        return dict(self.s.execute("SELECT id, state FROM cells"))
+    def cell_states(self, ids: Collection[str] | None = None) -> dict[str, str]:
+        """id → state of the cells `ids` (None: every cell), without decoding whole rows."""
+        if ids is None:
+            return dict(self.s.execute("SELECT id, state FROM cells"))
+        wanted, out = list(ids), {}
+        for k in range(0, len(wanted), 500):
+            part = wanted[k:k + 500]
+            out.update(self.s.execute(f"SELECT id, state FROM cells WHERE id IN ({','.join('?' * len(part))})", part))
+        return out
 
     def put_cell(self, c: CellRow) -> None:
         self.s.execute(
