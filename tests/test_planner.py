@@ -131,6 +131,10 @@ def test_choose_cells_to_flip_prefers_cheap_moves():
     tr = [cell(0, "training", inflight=0, busy=True), cell(1, "training", inflight=0)]
     assert choose_cells_to_flip(snap(tr), "rollout", 2) == [1, 0]
     assert choose_cells_to_flip(snap(tr), "rollout", 2, idle_only=True) == [1]
+    # cells with a flip under way are neither picked nor counted toward the rollout floor
+    assert choose_cells_to_flip(snap(cells, min_rollout=0), "training", 2, exclude={2}) == [0, 1]
+    assert choose_cells_to_flip(snap(cells, min_rollout=1), "training", 3, exclude={2}) == [0]
+    assert choose_cells_to_flip(snap(tr), "rollout", 2, exclude={1}) == [0]
     with pytest.raises(ValueError):
         choose_cells_to_flip(snap(tr), "down", 1)
 

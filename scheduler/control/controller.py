@@ -45,6 +45,7 @@ from scheduler.control.reconcile import Concerns, Reconciler
 from scheduler.control.scoring import Scoring
 from scheduler.control.snapshot import CellSummaries, build_snapshot
 from scheduler.control.staleness import Staleness
+from scheduler.control.tally import FleetTally
 from scheduler.control.versions import Versions
 from scheduler.planner.types import Snapshot
 from scheduler.store import Store
@@ -66,9 +67,9 @@ class Controller:
         ctx = self.ctx = Context(store, cfg, migration or MigrationConfig(), versions or VersionsConfig(),
                                  metrics or Metrics(), clock)
         self.rates = Rates()
+        """Finish rate, slot occupancy and training speed as measured here (the planner's inputs)."""
         self.cell_summaries = CellSummaries(ctx)
         """The snapshot's per-cell summaries, re-read only where the store or registry changed."""
-        """Finish rate, slot occupancy and training speed as measured here (the planner's inputs)."""
         self.scoring = Scoring(ctx)
         """Scoring tasks, scoring-only fetches, version drops and final passes."""
         self.versions = Versions(ctx, self.scoring)
@@ -77,7 +78,10 @@ class Controller:
         """When each pending KV copy began; each move's client-visible stall."""
         self.ownership = Ownership(ctx, self.migrations, self.snapshot)
         """Each request's progress clock and the cell a stalled request avoids."""
-        self.flips = Flips(ctx, self.ownership, self.migrations, self.versions, self.scoring, self.snapshot)
+        self.tally = FleetTally(ctx)
+        """Rollout slots, live rollout cells and role-seconds, kept by change; the fleet's
+        Prometheus families at scrape."""
+        self.flips = Flips(ctx, self.ownership, self.migrations, self.versions, self.scoring, self.snapshot, self.tally)
         """Drain deadlines and the cells an explicit flip pinned in training."""
         self.staleness = Staleness(ctx, self.rates)
         """The trajectory cursor and the staleness rules' counters."""
@@ -88,7 +92,7 @@ class Controller:
         """Register, sync, fence; fencing asks each holder above in that order."""
         self.membership.recover()
         self.loop = Reconciler(ctx, self.rates, Concerns(self.membership, self.versions, self.migrations,
-                                                         self.flips, self.ownership, self.scoring))
+                                                         self.flips, self.ownership, self.scoring), self.tally)
         """Whether the inventory is rebuilt; the last tick."""
 
     # ------------------------------------------------------------------ plumbing

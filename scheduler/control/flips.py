@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from scheduler.control.migrations import Migrations
     from scheduler.control.ownership import Ownership
     from scheduler.control.scoring import Scoring
+    from scheduler.control.tally import FleetTally
     from scheduler.control.versions import Versions
     from scheduler.planner.types import Snapshot
     from scheduler.store.fleet import CellRow
@@ -50,8 +51,9 @@ class Flips:
     """Role changes of cells. Owns `drain_deadline`, `pinned_training` and `role_sent`."""
 
     def __init__(self, ctx: Context, ownership: Ownership, migrations: Migrations, versions: Versions,
-                 scoring: Scoring, snapshot: Callable[[], Snapshot]) -> None:
+                 scoring: Scoring, snapshot: Callable[[], Snapshot], tally: FleetTally) -> None:
         self.ctx = ctx
+        self.tally = tally
         self.ownership = ownership
         self.migrations = migrations
         self.versions = versions
@@ -108,7 +110,8 @@ class Flips:
                                code="stale_generation")
             return [row]
         want = count or 1
-        ids = placement.choose_cells_to_flip(self.snapshot(), to, want)
+        flipping = {f.cell_id for f in fleet.list_flips(active_only=True)}  # not to pick: it would be refused
+        ids = placement.choose_cells_to_flip(self.snapshot(), to, want, exclude=flipping)
         if len(ids) < want:
             raise Conflict(f"only {len(ids)} cells can flip to {to}, {want} asked", code="no_cells")
         return [fleet.get_cell(i) for i in ids]  # type: ignore[misc]
@@ -136,11 +139,12 @@ class Flips:
         return row.to_api()
 
     def _spare_rollout(self, exclude: str) -> int:
-        """Rollout cells that stay in rollout: live, in state rollout, not flipping to training."""
-        fleet = self.ctx.store.fleet
-        leaving = {f.cell_id for f in fleet.list_flips(active_only=True) if f.to_role == "training"}
-        return sum(1 for c in fleet.list_cells()
-                   if c.state == "rollout" and c.id != exclude and c.id not in leaving and c.id in self.ctx.registry.live)
+        """Rollout cells that stay in rollout: live, in state rollout, not flipping to training
+        (the tally's set, brought up to date first: it reads only the cells that changed)."""
+        leaving = {f.cell_id for f in self.ctx.store.fleet.list_flips(active_only=True) if f.to_role == "training"}
+        self.tally.advance(self.ctx.clock())
+        rollout = self.tally.rollout
+        return len(rollout) - sum(1 for c in leaving | {exclude} if c in rollout)
 
     def finish(self, fx: Effects, flip: FlipRow, outcome: str, reason: str | None = None) -> None:
         """pending/draining/loading → done | failed | rolled_back (caller saved the cell)."""

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from scheduler.control import idempotency
-from scheduler.control.tally import FleetTally
 
 if TYPE_CHECKING:
     from scheduler.control.cellsync import Membership
@@ -25,6 +24,7 @@ if TYPE_CHECKING:
     from scheduler.control.ownership import Ownership
     from scheduler.control.rates import Rates
     from scheduler.control.scoring import Scoring
+    from scheduler.control.tally import FleetTally
     from scheduler.control.versions import Versions
 
 SLOW_GAUGES_EVERY_S = 2.0
@@ -47,7 +47,7 @@ class Reconciler:
     """Owns the loop's own clock: `ready` (the inventory is rebuilt), the last tick and the
     last slow-gauge refresh."""
 
-    def __init__(self, ctx: Context, rates: Rates, concerns: Concerns) -> None:
+    def __init__(self, ctx: Context, rates: Rates, concerns: Concerns, tally: FleetTally) -> None:
         self.ctx = ctx
         self.rates = rates
         self.c = concerns
@@ -55,9 +55,8 @@ class Reconciler:
         """The inventory is rebuilt (every known cell re-synced, or the grace ran out)."""
         self.last_tick = ctx.started_at
         self.last_slow_tick = float("-inf")
-        self.tally = FleetTally(ctx)
-        """Rollout slots and role-seconds kept by change; the fleet's families at scrape."""
-        ctx.metrics.fleet = self.tally.families
+        self.tally = tally
+        ctx.metrics.fleet = tally.families
 
     def tick(self) -> None:
         self.sync_from()

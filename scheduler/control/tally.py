@@ -7,6 +7,7 @@ registry (`Registry.watch`) named since the last one (all of them after a rolled
 transaction), and keeps:
 
 - the rollout slots offered and occupied (the finish rate's denominator, `Rates.on_tick`);
+- the live cells in state rollout (the floor a flip to training keeps);
 - each cell's seconds in each state while live, as closed intervals plus the open one.
 
 The per-cell Prometheus families (state counts, in-flight, KV blocks, role-seconds) are built
@@ -55,6 +56,8 @@ class FleetTally:
         self.rollbacks = -1
         self.cells: dict[str, _Cell] = {}
         self.offered = self.occupied = 0
+        self.rollout: set[str] = set()
+        """Live cells in state rollout."""
         self.open: dict[str, tuple[str, float]] = {}
         """cell → (state, since) while the cell is live and in a state."""
         self.closed: dict[tuple[str, str], float] = {}
@@ -84,6 +87,10 @@ class FleetTally:
                 self.cells.pop(cid, None)
             else:
                 self.cells[cid] = new
+            if new.live and new.state == "rollout":
+                self.rollout.add(cid)
+            else:
+                self.rollout.discard(cid)
             self._clock(cid, new.state if new.live else None, now)
 
     def _clock(self, cid: str, state: str | None, now: float) -> None:

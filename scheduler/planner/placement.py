@@ -10,6 +10,8 @@ Nothing here mutates anything.
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
+
 from scheduler.planner import destinations
 from scheduler.planner import plan as planner
 from scheduler.planner.types import CellSummary, Destination, RequestSummary, Snapshot
@@ -45,9 +47,10 @@ def sticky_destination(snapshot: Snapshot, cell_id: str | None,
     return Destination(c.cell_id, "kv")
 
 
-def choose_cells_to_flip(snapshot: Snapshot, to: str, count: int) -> list[str]:
-    """Up to `count` cells to flip `to` a role, never dipping under min_rollout_cells."""
-    return [str(c) for c in planner.choose_cells_to_flip(snapshot, to, count)]  # type: ignore[arg-type]
+def choose_cells_to_flip(snapshot: Snapshot, to: str, count: int, exclude: AbstractSet[str] = frozenset()) -> list[str]:
+    """Up to `count` cells to flip `to` a role, never dipping under min_rollout_cells; cells in
+    `exclude` (a flip under way) are neither picked nor counted."""
+    return [str(c) for c in planner.choose_cells_to_flip(snapshot, to, count, exclude=exclude)]  # type: ignore[arg-type]
 
 
 def plan_flips(snapshot: Snapshot) -> list[tuple[str, str]]:

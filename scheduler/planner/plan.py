@@ -36,6 +36,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 
 from scheduler.planner.destinations import move_seconds
 from scheduler.planner.types import (
@@ -168,31 +169,32 @@ def plan_flips(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) -> li
 
 
 def choose_cells_to_flip(snapshot: Snapshot, to: FlipTarget, count: int,
-                         idle_only: bool = False) -> list[CellId]:
+                         idle_only: bool = False, exclude: AbstractSet[CellId] = frozenset()) -> list[CellId]:
     """Up to `count` cells to flip `to` a role, cheapest to move first. Pure.
 
     To training: rollout cells, fewest seconds of in-flight work to move (KV bytes over the
     slow link, or re-prefill for engines without KV export), keeping `min_rollout_cells`.
     To rollout: idle training cells first, then busy ones unless `idle_only`.
+    Cells in `exclude` (a flip already under way) are neither picked nor counted in a role.
     """
     if count <= 0:
         return []
     cells = snapshot.cells
     if to == "training":
-        return [cells[i].cell_id for i in _cheapest_rollout(snapshot, count)]
+        return [cells[i].cell_id for i in _cheapest_rollout(snapshot, count, exclude)]
     if to == "rollout":
         training = [(c.busy, i) for i, c in enumerate(cells) if c.role == "training"
-                    and not (idle_only and c.busy)]
+                    and not (idle_only and c.busy) and c.cell_id not in exclude]
         return [cells[i].cell_id for _, i in heapq.nsmallest(count, training)]
     raise ValueError(f"flip target must be 'training' or 'rollout', got {to!r}")
 
 
-def _cheapest_rollout(snapshot: Snapshot, count: int) -> list[int]:
-    """Indices of up to `count` rollout cells, cheapest to drain first, keeping the minimum."""
-    per_token = {path: move_seconds(1, False, path) for path in ("kv", "kv_store", "reprefill")}
-    keys = [(c.inflight_tokens * per_token["kv" if c.can_export_kv else "kv_store" if c.kv_store else "reprefill"],
-             c.inflight, i)
-            for i, c in enumerate(snapshot.cells) if c.role == "rollout"]
+def _cheapest_rollout(snapshot: Snapshot, count: int, exclude: AbstractSet[CellId] = frozenset()) -> list[int]:
+    """Indices of up to `count` rollout cells not in `exclude`, cheapest to drain first,
+    keeping the minimum."""
+    kv, kv_store, reprefill = (move_seconds(1, False, path) for path in ("kv", "kv_store", "reprefill"))
+    keys = [(c.inflight_tokens * (kv if c.can_export_kv else kv_store if c.kv_store else reprefill), c.inflight, i)
+            for i, c in enumerate(snapshot.cells) if c.role == "rollout" and c.cell_id not in exclude]
     count = min(count, len(keys) - snapshot.min_rollout_cells)
     if count <= 0:
         return []

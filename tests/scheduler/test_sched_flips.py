@@ -107,6 +107,17 @@ def test_count_flip_drains_idle_cell_quickly(harness):
     assert states == ["rollout", "training", "training"]
 
 
+def test_count_flips_in_a_row_pick_cells_without_a_flip_under_way(harness):
+    """Two `count` flips before the loop runs: the second picks another cell (the first cell's
+    flip is only pending, its state still rollout), and the floor still holds."""
+    _fleet(harness, 3)
+    first, second = _flip(harness, count=1, to="training"), _flip(harness, count=1, to="training")
+    assert first.status_code == second.status_code == 202
+    assert first.json()["flips"][0]["cell"] != second.json()["flips"][0]["cell"]
+    third = _flip(harness, count=1, to="training")  # one rollout cell would be left: refused
+    assert third.status_code == 409 and third.json()["reason"] == "no_cells"
+
+
 def _full_fleet_at_deadline(harness):
     """c0 holds a request and drains to training while c1, the only other cell, is full;
     the drain deadline passes. Returns (c0, c1, future, flip id)."""
