@@ -110,7 +110,7 @@ class Flips:
                                code="stale_generation")
             return [row]
         want = count or 1
-        flipping = {f.cell_id for f in fleet.list_flips(active_only=True)}  # not to pick: it would be refused
+        flipping = fleet.flipping_cells()  # not to pick: it would be refused
         ids = placement.choose_cells_to_flip(self.snapshot(), to, want, exclude=flipping)
         if len(ids) < want:
             raise Conflict(f"only {len(ids)} cells can flip to {to}, {want} asked", code="no_cells")
@@ -138,10 +138,12 @@ class Flips:
             raise NotFound(f"unknown flip {flip_id!r}")
         return row.to_api()
 
-    def _spare_rollout(self, exclude: str) -> int:
+    def _spare_rollout(self, exclude: str, leaving: set[str] | None = None) -> int:
         """Rollout cells that stay in rollout: live, in state rollout, not flipping to training
-        (the tally's set, brought up to date first: it reads only the cells that changed)."""
-        leaving = {f.cell_id for f in self.ctx.store.fleet.list_flips(active_only=True) if f.to_role == "training"}
+        (the tally's set, brought up to date first: it reads only the cells that changed).
+        `leaving`: the cells flipping to training, when the caller has them (a superset is safe)."""
+        if leaving is None:
+            leaving = self.ctx.store.fleet.flipping_cells("training")
         self.tally.advance(self.ctx.clock())
         rollout = self.tally.rollout
         return len(rollout) - sum(1 for c in leaving | {exclude} if c in rollout)
@@ -161,24 +163,32 @@ class Flips:
     def step(self) -> None:
         """Advance every unfinished flip by one level-triggered step."""
         fleet = self.ctx.store.fleet
-        for flip in fleet.list_flips(active_only=True):
+        flips = fleet.list_flips(active_only=True)
+        # read once a step (a step starts no flip): a flip that ends here leaves it at once
+        leaving = {f.cell_id for f in flips if f.to_role == "training"}
+        for flip in flips:
             with self.ctx.txn(durable=True) as fx:
-                cell = fleet.get_cell(flip.cell_id)
-                if cell is None or cell.state == "down":
-                    self.finish(fx, flip, "failed", "cell lost")
-                    continue
-                if flip.state == "pending":
-                    self._begin(fx, flip, cell)
-                if flip.state == "draining":
-                    self._drain(fx, flip, cell)
-                elif flip.state == "loading":
-                    self._load(fx, flip, cell)
+                self._advance(fx, flip, leaving)
+            if FLIP.is_terminal(flip.state):
+                leaving.discard(flip.cell_id)
 
-    def _begin(self, fx: Effects, flip: FlipRow, cell: CellRow) -> None:
+    def _advance(self, fx: Effects, flip: FlipRow, leaving: set[str]) -> None:
+        cell = self.ctx.store.fleet.get_cell(flip.cell_id)
+        if cell is None or cell.state == "down":
+            self.finish(fx, flip, "failed", "cell lost")
+            return
+        if flip.state == "pending":
+            self._begin(fx, flip, cell, leaving)
+        if flip.state == "draining":
+            self._drain(fx, flip, cell, leaving)
+        elif flip.state == "loading":
+            self._load(fx, flip, cell)
+
+    def _begin(self, fx: Effects, flip: FlipRow, cell: CellRow, leaving: set[str]) -> None:
         need = "rollout" if flip.to_role == "training" else "training"
         if cell.state != need:
             self.finish(fx, flip, "failed", f"cell is {cell.state}, not {need}")
-        elif flip.to_role == "training" and self._spare_rollout(exclude=cell.id) < self.ctx.cfg.min_rollout_cells:
+        elif flip.to_role == "training" and self._spare_rollout(cell.id, leaving) < self.ctx.cfg.min_rollout_cells:
             self.finish(fx, flip, "failed", "would leave fewer than min_rollout_cells rollout cells")
         else:
             nxt = "draining" if flip.to_role == "training" else "loading"
@@ -191,14 +201,14 @@ class Flips:
         cell.generation += 1
         self.ctx.store.fleet.put_cell(cell)
 
-    def _drain(self, fx: Effects, flip: FlipRow, cell: CellRow) -> None:
+    def _drain(self, fx: Effects, flip: FlipRow, cell: CellRow, leaving: set[str]) -> None:
         """Draining: migrate every request out; at the deadline park or suspend what is left;
         once empty (and the final scoring pass done) hand the cell the training role."""
         ctx = self.ctx
         now = ctx.clock()
         deadline = self.drain_deadline.setdefault(flip.id, now + ctx.cfg.drain_deadline_s)
         live = ctx.store.owners.requests_on(cell.id)
-        if self._spare_rollout(exclude=cell.id) < ctx.cfg.min_rollout_cells:
+        if self._spare_rollout(cell.id, leaving) < ctx.cfg.min_rollout_cells:
             self._roll_back_drain(fx, flip, cell, live)
             return
         if live and now >= deadline:
@@ -287,7 +297,7 @@ class Flips:
         role, the store keeps it in rollout, and a request placed there would sit undecoded
         while the cell still reports it. Visits the live cells a slice a tick (`Registry.rotation`)."""
         fleet = self.ctx.store.fleet
-        flipping = {f.cell_id for f in fleet.list_flips(active_only=True)}
+        flipping = fleet.flipping_cells()
         for cell_id, state in fleet.cell_states(self._align_sweep.next()).items():
             reported = self._reported_role(cell_id)
             if cell_id in flipping or state not in ("rollout", "training") or reported is None or reported == state:

@@ -221,6 +221,14 @@ class FleetStore:
         q = f"SELECT {_FLIP_COLS} FROM flips ORDER BY created_at DESC, id LIMIT ?"
         return [_flip(r) for r in self.s.execute(q, (limit,))]
 
+    def flipping_cells(self, to_role: str | None = None) -> set[str]:
+        """Cells with a flip under way (to `to_role` only, when given): ids only, nothing decoded."""
+        q = "SELECT cell_id FROM flips WHERE state IN (?,?,?)"
+        args: tuple = ACTIVE_FLIP_STATES
+        if to_role is not None:
+            q, args = q + " AND to_role = ?", (*args, to_role)
+        return {r[0] for r in self.s.execute(q, args)}
+
     def active_flip_for(self, cell_id: str) -> FlipRow | None:
         q = f"SELECT {_FLIP_COLS} FROM flips WHERE cell_id=? AND state IN (?,?,?)"
         r = self.s.execute(q, (cell_id, *ACTIVE_FLIP_STATES)).fetchone()
