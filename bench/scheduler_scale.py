@@ -11,10 +11,11 @@ the store: a share of the rollout cells finish sessions, admit new ones and deco
 of finished trajectories wanders (so the planner flips both ways), and the last tick's flips
 and placements are written back.
 
-REST: the real app (`scheduler.api.app.create_app`) under uvicorn on 127.0.0.1 with its SQLite
-store holding 10,000 rollout cells (as a restarted scheduler finds them) that each synced, with
-its bearer token and its control loop running, a bounded loop of sequential keep-alive requests
-from one client: GET /v1/cells/{id} and POST /v1/flips {"count": 1}.
+REST: the real app (`scheduler.api.app.create_app_from_env`) under uvicorn on 127.0.0.1, in a
+process of its own as deployed, with its SQLite store holding 10,000 rollout cells (as a
+restarted scheduler finds them) that each synced, with its bearer token and its control loop
+running; a bounded loop of sequential keep-alive requests from one client in this process:
+GET /v1/cells/{id} and POST /v1/flips {"count": 1}. Any answer but 200/202 fails the run.
 
     python bench/scheduler_scale.py [--quick] [--json]
 """
@@ -23,12 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -244,12 +246,13 @@ def _rate(seconds: float, fn, limit: int) -> tuple[float, int, dict[int, int]]:
 
 def bench_api(seconds: float, n_cells: int) -> dict | None:
     """req/s of the real app for GET /v1/cells/{id} and POST /v1/flips at `n_cells` registered
-    cells (with its bearer token, as deployed); None if there is no app."""
+    cells (with its bearer token, as deployed); None if there is no app. The server runs in a
+    process of its own (as deployed): the client's own cost is not the server's."""
     try:
         import httpx
-        import uvicorn
+        import uvicorn  # noqa: F401
 
-        from scheduler.api.app import create_app
+        from scheduler.contract.config import SCHEDULER_CONFIG_ENV, CellflipConfig
         from scheduler.contract.tokens import server_token
     except ImportError as e:
         print(f"api: skipped ({e})")
@@ -258,18 +261,24 @@ def bench_api(seconds: float, n_cells: int) -> dict | None:
     port = _free_port()
     cfg = SchedulerConfig(port=port, db_path=f"{tmp}/scheduler.sqlite", min_rollout_cells=1, lease_s=3600.0)
     _seed(cfg.db_path, n_cells)
-    app = create_app(cfg)
-    headers = {"Authorization": f"Bearer {server_token(cfg)}"}
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           access_log=False))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    headers = {"Authorization": f"Bearer {server_token(cfg)}"}  # made here, read by the server
+    env = {**os.environ, SCHEDULER_CONFIG_ENV: CellflipConfig(scheduler=cfg).model_dump_json(),
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    server = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "scheduler.api.app:create_app_from_env",
+                               "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+                               "--no-access-log"], env=env, cwd=str(ROOT))
     base = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(200):
-            if server.started:
-                break
-            time.sleep(0.05)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz", headers=headers, timeout=2.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the scheduler did not start (exit code {server.poll()})")
+            time.sleep(0.2)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(8) as pool:  # not what is measured: in parallel
             list(pool.map(lambda k: _sync(base, headers, range(k, n_cells, 8)), range(8)))
@@ -283,10 +292,16 @@ def bench_api(seconds: float, n_cells: int) -> dict | None:
                 headers={"Idempotency-Key": f"k-{i}"}).status_code, n_cells - 1)
         print(f"api: {n_cells} cells; GET /v1/cells/{{id}} {get_rps:.0f} req/s ({n_get} requests, status "
               f"{get_codes}); POST /v1/flips {flip_rps:.0f} req/s ({n_flip} requests, status {flip_codes})")
+        if set(get_codes) != {200} or set(flip_codes) != {202}:
+            raise RuntimeError(f"the REST loop was answered with errors: GET {get_codes}, POST {flip_codes}")
         return {"api_rps_get": round(get_rps, 1), "api_rps_flip": round(flip_rps, 1)}
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 def main() -> None:

@@ -19,7 +19,9 @@ from scheduler.contract.errors import Invalid
 from scheduler.control.controller import Controller
 
 
-def get_controller(request: Request) -> Controller:
+async def get_controller(request: Request) -> Controller:
+    """Async on purpose: a plain function dependency is run on the thread pool, a thread hop
+    per request that cost most of a small GET."""
     return request.app.state.controller
 
 

@@ -57,6 +57,9 @@ SLOW_TICK_S = 0.02
 """A tick longer than this is followed by a rest as long as itself (`Controller.run`)..."""
 MAX_REST_S = 2.0
 """...up to this long."""
+MIN_TICK_GAP_S = 0.05
+"""Least time from one tick's start to the next's: a burst of kicks (flip requests, new
+sessions) is served by a tick every 50 ms, not by one tick per request."""
 REST_KEY = ("control loop", "rest")
 
 
@@ -146,6 +149,9 @@ class Controller:
             # the loop holds at most half the event loop and requests are served between ticks
             rest = min(end - t0, MAX_REST_S) if end - t0 > SLOW_TICK_S else 0.0
             await self.ctx.notifier.wait(TICK_KEY, interval_s)
+            # kicks that come faster than MIN_TICK_GAP_S share one tick (it is level-triggered:
+            # one tick carries out every flip requested since the last)
+            rest = max(rest, MIN_TICK_GAP_S - (end - t0))
             left = rest - (time.perf_counter() - end)
             if left > 0 and not self.ctx.closing:  # kicks do not end the rest; `close()` does
                 await self.ctx.notifier.wait(REST_KEY, left)

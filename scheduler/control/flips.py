@@ -296,9 +296,12 @@ class Flips:
         capacity fell under the minimum just as the cell emptied): the cell took the training
         role, the store keeps it in rollout, and a request placed there would sit undecoded
         while the cell still reports it. Visits the live cells a slice a tick (`Registry.rotation`)."""
-        fleet = self.ctx.store.fleet
-        flipping = fleet.flipping_cells()
-        for cell_id, state in fleet.cell_states(self._align_sweep.next()).items():
+        flipping = self.ctx.store.fleet.flipping_cells()
+        self.tally.advance(self.ctx.clock())
+        cells = self.tally.cells
+        for cell_id in self._align_sweep.next():
+            kept = cells.get(cell_id)
+            state = kept.state if kept is not None else None
             reported = self._reported_role(cell_id)
             if cell_id in flipping or state not in ("rollout", "training") or reported is None or reported == state:
                 continue
