@@ -9,7 +9,10 @@ of every cell flipped to training (`requests_on`), and `choose_destinations` for
 the store: a share of the rollout cells finish sessions, admit new ones and decode further
 (each then syncs its KV blocks in use), the trainer runs up to 8 steps at once, the backlog
 of finished trajectories wanders (so the planner flips both ways), and the last tick's flips
-and placements are written back.
+and placements are written back; then the controller's GC policy steps, as the running loop
+does after each tick (scheduler/control/gcpolicy.py: the fleet's long-lived state frozen out of
+the automatic collections). The scheduled full collection (every 10 minutes in production) is
+timed apart at the end: `gc_full_ms`.
 
 REST: the real app (`scheduler.api.app.create_app_from_env`) under uvicorn on 127.0.0.1, in a
 process of its own as deployed, with its SQLite store holding 10,000 rollout cells (as a
@@ -191,12 +194,19 @@ def bench_tick(cells: int, sessions: int, ticks: int, seed: int) -> dict:
         fleet.churn(0.02)
         dt, f, p, decisions, moves, dests = controller_tick(fleet)
         fleet.apply(decisions, moves, dests)
+        fleet.ctl.gc_policy.step()  # as the running loop does after each tick
         if k >= 5:
             times.append(dt * 1e3)
             flips.append(f)
             placed.append(p)
     times.sort()
-    return {"tick_p50_ms": round(statistics.median(times), 2),
+    # the scheduled full collection (once every FULL_EVERY_S in production): its pause at this scale
+    policy = fleet.ctl.gc_policy
+    pauses: list[float] = []
+    policy.observe, policy.last_full = pauses.append, float("-inf")
+    policy.step()
+    return {"gc_full_ms": round(pauses[0] * 1e3, 1),
+            "tick_p50_ms": round(statistics.median(times), 2),
             "tick_p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))], 2),
             "tick_max_ms": round(times[-1], 2),
             "flips_per_tick": round(statistics.mean(flips), 2),
@@ -318,11 +328,12 @@ def main() -> None:
     tick = bench_tick(args.cells, args.sessions, ticks, args.seed)
     print(f"tick (snapshot + planner): {args.cells} cells, {args.sessions} sessions, {ticks} ticks: "
           f"p50 {tick['tick_p50_ms']} ms, p99 {tick['tick_p99_ms']} ms, max {tick['tick_max_ms']} ms; "
+          f"scheduled full GC {tick['gc_full_ms']} ms; "
           f"{tick['flips_per_tick']} flips + {tick['placements_per_tick']} placements a tick")
     api = None if args.no_api else bench_api(2.0 if args.quick else 5.0, args.api_cells)
     result = {"cells": args.cells, "sessions": args.sessions, "tick_includes_snapshot": True,
               "tick_p50_ms": tick["tick_p50_ms"], "tick_p99_ms": tick["tick_p99_ms"],
-              "decisions_per_tick": tick["decisions_per_tick"],
+              "decisions_per_tick": tick["decisions_per_tick"], "gc_full_ms": tick["gc_full_ms"],
               "api_cells": args.api_cells if api else None,
               "api_rps_get": api["api_rps_get"] if api else None,
               "api_rps_flip": api["api_rps_flip"] if api else None}

@@ -36,6 +36,7 @@ from scheduler.control.cellsync import Membership
 from scheduler.control.completions import Completions
 from scheduler.control.context import TICK_KEY, Context, Effects
 from scheduler.control.flips import Flips
+from scheduler.control.gcpolicy import GcPolicy
 from scheduler.control.ingest import Ingest
 from scheduler.control.metrics import Metrics
 from scheduler.control.migrations import Migrations
@@ -94,6 +95,8 @@ class Controller:
                                      holders=(self.migrations, self.ownership, self.flips, self.scoring, self.versions))
         """Register, sync, fence; fencing asks each holder above in that order."""
         self.membership.recover()
+        self.gc_policy = GcPolicy(time.monotonic, ctx.metrics.gc_full.observe)
+        """The process's garbage collection, paced by the running loop (`run`)."""
         self.loop = Reconciler(ctx, self.rates, Concerns(self.membership, self.versions, self.migrations,
                                                          self.flips, self.ownership, self.scoring), self.tally)
         """Whether the inventory is rebuilt; the last tick."""
@@ -144,6 +147,7 @@ class Controller:
                 self.tick()
             except Exception:  # the loop's boundary: log the reason and keep going
                 log.exception("control loop tick failed")
+            self.gc_policy.step()
             end = time.perf_counter()
             # a slow tick (a large fleet) is followed by as long a rest even when kicked, so
             # the loop holds at most half the event loop and requests are served between ticks
