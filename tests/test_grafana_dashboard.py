@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.metrics import MetricWrapperBase
 
-from scheduler.control.metrics import Metrics
+from scheduler.control.metrics import FLEET_FAMILIES, Metrics
 
 DASHBOARD = (
     Path(__file__).resolve().parent.parent / "configs" / "grafana" / "cellflip-dashboard.json"
@@ -93,6 +93,8 @@ class Exported:
         for obj in vars(metrics).values():
             if isinstance(obj, MetricWrapperBase):
                 self.labels[obj._name] = set(obj._labelnames)
+        for name, (_, _, labels) in FLEET_FAMILIES.items():  # built at scrape time
+            self.labels["cellflip_" + name] = set(labels)
         assert set(self.labels) == set(self.family_of.values()), (
             "Metrics attributes and registry families disagree"
         )

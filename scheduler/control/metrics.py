@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _SLOW = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
@@ -19,6 +19,24 @@ _SLOW = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 CELL_STATES = ("joining", "rollout", "draining", "training", "loading", "down")
 GROUP_DROP_REASONS = ("deadline", "stale", "uniform_reward", "no_group", "late")
 """Why a trainer drops a group (cells/trainer/groups.py)."""
+
+
+FLEET_FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "cells": ("gauge", "Cells by state.", ("state",)),
+    "cells_by_role": ("gauge", "Cells by role (draining counts as rollout, loading as training).", ("role",)),
+    "cell_role_seconds": ("counter", "Seconds each cell spent in each state (utilization).", ("cell", "state")),
+    "inflight_requests": ("gauge", "Requests running or migrating, per owner cell.", ("cell",)),
+    "kv_blocks_used": ("gauge", "KV blocks in use, per cell (as reported).", ("cell",)),
+    "waiting_requests": ("gauge", "Requests queued or suspended (waiting for a cell).", ()),
+}
+"""The fleet's families, built at scrape time (name without the prefix: type, help, labels)."""
+
+
+def fleet_family(name: str) -> GaugeMetricFamily | CounterMetricFamily:
+    """An empty family of `FLEET_FAMILIES` to add samples to."""
+    kind, doc, labels = FLEET_FAMILIES[name]
+    make = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+    return make("cellflip_" + name, doc, labels=list(labels))
 
 
 class Metrics:
@@ -79,4 +97,6 @@ class _Fleet:
         return []
 
     def collect(self) -> Iterable[Metric]:
-        return [] if self.metrics.fleet is None else self.metrics.fleet()
+        if self.metrics.fleet is None:  # declared, with no samples yet
+            return [fleet_family(name) for name in FLEET_FAMILIES]
+        return self.metrics.fleet()

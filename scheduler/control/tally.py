@@ -21,15 +21,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from scheduler.contract.states import role_of
-from scheduler.control.metrics import CELL_STATES
+from scheduler.control.metrics import CELL_STATES, fleet_family
 
 if TYPE_CHECKING:
     from scheduler.control.context import Context
-
-P = "cellflip_"
 
 
 @dataclass(slots=True)
@@ -123,24 +121,20 @@ class FleetTally:
             role = role_of(s)
             if role is not None:
                 by_role[role] += 1
-        g = GaugeMetricFamily(P + "cells", "Cells by state.", labels=["state"])
+        g = fleet_family("cells")
         for s, n in by_state.items():
             g.add_metric([s], n)
         yield g
-        g = GaugeMetricFamily(P + "cells_by_role", "Cells by role (draining counts as rollout, loading as training).",
-                              labels=["role"])
+        g = fleet_family("cells_by_role")
         for role, n in by_role.items():
             g.add_metric([role], n)
         yield g
-        c = CounterMetricFamily(P + "cell_role_seconds", "Seconds each cell spent in each state (utilization).",
-                                labels=["cell", "state"])
+        c = fleet_family("cell_role_seconds")
         for (cid, s), v in sorted(self.role_seconds(ctx.clock()).items()):
             c.add_metric([cid, s], v)
         yield c
         owned = ctx.store.owners.live_counts()
-        inflight = GaugeMetricFamily(P + "inflight_requests", "Requests running or migrating, per owner cell.",
-                                     labels=["cell"])
-        kv = GaugeMetricFamily(P + "kv_blocks_used", "KV blocks in use, per cell (as reported).", labels=["cell"])
+        inflight, kv = fleet_family("inflight_requests"), fleet_family("kv_blocks_used")
         for cid in sorted(states):
             inflight.add_metric([cid], owned.get(cid, 0))
             summary = ctx.registry.summary(cid)
@@ -148,5 +142,6 @@ class FleetTally:
         yield inflight
         yield kv
         counts = ctx.store.owners.count_requests()
-        yield GaugeMetricFamily(P + "waiting_requests", "Requests queued or suspended (waiting for a cell).",
-                                value=counts.get("queued", 0) + counts.get("suspended", 0) + counts.get("parked", 0))
+        g = fleet_family("waiting_requests")
+        g.add_metric([], counts.get("queued", 0) + counts.get("suspended", 0) + counts.get("parked", 0))
+        yield g
