@@ -129,7 +129,7 @@ class SchedulerActor:
     def __init__(self, config_json: str) -> None:
         import uvicorn
 
-        from scheduler.contract.config import SCHEDULER_CONFIG_ENV
+        from scheduler.contract.config import SCHEDULER_CONFIG_ENV, SHARED_PROCESS_ENV
 
         cfg = _load(config_json)
         self.ip, self.node_id = node_address()
@@ -138,6 +138,7 @@ class SchedulerActor:
         sched = cfg.scheduler.model_copy(update={"host": self.ip, "port": port})
         # the app is built by module path from the config's JSON text, in this process
         os.environ[SCHEDULER_CONFIG_ENV] = cfg.model_copy(update={"scheduler": sched}).model_dump_json()
+        os.environ[SHARED_PROCESS_ENV] = "1"  # this process runs more than the scheduler: its GC is left alone
         self.server = uvicorn.Server(uvicorn.Config("scheduler.api.app:create_app_from_env", factory=True,
                                                     host=self.ip, port=port, log_level="warning"))
         self.thread, self._stopping = _die_with(self.server.run, "scheduler")

@@ -25,6 +25,7 @@ from scheduler.api.limits import BodySizeLimit
 from scheduler.api.routes import ROUTERS
 from scheduler.contract.config import (
     SCHEDULER_CONFIG_ENV,
+    SHARED_PROCESS_ENV,
     CellflipConfig,
     ConfigError,
     MigrationConfig,
@@ -51,9 +52,12 @@ DEFAULT_TICK_S = 0.2
 
 
 def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_path: str | None = None,
-               clock: Callable[[], float] = time.monotonic, tick_interval_s: float | None = DEFAULT_TICK_S) -> FastAPI:
+               clock: Callable[[], float] = time.monotonic, tick_interval_s: float | None = DEFAULT_TICK_S,
+               manage_gc: bool = True) -> FastAPI:
     """Build the app. `tick_interval_s=None` runs no background loop (tests tick by hand);
-    `clock` is the monotonic clock of leases and deadlines."""
+    `clock` is the monotonic clock of leases and deadlines; `manage_gc`: the running loop paces
+    the process's garbage collection (scheduler/control/gcpolicy.py), for a scheduler that owns
+    its process."""
     if isinstance(config, CellflipConfig):
         sched, migration, gateway, vers = config.scheduler, config.migration, config.gateway, config.versions
     else:
@@ -69,7 +73,7 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
         store = Store(db_path or sched.db_path)
         ctl = Controller(store, sched, migration, clock=clock, metrics=metrics, versions=vers)
         app.state.controller = ctl
-        task = asyncio.create_task(ctl.run(tick_interval_s)) if tick_interval_s else None
+        task = asyncio.create_task(ctl.run(tick_interval_s, manage_gc=manage_gc)) if tick_interval_s else None
         try:
             yield
         finally:
@@ -107,7 +111,8 @@ def create_app_from_env() -> FastAPI:
     text = os.environ.get(SCHEDULER_CONFIG_ENV)
     if not text:
         raise ConfigError(f"${SCHEDULER_CONFIG_ENV} holds no config")
-    return create_app(parse_config(json.loads(text), f"${SCHEDULER_CONFIG_ENV}"))
+    return create_app(parse_config(json.loads(text), f"${SCHEDULER_CONFIG_ENV}"),
+                      manage_gc=os.environ.get(SHARED_PROCESS_ENV) != "1")
 
 
 def _publish_chat_schemas(app: FastAPI) -> None:

@@ -24,6 +24,9 @@ from scheduler.contract.engine_config import (
 
 SCHEDULER_CONFIG_ENV = "CELLFLIP_SCHEDULER_CONFIG"
 """A scheduler started by module path reads its whole config (JSON text) from this variable."""
+SHARED_PROCESS_ENV = "CELLFLIP_SCHEDULER_SHARES_PROCESS"
+"""Set to 1 by a launcher that runs the scheduler in a thread of a process doing other work:
+the scheduler then leaves the process's garbage collection alone (`create_app(manage_gc=...)`)."""
 
 __all__ = ["SCHEDULER_CONFIG_ENV", "ConfigError", "EmbeddedEngineConfig", "EngineConfig", "ModelConfig", "SGLangEngineConfig"]
 

@@ -138,16 +138,18 @@ class Controller:
         """One control-loop iteration (synchronous: runs on the event loop's thread)."""
         self.loop.tick()
 
-    async def run(self, interval_s: float) -> None:
+    async def run(self, interval_s: float, manage_gc: bool = False) -> None:
         """The control loop, until `close()`: it ends by itself then, since a cancel that lands
-        while the wait it interrupts is also being woken can be lost."""
+        while the wait it interrupts is also being woken can be lost. `manage_gc`: step the GC
+        policy after each tick (a scheduler that owns its process)."""
         while not self.ctx.closing:
             t0 = time.perf_counter()
             try:
                 self.tick()
             except Exception:  # the loop's boundary: log the reason and keep going
                 log.exception("control loop tick failed")
-            self.gc_policy.step()
+            if manage_gc:
+                self.gc_policy.step()
             end = time.perf_counter()
             # a slow tick (a large fleet) is followed by as long a rest even when kicked, so
             # the loop holds at most half the event loop and requests are served between ticks

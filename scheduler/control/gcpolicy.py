@@ -8,7 +8,9 @@ REST request and tick waiting behind it feels that pause. The fleet's state is a
 (`gc.freeze`) every `freeze_every_s`: the automatic collections then walk only what was made
 since. Every `full_every_s` it unfreezes and runs one full collection (the only pause of that
 size, on a known schedule: the `cellflip_gc_full_seconds` histogram), so a cycle made in
-between is reclaimed within that interval.
+between is reclaimed within that interval. Only a scheduler that owns its process does this
+(`python -m scheduler`, a server started by module path); one sharing a process with other work
+(`cellflip up`'s launcher, `$CELLFLIP_SCHEDULER_SHARES_PROCESS`) leaves the collector alone.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import time
 from collections.abc import Callable
 
 FREEZE_EVERY_S = 1.0
+"""Under load a tick replaces thousands of per-cell objects: a longer period lets the young
+set grow back toward the whole fleet before the next freeze."""
 FULL_EVERY_S = 600.0
 
 
