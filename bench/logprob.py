@@ -12,10 +12,13 @@ Fields:
   (`verified_mismatches` counts those that did not).
 - decode_match_frac, decode_match_tokens: every exact old log-prob checked against the
   log-prob the client received when the token was sampled (the sampler's, an independent path
-  from the scorer's), bitwise; compared are the exact tokens whose request ran under one
-  version from its prefill to that token (after an in-flight version switch under `keep_kv`
-  the decode attends to KV of the older version, so the two legitimately differ there);
-  decode_match_tokens / exact tokens is `decode_compared_frac`.
+  from the scorer's), bitwise; decode_match_tokens / exact tokens is `decode_compared_frac`.
+  The cells run with `inflight_policy: recompute` (`inflight_policy` in the JSON): a request
+  running across a version switch is re-prefilled under the new weights, so every token was
+  sampled from exactly the policy its old log-prob scores, and every one is compared. Under
+  `keep_kv` (`--inflight-policy keep_kv`) the decode after a switch attends to KV of the older
+  version and legitimately differs from the scorer's: only tokens before a request's first
+  switch are compared then.
 - version_lifetime_s: mean time a version was the active one (active → retiring).
 - sync_pass_s: mean final pass: from a cell switching off a version to it dropping that
   version (every token of it scored), over cells and versions (the scheduler's record).
@@ -54,9 +57,10 @@ def _weights(cfg: dict, n: int) -> dict[int, dict[str, torch.Tensor]]:
     return out
 
 
-def decode_matches(streams: list[Streamer], sessions: dict[str, dict]) -> tuple[int, int]:
+def decode_matches(streams: list[Streamer], sessions: dict[str, dict], policy: str) -> tuple[int, int]:
     """(bitwise matches, compared): exact old log-probs against the log-probs each client
-    received at decode time, over tokens whose request ran under one version until then."""
+    received at decode time; under `keep_kv`, over tokens whose request ran under one version
+    until then."""
     match = compared = 0
     for st in streams:
         s = sessions.get(st.session_id or "")
@@ -67,7 +71,7 @@ def decode_matches(streams: list[Streamer], sessions: dict[str, dict]) -> tuple[
             raise AssertionError(f"session {st.session_id}: {len(st.logprobs)} decode log-probs for {len(sampled)} tokens")
         first = s["versions"][sampled[0]] if sampled else None
         for lp, i in zip(st.logprobs, sampled):
-            if s["versions"][i] != first:
+            if policy == "keep_kv" and s["versions"][i] != first:
                 break  # the request switched version: later tokens decoded over older KV
             if s["provenance"][i] == "exact":
                 compared += 1
@@ -76,12 +80,14 @@ def decode_matches(streams: list[Streamer], sessions: dict[str, dict]) -> tuple[
 
 
 def main() -> None:
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, extra=lambda ap: ap.add_argument(
+        "--inflight-policy", choices=("recompute", "keep_kv"), default="recompute",
+        help="what a cell does with running requests at a version switch (recompute: every token comparable)"))
     set_threads(1)
     n_versions, period_s, max_tokens, n_streams = (3, 8.0, 160, 4) if args.quick else (4, 15.0, 300, 6)
     tmp = Path(tempfile.mkdtemp(prefix="cellflip-logprob-"))
     cfg = cluster_config(tmp, scheduler__lease_s=10.0, versions__score_batch_tokens=64,
-                         versions__score_interval_s=0.1)
+                         versions__score_interval_s=0.1, versions__inflight_policy=args.inflight_policy)
     weights = _weights(cfg, n_versions)
     c = Cluster(tmp, num_cells=2, cfg=cfg, ready_timeout_s=300)
     host = VersionHost()
@@ -137,7 +143,7 @@ def main() -> None:
             s = sessions[sid]
             lp = engines[s["versions"][i]].score(s["token_ids"][: i + 1])
             mismatches += float(lp[i - 1]) != s["old_logprobs"][i]
-        match, compared = decode_matches(streams, sessions)
+        match, compared = decode_matches(streams, sessions, args.inflight_policy)
         vers = listing["versions"]
         lifetimes = [v["lifetime_s"] for v in vers if v["lifetime_s"] is not None]
         passes = [v["final_pass_s"] for v in vers if v["final_pass_s"] is not None]
@@ -147,7 +153,7 @@ def main() -> None:
         score_per_tok = scoring["seconds"] / scoring["tokens"] if scoring["tokens"] else None
         decode_per_tok = rollout_s * 2 / len(sampled)
         result = {
-            "versions": n_versions, "tokens": len(sampled),
+            "versions": n_versions, "inflight_policy": args.inflight_policy, "tokens": len(sampled),
             "exact_frac": round(exact / len(sampled), 6), "verified_tokens": len(pick),
             "verified_mismatches": mismatches,
             "decode_match_frac": round(match / compared, 6) if compared else None,
