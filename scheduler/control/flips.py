@@ -24,7 +24,6 @@ from scheduler.contract.failpoints import failpoint
 from scheduler.contract.protocol import SetRoleCmd
 from scheduler.contract.states import CELL, FLIP, set_state
 from scheduler.control import idempotency
-from scheduler.control.ownership import bump
 from scheduler.planner import placement
 from scheduler.store.fleet import FlipRow
 
@@ -247,17 +246,20 @@ class Flips:
         self.ctx.store.fleet.put_flip(flip)
 
     def _migrate_out(self, fx: Effects, flip: FlipRow, cell: CellRow, live: list[RequestRow]) -> None:
-        snapshot = self.snapshot()
-        for req in live:
-            if req.state != "running":
-                continue
-            choice = placement.choose_destination(snapshot, cell.id, self.ownership.summarize(req))
+        """Every running request of the draining cell to a destination, all placed in one pass
+        over the fleet (`choose_destinations`: O(cells + requests log cells), not a fleet walk
+        per request)."""
+        running = [req for req in live if req.state == "running"]
+        if not running:
+            return
+        choices = placement.choose_destinations(self.snapshot(), cell.id,
+                                                [self.ownership.summarize(req) for req in running])
+        for req, choice in zip(running, choices, strict=True):
             dst = self.ctx.store.fleet.get_cell(choice.cell_id) if choice is not None else None
             if dst is None:
                 continue  # no room now; retried next tick, suspended at the deadline
             hint = "reprefill" if self.ctx.mig_cfg.path == "reprefill" else choice.path
             self.ownership.move(fx, req, cell, dst, flip, hint)
-            snapshot = bump(snapshot, dst.id)
         self.ctx.store.fleet.put_flip(flip)
 
     def _load(self, fx: Effects, flip: FlipRow, cell: CellRow) -> None:

@@ -16,7 +16,7 @@ from scheduler.planner import destinations
 from scheduler.planner import plan as planner
 from scheduler.planner.types import CellSummary, Destination, RequestSummary, Snapshot
 
-__all__ = ["choose_cells_to_flip", "choose_destination", "has_room", "plan_flips", "sticky_destination"]
+__all__ = ["choose_cells_to_flip", "choose_destination", "choose_destinations", "has_room", "plan_flips", "sticky_destination"]
 
 
 def has_room(c: CellSummary, num_tokens: int = 0, block_size: int = destinations.DEFAULT_COST.block_size) -> bool:
@@ -32,6 +32,14 @@ def choose_destination(snapshot: Snapshot, source_cell_id: str | None,
     `source_cell_id` None places a new or waiting request."""
     d = destinations.choose_destination(snapshot, source_cell_id, request)
     return None if d.cell_id is None else Destination(str(d.cell_id), d.path, d.seconds)
+
+
+def choose_destinations(snapshot: Snapshot, source_cell_id: str,
+                        requests: list[RequestSummary]) -> list[Destination | None]:
+    """Where each of `requests` leaving `source_cell_id` goes (None: nowhere now), placed in one
+    pass over the fleet: earlier placements use up room for later ones."""
+    return [None if d.cell_id is None else Destination(str(d.cell_id), d.path, d.seconds)
+            for d in destinations.choose_destinations(snapshot, [(source_cell_id, r) for r in requests])]
 
 
 def sticky_destination(snapshot: Snapshot, cell_id: str | None,
