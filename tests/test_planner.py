@@ -329,3 +329,13 @@ def test_one_update_at_a_time_bounds_the_useful_cells():
     assert len(plan_flips(s, FREE)) == 50
     s2 = snap(cells, waiting=3 * B, max_cells_per_step=50, max_concurrent_steps=3)
     assert len(plan_flips(s2, FREE)) > 50
+
+
+def test_choose_destinations_in_order_serves_a_queue_oldest_first():
+    """One free slot: by size the larger (younger) request takes it; in order, the oldest does."""
+    cells = [cell(0, inflight=15), cell(1, inflight=16)]
+    moves = [(None, RequestSummary("old", 100, 0)), (None, RequestSummary("young", 900, 0))]
+    by_size = choose_destinations(snap(cells), moves)
+    in_order = choose_destinations(snap(cells), moves, in_order=True)
+    assert [d.cell_id for d in by_size] == [None, 0]
+    assert [d.cell_id for d in in_order] == [0, None]

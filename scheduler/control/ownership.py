@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from scheduler.contract.protocol import AbortCmd, StartCmd, SuspendCmd
 from scheduler.contract.states import REQUEST
+from scheduler.planner import placement
 from scheduler.planner.placement import choose_destination
 from scheduler.planner.types import RequestSummary, Snapshot
 from scheduler.store.owners import OWNED_REQUEST_STATES, WAITING_REQUEST_STATES
@@ -163,6 +164,8 @@ class Ownership:
         waiting = ctx.store.owners.requests_in((*WAITING_REQUEST_STATES, "parked"), limit=MAX_PLACEMENTS_PER_TICK)
         if not waiting:
             return 0
+        if all(req.state != "parked" and req.id not in self.avoid_cell for req in waiting):
+            return self._place_queue(waiting)
         snapshot = self.snapshot()
         placed = 0
         with ctx.txn(durable=True) as fx:
@@ -187,6 +190,21 @@ class Ownership:
                 else:
                     self.assign(fx, req, dst.cell_id)
                 snapshot = bump(snapshot, dst.cell_id)
+                placed += 1
+        return placed
+
+    def _place_queue(self, waiting: list[RequestRow]) -> int:
+        """Queued and suspended requests with no cell to avoid (the common case: a dead cell's
+        requests, a burst of new sessions), placed oldest first in one pass over the fleet,
+        up to the first that finds no room (those behind it wait with it)."""
+        choices = placement.choose_destinations(self.snapshot(), None, [self.summarize(r) for r in waiting],
+                                                in_order=True)
+        placed = 0
+        with self.ctx.txn(durable=True) as fx:
+            for req, dst in zip(waiting, choices, strict=True):
+                if dst is None:
+                    break
+                self.assign(fx, req, dst.cell_id)
                 placed += 1
         return placed
 

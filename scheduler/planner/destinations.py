@@ -53,10 +53,11 @@ def choose_destination(snapshot: Snapshot, source_cell_id: CellId | None, reques
 
 def choose_destinations(snapshot: Snapshot,
                         moves: Sequence[tuple[CellId | None, RequestSummary]],
-                        cost: LinkCostModel = DEFAULT_COST) -> list[Destination]:
+                        cost: LinkCostModel = DEFAULT_COST, in_order: bool = False) -> list[Destination]:
     """Place many requests in one pass; earlier placements use up room for later ones.
 
-    Larger contexts are placed first (they gain most from a same-version KV copy). Source
+    Larger contexts are placed first (they gain most from a same-version KV copy); with
+    `in_order`, in the order of `moves` (a queue served oldest first). Source
     cells are never destinations. Lazy heaps keyed by (inflight, index) per version and per
     (version, node): O((cells + moves) log cells). Results are in the order of `moves`. Pure.
 
@@ -114,7 +115,7 @@ def choose_destinations(snapshot: Snapshot,
     out: list[Destination | None] = [None] * len(moves)
     block, headroom = cost.block_size, cost.headroom_blocks
     tokens = [-r.context_tokens for _, r in moves]
-    for k in sorted(range(len(moves)), key=tokens.__getitem__):
+    for k in range(len(moves)) if in_order else sorted(range(len(moves)), key=tokens.__getitem__):
         src_id, req = moves[k]
         si = index.get(src_id)
         src = cells[si] if si is not None else None

@@ -34,12 +34,14 @@ def choose_destination(snapshot: Snapshot, source_cell_id: str | None,
     return None if d.cell_id is None else Destination(str(d.cell_id), d.path, d.seconds)
 
 
-def choose_destinations(snapshot: Snapshot, source_cell_id: str,
-                        requests: list[RequestSummary]) -> list[Destination | None]:
-    """Where each of `requests` leaving `source_cell_id` goes (None: nowhere now), placed in one
-    pass over the fleet: earlier placements use up room for later ones."""
+def choose_destinations(snapshot: Snapshot, source_cell_id: str | None, requests: list[RequestSummary],
+                        in_order: bool = False) -> list[Destination | None]:
+    """Where each of `requests` leaving `source_cell_id` (None: waiting ones) goes (None:
+    nowhere now), placed in one pass over the fleet: earlier placements use up room for later
+    ones; `in_order` places them in the given order (else larger contexts first)."""
     return [None if d.cell_id is None else Destination(str(d.cell_id), d.path, d.seconds)
-            for d in destinations.choose_destinations(snapshot, [(source_cell_id, r) for r in requests])]
+            for d in destinations.choose_destinations(snapshot, [(source_cell_id, r) for r in requests],
+                                                      in_order=in_order)]
 
 
 def sticky_destination(snapshot: Snapshot, cell_id: str | None,

@@ -161,3 +161,33 @@ def test_request_held_but_not_decoded_is_replaced_elsewhere(tmp_path):
         assert 'cellflip_requests_stalled_total{cell="a"} 1.0' in h.client.get("/metrics").text
     finally:
         h.close()
+
+
+def test_a_dead_cells_requests_wait_and_are_placed_oldest_first_as_room_appears(harness):
+    """Re-queued requests are placed in one pass, oldest first, up to the first that finds no
+    room; the rest wait for the next cell with room."""
+    a, b = FakeCell(harness.client, "a", max_running=2), FakeCell(harness.client, "b", max_running=2)
+    for c in (a, b):
+        c.register(), c.sync()
+    futs = [harness.complete({"prompt_ids": [i, 7], "max_tokens": 30}, session=f"q{i}") for i in range(4)]
+    for _ in range(500):
+        for c in (a, b):
+            c.sync()
+        if len(a.held) + len(b.held) == 4:
+            break
+        time.sleep(0.01)
+    assert len(a.held) == len(b.held) == 2
+    for _ in range(3):  # a goes silent: fenced, its two requests wait (b is full)
+        harness.clock.advance(2.0)
+        b.sync()
+        harness.tick()
+    owners = harness.ctl.store.owners
+    queued = [r.id for r in owners.requests_in(("queued", "suspended"))]
+    assert harness.client.get("/v1/cells/a").json()["state"] == "down" and len(queued) == 2
+    c = FakeCell(harness.client, "c", max_running=1)
+    c.register(), c.sync()
+    harness.tick()
+    c.sync()
+    assert list(c.held) == queued[:1]  # the oldest, alone: c has one slot
+    assert [r.id for r in owners.requests_in(("queued", "suspended"))] == queued[1:]
+    pump([b, c], harness=harness, until=futs)
