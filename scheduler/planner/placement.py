@@ -30,8 +30,7 @@ def choose_destination(snapshot: Snapshot, source_cell_id: str | None,
                        request: RequestSummary) -> Destination | None:
     """A rollout cell with room for `request` and the planner's path (None: nowhere).
     `source_cell_id` None places a new or waiting request."""
-    d = destinations.choose_destination(snapshot, source_cell_id, request)
-    return None if d.cell_id is None else Destination(str(d.cell_id), d.path, d.seconds)
+    return choose_destinations(snapshot, source_cell_id, [request])[0]
 
 
 def choose_destinations(snapshot: Snapshot, source_cell_id: str | None, requests: list[RequestSummary],
