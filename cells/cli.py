@@ -138,14 +138,19 @@ def cmd_cell(args) -> int:
     from cells.agent import CellAgent
 
     cfg = cell_config(args, _load(args.config))
-    if args.p2p_probe:
-        _p2p_probe(json.loads(args.p2p_probe))
+    probe = None
+    if args.p2p_probe:  # both cells join before either serves
+        from cells.transport.probe import LinkProbe
+
+        probe = LinkProbe(json.loads(args.p2p_probe))
     engine = build_engine(cfg.cells.engine)
     # Short GIL hand-offs: transfer threads wake promptly while the engine loop computes.
     sys.setswitchinterval(0.0005)
     agent = CellAgent(cfg, cell_id=args.cell_id, scheduler_url=args.scheduler, engine=engine, host=args.host,
                       token=_token(cfg))
     stop = threading.Event()
+    if probe is not None:
+        probe.start(agent.quiesce, stop)
     _stop_on_signals(lambda *_: stop.set())
     # `kill -USR1 <pid>`: the agent's and engine's state in the cell's log, for post-mortems
     signal.signal(signal.SIGUSR1, lambda *_: logging.getLogger("cellflip.cell").warning(
@@ -155,24 +160,6 @@ def cmd_cell(args) -> int:
     except KeyboardInterrupt:
         pass
     return 0
-
-
-def _p2p_probe(spec: dict) -> None:
-    """Raw torch.distributed bandwidth to a peer cell before serving (benchmarks): one
-    contiguous send per byte count; rank 0 hosts the rendezvous and writes the results."""
-    from cells.transport.p2p import PairChannel, measure_raw_p2p
-    from cells.transport.store import StoreAddress, StoreHost, connect
-
-    if spec["rank"] == 0:
-        host = StoreHost("127.0.0.1", spec["port"])
-        store = host.store
-    else:
-        store = connect(StoreAddress("127.0.0.1", spec["port"]), timeout_s=60)
-    with PairChannel(store, "p2p-probe", spec["rank"], timeout_s=120, connect_timeout_s=120) as ch:
-        res = {str(n): measure_raw_p2p(ch, n) for n in spec["bytes"]}
-    if spec["rank"] == 0:
-        with open(spec["out"], "w") as f:
-            json.dump(res, f)
 
 
 def cmd_up(args) -> int:

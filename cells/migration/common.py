@@ -89,6 +89,8 @@ class Outcome:
     result: str  # committed | aborted | refused | failed
     epoch: int | None = None
     num_generated: int = 0
+    """Destination: generated tokens at the commit. Source: generated tokens it had synced to
+    the store when it stopped (its client's stream came from the source up to there)."""
     bytes: int = 0
     reason: str = ""
     transfer_s: float = 0.0
@@ -97,6 +99,10 @@ class Outcome:
     """From the command to the outcome."""
     marks: dict = field(default_factory=dict)
     """Wall-clock instants of the stop-and-copy steps (for post-mortems and the bench)."""
+    sends: list = field(default_factory=list)
+    """One `[wall instant, bytes]` per KV message, in order: when the source began sending it
+    (the receive was posted), or when the destination had all of it. Paired by position, the
+    two give each message's time on the link to the point where the receiver has the bytes."""
 
 
 def kv_header(start: int, data: torch.Tensor, ids_from: int, ids: list[int]) -> dict:

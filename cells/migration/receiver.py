@@ -47,12 +47,13 @@ class MigrationReceiver(Cancellable):
         self.staging = staging or StagingBuffers(keep=0)
         self.bytes = 0
         self.marks: dict[str, float] = {}
+        self.sends: list[list] = []  # [wall instant the bytes were all here, bytes] per KV message
         self._reserved = False
 
     def run(self) -> Outcome:
         t0 = time.perf_counter()
         out = self._run()
-        out.total_s, out.marks = time.perf_counter() - t0, self.marks
+        out.total_s, out.marks, out.sends = time.perf_counter() - t0, self.marks, self.sends
         return out
 
     def _run(self) -> Outcome:
@@ -136,7 +137,9 @@ class MigrationReceiver(Cancellable):
                 pending = ch.irecv(data)
                 ch.send_json({"ready": True})
                 pending.wait()
-        self.bytes += data.numel() * data.element_size()
+        nbytes = data.numel() * data.element_size()
+        self.sends.append([time.time(), nbytes])
+        self.bytes += nbytes
 
     def _resume(self, ch: PairChannel, rid: str, mid: str, epoch: int, num_generated: int) -> Outcome:
         """Committed: this cell owns the request at `epoch`. Resume, then tell the source to free."""

@@ -64,6 +64,8 @@ class MigrationSender(Cancellable):
         self.bytes = 0
         self.transfer_s = 0.0
         self.marks: dict[str, float] = {}
+        self.sends: list[list] = []  # [wall instant the send began, bytes] per KV message
+        self.delivered = 0  # generated tokens synced to the store at the stop
         self._paused = False
         """Past the stop: the request may stand still here, and an abort must let it go."""
 
@@ -71,6 +73,7 @@ class MigrationSender(Cancellable):
         t0 = time.perf_counter()
         out = self._run()
         out.transfer_s, out.total_s, out.marks = self.transfer_s, time.perf_counter() - t0, self.marks
+        out.sends, out.num_generated = self.sends, self.delivered
         return out
 
     def _run(self) -> Outcome:
@@ -145,10 +148,7 @@ class MigrationSender(Cancellable):
         ch.send_json({**kv_header(sent_blocks, data, sent_ids, ids_tail), "kind": "final",
                       "snapshot": snap.to_dict()})
         if data.numel():
-            t = time.perf_counter()
-            ch.send_tensor(data)
-            self.transfer_s += time.perf_counter() - t
-            self.bytes += data.numel() * data.element_size()
+            self._send_tensor(ch, data)
         self.marks["tail_sent"] = time.time()
         failpoint("migrate.after_stop_copy")
         result = ch.recv_json()
@@ -205,16 +205,22 @@ class MigrationSender(Cancellable):
             reply = ch.recv_json()
             if not isinstance(reply, dict) or not reply.get("ready"):
                 raise TransferError(f"destination did not take the round: {str(reply)[:200]}")
-            t = time.perf_counter()
-            ch.send_tensor(data)
-            self.transfer_s += time.perf_counter() - t
-            self.bytes += data.numel() * data.element_size()
+            self._send_tensor(ch, data)
+
+    def _send_tensor(self, ch: PairChannel, data: torch.Tensor) -> None:
+        nbytes = data.numel() * data.element_size()
+        self.sends.append([time.time(), nbytes])
+        t = time.perf_counter()
+        ch.send_tensor(data)
+        self.transfer_s += time.perf_counter() - t
+        self.bytes += nbytes
 
     def _stop(self, e: KVHandover, rid: str, sent_blocks: int, sent_ids: int) -> tuple[torch.Tensor, RequestSnapshot]:
         e.pause_request(rid)
         end = e.num_kv_blocks(rid)
         data = e.export_kv(rid, sent_blocks, end)
-        snap = e.snapshot(rid, records_from=self.flushed(), token_ids_from=sent_ids)
+        self.delivered = self.flushed()
+        snap = e.snapshot(rid, records_from=self.delivered, token_ids_from=sent_ids)
         return data, snap
 
     def _abort_at_scheduler(self, rid: str, mid: str, reason: str) -> Outcome:
