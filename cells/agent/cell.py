@@ -50,6 +50,9 @@ IDLE_WAIT_S = 0.25
 HANDOFF_S = 0.002
 """After a step with new tokens, the engine loop waits at most this long for a sleeping sync
 loop to collect them, so that they do not wait out the next step behind the engine lock."""
+STEP_WAIT_S = 0.5
+"""Longest a copy message waits for the engine to run one step after the previous message's
+pause (`quiesce`)."""
 STALL_LOG_S = 10.0
 """An engine with work that produced no token for this long logs the cell's state (once a minute)."""
 
@@ -75,6 +78,8 @@ class CellAgent:
         self._cv = threading.Condition()
         self._quiet = 0  # copy rounds on the wire that asked decoding to pause (quiesce)
         self._quiet_until = 0.0
+        self._steps = 0  # engine steps run by the engine loop
+        self._steps_at_release = -1  # `_steps` when the last quiesce ended
         caps = engine.capabilities
         on_host = caps.kv_export and kv_handover(engine).kv_on_host()  # an engine without KV export: its own
         mode = cfg.migration.copy_quiesce
@@ -159,6 +164,8 @@ class CellAgent:
                 busy = self.role.state == "rollout" and self.engine.has_work()
                 quiet = busy and self._quieted()
                 events = self.engine.step() if busy and not quiet else []
+                if busy and not quiet:
+                    self._steps += 1
                 self._collect(events)
             handoff = None
             with self._cv:
@@ -183,11 +190,17 @@ class CellAgent:
     @contextlib.contextmanager
     def quiesce(self):
         """Decoding pauses while the block runs, at most `copy_quiesce_max_ms` (a copy round
-        on the wire: on CPU cells it shares the cores with the decode loop)."""
+        on the wire: on CPU cells it shares the cores with the decode loop). Pauses do not
+        run back to back: one that starts right after another first lets the engine run one
+        step (at most STEP_WAIT_S), so a copy round of many messages stalls each stream by
+        one message's time per token, never by the whole round's."""
         if not self._quiesce_s:
             yield
             return
         with self._cv:
+            if not self._quiet and self._steps == self._steps_at_release:
+                self._cv.wait_for(lambda: self._steps != self._steps_at_release or not self._decoding(),
+                                  timeout=max(self._quiesce_s, STEP_WAIT_S))
             self._quiet += 1
             self._quiet_until = time.monotonic() + self._quiesce_s
         try:
@@ -197,7 +210,13 @@ class CellAgent:
         finally:
             with self._cv:
                 self._quiet -= 1
+                if not self._quiet:
+                    self._steps_at_release = self._steps
                 self._cv.notify_all()
+
+    def _decoding(self) -> bool:
+        """The engine loop would step now (read without the lock: a hint for `quiesce`)."""
+        return self.role.state == "rollout" and self.engine.has_work()
 
     def _sync_loop(self, stop: threading.Event) -> None:
         """Ship tokens and events as soon as there are any; otherwise renew the lease every

@@ -65,6 +65,41 @@ def test_quiesce_pauses_the_engine_loop_and_lets_it_go(agent):
         loop.join(10)
 
 
+def test_back_to_back_pauses_let_one_step_run_between(agent):
+    """A copy round of several messages pauses decoding one message at a time: the engine
+    runs a step between two pauses, so the stream is never held for the whole round."""
+    agent.role.set("rollout")
+    agent.engine.add_request("r", [1, 2, 3, 4], SamplingParams(max_tokens=500, seed=1))
+    stop = threading.Event()
+    loop = threading.Thread(target=agent._engine_loop, args=(stop,), daemon=True)
+    loop.start()
+    try:
+        _wait(lambda: agent.engine.num_steps >= 2)
+        between = []
+        for _ in range(4):
+            with agent.quiesce():
+                start = agent.engine.num_steps
+                time.sleep(0.03)
+                assert agent.engine.num_steps == start  # paused while the message is on the wire
+            between.append(start)
+        assert all(b > a for a, b in zip(between, between[1:])), between
+    finally:
+        stop.set()
+        agent.wake()
+        loop.join(10)
+
+
+def test_a_pause_does_not_wait_for_an_idle_engine():
+    a = _agent()  # rollout, nothing to decode: nothing to wait for
+    a.role.set("rollout")
+    t0 = time.monotonic()
+    for _ in range(3):
+        with a.quiesce():
+            pass
+    assert time.monotonic() - t0 < 0.4
+    a.client.close(), a.versions.close(), a.store_host.close()
+
+
 def test_quiesce_is_bounded_and_can_be_off():
     a = _agent()
     a._quiesce_s = 0.05
