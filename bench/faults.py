@@ -54,12 +54,13 @@ Fields of the JSON line:
   fencing-sensitive scenarios. Must be > 0: the checkers can fail.
 - canary_store_violations: those of them found in the store's own token history (a sampled
   token stored at an epoch a committed migration had superseded, or any token batch taken
-  from a cell that was not the owner at its epoch), not in the cells' logs. Reported, not
-  required: in the canary scenarios the split owner's batches have not reached the store
-  (tests/scheduler/test_sched_migrations.py drives those checks directly).
+  from a cell that was not the owner at its epoch), not in the cells' logs. Must be > 0: with
+  the fence off a zombie's tokens reach the store (a destination stopped after its commit, a
+  cell stopped past its lease, each waking to sync what it decoded), and the store's history
+  alone must show it.
 
 Exit status: non-zero on any violation, lost request, hang, unexpected exit or checker error
-outside the canary, or a canary that no checker caught.
+outside the canary, or a canary that no checker caught or that the store's history did not show.
 - requests: completions started over the main runs; history: the JSON-lines history file.
 """
 
@@ -115,6 +116,8 @@ def verdict(result: dict) -> list[str]:
                                         "checker_errors") if result.get(k)]
     if result.get("canary_runs") and not result.get("canary_violations"):
         out.append("the canary ran with fencing off and no checker caught it")
+    elif result.get("canary_runs") and not result.get("canary_store_violations"):
+        out.append("the canary ran with fencing off and the store's own token history did not show it")
     return out
 
 

@@ -1055,6 +1055,10 @@ SCENARIOS: dict[str, Callable[[Campaign, Run, int], None]] = {
     "training_rank_fault": scn_training_rank_fault,
 }
 
-CANARY_PLAN = [("zombie_destination", 0), ("mig_kill_destination", DST_FPS.index("migrate.after_commit"))]
-"""The canary run: the scenarios where split ownership is one refused message away (the
-destination committed, then went silent past the source's transfer timeout)."""
+CANARY_PLAN = [("zombie_destination", 0), ("mig_kill_destination", DST_FPS.index("migrate.after_commit")),
+               ("zombie_cell", 0)]
+"""The canary run: the scenarios where split ownership is one refused message away: the
+destination of a migration committed, then went silent or died past the source's transfer
+timeout (the cells' migration logs show the split); a cell stopped past its lease wakes and
+syncs the tokens it decoded for requests re-placed meanwhile (the store's own token history
+shows them)."""

@@ -26,7 +26,10 @@ CANARY_NO_FENCING = os.environ.get("CELLFLIP_CANARY_NO_FENCING") == "1"
 import) the scheduler's epoch fence is off: a commit or abort from a fenced incarnation is not
 refused, a source's abort after the destination's commit won is answered as if the abort had
 won, so the source resumes beside the new owner (split ownership), and token batches from a
-cell that is not the owner, or at a stale epoch, are accepted (scheduler/control/ingest.py)."""
+cell that is not the owner, at a stale epoch, or for a request that no cell runs at the moment
+(its owner was fenced and it waits to be placed again) are accepted and stored
+(scheduler/control/ingest.py), even from a fenced incarnation before it is told
+(scheduler/control/cellsync.py): the store's own token history must show the split."""
 
 FAILPOINTS: dict[str, str] = {
     "migrate.after_copy_round": "source, after each copy round while decoding",

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from scheduler.contract.errors import Conflict, NotFound
+from scheduler.contract.failpoints import CANARY_NO_FENCING
 from scheduler.contract.protocol import (
     MAX_WAIT_S,
     RegisterRequest,
@@ -120,9 +121,14 @@ class Membership:
         ctx = self.ctx
         events = [decode_event(e) for e in msg.events]  # 422 before anything is committed
         check_events(events)
-        row = self._current(cell_id, msg.incarnation)
+        try:
+            row = self._current(cell_id, msg.incarnation)
+        except Conflict:
+            self._canary_ingest(cell_id, msg)
+            raise
         if ctx.registry.is_expired(cell_id):
             self.fence(cell_id, "lease expired")
+            self._canary_ingest(cell_id, msg)
             raise Conflict(f"lease of {cell_id} expired", code="fenced")
         ctx.registry.renew(cell_id, ctx.cfg.lease_s, msg.summary)
         rejected: list[str] = []
@@ -141,6 +147,14 @@ class Membership:
             if cell_id not in ctx.registry.live:  # fenced while parked
                 raise Conflict(f"{cell_id} was fenced", code="fenced")
         return SyncResponse(commands=ctx.registry.take(cell_id), rejected=rejected)
+
+    def _canary_ingest(self, cell_id: str, msg: SyncRequest) -> None:
+        """TEST ONLY (the fault campaign's canary, fence off): a fenced incarnation's token
+        batches are stored before it is told it is fenced, as a scheduler without the fence
+        would; the store's own token history must then show them."""
+        if CANARY_NO_FENCING and msg.tokens:
+            with self.ctx.txn(durable=False) as fx:
+                self.ingest.accept_tokens(fx, cell_id, msg.tokens)
 
     def _observe_summary(self, row: CellRow, msg: SyncRequest) -> None:
         fresh = self.ctx.store.fleet.get_cell(row.id)

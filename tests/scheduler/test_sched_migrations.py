@@ -105,6 +105,30 @@ def test_with_the_fence_off_the_store_history_shows_the_zombies_tokens(harness, 
     assert len(vio) == 2 and all("a@1 while b@2 owned it" in v for v in vio)
 
 
+@pytest.mark.parametrize("canary", [False, True])
+def test_a_fenced_cells_tokens_reach_the_store_only_with_the_fence_off(harness, monkeypatch, canary):
+    """The canary lets a zombie's last batch in before it is told it is fenced (as a scheduler
+    without the fence would), so the store's own history can show the split; the real
+    scheduler refuses the batch and stores nothing."""
+    from scheduler.control import cellsync, ingest
+
+    a, b, fut, rid, mid = _migrating(harness)
+    assert hand_over(a, b, mid) == 2
+    monkeypatch.setattr(ingest, "CANARY_NO_FENCING", canary)
+    monkeypatch.setattr(cellsync, "CANARY_NO_FENCING", canary)
+    a.incarnation = "a-before-restart"  # a newer incarnation registered meanwhile: this one is fenced
+    a.pending_tokens = [{"request_id": rid, "epoch": 1, "start": 3, "records": [[5, -1.0, 0, False]],
+                         "finish_reason": None}]
+    assert a.sync(expect=409)["reason"] == "stale_incarnation"
+    _, epochs, vio = _history(harness, rid)
+    foreign = harness.ctl.store.execute("SELECT cell_id, epoch, new FROM foreign_batches").fetchall()
+    if canary:
+        assert epochs[3][1] == 1 and foreign == [("a", 1, 1)]
+        assert len(vio) == 1 and "store's token history" in vio[0]
+    else:
+        assert len(epochs) == 3 and foreign == [] and vio == []
+
+
 def test_abort_before_commit_keeps_source_owner(harness):
     a, b, fut, rid, mid = _migrating(harness)
     r = b.abort_migration(mid, "could not reserve")
