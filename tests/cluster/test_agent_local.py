@@ -43,14 +43,25 @@ def _wait(pred, timeout_s: float = 30.0) -> None:
         time.sleep(0.005)
 
 
-def test_quiesce_pauses_the_engine_loop_and_lets_it_go(agent):
+@contextlib.contextmanager
+def _decoding(agent, max_tokens: int):
+    """The agent's engine loop on a thread, decoding one request in the rollout role."""
     agent.role.set("rollout")
-    agent.engine.add_request("r", [1, 2, 3, 4], SamplingParams(max_tokens=200, seed=1))
+    agent.engine.add_request("r", [1, 2, 3, 4], SamplingParams(max_tokens=max_tokens, seed=1))
     stop = threading.Event()
     loop = threading.Thread(target=agent._engine_loop, args=(stop,), daemon=True)
     loop.start()
     try:
         _wait(lambda: agent.engine.num_steps >= 2)
+        yield
+    finally:
+        stop.set()
+        agent.wake()
+        loop.join(10)
+
+
+def test_quiesce_pauses_the_engine_loop_and_lets_it_go(agent):
+    with _decoding(agent, 200):
         with agent.quiesce():
             assert agent._quieted()
             time.sleep(0.05)  # let a step in flight finish
@@ -59,22 +70,12 @@ def test_quiesce_pauses_the_engine_loop_and_lets_it_go(agent):
             assert agent.engine.num_steps == steps  # no step while a copy is on the wire
         assert not agent._quieted()
         _wait(lambda: agent.engine.num_steps > steps)  # woken at once, not after a timeout
-    finally:
-        stop.set()
-        agent.wake()
-        loop.join(10)
 
 
 def test_back_to_back_pauses_let_one_step_run_between(agent):
     """A copy round of several messages pauses decoding one message at a time: the engine
     runs a step between two pauses, so the stream is never held for the whole round."""
-    agent.role.set("rollout")
-    agent.engine.add_request("r", [1, 2, 3, 4], SamplingParams(max_tokens=500, seed=1))
-    stop = threading.Event()
-    loop = threading.Thread(target=agent._engine_loop, args=(stop,), daemon=True)
-    loop.start()
-    try:
-        _wait(lambda: agent.engine.num_steps >= 2)
+    with _decoding(agent, 500):
         between = []
         for _ in range(4):
             with agent.quiesce():
@@ -83,10 +84,6 @@ def test_back_to_back_pauses_let_one_step_run_between(agent):
                 assert agent.engine.num_steps == start  # paused while the message is on the wire
             between.append(start)
         assert all(b > a for a, b in zip(between, between[1:])), between
-    finally:
-        stop.set()
-        agent.wake()
-        loop.join(10)
 
 
 def test_a_pause_does_not_wait_for_an_idle_engine():
