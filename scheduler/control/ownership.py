@@ -10,7 +10,6 @@ commits; a re-submit ("kv_store", "reprefill") moves the owner here at once.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -18,7 +17,7 @@ from typing import TYPE_CHECKING
 from scheduler.contract.protocol import AbortCmd, StartCmd, SuspendCmd
 from scheduler.contract.states import REQUEST
 from scheduler.planner import placement
-from scheduler.planner.placement import choose_destination
+from scheduler.planner.placement import choose_destination, with_placement
 from scheduler.planner.types import RequestSummary, Snapshot
 from scheduler.store.owners import OWNED_REQUEST_STATES, WAITING_REQUEST_STATES
 
@@ -33,13 +32,6 @@ log = logging.getLogger("cellflip.scheduler")
 
 MAX_PLACEMENTS_PER_TICK = 256
 """Bounds one tick's work when a dead cell leaves many requests to re-prefill."""
-
-
-def bump(snapshot: Snapshot, cell_id: str) -> Snapshot:
-    """The snapshot after one more request landed on `cell_id` (decisions within one tick)."""
-    cells = tuple(dataclasses.replace(c, inflight=c.inflight + 1) if c.cell_id == cell_id else c
-                  for c in snapshot.cells)
-    return dataclasses.replace(snapshot, cells=cells)
 
 
 class Ownership:
@@ -166,7 +158,7 @@ class Ownership:
             return 0
         if all(req.state != "parked" and req.id not in self.avoid_cell for req in waiting):
             return self._place_queue(waiting)
-        snapshot = self.snapshot()
+        snapshot = with_placement(self.snapshot())  # each placement uses up its room there
         placed = 0
         with ctx.txn(durable=True) as fx:
             for req in waiting:
@@ -189,7 +181,6 @@ class Ownership:
                     self.move(fx, req, parked_on, dst_row, None, dst.path)
                 else:
                     self.assign(fx, req, dst.cell_id)
-                snapshot = bump(snapshot, dst.cell_id)
                 placed += 1
         return placed
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from scheduler.planner.destinations import Placement
 from scheduler.planner.types import CellSummary, Snapshot
 
 if TYPE_CHECKING:
@@ -37,6 +38,8 @@ class CellSummaries:
         """Ids of `by_id` in role training."""
         self.busy_copies: dict[str, tuple[CellSummary, CellSummary]] = {}
         """id → (summary, its busy copy), reused while the summary stands."""
+        self.placement = Placement(())
+        """The planner's placement index over `listed`, kept up to date with it."""
         self.changes = ctx.store.changes.reader()
         self.watched = ctx.registry.watch()
         self.rollbacks = -1
@@ -90,10 +93,12 @@ class CellSummaries:
             self.listed = [by_id[k] for k in sorted(by_id)]
             self.index = {c.cell_id: i for i, c in enumerate(self.listed)}
             self.busy_copies = {k: v for k, v in self.busy_copies.items() if k in by_id}
+            self.placement = Placement(self.listed).warm()
         else:
-            for cid in touched:
-                if cid in by_id:
-                    self.listed[self.index[cid]] = by_id[cid]
+            changed = [(self.index[cid], by_id[cid]) for cid in touched if cid in by_id]
+            for i, c in changed:
+                self.listed[i] = c
+            self.placement.update(changed)
 
 
 def build_snapshot(ctx: Context, rates: Rates, cells: CellSummaries, *, pinned: set[str],
@@ -115,7 +120,7 @@ def build_snapshot(ctx: Context, rates: Rates, cells: CellSummaries, *, pinned: 
         finish_rate_per_slot_s=rates.finish_rate_per_slot_s(), slot_occupancy=rates.slot_occupancy(),
         train_rate_per_cell_s=rates.train_rate_per_cell_s, train_step_s=rates.train_step_s,
         tokens_per_step=rates.tokens_per_step,
-        max_concurrent_steps=demand.max_concurrent_steps if demand else 1)
+        max_concurrent_steps=demand.max_concurrent_steps if demand else 1, placement=cells.placement)
 
 
 def _summary(row: tuple, s: Summary | None) -> CellSummary:

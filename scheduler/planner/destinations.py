@@ -1,8 +1,13 @@
-"""Where moved and new requests go: pure functions of a `Snapshot`.
+"""Where moved and new requests go, as functions of a `Snapshot`.
 
     choose_destination(snapshot, source, request)    -> Destination     one migration
     choose_destinations(snapshot, moves)             -> [Destination]   a whole drain, one heap pass
     move_seconds(context_tokens, same_node, path)    -> float           a path's estimated cost
+    Placement(cells)                                 the index behind them, kept by the controller
+
+Both functions are pure on a plain snapshot (the cluster simulator's). The controller's snapshot
+carries the `Placement` it keeps up to date from the store's changes, so a placement there costs
+O(log cells) and uses up the room it takes (module `Placement`).
 
 A destination is a rollout cell with room, same version first (a KV copy needs the version the
 KV was computed with), then fewest in flight, then the source's node; the path is a KV copy when
@@ -12,7 +17,8 @@ both ends can and it is cheaper than a re-prefill.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 
 from scheduler.planner.types import (
     CellId,
@@ -47,7 +53,7 @@ def choose_destination(snapshot: Snapshot, source_cell_id: CellId | None, reques
                        cost: LinkCostModel = DEFAULT_COST) -> Destination:
     """Where one request goes: a rollout cell with room, same version first, then fewest in
     flight, then same node; by KV copy when both ends can and it is cheaper than re-prefill.
-    `source_cell_id` None places a new or suspended request. Pure."""
+    `source_cell_id` None places a new or suspended request."""
     return choose_destinations(snapshot, [(source_cell_id, request)], cost)[0]
 
 
@@ -57,101 +63,243 @@ def choose_destinations(snapshot: Snapshot,
     """Place many requests in one pass; earlier placements use up room for later ones.
 
     Larger contexts are placed first (they gain most from a same-version KV copy); with
-    `in_order`, in the order of `moves` (a queue served oldest first). Source
-    cells are never destinations. Lazy heaps keyed by (inflight, index) per version and per
-    (version, node): O((cells + moves) log cells). Results are in the order of `moves`. Pure.
-
-    The planner's hot loop, kept as one function on purpose: a drain of thousands of requests
-    over a fleet of thousands of cells runs it inside one scheduler tick, and its heaps and
-    per-cell arrays are locals a split would have to pass around or rebuild per call.
+    `in_order`, in the order of `moves` (a queue served oldest first). Source cells are never
+    destinations. Results are in the order of `moves`. A snapshot that carries a kept
+    `Placement` (the controller's) is placed on it in O(moves log cells), and its placements
+    use up room there; otherwise a fresh one is built (O(cells)) and the call is pure.
     """
-    cells = snapshot.cells
-    src_ids = {s for s, _ in moves if s is not None}
-    index: dict[CellId, int] = {c.cell_id: i for i, c in enumerate(cells) if c.cell_id in src_ids}
-    src_nodes = {cells[i].node for i in index.values()}
-    n = len(cells)
-    inflight = [0] * n
-    kv_free = [0] * n
-    cap = [0] * n
-    by_v: dict[int, list[tuple[int, int]]] = {}
-    by_vn: dict[tuple[int, str], list[tuple[int, int]]] = {}  # only the sources' nodes
-    last_v, heap = None, []
-    for i, c in enumerate(cells):  # O(cells): the cost of a call with few moves
-        if c.role != "rollout":
-            continue
-        f, cp, kf = c.inflight, c.capacity, c.kv_blocks_free
-        if f >= cp or kf <= 0 or c.cell_id in src_ids:
-            continue
-        inflight[i], kv_free[i], cap[i] = f, kf, cp
-        v = c.version
-        if v != last_v:
-            heap = by_v.setdefault(v, [])
-            last_v = v
-        heap.append((f, i))
-        if c.node in src_nodes:
-            by_vn.setdefault((v, c.node), []).append((f, i))
-    # one version (the usual case): the any-version heap is that version's heap
-    any_v = next(iter(by_v.values())) if len(by_v) == 1 else [e for h in by_v.values() for e in h]
-    for h in (*by_v.values(), *by_vn.values()):
-        heapq.heapify(h)
-    if len(by_v) != 1:
-        heapq.heapify(any_v)
-    heappush, heappop = heapq.heappush, heapq.heappop
-    stash: list[tuple[list[tuple[int, int]], tuple[int, int]]] = []
+    return placement_of(snapshot).place(moves, cost, in_order)
 
-    def top(heap: list[tuple[int, int]], need: int) -> tuple[int, int] | None:
-        """Least-loaded cell of `heap` with room for `need` blocks; drops stale entries and
-        sets aside (in `stash`) cells too full for this request but not for smaller ones."""
-        while heap:
-            f, i = heap[0]
-            if f != inflight[i] or f >= cap[i] or kv_free[i] <= 0:
-                heappop(heap)  # stale: a fresher entry was pushed, or the cell is full
-            elif kv_free[i] < need:
-                stash.append((heap, heappop(heap)))
-            else:
-                return heap[0]
-        return None
 
-    out: list[Destination | None] = [None] * len(moves)
-    block, headroom = cost.block_size, cost.headroom_blocks
-    tokens = [-r.context_tokens for _, r in moves]
-    for k in range(len(moves)) if in_order else sorted(range(len(moves)), key=tokens.__getitem__):
-        src_id, req = moves[k]
-        si = index.get(src_id)
-        src = cells[si] if si is not None else None
-        need = -(-req.context_tokens // block) + headroom
-        heap = by_v.get(req.version)
-        pick = top(heap, need) if heap else None
-        if pick is not None and src is not None:
-            near_heap = by_vn.get((req.version, src.node))
-            near = top(near_heap, need) if near_heap else None
-            if near is not None and near[0] <= pick[0]:
-                pick = near
-        if pick is None:
-            pick = top(any_v, need)
-        if stash:
+def placement_of(snapshot: Snapshot) -> Placement:
+    """The snapshot's kept `Placement`, or a fresh one over its cells."""
+    kept = snapshot.placement
+    return kept if isinstance(kept, Placement) else Placement(snapshot.cells)
+
+
+class Placement:
+    """The fleet's rollout room, kept between placements: where requests go, and which rollout
+    cells are cheapest to flip away.
+
+    Built from a snapshot's cells in O(cells); `update` takes the cells whose summary changed
+    (O(changed log cells)), so a controller that keeps one beside its snapshot places a request
+    in O(log cells) instead of walking the fleet. Lazy heaps keyed by (in flight, position,
+    stamp) per version, per (version, node) and for any version; an entry is live while its
+    stamp is the position's. A placement uses up the destination's room here at once (later
+    placements see it) until the cell's next summary replaces it: the summary read after the
+    move was recorded, or, for a placement its caller did not carry out, the cell's next change
+    (meanwhile the cell only looks one request fuller).
+    """
+
+    def __init__(self, cells: Sequence[CellSummary]) -> None:
+        self.cells = list(cells)
+        self.position: dict[CellId, int] = {c.cell_id: i for i, c in enumerate(self.cells)}
+        n = len(self.cells)
+        self.inflight, self.kv_free, self.cap, self.stamp = [0] * n, [0] * n, [0] * n, [0] * n
+        self.rollout = sum(1 for c in self.cells if c.role == "rollout")
+        self._heaps: dict[object, list[tuple[int, int, int]]] | None = None
+        """Placement heaps: version → heap, (version, node) → heap, `ANY` → any version; built
+        on first use."""
+        self._flip: list[tuple[float, int, int, int]] | None = None
+        """Rollout cells by the cost of moving their sessions out; built on first use."""
+        self._flip_stamp = [0] * n
+        self._sizes: dict[object, int] = {}
+        """Each placement heap's length when it was last built or compacted."""
+
+    # ------------------------------------------------------------------ upkeep
+    def update(self, changed: Iterable[tuple[int, CellSummary]]) -> None:
+        """The summaries at these positions changed (same cells, same positions)."""
+        heaps, flip, fstamp = self._heaps, self._flip, self._flip_stamp
+        for i, c in changed:
+            old = self.cells[i]
+            self.rollout += (c.role == "rollout") - (old.role == "rollout")
+            self.cells[i] = c
+            self.stamp[i] += 1
+            if heaps is not None:
+                self._load(i, c, heaps)
+            fstamp[i] += 1
+            if flip is not None and c.role == "rollout":
+                heapq.heappush(flip, (_flip_cost(c), c.inflight, i, fstamp[i]))
+        if flip is not None and len(flip) > 2 * self.rollout + COMPACT_SLACK:
+            flip[:] = [e for e in flip if e[3] == fstamp[e[2]]]
+            heapq.heapify(flip)
+
+    def warm(self) -> Placement:
+        """Build both heaps now (a kept index: its first placement then costs no fleet pass)."""
+        self._placement_heaps()
+        self._flip_heap()
+        return self
+
+    def _load(self, i: int, c: CellSummary, heaps: dict) -> None:
+        """Position `i`'s room from its summary; one live entry when it has room."""
+        room = c.role == "rollout" and c.inflight < c.capacity and c.kv_blocks_free > 0
+        self.inflight[i] = c.inflight
+        self.kv_free[i] = c.kv_blocks_free if room else 0
+        self.cap[i] = c.capacity if room else 0
+        if room:
+            self._push(i, heaps)
+
+    def _push(self, i: int, heaps: dict) -> None:
+        c, entry = self.cells[i], (self.inflight[i], i, self.stamp[i])
+        for key in (c.version, (c.version, c.node), ANY):
+            h = heaps.get(key)
+            if h is None:
+                h = heaps[key] = []
+            heapq.heappush(h, entry)
+            if len(h) > 2 * self._sizes.get(key, 0) + COMPACT_SLACK:  # mostly dead entries: drop them
+                stamp = self.stamp
+                h[:] = [e for e in h if e[2] == stamp[e[1]]]
+                heapq.heapify(h)
+                self._sizes[key] = len(h)
+
+    def _placement_heaps(self) -> dict:
+        heaps = self._heaps
+        if heaps is None:
+            heaps = {}
+            for i, c in enumerate(self.cells):  # O(cells), once per build
+                room = c.role == "rollout" and c.inflight < c.capacity and c.kv_blocks_free > 0
+                self.inflight[i], self.kv_free[i], self.cap[i] = (
+                    (c.inflight, c.kv_blocks_free, c.capacity) if room else (c.inflight, 0, 0))
+                if room:
+                    entry = (c.inflight, i, self.stamp[i])
+                    heaps.setdefault(c.version, []).append(entry)
+                    heaps.setdefault((c.version, c.node), []).append(entry)
+                    heaps.setdefault(ANY, []).append(entry)
+            for h in heaps.values():
+                heapq.heapify(h)
+            self._heaps = heaps
+            self._sizes = {key: len(h) for key, h in heaps.items()}
+        return heaps
+    def room_for(self, cell_id: CellId, context_tokens: int, cost: LinkCostModel = DEFAULT_COST) -> CellSummary | None:
+        """The cell when it is a rollout cell with a free slot and the blocks for
+        `context_tokens` (at least one), counting this index's placements; else None."""
+        i = self.position.get(cell_id)
+        if i is None:
+            return None
+        c = self.cells[i]
+        need = max(1, -(-context_tokens // cost.block_size))
+        if self._heaps is None:
+            ok = c.role == "rollout" and c.inflight < c.capacity and c.kv_blocks_free >= need
+        else:
+            ok = self.inflight[i] < self.cap[i] and self.kv_free[i] >= need
+        return c if ok else None
+
+    def place(self, moves: Sequence[tuple[CellId | None, RequestSummary]], cost: LinkCostModel = DEFAULT_COST,
+              in_order: bool = False) -> list[Destination]:
+        """`choose_destinations` on this index: each destination's room is used up here."""
+        heaps = self._placement_heaps()
+        position, kv_free, cap, stamp = self.position, self.kv_free, self.cap, self.stamp
+        sources = {position[s]: 0 for s, _ in moves if s is not None and s in position}
+        for i in sources:  # never a destination in this call: no room here until the end
+            sources[i], cap[i] = cap[i], 0
+        try:
+            return self._place(moves, cost, in_order, heaps)
+        finally:
+            for i, room in sources.items():
+                cap[i] = room
+                stamp[i] += 1
+                if self.inflight[i] < room and kv_free[i] > 0:
+                    self._push(i, heaps)
+
+    def _place(self, moves: Sequence[tuple[CellId | None, RequestSummary]], cost: LinkCostModel,
+               in_order: bool, heaps: dict) -> list[Destination]:
+        """The planner's hot loop, kept as one function on purpose: its heaps and per-cell
+        arrays are locals a split would have to pass around."""
+        cells, position = self.cells, self.position
+        inflight, kv_free, cap, stamp = self.inflight, self.kv_free, self.cap, self.stamp
+        heappush, heappop = heapq.heappush, heapq.heappop
+        stash: list[tuple[list[tuple[int, int, int]], tuple[int, int, int]]] = []
+
+        def top(heap: list[tuple[int, int, int]], need: int) -> tuple[int, int, int] | None:
+            """Least-loaded cell of `heap` with room for `need` blocks; drops dead entries and
+            sets aside (in `stash`) cells too full for this request only."""
+            while heap:
+                f, i, s = heap[0]
+                if s != stamp[i] or f >= cap[i] or kv_free[i] <= 0:
+                    heappop(heap)  # dead: a fresher entry was pushed, or the cell is full
+                elif kv_free[i] < need:
+                    stash.append((heap, heappop(heap)))
+                else:
+                    return heap[0]
+            return None
+
+        out: list[Destination | None] = [None] * len(moves)
+        block, headroom, any_heap = cost.block_size, cost.headroom_blocks, heaps.get(ANY)
+        tokens = [-r.context_tokens for _, r in moves]
+        for k in range(len(moves)) if in_order else sorted(range(len(moves)), key=tokens.__getitem__):
+            src_id, req = moves[k]
+            si = position.get(src_id) if src_id is not None else None
+            src = cells[si] if si is not None else None
+            need = -(-req.context_tokens // block) + headroom
+            heap = heaps.get(req.version) if req.version is not None else None
+            pick = top(heap, need) if heap else None
+            if pick is not None and src is not None:
+                near_heap = heaps.get((req.version, src.node))
+                near = top(near_heap, need) if near_heap else None
+                if near is not None and near[0] <= pick[0]:
+                    pick = near
+            if pick is None and any_heap:
+                pick = top(any_heap, need)
             for h, entry in stash:
                 heappush(h, entry)
             stash.clear()
-        if pick is None:
-            out[k] = Destination(None, "suspend")
-            continue
-        d = pick[1]
-        dst = cells[d]
-        out[k] = _path(src, dst, req, cost)
-        inflight[d] += 1
-        kv_free[d] -= need
-        if inflight[d] < cap[d] and kv_free[d] > 0:
-            entry = (inflight[d], d)
-            h = by_v[dst.version]
-            heappush(h, entry)
-            if h is not any_v:
-                heappush(any_v, entry)
-            h = by_vn.get((dst.version, dst.node))
-            if h is not None:
-                heappush(h, entry)
-    return out  # type: ignore[return-value]
+            if pick is None:
+                out[k] = Destination(None, "suspend")
+                continue
+            d = pick[1]
+            out[k] = _path(src, cells[d], req, cost)
+            inflight[d] += 1
+            kv_free[d] -= need
+            stamp[d] += 1
+            if inflight[d] < cap[d] and kv_free[d] > 0:
+                self._push(d, heaps)
+        return out  # type: ignore[return-value]
 
+    def cheapest_rollout(self, count: int, exclude: AbstractSet[CellId] = frozenset(), keep: int = 0) -> list[int]:
+        """Positions of up to `count` rollout cells not in `exclude`, cheapest to drain first
+        (fewest seconds of in-flight work to move), leaving at least `keep` rollout cells.
+        O(count log cells) once the heap stands."""
+        cells = self.cells
+        excluded = sum(1 for e in exclude if (i := self.position.get(e)) is not None and cells[i].role == "rollout")
+        count = min(count, self.rollout - excluded - keep)
+        if count <= 0:
+            return []
+        flip, fstamp = self._flip_heap(), self._flip_stamp
+        out: list[int] = []
+        kept: list[tuple[float, int, int, int]] = []
+        while flip and len(out) < count:
+            entry = heapq.heappop(flip)
+            i = entry[2]
+            if entry[3] != fstamp[i]:
+                continue  # dead: the cell changed since
+            kept.append(entry)
+            if cells[i].cell_id not in exclude:
+                out.append(i)
+        for entry in kept:
+            heapq.heappush(flip, entry)
+        return out
+
+    def _flip_heap(self) -> list[tuple[float, int, int, int]]:
+        flip = self._flip
+        if flip is None:
+            fs = self._flip_stamp
+            flip = self._flip = [(_flip_cost(c), c.inflight, i, fs[i]) for i, c in enumerate(self.cells)
+                                 if c.role == "rollout"]
+            heapq.heapify(flip)
+        return flip
+
+
+ANY = "*"
+"""The key of the any-version placement heap."""
+COMPACT_SLACK = 256
+"""A heap is compacted (its dead entries dropped) once it holds twice its live size plus this."""
+_PER_TOKEN = {path: move_seconds(1, False, path) for path in ("kv", "kv_store", "reprefill")}
+
+
+def _flip_cost(c: CellSummary) -> float:
+    """Seconds of in-flight work to move off a cell: its context tokens by its cheapest path."""
+    path = "kv" if c.can_export_kv else "kv_store" if c.kv_store else "reprefill"
+    return c.inflight_tokens * _PER_TOKEN[path]
 
 def _path(src: CellSummary | None, dst: CellSummary, req: RequestSummary,
           cost: LinkCostModel) -> Destination:

@@ -5,25 +5,21 @@ scheduler/control/snapshot.py builds the `Snapshot` (every field the cluster sim
 helpers turn the planner's answers into the string cell ids the concerns use, with None for
 "nowhere", and add the one rule the planner does not make: a later turn of a session goes back
 to the cell that served its earlier turns when that cell has room (`sticky_destination`).
-Nothing here mutates anything.
+Nothing here mutates anything but the room a snapshot's kept placement index gives away
+(scheduler/planner/destinations.py `Placement`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Set as AbstractSet
 
 from scheduler.planner import destinations
 from scheduler.planner import plan as planner
-from scheduler.planner.types import CellSummary, Destination, RequestSummary, Snapshot
+from scheduler.planner.types import Destination, RequestSummary, Snapshot
 
-__all__ = ["choose_cells_to_flip", "choose_destination", "choose_destinations", "has_room", "plan_flips", "sticky_destination"]
-
-
-def has_room(c: CellSummary, num_tokens: int = 0, block_size: int = destinations.DEFAULT_COST.block_size) -> bool:
-    """A rollout cell with a free slot and the KV blocks for `num_tokens` (at least one block;
-    in the snapshot's 16-token blocks, as the planner counts them)."""
-    return (c.role == "rollout" and c.inflight < c.capacity
-            and c.kv_blocks_free >= max(1, -(-num_tokens // block_size)))
+__all__ = ["choose_cells_to_flip", "choose_destination", "choose_destinations", "plan_flips", "sticky_destination",
+           "with_placement"]
 
 
 def choose_destination(snapshot: Snapshot, source_cell_id: str | None,
@@ -50,10 +46,16 @@ def sticky_destination(snapshot: Snapshot, cell_id: str | None,
     when it has no room; the caller then takes the planner's choice (`choose_destination`)."""
     if cell_id is None:
         return None
-    c = snapshot.cell(cell_id)
-    if c is None or not has_room(c, request.context_tokens):
-        return None
-    return Destination(c.cell_id, "kv")
+    c = destinations.placement_of(snapshot).room_for(cell_id, request.context_tokens)
+    return None if c is None else Destination(c.cell_id, "kv")
+
+
+def with_placement(snapshot: Snapshot) -> Snapshot:
+    """The snapshot with a placement index (its kept one, else a fresh one): placements on it
+    use up room for the later ones (several decisions within one tick)."""
+    if snapshot.placement is not None:
+        return snapshot
+    return dataclasses.replace(snapshot, placement=destinations.Placement(snapshot.cells))
 
 
 def choose_cells_to_flip(snapshot: Snapshot, to: str, count: int, exclude: AbstractSet[str] = frozenset()) -> list[str]:

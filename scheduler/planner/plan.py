@@ -38,7 +38,7 @@ import math
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
-from scheduler.planner.destinations import move_seconds
+from scheduler.planner.destinations import placement_of
 from scheduler.planner.types import (
     ROLLOUT_SIDE,
     TRAINING_SIDE,
@@ -192,13 +192,7 @@ def choose_cells_to_flip(snapshot: Snapshot, to: FlipTarget, count: int,
 def _cheapest_rollout(snapshot: Snapshot, count: int, exclude: AbstractSet[CellId] = frozenset()) -> list[int]:
     """Indices of up to `count` rollout cells not in `exclude`, cheapest to drain first,
     keeping the minimum."""
-    kv, kv_store, reprefill = (move_seconds(1, False, path) for path in ("kv", "kv_store", "reprefill"))
-    keys = [(c.inflight_tokens * (kv if c.can_export_kv else kv_store if c.kv_store else reprefill), c.inflight, i)
-            for i, c in enumerate(snapshot.cells) if c.role == "rollout" and c.cell_id not in exclude]
-    count = min(count, len(keys) - snapshot.min_rollout_cells)
-    if count <= 0:
-        return []
-    return [i for _, _, i in heapq.nsmallest(count, keys)]
+    return placement_of(snapshot).cheapest_rollout(count, exclude, snapshot.min_rollout_cells)
 
 
 def _within_budget(cells: Sequence[CellSummary], chosen: list[int], room: float,
