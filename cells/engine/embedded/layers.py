@@ -50,21 +50,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attention_fast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
-    """q [n, H, D] at positions start..start+n-1; k, v [start+n, Hkv, D]. Returns [n, H, D]."""
-    n, h, d = q.shape
-    groups = h // k.shape[1]
+    """q [n, H, D] at positions start..start+n-1; k, v [start+n, Hkv, D]. Returns [n, H, D].
+    Grouped-query heads share their key/value head inside the kernel (`enable_gqa`): no
+    expanded copy of the keys and values per step (the same numbers as expanding them)."""
+    n = q.shape[0]
     qh = q.transpose(0, 1).unsqueeze(0)
-    kh = k.repeat_interleave(groups, dim=1).transpose(0, 1).unsqueeze(0)
-    vh = v.repeat_interleave(groups, dim=1).transpose(0, 1).unsqueeze(0)
+    kh = k.transpose(0, 1).unsqueeze(0)
+    vh = v.transpose(0, 1).unsqueeze(0)
     if n == 1:
-        out = F.scaled_dot_product_attention(qh, kh, vh)
+        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
     elif start == 0:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     else:
         lk = k.shape[0]
         qpos = torch.arange(start, start + n)[:, None]
         mask = torch.arange(lk)[None, :] <= qpos
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, enable_gqa=True)
     return out[0].transpose(0, 1)
 
 
