@@ -193,9 +193,10 @@ class CellAgent:
     def quiesce(self):
         """Decoding pauses while the block runs, at most `copy_quiesce_max_ms` (a copy round
         on the wire: on CPU cells it shares the cores with the decode loop). Pauses run back to
-        back only until they add up to `copy_pause_budget_ms` since the engine's last step; the
-        next one first lets the engine run one step (at most STEP_WAIT_S), so a copy round of
-        many messages stalls a stream by about the budget per token, never by the whole round."""
+        back only until they add up to `copy_pause_budget_ms` (default 0) since the engine's last
+        step; the next one first lets the engine run one step (at most STEP_WAIT_S), so a copy
+        round of many messages stalls a stream by one message plus the budget per token, never
+        by the whole round."""
         if not self._quiesce_s:
             yield
             return
