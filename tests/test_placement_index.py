@@ -35,13 +35,20 @@ def _changed(rnd: random.Random, cells: list, k: int) -> list:
     return out
 
 
+def _evolving(seed: int, n: int, rounds: int, churn: int):
+    """A kept index over `n` random cells, yielded after each round of up to `churn` changes
+    (with the random source and the current cells)."""
+    rnd = random.Random(seed)
+    cells = [_random_cell(rnd, i) for i in range(n)]
+    kept = Placement(cells)
+    for _ in range(rounds):
+        kept.update(_changed(rnd, cells, rnd.randint(0, churn)))
+        yield rnd, cells, kept
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_kept_index_places_as_a_fresh_one_after_updates(seed):
-    rnd = random.Random(seed)
-    cells = [_random_cell(rnd, i) for i in range(60)]
-    kept = Placement(cells)
-    for _ in range(12):
-        kept.update(_changed(rnd, cells, rnd.randint(0, 15)))
+    for rnd, cells, kept in _evolving(seed, 60, 12, 15):
         sources = [i for i in rnd.sample(range(60), 3)]
         moves = [(s, req(f"{s}-{j}", tokens=rnd.randint(1, 60) * 1000, version=rnd.randint(0, 1)))
                  for s in sources for j in range(rnd.randint(0, 6))]
@@ -77,11 +84,7 @@ def test_placements_use_up_room_across_calls_until_the_next_summary():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_kept_flip_choice_matches_a_fresh_one(seed):
-    rnd = random.Random(seed)
-    cells = [_random_cell(rnd, i) for i in range(80)]
-    kept = Placement(cells)
-    for _ in range(10):
-        kept.update(_changed(rnd, cells, rnd.randint(0, 20)))
+    for rnd, cells, kept in _evolving(seed, 80, 10, 20):
         exclude = frozenset(rnd.sample(range(80), 5))
         count = rnd.randint(1, 30)
         got = kept.cheapest_rollout(count, exclude, keep=2)
