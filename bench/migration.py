@@ -31,7 +31,7 @@ Transfer rate, like for like:
   between the same two cell processes, timed between the same two points, each message under
   the same decode pause as a copy round, while the control request decodes on the sender
   (cells/transport/probe.py); raw_under_load says the control was still decoding when the
-  reference finished.
+  reference finished (it decodes PROBE_TOKENS past the moved request's length for that).
 
 recompute_ms: the median of 3 warm re-prefills of the same context in the mode the cells run
 (an identical in-process engine, batch-invariant, after a full cold run of the request that
@@ -63,6 +63,9 @@ HISTORY_S = 2.0
 """Decoding before each command: the typical gap is measured over it."""
 AFTER_COMMIT = 32
 """Tokens after the commit that close a move's window."""
+PROBE_TOKENS = 64
+"""Tokens the control decodes beyond the moved request's length, so that it still decodes
+while the raw link reference runs after its window (a few seconds at 16k)."""
 TOKENS_PER_MOVE = {1024: 240, 2048: 200, 4096: 150, 8192: 110, 16384: 80}
 """Generated tokens one move uses (history, the move, the tokens after the commit) at this
 machine's decode rates in batch-invariant mode, with room to spare."""
@@ -279,7 +282,8 @@ def main() -> None:
                        for m in mv) + AFTER_COMMIT
             sizes = [[b for _, b in m["source"]["sends"]] for m in mv]
             ctl, raw, under_load = control_and_reference_link(c, probe, [rng.randrange(8000) for _ in range(n)],
-                                                              seed=1000 + k, max_tokens=len(s.tokens), upto=last,
+                                                              seed=1000 + k, max_tokens=len(s.tokens) + PROBE_TOKENS,
+                                                              upto=last,
                                                               reps=sizes)
             per = stalls(s.wall_times, ctl.wall_times, mv)
             links = [link_rate(m["source"]["sends"], m["destination"]["sends"]) for m in mv]
