@@ -94,3 +94,15 @@ def test_kept_flip_choice_matches_a_fresh_one(seed):
         assert got == want
         assert choose_cells_to_flip(snap(cells, min_rollout=2, placement=kept), "training", count, exclude=exclude) \
             == choose_cells_to_flip(snap(cells, min_rollout=2), "training", count, exclude=exclude) == want
+
+
+def test_a_version_no_cell_has_leaves_no_heaps_behind():
+    cells = [cell(i, inflight=1, capacity=4, node=f"n{i % 3}") for i in range(12)]
+    kept = Placement(cells).warm()
+    for v in range(1, 60):  # the fleet moves through many versions, one cell at a time
+        for i in range(12):
+            cells[i] = replace(cells[i], version=v)
+            kept.update([(i, cells[i])])
+    assert {k for k in kept._heaps if k != "*"} == {59, *((59, f"n{j}") for j in range(3))}
+    got = kept.place([(None, req("x", tokens=100, version=59))])
+    assert got == choose_destinations(snap(cells), [(None, req("x", tokens=100, version=59))])

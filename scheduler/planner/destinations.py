@@ -17,6 +17,7 @@ both ends can and it is cheaper than a re-prefill.
 from __future__ import annotations
 
 import heapq
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
@@ -105,14 +106,24 @@ class Placement:
         self._flip_stamp = [0] * n
         self._sizes: dict[object, int] = {}
         """Each placement heap's length when it was last built or compacted."""
+        self._versions = Counter(c.version for c in self.cells)
+        """Cells per version: a version's heaps go once no cell has it (a long run publishes
+        thousands of versions)."""
 
     # ------------------------------------------------------------------ upkeep
     def update(self, changed: Iterable[tuple[int, CellSummary]]) -> None:
         """The summaries at these positions changed (same cells, same positions)."""
         heaps, flip, fstamp = self._heaps, self._flip, self._flip_stamp
+        versions = self._versions
         for i, c in changed:
             old = self.cells[i]
             self.rollout += (c.role == "rollout") - (old.role == "rollout")
+            if old.version != c.version:
+                versions[c.version] += 1
+                versions[old.version] -= 1
+                if not versions[old.version]:
+                    del versions[old.version]
+                    self._drop_version(old.version)
             self.cells[i] = c
             self.stamp[i] += 1
             if heaps is not None:
@@ -123,6 +134,13 @@ class Placement:
         if flip is not None and len(flip) > 2 * self.rollout + COMPACT_SLACK:
             flip[:] = [e for e in flip if e[3] == fstamp[e[2]]]
             heapq.heapify(flip)
+
+    def _drop_version(self, version: int) -> None:
+        """No cell has `version` any more: its heaps hold only dead entries."""
+        if self._heaps is not None:
+            for key in [k for k in self._heaps if k == version or (isinstance(k, tuple) and k[0] == version)]:
+                del self._heaps[key]
+                self._sizes.pop(key, None)
 
     def warm(self) -> Placement:
         """Build both heaps now (a kept index: its first placement then costs no fleet pass)."""
@@ -170,6 +188,7 @@ class Placement:
             self._heaps = heaps
             self._sizes = {key: len(h) for key, h in heaps.items()}
         return heaps
+
     def room_for(self, cell_id: CellId, context_tokens: int, cost: LinkCostModel = DEFAULT_COST) -> CellSummary | None:
         """The cell when it is a rollout cell with a free slot and the blocks for
         `context_tokens` (at least one), counting this index's placements; else None."""
