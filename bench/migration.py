@@ -66,7 +66,7 @@ AFTER_COMMIT = 32
 PROBE_TOKENS = 64
 """Tokens the control decodes beyond the moved request's length, so that it still decodes
 while the raw link reference runs after its window (a few seconds at 16k)."""
-TOKENS_PER_MOVE = {1024: 240, 2048: 200, 4096: 150, 8192: 110, 16384: 80}
+TOKENS_PER_MOVE = {1024: 240, 2048: 200, 4096: 150, 8192: 110, 16384: 110}
 """Generated tokens one move uses (history, the move, the tokens after the commit) at this
 machine's decode rates in batch-invariant mode, with room to spare."""
 WARM_RECOMPUTES = 3
