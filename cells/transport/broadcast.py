@@ -49,10 +49,9 @@ from scheduler.contract.failpoints import failpoint
 SETTLE_POLL_S = 0.002
 """Longest poll period for the reports: the sender's own store, polled only until the last
 member reported (usually within milliseconds of the last bucket)."""
-SPLIT_OP_BYTES = 128 << 20
+SPLIT_OP_BYTES = 64 << 20
 """Bytes per op of the split format: several CRC buckets travel as one op, since every op
-costs each rank a wake-up on a busy machine (a 412 MB version to one receiver on 2 busy
-cores: 128 MiB ops a little faster than 64 or 32 MiB)."""
+costs each rank a wake-up on a busy machine."""
 
 
 @dataclass
