@@ -6,12 +6,9 @@ verify → report; after a failed collective, the live remainder retries over a 
 Control exchange: keys in the sender's store under `{namespace}/{version}/`.
   ready/{a}/{cell}   receiver: alive and waiting for attempt a (after a failed attempt it
                      writes ready/{a+1} at once: "retry me")
-  head               sender, once before plan/0 (split format): the manifest, every bucket's
-                     CRC32 and buckets per op, read by members while the group forms
-  plan/{a}           sender: {"members": [cell, ...], "retry_within_s": s, "head": bool};
-                     members in rank order (rank = index + 1); an empty list ends the
-                     broadcast for whoever still waits; after a failure the next plan comes
-                     within retry_within_s; without "head" the manifest is the group's first op
+  plan/{a}           sender: {"members": [cell, ...], "retry_within_s": s}; members in rank
+                     order (rank = index + 1); an empty list ends the broadcast for whoever
+                     still waits; after a failure the next plan comes within retry_within_s
   result/{a}/{cell}  receiver: {"ok": bool, "reason": str} once it checked the last bucket
   pg/{a}/            rendezvous of attempt a's group
 The sender learns who is alive from these keys, each wait under its own deadline, and never
@@ -42,13 +39,10 @@ from cells.transport.buckets import (
 )
 from cells.transport.catchup import recv_version_p2p, send_version_p2p  # noqa: F401 (re-export)
 from cells.transport.p2p import TransferError, discard, join_group, wait_work
-from cells.transport.staging import FlatReceipt, StagingBuffers, empty_flat
-from cells.transport.store import get_json, poll_sleeps, set_json, wait_json, wait_keys
+from cells.transport.staging import StagingBuffers, empty_flat
+from cells.transport.store import POLL_S, get_json, set_json, wait_json, wait_keys
 from scheduler.contract.failpoints import failpoint
 
-SETTLE_POLL_S = 0.002
-"""Longest poll period for the reports: the sender's own store, polled only until the last
-member reported (usually within milliseconds of the last bucket)."""
 SPLIT_OP_BYTES = 64 << 20
 """Bytes per op of the split format: several CRC buckets travel as one op, since every op
 costs each rank a wake-up on a busy machine."""
@@ -149,10 +143,6 @@ class WeightSender:
             raise ValueError(f"version {version} was already broadcast under {self.namespace!r}: "
                              "catch cells up with send_version_p2p, or use a fresh namespace")
         result = BroadcastResult(version)
-        if isinstance(packer, FlatVersion):  # members read it while the group forms: no op
-            per_op = max(1, SPLIT_OP_BYTES // manifest.bucket_bytes)
-            set_json(self.store, key("head"), {**manifest.to_dict(), "wire": "split", "crcs": packer.crcs,
-                                               "per_op": per_op})
         pending, attempt, join_wait = list(dict.fromkeys(receivers)), 0, self.join_timeout_s
         # A member that failed early waits for our own failure detection, then the settle.
         retry_s = self.timeout_s + self.settle_timeout_s + 2.0
@@ -162,8 +152,7 @@ class WeightSender:
             for c in pending:
                 if c not in members:
                     result.failed[c] = "did not join" if attempt == 0 else "silent after a failed attempt"
-            set_json(self.store, key("plan", attempt),
-                     {"members": members, "retry_within_s": retry_s, "head": isinstance(packer, FlatVersion)})
+            set_json(self.store, key("plan", attempt), {"members": members, "retry_within_s": retry_s})
             result.num_attempts = attempt + 1
             if not members:
                 return self._finish(result, t0)
@@ -209,7 +198,9 @@ class WeightSender:
                   finish, self.timeout_s)
 
     def _run_split(self, backend, flat: FlatVersion, keep: list) -> None:
-        per_op = max(1, SPLIT_OP_BYTES // flat.manifest.bucket_bytes)  # as in the head
+        per_op = max(1, SPLIT_OP_BYTES // flat.manifest.bucket_bytes)
+        head = {**flat.manifest.to_dict(), "wire": "split", "crcs": flat.crcs, "per_op": per_op}
+        _bcast_json(backend, head, self.timeout_s, self.device, keep)
         n = -(-flat.manifest.num_buckets // per_op)
 
         def finish(i: int) -> None:
@@ -230,7 +221,7 @@ def settle_reports(store, key, result: BroadcastResult, members: list[str], atte
     `result.failed` from the reports each writes at `key("result", attempt, cell)`, or into
     the returned retries (those that wrote `key("ready", attempt + 1, cell)` instead). A
     member silent for `settle_s` is failed, with the attempt's `error` if there was one."""
-    sleeps = poll_sleeps(time.monotonic() + settle_s, SETTLE_POLL_S)
+    deadline = time.monotonic() + settle_s
     todo, retry = list(members), []
     while todo:
         for c in list(todo):
@@ -244,11 +235,35 @@ def settle_reports(store, key, result: BroadcastResult, members: list[str], atte
             elif store.check([key("ready", attempt + 1, c)]):
                 retry.append(c)
                 todo.remove(c)
-        if not todo or not next(sleeps):
+        if not todo or time.monotonic() >= deadline:
             break
+        time.sleep(POLL_S)
     for c in todo:
         result.failed[c] = f"no report after attempt {attempt}" + (f" ({error})" if error else "")
     return retry
+
+
+class _FlatReceipt:
+    """What `_receive_split` hands back: the unpacker's surface (`is_verified`, `bad`,
+    `staging`) over a flat buffer."""
+
+    def __init__(self, flat: FlatVersion, staging: dict[str, torch.Tensor] | None) -> None:
+        self.flat, self.given, self.bad, self.num_unpacked = flat, staging, [], 0
+        self.staging: dict[str, torch.Tensor] = {}
+
+    @property
+    def is_verified(self) -> bool:
+        return not self.bad and self.num_unpacked == self.flat.manifest.num_buckets
+
+    def finish(self) -> None:
+        views = self.flat.tensors()
+        if self.given is None:
+            self.staging = views
+            return
+        for name, t in views.items():
+            if self.is_verified:
+                self.given[name].copy_(t)
+        self.staging = self.given
 
 
 class WeightReceiver:
@@ -295,11 +310,13 @@ class WeightReceiver:
                     return False
                 plan_wait = float(plan["retry_within_s"])
                 try:
-                    unpacker = self._run(key, attempt, plan, version, staging)
+                    unpacker = self._run(key, attempt, plan["members"], version, staging)
                 except TransferError as e:  # a collective failed: ask for the next attempt
                     self.last_error, attempt = str(e), attempt + 1
                     continue
-                ok, reason = _verdict(unpacker)  # reported by _run already
+                ok = unpacker.is_verified
+                reason = "" if ok else f"checksum mismatch in buckets {unpacker.bad[:8]}"
+                set_json(self.store, key("result", attempt, self.cell_id), {"ok": ok, "reason": reason})
                 if ok:
                     self.version, self._staging, self.last_error = version, unpacker.staging, None
                 else:
@@ -309,7 +326,7 @@ class WeightReceiver:
             self.last_error = f"store unreachable: {e}"
             return False
 
-    def _receive_split(self, backend, manifest: Manifest, head: dict, staging, keep: list) -> FlatReceipt:
+    def _receive_split(self, backend, manifest: Manifest, head: dict, staging, keep: list) -> _FlatReceipt:
         """Payloads land straight in one flat buffer (warm where `buffers` has one free), all
         posted at once, `per_op` buckets an op, and each bucket is checked there against its
         CRC32 from the header (no unpacking copy); a given `staging` dict gets a copy of the
@@ -320,11 +337,9 @@ class WeightReceiver:
             raise TransferError(f"malformed split header: {n} bucket checksums and per_op >= 1 expected")
         flat = empty_flat(self.buffers, manifest, self.device)
         keep.append(flat.buf)
-        receipt = FlatReceipt(flat, staging)
+        receipt = _FlatReceipt(flat, staging)
 
         def finish(j: int) -> None:
-            if j == 0:
-                receipt.prepare()  # the later ops are in flight meanwhile
             for i in range(j * per_op, min(n, (j + 1) * per_op)):
                 if self.bucket_hook is not None:
                     self.bucket_hook(i, flat.payload(i))
@@ -344,9 +359,7 @@ class WeightReceiver:
             raise TransferError(f"{self.cell_id}: no verified version ({self.last_error})")
         return self._staging
 
-    def _run(self, key, attempt: int, plan: dict, version: int, staging) -> BucketUnpacker:
-        members = plan["members"]
-        head = get_json(self.store, key("head")) if plan.get("head") else None  # checked by _parse_manifest
+    def _run(self, key, attempt: int, members: list[str], version: int, staging) -> BucketUnpacker:
         backend = join_group(
             self.store, key("pg", attempt) + "/", members.index(self.cell_id) + 1, len(members) + 1,
             timeout_s=self.timeout_s, connect_timeout_s=self.timeout_s, device=self.device,
@@ -354,15 +367,14 @@ class WeightReceiver:
         keep: list[torch.Tensor] = []
         broken = True
         try:
-            if head is None:
-                head = _bcast_json(backend, None, self.timeout_s, self.device, keep)
+            head = _bcast_json(backend, None, self.timeout_s, self.device, keep)
             manifest = _parse_manifest(head)
             if manifest.version != version:
                 raise TransferError(f"expected version {version}, sender sent {manifest.version}")
             if head.get("wire") == "split":
                 unpacker = self._receive_split(backend, manifest, head, staging, keep)
                 broken = False
-                return self._report(key, attempt, unpacker)
+                return unpacker
             if staging is None and self.buffers is not None:
                 staging = self.buffers.flat(manifest, self.device).tensors()
             unpacker = BucketUnpacker(manifest, staging, self.device)
@@ -379,18 +391,6 @@ class WeightReceiver:
 
             _pipeline(manifest.num_buckets, lambda i: _bcast(backend, wire(i)), finish, self.timeout_s)
             broken = False
-            return self._report(key, attempt, unpacker)
+            return unpacker
         finally:
             discard(backend, keep, broken=broken)
-
-    def _report(self, key, attempt: int, unpacker):
-        """Tells the sender the verdict before the group is dropped: tearing a group down
-        holds this process up for a while, and the sender waits for every report."""
-        ok, reason = _verdict(unpacker)
-        set_json(self.store, key("result", attempt, self.cell_id), {"ok": ok, "reason": reason})
-        return unpacker
-
-
-def _verdict(unpacker) -> tuple[bool, str]:
-    ok = unpacker.is_verified
-    return ok, "" if ok else f"checksum mismatch in buckets {unpacker.bad[:8]}"

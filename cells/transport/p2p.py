@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, Store
 
-from cells.transport.store import poll_sleeps
+from cells.transport.store import POLL_S
 
 MAX_JSON_BYTES = 64 << 20
 """Largest JSON message a receiver accepts; a larger length header means a confused peer."""
@@ -67,10 +67,11 @@ def join_group(
         joined = pstore.add("joined", 1)
         if joined > size:
             raise TransferError(f"group {prefix!r} already has {size} members: use a fresh name per attempt")
-        sleeps = poll_sleeps(time.monotonic() + connect_timeout_s)
+        deadline = time.monotonic() + connect_timeout_s
         while joined < size:
-            if not next(sleeps):
+            if time.monotonic() >= deadline:
                 raise TransferError(f"group {prefix!r}: {joined}/{size} ranks joined within {connect_timeout_s}s")
+            time.sleep(POLL_S)
             joined = pstore.add("joined", 0)
     except TransferError:
         raise

@@ -84,33 +84,3 @@ class StagingBuffers:
 def empty_flat(buffers: StagingBuffers | None, manifest: Manifest, device) -> FlatVersion:
     """Where a received version's bytes land: a warm buffer from `buffers`, or a fresh one."""
     return buffers.flat(manifest, device) if buffers is not None else FlatVersion.empty(manifest, device)
-
-
-class FlatReceipt:
-    """What a broadcast's split receive hands back: the unpacker's surface (`is_verified`,
-    `bad`, `staging`) over a flat buffer."""
-
-    def __init__(self, flat: FlatVersion, staging: dict[str, torch.Tensor] | None) -> None:
-        self.flat, self.given, self.bad, self.num_unpacked = flat, staging, [], 0
-        self.staging: dict[str, torch.Tensor] = {}
-        self._views: dict[str, torch.Tensor] | None = None
-
-    @property
-    def is_verified(self) -> bool:
-        return not self.bad and self.num_unpacked == self.flat.manifest.num_buckets
-
-    def prepare(self) -> None:
-        """Builds the tensor views while the bytes are still in flight (they do not depend
-        on the content), so that `finish` after the last bucket costs next to nothing."""
-        if self._views is None:
-            self._views = self.flat.tensors()
-
-    def finish(self) -> None:
-        self.prepare()
-        if self.given is None:
-            self.staging = self._views
-            return
-        for name, t in self._views.items():
-            if self.is_verified:
-                self.given[name].copy_(t)
-        self.staging = self.given
