@@ -39,13 +39,8 @@ from cells.transport.buckets import (
 )
 from cells.transport.catchup import recv_version_p2p, send_version_p2p  # noqa: F401 (re-export)
 from cells.transport.p2p import TransferError, discard, join_group, wait_work
-from cells.transport.staging import StagingBuffers, empty_flat
 from cells.transport.store import POLL_S, get_json, set_json, wait_json, wait_keys
 from scheduler.contract.failpoints import failpoint
-
-SPLIT_OP_BYTES = 64 << 20
-"""Bytes per op of the split format: several CRC buckets travel as one op, since every op
-costs each rank a wake-up on a busy machine."""
 
 
 @dataclass
@@ -89,17 +84,17 @@ def _parse_manifest(d: dict) -> Manifest:
         raise TransferError(f"malformed manifest: {e!r}") from e
 
 
-def _pipeline(num_buckets: int, post: Callable[[int], object], finish: Callable[[int], None], timeout_s,
-              depth: int = 2):
-    """Keeps `depth` buckets in flight: bucket i+1 travels while bucket i is finished (staged,
-    or its buffer reused). The split format posts every bucket at once (its buffer is the
-    whole version): the bytes keep flowing while this thread waits for the CPU."""
-    works = {i: post(i) for i in range(min(depth, num_buckets))}
+def _pipeline(num_buckets: int, post: Callable[[int], object], finish: Callable[[int], None], timeout_s):
+    """Keeps bucket i+1 in flight while bucket i is finished (staged, or its buffer reused).
+    `post` returns one work or a tuple of works (the split format's payload and footer)."""
+    works = {i: post(i) for i in range(min(2, num_buckets))}
     for i in range(num_buckets):
-        wait_work(works.pop(i), timeout_s, f"bucket {i}/{num_buckets}")
+        w = works.pop(i)
+        for one in (w if isinstance(w, tuple) else (w,)):
+            wait_work(one, timeout_s, f"bucket {i}/{num_buckets}")
         finish(i)
-        if i + depth < num_buckets:
-            works[i + depth] = post(i + depth)
+        if i + 2 < num_buckets:
+            works[i + 2] = post(i + 2)
 
 
 class WeightSender:
@@ -198,17 +193,19 @@ class WeightSender:
                   finish, self.timeout_s)
 
     def _run_split(self, backend, flat: FlatVersion, keep: list) -> None:
-        per_op = max(1, SPLIT_OP_BYTES // flat.manifest.bucket_bytes)
-        head = {**flat.manifest.to_dict(), "wire": "split", "crcs": flat.crcs, "per_op": per_op}
-        _bcast_json(backend, head, self.timeout_s, self.device, keep)
-        n = -(-flat.manifest.num_buckets // per_op)
+        _bcast_json(backend, {**flat.manifest.to_dict(), "wire": "split"}, self.timeout_s, self.device, keep)
+
+        def post(i: int):
+            footer = flat.footer(i)
+            keep.append(footer)
+            return _bcast(backend, flat.payload(i)), _bcast(backend, footer)
 
         def finish(i: int) -> None:
             if self.bucket_hook is not None:
                 self.bucket_hook(i)
             failpoint("broadcast.mid_bucket")
 
-        _pipeline(n, lambda j: _bcast(backend, flat.payloads(j * per_op, per_op)), finish, self.timeout_s, depth=n)
+        _pipeline(flat.manifest.num_buckets, post, finish, self.timeout_s)
 
     def _finish(self, result: BroadcastResult, t0: float) -> BroadcastResult:
         result.seconds = time.monotonic() - t0
@@ -280,10 +277,8 @@ class WeightReceiver:
         namespace: str = "bc",
         device: str | torch.device = "cpu",
         bucket_hook: Callable[[int, torch.Tensor], None] | None = None,
-        buffers: StagingBuffers | None = None,
     ) -> None:
         self.store, self.cell_id, self.timeout_s = store, cell_id, timeout_s
-        self.buffers = buffers  # warm buffers the version lands in (fresh ones when None)
         self.join_timeout_s, self.namespace, self.device = join_timeout_s, namespace, torch.device(device)
         self.bucket_hook = bucket_hook  # fault injection: sees each wire bucket before its check
         self.version: int | None = None
@@ -292,8 +287,7 @@ class WeightReceiver:
         self._staging: dict[str, torch.Tensor] | None = None
 
     def receive_version(self, version: int, staging: dict[str, torch.Tensor] | None = None) -> bool:
-        """Receives `version` into `staging` (mutated even on failure; when None, into a warm
-        buffer of `buffers` where one is free, else a fresh one).
+        """Receives `version` into `staging` (mutated even on failure; allocated when None).
         Drops any previously received version first; True only once every bucket's CRC
         matched. Blocks for the whole broadcast: call it off the engine's step loop."""
         self.version, self._staging, self.last_error = None, None, None
@@ -326,30 +320,26 @@ class WeightReceiver:
             self.last_error = f"store unreachable: {e}"
             return False
 
-    def _receive_split(self, backend, manifest: Manifest, head: dict, staging, keep: list) -> _FlatReceipt:
-        """Payloads land straight in one flat buffer (warm where `buffers` has one free), all
-        posted at once, `per_op` buckets an op, and each bucket is checked there against its
-        CRC32 from the header (no unpacking copy); a given `staging` dict gets a copy of the
-        verified tensors at the end."""
-        n, crcs, per_op = manifest.num_buckets, head.get("crcs"), head.get("per_op", 1)
-        if not isinstance(crcs, list) or len(crcs) != n or not all(isinstance(c, int) for c in crcs) \
-                or not isinstance(per_op, int) or per_op < 1:
-            raise TransferError(f"malformed split header: {n} bucket checksums and per_op >= 1 expected")
-        flat = empty_flat(self.buffers, manifest, self.device)
-        keep.append(flat.buf)
+    def _receive_split(self, backend, manifest: Manifest, staging, keep: list) -> _FlatReceipt:
+        """Payloads land straight in one flat buffer and are checked there (no unpacking copy);
+        a given `staging` dict gets a copy of the verified tensors at the end."""
+        flat = FlatVersion.empty(manifest, self.device)
+        footers = [torch.empty(FOOTER.size, dtype=torch.uint8, device=self.device) for _ in range(2)]
+        keep.extend([flat.buf, *footers])
         receipt = _FlatReceipt(flat, staging)
 
-        def finish(j: int) -> None:
-            for i in range(j * per_op, min(n, (j + 1) * per_op)):
-                if self.bucket_hook is not None:
-                    self.bucket_hook(i, flat.payload(i))
-                receipt.num_unpacked += 1
-                if not flat.check_crc(i, crcs[i]):
-                    receipt.bad.append(i)  # recorded; keep the collective going
-                failpoint("broadcast.mid_bucket")
+        def post(i: int):
+            return _bcast(backend, flat.payload(i)), _bcast(backend, footers[i % 2])
 
-        ops = -(-n // per_op)
-        _pipeline(ops, lambda j: _bcast(backend, flat.payloads(j * per_op, per_op)), finish, self.timeout_s, depth=ops)
+        def finish(i: int) -> None:
+            if self.bucket_hook is not None:
+                self.bucket_hook(i, flat.payload(i))
+            receipt.num_unpacked += 1
+            if not flat.check(i, footers[i % 2]):
+                receipt.bad.append(i)  # recorded; keep the collective going
+            failpoint("broadcast.mid_bucket")
+
+        _pipeline(manifest.num_buckets, post, finish, self.timeout_s)
         receipt.finish()
         return receipt
 
@@ -372,11 +362,9 @@ class WeightReceiver:
             if manifest.version != version:
                 raise TransferError(f"expected version {version}, sender sent {manifest.version}")
             if head.get("wire") == "split":
-                unpacker = self._receive_split(backend, manifest, head, staging, keep)
+                unpacker = self._receive_split(backend, manifest, staging, keep)
                 broken = False
                 return unpacker
-            if staging is None and self.buffers is not None:
-                staging = self.buffers.flat(manifest, self.device).tensors()
             unpacker = BucketUnpacker(manifest, staging, self.device)
             bufs = [torch.empty(manifest.bucket_bytes + FOOTER.size, dtype=torch.uint8, device=self.device)
                     for _ in range(2)]
