@@ -1,7 +1,8 @@
 """Weight versions and the log-prob service, cell side.
 
 Loading, one line: `load_version` → receive (broadcast, or point-to-point fetch; a failed
-broadcast falls back to a fetch) on a thread, into fresh staging tensors → verified → staged →
+broadcast falls back to a fetch) on a low-priority thread, into a warm staging buffer (reused
+once the engine no longer holds the version in it) → verified → prepared → staged →
 the engine loop activates it between two steps (`inflight_policy`: `keep_kv` continues on
 the stale KV, `recompute` re-prefills every running request under the new weights) → a
 `broadcast` event. The engine never serves a half-received version: only tensors whose every
@@ -41,6 +42,7 @@ from cells.transport.receive import (
     receive_broadcast,
     report_update,
 )
+from cells.transport.staging import StagingBuffers
 from cells.transport.store import StoreAddress
 from scheduler.contract.failpoints import failpoint
 from scheduler.contract.protocol import BroadcastEvent, LoadVersionCmd, ScoreCmd, ScoredEvent
@@ -50,6 +52,20 @@ log = logging.getLogger("cellflip.versions")
 FETCH_ATTEMPTS = 3
 SCORING_NICE = 10
 """Scoring runs beside decoding; the OS prefers the decode thread."""
+RECEIVE_NICE = 10
+"""Receiving a version (the transport's threads, started from the loader thread, inherit it),
+checking and preparing it run beside decoding too: where cores are short, decoding comes
+first and the version arrives later."""
+
+
+def lower_priority(nice: int) -> bool:
+    """Lowers the calling thread's OS priority to `nice` (threads it starts inherit it); False,
+    quietly, where that is not possible (not Linux, or not allowed)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        return True
+    except (AttributeError, OSError):
+        return False
 
 
 @dataclass
@@ -99,6 +115,9 @@ class CellVersions:
         self.local = local
         """The cell's own copy of a version, checksum-verified (a training cell that computed
         the update holds it): None where it has none."""
+        self.buffers = StagingBuffers()
+        """Warm buffers that received versions land in (`cells/transport/staging.py`)."""
+        self.receive_nice = RECEIVE_NICE
         self.loaded_bytes = 0
         """Bytes received for versions (broadcasts and fetches; a local install adds none)."""
         self.loading: set[int] = set()
@@ -123,6 +142,7 @@ class CellVersions:
         threading.Thread(target=self._receive, args=(cmd,), name=f"version-{cmd.version}", daemon=True).start()
 
     def _receive(self, cmd: LoadVersionCmd) -> None:
+        lower_priority(self.receive_nice)
         t0 = time.perf_counter()
         own = self.local(cmd.version) if self.local is not None and cmd.activate else None
         if own is not None:  # computed here as a training rank: verified, nothing to fetch
@@ -136,7 +156,7 @@ class CellVersions:
         try:
             if cmd.mode == "broadcast":
                 got = receive_broadcast(address, self.cell_id, cmd.version, timeout_s=self.timeout_s,
-                                        join_timeout_s=self.join_timeout_s, namespace=ns)
+                                        join_timeout_s=self.join_timeout_s, namespace=ns, buffers=self.buffers)
                 tensors, why = got.tensors, got.error or ""
                 if tensors is None:
                     log.warning("version %d: broadcast failed here (%s); catching up point-to-point", cmd.version, why)
@@ -242,6 +262,7 @@ class CellVersions:
     def _after_failed_update(self, s: Staged, why: str) -> None:
         """Off the engine loop: ask for a fresh group (at most `GROUP_RETRIES` times), else
         tell the trainer and catch up point-to-point."""
+        lower_priority(self.receive_nice)
         a, cmd = s.update, s.cmd
         if a.attempt < GROUP_RETRIES:
             self._await_group(cmd, a.attempt + 1, s.t0, a.retry_within_s)
@@ -262,7 +283,8 @@ class CellVersions:
         why = ""
         for attempt in range(FETCH_ATTEMPTS):
             try:
-                return fetch_version(address, self.cell_id, version, timeout_s=self.timeout_s, namespace=ns), ""
+                return fetch_version(address, self.cell_id, version, timeout_s=self.timeout_s, namespace=ns,
+                                     buffers=self.buffers), ""
             except VersionUnavailable as e:
                 return None, f"unavailable: {e}"
             except (TransferError, OSError, RuntimeError) as e:
@@ -327,10 +349,7 @@ class CellVersions:
 
     def _score_loop(self, urgent: bool) -> None:
         if not urgent:
-            try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SCORING_NICE)
-            except (AttributeError, OSError):
-                pass  # not Linux, or not allowed: plain priority
+            lower_priority(SCORING_NICE)  # not Linux, or not allowed: plain priority
         while True:
             item = self._tasks[urgent].get()
             if item is None:

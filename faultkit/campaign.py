@@ -214,8 +214,9 @@ class Campaign:
         self.nem = Nemesis(self.cluster, self.history)
         from cells.trainer.versions_host import VersionHost
 
+        # One bucket per op: a receiver's `broadcast.mid_bucket` fires between two ops.
         self.host = VersionHost(bucket_bytes=BUCKET_BYTES, timeout_s=TRANSFER_TIMEOUT_S,
-                                join_timeout_s=TRANSFER_TIMEOUT_S)
+                                join_timeout_s=TRANSFER_TIMEOUT_S, op_bytes=BUCKET_BYTES)
         self.host.start()
         self.conn = open_store(self.db_path)  # the sampler's
         self._conn2 = open_store(self.db_path)  # everyone else's, under _conn_lock

@@ -218,7 +218,9 @@ def _trainer_main(args: argparse.Namespace) -> int:
     from scheduler.contract.tokens import TOKEN_ENV, auth_headers
 
     cfg = yaml.safe_load(Path(args.config).read_text())
-    host = VersionHost(bucket_bytes=args.bucket_bytes, timeout_s=args.timeout, join_timeout_s=args.timeout)
+    # One bucket per op: `broadcast.mid_bucket` then stops the trainer between two ops.
+    host = VersionHost(bucket_bytes=args.bucket_bytes, timeout_s=args.timeout, join_timeout_s=args.timeout,
+                       op_bytes=args.bucket_bytes)
     host.start()
     host.put(args.version, version_weights(cfg, args.version))
     print(json.dumps({"ready": os.getpid()}), flush=True)

@@ -33,7 +33,7 @@ import torch
 
 from cells.trainer.catchup_server import REQUEST_TIMEOUT_S, CatchupServer
 from cells.trainer.update_groups import UPDATE_BACKENDS, UpdateGroupSender
-from cells.transport.broadcast import BroadcastResult, WeightSender
+from cells.transport.broadcast import SPLIT_OP_BYTES, BroadcastResult, WeightSender
 from cells.transport.buckets import DEFAULT_BUCKET_BYTES, FlatVersion, byte_view
 from cells.transport.store import StoreAddress, StoreHost, connect
 
@@ -96,18 +96,22 @@ class VersionHost:
         max_concurrent_catchups: int = 4,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         update_backend: str = "gloo",
+        op_bytes: int = SPLIT_OP_BYTES,
     ) -> None:
-        """`update_backend`: the collective of update groups (engine-collective cells): "gloo"
+        """`op_bytes`: payload bytes per collective op of a broadcast in the split format.
+        `update_backend`: the collective of update groups (engine-collective cells): "gloo"
         sends from host memory; "nccl" stages each bucket on this process's GPU first."""
         if update_backend not in UPDATE_BACKENDS:
             raise ValueError(f"update_backend must be one of {UPDATE_BACKENDS}, got {update_backend!r}")
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        if op_bytes <= 0:
+            raise ValueError(f"op_bytes must be > 0, got {op_bytes}")
         if max_concurrent_catchups < 1:
             raise ValueError(f"max_concurrent_catchups must be >= 1, got {max_concurrent_catchups}")
         self.bucket_bytes, self.timeout_s, self.join_timeout_s = bucket_bytes, timeout_s, join_timeout_s
         self.namespace, self.request_timeout_s = namespace, request_timeout_s
-        self.update_backend = update_backend
+        self.update_backend, self.op_bytes = update_backend, op_bytes
         self._store_host = StoreHost(host, port, timeout_s=timeout_s)
         self._address = self._store_host.address
         self._lock = threading.Lock()
@@ -254,7 +258,7 @@ class VersionHost:
         sender = WeightSender(
             connect(self._address, timeout_s=self.timeout_s),
             bucket_bytes=self.bucket_bytes, timeout_s=self.timeout_s,
-            join_timeout_s=self.join_timeout_s, namespace=f"{self.namespace}/bc",
+            join_timeout_s=self.join_timeout_s, namespace=f"{self.namespace}/bc", op_bytes=self.op_bytes,
         )
         return sender.send_version(version, flat, receivers)
 

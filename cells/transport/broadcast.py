@@ -6,9 +6,12 @@ verify → report; after a failed collective, the live remainder retries over a 
 Control exchange: keys in the sender's store under `{namespace}/{version}/`.
   ready/{a}/{cell}   receiver: alive and waiting for attempt a (after a failed attempt it
                      writes ready/{a+1} at once: "retry me")
-  plan/{a}           sender: {"members": [cell, ...], "retry_within_s": s}; members in rank
-                     order (rank = index + 1); an empty list ends the broadcast for whoever
-                     still waits; after a failure the next plan comes within retry_within_s
+  head               sender, once before plan/0 (split format): the manifest, every bucket's
+                     CRC32 and buckets per op, read by members while the group forms
+  plan/{a}           sender: {"members": [cell, ...], "retry_within_s": s, "head": bool};
+                     members in rank order (rank = index + 1); an empty list ends the
+                     broadcast for whoever still waits; after a failure the next plan comes
+                     within retry_within_s; without "head" the manifest is the group's first op
   result/{a}/{cell}  receiver: {"ok": bool, "reason": str} once it checked the last bucket
   pg/{a}/            rendezvous of attempt a's group
 The sender learns who is alive from these keys, each wait under its own deadline, and never
@@ -39,8 +42,17 @@ from cells.transport.buckets import (
 )
 from cells.transport.catchup import recv_version_p2p, send_version_p2p  # noqa: F401 (re-export)
 from cells.transport.p2p import TransferError, discard, join_group, wait_work
-from cells.transport.store import POLL_S, get_json, set_json, wait_json, wait_keys
+from cells.transport.staging import FlatReceipt, StagingBuffers, empty_flat
+from cells.transport.store import get_json, poll_sleeps, set_json, wait_json, wait_keys
 from scheduler.contract.failpoints import failpoint
+
+SETTLE_POLL_S = 0.002
+"""Longest poll period for the reports: the sender's own store, polled only until the last
+member reported (usually within milliseconds of the last bucket)."""
+SPLIT_OP_BYTES = 128 << 20
+"""Bytes per op of the split format: several CRC buckets travel as one op, since every op
+costs each rank a wake-up on a busy machine (a 412 MB version to one receiver on 2 busy
+cores: 128 MiB ops a little faster than 64 or 32 MiB)."""
 
 
 @dataclass
@@ -84,17 +96,17 @@ def _parse_manifest(d: dict) -> Manifest:
         raise TransferError(f"malformed manifest: {e!r}") from e
 
 
-def _pipeline(num_buckets: int, post: Callable[[int], object], finish: Callable[[int], None], timeout_s):
-    """Keeps bucket i+1 in flight while bucket i is finished (staged, or its buffer reused).
-    `post` returns one work or a tuple of works (the split format's payload and footer)."""
-    works = {i: post(i) for i in range(min(2, num_buckets))}
+def _pipeline(num_buckets: int, post: Callable[[int], object], finish: Callable[[int], None], timeout_s,
+              depth: int = 2):
+    """Keeps `depth` buckets in flight: bucket i+1 travels while bucket i is finished (staged,
+    or its buffer reused). The split format posts every bucket at once (its buffer is the
+    whole version): the bytes keep flowing while this thread waits for the CPU."""
+    works = {i: post(i) for i in range(min(depth, num_buckets))}
     for i in range(num_buckets):
-        w = works.pop(i)
-        for one in (w if isinstance(w, tuple) else (w,)):
-            wait_work(one, timeout_s, f"bucket {i}/{num_buckets}")
+        wait_work(works.pop(i), timeout_s, f"bucket {i}/{num_buckets}")
         finish(i)
-        if i + 2 < num_buckets:
-            works[i + 2] = post(i + 2)
+        if i + depth < num_buckets:
+            works[i + depth] = post(i + depth)
 
 
 class WeightSender:
@@ -112,8 +124,10 @@ class WeightSender:
         namespace: str = "bc",
         device: str | torch.device = "cpu",
         bucket_hook: Callable[[int], None] | None = None,
+        op_bytes: int = SPLIT_OP_BYTES,
     ) -> None:
         self.store, self.bucket_bytes, self.timeout_s = store, bucket_bytes, timeout_s
+        self.op_bytes = op_bytes  # split format: payload bytes per collective op (whole buckets)
         self.join_timeout_s, self.max_attempts, self.namespace = join_timeout_s, max_attempts, namespace
         # A member learns of a failure within one op timeout; it then reports in.
         self.settle_timeout_s = timeout_s + 5.0 if settle_timeout_s is None else settle_timeout_s
@@ -138,6 +152,10 @@ class WeightSender:
             raise ValueError(f"version {version} was already broadcast under {self.namespace!r}: "
                              "catch cells up with send_version_p2p, or use a fresh namespace")
         result = BroadcastResult(version)
+        if isinstance(packer, FlatVersion):  # members read it while the group forms: no op
+            per_op = max(1, self.op_bytes // manifest.bucket_bytes)
+            set_json(self.store, key("head"), {**manifest.to_dict(), "wire": "split", "crcs": packer.crcs,
+                                               "per_op": per_op})
         pending, attempt, join_wait = list(dict.fromkeys(receivers)), 0, self.join_timeout_s
         # A member that failed early waits for our own failure detection, then the settle.
         retry_s = self.timeout_s + self.settle_timeout_s + 2.0
@@ -147,7 +165,8 @@ class WeightSender:
             for c in pending:
                 if c not in members:
                     result.failed[c] = "did not join" if attempt == 0 else "silent after a failed attempt"
-            set_json(self.store, key("plan", attempt), {"members": members, "retry_within_s": retry_s})
+            set_json(self.store, key("plan", attempt),
+                     {"members": members, "retry_within_s": retry_s, "head": isinstance(packer, FlatVersion)})
             result.num_attempts = attempt + 1
             if not members:
                 return self._finish(result, t0)
@@ -193,19 +212,17 @@ class WeightSender:
                   finish, self.timeout_s)
 
     def _run_split(self, backend, flat: FlatVersion, keep: list) -> None:
-        _bcast_json(backend, {**flat.manifest.to_dict(), "wire": "split"}, self.timeout_s, self.device, keep)
+        per_op = max(1, self.op_bytes // flat.manifest.bucket_bytes)  # as in the head
+        num_buckets = flat.manifest.num_buckets
+        n = -(-num_buckets // per_op)
 
-        def post(i: int):
-            footer = flat.footer(i)
-            keep.append(footer)
-            return _bcast(backend, flat.payload(i)), _bcast(backend, footer)
+        def finish(j: int) -> None:  # op j has left: its buckets, one failpoint hit each
+            for i in range(j * per_op, min(num_buckets, (j + 1) * per_op)):
+                if self.bucket_hook is not None:
+                    self.bucket_hook(i)
+                failpoint("broadcast.mid_bucket")
 
-        def finish(i: int) -> None:
-            if self.bucket_hook is not None:
-                self.bucket_hook(i)
-            failpoint("broadcast.mid_bucket")
-
-        _pipeline(flat.manifest.num_buckets, post, finish, self.timeout_s)
+        _pipeline(n, lambda j: _bcast(backend, flat.payloads(j * per_op, per_op)), finish, self.timeout_s, depth=n)
 
     def _finish(self, result: BroadcastResult, t0: float) -> BroadcastResult:
         result.seconds = time.monotonic() - t0
@@ -218,7 +235,7 @@ def settle_reports(store, key, result: BroadcastResult, members: list[str], atte
     `result.failed` from the reports each writes at `key("result", attempt, cell)`, or into
     the returned retries (those that wrote `key("ready", attempt + 1, cell)` instead). A
     member silent for `settle_s` is failed, with the attempt's `error` if there was one."""
-    deadline = time.monotonic() + settle_s
+    sleeps = poll_sleeps(time.monotonic() + settle_s, SETTLE_POLL_S)
     todo, retry = list(members), []
     while todo:
         for c in list(todo):
@@ -232,35 +249,11 @@ def settle_reports(store, key, result: BroadcastResult, members: list[str], atte
             elif store.check([key("ready", attempt + 1, c)]):
                 retry.append(c)
                 todo.remove(c)
-        if not todo or time.monotonic() >= deadline:
+        if not todo or not next(sleeps):
             break
-        time.sleep(POLL_S)
     for c in todo:
         result.failed[c] = f"no report after attempt {attempt}" + (f" ({error})" if error else "")
     return retry
-
-
-class _FlatReceipt:
-    """What `_receive_split` hands back: the unpacker's surface (`is_verified`, `bad`,
-    `staging`) over a flat buffer."""
-
-    def __init__(self, flat: FlatVersion, staging: dict[str, torch.Tensor] | None) -> None:
-        self.flat, self.given, self.bad, self.num_unpacked = flat, staging, [], 0
-        self.staging: dict[str, torch.Tensor] = {}
-
-    @property
-    def is_verified(self) -> bool:
-        return not self.bad and self.num_unpacked == self.flat.manifest.num_buckets
-
-    def finish(self) -> None:
-        views = self.flat.tensors()
-        if self.given is None:
-            self.staging = views
-            return
-        for name, t in views.items():
-            if self.is_verified:
-                self.given[name].copy_(t)
-        self.staging = self.given
 
 
 class WeightReceiver:
@@ -277,8 +270,10 @@ class WeightReceiver:
         namespace: str = "bc",
         device: str | torch.device = "cpu",
         bucket_hook: Callable[[int, torch.Tensor], None] | None = None,
+        buffers: StagingBuffers | None = None,
     ) -> None:
         self.store, self.cell_id, self.timeout_s = store, cell_id, timeout_s
+        self.buffers = buffers  # warm buffers the version lands in (fresh ones when None)
         self.join_timeout_s, self.namespace, self.device = join_timeout_s, namespace, torch.device(device)
         self.bucket_hook = bucket_hook  # fault injection: sees each wire bucket before its check
         self.version: int | None = None
@@ -287,7 +282,8 @@ class WeightReceiver:
         self._staging: dict[str, torch.Tensor] | None = None
 
     def receive_version(self, version: int, staging: dict[str, torch.Tensor] | None = None) -> bool:
-        """Receives `version` into `staging` (mutated even on failure; allocated when None).
+        """Receives `version` into `staging` (mutated even on failure; when None, into a warm
+        buffer of `buffers` where one is free, else a fresh one).
         Drops any previously received version first; True only once every bucket's CRC
         matched. Blocks for the whole broadcast: call it off the engine's step loop."""
         self.version, self._staging, self.last_error = None, None, None
@@ -304,13 +300,11 @@ class WeightReceiver:
                     return False
                 plan_wait = float(plan["retry_within_s"])
                 try:
-                    unpacker = self._run(key, attempt, plan["members"], version, staging)
+                    unpacker = self._run(key, attempt, plan, version, staging)
                 except TransferError as e:  # a collective failed: ask for the next attempt
                     self.last_error, attempt = str(e), attempt + 1
                     continue
-                ok = unpacker.is_verified
-                reason = "" if ok else f"checksum mismatch in buckets {unpacker.bad[:8]}"
-                set_json(self.store, key("result", attempt, self.cell_id), {"ok": ok, "reason": reason})
+                ok, reason = _verdict(unpacker)  # reported by _run already
                 if ok:
                     self.version, self._staging, self.last_error = version, unpacker.staging, None
                 else:
@@ -320,26 +314,32 @@ class WeightReceiver:
             self.last_error = f"store unreachable: {e}"
             return False
 
-    def _receive_split(self, backend, manifest: Manifest, staging, keep: list) -> _FlatReceipt:
-        """Payloads land straight in one flat buffer and are checked there (no unpacking copy);
-        a given `staging` dict gets a copy of the verified tensors at the end."""
-        flat = FlatVersion.empty(manifest, self.device)
-        footers = [torch.empty(FOOTER.size, dtype=torch.uint8, device=self.device) for _ in range(2)]
-        keep.extend([flat.buf, *footers])
-        receipt = _FlatReceipt(flat, staging)
+    def _receive_split(self, backend, manifest: Manifest, head: dict, staging, keep: list) -> FlatReceipt:
+        """Payloads land straight in one flat buffer (warm where `buffers` has one free), all
+        posted at once, `per_op` buckets an op, and each bucket is checked there against its
+        CRC32 from the header (no unpacking copy); a given `staging` dict gets a copy of the
+        verified tensors at the end."""
+        n, crcs, per_op = manifest.num_buckets, head.get("crcs"), head.get("per_op", 1)
+        if not isinstance(crcs, list) or len(crcs) != n or not all(isinstance(c, int) for c in crcs) \
+                or not isinstance(per_op, int) or per_op < 1:
+            raise TransferError(f"malformed split header: {n} bucket checksums and per_op >= 1 expected")
+        flat = empty_flat(self.buffers, manifest, self.device)
+        keep.append(flat.buf)
+        receipt = FlatReceipt(flat, staging)
 
-        def post(i: int):
-            return _bcast(backend, flat.payload(i)), _bcast(backend, footers[i % 2])
+        def finish(j: int) -> None:
+            if j == 0:
+                receipt.prepare()  # the later ops are in flight meanwhile
+            for i in range(j * per_op, min(n, (j + 1) * per_op)):
+                if self.bucket_hook is not None:
+                    self.bucket_hook(i, flat.payload(i))
+                receipt.num_unpacked += 1
+                if not flat.check_crc(i, crcs[i]):
+                    receipt.bad.append(i)  # recorded; keep the collective going
+                failpoint("broadcast.mid_bucket")
 
-        def finish(i: int) -> None:
-            if self.bucket_hook is not None:
-                self.bucket_hook(i, flat.payload(i))
-            receipt.num_unpacked += 1
-            if not flat.check(i, footers[i % 2]):
-                receipt.bad.append(i)  # recorded; keep the collective going
-            failpoint("broadcast.mid_bucket")
-
-        _pipeline(manifest.num_buckets, post, finish, self.timeout_s)
+        ops = -(-n // per_op)
+        _pipeline(ops, lambda j: _bcast(backend, flat.payloads(j * per_op, per_op)), finish, self.timeout_s, depth=ops)
         receipt.finish()
         return receipt
 
@@ -349,7 +349,9 @@ class WeightReceiver:
             raise TransferError(f"{self.cell_id}: no verified version ({self.last_error})")
         return self._staging
 
-    def _run(self, key, attempt: int, members: list[str], version: int, staging) -> BucketUnpacker:
+    def _run(self, key, attempt: int, plan: dict, version: int, staging) -> BucketUnpacker:
+        members = plan["members"]
+        head = get_json(self.store, key("head")) if plan.get("head") else None  # checked by _parse_manifest
         backend = join_group(
             self.store, key("pg", attempt) + "/", members.index(self.cell_id) + 1, len(members) + 1,
             timeout_s=self.timeout_s, connect_timeout_s=self.timeout_s, device=self.device,
@@ -357,14 +359,17 @@ class WeightReceiver:
         keep: list[torch.Tensor] = []
         broken = True
         try:
-            head = _bcast_json(backend, None, self.timeout_s, self.device, keep)
+            if head is None:
+                head = _bcast_json(backend, None, self.timeout_s, self.device, keep)
             manifest = _parse_manifest(head)
             if manifest.version != version:
                 raise TransferError(f"expected version {version}, sender sent {manifest.version}")
             if head.get("wire") == "split":
-                unpacker = self._receive_split(backend, manifest, staging, keep)
+                unpacker = self._receive_split(backend, manifest, head, staging, keep)
                 broken = False
-                return unpacker
+                return self._report(key, attempt, unpacker)
+            if staging is None and self.buffers is not None:
+                staging = self.buffers.flat(manifest, self.device).tensors()
             unpacker = BucketUnpacker(manifest, staging, self.device)
             bufs = [torch.empty(manifest.bucket_bytes + FOOTER.size, dtype=torch.uint8, device=self.device)
                     for _ in range(2)]
@@ -379,6 +384,18 @@ class WeightReceiver:
 
             _pipeline(manifest.num_buckets, lambda i: _bcast(backend, wire(i)), finish, self.timeout_s)
             broken = False
-            return unpacker
+            return self._report(key, attempt, unpacker)
         finally:
             discard(backend, keep, broken=broken)
+
+    def _report(self, key, attempt: int, unpacker):
+        """Tells the sender the verdict before the group is dropped: tearing a group down
+        holds this process up for a while, and the sender waits for every report."""
+        ok, reason = _verdict(unpacker)
+        set_json(self.store, key("result", attempt, self.cell_id), {"ok": ok, "reason": reason})
+        return unpacker
+
+
+def _verdict(unpacker) -> tuple[bool, str]:
+    ok = unpacker.is_verified
+    return ok, "" if ok else f"checksum mismatch in buckets {unpacker.bad[:8]}"

@@ -20,6 +20,7 @@ from cells.transport.buckets import (
     Manifest,
 )
 from cells.transport.p2p import PairChannel, TransferError
+from cells.transport.staging import StagingBuffers
 
 
 def send_version_p2p(
@@ -40,16 +41,19 @@ def send_version_p2p(
 
 def recv_version_p2p(
     channel: PairChannel, *, staging: dict[str, torch.Tensor] | None = None,
-    bucket_hook: Callable[[int, torch.Tensor], None] | None = None,
+    bucket_hook: Callable[[int, torch.Tensor], None] | None = None, buffers: StagingBuffers | None = None,
 ) -> tuple[int, dict[str, torch.Tensor]]:
-    """Receives a version sent by `send_version_p2p` into `staging` (mutated; allocated when
-    None); returns (version, tensors) only after every bucket's CRC matched."""
+    """Receives a version sent by `send_version_p2p` into `staging` (mutated; when None, into
+    a warm buffer of `buffers` where one is free, else fresh tensors); returns (version,
+    tensors) only after every bucket's CRC matched."""
     msg = channel.recv_json()
     try:
         manifest = Manifest.from_dict(msg["manifest"])
     except (KeyError, TypeError, ValueError) as e:  # a peer speaking another protocol
         channel.close()
         raise TransferError(f"{channel.name}: malformed manifest: {e!r}") from e
+    if staging is None and buffers is not None:
+        staging = buffers.flat(manifest, channel.device).tensors()
     unpacker = BucketUnpacker(manifest, staging, channel.device)
     bufs = [torch.empty(manifest.bucket_bytes + FOOTER.size, dtype=torch.uint8, device=channel.device)
             for _ in range(2)]

@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, Store
 
-from cells.transport.store import POLL_S
+from cells.transport.store import poll_sleeps
 
 MAX_JSON_BYTES = 64 << 20
 """Largest JSON message a receiver accepts; a larger length header means a confused peer."""
@@ -67,11 +67,10 @@ def join_group(
         joined = pstore.add("joined", 1)
         if joined > size:
             raise TransferError(f"group {prefix!r} already has {size} members: use a fresh name per attempt")
-        deadline = time.monotonic() + connect_timeout_s
+        sleeps = poll_sleeps(time.monotonic() + connect_timeout_s)
         while joined < size:
-            if time.monotonic() >= deadline:
+            if not next(sleeps):
                 raise TransferError(f"group {prefix!r}: {joined}/{size} ranks joined within {connect_timeout_s}s")
-            time.sleep(POLL_S)
             joined = pstore.add("joined", 0)
     except TransferError:
         raise

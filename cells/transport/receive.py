@@ -43,6 +43,7 @@ from cells.engine.sglang.weights import BucketSpec, UpdateGroup
 from cells.transport.broadcast import WeightReceiver
 from cells.transport.catchup import recv_version_p2p
 from cells.transport.p2p import PairChannel, TransferError
+from cells.transport.staging import StagingBuffers
 from cells.transport.store import StoreAddress, connect, get_json, set_json, wait_json
 
 log = logging.getLogger("cellflip.versions")
@@ -94,10 +95,12 @@ def fetch_version(
     timeout_s: float = 30.0,
     namespace: str = "versions",
     connect_timeout_s: float | None = None,
+    buffers: StagingBuffers | None = None,
 ) -> dict[str, torch.Tensor]:
     """Catches this cell up to `version` from the trainer's version host.
 
-    Returns the tensors (in `staging`, mutated even on failure, or freshly allocated) only
+    Returns the tensors (in `staging`, mutated even on failure, or else in a warm buffer of
+    `buffers` where one is free, or freshly allocated) only
     after every bucket matched its CRC32. Raises VersionUnavailable if the host does not
     hold the version, ChecksumError on a corrupt bucket, TransferError on any transport
     failure or deadline. `timeout_s` bounds each op; `connect_timeout_s` (default
@@ -121,7 +124,7 @@ def fetch_version(
             raise TransferError(f"{channel.name}: malformed catch-up header {header!r:.200}")
         if not header.get("ok"):
             raise VersionUnavailable(f"{cell_id}: {header.get('error') or 'refused by the version host'}")
-        got, tensors = recv_version_p2p(channel, staging=staging)
+        got, tensors = recv_version_p2p(channel, staging=staging, buffers=buffers)
         if got != version:
             raise TransferError(f"{channel.name}: asked for version {version}, host sent {got}")
         return tensors
@@ -142,6 +145,7 @@ def receive_broadcast(
     timeout_s: float = 30.0,
     join_timeout_s: float = 60.0,
     namespace: str = "versions",
+    buffers: StagingBuffers | None = None,
 ) -> Received:
     """Receives `version` from the host's `broadcast` naming this cell.
 
@@ -149,7 +153,7 @@ def receive_broadcast(
     `Received(None, reason)` (not planned in, sender gone, checksum mismatch, store
     unreachable...): the cell then keeps its old version and catches up with
     `fetch_version`. Never raises for a transfer failure. `staging` is mutated even on
-    failure.
+    failure; without it the version lands in a warm buffer of `buffers` where one is free.
     """
     try:
         store = _connect(address, timeout_s)
@@ -158,7 +162,7 @@ def receive_broadcast(
         return Received(None, str(e))
     try:
         rx = WeightReceiver(store, cell_id, timeout_s=timeout_s, join_timeout_s=join_timeout_s,
-                            namespace=f"{namespace}/bc")
+                            namespace=f"{namespace}/bc", buffers=buffers)
         if rx.receive_version(version, staging):
             return Received(rx.received_tensors(), None)
         reason = rx.last_error or "not received"

@@ -64,6 +64,32 @@ def role_receive(a: dict) -> dict:
     return {"ok": tensors is not None, "equal": equal, "error": error}
 
 
+_WARM: dict = {}
+"""This worker's warm staging buffers and the versions it still holds (as an engine would)."""
+
+
+def role_receive_warm(a: dict) -> dict:
+    """Receives into warm buffers (or catches up point-to-point into them) while holding the
+    version received before, as an engine serves it; every held version must stay bitwise right."""
+    from cells.transport.staging import StagingBuffers
+
+    pool = _WARM.setdefault("pool", StagingBuffers(max_buffers=2))
+    held = _WARM.setdefault("held", {})
+    for v in sorted(held)[:-1]:  # the engine serves the newest one only
+        del held[v]
+    if a.get("fetch"):
+        got, error = fetch_version(_address(a), a["cell"], a["version"], timeout_s=OP_TIMEOUT_S,
+                                   connect_timeout_s=20.0, buffers=pool), None
+    else:
+        got, error = receive_broadcast(_address(a), a["cell"], a["version"], timeout_s=OP_TIMEOUT_S,
+                                       join_timeout_s=20.0, buffers=pool)
+    if got is not None:
+        held[a["version"]] = got
+    equal = all(_equal(t, make_tensors(v)) for v, t in held.items())
+    return {"ok": got is not None, "equal": equal, "error": error, "reused": pool.num_reused,
+            "allocated": pool.num_allocated}
+
+
 def role_fetch(a: dict) -> dict:
     t0 = time.monotonic()
     try:
@@ -211,15 +237,37 @@ def _fetch(workers: Workers, name: str, version: int, seed: int | None = None) -
     workers.submit(name, "fetch", cell=f"cell-{name}", version=version, seed=version if seed is None else seed)
 
 
-def test_broadcast_to_two_receivers_is_bitwise_equal(host, workers):
-    host.put(1, make_tensors(1))
-    for name in ("w0", "w1"):
-        workers.submit(name, "receive", cell=f"cell-{name}", version=1)
-    res = host.broadcast(1, ["cell-w0", "cell-w1"])
+@pytest.mark.parametrize("version,op_buckets", [(1, None), (21, 3)])
+def test_broadcast_to_two_receivers_is_bitwise_equal(host, workers, version, op_buckets):
+    """Default ops (the whole toy version in one) and ops of 3 buckets (the last one short)."""
+    saved = host.op_bytes
+    host.op_bytes = saved if op_buckets is None else op_buckets * BUCKET_BYTES
+    try:
+        host.put(version, make_tensors(version))
+        for name in ("w0", "w1"):
+            workers.submit(name, "receive", cell=f"cell-{name}", version=version)
+        res = host.broadcast(version, ["cell-w0", "cell-w1"])
+    finally:
+        host.op_bytes = saved
     assert sorted(res.delivered) == ["cell-w0", "cell-w1"] and res.failed == {}, res
     for name in ("w0", "w1"):
         r = workers.result(name)
         assert r == {"ok": True, "equal": True, "error": None}, (name, r)
+
+
+def test_warm_buffers_are_reused_across_versions_and_stay_bitwise(host, workers):
+    results = []
+    for v, fetch in ((11, False), (12, False), (13, False), (14, True), (15, False)):
+        host.put(v, make_tensors(v))
+        workers.submit("w2", "receive_warm", cell="cell-w2", version=v, fetch=fetch)
+        if not fetch:
+            res = host.broadcast(v, ["cell-w2"])
+            assert res.delivered == ["cell-w2"], res
+        results.append(workers.result("w2"))
+        host.drop(v)
+    assert all(r["ok"] and r["equal"] for r in results), results
+    # two buffers warm up (the version held and the one received), then only reuse
+    assert [(r["allocated"], r["reused"]) for r in results] == [(1, 0), (2, 0), (2, 1), (2, 2), (2, 3)], results
 
 
 def test_late_joiner_catches_up_point_to_point(host, workers):
