@@ -66,9 +66,12 @@ AFTER_COMMIT = 32
 PROBE_TOKENS = 64
 """Tokens the control decodes beyond the moved request's length, so that it still decodes
 while the raw link reference runs after its window (a few seconds at 16k)."""
-TOKENS_PER_MOVE = {1024: 240, 2048: 200, 4096: 150, 8192: 110, 16384: 110}
-"""Generated tokens one move uses (history, the move, the tokens after the commit) at this
-machine's decode rates in batch-invariant mode, with room to spare."""
+TOKENS_PER_MOVE = {1024: 400, 2048: 330, 4096: 260, 8192: 200, 16384: 180}
+"""Generated tokens allotted to one move (the flip that readies the destination, HISTORY_S of
+decoding, the move, AFTER_COMMIT tokens): a move's use grows with the decode rate and with
+the flips' times, and a stream that runs out inside a window ends the bench, so this leaves
+about 1.5x the most a move used in recent runs (each move's use is printed). The tokens left
+after the last window decode before the control starts: they cost time, not accuracy."""
 WARM_RECOMPUTES = 3
 
 
@@ -129,6 +132,7 @@ def move_requests(c: Cluster, src: str, dst: str, prompt: list[int], seed: int, 
         if count_after(s.wall_times, commit) < AFTER_COMMIT:
             raise RuntimeError(f"the stream ended inside move {k}'s window: raise TOKENS_PER_MOVE[{len(prompt)}]")
         done.append({"command": t_cmd, "source": out_src, "destination": out_dst})
+        print(f"# {len(prompt)}: move {k} done after {len(s.tokens)} of {max_tokens} tokens", flush=True)
         quiet_from = s.wall_times[-1]
         src, dst = dst, src
     s.join(1200)

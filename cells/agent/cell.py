@@ -51,8 +51,8 @@ HANDOFF_S = 0.002
 """After a step with new tokens, the engine loop waits at most this long for a sleeping sync
 loop to collect them, so that they do not wait out the next step behind the engine lock."""
 STEP_WAIT_S = 0.5
-"""Longest a copy message waits for the engine to run one step once the pauses since its last
-step used up `copy_pause_budget_ms` (`quiesce`)."""
+"""Longest a copy message waits for the engine to run one step after the previous pause
+(`quiesce`)."""
 STALL_LOG_S = 10.0
 """An engine with work that produced no token for this long logs the cell's state (once a minute)."""
 
@@ -80,12 +80,10 @@ class CellAgent:
         self._quiet_until = 0.0
         self._steps = 0  # engine steps run by the engine loop
         self._steps_at_release = -1  # `_steps` when the last quiesce ended
-        self._paused_s = 0.0  # pause time since the engine's last step (while `_steps` is `_steps_at_release`)
         caps = engine.capabilities
         on_host = caps.kv_export and kv_handover(engine).kv_on_host()  # an engine without KV export: its own
         mode = cfg.migration.copy_quiesce
         self._quiesce_s = cfg.migration.copy_quiesce_max_ms / 1e3 if mode == "on" or (mode == "auto" and on_host) else 0.0
-        self._pause_budget_s = cfg.migration.copy_pause_budget_ms / 1e3
         self.heartbeat_s = cfg.scheduler.heartbeat_s
         self.num_ticks = 0
         self._sync_parked = False  # the sync loop sleeps on the condition, waiting for tokens
@@ -192,33 +190,25 @@ class CellAgent:
     @contextlib.contextmanager
     def quiesce(self):
         """Decoding pauses while the block runs, at most `copy_quiesce_max_ms` (a copy round
-        on the wire: on CPU cells it shares the cores with the decode loop). Pauses run back to
-        back only until they add up to `copy_pause_budget_ms` (default 0) since the engine's last
-        step; the next one first lets the engine run one step (at most STEP_WAIT_S), so a copy
-        round of many messages stalls a stream by one message plus the budget per token, never
-        by the whole round."""
+        on the wire: on CPU cells it shares the cores with the decode loop). Between two pauses
+        the engine runs one step (waited for at most STEP_WAIT_S), so a copy round of many
+        messages stalls a stream by one message per token, never by the whole round."""
         if not self._quiesce_s:
             yield
             return
         with self._cv:
-            if self._steps != self._steps_at_release:
-                self._paused_s = 0.0  # a step ran since the last pause
-            elif not self._quiet and self._paused_s >= self._pause_budget_s:
+            if not self._quiet and self._steps == self._steps_at_release:  # no step since the last pause
                 self._cv.wait_for(lambda: self._steps != self._steps_at_release or not self._decoding(),
                                   timeout=max(self._quiesce_s, STEP_WAIT_S))
-                self._paused_s = 0.0
             self._quiet += 1
             self._quiet_until = time.monotonic() + self._quiesce_s
-        t0 = time.monotonic()
         try:
             with self.access():
                 pass  # a decode step in flight ends first; the loop starts no other
-            t0 = time.monotonic()
             yield
         finally:
             with self._cv:
                 self._quiet -= 1
-                self._paused_s += time.monotonic() - t0
                 if not self._quiet:
                     self._steps_at_release = self._steps
                 self._cv.notify_all()

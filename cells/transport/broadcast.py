@@ -127,11 +127,10 @@ class WeightSender:
         op_bytes: int = SPLIT_OP_BYTES,
     ) -> None:
         self.store, self.bucket_bytes, self.timeout_s = store, bucket_bytes, timeout_s
-        self.op_bytes = op_bytes  # split format: payload bytes per collective op (whole buckets)
         self.join_timeout_s, self.max_attempts, self.namespace = join_timeout_s, max_attempts, namespace
         # A member learns of a failure within one op timeout; it then reports in.
         self.settle_timeout_s = timeout_s + 5.0 if settle_timeout_s is None else settle_timeout_s
-        self.device = torch.device(device)
+        self.device, self.op_bytes = torch.device(device), op_bytes  # op_bytes: split format, per op
         self.bucket_hook = bucket_hook  # fault injection: called after bucket i left
 
     def send_version(self, version: int, tensors: dict[str, torch.Tensor] | FlatVersion,

@@ -52,12 +52,6 @@ class MigrationConfig(_Strict):
     is in host memory."""
     copy_quiesce_max_ms: float = Field(default=100.0, gt=0)
     """Bound on one quiesce: decoding goes on after this even if the copy has not finished."""
-    copy_pause_budget_ms: float = Field(default=0.0, ge=0)
-    """Decode pauses may run back to back (one copy message after another) until they add up
-    to this since the engine's last step; the next pause first lets the engine run one step.
-    0 (the default): a step between every two pauses, so a stream's longest extra gap is one
-    message. A budget of 20 ms measured no shorter flip and raised the stall of a 16k move
-    (`bench/migration.py`: 35 ms against 17 ms at 1k)."""
     path: Literal["auto", "reprefill"] = "auto"
     """`auto`: move the KV where both cells export it and serve the same version, else
     re-prefill; `reprefill`: always abort and re-prefill elsewhere (what systems without live

@@ -78,6 +78,11 @@ def placement_of(snapshot: Snapshot) -> Placement:
     return kept if isinstance(kept, Placement) else Placement(snapshot.cells)
 
 
+def _has_room(c: CellSummary, blocks: int = 1) -> bool:
+    """A rollout cell with a free request slot and at least `blocks` free KV blocks."""
+    return c.role == "rollout" and c.inflight < c.capacity and c.kv_blocks_free >= blocks
+
+
 class Placement:
     """The fleet's rollout room, kept between placements: where requests go, and which rollout
     cells are cheapest to flip away.
@@ -150,7 +155,7 @@ class Placement:
 
     def _load(self, i: int, c: CellSummary, heaps: dict) -> None:
         """Position `i`'s room from its summary; one live entry when it has room."""
-        room = c.role == "rollout" and c.inflight < c.capacity and c.kv_blocks_free > 0
+        room = _has_room(c)
         self.inflight[i] = c.inflight
         self.kv_free[i] = c.kv_blocks_free if room else 0
         self.cap[i] = c.capacity if room else 0
@@ -175,7 +180,7 @@ class Placement:
         if heaps is None:
             heaps = {}
             for i, c in enumerate(self.cells):  # O(cells), once per build
-                room = c.role == "rollout" and c.inflight < c.capacity and c.kv_blocks_free > 0
+                room = _has_room(c)
                 self.inflight[i], self.kv_free[i], self.cap[i] = (
                     (c.inflight, c.kv_blocks_free, c.capacity) if room else (c.inflight, 0, 0))
                 if room:
@@ -198,7 +203,7 @@ class Placement:
         c = self.cells[i]
         need = max(1, -(-context_tokens // cost.block_size))
         if self._heaps is None:
-            ok = c.role == "rollout" and c.inflight < c.capacity and c.kv_blocks_free >= need
+            ok = _has_room(c, need)
         else:
             ok = self.inflight[i] < self.cap[i] and self.kv_free[i] >= need
         return c if ok else None

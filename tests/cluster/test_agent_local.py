@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from cells.agent import STALL_LOG_S, CellAgent
-from cells.agent.cell import STEP_WAIT_S
 from cells.engine.embedded import EmbeddedEngine
 from cells.engine.records import SamplingParams
 from scheduler.contract.config import parse_config
@@ -85,24 +84,6 @@ def test_back_to_back_pauses_let_one_step_run_between(agent):
                 assert agent.engine.num_steps == start  # paused while the message is on the wire
             between.append(start)
         assert all(b > a for a, b in zip(between, between[1:])), between
-
-
-def test_pauses_run_back_to_back_within_the_budget_then_wait_for_a_step(agent):
-    """Short copy messages go out back to back until their pauses add up to the budget; the
-    next waits for the engine to step (here none can: no engine loop runs, so it waits out
-    STEP_WAIT_S)."""
-    agent.role.set("rollout")
-    agent.engine.add_request("r", [1, 2, 3, 4], SamplingParams(max_tokens=50, seed=1))  # work to wait for
-    agent._pause_budget_s = 0.05
-    t0 = time.monotonic()
-    for _ in range(3):  # 0, 20 and 40 ms paused before each: under the budget
-        with agent.quiesce():
-            time.sleep(0.02)
-    assert time.monotonic() - t0 < STEP_WAIT_S / 2
-    t0 = time.monotonic()
-    with agent.quiesce():  # 60 ms paused since the last step
-        pass
-    assert time.monotonic() - t0 >= STEP_WAIT_S * 0.9
 
 
 def test_a_pause_does_not_wait_for_an_idle_engine():
