@@ -249,14 +249,16 @@ class FlatVersion:
         """Whether the payload of bucket `index` matches the sender's CRC32 `crc`."""
         return crc == _crc(self.payload(index))
 
-    def tensors(self) -> dict[str, torch.Tensor]:
+    def tensors(self, aligned_only: bool = False) -> dict[str, torch.Tensor]:
         """Views of the buffer (a copy only for a tensor whose offset is not aligned to its
-        element size)."""
+        element size; `aligned_only` leaves those out: a copy needs the final bytes)."""
         out = {}
         for s in self.manifest.tensors:
             dtype = _DTYPES[s.dtype]
             raw = self.buf[s.offset:s.offset + s.nbytes]
             if s.offset % dtype.itemsize:
+                if aligned_only:
+                    continue
                 raw = raw.clone()
             out[s.name] = raw.view(dtype).reshape(s.shape)
         return out

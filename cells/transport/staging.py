@@ -101,12 +101,15 @@ class FlatReceipt:
 
     def prepare(self) -> None:
         """Builds the tensor views while the bytes are still in flight (they do not depend
-        on the content), so that `finish` after the last bucket costs next to nothing."""
+        on the content), so that `finish` after the last bucket costs next to nothing. A
+        tensor at an unaligned offset is a copy, taken in `finish` once every byte is in."""
         if self._views is None:
-            self._views = self.flat.tensors()
+            self._views = self.flat.tensors(aligned_only=True)
 
     def finish(self) -> None:
         self.prepare()
+        if len(self._views) < len(self.flat.manifest.tensors):
+            self._views = self.flat.tensors()  # the copies, now that every op has arrived
         if self.given is None:
             self.staging = self._views
             return

@@ -96,3 +96,22 @@ def test_a_priority_that_is_not_allowed_falls_back_quietly(monkeypatch):
     assert lower_priority(RECEIVE_NICE) is False
     monkeypatch.delattr(os, "setpriority")
     assert lower_priority(RECEIVE_NICE) is False
+
+
+def test_views_prepared_before_the_bytes_land_see_the_final_bytes():
+    """A split receive prepares its tensors after the first op, while later ops are in flight:
+    a tensor at an unaligned offset (a copy, not a view) must be taken only at `finish`."""
+    from cells.transport.staging import FlatReceipt
+
+    want = {"b": torch.arange(3, dtype=torch.uint8), "f": torch.randn(5), "h": torch.randn(3).to(torch.float16)}
+    sent = FlatVersion.from_tensors(1, want, bucket_bytes=8)
+    flat = FlatVersion.empty(sent.manifest)
+    assert any(s.offset % want[s.name].element_size() for s in sent.manifest.tensors)  # the case at hand
+    receipt = FlatReceipt(flat, None)
+    receipt.prepare()  # nothing has arrived yet
+    flat.buf.copy_(sent.buf)
+    receipt.num_unpacked = sent.manifest.num_buckets
+    receipt.finish()
+    got = receipt.staging
+    assert list(got) == list(want)
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in want), got
