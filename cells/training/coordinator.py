@@ -162,11 +162,17 @@ class TrainingCoordinator:
         returns the checksum of what was sent."""
         if not ranks:
             return None
+        t0 = time.perf_counter()
         meta, flat, idx = pack(self.learner)
         set_json(self.store, f"{prefix}/state", meta)
+        t1 = time.perf_counter()
         for r in ranks:
             send_state(group, r, flat, idx, self.timeout_s)
-        return packed_checksum(meta, flat, idx)
+        t2 = time.perf_counter()
+        crc = packed_checksum(meta, flat, idx)
+        log.info("state to ranks %s: pack %.2fs, send %.2fs, checksum %.2fs", ranks, t1 - t0, t2 - t1,
+                 time.perf_counter() - t2)
+        return crc
 
     def _check_joined(self, prefix: str, ranks: list[int], mine: int | None) -> None:
         """Each joining rank rebuilt the state from exactly what was sent (its checksum)."""

@@ -21,6 +21,7 @@ import torch
 
 from cells.engine.embedded.model_spec import ModelSpec
 from cells.trainer.objectives import ObjectiveConfig
+from cells.training.wire import params_view
 
 NAMESPACE = "train"
 
@@ -52,13 +53,16 @@ def spec_from_signature(d: dict[str, Any]) -> ModelSpec:
     return ModelSpec(**{**d, "output_id_ranges": tuple(tuple(r) for r in ranges) if ranges else None})
 
 
-def build_learner(h: dict[str, Any], meta: dict[str, Any]) -> Any:
-    """A learner with the coordinator's hyper-parameters and zero parameters of the manifest's
-    shapes (`wire.unpack` then fills the whole state)."""
+def build_learner(h: dict[str, Any], meta: dict[str, Any], flat: torch.Tensor | None = None) -> Any:
+    """A learner with the coordinator's hyper-parameters and the parameters packed in `flat`
+    (its reference and EWMA copy equal to them: `wire.unpack(..., fresh=True)` then writes
+    only what differs), or zero parameters of the manifest's shapes without `flat`
+    (`wire.unpack` then fills the whole state)."""
     from cells.trainer.learner import Learner
 
     spec = spec_from_signature(h["model"])
-    weights = {e["name"]: torch.zeros(e["shape"]) for e in meta["entries"] if e["kind"] == "param"}
+    weights = (params_view(meta, flat) if flat is not None else
+               {e["name"]: torch.zeros(e["shape"]) for e in meta["entries"] if e["kind"] == "param"})
     learner = Learner(replace(spec), weights, lr=float(h["lr"]),
                       objective=ObjectiveConfig.model_validate_json(h["objective"]), tile=h["tile"],
                       temperature=float(h["temperature"]), weight_decay=float(h["weight_decay"]),

@@ -14,12 +14,12 @@ sender's. Everything else travels dense.
 from __future__ import annotations
 
 import json
-import zlib
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from cells.transport.buckets import crc32  # zlib's CRC-32, bit for bit (isal's where installed)
 from cells.transport.p2p import wait_work
 
 ROW_SPARSE_MIN_ROWS = 4096
@@ -31,8 +31,8 @@ def weights_checksum(weights: dict[str, Tensor]) -> int:
     crc = 0
     for k in sorted(weights):
         t = weights[k].detach().contiguous()
-        crc = zlib.crc32(k.encode(), crc)
-        crc = zlib.crc32(t.view(torch.uint8).reshape(-1).numpy() if t.numel() else b"", crc)
+        crc = crc32(k.encode(), crc)
+        crc = crc32(t.view(torch.uint8).reshape(-1).numpy() if t.numel() else b"", crc)
     return crc
 
 
@@ -66,51 +66,69 @@ def pack(learner: Any, reference: bool = True) -> tuple[dict[str, Any], Tensor, 
             diff = (t != base).any(dim=1) if base.dim() else (t != 0).any(dim=1)
             idx = torch.nonzero(diff).flatten()
             rec["rows"] = int(idx.numel())
-            values.append(t[idx].reshape(-1))
+            values.append((t, idx))
             rows.append(idx)
         else:
-            values.append(t.reshape(-1))
+            values.append((t, None))
         manifest.append(rec)
     opt = {k: int(learner.optimizer.state[learner.params[k]]["step"])
            for k in learner.params if "step" in learner.optimizer.state.get(learner.params[k], {})}
     meta = {"entries": manifest, "reference": reference, "adam_steps": opt, "ewma_weight": learner.ewma.weight,
             "ewma_num_resets": learner.ewma.num_resets, "version": learner.version, "step": learner.step,
             "rl_start_step": learner.rl_start_step, "lr": learner.lr,
-            "num_values": int(sum(v.numel() for v in values)), "num_rows": int(sum(r.numel() for r in rows))}
-    flat = torch.cat(values) if values else torch.zeros(0)
-    idx = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
-    return meta, flat.to(torch.float32).contiguous(), idx.to(torch.long).contiguous()
+            "num_values": int(sum(t.numel() if r is None else r.numel() * t.shape[1] for t, r in values)),
+            "num_rows": int(sum(r.numel() for r in rows))}
+    flat = torch.empty(meta["num_values"], dtype=torch.float32)
+    pos = 0
+    for t, r in values:  # each tensor (or its rows) read once, straight into the buffer
+        if r is None:
+            flat[pos: pos + t.numel()].view(t.shape).copy_(t)
+            pos += t.numel()
+        else:
+            torch.index_select(t, 0, r, out=flat[pos: pos + r.numel() * t.shape[1]].view(-1, t.shape[1]))
+            pos += r.numel() * t.shape[1]
+    idx = torch.cat(rows).to(torch.long) if rows else torch.zeros(0, dtype=torch.long)
+    return meta, flat, idx.contiguous()
 
 
 @torch.no_grad()
-def unpack(learner: Any, meta: dict[str, Any], flat: Tensor, idx: Tensor) -> None:
+def unpack(learner: Any, meta: dict[str, Any], flat: Tensor, idx: Tensor, fresh: bool = False) -> None:
     """Make `learner`'s state bitwise the packed one (parameters first: the sparse rows of
-    the reference and EWMA copy are relative to them)."""
+    the reference and EWMA copy are relative to them). `fresh`: the learner was just built
+    from these parameters (`protocol.build_learner` with `flat`), so its parameters,
+    reference and EWMA copy already equal them: only what differs is written, in place."""
     vpos = rpos = 0
     params = learner.params
+    held = {"reference": learner.reference, "ewma": learner.ewma.params} if fresh else {}
     got: dict[str, dict[str, Tensor]] = {}
     for rec in meta["entries"]:
-        shape = tuple(rec["shape"])
+        kind, name, shape = rec["kind"], rec["name"], tuple(rec["shape"])
+        n = rec["rows"] * shape[1] if "rows" in rec else _numel(shape)
+        vals, vpos = flat[vpos: vpos + n], vpos + n
+        if kind == "param":
+            if not fresh:
+                params[name].copy_(vals.view(shape))
+            continue
         if "rows" in rec:
-            n = rec["rows"]
-            rows = idx[rpos: rpos + n]
-            rpos += n
-            vals = flat[vpos: vpos + n * shape[1]].view(n, shape[1])
-            vpos += n * shape[1]
-            base = torch.zeros(shape) if rec["kind"].startswith("exp_avg") else params[rec["name"]].detach().clone()
-            base[rows] = vals
-            t = base
+            rows, rpos = idx[rpos: rpos + rec["rows"]], rpos + rec["rows"]
+            if kind in held:
+                t = held[kind][name]  # equal to the parameter already
+            else:
+                t = torch.zeros(shape) if kind.startswith("exp_avg") else params[name].detach().clone()
+            t[rows] = vals.view(-1, shape[1])
+        elif kind in held:
+            t = held[kind][name].copy_(vals.view(shape))
         else:
-            n = 1
-            for d in shape:
-                n *= d
-            t = flat[vpos: vpos + n].view(shape).clone()
-            vpos += n
-        if rec["kind"] == "param":
-            params[rec["name"]].copy_(t)
-        else:
-            got.setdefault(rec["kind"], {})[rec["name"]] = t
+            t = vals.view(shape).clone()
+        got.setdefault(kind, {})[name] = t
     _restore(learner, meta, got)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _restore(learner: Any, meta: dict[str, Any], got: dict[str, dict[str, Tensor]]) -> None:
@@ -136,9 +154,7 @@ def params_view(meta: dict[str, Any], flat: Tensor) -> dict[str, Tensor]:
     for rec in meta["entries"]:
         if rec["kind"] != "param":
             break
-        n = 1
-        for d in rec["shape"]:
-            n *= d
+        n = _numel(tuple(rec["shape"]))
         out[rec["name"]] = flat[pos: pos + n].view(tuple(rec["shape"]))
         pos += n
     return out
@@ -169,9 +185,9 @@ def packed_checksum(meta: dict[str, Any], flat: Tensor, idx: Tensor) -> int:
     """CRC32 of a packed state as it travels: a receiver that computes it over what it
     received, and unpacks that (deterministic, `unpack(pack(x))` is bitwise x), holds the
     sender's state bitwise."""
-    crc = zlib.crc32(json.dumps(meta, sort_keys=True).encode())
-    crc = zlib.crc32(flat.view(torch.uint8).numpy(), crc)
-    return zlib.crc32(idx.view(torch.uint8).numpy(), crc)
+    crc = crc32(json.dumps(meta, sort_keys=True).encode())
+    crc = crc32(flat.view(torch.uint8).numpy(), crc)
+    return crc32(idx.view(torch.uint8).numpy(), crc)
 
 
 def state_equal(a: Any, b: Any) -> bool:

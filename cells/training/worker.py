@@ -42,6 +42,10 @@ log = logging.getLogger("cellflip.training")
 POLL_S = 0.05
 
 
+def _import_learner() -> None:
+    import cells.trainer.learner  # noqa: F401
+
+
 class TrainingWorker:
     """Owned by the cell agent (or run bare). `active` gates taking assignments (the cell's
     role is training); `source` is the coordinator's store address."""
@@ -69,8 +73,10 @@ class TrainingWorker:
         self._stop.set()
 
     def enter(self) -> None:
-        """The cell is in the training role: take assignments from the next step boundary."""
+        """The cell is in the training role: take assignments from the next step boundary.
+        The learner's modules load now, off the first join's critical path."""
         self.active.set()
+        threading.Thread(target=_import_learner, name="training-imports", daemon=True).start()
 
     def leave(self) -> None:
         """Back to rollout: no more assignments; the state goes (the weights stay reachable
@@ -176,13 +182,22 @@ class TrainingWorker:
 
     def _receive_state(self, store, prefix: str, spec: dict, group, timeout: float) -> int:
         """The coordinator's state, rebuilt here; returns the checksum of what arrived."""
+        t0 = time.perf_counter()
         meta = wait_json(store, f"{prefix}/state", timeout)
         if meta is None:
             raise TransferError("no state manifest from the coordinator")
+        t1 = time.perf_counter()
         flat, idx = recv_state(group, 0, meta, timeout)
-        self.learner = P.build_learner(spec["hyper"], meta)
-        unpack(self.learner, meta, flat, idx)
-        return packed_checksum(meta, flat, idx)
+        t2 = time.perf_counter()
+        self.learner = P.build_learner(spec["hyper"], meta, flat)
+        t3 = time.perf_counter()
+        unpack(self.learner, meta, flat, idx, fresh=True)
+        t4 = time.perf_counter()
+        crc = packed_checksum(meta, flat, idx)
+        log.info("cell %s: state of %.0f MB: manifest after %.2fs, bytes %.2fs, build %.2fs, unpack %.2fs, "
+                 "checksum %.2fs", self.cell_id, (flat.numel() * 4 + idx.numel() * 8) / 1e6, t1 - t0, t2 - t1,
+                 t3 - t2, t4 - t3, time.perf_counter() - t4)
+        return crc
 
     def _settle(self, store, prefix: str, timeout: float) -> bool:
         """Keep the update only once the coordinator committed it. A newer assignment (the

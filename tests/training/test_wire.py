@@ -23,6 +23,10 @@ def test_unpack_of_pack_is_bitwise_and_sparse_on_the_vocabulary_rows():
     assert not state_equal(a, b)
     unpack(b, meta, flat, idx)
     assert state_equal(a, b) and packed_checksum(*pack(b)) == packed_checksum(meta, flat, idx)
+    # a joiner builds its learner from the parameters that arrived and writes only what differs
+    fresh = P.build_learner(P.hyper(a), meta, flat)
+    unpack(fresh, meta, flat, idx, fresh=True)
+    assert state_equal(a, fresh)
     assert (b.version, b.step, b.rl_start_step, b.ewma.weight) == (a.version, a.step, a.rl_start_step, a.ewma.weight)
     rows = {(e["kind"], e["name"]): e.get("rows") for e in meta["entries"]}
     table = "model.embed_tokens.weight"
@@ -34,7 +38,8 @@ def test_unpack_of_pack_is_bitwise_and_sparse_on_the_vocabulary_rows():
     batch = trajectories(a, seed=3)
     a.rl_step(batch)
     b.rl_step(batch)
-    assert state_equal(a, b)
+    fresh.rl_step(batch)
+    assert state_equal(a, b) and state_equal(a, fresh)
 
 
 def test_after_a_warm_up_the_ewma_copy_stays_off_the_wire():
