@@ -921,12 +921,14 @@ def scn_trainer_kill_broadcast(camp: Campaign, run: Run, k: int) -> None:
 
 
 def scn_broadcast_receiver(camp: Campaign, run: Run, k: int) -> None:
-    """A receiving cell dies (or stalls past the op timeout) mid-bucket: the trainer finishes
-    the others, the cell catches up point to point, nobody serves a partial version."""
+    """A receiving cell dies (or its receiving thread stalls) mid-bucket: the trainer finishes
+    the others, the cell catches up point to point, nobody serves a partial version. Every op
+    is posted at once, so the bytes keep arriving while the thread stalls: the stall outlasts
+    the sender's wait for reports (an op timeout + 5 s) to leave the cell unreported."""
     variant = ["kill", "stall"][k % 2]
     victim = f"cell-{run.rng.randrange(CELLS)}"
     run.params.update(variant=variant, victim=victim)
-    action = "2*kill" if variant == "kill" else f"2*sleep:{TRANSFER_TIMEOUT_S + 1.5}"
+    action = "2*kill" if variant == "kill" else f"2*sleep:{TRANSFER_TIMEOUT_S + 5.0 + 1.5}"
     camp.restart({victim: {"broadcast.mid_bucket": action}})
     camp.start_clients(run, 3)
     v = camp.next_version
