@@ -41,6 +41,7 @@ from typing import Any
 import httpx
 
 from cells.localcluster import SMALL_MODEL, Cluster, Streamer
+from cells.transport.broadcast import SETTLE_EXTRA_S
 from faultkit import checker
 from faultkit.history import History
 from faultkit.nemesis import Nemesis, version_weights
@@ -924,11 +925,11 @@ def scn_broadcast_receiver(camp: Campaign, run: Run, k: int) -> None:
     """A receiving cell dies (or its receiving thread stalls) mid-bucket: the trainer finishes
     the others, the cell catches up point to point, nobody serves a partial version. Every op
     is posted at once, so the bytes keep arriving while the thread stalls: the stall outlasts
-    the sender's wait for reports (an op timeout + 5 s) to leave the cell unreported."""
+    the sender's wait for reports (an op timeout + SETTLE_EXTRA_S) to leave the cell unreported."""
     variant = ["kill", "stall"][k % 2]
     victim = f"cell-{run.rng.randrange(CELLS)}"
     run.params.update(variant=variant, victim=victim)
-    action = "2*kill" if variant == "kill" else f"2*sleep:{TRANSFER_TIMEOUT_S + 5.0 + 1.5}"
+    action = "2*kill" if variant == "kill" else f"2*sleep:{TRANSFER_TIMEOUT_S + SETTLE_EXTRA_S + 1.5}"
     camp.restart({victim: {"broadcast.mid_bucket": action}})
     camp.start_clients(run, 3)
     v = camp.next_version

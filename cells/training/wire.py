@@ -14,6 +14,7 @@ sender's. Everything else travels dense.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import torch
@@ -59,7 +60,7 @@ def pack(learner: Any, reference: bool = True) -> tuple[dict[str, Any], Tensor, 
     reference when `reference` is False (an update never changes it: the result of a step
     goes back to a coordinator that has it)."""
     manifest: list[dict[str, Any]] = []
-    values, rows = [], []
+    values = []
     for kind, name, t, base in _entries(learner, reference):
         rec = {"kind": kind, "name": name, "shape": list(t.shape)}
         if base is not None and t.dim() == 2 and t.shape[0] >= ROW_SPARSE_MIN_ROWS:
@@ -67,12 +68,12 @@ def pack(learner: Any, reference: bool = True) -> tuple[dict[str, Any], Tensor, 
             idx = torch.nonzero(diff).flatten()
             rec["rows"] = int(idx.numel())
             values.append((t, idx))
-            rows.append(idx)
         else:
             values.append((t, None))
         manifest.append(rec)
     opt = {k: int(learner.optimizer.state[learner.params[k]]["step"])
            for k in learner.params if "step" in learner.optimizer.state.get(learner.params[k], {})}
+    rows = [r for _, r in values if r is not None]
     meta = {"entries": manifest, "reference": reference, "adam_steps": opt, "ewma_weight": learner.ewma.weight,
             "ewma_num_resets": learner.ewma.num_resets, "version": learner.version, "step": learner.step,
             "rl_start_step": learner.rl_start_step, "lr": learner.lr,
@@ -103,7 +104,7 @@ def unpack(learner: Any, meta: dict[str, Any], flat: Tensor, idx: Tensor, fresh:
     got: dict[str, dict[str, Tensor]] = {}
     for rec in meta["entries"]:
         kind, name, shape = rec["kind"], rec["name"], tuple(rec["shape"])
-        n = rec["rows"] * shape[1] if "rows" in rec else _numel(shape)
+        n = rec["rows"] * shape[1] if "rows" in rec else math.prod(shape)
         vals, vpos = flat[vpos: vpos + n], vpos + n
         if kind == "param":
             if not fresh:
@@ -122,13 +123,6 @@ def unpack(learner: Any, meta: dict[str, Any], flat: Tensor, idx: Tensor, fresh:
             t = vals.view(shape).clone()
         got.setdefault(kind, {})[name] = t
     _restore(learner, meta, got)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _restore(learner: Any, meta: dict[str, Any], got: dict[str, dict[str, Tensor]]) -> None:
@@ -154,7 +148,7 @@ def params_view(meta: dict[str, Any], flat: Tensor) -> dict[str, Tensor]:
     for rec in meta["entries"]:
         if rec["kind"] != "param":
             break
-        n = _numel(tuple(rec["shape"]))
+        n = math.prod(rec["shape"])
         out[rec["name"]] = flat[pos: pos + n].view(tuple(rec["shape"]))
         pos += n
     return out

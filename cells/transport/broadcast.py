@@ -47,12 +47,12 @@ from cells.transport.store import get_json, poll_sleeps, set_json, wait_json, wa
 from scheduler.contract.failpoints import failpoint
 
 SETTLE_POLL_S = 0.002
-"""Longest poll period for the reports: the sender's own store, polled only until the last
-member reported (usually within milliseconds of the last bucket)."""
+"""Longest poll period for the reports (the sender's own store, until the last member reported)."""
+SETTLE_EXTRA_S = 5.0  # by default the sender waits this long past one op timeout for reports
 SPLIT_OP_BYTES = 128 << 20
-"""Bytes per op of the split format: several CRC buckets travel as one op, since every op
-costs each rank a wake-up on a busy machine (a 412 MB version to one receiver on 2 busy
-cores: 128 MiB ops a little faster than 64 or 32 MiB)."""
+"""Bytes per op of the split format: several CRC buckets travel as one op, since every op costs
+each rank a wake-up on a busy machine (412 MB to one receiver on 2 busy cores: 128 MiB ops a
+little faster than 64, 32 or 16 MiB)."""
 
 
 @dataclass
@@ -129,7 +129,7 @@ class WeightSender:
         self.store, self.bucket_bytes, self.timeout_s = store, bucket_bytes, timeout_s
         self.join_timeout_s, self.max_attempts, self.namespace = join_timeout_s, max_attempts, namespace
         # A member learns of a failure within one op timeout; it then reports in.
-        self.settle_timeout_s = timeout_s + 5.0 if settle_timeout_s is None else settle_timeout_s
+        self.settle_timeout_s = timeout_s + SETTLE_EXTRA_S if settle_timeout_s is None else settle_timeout_s
         self.device, self.op_bytes = torch.device(device), op_bytes  # op_bytes: split format, per op
         self.bucket_hook = bucket_hook  # fault injection: called after bucket i left
 
