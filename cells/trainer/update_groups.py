@@ -104,9 +104,11 @@ class UpdateGroupSender:
                                                           buckets, tensors, retry_s)
             if error and backend is not None:  # fail the members still waiting on us now
                 discard(backend, keep, broken=True)
+                backend = None
             pending = settle_reports(store, key, result, members, attempt, error, settle_s)
-            if not error and backend is not None:  # members have the tail: close cleanly
+            if backend is not None:  # members have the tail: close cleanly
                 discard(backend, keep, broken=False)
+                backend = None
             attempt, join_wait = attempt + 1, 0.0  # retries wrote ready/{attempt+1} already
         for c in pending:
             result.failed[c] = f"gave up after {GROUP_ATTEMPTS} attempts"

@@ -130,6 +130,7 @@ class TrainingCoordinator:
             set_json(self.store, f"{prefix}/abort", {"reason": str(e)[:300]})
             if group is not None:
                 discard(group, [], broken=True)
+                group = None  # the raised frame would keep it: the reaper drops the last one
             raise e if isinstance(e, StepFailed) else StepFailed(str(e), self._failed(prefix, cells)) from e
         discard(group, [], broken=False)
         return out

@@ -142,6 +142,7 @@ class TrainingWorker:
             ok = False
         for g in groups:
             discard(g, [], broken=not ok)
+        groups.clear()  # the reaper drops the last reference (its destructor blocks)
         if not ok:
             self.num_failed += 1
             self.drop()

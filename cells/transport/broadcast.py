@@ -46,8 +46,7 @@ from cells.transport.staging import FlatReceipt, StagingBuffers, empty_flat
 from cells.transport.store import get_json, poll_sleeps, set_json, wait_json, wait_keys
 from scheduler.contract.failpoints import failpoint
 
-SETTLE_POLL_S = 0.002
-"""Longest poll period for the reports (the sender's own store, until the last member reported)."""
+SETTLE_POLL_S = 0.002  # longest poll period for the reports (the sender's own store)
 SETTLE_EXTRA_S = 5.0  # by default the sender waits this long past one op timeout for reports
 SPLIT_OP_BYTES = 128 << 20
 """Bytes per op of the split format: several CRC buckets travel as one op, since every op costs
@@ -184,8 +183,9 @@ class WeightSender:
             # connection this side closed early.
             if error and backend is not None:
                 discard(backend, keep, broken=True)
+                backend = None
             pending = settle_reports(self.store, key, result, members, attempt, error, self.settle_timeout_s)
-            if not error and backend is not None:
+            if backend is not None:
                 discard(backend, keep, broken=False)
             attempt, join_wait = attempt + 1, 0.0  # pending ones wrote ready/{attempt+1} already
         for c in pending:

@@ -90,8 +90,16 @@ def join_group(
         raise TransferError(f"group {prefix!r}: backend setup failed: {e}") from e
 
 
+REAP_HOLD_S = 0.2
+"""How long the reaper keeps its reference to a backend after shutting it down. Whoever drops
+the last reference runs the destructor, which joins gloo's threads and closes its sockets
+(15-20 ms on 2 busy cores, with the GIL released but the dropping thread blocked): the
+caller drops its own references right after `discard`, so the reaper is the one that waits."""
+
+
 def discard(backend, keepalive: list, *, broken: bool = True) -> None:
-    """Drops a backend without blocking the caller.
+    """Drops a backend without blocking the caller, who must drop its own references to it
+    at once (`backend = None`; a frame kept alive by a raised exception counts too).
 
     A gloo worker still inside a timed-out collective holds the backend's destructor until
     the group timeout; the buffers of ops still posted must outlive it, or a late byte from
@@ -100,15 +108,23 @@ def discard(backend, keepalive: list, *, broken: bool = True) -> None:
     called without an active exception"), so exit waits for it, at most one group timeout.
     """
 
-    def reap(b, keep):
+    def reap(box: list):
+        b, keep = box
+        box.clear()  # this frame holds the only references the thread has
         try:
             # NCCL: abort frees a failed communicator and unblocks its kernels, shutdown ends
             # a healthy one cleanly; gloo: both return at once, the destructor does the work.
             b.abort() if broken else b.shutdown()
         except Exception:
             pass
+        if not broken:
+            keep = None  # every op completed: no late byte can land in these any more
+        time.sleep(REAP_HOLD_S)
+        del b  # the destructor (if the caller let go), then the buffers it might still write
+        del keep
 
-    threading.Thread(target=reap, args=(backend, keepalive), daemon=False, name="transport-reap").start()
+    box = [backend, keepalive]
+    threading.Thread(target=reap, args=(box,), daemon=False, name="transport-reap").start()
 
 
 def wait_work(work, timeout_s: float, what: str) -> None:

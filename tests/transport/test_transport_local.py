@@ -109,3 +109,34 @@ def test_broadcast_control_exchange_without_peers():
             rx.received_tensors()
     finally:
         host.close()
+
+
+def test_discard_leaves_the_destructor_to_its_reaper():
+    """Whoever drops a backend's last reference runs its destructor (gloo joins its threads
+    and closes its sockets: tens of ms): after `discard` and the caller dropping its own
+    reference at once, that is the reaper, never the caller, even when shutdown is instant."""
+    import threading
+
+    from cells.transport.p2p import discard
+
+    seen: list[str] = []
+
+    class Backend:
+        def shutdown(self):
+            pass
+
+        def abort(self):
+            pass
+
+        def __del__(self):
+            seen.append(threading.current_thread().name)
+
+    for broken in (False, True):
+        backend = Backend()
+        discard(backend, [], broken=broken)
+        time.sleep(0.05)  # the reaper's shutdown has long returned by now
+        backend = None
+        deadline = time.monotonic() + 10
+        while len(seen) < (1 if not broken else 2) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert seen == ["transport-reap", "transport-reap"]
