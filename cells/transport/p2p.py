@@ -100,6 +100,7 @@ caller drops its own references right after `discard`, so the reaper is the one 
 def discard(backend, keepalive: list, *, broken: bool = True) -> None:
     """Drops a backend without blocking the caller, who must drop its own references to it
     at once (`backend = None`; a frame kept alive by a raised exception counts too).
+    `broken=False` says every op of the group completed: its buffers are let go at once.
 
     A gloo worker still inside a timed-out collective holds the backend's destructor until
     the group timeout; the buffers of ops still posted must outlive it, or a late byte from
@@ -246,7 +247,8 @@ class PairChannel:
     def close(self) -> None:
         """Releases the group. Never blocks on a peer; safe to call twice."""
         if self._backend is not None:
-            discard(self._backend, list(self._inflight.values()), broken=self._broken is not None)
+            abandoned = list(self._inflight.values())  # ops still posted: buffers outlive the backend
+            discard(self._backend, abandoned, broken=self._broken is not None or bool(abandoned))
         self._backend, self._inflight = None, {}
         if self._broken is None:
             self._broken = "closed"
