@@ -49,9 +49,8 @@ from scheduler.contract.failpoints import failpoint
 SETTLE_POLL_S = 0.002  # longest poll period for the reports (the sender's own store)
 SETTLE_EXTRA_S = 5.0  # by default the sender waits this long past one op timeout for reports
 SPLIT_OP_BYTES = 128 << 20
-"""Bytes per op of the split format: several CRC buckets travel as one op, since every op costs
-each rank a wake-up on a busy machine (412 MB to one receiver on 2 busy cores: 128 MiB ops a
-little faster than 64, 32 or 16 MiB)."""
+"""Bytes per op of the split format (several CRC buckets an op: each op costs every rank a wake-up;
+412 MB to 1 receiver on 2 busy cores: 128 MiB ops faster than 64, 32, 16 or 8 MiB)."""
 
 
 @dataclass
@@ -187,6 +186,7 @@ class WeightSender:
             pending = settle_reports(self.store, key, result, members, attempt, error, self.settle_timeout_s)
             if backend is not None:
                 discard(backend, keep, broken=False)
+                backend = None
             attempt, join_wait = attempt + 1, 0.0  # pending ones wrote ready/{attempt+1} already
         for c in pending:
             result.failed[c] = f"gave up after {self.max_attempts} attempts"

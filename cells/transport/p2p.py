@@ -90,17 +90,12 @@ def join_group(
         raise TransferError(f"group {prefix!r}: backend setup failed: {e}") from e
 
 
-REAP_HOLD_S = 0.2
-"""How long the reaper keeps its reference to a backend after shutting it down. Whoever drops
-the last reference runs the destructor, which joins gloo's threads and closes its sockets
-(15-20 ms on 2 busy cores, with the GIL released but the dropping thread blocked): the
-caller drops its own references right after `discard`, so the reaper is the one that waits."""
-
-
 def discard(backend, keepalive: list, *, broken: bool = True) -> None:
     """Drops a backend without blocking the caller, who must drop its own references to it
-    at once (`backend = None`; a frame kept alive by a raised exception counts too).
-    `broken=False` says every op of the group completed: its buffers are let go at once.
+    at once (`backend = None`; a frame kept alive by a raised exception counts too): whoever
+    drops the last reference runs the destructor, which joins gloo's threads and closes its
+    sockets (15-20 ms here, the dropping thread blocked), and the reaper's comes after its
+    shutdown. `broken=False` says every op completed: the buffers are let go at once.
 
     A gloo worker still inside a timed-out collective holds the backend's destructor until
     the group timeout; the buffers of ops still posted must outlive it, or a late byte from
@@ -120,7 +115,6 @@ def discard(backend, keepalive: list, *, broken: bool = True) -> None:
             pass
         if not broken:
             keep = None  # every op completed: no late byte can land in these any more
-        time.sleep(REAP_HOLD_S)
         del b  # the destructor (if the caller let go), then the buffers it might still write
         del keep
 
