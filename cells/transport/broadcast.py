@@ -169,10 +169,8 @@ class WeightSender:
                 return self._finish(result, t0)
             error, backend, keep = "", None, []
             try:
-                backend = join_group(
-                    self.store, key("pg", attempt) + "/", 0, len(members) + 1,
-                    timeout_s=self.timeout_s, connect_timeout_s=self.timeout_s, device=self.device,
-                )
+                backend = join_group(self.store, key("pg", attempt) + "/", 0, len(members) + 1,
+                                     timeout_s=self.timeout_s, connect_timeout_s=self.timeout_s, device=self.device)
                 self._run(backend, manifest, packer, keep)
             except TransferError as e:
                 error = str(e)
