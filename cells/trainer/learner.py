@@ -73,12 +73,14 @@ class Learner:
         version: int = 0,
         seed: int = 0,
         reference: dict[str, Tensor] | None = None,
+        param_storage: Tensor | None = None,
     ) -> None:
         """`tile` must be the cells' row tile (batch-invariant mode) for bitwise old log-probs,
         `temperature` their sampling temperature; `output_ids` overrides the spec's output
         vocabulary; `reference` (the KL anchor) defaults to `weights`. `sft_tile` is the row
         tile of the warm-up forward: None runs the fast kernels (warm-up needs no bitwise
-        match)."""
+        match). `param_storage`: a 1-D float32 buffer the parameters live in, packed in name
+        order (a training cell receives a joining state's parameters straight into it)."""
         if output_ids is not None:
             spec = replace(spec, output_id_ranges=id_ranges(output_ids))
         check_weights(spec, weights)
@@ -98,7 +100,7 @@ class Learner:
         self.last_lr = float(lr)
         """The learning rate of the last optimizer step (after the warm-up's scaling)."""
         self.sft_tile = sft_tile
-        self._init_state(weights, reference, lr, betas, weight_decay)
+        self._init_state(weights, reference, lr, betas, weight_decay, param_storage)
         self.version = version
         """Version of the current parameters (what `weights()` publishes)."""
         self.step = 0
@@ -111,15 +113,26 @@ class Learner:
         self._vocab = VocabRows(spec)
 
     def _init_state(self, weights: dict[str, Tensor], reference: dict[str, Tensor] | None,
-                    lr: float, betas: tuple[float, float], weight_decay: float) -> None:
+                    lr: float, betas: tuple[float, float], weight_decay: float,
+                    storage: Tensor | None = None) -> None:
         """fp32 parameters, AdamW over them, the KL reference and the PPO-EWMA copy."""
         self.betas, self.weight_decay = betas, weight_decay
         self._base_lr = float(lr)
         # Sorted names: the optimizer's state is indexed by position, checkpoints by name.
-        self.params: dict[str, Tensor] = {
-            k: weights[k].detach().to(torch.float32).clone().requires_grad_(True)
-            for k in sorted(weights)
-        }
+        self.params: dict[str, Tensor] = {}
+        pos = 0
+        for k in sorted(weights):
+            w = weights[k].detach().to(torch.float32)
+            if storage is None:
+                self.params[k] = w.clone().requires_grad_(True)
+                continue
+            if storage.dtype != torch.float32 or storage.numel() < pos + w.numel():
+                raise ValueError("param_storage must be float32 and hold every parameter")
+            p = storage[pos: pos + w.numel()].view(w.shape)
+            if p.data_ptr() != w.data_ptr():  # the weights may live there already
+                p.copy_(w)
+            self.params[k] = p.requires_grad_(True)
+            pos += w.numel()
         # fused: one kernel over each tensor instead of a dozen passes (the step of a 152k-row
         # table dominated a CPU update); every rank runs the same one, so ranks stay equal.
         self.optimizer = torch.optim.AdamW(

@@ -16,6 +16,7 @@ here (`coordinator_fallback`), so training never stops for want of cells.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -33,6 +34,7 @@ from cells.training.wire import (
     send_state,
     unpack,
     weights_checksum,
+    with_reference,
 )
 from cells.transport.p2p import TransferError, discard, join_group
 from cells.transport.store import StoreAddress, connect, get_json, set_json, wait_any, wait_keys
@@ -62,6 +64,10 @@ class TrainingCoordinator:
         self.run = uuid.uuid4().hex[:8]
         """This coordinator's incarnation: a restarted one never matches a cell's old state."""
         self.num_steps = 0
+        set_json(self.store, P.SKELETON_KEY, P.skeleton(learner))  # training cells pre-build from it
+        self._packed: dict[str, Any] | None = None
+        """The host state packed for joiners, under the tag it was packed at."""
+        self._packer: threading.Thread | None = None
 
     @property
     def tag(self) -> str:
@@ -99,6 +105,7 @@ class TrainingCoordinator:
                 self.learner.cursor = cursor
             return out
         self.emit({"event": "coordinator_fallback", "step": self.num_steps, "lost": lost})
+        self._wait_packer()  # the packer reads the host state: it finishes before that changes
         metrics = self.learner.rl_step(trajectories, cursor=cursor)
         self.learner.version = next_version()
         metrics.update({"attempts": float(attempts), "cells_lost": float(len(lost)),
@@ -164,16 +171,47 @@ class TrainingCoordinator:
         if not ranks:
             return None
         t0 = time.perf_counter()
-        meta, flat, idx = pack(self.learner)
-        set_json(self.store, f"{prefix}/state", meta)
+        packed = self._packed_state()
+        set_json(self.store, f"{prefix}/state", packed["meta"])
         t1 = time.perf_counter()
         for r in ranks:
-            send_state(group, r, flat, idx, self.timeout_s)
-        t2 = time.perf_counter()
-        crc = packed_checksum(meta, flat, idx)
-        log.info("state to ranks %s: pack %.2fs, send %.2fs, checksum %.2fs", ranks, t1 - t0, t2 - t1,
-                 time.perf_counter() - t2)
-        return crc
+            send_state(group, r, packed["values"], packed["rows"], self.timeout_s)
+        log.info("state to ranks %s: pack %.2fs (%s), send %.2fs", ranks, t1 - t0, packed["how"],
+                 time.perf_counter() - t1)
+        return packed["checksum"]
+
+    def _packed_state(self) -> dict[str, Any]:
+        """The host state as a joiner receives it: packed ahead at the last commit (from the
+        result the cells returned, plus the reference), or now when that is not the current
+        state (the first join, after a fallback step)."""
+        self._wait_packer()
+        p = self._packed
+        if p is None or p["tag"] != self.tag or p["meta"]["lr"] != self.learner.lr:
+            meta, flat, idx = pack(self.learner)
+            p = self._packed = {"tag": self.tag, "meta": meta, "values": [flat], "rows": [idx],
+                                "checksum": packed_checksum(meta, flat, idx), "how": "now"}
+        return p
+
+    def _wait_packer(self) -> None:
+        if self._packer is not None:
+            self._packer.join()
+            self._packer = None
+
+    def _pack_ahead(self, meta: dict[str, Any], flat, idx) -> None:
+        """After a commit, off the next join's path: the result just installed is the host
+        state without its reference (bitwise what `pack` gives), so a joiner's state is that
+        plus the reference's rows, packed and checksummed in the background. Nothing else
+        changes the host learner between commits (the fallback and the next commit wait)."""
+        tag = self.tag
+
+        def work() -> None:
+            full, values, rows = with_reference(self.learner, meta, flat, idx)
+            self._packed = {"tag": tag, "meta": full, "values": values, "rows": rows,
+                            "checksum": packed_checksum(full, values, rows), "how": "ahead"}
+
+        self._packed = None
+        self._packer = threading.Thread(target=work, name="pack-ahead", daemon=True)
+        self._packer.start()
 
     def _check_joined(self, prefix: str, ranks: list[int], mine: int | None) -> None:
         """Each joining rank rebuilt the state from exactly what was sent (its checksum)."""
@@ -193,7 +231,7 @@ class TrainingCoordinator:
         if got != f"{prefix}/result":
             raise StepFailed(f"step failed on the cells ({got or 'timed out'})", self._failed(prefix, cells))
         result = get_json(self.store, got)
-        flat, idx = recv_state(group, 1, result["state"], self.timeout_s, tag=2)
+        flat, idx = recv_state(group, 1, result["state"], self.timeout_s, tag=P.RESULT_TAG)
         return result, flat, idx
 
     def _check_ranks(self, prefix: str, cells: list[str], checksum: int) -> None:
@@ -224,10 +262,12 @@ class TrainingCoordinator:
         if crc != int(result["checksum"]):  # checked before the host copy changes
             raise StepFailed("the returned state does not match its checksum")
         failpoint("training.before_commit")  # the coordinator dying with the cells' update in hand
+        self._wait_packer()  # a packer still reading the host state finishes first
         unpack(self.learner, result["state"], flat, idx)
         self.learner.version = next_version()
         set_json(self.store, f"{prefix}/commit", {"tag": self.tag, "version": self.learner.version,
                                                   "checksum": crc})
+        self._pack_ahead({**result["state"], "version": self.learner.version}, flat, idx)
         metrics = dict(result["metrics"])
         metrics.update(plan.metrics())
         metrics.update({"version": float(self.learner.version), "train_cells": float(n),

@@ -24,6 +24,8 @@ from cells.trainer.objectives import ObjectiveConfig
 from cells.training.wire import params_view
 
 NAMESPACE = "train"
+RESULT_TAG = 16
+"""Tags of the state's way back from rank 1 over `all` (the way out uses 0..3: two pieces)."""
 
 
 def assign_key(cell_id: str) -> str:
@@ -33,6 +35,20 @@ def assign_key(cell_id: str) -> str:
 def alive_key(cell_id: str) -> str:
     """Set by a training rank when it (re)connects to the coordinator's store."""
     return f"{NAMESPACE}/alive/{cell_id}"
+
+
+SKELETON_KEY = f"{NAMESPACE}/skeleton"
+"""{"hyper", "params": [[name, shape], ...]}: what a training cell pre-builds its learner from."""
+
+
+def skeleton(learner: Any) -> dict[str, Any]:
+    return {"hyper": hyper(learner), "params": [[k, list(p.shape)] for k, p in learner.params.items()]}
+
+
+def same_learner(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether a learner built with hyper-parameters `a` can hold a state sent with `b` (the
+    learning rate travels with the state)."""
+    return {k: v for k, v in a.items() if k != "lr"} == {k: v for k, v in b.items() if k != "lr"}
 
 
 def attempt_prefix(step: int, attempt: int, run: str) -> str:
@@ -53,9 +69,10 @@ def spec_from_signature(d: dict[str, Any]) -> ModelSpec:
     return ModelSpec(**{**d, "output_id_ranges": tuple(tuple(r) for r in ranges) if ranges else None})
 
 
-def build_learner(h: dict[str, Any], meta: dict[str, Any], flat: torch.Tensor | None = None) -> Any:
+def build_learner(h: dict[str, Any], meta: dict[str, Any], flat: torch.Tensor | None = None,
+                  param_storage: torch.Tensor | None = None) -> Any:
     """A learner with the coordinator's hyper-parameters and the parameters packed in `flat`
-    (its reference and EWMA copy equal to them: `wire.unpack(..., fresh=True)` then writes
+    (its reference and EWMA copy equal to them: `wire.unpack(..., held="fresh")` then writes
     only what differs), or zero parameters of the manifest's shapes without `flat`
     (`wire.unpack` then fills the whole state)."""
     from cells.trainer.learner import Learner
@@ -67,7 +84,21 @@ def build_learner(h: dict[str, Any], meta: dict[str, Any], flat: torch.Tensor | 
                       objective=ObjectiveConfig.model_validate_json(h["objective"]), tile=h["tile"],
                       temperature=float(h["temperature"]), weight_decay=float(h["weight_decay"]),
                       betas=tuple(h["betas"]), max_grad_norm=h["max_grad_norm"], micro_batch=int(h["micro_batch"]),
-                      minibatches=int(h["minibatches"]), lr_warmup_steps=int(h["lr_warmup_steps"]))
+                      minibatches=int(h["minibatches"]), lr_warmup_steps=int(h["lr_warmup_steps"]),
+                      param_storage=param_storage)
+    return learner
+
+
+def build_skeleton(sk: dict[str, Any], param_storage: torch.Tensor | None = None) -> Any:
+    """A learner of the skeleton's shapes with every tensor of a training state allocated and
+    touched (zero parameters, reference, EWMA copy, AdamW moments): a join writes the state
+    into it in place (`wire.unpack(..., held="warm")`). `param_storage`: where the parameters
+    live (the front of the buffer a joining state is received into: they arrive in place)."""
+    learner = build_learner(sk["hyper"], {"entries": [{"kind": "param", "name": n, "shape": s}
+                                                      for n, s in sk["params"]]}, param_storage=param_storage)
+    for p in learner.params.values():
+        learner.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(p.shape),
+                                      "exp_avg_sq": torch.zeros(p.shape)}
     return learner
 
 

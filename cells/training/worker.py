@@ -8,7 +8,8 @@ state back → wait for commit (keep it, as version v with its checksum) or abor
 A cell never keeps a half-applied update: the state is updated in place only inside the
 attempt, and any failure (a peer died, a stall past the op timeout, an abort, the
 coordinator gone) drops the whole state; the next attempt sends it afresh from the
-coordinator's host copy. After a commit the cell holds the published version's weights, so
+coordinator's host copy, into the learner the rank prepared while it waited in the training
+role (`prepare`). After a commit the cell holds the published version's weights, so
 its `loading` back to rollout installs them locally (`weights_for`), fetching nothing.
 A bare rank without an engine (tests, benches): `python -m cells.training.bare`.
 """
@@ -16,6 +17,7 @@ A bare rank without an engine (tests, benches): `python -m cells.training.bare`.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Any
@@ -59,6 +61,13 @@ class TrainingWorker:
         """Which coordinator state the learner holds (None: nothing trusted)."""
         self.committed: dict[str, Any] | None = None
         """{"version", "checksum"} of the last committed update this cell computed."""
+        self.hyper: dict[str, Any] | None = None
+        """The hyper-parameters the learner was built with."""
+        self._rx: tuple[torch.Tensor, torch.Tensor] | None = None
+        """Warm receive buffers for a joining state (values, rows); a prepared learner's
+        parameters live at the front of the values buffer."""
+        self._zeroed = False
+        """The learner's moments are all zero (prepared, never written since)."""
         self.num_attempts = self.num_failed = 0
         self._last: tuple | None = None
         self._stop = threading.Event()
@@ -99,7 +108,28 @@ class TrainingWorker:
 
     def drop(self) -> None:
         """Forget everything (after the weights were installed, or on a failure)."""
-        self.learner, self.tag, self.committed = None, None, None
+        self.learner, self.tag, self.committed, self.hyper, self._rx = None, None, None, None, None
+        self._zeroed = False
+
+    def prepare(self, store) -> bool:
+        """In the training role and holding nothing: build the learner the next join fills
+        (every tensor of the state allocated and touched) and warm receive buffers, so the
+        join writes into memory that exists instead of materialising five model copies on
+        the step's critical path. True when it built one."""
+        if self.learner is not None or not store.check([P.SKELETON_KEY]):
+            return False
+        sk = get_json(store, P.SKELETON_KEY)
+        t0 = time.perf_counter()
+        n = sum(math.prod(s) for _, s in sk["params"])
+        rows = sum(s[0] for _, s in sk["params"] if len(s) == 2)
+        # the parameters live at the front of the receive buffer: a joining state's arrive in place
+        rx = (torch.zeros(2 * n, dtype=torch.float32), torch.zeros(2 * rows, dtype=torch.long))
+        learner = P.build_skeleton(sk, param_storage=rx[0])
+        if not self.active.is_set() or self.learner is not None:
+            return False  # left meanwhile, or something arrived
+        self.learner, self.hyper, self._rx, self.tag, self._zeroed = learner, sk["hyper"], rx, None, True
+        log.info("cell %s: learner prepared in %.2fs", self.cell_id, time.perf_counter() - t0)
+        return True
 
     # -- the loop ------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -121,7 +151,12 @@ class TrainingWorker:
                 continue
             key = None if a is None else (a["run"], a["step"], a["attempt"])
             if a is None or key == self._last or not self.active.is_set():
-                time.sleep(POLL_S)
+                try:
+                    if not self.prepare(store):
+                        time.sleep(POLL_S)
+                except Exception:
+                    log.exception("cell %s: preparing a learner failed", self.cell_id)
+                    time.sleep(POLL_S)
                 continue
             self._last = key
             try:
@@ -174,7 +209,7 @@ class TrainingWorker:
             if rank == 1:
                 meta, flat, idx = pack(self.learner, reference=False)
                 set_json(store, f"{prefix}/result", {"metrics": metrics, "state": meta, "checksum": crc})
-                send_state(groups[0], 0, flat, idx, timeout, tag=2)
+                send_state(groups[0], 0, flat, idx, timeout, tag=P.RESULT_TAG)
             set_json(store, f"{prefix}/done/{rank}", {"checksum": crc})
         except Exception as e:
             set_json(store, f"{prefix}/failed/{rank}", {"reason": str(e)[:300]})
@@ -182,22 +217,31 @@ class TrainingWorker:
         return self._settle(store, prefix, float(spec["commit_timeout_s"]))
 
     def _receive_state(self, store, prefix: str, spec: dict, group, timeout: float) -> int:
-        """The coordinator's state, rebuilt here; returns the checksum of what arrived."""
+        """The coordinator's state, rebuilt here (in place into a learner of the same
+        hyper-parameters when one is held: prepared, or a stale state); returns the checksum
+        of what arrived."""
         t0 = time.perf_counter()
         meta = wait_json(store, f"{prefix}/state", timeout)
         if meta is None:
             raise TransferError("no state manifest from the coordinator")
         t1 = time.perf_counter()
-        flat, idx = recv_state(group, 0, meta, timeout)
+        flat, idx = recv_state(group, 0, meta, timeout, into=self._rx)
         t2 = time.perf_counter()
-        self.learner = P.build_learner(spec["hyper"], meta, flat)
+        warm = self.learner is not None and self.hyper is not None and P.same_learner(self.hyper, spec["hyper"])
+        self.committed = None  # whatever this learner held is overwritten now
+        if not warm:
+            self.learner = P.build_learner(spec["hyper"], meta, flat, param_storage=flat)
+            self.hyper = spec["hyper"]
         t3 = time.perf_counter()
-        unpack(self.learner, meta, flat, idx, fresh=True)
+        unpack(self.learner, meta, flat, idx, held="warm" if warm else "fresh", zero_moments=warm and self._zeroed)
+        self._zeroed = False
         t4 = time.perf_counter()
         crc = packed_checksum(meta, flat, idx)
-        log.info("cell %s: state of %.0f MB: manifest after %.2fs, bytes %.2fs, build %.2fs, unpack %.2fs, "
-                 "checksum %.2fs", self.cell_id, (flat.numel() * 4 + idx.numel() * 8) / 1e6, t1 - t0, t2 - t1,
-                 t3 - t2, t4 - t3, time.perf_counter() - t4)
+        if not warm:  # the learner's parameters live at the front of `flat`: the next join's buffers
+            self._rx = (flat, idx)
+        log.info("cell %s: state of %.0f MB (%s): manifest after %.2fs, bytes %.2fs, build %.2fs, unpack %.2fs, "
+                 "checksum %.2fs", self.cell_id, (flat.numel() * 4 + idx.numel() * 8) / 1e6,
+                 "in place" if warm else "built", t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4)
         return crc
 
     def _settle(self, store, prefix: str, timeout: float) -> bool:

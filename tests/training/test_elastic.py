@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cells.training.coordinator import TrainingCoordinator
-from cells.training.wire import state_checksum
+from cells.training.wire import pack, state_checksum
 from tests.training.cluster import Ranks, learner, rel_diff, trajectories
 
 torch.set_num_threads(1)
@@ -25,21 +25,36 @@ def test_a_cell_joins_and_another_leaves_between_steps(tmp_path):
         v = lambda: lrn.version  # noqa: E731
         m1 = coord.update(batches[0], ["cell-0", "cell-1"], next_version=v)
         pids = {c: p.pid for c, p in ranks.procs.items()}
+        # what a joiner gets was packed ahead, at the commit, from the cells' result: it is
+        # bitwise what packing the host state now gives
+        ahead = coord._packed_state()
+        meta, flat, idx = pack(lrn)
+        assert ahead["how"] == "ahead" and {k: v for k, v in ahead["meta"].items() if k != "pieces"} == meta
+        assert torch.equal(torch.cat(ahead["values"]), flat) and torch.equal(torch.cat(ahead["rows"]), idx)
         m2 = coord.update(batches[1], ["cell-0", "cell-1", "cell-2"], next_version=v)  # cell-2 joins
         m3 = coord.update(batches[2], ["cell-1", "cell-2"], next_version=v)  # cell-0 left
+        # cell-0 comes back holding step 2's state: the current one is written over it in place
+        m4 = coord.update(batches[0], ["cell-0", "cell-1"], next_version=v)
+        joins = {c: [ln for ln in (tmp_path / f"{c}.log").read_text().splitlines() if ": state of" in ln]
+                 for c in ("cell-0", "cell-2")}
     except Exception:
         print(ranks.logs())
         raise
     finally:
         ranks.stop()
     assert {c: p.pid for c, p in ranks.procs.items()} == pids  # nobody restarted
-    assert [m["train_cells"] for m in (m1, m2, m3)] == [2.0, 3.0, 2.0]
-    # cell-2 received the state (verified bitwise against the host's by the coordinator);
-    # the two that trained step 1 kept theirs
-    assert [m["join_cells"] for m in (m1, m2, m3)] == [2.0, 1.0, 0.0]
-    assert [m["version"] for m in (m1, m2, m3)] == [1.0, 2.0, 3.0]
-    assert [m["optimizer_step"] for m in (m1, m2, m3)] == [2.0, 4.0, 6.0]
-    assert all(m["attempts"] == 1.0 for m in (m1, m2, m3))
+    ms = (m1, m2, m3, m4)
+    assert [m["train_cells"] for m in ms] == [2.0, 3.0, 2.0, 2.0]
+    # cell-2 received the state (verified bitwise against the host's by the coordinator: the
+    # checksum of what it rebuilt); the two that trained step 1 kept theirs
+    assert [m["join_cells"] for m in ms] == [2.0, 1.0, 0.0, 1.0]
+    assert [m["version"] for m in ms] == [1.0, 2.0, 3.0, 4.0]
+    assert [m["optimizer_step"] for m in ms] == [2.0, 4.0, 6.0, 8.0]
+    assert all(m["attempts"] == 1.0 for m in ms)
+    # both later joins wrote into a learner the cell held: cell-2's prepared while it waited
+    # through step 1, cell-0's own from step 2
+    assert len(joins["cell-2"]) == 1 and "(in place)" in joins["cell-2"][0], joins
+    assert len(joins["cell-0"]) == 2 and "(in place)" in joins["cell-0"][1], joins
 
 
 @pytest.mark.parametrize("action", ["kill", "stop"])

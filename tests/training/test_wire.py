@@ -3,10 +3,11 @@ reference, EWMA copy, counters), and the vocabulary tables travel row-sparse."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cells.training import protocol as P
-from cells.training.wire import pack, packed_checksum, state_equal, unpack
+from cells.training.wire import pack, packed_checksum, state_equal, unpack, with_reference
 from tests.training.cluster import learner, trajectories
 
 torch.set_num_threads(1)
@@ -25,7 +26,7 @@ def test_unpack_of_pack_is_bitwise_and_sparse_on_the_vocabulary_rows():
     assert state_equal(a, b) and packed_checksum(*pack(b)) == packed_checksum(meta, flat, idx)
     # a joiner builds its learner from the parameters that arrived and writes only what differs
     fresh = P.build_learner(P.hyper(a), meta, flat)
-    unpack(fresh, meta, flat, idx, fresh=True)
+    unpack(fresh, meta, flat, idx, held="fresh")
     assert state_equal(a, fresh)
     assert (b.version, b.step, b.rl_start_step, b.ewma.weight) == (a.version, a.step, a.rl_start_step, a.ewma.weight)
     rows = {(e["kind"], e["name"]): e.get("rows") for e in meta["entries"]}
@@ -56,3 +57,56 @@ def test_after_a_warm_up_the_ewma_copy_stays_off_the_wire():
     assert all(torch.equal(a.ewma.params[k], a.params[k].detach()) for k in a.params)
     rows = {(e["kind"], e["name"]): e.get("rows") for e in pack(a)[0]["entries"]}
     assert rows[("ewma", table)] == 0
+
+
+def _trained(seed: int = 1):
+    a = learner()
+    a.start_rl()
+    a.rl_step(trajectories(a, seed=seed))
+    return a
+
+
+def test_a_state_without_its_reference_extends_to_the_whole_state_bitwise():
+    a = _trained()
+    meta, flat, idx = pack(a, reference=False)
+    full, values, rows = with_reference(a, meta, flat, idx)
+    whole = pack(a)
+    assert values[0] is flat and rows[0] is idx  # the result is not copied
+    assert {k: v for k, v in full.items() if k != "pieces"} == whole[0]
+    assert torch.equal(torch.cat(values), whole[1]) and torch.equal(torch.cat(rows), whole[2])
+    assert packed_checksum(full, values, rows) == packed_checksum(full, torch.cat(values), torch.cat(rows))
+    with pytest.raises(ValueError, match="already holds"):
+        with_reference(a, *whole)
+
+
+def test_a_warm_learner_is_overwritten_in_place_whatever_it_held():
+    a = _trained()
+    meta, flat, idx = pack(a)
+    sk = P.build_skeleton(P.skeleton(a))
+    b = P.build_skeleton(P.skeleton(a))
+    stale = _trained(seed=2)  # a learner holding another state entirely: every tensor differs
+    unpack(b, *pack(stale), held="warm")
+    for t in (sk, b):
+        ptrs = {k: t.optimizer.state[p]["exp_avg"].data_ptr() for k, p in t.params.items()}
+        ref = {k: r.data_ptr() for k, r in t.reference.items()}
+        unpack(t, meta, flat, idx, held="warm")
+        assert state_equal(a, t)
+        assert ptrs == {k: t.optimizer.state[p]["exp_avg"].data_ptr() for k, p in t.params.items()}
+        assert ref == {k: r.data_ptr() for k, r in t.reference.items()}
+    with pytest.raises(ValueError, match="held"):
+        unpack(b, meta, flat, idx, held="stale")
+
+
+def test_a_prepared_learner_receives_its_parameters_in_place():
+    a = _trained()
+    meta, flat, idx = pack(a)
+    rx = torch.zeros(2 * flat.numel())
+    sk = P.build_skeleton(P.skeleton(a), param_storage=rx)
+    assert all(p.untyped_storage().data_ptr() == rx.untyped_storage().data_ptr() for p in sk.params.values())
+    rx[: flat.numel()] = flat  # what `recv_state(..., into=...)` does: the parameters travel first
+    unpack(sk, meta, rx[: flat.numel()], idx, held="warm", zero_moments=True)
+    assert state_equal(a, sk)
+    batch = trajectories(a, seed=3)
+    a.rl_step(batch)
+    sk.rl_step(batch)  # gradients and the optimizer on parameters that are views of one buffer
+    assert state_equal(a, sk)
