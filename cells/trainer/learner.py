@@ -224,6 +224,7 @@ class Learner:
         if n_tok == 0:
             raise ValueError("the batch has no loss-masked tokens")
         total = 0.0
+        self.optimizer.zero_grad(set_to_none=True)  # an RL step leaves its gradients allocated
         for i in range(0, len(seqs), self.micro_batch):
             chunk = seqs[i : i + self.micro_batch]
             lps, w, rows = self._logprobs(self.params, [s for s, _ in chunk], True, self.sft_tile)
@@ -289,7 +290,10 @@ class Learner:
         """Zero gradients for every parameter (a rank with no rows adds zeros to the sum), and
         the per-row marks of the vocabulary tables that `add_row_grads` fills."""
         for p in self.params.values():
-            p.grad = torch.zeros_like(p)
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:  # into the memory the last step used: no fresh pages to fault in
+                p.grad.zero_()
         return self._vocab.row_marks(self.params)
 
     def add_row_grads(self, w: dict[str, Tensor], rows: Tensor | None, touched: dict[str, Tensor]) -> None:
@@ -304,11 +308,9 @@ class Learner:
         average equals the parameters (rows no step has moved) stay bitwise equal to them:
         beta·W/W'·x + 1/W'·x is x in exact arithmetic but not always in floats, and exact
         equality keeps those rows off the wire when a cell joins (cells/training/wire.py)."""
-        same = {k: torch.nonzero((self.ewma.params[k] == self.params[k]).all(dim=1)).flatten()
-                for k in (EMBED, HEAD) if k in self.params and k in self.ewma.params}
-        self.ewma.update(self.params)
-        for k, rows in same.items():
-            self.ewma.params[k].index_copy_(0, rows, self.params[k].detach().index_select(0, rows))
+        moved = {k: torch.nonzero((self.ewma.params[k] != self.params[k]).any(dim=1)).flatten()
+                 for k in (EMBED, HEAD) if k in self.params and k in self.ewma.params}
+        self.ewma.update(self.params, rows=moved)  # only those rows of the tables: the rest stay equal
 
     def apply_gradients(self) -> float:
         """Clip, one optimizer step at the scheduled learning rate; the version is the
@@ -326,8 +328,7 @@ class Learner:
         finally:
             for g in self.optimizer.param_groups:
                 g["lr"] = self._base_lr
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
+        self.step += 1  # the gradients stay: the next `zero_grads` zeroes them where they are
         return norm
 
     def lr_scale(self) -> float:

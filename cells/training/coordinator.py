@@ -68,6 +68,9 @@ class TrainingCoordinator:
         self._packed: dict[str, Any] | None = None
         """The host state packed for joiners, under the tag it was packed at."""
         self._packer: threading.Thread | None = None
+        self._spare: tuple | None = None
+        """Buffers a step's result is received into: the previous result's, once the pack
+        ahead no longer holds them (never the current one's: a failed attempt needs it)."""
 
     @property
     def tag(self) -> str:
@@ -209,7 +212,9 @@ class TrainingCoordinator:
             self._packed = {"tag": tag, "meta": full, "values": values, "rows": rows,
                             "checksum": packed_checksum(full, values, rows), "how": "ahead"}
 
-        self._packed = None
+        old, self._packed = self._packed, None
+        if old is not None and old["values"][0].data_ptr() != flat.data_ptr():
+            self._spare = (old["values"][0], old["rows"][0])
         self._packer = threading.Thread(target=work, name="pack-ahead", daemon=True)
         self._packer.start()
 
@@ -231,7 +236,7 @@ class TrainingCoordinator:
         if got != f"{prefix}/result":
             raise StepFailed(f"step failed on the cells ({got or 'timed out'})", self._failed(prefix, cells))
         result = get_json(self.store, got)
-        flat, idx = recv_state(group, 1, result["state"], self.timeout_s, tag=P.RESULT_TAG)
+        flat, idx = recv_state(group, 1, result["state"], self.timeout_s, tag=P.RESULT_TAG, into=self._spare)
         return result, flat, idx
 
     def _check_ranks(self, prefix: str, cells: list[str], checksum: int) -> None:
@@ -263,7 +268,7 @@ class TrainingCoordinator:
             raise StepFailed("the returned state does not match its checksum")
         failpoint("training.before_commit")  # the coordinator dying with the cells' update in hand
         self._wait_packer()  # a packer still reading the host state finishes first
-        unpack(self.learner, result["state"], flat, idx)
+        unpack(self.learner, result["state"], flat, idx, held="warm")  # into the host tensors, in place
         self.learner.version = next_version()
         set_json(self.store, f"{prefix}/commit", {"tag": self.tag, "version": self.learner.version,
                                                   "checksum": crc})

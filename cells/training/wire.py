@@ -66,9 +66,10 @@ def _reference_entries(learner: Any) -> list[tuple[str, str, Tensor, Tensor | No
     return [("reference", k, learner.reference[k], p.detach()) for k, p in learner.params.items()]
 
 
-def _pack_entries(entries: list) -> tuple[list[dict[str, Any]], Tensor, Tensor]:
+def _pack_entries(entries: list, out: Tensor | None = None) -> tuple[list[dict[str, Any]], Tensor, Tensor]:
     """(records, float32 values, int64 rows) of `entries`: each tensor (or the rows of it that
-    differ from its base) read once, straight into one buffer."""
+    differ from its base) read once, straight into one buffer (the front of `out` when it is
+    large enough)."""
     records: list[dict[str, Any]] = []
     values = []
     for kind, name, t, base in entries:
@@ -81,8 +82,8 @@ def _pack_entries(entries: list) -> tuple[list[dict[str, Any]], Tensor, Tensor]:
         else:
             values.append((t, None))
         records.append(rec)
-    flat = torch.empty(int(sum(t.numel() if r is None else r.numel() * t.shape[1] for t, r in values)),
-                       dtype=torch.float32)
+    n = int(sum(t.numel() if r is None else r.numel() * t.shape[1] for t, r in values))
+    flat = out[:n] if out is not None and out.numel() >= n else torch.empty(n, dtype=torch.float32)
     pos = 0
     for t, r in values:
         if r is None:
@@ -96,11 +97,11 @@ def _pack_entries(entries: list) -> tuple[list[dict[str, Any]], Tensor, Tensor]:
     return records, flat, idx.contiguous()
 
 
-def pack(learner: Any, reference: bool = True) -> tuple[dict[str, Any], Tensor, Tensor]:
+def pack(learner: Any, reference: bool = True, out: Tensor | None = None) -> tuple[dict[str, Any], Tensor, Tensor]:
     """(manifest, float32 values, int64 rows) of the learner's training state; without the
     reference when `reference` is False (an update never changes it: the result of a step
-    goes back to a coordinator that has it)."""
-    records, flat, idx = _pack_entries(_entries(learner, reference))
+    goes back to a coordinator that has it). `out`: a warm buffer for the values."""
+    records, flat, idx = _pack_entries(_entries(learner, reference), out)
     opt = {k: int(learner.optimizer.state[learner.params[k]]["step"])
            for k in learner.params if "step" in learner.optimizer.state.get(learner.params[k], {})}
     meta = {"entries": records, "reference": reference, "adam_steps": opt, "ewma_weight": learner.ewma.weight,

@@ -68,6 +68,8 @@ class TrainingWorker:
         parameters live at the front of the values buffer."""
         self._zeroed = False
         """The learner's moments are all zero (prepared, never written since)."""
+        self._tx: torch.Tensor | None = None
+        """Warm buffer rank 1 packs each step's result into."""
         self.num_attempts = self.num_failed = 0
         self._last: tuple | None = None
         self._stop = threading.Event()
@@ -108,7 +110,7 @@ class TrainingWorker:
 
     def drop(self) -> None:
         """Forget everything (after the weights were installed, or on a failure)."""
-        self.learner, self.tag, self.committed, self.hyper, self._rx = None, None, None, None, None
+        self.learner, self.tag, self.committed, self.hyper, self._rx, self._tx = None, None, None, None, None, None
         self._zeroed = False
 
     def prepare(self, store) -> bool:
@@ -207,7 +209,8 @@ class TrainingWorker:
             metrics = run_update(self.learner, share, reducer)
             crc = weights_checksum({k: p.detach() for k, p in self.learner.params.items()})
             if rank == 1:
-                meta, flat, idx = pack(self.learner, reference=False)
+                meta, flat, idx = pack(self.learner, reference=False, out=self._tx)
+                self._tx = flat if self._tx is None or flat.numel() > self._tx.numel() else self._tx
                 set_json(store, f"{prefix}/result", {"metrics": metrics, "state": meta, "checksum": crc})
                 send_state(groups[0], 0, flat, idx, timeout, tag=P.RESULT_TAG)
             set_json(store, f"{prefix}/done/{rank}", {"checksum": crc})

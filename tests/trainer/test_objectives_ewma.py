@@ -145,3 +145,18 @@ def test_state_dict_round_trip():
     torch.testing.assert_close(other.params["w"], ewma.params["w"])
     with pytest.raises(ValueError, match="__ewma_weight__"):
         other.load_state_dict({"w": torch.zeros(2)})
+
+
+def test_a_row_restricted_update_folds_in_those_rows_only():
+    w0 = torch.randn(6, 4)
+    theta = w0.clone()
+    theta[[1, 4]] += 1.0  # the rows a step moved
+    dense = PPOEWMA({"w": w0, "b": torch.zeros(3)}, staleness_window=4)
+    rows = PPOEWMA({"w": w0, "b": torch.zeros(3)}, staleness_window=4)
+    dense.update({"w": theta, "b": torch.ones(3)})
+    rows.update({"w": theta, "b": torch.ones(3)}, rows={"w": torch.tensor([1, 4])})
+    assert rows.weight == dense.weight
+    assert torch.allclose(rows.params["w"][[1, 4]], dense.params["w"][[1, 4]], rtol=0, atol=1e-6)
+    assert not torch.equal(rows.params["w"][1], w0[1])
+    assert torch.equal(rows.params["w"][[0, 2, 3, 5]], w0[[0, 2, 3, 5]])  # untouched, bitwise
+    assert torch.equal(rows.params["b"], dense.params["b"])  # tensors not named: all of it

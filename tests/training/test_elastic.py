@@ -16,6 +16,15 @@ torch.set_num_threads(1)
 pytestmark = pytest.mark.slow
 
 
+def _assert_packed_ahead(coord: TrainingCoordinator, lrn) -> None:
+    """What a joiner gets was packed ahead, at the commit, from the cells' result: it is
+    bitwise what packing the host state now gives."""
+    ahead = coord._packed_state()
+    meta, flat, idx = pack(lrn)
+    assert ahead["how"] == "ahead" and {k: v for k, v in ahead["meta"].items() if k != "pieces"} == meta
+    assert torch.equal(torch.cat(ahead["values"]), flat) and torch.equal(torch.cat(ahead["rows"]), idx)
+
+
 def test_a_cell_joins_and_another_leaves_between_steps(tmp_path):
     lrn = learner()
     batches = [trajectories(lrn, seed=s) for s in range(3)]
@@ -25,16 +34,12 @@ def test_a_cell_joins_and_another_leaves_between_steps(tmp_path):
         v = lambda: lrn.version  # noqa: E731
         m1 = coord.update(batches[0], ["cell-0", "cell-1"], next_version=v)
         pids = {c: p.pid for c, p in ranks.procs.items()}
-        # what a joiner gets was packed ahead, at the commit, from the cells' result: it is
-        # bitwise what packing the host state now gives
-        ahead = coord._packed_state()
-        meta, flat, idx = pack(lrn)
-        assert ahead["how"] == "ahead" and {k: v for k, v in ahead["meta"].items() if k != "pieces"} == meta
-        assert torch.equal(torch.cat(ahead["values"]), flat) and torch.equal(torch.cat(ahead["rows"]), idx)
+        _assert_packed_ahead(coord, lrn)
         m2 = coord.update(batches[1], ["cell-0", "cell-1", "cell-2"], next_version=v)  # cell-2 joins
         m3 = coord.update(batches[2], ["cell-1", "cell-2"], next_version=v)  # cell-0 left
         # cell-0 comes back holding step 2's state: the current one is written over it in place
         m4 = coord.update(batches[0], ["cell-0", "cell-1"], next_version=v)
+        _assert_packed_ahead(coord, lrn)  # results received into reused buffers, installed in place
         joins = {c: [ln for ln in (tmp_path / f"{c}.log").read_text().splitlines() if ": state of" in ln]
                  for c in ("cell-0", "cell-2")}
     except Exception:

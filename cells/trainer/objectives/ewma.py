@@ -62,8 +62,10 @@ class PPOEWMA:
         self.num_resets += 1
 
     @torch.no_grad()
-    def update(self, params: Mapping[str, Tensor]) -> None:
-        """Fold in the parameters after an optimizer step (same names and shapes)."""
+    def update(self, params: Mapping[str, Tensor], rows: Mapping[str, Tensor] | None = None) -> None:
+        """Fold in the parameters after an optimizer step (same names and shapes). `rows`:
+        for the tensors it names, only those rows are folded in (the caller knows the others
+        equal the parameters already, e.g. vocabulary rows no step has moved)."""
         self._check_keys(params)
         new_weight = self.beta * self.weight + 1.0
         keep = self.beta * self.weight / new_weight
@@ -77,7 +79,12 @@ class PPOEWMA:
             if not avg.is_floating_point():
                 avg.copy_(theta)  # integer buffers (counters) are not averaged
                 continue
-            avg.mul_(keep).add_(theta.to(device=avg.device, dtype=avg.dtype), alpha=add)
+            theta = theta.to(device=avg.device, dtype=avg.dtype)
+            r = None if rows is None else rows.get(name)
+            if r is None:
+                avg.mul_(keep).add_(theta, alpha=add)
+            elif r.numel():
+                avg.index_copy_(0, r, avg.index_select(0, r).mul_(keep).add_(theta.index_select(0, r), alpha=add))
         self.weight = new_weight
 
     def should_reset(self, num_missing_in_band: int | float, num_missing: int | float) -> bool:
