@@ -22,7 +22,7 @@ makes the same decision and the ranks' states stay equal.
 
 from __future__ import annotations
 
-import copy
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,28 +39,63 @@ class Snapshot:
     """The learner state an update changes, as it was at its start."""
 
     params: dict[str, Tensor]
-    optimizer: dict[str, Any]
+    moments: dict[str, dict[str, Tensor]]
+    """AdamW's state by parameter name (absent: the parameter had none)."""
     ewma: dict[str, Tensor]
+    ewma_weight: float
     ewma_resets: int
     step: int
 
 
+_WARM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Each learner's last snapshot: the next one is copied into its tensors (an update's start
+then copies memory that exists instead of faulting in five fresh model copies)."""
+
+
 def take(learner: Any) -> Snapshot:
-    """Copy the state an update changes (parameters, AdamW moments, EWMA, step counter)."""
-    return Snapshot(params={k: v.detach().clone() for k, v in learner.params.items()},
-                    optimizer=copy.deepcopy(learner.optimizer.state_dict()),
-                    ewma={k: v.clone() for k, v in learner.ewma.state_dict().items()},
-                    ewma_resets=learner.ewma.num_resets, step=learner.step)
+    """Copy the state an update changes (parameters, AdamW moments, EWMA, step counter), into
+    the learner's previous snapshot's tensors where their shapes allow (it is obsolete once
+    the next update starts)."""
+    prev = _WARM.get(learner)
+
+    def keep(t: Tensor, old: Tensor | None) -> Tensor:
+        t = t.detach()
+        if old is not None and old.shape == t.shape and old.dtype == t.dtype:
+            return old.copy_(t)
+        return t.clone()
+
+    params = {k: keep(p, prev and prev.params.get(k)) for k, p in learner.params.items()}
+    moments = {}
+    for k, p in learner.params.items():
+        st = learner.optimizer.state.get(p)
+        if st:
+            was = prev.moments.get(k, {}) if prev else {}
+            moments[k] = {s: keep(v, was.get(s)) for s, v in st.items()}
+    ewma = {k: keep(v, prev and prev.ewma.get(k)) for k, v in learner.ewma.params.items()}
+    snap = Snapshot(params, moments, ewma, learner.ewma.weight, learner.ewma.num_resets, learner.step)
+    _WARM[learner] = snap
+    return snap
 
 
 @torch.no_grad()
 def restore(learner: Any, snap: Snapshot) -> None:
-    """Put the learner back to `snap` (bitwise: copies, no arithmetic)."""
+    """Put the learner back to `snap` (bitwise: copies, no arithmetic), into its own tensors."""
+    state = learner.optimizer.state
     for k, p in learner.params.items():
         p.copy_(snap.params[k])
         p.grad = None
-    learner.optimizer.load_state_dict(snap.optimizer)
-    learner.ewma.load_state_dict(snap.ewma)
+        saved, cur = snap.moments.get(k), state.get(p)
+        if saved is None:
+            state.pop(p, None)
+        elif not cur or set(cur) != set(saved):
+            state[p] = {s: v.clone() for s, v in saved.items()}
+        else:
+            for s, v in saved.items():
+                cur[s].copy_(v)
+    for k, v in snap.ewma.items():
+        avg = learner.ewma.params.get(k)
+        learner.ewma.params[k] = avg.copy_(v) if avg is not None and avg.shape == v.shape else v.clone()
+    learner.ewma.weight = snap.ewma_weight
     learner.ewma.num_resets = snap.ewma_resets
     learner.step = snap.step
 

@@ -118,3 +118,16 @@ def test_two_training_ranks_reject_together_and_commit_the_start_weights(tmp_pat
     assert m["coordinator_fallback"] == 0.0 and m["train_cells"] == 2.0  # both ranks agreed, committed
     assert m["update_rejected"] == 1.0 and m["version"] == 1.0
     assert all(torch.equal(start[k], lrn.params[k].detach()) for k in start)
+
+
+def test_the_snapshot_is_taken_into_the_previous_ones_tensors():
+    from cells.training import guard
+
+    lrn = small_learner(guard=True, objective=GUARDED, lr=1e-3)
+    lrn.rl_step(_batch(lrn))
+    a = guard.take(lrn)
+    ptrs = {k: t.data_ptr() for k, t in a.params.items()}
+    lrn.rl_step(_batch(lrn))  # takes (and keeps) its own snapshot into the same tensors
+    b = guard.take(lrn)
+    assert {k: t.data_ptr() for k, t in b.params.items()} == ptrs
+    assert all(torch.equal(b.params[k], p.detach()) for k, p in lrn.params.items())
