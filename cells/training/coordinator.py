@@ -16,6 +16,7 @@ here (`coordinator_fallback`), so training never stops for want of cells.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -208,6 +209,9 @@ class TrainingCoordinator:
         tag = self.tag
 
         def work() -> None:
+            # at the lowest priority: the version just committed is broadcast from this
+            # process now, and the cells decode; this only has to be ready by the next join
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             full, values, rows = with_reference(self.learner, meta, flat, idx)
             self._packed = {"tag": tag, "meta": full, "values": values, "rows": rows,
                             "checksum": packed_checksum(full, values, rows), "how": "ahead"}
