@@ -212,9 +212,12 @@ class TrainingCoordinator:
             # at the lowest priority: the version just committed is broadcast from this
             # process now, and the cells decode; this only has to be ready by the next join
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            full, values, rows = with_reference(self.learner, meta, flat, idx)
-            self._packed = {"tag": tag, "meta": full, "values": values, "rows": rows,
-                            "checksum": packed_checksum(full, values, rows), "how": "ahead"}
+            try:
+                full, values, rows = with_reference(self.learner, meta, flat, idx)
+                self._packed = {"tag": tag, "meta": full, "values": values, "rows": rows,
+                                "checksum": packed_checksum(full, values, rows), "how": "ahead"}
+            except Exception:  # the next join packs it then (`_packed_state`)
+                log.exception("packing the state ahead failed")
 
         old, self._packed = self._packed, None
         if old is not None and old["values"][0].data_ptr() != flat.data_ptr():
