@@ -70,6 +70,10 @@ class TrainingWorker:
         """The learner's moments are all zero (prepared, never written since)."""
         self._tx: torch.Tensor | None = None
         """Warm buffer rank 1 packs each step's result into."""
+        self._weights: dict[str, torch.Tensor] | None = None
+        """The committed parameters, kept when the cell left training (the rest went)."""
+        self._lock = threading.Lock()
+        """Guards `leave` against a learner `prepare` installs at the same time."""
         self.num_attempts = self.num_failed = 0
         self._last: tuple | None = None
         self._stop = threading.Event()
@@ -90,19 +94,28 @@ class TrainingWorker:
         threading.Thread(target=_import_learner, name="training-imports", daemon=True).start()
 
     def leave(self) -> None:
-        """Back to rollout: no more assignments; the state goes (the weights stay reachable
-        through `weights_for` until the version is installed)."""
-        self.active.clear()
-        self.tag = None
+        """Back to rollout: no more assignments; the state goes, all of it (moments, copies,
+        buffers) but the committed parameters, which stay reachable through `weights_for`
+        until the version is installed."""
+        with self._lock:
+            self.active.clear()
+            learner, committed = self.learner, self.committed
+            self.drop()
+            if learner is not None and committed is not None:
+                self.committed = committed
+                self._weights = {k: p.detach() for k, p in learner.params.items()}
 
     def weights_for(self, version: int) -> dict[str, torch.Tensor] | None:
         """The committed weights of `version` if this cell computed them, verified against the
         checksum the coordinator committed; None otherwise (fetch it). Called from a loader
-        thread after the cell left training: the training loop no longer touches them."""
-        c, learner = self.committed, self.learner
-        if c is None or learner is None or c["version"] != version:
-            return None
-        weights = {k: p.detach().clone() for k, p in learner.params.items()}
+        thread, after the cell left training (its own parameters, handed over once) or while
+        it still trains (a copy)."""
+        with self._lock:
+            c, left, learner = self.committed, self._weights, self.learner
+            if c is None or c["version"] != version or (left is None and learner is None):
+                return None
+            self._weights = None
+        weights = left if left is not None else {k: p.detach().clone() for k, p in learner.params.items()}
         if weights_checksum(weights) != c["checksum"]:
             log.warning("version %d: local weights fail the committed checksum; fetching", version)
             return None
@@ -111,7 +124,7 @@ class TrainingWorker:
     def drop(self) -> None:
         """Forget everything (after the weights were installed, or on a failure)."""
         self.learner, self.tag, self.committed, self.hyper, self._rx, self._tx = None, None, None, None, None, None
-        self._zeroed = False
+        self._zeroed, self._weights = False, None
 
     def prepare(self, store) -> bool:
         """In the training role and holding nothing: build the learner the next join fills
@@ -127,9 +140,10 @@ class TrainingWorker:
         # the parameters live at the front of the receive buffer: a joining state's arrive in place
         rx = (torch.zeros(2 * n, dtype=torch.float32), torch.zeros(2 * rows, dtype=torch.long))
         learner = P.build_skeleton(sk, param_storage=rx[0])
-        if not self.active.is_set() or self.learner is not None:
-            return False  # left meanwhile, or something arrived
-        self.learner, self.hyper, self._rx, self.tag, self._zeroed = learner, sk["hyper"], rx, None, True
+        with self._lock:
+            if not self.active.is_set() or self.learner is not None:
+                return False  # left meanwhile, or something arrived
+            self.learner, self.hyper, self._rx, self.tag, self._zeroed = learner, sk["hyper"], rx, None, True
         log.info("cell %s: learner prepared in %.2fs", self.cell_id, time.perf_counter() - t0)
         return True
 

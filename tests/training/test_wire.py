@@ -110,3 +110,24 @@ def test_a_prepared_learner_receives_its_parameters_in_place():
     a.rl_step(batch)
     sk.rl_step(batch)  # gradients and the optimizer on parameters that are views of one buffer
     assert state_equal(a, sk)
+
+
+def test_a_rank_leaving_training_keeps_only_its_committed_weights():
+    from cells.training.wire import weights_checksum
+    from cells.training.worker import TrainingWorker
+
+    a = _trained()
+    w = TrainingWorker("cell-x")
+    w.enter()
+    rx = torch.zeros(2 * sum(p.numel() for p in a.params.values()))
+    w.learner = P.build_skeleton(P.skeleton(a), param_storage=rx)
+    unpack(w.learner, *pack(a), held="warm")
+    crc = weights_checksum({k: p.detach() for k, p in a.params.items()})
+    w.committed, w._rx = {"version": 7, "checksum": crc}, (rx, torch.zeros(0, dtype=torch.long))
+    assert w.weights_for(7) is not None and w.learner is not None  # while training: a copy
+    w.leave()
+    assert w.learner is None and w._rx is None and not w.active.is_set()  # moments, copies, buffers: gone
+    assert w.weights_for(6) is None  # another version: fetch it
+    got = w.weights_for(7)
+    assert got is not None and weights_checksum(got) == crc
+    assert w.weights_for(7) is None  # handed over once
