@@ -10,7 +10,9 @@ vocabulary, exact old log-probs; two minibatches per update, grad-norm clipping 
 learning rate.
 
 Run A: cell 0 alone, updates u1..u3 (u1 includes its join). Run B: a fresh coordinator state
-(the same initial weights), cells 0 and 1, the same three batches.
+(the same initial weights), cells 0 and 1, the same three batches. Each run starts once its
+cells prepared a learner from the coordinator's skeleton (what a cell does between its flip
+to training and the step boundary), so u2 and u3 are steady updates on both.
 - step_s["1"], step_s["2"]: median coordinator-side wall time of u2 and u3 in runs A and B
   (plan, assignment, compute on the cells, the new state back to the host copy, commit).
 - speedup_2 = step_s["1"] / step_s["2"].
@@ -49,7 +51,7 @@ from cells.trainer.learner import Learner
 from cells.trainer.versions_host import VersionHost
 from cells.training.bare import reply_key, request_key
 from cells.training.coordinator import TrainingCoordinator
-from cells.training.protocol import alive_key
+from cells.training.protocol import alive_key, prepared_key
 from cells.training.wire import weights_checksum
 from cells.transport.store import connect, set_json, wait_json, wait_keys
 
@@ -98,6 +100,11 @@ def run(host: VersionHost, w0: dict, batches: list, cells: list[str]) -> tuple[L
     lrn = Learner(spec, w0, lr=LR, minibatches=MINIBATCHES, tile=None)
     lrn.start_rl()
     coord = TrainingCoordinator(lrn, host.address, timeout_s=120, ack_timeout_s=60)
+    # the cells prepare their learner from the skeleton the coordinator published, as a cell
+    # does between its flip to training and the step: every update measured is a steady one
+    store = connect(host.address)
+    if len(wait_keys(store, [prepared_key(c) for c in cells], 300)) < len(cells):
+        raise TimeoutError("training ranks did not prepare a learner")
     ms = [coord.update(b, cells, next_version=lambda: lrn.version) for b in batches]
     return lrn, coord, ms
 

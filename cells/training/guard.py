@@ -45,6 +45,9 @@ class Snapshot:
     ewma_weight: float
     ewma_resets: int
     step: int
+    buffers: dict[str, dict[str, Tensor]]
+    """Every moment tensor a snapshot of this learner allocated, kept for the next one (an
+    update whose start had no moments is followed by one whose start has)."""
 
 
 _WARM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -65,14 +68,15 @@ def take(learner: Any) -> Snapshot:
         return t.clone()
 
     params = {k: keep(p, prev and prev.params.get(k)) for k, p in learner.params.items()}
+    buffers = dict(prev.buffers) if prev else {}
     moments = {}
     for k, p in learner.params.items():
         st = learner.optimizer.state.get(p)
         if st:
-            was = prev.moments.get(k, {}) if prev else {}
-            moments[k] = {s: keep(v, was.get(s)) for s, v in st.items()}
+            was = buffers.get(k, {})
+            moments[k] = buffers[k] = {s: keep(v, was.get(s)) for s, v in st.items()}
     ewma = {k: keep(v, prev and prev.ewma.get(k)) for k, v in learner.ewma.params.items()}
-    snap = Snapshot(params, moments, ewma, learner.ewma.weight, learner.ewma.num_resets, learner.step)
+    snap = Snapshot(params, moments, ewma, learner.ewma.weight, learner.ewma.num_resets, learner.step, buffers)
     _WARM[learner] = snap
     return snap
 

@@ -51,6 +51,11 @@ def same_learner(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return {k: v for k, v in a.items() if k != "lr"} == {k: v for k, v in b.items() if k != "lr"}
 
 
+def prepared_key(cell_id: str) -> str:
+    """Set by a training rank each time it has prepared a learner for the next join."""
+    return f"{NAMESPACE}/prepared/{cell_id}"
+
+
 def attempt_prefix(step: int, attempt: int, run: str) -> str:
     return f"{NAMESPACE}/{run}/{step}/{attempt}"
 

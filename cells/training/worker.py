@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from cells.training import guard
 from cells.training import protocol as P
 from cells.training.plan import Share
 from cells.training.reduce import GroupReducer, LocalReducer
@@ -140,10 +141,13 @@ class TrainingWorker:
         # the parameters live at the front of the receive buffer: a joining state's arrive in place
         rx = (torch.zeros(2 * n, dtype=torch.float32), torch.zeros(2 * rows, dtype=torch.long))
         learner = P.build_skeleton(sk, param_storage=rx[0])
+        if learner.objective.max_update_kl is not None:
+            guard.take(learner)  # the update's snapshot will copy into these (warm) tensors
         with self._lock:
             if not self.active.is_set() or self.learner is not None:
                 return False  # left meanwhile, or something arrived
             self.learner, self.hyper, self._rx, self.tag, self._zeroed = learner, sk["hyper"], rx, None, True
+        set_json(store, P.prepared_key(self.cell_id), {"t": time.time(), "s": time.perf_counter() - t0})
         log.info("cell %s: learner prepared in %.2fs", self.cell_id, time.perf_counter() - t0)
         return True
 

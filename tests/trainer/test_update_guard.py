@@ -131,3 +131,17 @@ def test_the_snapshot_is_taken_into_the_previous_ones_tensors():
     b = guard.take(lrn)
     assert {k: t.data_ptr() for k, t in b.params.items()} == ptrs
     assert all(torch.equal(b.params[k], p.detach()) for k, p in lrn.params.items())
+
+
+def test_moment_buffers_outlive_a_snapshot_taken_without_moments():
+    from cells.training import guard
+
+    lrn = small_learner(guard=True, objective=GUARDED, lr=1e-3)
+    lrn.rl_step(_batch(lrn))
+    first = guard.take(lrn)
+    ptrs = {k: m["exp_avg"].data_ptr() for k, m in first.moments.items()}
+    lrn.start_rl()  # a fresh RL start: no moments
+    assert guard.take(lrn).moments == {}
+    lrn.rl_step(_batch(lrn))
+    again = guard.take(lrn)
+    assert ptrs and {k: m["exp_avg"].data_ptr() for k, m in again.moments.items()} == ptrs
