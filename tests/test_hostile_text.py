@@ -36,7 +36,7 @@ def _bodies(bad: str) -> list[tuple[str, dict]]:
 
 
 @pytest.mark.parametrize("bad", SURROGATES, ids=["high", "low", "two_highs"])
-def test_lone_surrogates_are_refused_everywhere_and_record_nothing(served, bad):
+def test_lone_surrogates_are_refused_everywhere_and_record_nothing(served, bad):  # noqa: F811 (fixture)
     for path, body in _bodies(bad):
         raw = json.dumps(body)  # ensure_ascii: the surrogate travels as a \\uXXXX escape
         assert "\\ud" in raw
@@ -46,7 +46,7 @@ def test_lone_surrogates_are_refused_everywhere_and_record_nothing(served, bad):
         assert err["reason"] == "invalid_text" and err["error"]["code"] == "invalid_text", (path, err)
 
 
-def test_paired_surrogates_are_text(served):
+def test_paired_surrogates_are_text(served):  # noqa: F811 (fixture)
     """An escaped astral character (a valid pair) is ordinary text and reaches the route."""
     raw = json.dumps({"cell": "cell-😀", "to": "training"})
     assert "\\ud83d\\ude00" in raw
