@@ -22,9 +22,13 @@ to training and the step boundary), so u2 and u3 are steady updates on both.
 - param_max_rel_diff: max over tensors of ||θ_A − θ_B|| / ||θ_A − θ_0|| after u3.
 - coordinator_forward_s / coordinator_backward_s: seconds this process spent in RL forwards
   and backwards over both runs (the learner's own counters).
-- join_s: after run A's u3 (6 optimizer steps: moments exist), u4 on cells 0 and 1: the
-  coordinator's time from sending the state to cell 1 until cell 1 confirmed that it rebuilt
-  parameters, moments, reference and EWMA copy bitwise (its checksum of the whole state).
+- join_s: after run A's u3 (6 optimizer steps: moments exist), cell 1 flips out of the
+  training role and back in (as a cell reaching training for the step does), then u4 on cells
+  0 and 1: the coordinator's time from the assignment until cell 1 confirmed that it rebuilt
+  parameters, moments, reference and EWMA copy bitwise (its checksum of the whole state),
+  its learner's preparation after the flip included.
+- join_prepared_s: the same for cell 2 joining u5, in the training role since the start (its
+  learner prepared long before the step).
 - broadcast_s: a version broadcast of the same model (`VersionHost.broadcast`) to cell 2, the
   receiver's time (join, buckets, CRC checks).
 - loading_bytes: bytes cell 0 received loading the version of the last update it computed
@@ -123,7 +127,9 @@ def main() -> None:
     try:
         a, coord_a, ma = run(host, w0, batches, ["cell-0"])
         theta_a = {k: p.detach().clone() for k, p in a.params.items()}
+        ask(store, "cell-1", 1, {"op": "flip"})  # cell 1 reaches the training role just now
         m4 = coord_a.update(batches[0], ["cell-0", "cell-1"], next_version=lambda: a.version)
+        m5 = coord_a.update(batches[1], ["cell-0", "cell-1", "cell-2"], next_version=lambda: a.version)
         host.put(a.version, a.weights())
         load = ask(store, "cell-0", 1, {"op": "load", "version": a.version})
         t0 = time.perf_counter()
@@ -157,6 +163,7 @@ def main() -> None:
         "coordinator_forward_s": a.compute_s["forward"] + b.compute_s["forward"],
         "coordinator_backward_s": a.compute_s["backward"] + b.compute_s["backward"],
         "join_s": round(m4["join_s"], 3),
+        "join_prepared_s": round(m5["join_s"], 3),
         "broadcast_s": round(bc_reply[0]["seconds"], 3),
         "broadcast_wall_s": round(broadcast_wall, 3),
         "loading_bytes": load["bytes"],

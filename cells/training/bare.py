@@ -32,7 +32,7 @@ def reply_key(cell_id: str, n: int) -> str:
 
 
 def serve_requests(w: TrainingWorker, address: StoreAddress, stop: threading.Event) -> None:
-    """Answer numbered requests: {"op": "broadcast"|"load", "version": v}."""
+    """Answer numbered requests: {"op": "broadcast"|"load", "version": v} or {"op": "flip"}."""
     store, n = connect(address, timeout_s=30.0), 1
     while not stop.is_set():
         if not store.check([request_key(w.cell_id, n)]):
@@ -40,6 +40,12 @@ def serve_requests(w: TrainingWorker, address: StoreAddress, stop: threading.Eve
             continue
         req = get_json(store, request_key(w.cell_id, n))
         t0 = time.perf_counter()
+        if req["op"] == "flip":  # back to rollout and into training again, as a cell's flips do
+            w.leave()
+            w.enter()
+            set_json(store, reply_key(w.cell_id, n), {"mode": "flip"})
+            n += 1
+            continue
         if req["op"] == "broadcast":
             got = receive_broadcast(address, w.cell_id, int(req["version"]), timeout_s=60.0)
             tensors, mode = got.tensors, "broadcast"

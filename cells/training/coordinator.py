@@ -123,16 +123,18 @@ class TrainingCoordinator:
                            list(shares) if shares else [1.0] * len(cells))
         prefix = P.attempt_prefix(self.num_steps, attempt, self.run)
         self._cells = cells
+        t_assign = time.perf_counter()
         self._assign(prefix, cells, plan, attempt)
         acks = self._acks(prefix, cells)
         group = None
         try:
             group = self._join(prefix, len(cells))
             stale = [r for r, a in acks.items() if a.get("tag") != self.tag]
-            t_join = time.perf_counter()
             sent = self._send_state(prefix, group, stale)
             self._check_joined(prefix, stale, sent)
-            join_s = time.perf_counter() - t_join
+            # what the step waited for its joiners: from the assignment (a cell still preparing
+            # its learner acks late) until each confirmed the whole state
+            join_s = time.perf_counter() - t_assign if stale else 0.0
             result, flat, idx = self._result(prefix, cells, group)
             self._check_ranks(prefix, cells, result["checksum"])
             out = self._commit(prefix, result, flat, idx, next_version, plan, len(cells), len(stale),
