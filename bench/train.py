@@ -25,10 +25,13 @@ to training and the step boundary), so u2 and u3 are steady updates on both.
 - join_s: after run A's u3 (6 optimizer steps: moments exist), cell 1 flips out of the
   training role and back in (as a cell reaching training for the step does), then u4 on cells
   0 and 1: the coordinator's time from the assignment until cell 1 confirmed that it rebuilt
-  parameters, moments, reference and EWMA copy bitwise (its checksum of the whole state),
-  its learner's preparation after the flip included.
-- join_prepared_s: the same for cell 2 joining u5, in the training role since the start (its
-  learner prepared long before the step).
+  parameters, moments, reference and EWMA copy bitwise (its checksum of the whole state).
+  Cell 1's training memory (allocated in its earlier training stint) stayed through the
+  flip, as on every cell whose engine does not take the memory back (`keep_memory`).
+- join_prepared_s: the same for cell 2 joining u5, in the training role since the start.
+- join_cold_s: the same for a rank process started just before u6 (cells 0 and 3): its first
+  stint, every tensor of the state allocated on the step's path (or by the learner it
+  began preparing when it came up).
 - broadcast_s: a version broadcast of the same model (`VersionHost.broadcast`) to cell 2, the
   receiver's time (join, buckets, CRC checks).
 - loading_bytes: bytes cell 0 received loading the version of the last update it computed
@@ -44,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -80,13 +84,14 @@ def batch(spec, n: int, seed: int) -> list[dict]:
     return out
 
 
-def start_ranks(tmp: Path, address, n: int) -> list[subprocess.Popen]:
+def start_ranks(tmp: Path, address, n: int, first: int = 0) -> list[subprocess.Popen]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    ids = range(first, first + n)
     procs = [subprocess.Popen([sys.executable, "-m", "cells.training.bare", "--store", f"{address.host}:{address.port}",
                               "--cell-id", f"cell-{i}"], env=env, stdout=open(tmp / f"cell-{i}.log", "w"),
-                             stderr=subprocess.STDOUT) for i in range(n)]
+                             stderr=subprocess.STDOUT) for i in ids]
     store = connect(address)
-    if len(wait_keys(store, [alive_key(f"cell-{i}") for i in range(n)], 300)) < n:
+    if len(wait_keys(store, [alive_key(f"cell-{i}") for i in ids], 300)) < n:
         raise TimeoutError("training ranks did not start")
     return procs
 
@@ -132,14 +137,16 @@ def main() -> None:
         m5 = coord_a.update(batches[1], ["cell-0", "cell-1", "cell-2"], next_version=lambda: a.version)
         host.put(a.version, a.weights())
         load = ask(store, "cell-0", 1, {"op": "load", "version": a.version})
+        loaded_ok = load["checksum"] == weights_checksum(a.weights())  # before u6 changes them
         t0 = time.perf_counter()
         bc_reply = [None]
-        import threading
         th = threading.Thread(target=lambda: bc_reply.__setitem__(0, ask(store, "cell-2", 1, {"op": "broadcast", "version": a.version})))
         th.start()
         host.broadcast(a.version, ["cell-2"])
         th.join()
         broadcast_wall = time.perf_counter() - t0
+        procs += start_ranks(tmp, host.address, 1, first=3)  # a cell process in its first stint
+        m6 = coord_a.update(batches[2], ["cell-0", "cell-3"], next_version=lambda: a.version)
         b, _, mb = run(host, w0, batches, ["cell-0", "cell-1"])
     finally:
         for p in procs:
@@ -164,13 +171,14 @@ def main() -> None:
         "coordinator_backward_s": a.compute_s["backward"] + b.compute_s["backward"],
         "join_s": round(m4["join_s"], 3),
         "join_prepared_s": round(m5["join_s"], 3),
+        "join_cold_s": round(m6["join_s"], 3),
         "broadcast_s": round(bc_reply[0]["seconds"], 3),
         "broadcast_wall_s": round(broadcast_wall, 3),
         "loading_bytes": load["bytes"],
         "loading_mode": load["mode"],
-        "loaded_checksum_ok": load["checksum"] == weights_checksum(a.weights()),
+        "loaded_checksum_ok": loaded_ok,
         "join_cells_u4": m4["join_cells"],
-        "train_cells": [m["train_cells"] for m in ma + [m4] + mb],
+        "train_cells": [m["train_cells"] for m in ma + [m4, m5, m6] + mb],
     }
     emit(result, args.json)
 

@@ -135,10 +135,16 @@ class TrainingCoordinator:
             # what the step waited for its joiners: from the assignment (a cell still preparing
             # its learner acks late) until each confirmed the whole state
             join_s = time.perf_counter() - t_assign if stale else 0.0
+            t_join = time.perf_counter()
             result, flat, idx = self._result(prefix, cells, group)
+            t_result = time.perf_counter()
             self._check_ranks(prefix, cells, result["checksum"])
             out = self._commit(prefix, result, flat, idx, next_version, plan, len(cells), len(stale),
                                join_s, time.perf_counter() - t0)
+            log.info("step %d attempt %d on %d cells: plan %.2fs, acks and groups %.2fs, compute and result "
+                     "%.2fs (update %.2fs on rank 1), checks and commit %.2fs", self.num_steps, attempt, len(cells),
+                     t_assign - t0, t_join - t_assign, t_result - t_join, result["metrics"]["step_s"],
+                     time.perf_counter() - t_result)
         except (TransferError, StepFailed, RuntimeError) as e:
             set_json(self.store, f"{prefix}/abort", {"reason": str(e)[:300]})
             if group is not None:

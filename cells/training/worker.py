@@ -10,7 +10,10 @@ attempt, and any failure (a peer died, a stall past the op timeout, an abort, th
 coordinator gone) drops the whole state; the next attempt sends it afresh from the
 coordinator's host copy, into the learner the rank prepared while it waited in the training
 role (`prepare`). After a commit the cell holds the published version's weights, so
-its `loading` back to rollout installs them locally (`weights_for`), fetching nothing.
+its `loading` back to rollout installs them locally (`weights_for`), fetching nothing. Where
+the engine does not take the memory back (host memory) the state stays allocated through the
+rollout stint (`keep_memory`): the next join writes into warm tensors, or sends nothing when
+no step ran meanwhile.
 A bare rank without an engine (tests, benches): `python -m cells.training.bare`.
 """
 
@@ -53,8 +56,13 @@ class TrainingWorker:
     """Owned by the cell agent (or run bare). `active` gates taking assignments (the cell's
     role is training); `source` is the coordinator's store address."""
 
-    def __init__(self, cell_id: str, *, device: str = "cpu") -> None:
+    def __init__(self, cell_id: str, *, device: str = "cpu", keep_memory: bool = True) -> None:
         self.cell_id, self.device = cell_id, torch.device(device)
+        self.keep_memory = keep_memory
+        """Whether the training state stays allocated while the cell serves rollouts: yes where
+        the engine does not take the memory back (host memory, the embedded engine), so the
+        next stint joins into warm tensors (or, if no step ran meanwhile, needs nothing); no
+        where it does (SGLang's GPU memory, `role_handover`)."""
         self.source: StoreAddress | None = None
         self.active = threading.Event()
         self.learner: Any = None
@@ -95,11 +103,14 @@ class TrainingWorker:
         threading.Thread(target=_import_learner, name="training-imports", daemon=True).start()
 
     def leave(self) -> None:
-        """Back to rollout: no more assignments; the state goes, all of it (moments, copies,
-        buffers) but the committed parameters, which stay reachable through `weights_for`
-        until the version is installed."""
+        """Back to rollout: no more assignments. With `keep_memory` the whole state stays, under
+        its tag (nothing changes it out of the role); otherwise it goes, all of it (moments,
+        copies, buffers) but the committed parameters, which stay reachable through
+        `weights_for` until the version is installed."""
         with self._lock:
             self.active.clear()
+            if self.keep_memory:
+                return
             learner, committed = self.learner, self.committed
             self.drop()
             if learner is not None and committed is not None:
@@ -110,13 +121,13 @@ class TrainingWorker:
         """The committed weights of `version` if this cell computed them, verified against the
         checksum the coordinator committed; None otherwise (fetch it). Called from a loader
         thread, after the cell left training (its own parameters, handed over once) or while
-        it still trains (a copy)."""
-        with self._lock:
+        its learner holds them (a copy: it trains on, or keeps its memory)."""
+        with self._lock:  # a join overwriting the learner waits for the copy (`_receive_state`)
             c, left, learner = self.committed, self._weights, self.learner
             if c is None or c["version"] != version or (left is None and learner is None):
                 return None
             self._weights = None
-        weights = left if left is not None else {k: p.detach().clone() for k, p in learner.params.items()}
+            weights = left if left is not None else {k: p.detach().clone() for k, p in learner.params.items()}
         if weights_checksum(weights) != c["checksum"]:
             log.warning("version %d: local weights fail the committed checksum; fetching", version)
             return None
@@ -246,10 +257,11 @@ class TrainingWorker:
         if meta is None:
             raise TransferError("no state manifest from the coordinator")
         t1 = time.perf_counter()
+        with self._lock:
+            self.committed = None  # whatever this learner held is overwritten now (after any copy)
         flat, idx = recv_state(group, 0, meta, timeout, into=self._rx)
         t2 = time.perf_counter()
         warm = self.learner is not None and self.hyper is not None and P.same_learner(self.hyper, spec["hyper"])
-        self.committed = None  # whatever this learner held is overwritten now
         if not warm:
             self.learner = P.build_learner(spec["hyper"], meta, flat, param_storage=flat)
             self.hyper = spec["hyper"]

@@ -112,18 +112,25 @@ def test_a_prepared_learner_receives_its_parameters_in_place():
     assert state_equal(a, sk)
 
 
-def test_a_rank_leaving_training_keeps_only_its_committed_weights():
+def _committed_worker(keep_memory: bool):
     from cells.training.wire import weights_checksum
     from cells.training.worker import TrainingWorker
 
     a = _trained()
-    w = TrainingWorker("cell-x")
+    w = TrainingWorker("cell-x", keep_memory=keep_memory)
     w.enter()
     rx = torch.zeros(2 * sum(p.numel() for p in a.params.values()))
     w.learner = P.build_skeleton(P.skeleton(a), param_storage=rx)
     unpack(w.learner, *pack(a), held="warm")
     crc = weights_checksum({k: p.detach() for k, p in a.params.items()})
-    w.committed, w._rx = {"version": 7, "checksum": crc}, (rx, torch.zeros(0, dtype=torch.long))
+    w.committed, w._rx, w.tag = {"version": 7, "checksum": crc}, (rx, torch.zeros(0, dtype=torch.long)), "run:3:7"
+    return a, w, crc
+
+
+def test_a_rank_leaving_training_keeps_only_its_committed_weights():
+    from cells.training.wire import weights_checksum
+
+    _, w, crc = _committed_worker(keep_memory=False)  # an engine that takes the memory back
     assert w.weights_for(7) is not None and w.learner is not None  # while training: a copy
     w.leave()
     assert w.learner is None and w._rx is None and not w.active.is_set()  # moments, copies, buffers: gone
@@ -131,3 +138,21 @@ def test_a_rank_leaving_training_keeps_only_its_committed_weights():
     got = w.weights_for(7)
     assert got is not None and weights_checksum(got) == crc
     assert w.weights_for(7) is None  # handed over once
+
+
+def test_a_rank_keeping_its_memory_keeps_the_whole_state_and_hands_out_copies():
+    from cells.training.wire import weights_checksum
+
+    a, w, crc = _committed_worker(keep_memory=True)  # host memory: nothing takes it back
+    learner, rx = w.learner, w._rx
+    w.leave()
+    assert not w.active.is_set() and w.learner is learner and w._rx is rx and w.tag == "run:3:7"
+    assert state_equal(a, w.learner)  # still the state under its tag: a re-join with no step between sends nothing
+    assert w.weights_for(6) is None
+    got = w.weights_for(7)
+    assert got is not None and weights_checksum(got) == crc
+    ptrs = {p.untyped_storage().data_ptr() for p in learner.params.values()}
+    assert not ptrs & {t.untyped_storage().data_ptr() for t in got.values()}  # a copy: the engine owns it
+    assert weights_checksum(w.weights_for(7)) == crc  # the learner still holds them
+    w.enter()
+    assert w.learner is learner  # the next stint joins into these tensors
