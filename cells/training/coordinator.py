@@ -230,7 +230,8 @@ class TrainingCoordinator:
         old, self._packed = self._packed, None
         if old is not None and old["values"][0].data_ptr() != flat.data_ptr():
             self._spare = (old["values"][0], old["rows"][0])
-        self._packer = threading.Thread(target=work, name="pack-ahead", daemon=True)
+        # not a daemon: torch code still running while the interpreter exits aborts the process
+        self._packer = threading.Thread(target=work, name="pack-ahead", daemon=False)
         self._packer.start()
 
     def _check_joined(self, prefix: str, ranks: list[int], mine: int | None) -> None:
