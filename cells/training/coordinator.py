@@ -71,7 +71,8 @@ class TrainingCoordinator:
         self._packer: threading.Thread | None = None
         self._spare: tuple | None = None
         """Buffers a step's result is received into: the previous result's, once the pack
-        ahead no longer holds them (never the current one's: a failed attempt needs it)."""
+        ahead no longer holds them (never the current one's: a failed attempt needs it), or
+        ones the pack ahead allocated and touched when those are too small (the first steps)."""
 
     @property
     def tag(self) -> str:
@@ -224,12 +225,17 @@ class TrainingCoordinator:
                 full, values, rows = with_reference(self.learner, meta, flat, idx)
                 self._packed = {"tag": tag, "meta": full, "values": values, "rows": rows,
                                 "checksum": packed_checksum(full, values, rows), "how": "ahead"}
+                if short:  # the next result must not land in memory first touched on the step's path
+                    self._spare = (torch.zeros(int(flat.numel() * 1.1)),
+                                   torch.zeros(int(idx.numel() * 1.1) + 1024, dtype=torch.long))
             except Exception:  # the next join packs it then (`_packed_state`)
                 log.exception("packing the state ahead failed")
 
         old, self._packed = self._packed, None
         if old is not None and old["values"][0].data_ptr() != flat.data_ptr():
             self._spare = (old["values"][0], old["rows"][0])
+        spare = self._spare  # too small for a result like this one (the first ones): a warm one, ahead
+        short = spare is None or spare[0].numel() < flat.numel() or spare[1].numel() < idx.numel()
         # not a daemon: torch code still running while the interpreter exits aborts the process
         self._packer = threading.Thread(target=work, name="pack-ahead", daemon=False)
         self._packer.start()

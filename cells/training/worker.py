@@ -235,14 +235,20 @@ class TrainingWorker:
                 crc = self._receive_state(store, prefix, spec, groups[0], timeout)
                 set_json(store, f"{prefix}/joined/{rank}", {"state_checksum": crc})
             reducer = GroupReducer(groups[1], n, timeout) if n > 1 else LocalReducer()
+            t0 = time.perf_counter()
             metrics = run_update(self.learner, share, reducer)
+            t1 = time.perf_counter()
             crc = weights_checksum({k: p.detach() for k, p in self.learner.params.items()})
+            t2 = t3 = time.perf_counter()
             if rank == 1:
                 meta, flat, idx = pack(self.learner, reference=False, out=self._tx)
                 self._tx = flat if self._tx is None or flat.numel() > self._tx.numel() else self._tx
+                t3 = time.perf_counter()
                 set_json(store, f"{prefix}/result", {"metrics": metrics, "state": meta, "checksum": crc})
                 send_state(groups[0], 0, flat, idx, timeout, tag=P.RESULT_TAG)
             set_json(store, f"{prefix}/done/{rank}", {"checksum": crc})
+            log.info("cell %s rank %d: update %.2fs, checksum %.2fs, pack %.2fs, send %.2fs", self.cell_id, rank,
+                     t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
         except Exception as e:
             set_json(store, f"{prefix}/failed/{rank}", {"reason": str(e)[:300]})
             raise
