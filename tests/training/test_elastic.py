@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cells.training.bare import reply_key, request_key
 from cells.training.coordinator import TrainingCoordinator
 from cells.training.wire import pack, state_checksum
+from cells.transport.store import set_json, wait_json
 from tests.training.cluster import Ranks, learner, rel_diff, trajectories
 
 torch.set_num_threads(1)
@@ -37,6 +39,10 @@ def test_a_cell_joins_and_another_leaves_between_steps(tmp_path):
         _assert_packed_ahead(coord, lrn)
         m2 = coord.update(batches[1], ["cell-0", "cell-1", "cell-2"], next_version=v)  # cell-2 joins
         m3 = coord.update(batches[2], ["cell-1", "cell-2"], next_version=v)  # cell-0 left
+        # cell-1 flips out of the training role and back (a rollout stint with no step in it):
+        # it keeps its state, still the coordinator's, and needs nothing at the next step
+        set_json(coord.store, request_key("cell-1", 1), {"op": "flip"})
+        assert wait_json(coord.store, reply_key("cell-1", 1), 30) == {"mode": "flip"}
         # cell-0 comes back holding step 2's state: the current one is written over it in place
         m4 = coord.update(batches[0], ["cell-0", "cell-1"], next_version=v)
         _assert_packed_ahead(coord, lrn)  # results received into reused buffers, installed in place
@@ -51,7 +57,8 @@ def test_a_cell_joins_and_another_leaves_between_steps(tmp_path):
     ms = (m1, m2, m3, m4)
     assert [m["train_cells"] for m in ms] == [2.0, 3.0, 2.0, 2.0]
     # cell-2 received the state (verified bitwise against the host's by the coordinator: the
-    # checksum of what it rebuilt); the two that trained step 1 kept theirs
+    # checksum of what it rebuilt); the two that trained step 1 kept theirs; at step 4 only
+    # cell-0 (cell-1 kept its state through its flip)
     assert [m["join_cells"] for m in ms] == [2.0, 1.0, 0.0, 1.0]
     assert [m["version"] for m in ms] == [1.0, 2.0, 3.0, 4.0]
     assert [m["optimizer_step"] for m in ms] == [2.0, 4.0, 6.0, 8.0]
