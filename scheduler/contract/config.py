@@ -147,6 +147,13 @@ class CellsConfig(_Strict):
     """Number of cell processes."""
     engine: EngineConfig = EmbeddedEngineConfig()
     """Inference engine of every cell."""
+    keep_training_memory: Literal["auto", "off"] = "auto"
+    """Whether a cell keeps its training state (parameters, AdamW moments, reference, EWMA
+    copy, buffers: about six model copies) allocated through a rollout stint, so that its next
+    stint joins into warm memory (or needs nothing when no step ran meanwhile). `auto`: where
+    the engine does not take the memory back (the embedded engine's host memory), never on an
+    engine with role handover (SGLang's GPU memory goes back to the engine); `off`: never (a
+    cell's host memory holds only the engine while it serves rollouts)."""
 
 
 from scheduler.contract.tito.config import GatewayConfig  # noqa: E402  (no tokenizer is loaded here)
