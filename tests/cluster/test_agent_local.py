@@ -20,9 +20,10 @@ from scheduler.contract.config import parse_config
 torch.set_num_threads(1)
 
 
-def _agent(quiesce: str = "auto") -> CellAgent:
+def _agent(quiesce: str = "auto", keep_training_memory: str = "auto") -> CellAgent:
     cfg = parse_config({"cells": {"engine": {"type": "embedded", "model": {"preset": "tiny"}, "num_blocks": 64,
-                                             "block_size": 16, "batch_invariant": True}},
+                                             "block_size": 16, "batch_invariant": True},
+                                  "keep_training_memory": keep_training_memory},
                         "migration": {"copy_quiesce": quiesce, "copy_quiesce_max_ms": 5000}})
     return CellAgent(cfg, cell_id="c-test", scheduler_url="http://127.0.0.1:9", engine=EmbeddedEngine(cfg.cells.engine))
 
@@ -249,3 +250,14 @@ def test_cancel_migration_without_a_thread_resumes_the_source_and_frees_the_dest
         agent.commands.handle(CancelMigrationCmd(8, "d", "m-d").to_dict())
     assert not eng.handover.is_paused("s") and "s" in agent.owned
     assert eng.pool.num_free > free and "d" not in eng.pool.tables
+
+
+@pytest.mark.parametrize("setting, kept", [("auto", True), ("off", False)])
+def test_an_embedded_cell_keeps_its_training_memory_unless_told_not_to(setting, kept):
+    a = _agent(keep_training_memory=setting)
+    try:
+        assert a.training.keep_memory is kept  # host memory: the engine never takes it back
+    finally:
+        a.client.close()
+        a.versions.close()
+        a.store_host.close()

@@ -64,6 +64,7 @@ class SGLangCells:
             engine = SGLangEngine(eng_cfg, modules=mods)
             self.engines[cell_id] = engine
             agent = CellAgent(cfg, cell_id=cell_id, scheduler_url=cluster.url, engine=engine, token=cluster.token)
+            assert not agent.training.keep_memory  # GPU memory goes back to the engine at every flip
             t = threading.Thread(target=agent.run, args=(self.stop_event,), name=f"agent-{cell_id}", daemon=True)
             self.threads.append(t)
             t.start()
