@@ -22,13 +22,14 @@ to training and the step boundary), so u2 and u3 are steady updates on both.
 - param_max_rel_diff: max over tensors of ||θ_A − θ_B|| / ||θ_A − θ_0|| after u3.
 - coordinator_forward_s / coordinator_backward_s: seconds this process spent in RL forwards
   and backwards over both runs (the learner's own counters).
-- join_s: after run A's u3 (6 optimizer steps: moments exist), cell 1 flips out of the
-  training role and back in (as a cell reaching training for the step does), then u4 on cells
-  0 and 1: the coordinator's time from the assignment until cell 1 confirmed that it rebuilt
-  parameters, moments, reference and EWMA copy bitwise (its checksum of the whole state).
-  Cell 1's training memory (allocated in its earlier training stint) stayed through the
-  flip, as on every cell whose engine does not take the memory back (`keep_memory`).
-- join_prepared_s: the same for cell 2 joining u5, in the training role since the start.
+- join_s: cell 1 trains u4 and u5 with cell 0 (moments exist), flips to rollout, misses u6,
+  and flips back for u7 on cells 0 and 1: the coordinator's time from u7's assignment until
+  cell 1 confirmed that it rebuilt parameters, moments, reference and EWMA copy bitwise (its
+  checksum of the whole state), every tensor of it overwritten. Cell 1's training memory
+  stayed through its rollout stint, as on every cell whose engine does not take the memory
+  back (`keep_memory`).
+- join_prepared_s: the same for cell 2 joining u5, in the training role since the start (its
+  learner prepared from the skeleton, never trained).
 - join_cold_s: the same for a rank process started just before u6 (cells 0 and 3): its first
   stint, every tensor of the state allocated on the step's path (or by the learner it
   began preparing when it came up).
@@ -132,7 +133,6 @@ def main() -> None:
     try:
         a, coord_a, ma = run(host, w0, batches, ["cell-0"])
         theta_a = {k: p.detach().clone() for k, p in a.params.items()}
-        ask(store, "cell-1", 1, {"op": "flip"})  # cell 1 reaches the training role just now
         m4 = coord_a.update(batches[0], ["cell-0", "cell-1"], next_version=lambda: a.version)
         m5 = coord_a.update(batches[1], ["cell-0", "cell-1", "cell-2"], next_version=lambda: a.version)
         host.put(a.version, a.weights())
@@ -145,8 +145,11 @@ def main() -> None:
         host.broadcast(a.version, ["cell-2"])
         th.join()
         broadcast_wall = time.perf_counter() - t0
+        ask(store, "cell-1", 1, {"op": "flip"})  # cell 1, which trained u4 and u5, goes to rollout
         procs += start_ranks(tmp, host.address, 1, first=3)  # a cell process in its first stint
         m6 = coord_a.update(batches[2], ["cell-0", "cell-3"], next_version=lambda: a.version)
+        ask(store, "cell-1", 2, {"op": "flip"})  # ... and comes back: its state is a step behind
+        m7 = coord_a.update(batches[0], ["cell-0", "cell-1"], next_version=lambda: a.version)
         b, _, mb = run(host, w0, batches, ["cell-0", "cell-1"])
     finally:
         for p in procs:
@@ -169,7 +172,7 @@ def main() -> None:
         "param_max_rel_diff": diff,
         "coordinator_forward_s": a.compute_s["forward"] + b.compute_s["forward"],
         "coordinator_backward_s": a.compute_s["backward"] + b.compute_s["backward"],
-        "join_s": round(m4["join_s"], 3),
+        "join_s": round(m7["join_s"], 3),
         "join_prepared_s": round(m5["join_s"], 3),
         "join_cold_s": round(m6["join_s"], 3),
         "broadcast_s": round(bc_reply[0]["seconds"], 3),
@@ -177,8 +180,8 @@ def main() -> None:
         "loading_bytes": load["bytes"],
         "loading_mode": load["mode"],
         "loaded_checksum_ok": loaded_ok,
-        "join_cells_u4": m4["join_cells"],
-        "train_cells": [m["train_cells"] for m in ma + [m4, m5, m6] + mb],
+        "join_cells_u7": m7["join_cells"],
+        "train_cells": [m["train_cells"] for m in ma + [m4, m5, m6, m7] + mb],
     }
     emit(result, args.json)
 
