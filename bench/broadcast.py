@@ -3,12 +3,13 @@
     python bench/broadcast.py [--quick] [--json] [--bucket-bytes N] [--repeats N]
 
 This process is the trainer: a `VersionHost` holding the `small` preset's real weights
-(`init_weights`, 412 MB of float32). Three spawned worker processes are rollout cells: an
+(`init_weights`, 412 MB of float32). Three worker processes are rollout cells: an
 `EmbeddedEngine` (same preset, version 0) decoding four requests back to back on one thread
 (a finished request is replaced at once), and a `CellVersions` that receives each version on
 its own thread and installs it between two engine steps (`activate_staged`, under the same
-lock as `step`), as the cell agent's engine loop does. The bench drives the workers over a
-Pipe with small JSON-able control messages only; every tensor byte travels over
+lock as `step`), as the cell agent's engine loop does. The workers run this file with
+`--worker`; the bench drives them with JSON lines on their stdin and stdout (nothing
+pickled); every tensor byte travels over
 torch.distributed (gloo, 127.0.0.1). For point k, cells 0..k-1 decode and take part, the
 others stand idle. A point is `repeats` rounds (2 with --quick, 3 otherwise) of raw,
 versioned, raw; each versioned broadcast is a new version (3, 4, 5, ...: versions 1 and 2
@@ -55,7 +56,11 @@ taken from decoding; the receiving side runs below the decode loop's priority.
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import json
+import os
+import queue
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -255,10 +260,56 @@ def worker(idx: int, conn, address: dict) -> None:
 
 # -- the trainer ------------------------------------------------------------------------------
 
-def _reply(conn, what: str) -> dict:
-    if not conn.poll(TIMEOUT_S):
-        raise RuntimeError(f"no reply to {what!r} within {TIMEOUT_S}s")
-    return conn.recv()
+class _StdioConn:
+    """A worker's end of its link: JSON lines on stdin (commands) and stdout (replies)."""
+
+    def send(self, msg: dict) -> None:
+        print("MSG " + json.dumps(msg), flush=True)  # callers hold _Cell.send_lock
+
+    def recv(self) -> dict:
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
+        return json.loads(line)
+
+
+class _Link:
+    """The bench's end: a worker process running this file with `--worker`, JSON lines both
+    ways (other output on its stdout is ignored)."""
+
+    def __init__(self, idx: int, address: dict) -> None:
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", str(idx), json.dumps(address)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.inbox: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, name=f"link-{idx}", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("MSG "):
+                self.inbox.put(json.loads(line[len("MSG "):]))
+        self.inbox.put(None)  # the worker's stdout closed: it exited
+
+    def send(self, msg: dict) -> None:
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+
+    def stop(self, timeout_s: float) -> None:
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+
+def _reply(conn: _Link, what: str) -> dict:
+    try:
+        msg = conn.inbox.get(timeout=TIMEOUT_S)
+    except queue.Empty:
+        raise RuntimeError(f"no reply to {what!r} within {TIMEOUT_S}s") from None
+    if msg is None:
+        raise RuntimeError(f"worker exited (code {conn.proc.poll()}) before replying to {what!r}")
+    return msg
 
 
 def _ask(conns, msg: dict) -> list[dict]:
@@ -329,11 +380,7 @@ def main() -> None:
     host = VersionHost(bucket_bytes=args.bucket_bytes, timeout_s=TIMEOUT_S, join_timeout_s=JOIN_TIMEOUT_S)
     host.start()
     address = host.address.to_dict()
-    ctx = mp.get_context("spawn")
-    pipes = [ctx.Pipe() for _ in range(NUM_CELLS)]
-    procs = [ctx.Process(target=worker, args=(i, pipes[i][1], address), name=f"bench-cell-{i}", daemon=True)
-             for i in range(NUM_CELLS)]
-    conns = [p[0] for p in pipes]
+    conns: list[_Link] = []
     cells = [f"cell-{i}" for i in range(NUM_CELLS)]
     version = 0
 
@@ -356,8 +403,7 @@ def main() -> None:
         return out
 
     try:
-        for p in procs:
-            p.start()
+        conns.extend(_Link(i, address) for i in range(NUM_CELLS))
         for i, c in enumerate(conns):
             if not _reply(c, "start").get("ready"):
                 raise RuntimeError(f"{cells[i]} did not start")
@@ -411,13 +457,11 @@ def main() -> None:
         span = sum(b - a for a, b in windows3), sum(b - a for a, b in quiet)
         rate_ratio = (during / span[0]) / (calm / span[1]) if calm else None
         _ask(conns, {"cmd": "stop"})
-        for p in procs:
-            p.join(timeout=TIMEOUT_S)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=10)
+        for c in conns:
+            c.proc.stdin.close()  # EOF: a worker not yet stopped leaves its loop
+        for c in conns:
+            c.stop(TIMEOUT_S)
         host.close(grace_s=1.0)
     result = {
         "model_bytes": model_bytes,
@@ -432,4 +476,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--worker"]:
+        worker(int(sys.argv[2]), _StdioConn(), json.loads(sys.argv[3]))
+    else:
+        main()

@@ -11,14 +11,20 @@ cellflip, and the free oracle (the ceiling). Every policy is reported as the mea
     python bench/cluster_sim.py [--quick] [--json] [--jobs N] [--plots [DIR]] [--workload NAME_OR_PATH ...]
 
 --quick: 1,000 cells; default 10,000. Last stdout line with --json: one JSON object.
+--jobs N: runs in N worker processes (this file with `--serve`: one task per JSON line on
+stdin, one result per JSON line on stdout; nothing pickled).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import multiprocessing
+import os
+import queue
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,8 +55,65 @@ def _run(args: tuple) -> RunResult:
     return run_policy(wl, make_policy(policy, share), cells, hours, seed=seed)
 
 
-def _map(tasks: list[tuple], pool) -> list[RunResult]:
-    return pool.map(_run, tasks) if pool is not None else [_run(t) for t in tasks]
+class Workers:
+    """`jobs` processes running this file with `--serve`, each taking the next task as soon as
+    it is free. Tasks and results travel as JSON lines."""
+
+    def __init__(self, jobs: int) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.procs = [subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE,
+                                       stdout=subprocess.PIPE, text=True, env=env) for _ in range(jobs)]
+
+    def map(self, tasks: list[tuple]) -> list[RunResult]:
+        todo: queue.Queue = queue.Queue()
+        for i in range(len(tasks)):
+            todo.put(i)
+        out: list[RunResult | None] = [None] * len(tasks)
+        errors: list[str] = []
+
+        def feed(p: subprocess.Popen) -> None:
+            while not errors:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                wl, policy, share, cells, hours, seed = tasks[i]
+                p.stdin.write(json.dumps({"workload": wl.model_dump(), "policy": policy, "share": share,
+                                          "cells": cells, "hours": hours, "seed": seed}) + "\n")
+                p.stdin.flush()
+                line = p.stdout.readline()
+                if not line.startswith("RESULT "):
+                    errors.append(f"worker {p.pid} exited (code {p.poll()}) on task {tasks[i][1:]}")
+                    return
+                out[i] = RunResult(**json.loads(line[len("RESULT "):]))
+
+        threads = [threading.Thread(target=feed, args=(p,), daemon=True) for p in self.procs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise RuntimeError(errors[0])
+        return out  # type: ignore[return-value]
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.stdin.close()
+        for p in self.procs:
+            p.wait(timeout=60)
+
+
+def _serve() -> None:
+    """A worker: one JSON task per stdin line -> one `RESULT {RunResult}` line on stdout."""
+    for line in sys.stdin:
+        a = json.loads(line)
+        r = _run((Workload.model_validate(a["workload"]), a["policy"], a["share"], a["cells"], a["hours"],
+                  a["seed"]))
+        print("RESULT " + json.dumps(dataclasses.asdict(r), default=lambda x: x.item()), flush=True)
+
+
+def _map(tasks: list[tuple], pool: Workers | None) -> list[RunResult]:
+    return pool.map(tasks) if pool is not None else [_run(t) for t in tasks]
 
 
 def choose_static_share(wl: Workload, cells: int, hours: float, log=print, pool=None) -> tuple[float, dict[float, float]]:
@@ -152,7 +215,7 @@ def main() -> None:
     t0 = time.perf_counter()
     result: dict = {"cells": cells, "workloads": {}}
     print(f"cluster_sim: {cells} cells, seeds {SEEDS} (static share on seed 0)")
-    pool = multiprocessing.get_context("fork").Pool(args.jobs) if args.jobs > 1 else None
+    pool = Workers(args.jobs) if args.jobs > 1 else None
     for name in args.workload or BUILTIN:
         wl = load_workload(name)
         hours = args.hours or wl.hours or 72.0
@@ -187,4 +250,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    _serve() if sys.argv[1:2] == ["--serve"] else main()

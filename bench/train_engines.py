@@ -2,7 +2,7 @@
 
     python bench/train_engines.py [--quick] [--json]
 
-Two spawned processes sum a gradient over three engines, `repeats` times each (best of):
+Two processes (this file with `--child`: arguments and result as JSON, nothing pickled) sum a gradient over three engines, `repeats` times each (best of):
 - `cells_gloo`: cellflip's stateless gloo group (`join_group` on a store, what a training step
   forms), one all-reduce of the bytes a step of the `tiny` preset reduces: the dense
   non-vocabulary parameters plus the union of the vocabulary rows the ranks touched (`rows`).
@@ -18,20 +18,21 @@ Needs torchft importable (`pip install torchft`); where it is not, that engine s
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import time
 import traceback
 
 import torch
-import torch.multiprocessing as mp
 from common import ROOT, emit, parse_args, set_threads
 
 DENSE_OTHER = 4_000_000  # tiny: non-vocabulary parameters (4 layers of d=256)
 VOCAB, HIDDEN, ROWS = 151_936, 256, 2_000
 
 
-def _ours(rank: int, port: int, q, repeats: int, dense: bool) -> None:
+def _ours(rank: int, port: int, repeats: int, dense: bool) -> tuple:
     from cells.transport.p2p import join_group
     from cells.transport.store import StoreAddress, connect
 
@@ -44,10 +45,10 @@ def _ours(rank: int, port: int, q, repeats: int, dense: bool) -> None:
         t0 = time.perf_counter()
         pg.allreduce([t]).wait()
         best = min(best, time.perf_counter() - t0)
-    q.put((rank, best, n * 4))
+    return rank, best, n * 4
 
 
-def _torchft(rank: int, port: int, lighthouse: str, q, repeats: int) -> None:
+def _torchft(rank: int, port: int, lighthouse: str, repeats: int) -> tuple:
     try:
         from datetime import timedelta
 
@@ -71,13 +72,14 @@ def _torchft(rank: int, port: int, lighthouse: str, q, repeats: int) -> None:
             m.allreduce(t, reduce_op=torch.distributed.ReduceOp.SUM).wait()
             m.should_commit()
             best = min(best, time.perf_counter() - t0)
-        q.put((rank, best, m.num_participants()))
+        got = (rank, best, m.num_participants())
         m.shutdown()
+        return got
     except Exception as e:
-        q.put((rank, None, f"{type(e).__name__}: {e}"[:300]))
+        return rank, None, f"{type(e).__name__}: {e}"[:300]
 
 
-def _fsdp2(rank: int, port: int, q) -> None:
+def _fsdp2(rank: int, port: int) -> tuple:
     try:
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
@@ -88,24 +90,36 @@ def _fsdp2(rank: int, port: int, q) -> None:
         model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 1))
         fully_shard(model, mesh=mesh)
         model(torch.randn(8, 64)).sum().backward()
-        q.put((rank, True, "forward/backward ran"))
+        return rank, True, "forward/backward ran"
     except Exception as e:
-        q.put((rank, False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]))
         traceback.print_exc(file=sys.stderr)
+        return rank, False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
 
 
-def _run(target, args_for) -> list:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    ps = [ctx.Process(target=target, args=args_for(r, q)) for r in range(2)]
-    for p in ps:
-        p.start()
-    out = [q.get(timeout=300) for _ in ps]
-    for p in ps:
-        p.join(timeout=30)
-        if p.is_alive():
+ENGINES = {"ours": _ours, "torchft": _torchft, "fsdp2": _fsdp2}
+
+
+def _run(engine: str, args_for) -> list:
+    """Two ranks of `engine`, each a process running this file with `--child`; their results."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    ps = [subprocess.Popen([sys.executable, __file__, "--child", engine, json.dumps(args_for(r))],
+                           stdout=subprocess.PIPE, text=True, env=env) for r in range(2)]
+    out = []
+    for r, p in enumerate(ps):
+        try:
+            stdout, _ = p.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
             p.kill()
+            stdout, _ = p.communicate()
+        lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
+        out.append(json.loads(lines[-1][len("RESULT "):]) if lines else [r, None, f"exit {p.returncode}, no result"])
     return sorted(out, key=lambda x: x[0])
+
+
+def _child() -> None:
+    """One rank: `--child ENGINE JSON_KWARGS`; prints `RESULT [rank, value, note]`."""
+    set_threads(1)
+    print("RESULT " + json.dumps(list(ENGINES[sys.argv[2]](**json.loads(sys.argv[3])))), flush=True)
 
 
 def main() -> None:
@@ -120,23 +134,23 @@ def main() -> None:
     host = StoreHost("127.0.0.1", 0)
     port = host.address.port
     res: dict = {"bytes_rows": (DENSE_OTHER + ROWS * HIDDEN) * 4, "bytes_dense": (DENSE_OTHER + VOCAB * HIDDEN) * 4}
-    res["cells_gloo_s"] = max(r[1] for r in _run(_ours, lambda r, q: (r, port, q, repeats, False)))
-    res["cells_gloo_dense_s"] = max(r[1] for r in _run(_ours, lambda r, q: (r, port, q, repeats, True)))
+    res["cells_gloo_s"] = max(r[1] for r in _run("ours", lambda r: {"rank": r, "port": port, "repeats": repeats, "dense": False}))
+    res["cells_gloo_dense_s"] = max(r[1] for r in _run("ours", lambda r: {"rank": r, "port": port, "repeats": repeats, "dense": True}))
     try:
         from torchft._torchft import LighthouseServer
 
         lh = LighthouseServer(bind="[::]:0", min_replicas=2)
         base = find_free_port()
-        got = _run(_torchft, lambda r, q: (r, base + 10 * r, lh.address(), q, repeats))
+        got = _run("torchft", lambda r: {"rank": r, "port": base + 10 * r, "lighthouse": lh.address(), "repeats": repeats})
         res["torchft_s"] = max(r[1] for r in got) if all(r[1] is not None for r in got) else None
         res["torchft_note"] = [r[2] for r in got]
         lh.shutdown()
     except ImportError as e:
         res["torchft_s"], res["torchft_note"] = None, f"not importable: {e}"
     fport = find_free_port()
-    res["fsdp2"] = [r[2] for r in _run(_fsdp2, lambda r, q: (r, fport, q))]
+    res["fsdp2"] = [r[2] for r in _run("fsdp2", lambda r: {"rank": r, "port": fport})]
     emit(res, args.json)
 
 
 if __name__ == "__main__":
-    main()
+    _child() if sys.argv[1:2] == ["--child"] else main()

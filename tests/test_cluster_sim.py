@@ -236,3 +236,39 @@ def test_bad_workload_names_the_key(tmp_path):
         load_workload(str(bad))
     with pytest.raises(WorkloadError, match="cannot read"):
         load_workload(str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.slow
+def test_worker_processes_match_in_process_runs():
+    """`--jobs N`: tasks and results cross as JSON lines (nothing pickled); the figures are the
+    in-process ones, to the last digit, whichever worker ran which task."""
+    import cluster_sim
+
+    wl = load_workload("stationary")
+    tasks = [(wl, p, 0.8, 40, 3.0, seed) for seed in (1, 2) for p in ("static", "cellflip", "oracle")]
+    pool = cluster_sim.Workers(2)
+    try:
+        remote = pool.map(tasks)
+    finally:
+        pool.close()
+    local = [cluster_sim._run(t) for t in tasks]
+    assert [r.policy for r in remote] == [r.policy for r in local]
+    assert [r.metrics() for r in remote] == [r.metrics() for r in local]
+    assert [r.series for r in remote] == [r.series for r in local]
+    assert all(p.returncode == 0 for p in pool.procs)
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_fails_the_map():
+    import cluster_sim
+
+    pool = cluster_sim.Workers(1)
+    try:
+        pool.procs[0].stdin.write("not json\n")  # the worker raises on it and exits
+        pool.procs[0].stdin.flush()
+        with pytest.raises(RuntimeError, match="exited"):
+            pool.map([(tiny(), "static", 0.5, 2, 1.0, 0)])
+    finally:
+        for p in pool.procs:
+            p.kill()
+            p.wait(timeout=30)

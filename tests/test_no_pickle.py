@@ -4,11 +4,13 @@ A pickle from the network is code execution for whoever can reach the port, so e
 (cell protocol over HTTP, torch.distributed transfers and their TCPStore rendezvous) and
 every store (the scheduler's SQLite file) carries JSON, safetensors or raw tensors only.
 
-Static: an AST scan of cells/, scheduler/ and bench/ for pickle-family imports, torch.load
-without weights_only=True, torch.distributed's *_object collectives, torch.distributed.rpc,
-multiprocessing.connection/managers (Listener, Client, BaseManager: pickled messages over
-sockets; a local mp Queue/Pipe is fine), numpy allow_pickle=True, pickle_module=, pandas
-pickles and yaml.load without a safe loader. The scanner is tested on a sample of each pattern.
+Static: an AST scan of cells/, scheduler/, bench/, faultkit/ and tests/ (this file aside) for
+pickle-family imports, torch.load without weights_only=True, torch.distributed's *_object
+collectives, torch.distributed.rpc, multiprocessing in any form (a spawned Process's
+arguments, a Queue, a Pipe's send/recv and a Pool's tasks and results are pickled between
+processes; ours are subprocesses exchanging JSON lines), concurrent.futures'
+ProcessPoolExecutor (the same), numpy allow_pickle=True, pickle_module=, pandas pickles and
+yaml.load without a safe loader. The scanner is tested on a sample of each pattern.
 
 Runtime: with pickle (and torch.load without weights_only) made to raise, every cell
 protocol message round-trips through JSON text; a short session runs through the HTTP API
@@ -31,11 +33,13 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-SCAN = ("cells", "scheduler", "bench", "faultkit")
+SCAN = ("cells", "scheduler", "bench", "faultkit", "tests")
+SELF = Path(__file__).resolve()
+"""This file imports pickle to make it raise."""
 
 PICKLE_MODULES = {"pickle", "cPickle", "_pickle", "pickletools", "dill", "cloudpickle", "shelve", "marshal",
-                  "joblib", "copyreg", "torch.distributed.rpc", "multiprocessing.connection",
-                  "multiprocessing.managers"}
+                  "joblib", "copyreg", "torch.distributed.rpc", "multiprocessing", "torch.multiprocessing",
+                  "concurrent.futures.process", "concurrent.futures.ProcessPoolExecutor"}
 """Importing these (or anything under them) is a finding."""
 OBJECT_COLLECTIVES = {"broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
                       "send_object_list", "recv_object_list"}
@@ -118,7 +122,7 @@ def scan_source(text: str, filename: str = "<src>") -> list[tuple[int, str]]:
 
 
 def _sources() -> list[Path]:
-    return sorted(p for d in SCAN for p in (ROOT / d).rglob("*.py") if "__pycache__" not in p.parts)
+    return sorted(p for d in SCAN for p in (ROOT / d).rglob("*.py") if "__pycache__" not in p.parts and p != SELF)
 
 
 def test_scanner_catches_every_pattern():
@@ -141,6 +145,11 @@ def test_scanner_catches_every_pattern():
         "from multiprocessing.connection import Listener": "multiprocessing.connection",
         "import multiprocessing as mp\nmp.connection.Client(('10.0.0.1', 1))": "multiprocessing.connection",
         "from multiprocessing.managers import BaseManager": "multiprocessing.managers",
+        "import multiprocessing as mp\nq = mp.Queue()": "multiprocessing",
+        "from multiprocessing import Pool": "multiprocessing",
+        "import torch.multiprocessing as mp": "torch.multiprocessing",
+        "from concurrent.futures import ProcessPoolExecutor": "ProcessPoolExecutor",
+        "import concurrent.futures as cf\ncf.ProcessPoolExecutor(2)": "ProcessPoolExecutor",
         "import numpy as np\nnp.load(f, allow_pickle=True)": "allow_pickle",
         "import torch\ntorch.save(x, f, pickle_module=m)": "pickle_module",
         "import pandas as pd\npd.read_pickle(f)": "read_pickle",
@@ -153,10 +162,11 @@ def test_scanner_catches_every_pattern():
         assert any(expect in what for _, what in found), (src, found)
     good = '''"""Nothing here pickles: JSON on the wire (a docstring may say pickle)."""
 import json, yaml, torch, numpy as np
-import multiprocessing as mp
+import subprocess, queue, threading
+from concurrent.futures import ThreadPoolExecutor
 import torch.distributed as dist
 # pickle.loads(x) in a comment is not code
-ctx = mp.get_context("spawn"); a, b = ctx.Pipe(); q = mp.Queue()
+p = subprocess.Popen(["python", "w.py"], stdin=subprocess.PIPE); q = queue.Queue()
 torch.load(f, weights_only=True, map_location="cpu")
 yaml.safe_load(text); yaml.load(text, Loader=yaml.SafeLoader)
 np.load(f, allow_pickle=False)

@@ -2,25 +2,23 @@
 joiner, refusal of a version not held, concurrent catch-ups, clients that die before their
 request or mid-transfer, and the host's own copy of every version.
 
-The test process is the trainer (it owns the `VersionHost`); cells are spawned worker
-processes that run one role after another, so each pays the torch import once.
+The test process is the trainer (it owns the `VersionHost`); cells are worker processes
+running this file (`transport_harness.Pool`: roles and results as JSON lines, nothing
+pickled), one role after another, so each pays the torch import once.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from transport_harness import OP_TIMEOUT_S, make_tensors  # noqa: E402
+from transport_harness import OP_TIMEOUT_S, Pool, make_tensors, serve  # noqa: E402
 
 from cells.trainer.versions_host import VersionHost  # noqa: E402
 from cells.transport.p2p import PairChannel, TransferError  # noqa: E402
@@ -40,7 +38,7 @@ SLACK_S = 3.0
 WORKERS = ("w0", "w1", "w2")
 
 
-# -- worker side (runs in the spawned processes) ---------------------------------------------
+# -- worker side (runs in the worker processes) ---------------------------------------------
 
 def _equal(got: dict, want: dict) -> bool:
     return list(got) == list(want) and all(
@@ -116,73 +114,7 @@ def role_die_mid_fetch(a: dict) -> dict:
     os._exit(5)
 
 
-def worker_main(inbox, outbox) -> None:
-    torch.set_num_threads(1)
-    while True:
-        msg = inbox.get()
-        if msg is None:
-            return
-        role, args = msg
-        try:
-            result = globals()[f"role_{role}"](args)
-        except Exception as e:
-            result = {"exception": repr(e), "traceback": traceback.format_exc()[-3000:]}
-        outbox.put(result)
-
-
 # -- test side -------------------------------------------------------------------------------
-
-class Workers:
-    """Spawned cell processes, one per name; a worker whose role killed it is restarted on
-    its next `submit`. `close()` stops and reaps only these processes."""
-
-    def __init__(self, port: int) -> None:
-        self.ctx = mp.get_context("spawn")
-        self.port = port
-        self.procs: dict[str, mp.process.BaseProcess] = {}
-        self.inboxes: dict[str, mp.Queue] = {}
-        self.outboxes: dict[str, mp.Queue] = {}
-        self.exitcodes: dict[str, int | None] = {}
-
-    def submit(self, name: str, role: str, **args) -> None:
-        if name not in self.procs:
-            self._start(name)
-        self.inboxes[name].put((role, {"port": self.port, **args}))
-
-    def result(self, name: str, timeout_s: float = 60.0) -> dict:
-        """The worker's next result, or {"exitcode": n} if its process ended instead."""
-        deadline = time.monotonic() + timeout_s
-        p = self.procs[name]
-        while True:
-            try:
-                return self.outboxes[name].get(timeout=0.1)
-            except queue.Empty:
-                pass
-            if not p.is_alive():
-                p.join()
-                del self.procs[name]
-                return {"exitcode": p.exitcode}
-            if time.monotonic() >= deadline:
-                raise AssertionError(f"worker {name}: no result in {timeout_s}s")
-
-    def close(self) -> dict[str, int | None]:
-        for name in self.procs:
-            self.inboxes[name].put(None)
-        for name, p in self.procs.items():
-            p.join(timeout=15)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
-            self.exitcodes[name] = p.exitcode
-        self.procs.clear()
-        return self.exitcodes
-
-    def _start(self, name: str) -> None:
-        inbox, outbox = self.ctx.Queue(), self.ctx.Queue()
-        p = self.ctx.Process(target=worker_main, args=(inbox, outbox), name=f"cell-{name}", daemon=True)
-        p.start()
-        self.procs[name], self.inboxes[name], self.outboxes[name] = p, inbox, outbox
-
 
 @pytest.fixture(scope="module")
 def host():
@@ -198,8 +130,8 @@ def host():
 
 
 @pytest.fixture(scope="module")
-def workers(host):
-    w = Workers(host.address.port)
+def workers(host, tmp_path_factory):
+    w = Pool(host.address.port, tmp_path_factory.mktemp("version_host_workers"), script=__file__)
     try:
         for name in WORKERS:
             w.submit(name, "ping")
@@ -233,7 +165,7 @@ def _settled(host: VersionHost, timeout_s: float = OP_TIMEOUT_S + SLACK_S) -> di
         time.sleep(0.02)
 
 
-def _fetch(workers: Workers, name: str, version: int, seed: int | None = None) -> None:
+def _fetch(workers: Pool, name: str, version: int, seed: int | None = None) -> None:
     workers.submit(name, "fetch", cell=f"cell-{name}", version=version, seed=version if seed is None else seed)
 
 
@@ -340,7 +272,7 @@ def test_client_dying_mid_transfer_fails_only_its_own_worker(host, workers):
     _fetch(workers, "w0", 4)  # concurrently with the doomed one
     r = workers.result("w0")
     assert r["kind"] is None and r["equal"] is True, r
-    assert workers.result("w2") == {"exitcode": 5}
+    assert workers.result("w2")["exitcode"] == 5
     stats = _wait_stat(host, "failed", failed + 1, OP_TIMEOUT_S + SLACK_S)
     assert stats["failed"] == failed + 1, stats
     _fetch(workers, "w1", 4)  # the server goes on serving
@@ -385,3 +317,7 @@ def test_versions_bookkeeping_in_process():
         fetch_version(address, "c0", 7, timeout_s=0.5)
     tensors, error = receive_broadcast(address, "c0", 7, timeout_s=0.5, join_timeout_s=0.5)
     assert tensors is None and "unreachable" in error
+
+
+if __name__ == "__main__":
+    serve(globals())

@@ -42,8 +42,11 @@ class Pool:
     restarted on its next `submit`. `close()` stops and reaps only these processes.
     """
 
-    def __init__(self, port: int, logdir: Path) -> None:
+    def __init__(self, port: int, logdir: Path, script: str | Path | None = None) -> None:
         self.port, self.logdir = port, logdir
+        self.script = str(script or __file__)
+        """The file the workers run: this one, or a test module whose `role_*` functions it
+        serves with `serve(globals())`."""
         self.procs: dict[str, subprocess.Popen] = {}
         self.queues: dict[str, queue.Queue] = {}
         self.exitcodes: dict[str, int] = {}
@@ -93,7 +96,7 @@ class Pool:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
         err = open(self.logdir / f"{name}.err", "a")
         p = subprocess.Popen(
-            [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, self.script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=err, text=True, env=env, cwd=str(REPO),
         )
         err.close()
@@ -310,16 +313,19 @@ def role_bc_receiver(a: dict) -> dict:
     return out
 
 
-def serve() -> None:
+def serve(roles: dict | None = None) -> None:
+    """Runs `role_{name}` from `roles` (this module's by default) for each JSON line on stdin
+    and prints its JSON result: no pickle between the test and its workers."""
     import torch
 
     torch.set_num_threads(1)
+    roles = globals() if roles is None else roles
     for line in sys.stdin:
         msg = json.loads(line)
         if msg["role"] == "exit":
             return
         try:
-            result = globals()[f"role_{msg['role']}"](msg["args"])
+            result = roles[f"role_{msg['role']}"](msg["args"])
         except Exception as e:
             result = {"exception": repr(e), "traceback": traceback.format_exc()[-3000:]}
         print("RESULT " + json.dumps(result), flush=True)
