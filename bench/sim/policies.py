@@ -107,8 +107,12 @@ class Planned(Policy):
         self.flips = 0
         self.log: list[tuple[Snapshot, list[FlipDecision]]] | None = [] if record else None
 
+    def view(self, cl: Cluster, t: float, snap: Snapshot) -> Snapshot:
+        """What the planner is shown: the measured snapshot (bench/sim/probe.py shows it more)."""
+        return snap
+
     def tick(self, cl: Cluster, t: float, rates: Rates) -> None:
-        snap = cl.snapshot(t, rates)
+        snap = self.view(cl, t, cl.snapshot(t, rates))
         decisions = plan_flips(snap, self.policy)
         if self.log is not None:
             self.log.append((snap, decisions))
