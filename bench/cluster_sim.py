@@ -219,7 +219,9 @@ def main() -> None:
     for name in args.workload or BUILTIN:
         wl = load_workload(name)
         hours = args.hours or wl.hours or 72.0
-        print(f"workload {wl.describe()}; {hours:g} h, tick {wl.tick_s:g} s", flush=True)
+        batch, width = wl.batch_for(cells)
+        print(f"workload {wl.describe()}; {hours:g} h, tick {wl.tick_s:g} s; "
+              f"at {cells} cells: step {batch} sessions on <= {width} cells", flush=True)
         block, runs = simulate_workload(wl, cells, hours, pool=pool)
         block["hours"] = hours
         result["workloads"][wl.name] = block
