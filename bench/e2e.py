@@ -77,7 +77,7 @@ def run_one(seed: int, steps: int, lr: float | None, quick: bool) -> dict:
     raw = make_cfg(tmp, seed, steps, lr, quick)
     c = Cluster(tmp, num_cells=3, cfg=raw, ready_timeout_s=300)
     try:
-        trainer = Trainer(parse_config(raw), c.url, run_dir=tmp, tag=f"s{seed}", token=c.token)
+        trainer = Trainer(parse_config(raw), c.url, run_dir=tmp, tag=f"s{seed}", token=c.trainer_token, agent_token=c.agent_token)
         first: dict = {}
         publish = trainer._publish
 
@@ -102,7 +102,7 @@ def _evaluation(trainer, first_weights: dict | None, c: Cluster, seed: int) -> d
     def heldout(w: dict | None) -> float | None:
         return None if w is None else heldout_eval(spec, w, TaskSpec(seed=seed), HELDOUT)["reward"]
 
-    client = TrainerClient(c.url, c.token)
+    client = TrainerClient(c.url, c.trainer_token)
     try:
         staleness = client.versions().get("staleness", {})
     finally:

@@ -51,7 +51,7 @@ def run(path: str, n: int, context: int) -> dict:
         for cell in ("cell-1", "cell-2"):  # every request lands on cell-0
             assert c.wait_flip(c.flip(cell, "training")["id"], 120)["state"] == "done"
         rng = random.Random(0)
-        streams = [Streamer(c.url, [rng.randrange(8000) for _ in range(context)], MAX_TOKENS, seed=i, timeout_s=900, token=c.token)
+        streams = [Streamer(c.url, [rng.randrange(8000) for _ in range(context)], MAX_TOKENS, seed=i, timeout_s=900, token=c.agent_token)
                    for i in range(n)]
         for s in streams:
             s.start()

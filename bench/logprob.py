@@ -101,7 +101,7 @@ def main() -> None:
             live = [s for s in streams if s.is_alive()]
             for _ in range(n_streams - len(live)):
                 s = Streamer(c.url, [rng.randrange(1024) for _ in range(rng.randrange(40, 200))], max_tokens,
-                             seed=len(streams), timeout_s=600, token=c.token)
+                             seed=len(streams), timeout_s=600, token=c.agent_token)
                 s.start()
                 streams.append(s)
 

@@ -112,7 +112,7 @@ def move_requests(c: Cluster, src: str, dst: str, prompt: list[int], seed: int, 
     move's command instant and its two migration records."""
     assert c.cell(src)["state"] == "rollout" and c.cell(dst)["state"] == "training"
     max_tokens = moves * TOKENS_PER_MOVE[len(prompt)]
-    s = Streamer(c.url, prompt, max_tokens=max_tokens, seed=seed, timeout_s=1200, token=c.token)
+    s = Streamer(c.url, prompt, max_tokens=max_tokens, seed=seed, timeout_s=1200, token=c.agent_token)
     s.start()
     c.wait(lambda: len(s.tokens) >= 2, 600, "decoding on the source", every=0.01)
     quiet_from = s.wall_times[0]
@@ -209,7 +209,7 @@ def control_and_reference_link(c: Cluster, probe: Probe, prompt: list[int], seed
     """The control request on cell-0 (never moved); once it has passed token `upto`, the raw
     link reference runs cell-0 → cell-1 while it decodes."""
     layout(c, "cell-0", "cell-1")
-    s = Streamer(c.url, prompt, max_tokens=max_tokens, seed=seed, timeout_s=1200, token=c.token)
+    s = Streamer(c.url, prompt, max_tokens=max_tokens, seed=seed, timeout_s=1200, token=c.agent_token)
     s.start()
     c.wait(lambda: len(s.tokens) > upto or s.finish_reason is not None, 1200, "the control's window", every=0.01)
     if len(s.tokens) <= upto:

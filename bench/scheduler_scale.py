@@ -288,7 +288,7 @@ def bench_api(seconds: float, n_cells: int) -> dict | None:
         import uvicorn  # noqa: F401
 
         from scheduler.contract.config import SCHEDULER_CONFIG_ENV, CellflipConfig
-        from scheduler.contract.tokens import server_token
+        from scheduler.contract.tokens import server_tokens
     except ImportError as e:
         print(f"api: skipped ({e})")
         return None
@@ -296,7 +296,9 @@ def bench_api(seconds: float, n_cells: int) -> dict | None:
     port = _free_port()
     cfg = SchedulerConfig(port=port, db_path=f"{tmp}/scheduler.sqlite", min_rollout_cells=1, lease_s=3600.0)
     _seed(cfg.db_path, n_cells)
-    headers = {"Authorization": f"Bearer {server_token(cfg)}"}  # made here, read by the server
+    tokens = server_tokens(cfg)  # made here, read by the server; each client with its own scope
+    headers = {"Authorization": f"Bearer {tokens['trainer']}"}
+    cell_headers = {"Authorization": f"Bearer {tokens['cell']}"}
     env = {**os.environ, SCHEDULER_CONFIG_ENV: CellflipConfig(scheduler=cfg).model_dump_json(),
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     server = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "scheduler.api.app:create_app_from_env",
@@ -316,7 +318,7 @@ def bench_api(seconds: float, n_cells: int) -> dict | None:
             time.sleep(0.2)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(8) as pool:  # not what is measured: in parallel
-            list(pool.map(lambda k: _sync(base, headers, range(k, n_cells, 8)), range(8)))
+            list(pool.map(lambda k: _sync(base, cell_headers, range(k, n_cells, 8)), range(8)))
         print(f"api: {n_cells} cells synced in {time.perf_counter() - t0:.0f} s")
         client = _KeepAlive(port, headers)
         try:

@@ -1,4 +1,4 @@
-"""`cellflip` command line: up | scheduler | cell | trainer | status.
+"""`cellflip` command line: up | scheduler | cell | trainer | status | token.
 
 `up` is cells/up.py; `scheduler` runs `python -m scheduler` by module path (the cells import
 only the scheduler's config, auth and contract helpers, never its app). Imports are lazy so
@@ -22,14 +22,15 @@ def _load(path: str | None):
     return load_config(path) if path else CellflipConfig()
 
 
-def _token(cfg, token_file: str | None = None) -> str | None:
-    """The API token a client of the scheduler sends (scheduler/contract/tokens.py: the config's file,
-    CELLFLIP_API_TOKEN, or the file the scheduler generated); a bad file exits with one line."""
+def _token(cfg, token_file: str | None = None, scope: str = "admin") -> str | None:
+    """The token a client of `scope` sends (scheduler/contract/tokens.py: an explicit file, the
+    config's file for the scope, its environment variable, or the file the scheduler generated);
+    a bad file exits with one line."""
     from scheduler.contract.config import ConfigError
     from scheduler.contract.tokens import client_token
 
     try:
-        return client_token(cfg.scheduler, token_file)
+        return client_token(cfg.scheduler, token_file, scope=scope)
     except ConfigError as e:
         raise SystemExit(f"cellflip: {e}") from None
 
@@ -147,7 +148,7 @@ def cmd_cell(args) -> int:
     # Short GIL hand-offs: transfer threads wake promptly while the engine loop computes.
     sys.setswitchinterval(0.0005)
     agent = CellAgent(cfg, cell_id=args.cell_id, scheduler_url=args.scheduler, engine=engine, host=args.host,
-                      token=_token(cfg))
+                      token=_token(cfg, scope="cell"))
     stop = threading.Event()
     if probe is not None:
         probe.start(agent.quiesce, stop)
@@ -202,7 +203,8 @@ def cmd_trainer(args) -> int:
 
     torch.set_num_threads(1)
     cfg = _load(args.config)
-    trainer = Trainer(cfg, args.scheduler, run_dir=args.run_dir, token=_token(cfg), tag=args.tag)
+    trainer = Trainer(cfg, args.scheduler, run_dir=args.run_dir, token=_token(cfg, scope="trainer"),
+                      agent_token=_token(cfg, scope="agent"), tag=args.tag)
     stop = threading.Event()
     _stop_on_signals(lambda *_: stop.set())
     try:
@@ -216,15 +218,16 @@ def cmd_trainer(args) -> int:
 def cmd_status(args) -> int:
     import httpx
 
-    token = _token(_load(args.config), args.token_file)
+    token = _token(_load(args.config), args.token_file, scope="trainer")
     try:
         r = httpx.get(f"{args.scheduler}/v1/cells", timeout=5.0,
                       headers={"Authorization": f"Bearer {token}"} if token else {})
     except httpx.HTTPError as e:
         raise SystemExit(f"cellflip status: cannot reach {args.scheduler}: {e}") from None
-    if r.status_code == 401:
-        raise SystemExit(f"cellflip status: {args.scheduler} refused the API token (401): give it with "
-                         "--token-file or $CELLFLIP_API_TOKEN, or run from the directory `cellflip up` ran in")
+    if r.status_code in (401, 403):
+        raise SystemExit(f"cellflip status: {args.scheduler} refused the token ({r.status_code}): give a trainer "
+                         "or admin token with --token-file, $CELLFLIP_TRAINER_TOKEN or $CELLFLIP_API_TOKEN, or run "
+                         "from the directory `cellflip up` ran in")
     if r.status_code != 200:
         raise SystemExit(f"cellflip status: {args.scheduler} answered {r.status_code}: {r.text[:200]}")
     cells = r.json()
@@ -244,6 +247,44 @@ def cmd_status(args) -> int:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
     if args.json:
         print(json.dumps(cells))
+    return 0
+
+
+def cmd_token(args) -> int:
+    """`cellflip token create|revoke|list` with the admin token: a created token is printed once
+    (the scheduler keeps only its hash); a revoked one is refused from the next request on."""
+    import httpx
+
+    token = _token(_load(args.config), args.token_file, scope="admin")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    url = f"{args.scheduler}/v1/tokens"
+    try:
+        if args.action == "create":
+            r = httpx.post(url, json={"scope": args.scope, "name": args.name}, headers=headers, timeout=10.0)
+        elif args.action == "revoke":
+            r = httpx.delete(f"{url}/{args.id}", headers=headers, timeout=10.0)
+        else:
+            r = httpx.get(url, headers=headers, timeout=10.0)
+    except httpx.HTTPError as e:
+        raise SystemExit(f"cellflip token: cannot reach {args.scheduler}: {e}") from None
+    if r.status_code >= 400:
+        try:
+            detail = r.json().get("detail")
+        except ValueError:
+            detail = r.text[:200]
+        raise SystemExit(f"cellflip token {args.action}: {args.scheduler} answered {r.status_code}: {detail}"
+                         + (" (token management needs the admin token: runs/api.token, $CELLFLIP_API_TOKEN "
+                            "or --token-file)" if r.status_code in (401, 403) else ""))
+    body = r.json()
+    if args.action == "create":
+        print(f"id {body['id']} scope {body['scope']}: keep this token, it is not shown again", file=sys.stderr)
+        print(body["token"])
+    elif args.action == "revoke":
+        print(f"revoked {body['id']} ({body['scope']})")
+    else:
+        for t in body["tokens"]:
+            state = "revoked" if t["revoked_at"] is not None else "live"
+            print(f"{t['id']}  {t['scope']:<8} {t['origin']:<9} {state:<7} {t['name']}")
     return 0
 
 
@@ -286,13 +327,26 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--scheduler", default="http://127.0.0.1:8700")
     st.add_argument("--json", action="store_true")
     st.add_argument("--config", help="the scheduler's config (where its token file is)")
-    st.add_argument("--token-file", help="file holding the API token (default: $CELLFLIP_API_TOKEN, "
-                                         "else the scheduler's generated runs/api.token)")
+    st.add_argument("--token-file", help="file holding a trainer or admin token (default: "
+                                         "$CELLFLIP_TRAINER_TOKEN, else the scheduler's generated runs/trainer.token)")
+    tk = sub.add_parser("token", help="create, revoke or list API tokens (admin token)")
+    tk_sub = tk.add_subparsers(dest="action", required=True)
+    tk_create = tk_sub.add_parser("create", help="print a new token of a scope")
+    tk_create.add_argument("--scope", required=True, choices=("admin", "trainer", "cell", "agent", "scrape"))
+    tk_create.add_argument("--name", default="", help="a label: who or what holds it")
+    tk_revoke = tk_sub.add_parser("revoke", help="revoke a token by id (refused from the next request on)")
+    tk_revoke.add_argument("id")
+    tk_sub.add_parser("list", help="every token's id, scope, origin and state (never the token)")
+    for p in tk_sub.choices.values():
+        p.add_argument("--scheduler", default="http://127.0.0.1:8700")
+        p.add_argument("--config", help="the scheduler's config (where its token file is)")
+        p.add_argument("--token-file", help="file holding the admin token (default: $CELLFLIP_API_TOKEN, "
+                                            "else the scheduler's generated runs/api.token)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     return {"up": cmd_up, "scheduler": cmd_scheduler, "cell": cmd_cell, "trainer": cmd_trainer,
-            "status": cmd_status}[args.cmd](args)
+            "status": cmd_status, "token": cmd_token}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 """A real cluster on one machine: the scheduler and cell processes on 127.0.0.1.
 
 Used by `cellflip up`, the multi-process tests and the benches. Every process is started
-and stopped here (no broad kills); every wait is bounded.
+and stopped here (no broad kills); every wait is bounded. Each process gets the token of its
+scope and no other (scheduler/contract/tokens.py): cells the cell token, the trainer the trainer
+and agent tokens; the `http` client here (the operator's) holds the admin token.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ import httpx
 import yaml
 
 from cells.client import all_cells
-from scheduler.contract.tokens import TOKEN_ENV, auth_headers
+from scheduler.contract.tokens import SCOPE_ENV, SCOPES, TOKEN_ENV, auth_headers, scoped_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,11 +65,11 @@ class Cluster:
         self.cfg_path.write_text(yaml.safe_dump(self.cfg))
         self.port = port or find_free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+        self.tokens = self._tokens()
+        self.token = self.tokens["admin"] if self.tokens else None
+        self.env = {k: v for k, v in os.environ.items() if k not in SCOPE_ENV.values()}
+        self.env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
         self.env.pop("CELLFLIP_FAILPOINTS", None)
-        self.token = self._token()
-        if self.token is not None:
-            self.env[TOKEN_ENV] = self.token  # every process of the cluster uses the same one
         self.headers = auth_headers(self.token)
         self.progress = progress or (lambda msg: None)
         self._reported: int | None = None
@@ -87,17 +88,27 @@ class Cluster:
             self.stop()  # never leave half a cluster running
             raise
 
-    def _token(self) -> str | None:
-        """The cluster's API token, passed to every process it starts: the one clients would
-        find (the config's file, $CELLFLIP_API_TOKEN, the scheduler's generated file), else a
-        fresh one; None where the config turns auth off."""
+    def _tokens(self) -> dict[str, str] | None:
+        """Every scope's bootstrap token, as the scheduler will read them (the config's files,
+        the scopes' variables, else the files generated beside the store now); None where the
+        config turns auth off."""
         from scheduler.contract.config import parse_config
-        from scheduler.contract.tokens import client_token
+        from scheduler.contract.tokens import server_tokens
 
-        sched = parse_config(self.cfg).scheduler
-        if sched.auth == "none":
-            return None
-        return client_token(sched) or secrets.token_urlsafe(32)
+        return server_tokens(parse_config(self.cfg).scheduler)
+
+    @property
+    def agent_token(self) -> str | None:
+        """The agents' token (what a client of the gateway or `/v1/generate` holds)."""
+        return self.tokens["agent"] if self.tokens else None
+
+    @property
+    def trainer_token(self) -> str | None:
+        return self.tokens["trainer"] if self.tokens else None
+
+    def scoped_env(self, *scopes: str) -> dict[str, str | None]:
+        """Environment updates giving a process the tokens of `scopes` and no other."""
+        return scoped_env(self.tokens, *scopes)
 
     def _rollout_cells(self, want: int) -> int:
         n = len([c for c in self.cells() if c["state"] == "rollout"])
@@ -108,18 +119,28 @@ class Cluster:
 
     # -- processes --------------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str], env: dict | None = None) -> None:
+        """Start `cellflip <args>`; `env` updates the cluster's environment (a None value removes
+        the variable)."""
         log = open(self.tmp / f"{name}.log", "a")
+        full = {**self.env, **(env or {})}
+        full = {k: v for k, v in full.items() if v is not None}
         # cwd: the caller's, so relative paths in the config mean what they meant to the caller
         self.procs[name] = subprocess.Popen([sys.executable, "-m", "cells.cli", *args], cwd=os.getcwd(),
-                                            env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT)
+                                            env=full, stdout=log, stderr=subprocess.STDOUT)
 
     def start_scheduler(self, env: dict | None = None) -> None:
-        self._spawn("scheduler", ["scheduler", "--config", str(self.cfg_path), "--port", str(self.port)], env)
+        self._spawn("scheduler", ["scheduler", "--config", str(self.cfg_path), "--port", str(self.port)],
+                    {**self.scoped_env(*SCOPES), **(env or {})})
         self.wait(self._healthy, 30, "scheduler healthy")
 
     def start_cell(self, i: int) -> None:
         self._spawn(f"cell-{i}", ["cell", "--config", str(self.cfg_path), "--scheduler", self.url,
-                                  "--cell-id", f"cell-{i}", *self.cell_args.get(i, [])], self.cell_env.get(i))
+                                  "--cell-id", f"cell-{i}", *self.cell_args.get(i, [])],
+                    {**self.scoped_env("cell"), **self.cell_env.get(i, {})})
+
+    def start_trainer(self, args: list[str], env: dict | None = None) -> None:
+        """The trainer process (`cellflip trainer …`): the trainer's and the agents' tokens only."""
+        self._spawn("trainer", ["trainer", *args], {**self.scoped_env("trainer", "agent"), **(env or {})})
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         self.procs[name].send_signal(sig)
@@ -204,7 +225,7 @@ class Streamer(threading.Thread):
     def __init__(self, url: str, prompt: list[int], max_tokens: int, seed: int, timeout_s: float = 180,
                  token: str | None = None):
         super().__init__(daemon=True)
-        self.headers = auth_headers(token or os.environ.get(TOKEN_ENV))
+        self.headers = auth_headers(token or os.environ.get(SCOPE_ENV["agent"]) or os.environ.get(TOKEN_ENV))
         self.url, self.prompt, self.max_tokens, self.seed, self.timeout_s = url, prompt, max_tokens, seed, timeout_s
         self.request_id: str | None = None
         self.session_id: str | None = None

@@ -65,8 +65,7 @@ def cmd_up(args) -> int:
         if train:
             if os.path.exists(status):
                 os.replace(status, status + ".prev")
-            cluster._spawn("trainer", ["trainer", "--config", str(cluster.cfg_path), "--scheduler", url,
-                                       "--run-dir", run_dir])
+            cluster.start_trainer(["--config", str(cluster.cfg_path), "--scheduler", url, "--run-dir", run_dir])
             return _follow_trainer(cluster, url, status, trainer.get("steps", cfg.trainer.steps), args.no_display,
                                    stay=not args.quick)
         while all(p.poll() is None for p in cluster.procs.values()):
@@ -80,22 +79,23 @@ def cmd_up(args) -> int:
 
 
 def _ensure_token(cfg) -> str:
-    """Make sure the scheduler's token exists before anything starts (every process of the
-    cluster reads the same one); returns where it is, for the start-up lines."""
+    """Make sure every scope's token exists before anything starts (each process of the cluster
+    gets its own scope's); returns where the admin token is, for the start-up lines."""
     from scheduler.contract.config import ConfigError
-    from scheduler.contract.tokens import TOKEN_ENV, default_token_path, server_token
+    from scheduler.contract.tokens import TOKEN_ENV, default_token_path, server_tokens
 
     try:
-        token = server_token(cfg.scheduler)
+        tokens = server_tokens(cfg.scheduler)
     except ConfigError as e:
         raise SystemExit(f"cellflip up: {e}") from None
-    if token is None:
+    if tokens is None:
         return "none (scheduler.auth: none, loopback only)"
+    scoped = f"trainer, cell, agent and scrape tokens beside it ({default_token_path(cfg.scheduler).parent})"
     if cfg.scheduler.auth_token_file:
-        return f"in {cfg.scheduler.auth_token_file}"
+        return f"(admin) in {cfg.scheduler.auth_token_file}; {scoped}"
     if os.environ.get(TOKEN_ENV):
-        return f"from ${TOKEN_ENV}"
-    return f"in {default_token_path(cfg.scheduler)} (mode 0600; clients read it, or set ${TOKEN_ENV})"
+        return f"(admin) from ${TOKEN_ENV}; {scoped}"
+    return f"(admin) in {default_token_path(cfg.scheduler)} (mode 0600); {scoped}"
 
 
 def _follow_trainer(cluster, url: str, status: str, steps: int, plain: bool, stay: bool = True) -> int:

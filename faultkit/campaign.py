@@ -398,7 +398,7 @@ class Campaign:
         for _ in range(k):
             prompt = [rng.randrange(1024) for _ in range(rng.randrange(30, 80))]
             max_tokens, seed = rng.randrange(*tokens), rng.randrange(1 << 30)
-            s = Streamer(self.cluster.url, prompt, max_tokens=max_tokens, seed=seed, timeout_s=REQUEST_DEADLINE_S, token=self.cluster.token)
+            s = Streamer(self.cluster.url, prompt, max_tokens=max_tokens, seed=seed, timeout_s=REQUEST_DEADLINE_S, token=self.cluster.agent_token)
             self._n_clients += 1
             name = f"client-{self._n_clients}"
             ref = self.history.invoke(name, "request", prompt=prompt, max_tokens=max_tokens, seed=seed, run=run.index)

@@ -41,8 +41,8 @@ import yaml
 from fastapi.testclient import TestClient
 
 from scheduler.api.app import create_app
-from scheduler.api.auth import BearerAuth
-from scheduler.contract.config import ConfigError, SchedulerConfig
+from scheduler.api.auth import AgentBudget, ScopedAuth, TokenRegistry
+from scheduler.contract.config import AgentLimits, ConfigError, SchedulerConfig
 from tests.scheduler.sched_fakes import Harness, make_config, pump
 from tests.scheduler.storecheck import fleet as _fleet
 from tests.scheduler.storecheck import rejected as _rejected
@@ -135,7 +135,11 @@ def _concrete(path: str) -> str:
     return path.replace("{version}", "1").replace("{", "").replace("}", "")
 
 
-def test_token_guards_every_route_and_method_including_gateway_internal_and_docs(tmp_path):
+OPEN_PATHS = ("/healthz", "/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect")
+"""Served without a token: liveness, and the API's documentation (no data)."""
+
+
+def test_token_guards_every_route_and_method_including_gateway_and_internal(tmp_path):
     (tmp_path / "token").write_text(TOKEN)
     app = create_app(make_config(auth_token_file=str(tmp_path / "token")), db_path=str(tmp_path / "a.sqlite"),
                      tick_interval_s=None)
@@ -169,14 +173,14 @@ def test_token_guards_every_route_and_method_including_gateway_internal_and_docs
             url = _concrete(path)
             for method in ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"):
                 r = client.request(method, url, json={}, params={"access_token": TOKEN})
-                if path == "/healthz":  # the one open path: liveness, or 405 for other methods
+                if path in OPEN_PATHS:  # liveness and the docs, or 405 for other methods
                     assert r.status_code == 200 if method == "GET" else r.status_code in (200, 405)
                 else:
                     refused(r, (method, url))
-        for method, path in sorted(must - {("GET", "/healthz")}):
+        for method, path in sorted(must - {("GET", p) for p in OPEN_PATHS}):
             for creds in bad_credentials:
                 refused(client.request(method, _concrete(path), headers=creds, json={}), (method, path, creds))
-        # the right token opens the docs (they are not public, but they are served)
+        # the docs open without a token (a browser sends none), and with one
         for url in ("/docs", "/redoc", "/openapi.json"):
             assert client.get(url, headers=AUTH).status_code == 200
 
@@ -195,7 +199,7 @@ def test_auth_refuses_before_reading_the_body():
 
     scope = {"type": "http", "method": "POST", "path": "/v1/flips",
              "headers": [(b"content-length", b"999999999"), (b"authorization", b"Bearer wrong")]}
-    asyncio.run(BearerAuth(app, TOKEN)(scope, receive, send))
+    asyncio.run(ScopedAuth(app, TokenRegistry({"admin": TOKEN}), [], AgentBudget(AgentLimits()))(scope, receive, send))
     assert sent[0]["status"] == 401
 
 

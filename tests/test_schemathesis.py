@@ -38,6 +38,7 @@ from schemathesis.checks import (  # noqa: E402
 )
 
 from scheduler.api.app import create_app  # noqa: E402
+from scheduler.contract.tokens import server_tokens  # noqa: E402
 from tests.conftest import AUTH  # noqa: E402
 from tests.scheduler.sched_fakes import make_config  # noqa: E402
 
@@ -89,6 +90,28 @@ FUZZ = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck
 @settings(max_examples=MAX_EXAMPLES, **FUZZ)
 def test_public_api_and_gateway(case):
     case.call_and_validate(checks=CHECKS, timeout=READ_TIMEOUT_S, headers=AUTH)
+
+
+@pytest.fixture
+def scope_auth(tmp_path):
+    """Each scope's bootstrap token of the app `api_schema` serves (generated beside its store)."""
+    sched = make_config().scheduler.model_copy(update={"db_path": str(tmp_path / "st.sqlite")})
+    return {s: {"Authorization": f"Bearer {t}"} for s, t in server_tokens(sched).items()}
+
+
+@schema.exclude(path_regex="^/internal/").parametrize()
+@seed(SEED)
+@settings(max_examples=MAX_EXAMPLES // 2, **FUZZ)
+def test_public_api_and_gateway_with_an_agent_token(case, scope_auth):
+    """What an agent's sandbox can reach: out of scope is a documented 403, never a 5xx."""
+    case.call_and_validate(checks=CHECKS, timeout=READ_TIMEOUT_S, headers=scope_auth["agent"])
+
+
+@schema.exclude(path_regex="^/internal/").parametrize()
+@seed(SEED)
+@settings(max_examples=MAX_EXAMPLES // 2, **FUZZ)
+def test_public_api_and_gateway_with_a_trainer_token(case, scope_auth):
+    case.call_and_validate(checks=CHECKS, timeout=READ_TIMEOUT_S, headers=scope_auth["trainer"])
 
 
 @schema.include(path_regex="^/internal/").parametrize()

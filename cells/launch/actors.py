@@ -13,8 +13,9 @@
 The real code runs in the actor process itself, so Ray's restart semantics apply directly: the
 actor's death is the process's death. Every method is a `json_boundary`: arguments and
 results are JSON scalars (structured values travel as JSON text), so no cellflip data goes
-through Ray's object store; tensors stay on torch.distributed. The API token reaches the
-actors as `CELLFLIP_API_TOKEN` (set by the launcher) or the config's `scheduler.auth_token_file`.
+through Ray's object store; tensors stay on torch.distributed. Each actor gets the token of its
+scope and no other (the scheduler every scope's, a cell the cell token, the trainer the trainer
+and agent tokens) as environment variables set by the launcher, or the config's token files.
 
 This module imports Ray only inside the actors: the embedded default never needs it.
 """
@@ -213,7 +214,7 @@ class CellActor(_LoopActor):
         self.cell_id, self.namespace = cell_id, namespace
         self.ip, self.node_id = node_address()
         url = scheduler_url(namespace)
-        token = client_token(cfg.scheduler)
+        token = client_token(cfg.scheduler, scope="cell")
         engine = build_engine(cfg.cells.engine)
         sys.setswitchinterval(0.0005)  # as `cellflip cell`: transfer threads wake promptly
         self.agent = CellAgent(cfg, cell_id=cell_id, scheduler_url=url, engine=engine, host=self.ip, token=token)
@@ -283,8 +284,9 @@ class TrainerActor(_LoopActor):
         self.ip, self.node_id = node_address()
         cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"host": self.ip})})
         self.run_dir = Path(run_dir)
-        self.trainer = Trainer(cfg, scheduler_url(namespace), run_dir=run_dir, token=client_token(cfg.scheduler),
-                               tag=tag)
+        self.trainer = Trainer(cfg, scheduler_url(namespace), run_dir=run_dir,
+                               token=client_token(cfg.scheduler, scope="trainer"),
+                               agent_token=client_token(cfg.scheduler, scope="agent"), tag=tag)
         self.summary: dict | None = None
         self.stop_event = threading.Event()
         self.thread, self._stopping = _die_with(self._run, "trainer")

@@ -6,8 +6,8 @@ running Ray cluster.
 
 Ray places, restarts (bounded `max_restarts`) and logs the processes; cellflip decides what a
 restarted cell may still own (fencing by incarnation). Actor calls carry JSON scalars only
-(cells/launch/actors.py); the API token travels as an environment variable of the actors'
-runtime env, or as the config's token file path, never as a call argument.
+(cells/launch/actors.py); each actor's tokens (its scopes' only) travel as environment
+variables of its runtime env, or as the config's token file paths, never as call arguments.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from cells.launch.actors import (
 )
 from cells.localcluster import Cluster
 from scheduler.contract.config import RayLauncherConfig, SGLangEngineConfig, parse_config
-from scheduler.contract.tokens import TOKEN_ENV, auth_headers
+from scheduler.contract.tokens import SCOPES, auth_headers
 
 RAY_HINT = "cellflip up --ray needs Ray: pip install 'cellflip[ray]'"
 
@@ -51,7 +51,7 @@ def absolute_paths(cfg: dict) -> dict:
     out = json.loads(json.dumps(cfg))
     sched = out.setdefault("scheduler", {})
     sched["db_path"] = os.path.abspath(sched.get("db_path", "runs/cellflip.sqlite"))
-    for key in ("auth_token_file", "metrics_token_file"):
+    for key in ("auth_token_file", "metrics_token_file", "trainer_token_file", "cell_token_file", "agent_token_file"):
         if sched.get(key):
             sched[key] = os.path.abspath(sched[key])
     trainer = out.get("trainer")
@@ -103,7 +103,8 @@ class RayCluster(Cluster):
         self.actors: dict[str, object] = {}
         self.pg = None
         self.http = None
-        self.token = self._token()
+        self.tokens = self._tokens()
+        self.token = self.tokens["admin"] if self.tokens else None
         self.headers = auth_headers(self.token)
         check_reachable(launcher.address)
         try:
@@ -125,10 +126,11 @@ class RayCluster(Cluster):
             raise
 
     # -- actors -----------------------------------------------------------------------------
-    def _options(self, name: str, **kw) -> dict:
+    def _options(self, name: str, scopes: tuple[str, ...], **kw) -> dict:
+        """Actor options; its environment carries the tokens of `scopes` and no other (never a
+        call argument)."""
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        if self.token is not None and not self.parsed.scheduler.auth_token_file:
-            env[TOKEN_ENV] = self.token  # the actors' environment, never a call argument
+        env.update({k: v for k, v in self.scoped_env(*scopes).items() if v is not None})
         return {"name": name, "namespace": self.namespace, "max_restarts": self.launcher.max_restarts,
                 "runtime_env": {"env_vars": env}, **kw}
 
@@ -153,7 +155,7 @@ class RayCluster(Cluster):
     def start_scheduler(self, env: dict | None = None) -> None:
         self.progress(f"starting the scheduler actor (store {self.parsed.scheduler.db_path})")
         cls = self.ray.remote(SchedulerActor)
-        self.actors["scheduler"] = cls.options(**self._options(SCHEDULER_NAME, num_cpus=1,
+        self.actors["scheduler"] = cls.options(**self._options(SCHEDULER_NAME, SCOPES, num_cpus=1,
                                                                scheduling_strategy=self._pinned())).remote(
             self._config_json())
         self.url = self.ray.get(self.actors["scheduler"].url.remote(), timeout=self.launcher.ready_timeout_s)
@@ -184,14 +186,14 @@ class RayCluster(Cluster):
         where = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
         cls = self.ray.remote(CellActor)
         self.actors[f"cell-{i}"] = cls.options(**self._options(
-            cell_name(f"cell-{i}"), num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+            cell_name(f"cell-{i}"), ("cell",), num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
             scheduling_strategy=where)).remote(self._config_json(), f"cell-{i}", self.namespace)
 
     def start_trainer(self, run_dir: str, tag: str = "run") -> None:
         """The trainer coordinator beside the scheduler (its checkpoints and run directory are
         paths on that node); resumes from its last checkpoint when Ray restarts it."""
         cls = self.ray.remote(TrainerActor)
-        self.actors["trainer"] = cls.options(**self._options(TRAINER_NAME, num_cpus=1,
+        self.actors["trainer"] = cls.options(**self._options(TRAINER_NAME, ("trainer", "agent"), num_cpus=1,
                                                              scheduling_strategy=self._pinned())).remote(
             self._config_json(), os.path.abspath(run_dir), self.namespace, tag)
 

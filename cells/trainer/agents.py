@@ -37,8 +37,16 @@ class AgentStats:
 
 
 class AgentPool:
-    def __init__(self, url: str, cfg: TrainerConfig, *, token: str | None = None, run_tag: str = "run") -> None:
-        self.url, self.cfg, self.token, self.tag = url, cfg, token, run_tag
+    def __init__(self, url: str, cfg: TrainerConfig, *, token: str | None = None, finish_token: str | None = None,
+                 run_tag: str = "run") -> None:
+        """`token`: the agents' (the gateway, their own sessions); `finish_token`: the trainer's,
+        which closes each session with the reward the harness computed (an agent cannot set its
+        own reward). None: read as every client reads its scope's token."""
+        from scheduler.contract.tokens import client_token
+
+        self.url, self.cfg, self.tag = url, cfg, run_tag
+        self.token = token if token is not None else client_token(scope="agent")
+        self.finish_token = finish_token if finish_token is not None else client_token(scope="trainer")
         self.stats = AgentStats()
         self.task = TaskSpec(seed=cfg.seed)
         self._lock = threading.Lock()
@@ -67,7 +75,7 @@ class AgentPool:
         return n // self.cfg.group_size, n % self.cfg.group_size
 
     def _worker(self, i: int) -> None:
-        chat = _RetryingChat(HttpChat(self.url, self.token, timeout=600.0), self)
+        chat = _RetryingChat(HttpChat(self.url, self.token, timeout=600.0, finish_token=self.finish_token), self)
         try:
             while not self.stop.is_set():
                 if self.paused.is_set():

@@ -25,11 +25,12 @@ class ApiError(RuntimeError):
 
 class TrainerClient:
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
-        """`token`: the API token; None reads it as every client does ($CELLFLIP_API_TOKEN,
-        else the scheduler's generated `runs/api.token`)."""
+        """`token`: a trainer (or admin) token; None reads the trainer's as every client does
+        ($CELLFLIP_TRAINER_TOKEN, else the scheduler's generated `runs/trainer.token`;
+        scheduler/contract/tokens.py)."""
         from scheduler.contract.tokens import client_token
 
-        token = token if token is not None else client_token()
+        token = token if token is not None else client_token(scope="trainer")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s)
         self.cursor = 0

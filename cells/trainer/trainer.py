@@ -65,7 +65,10 @@ def engine_tile(cfg: CellflipConfig) -> int | None:
 
 class Trainer:
     def __init__(self, cfg: CellflipConfig, url: str, *, run_dir: str | Path = "runs",
-                 token: str | None = None, tag: str = "run") -> None:
+                 token: str | None = None, agent_token: str | None = None, tag: str = "run") -> None:
+        """`token`: the trainer's (flips, versions, trajectories, finishing sessions); `agent_token`:
+        the toy task's agents' (the gateway only). None: each read as every client reads its
+        scope's token (scheduler/contract/tokens.py)."""
         self.cfg, self.tc, self.url = cfg, cfg.trainer, url
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -82,7 +85,7 @@ class Trainer:
                                 update_backend=cfg.versions.update_backend)
         self.coordinator = TrainingCoordinator(self.learner, self.host.address, timeout_s=self.tc.train_timeout_s,
                                                ack_timeout_s=self.tc.train_timeout_s, emit=self._emit)
-        self.agents = AgentPool(url, self.tc, token=token, run_tag=tag)
+        self.agents = AgentPool(url, self.tc, token=agent_token, finish_token=token, run_tag=tag)
         self.history: list[dict[str, Any]] = []
         self.batch: list[dict] = []
         self.groups = GroupGate(self.tc.group_size, deadline_s=self.tc.group_deadline_s,

@@ -1,8 +1,9 @@
 """The scheduler's FastAPI app: `create_app(config) -> FastAPI`.
 
 The lifespan opens the store, builds the controller (which rebuilds from the store) onto
-`app.state.controller` and runs the control loop; routers read it from there. The auth token
-is read when the app is created, so an unreadable token file stops start-up at once.
+`app.state.controller` and runs the control loop; routers read it from there. The bootstrap
+tokens are read when the app is created, so an unreadable token file stops start-up at once;
+the lifespan then opens the token registry on the store (`app.state.tokens`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from scheduler.api.auth import BearerAuth
+from scheduler.api.auth import AgentBudget, ScopedAuth, TokenRegistry
 from scheduler.api.docs import declare_bearer, install_docs
 from scheduler.api.limits import BodySizeLimit
 from scheduler.api.routes import ROUTERS
@@ -38,7 +39,7 @@ from scheduler.contract.protocol import ProtocolError
 from scheduler.contract.tito.backend import CallbackCounters
 from scheduler.contract.tito.config import GatewayConfig
 from scheduler.contract.tito.openai_schema import ChatCompletionRequest
-from scheduler.contract.tokens import scrape_token, server_token
+from scheduler.contract.tokens import server_tokens
 from scheduler.control.controller import Controller
 from scheduler.control.metrics import Metrics
 from scheduler.gateway import make_chat_router
@@ -64,13 +65,15 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
         sched, migration, gateway, vers = config or SchedulerConfig(), MigrationConfig(), GatewayConfig(), VersionsConfig()
     # tokens live beside the store this app opens (db_path overrides the config's)
     where = sched.model_copy(update={"db_path": db_path or sched.db_path})
-    token = server_token(where)
-    scrape = scrape_token(where) if token is not None else None
+    tokens = server_tokens(where)
+    registry = TokenRegistry(tokens) if tokens is not None else None
     metrics = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = Store(db_path or sched.db_path)
+        if registry is not None:
+            registry.open(store)
         ctl = Controller(store, sched, migration, clock=clock, metrics=metrics, versions=vers)
         app.state.controller = ctl
         task = asyncio.create_task(ctl.run(tick_interval_s, manage_gc=manage_gc)) if tick_interval_s else None
@@ -88,6 +91,7 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
     app = FastAPI(title="cellflip scheduler", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Control plane: cells, flips, weight versions, sessions, completions.")
     app.state.metrics = metrics
+    app.state.tokens = registry
     for router in ROUTERS:
         app.include_router(router)
     # The chat gateway records on the durable session store and decodes on the cells; its
@@ -100,8 +104,9 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
     install_docs(app)
     # outermost first: refuse unauthenticated requests before reading any body
     app.add_middleware(BodySizeLimit, max_bytes=sched.max_body_bytes)
-    if token is not None:
-        app.add_middleware(BearerAuth, token=token, scrape=scrape)
+    if registry is not None:
+        app.add_middleware(ScopedAuth, registry=registry, routes=app.router.routes,
+                           budget=AgentBudget(sched.agent_limits))
     return app
 
 

@@ -11,7 +11,7 @@ from scheduler.api.deps import ApiRoute, Ctl
 from scheduler.api.schemas import errors
 from scheduler.contract.errors import CellflipError, NotFound
 
-router = APIRouter(prefix="/v1/cells", tags=["cells"], route_class=ApiRoute, responses=errors(401))
+router = APIRouter(prefix="/v1/cells", tags=["cells"], route_class=ApiRoute, responses=errors(401, 403))
 
 DEFAULT_LIMIT = 1000
 """Cells in a page when `limit` is not given (a small fleet fits in one)."""

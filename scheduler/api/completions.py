@@ -15,9 +15,10 @@ from fastapi import APIRouter, Header
 from fastapi.responses import StreamingResponse
 
 from scheduler.api.deps import ApiRoute, Ctl
+from scheduler.api.principal import current_agent
 from scheduler.api.schemas import CompletionCreate, errors
 
-router = APIRouter(tags=["completions"], route_class=ApiRoute, responses=errors(401))
+router = APIRouter(tags=["completions"], route_class=ApiRoute, responses=errors(401, 403))
 
 SessionId = Annotated[str | None, Header(alias="X-Session-Id", max_length=256, pattern=r"^[A-Za-z0-9._:@/-]+$")]
 
@@ -32,7 +33,8 @@ async def create_completion(body: CompletionCreate, ctl: Ctl, session_id: Sessio
                             idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
                             ) -> dict | StreamingResponse:
     # `stream` is how the answer travels, not what is asked: a replay may switch it
-    req = ctl.submit_completion(session_id, list(body.prompt_ids), body.params(), idempotency_key)
+    req = ctl.submit_completion(session_id, list(body.prompt_ids), body.params(), idempotency_key,
+                                agent=current_agent())
     head = {"X-Session-Id": req.session_id, "X-Request-Id": req.id}
     if body.stream:
         return StreamingResponse(_sse(ctl, req.id), media_type="text/event-stream", headers=head)

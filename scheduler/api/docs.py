@@ -1,8 +1,9 @@
 """`/docs` (Swagger UI) and `/redoc` from assets installed with cellflip (the fastapi-offline
 package ships them), so the API's documentation works on a machine with no internet.
 
-Like every route but /healthz they need the token (README: Auth says how a browser sends it);
-the document declares the bearer scheme, so Swagger UI's Authorize button sends it on calls."""
+The pages, their assets and `/openapi.json` need no token (scheduler/api/scopes.py: they describe
+the API and hold no data), so a browser opens them; the document declares the bearer scheme,
+so Swagger UI's Authorize button sends the token on the calls it makes."""
 
 from __future__ import annotations
 
@@ -47,8 +48,22 @@ def install_docs(app: FastAPI) -> None:
 
 
 def declare_bearer(doc: dict) -> None:
-    """Every operation needs `Authorization: Bearer <token>` (Swagger UI's Authorize button)."""
+    """Every operation but the public ones needs `Authorization: Bearer <token>` of a scope
+    its route takes (Swagger UI's Authorize button; each operation's description names them)."""
+    from scheduler.api.scopes import PUBLIC, ROUTE_SCOPES
+
     doc.setdefault("components", {}).setdefault("securitySchemes", {})["bearer"] = {
         "type": "http", "scheme": "bearer",
-        "description": "The API token: `api.token` beside the store, or $CELLFLIP_API_TOKEN."}
+        "description": "A token of a scope the route takes (admin takes every route): `api.token` "
+                       "(admin), `trainer.token`, `cell.token`, `agent.token`, `metrics.token` beside the "
+                       "store, or one made by `cellflip token create --scope S`."}
     doc["security"] = [{"bearer": []}]
+    for path, ops in doc.get("paths", {}).items():
+        for method, op in ops.items():
+            scopes = ROUTE_SCOPES.get((method.upper(), path))
+            if scopes == PUBLIC:
+                op["security"] = []
+            elif scopes is not None:
+                op["x-cellflip-scopes"] = sorted(scopes | {"admin"})
+                note = f"Token scopes: {', '.join(sorted(scopes | {'admin'}))}."
+                op["description"] = f"{op.get('description', '').rstrip()}\n\n{note}".strip()

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Header
 from scheduler.api.deps import ApiRoute, Ctl
 from scheduler.api.schemas import FlipCreate, errors
 
-router = APIRouter(prefix="/v1/flips", tags=["flips"], route_class=ApiRoute, responses=errors(401))
+router = APIRouter(prefix="/v1/flips", tags=["flips"], route_class=ApiRoute, responses=errors(401, 403))
 
 
 @router.post("", status_code=202, responses=errors(404, 409, 413, 422))

@@ -13,7 +13,7 @@ from scheduler.contract.protocol import (
     SyncRequest,
 )
 
-router = APIRouter(prefix="/internal/v1", tags=["internal"], route_class=ApiRoute, responses=errors(401))
+router = APIRouter(prefix="/internal/v1", tags=["internal"], route_class=ApiRoute, responses=errors(401, 403))
 
 
 @router.post("/cells/register", responses=errors(409, 413, 422))

@@ -18,6 +18,6 @@ async def healthz(ctl: Ctl) -> dict:
 
 @router.get("/metrics", response_class=Response,
             responses={200: {"description": "Prometheus text exposition format",
-                             "content": {"text/plain": {"schema": {"type": "string"}}}}, **errors(401)})
+                             "content": {"text/plain": {"schema": {"type": "string"}}}}, **errors(401, 403)})
 async def metrics(ctl: Ctl) -> Response:
     return Response(ctl.metrics.render(), media_type=CONTENT_TYPE_LATEST)

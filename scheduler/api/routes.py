@@ -1,6 +1,16 @@
 """One APIRouter per resource; handlers validate, call the controller, return."""
 
-from scheduler.api import cells, completions, flips, internal, ops, sessions, trainer, versions
+from scheduler.api import (
+           cells,
+           completions,
+           flips,
+           internal,
+           ops,
+           sessions,
+           tokens,
+           trainer,
+           versions,
+)
 
 ROUTERS = (ops.router, cells.router, flips.router, versions.router, sessions.router,
-           completions.router, internal.router, trainer.router)
+           completions.router, internal.router, trainer.router, tokens.router)

@@ -25,9 +25,11 @@ class ApiError(BaseModel):
     reason: str | None = None
 
 
-_PHRASES = {400: "Bad query parameter", 401: "Missing or invalid bearer token", 404: "Unknown id", 409: "Conflict (illegal transition, stale "
+_PHRASES = {400: "Bad query parameter", 401: "Missing or invalid bearer token",
+            403: "The token's scope does not take this route", 404: "Unknown id", 409: "Conflict (illegal transition, stale "
             "generation/epoch/incarnation, reused Idempotency-Key)", 413: "Request body over the limit",
-            422: "Malformed request", 429: "No capacity (see Retry-After)"}
+            422: "Malformed request",
+            429: "No capacity, or the agent token's rate or concurrency limit (see Retry-After)"}
 
 
 def errors(*codes: int) -> dict[int | str, dict[str, Any]]:

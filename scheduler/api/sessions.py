@@ -10,15 +10,17 @@ from fastapi import APIRouter, Query
 from pydantic import Field
 
 from scheduler.api.deps import ApiRoute, Ctl
+from scheduler.api.principal import current_agent
 from scheduler.api.schemas import SessionFinish, _Body, errors
 from scheduler.control.metrics import GROUP_DROP_REASONS
 
-router = APIRouter(tags=["sessions"], route_class=ApiRoute, responses=errors(401))
+router = APIRouter(tags=["sessions"], route_class=ApiRoute, responses=errors(401, 403))
 
 
-@router.get("/v1/sessions/{session_id}", responses=errors(404))
+@router.get("/v1/sessions/{session_id}", responses=errors(404, 429))
 async def get_session(session_id: str, ctl: Ctl) -> dict:
-    return ctl.store.sessions.to_api(session_id)
+    """An agent token reads its own sessions only (another's answers 404, as an unknown id)."""
+    return ctl.store.sessions.to_api(session_id, current_agent())
 
 
 @router.post("/v1/sessions/{session_id}/finish", responses=errors(404, 409, 413, 422))

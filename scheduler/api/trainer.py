@@ -14,7 +14,7 @@ from pydantic import Field, model_validator
 from scheduler.api.deps import ApiRoute, Ctl
 from scheduler.api.schemas import _Body, errors
 
-router = APIRouter(prefix="/v1/trainer", tags=["trainer"], route_class=ApiRoute, responses=errors(401))
+router = APIRouter(prefix="/v1/trainer", tags=["trainer"], route_class=ApiRoute, responses=errors(401, 403))
 
 
 class TrainerReport(_Body):

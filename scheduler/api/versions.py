@@ -9,7 +9,7 @@ from fastapi import APIRouter, Header, Path
 from scheduler.api.deps import ApiRoute, Ctl
 from scheduler.api.schemas import VersionCreate, errors
 
-router = APIRouter(prefix="/v1/versions", tags=["versions"], route_class=ApiRoute, responses=errors(401))
+router = APIRouter(prefix="/v1/versions", tags=["versions"], route_class=ApiRoute, responses=errors(401, 403))
 
 
 @router.get("")

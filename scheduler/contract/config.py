@@ -89,6 +89,19 @@ class VersionsConfig(_Strict):
     """A cell that has not reported a version it was told to load is told again after this."""
 
 
+class AgentLimits(_Strict):
+    """What one agent token may use, so that one sandbox cannot starve the others (each agent
+    token has its own budget; trainer, cell and admin tokens have none)."""
+
+    max_concurrent_sessions: int = Field(default=256, gt=0)
+    """Sessions with a turn in flight at once (a chat turn or a `/v1/generate`; a session runs one
+    turn at a time, so this bounds the token's share of the rollout slots)."""
+    requests_per_s: float = Field(default=200.0, gt=0)
+    """Sustained request rate (a token bucket refilled at this rate)."""
+    burst: int = Field(default=400, gt=0)
+    """Requests allowed at once above the sustained rate (the bucket's size)."""
+
+
 class SchedulerConfig(_Strict):
     """The control plane process."""
 
@@ -106,11 +119,25 @@ class SchedulerConfig(_Strict):
     """`token`: every route but /healthz needs `Authorization: Bearer <token>` (scheduler/contract/tokens.py
     says where the token comes from). `none`: no auth, refused on a non-loopback `host`."""
     auth_token_file: str | None = None
-    """File holding the bearer token. Unset: `CELLFLIP_API_TOKEN`, else `api.token` beside the
-    store, generated on first start (mode 0600). Unreadable or empty file: start-up fails."""
+    """File holding the admin token (every route, and the only one that creates or revokes
+    tokens). Unset: `CELLFLIP_API_TOKEN`, else `api.token` beside the store, generated on first
+    start (mode 0600). Unreadable or empty file: start-up fails. Every scope's token:
+    scheduler/contract/tokens.py."""
     metrics_token_file: str | None = None
-    """Read-only token for `/metrics` (Prometheus); unset: `metrics.token` beside the store,
-    generated on first start. The API token is accepted there too."""
+    """The scrape token (`GET /metrics` only, for Prometheus); unset: `CELLFLIP_SCRAPE_TOKEN`,
+    else `metrics.token` beside the store, generated on first start. The admin token is accepted
+    there too."""
+    trainer_token_file: str | None = None
+    """The trainer's bootstrap token (flips, versions, trajectories, reports, finishing
+    sessions); unset: `CELLFLIP_TRAINER_TOKEN`, else `trainer.token` beside the store."""
+    cell_token_file: str | None = None
+    """The cells' bootstrap token (the cell protocol only); unset: `CELLFLIP_CELL_TOKEN`, else
+    `cell.token` beside the store."""
+    agent_token_file: str | None = None
+    """The agents' bootstrap token (the gateway, `/v1/generate`, their own sessions); unset:
+    `CELLFLIP_AGENT_TOKEN`, else `agent.token` beside the store."""
+    agent_limits: AgentLimits = AgentLimits()
+    """Abuse limits applied to each agent token on its own (429 past them)."""
     max_body_bytes: int = Field(default=8 << 20, gt=0)
     """Largest accepted request body (413 beyond)."""
     min_rollout_cells: int = Field(default=1, ge=0)

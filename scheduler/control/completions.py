@@ -45,15 +45,18 @@ class Completions:
         self.snapshot = snapshot
 
     def submit(self, session_id: str | None, prompt_ids: list[int], params: dict[str, Any],
-               idempotency_key: str | None = None) -> RequestRow:
+               idempotency_key: str | None = None, agent: str | None = None) -> RequestRow:
         """Admit and start one completion; returns the request (already owned by a cell).
         Under an Idempotency-Key, a replay returns the request the first call started (the
         client follows it again from its first token: a dropped connection never starts a
         second rollout); the same key with another body is a 409. The key is recorded with the
-        request, durably."""
+        request, durably. `agent`: the calling agent token's id (None for a trainer or admin
+        token), which owns a session it opens and may use no other's (404 as for an unknown
+        one); its Idempotency-Keys are its own."""
         ctx = self.ctx
+        scope = IDEMPOTENCY_SCOPE if agent is None else f"{IDEMPOTENCY_SCOPE}:{agent}"
         fp = idempotency.fingerprint([session_id, list(prompt_ids), params])
-        hit = idempotency.replay(ctx.store, IDEMPOTENCY_SCOPE, idempotency_key, fp)
+        hit = idempotency.replay(ctx.store, scope, idempotency_key, fp)
         if hit is not None:
             first = ctx.store.owners.get_request(hit["request_id"])
             assert first is not None, f"idempotency record of a request the store lacks: {hit}"
@@ -63,9 +66,9 @@ class Completions:
         sid = session_id or f"anon-{rid[4:]}"
         dst = self._destination(rid, sid, len(prompt_ids), sticky=bool(session_id))
         with ctx.txn(durable=True) as fx:
-            req = self._record(fx, rid, sid, prompt_ids, params)
+            req = self._record(fx, rid, sid, prompt_ids, params, agent)
             self.ownership.assign(fx, req, dst.cell_id)
-            idempotency.record(ctx.store, IDEMPOTENCY_SCOPE, idempotency_key, fp,
+            idempotency.record(ctx.store, scope, idempotency_key, fp,
                                {"request_id": rid, "session_id": sid})
         return req
 
@@ -81,11 +84,12 @@ class Completions:
             raise NoCapacity("no rollout cell has room", retry_after_s=max(1.0, self.ctx.cfg.heartbeat_s * 2))
         return dst
 
-    def _record(self, fx: Effects, rid: str, sid: str, prompt_ids: list[int], params: dict[str, Any]) -> RequestRow:
+    def _record(self, fx: Effects, rid: str, sid: str, prompt_ids: list[int], params: dict[str, Any],
+                agent: str | None) -> RequestRow:
         """Align the prompt with the session's buffer and record the request (queued)."""
         ctx = self.ctx
         sessions = ctx.store.sessions
-        sessions.ensure(sid)
+        sessions.ensure(sid, agent)
         if ctx.store.owners.active_request_for_session(sid) is not None:
             raise Conflict(f"session {sid!r} has a request in flight", code="session_busy")
         start, segment = sessions.current_segment(sid)
@@ -93,8 +97,8 @@ class Completions:
             new = prompt_ids[len(segment):]
         else:  # the harness edited earlier turns: keep the old tokens, open a new segment
             fx.later(ctx.metrics.history_rewrites.inc)
-            start, new = sessions.new_segment(sid), prompt_ids
-        length = sessions.append_prompt(sid, new) if new else sessions.require(sid).length
+            start, new = sessions.new_segment(sid, agent), prompt_ids
+        length = sessions.append_prompt(sid, new, agent) if new else sessions.require(sid, agent).length
         if length == start:
             raise Invalid("empty prompt: send prompt_ids (the session has no tokens to continue)")
         req = RequestRow(rid, sid, base=length, prompt_start=start, num_generated=0, params=params,

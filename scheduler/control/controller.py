@@ -231,8 +231,8 @@ class Controller:
 
     # ------------------------------------------------------------------ thin API: sessions
     def submit_completion(self, session_id: str | None, prompt_ids: list[int], params: dict[str, Any],
-                          idempotency_key: str | None = None) -> RequestRow:
-        return self.completions.submit(session_id, prompt_ids, params, idempotency_key)
+                          idempotency_key: str | None = None, agent: str | None = None) -> RequestRow:
+        return self.completions.submit(session_id, prompt_ids, params, idempotency_key, agent)
 
     def follow_request(self, request_id: str) -> AsyncIterator[tuple[list[tuple], RequestRow]]:
         return self.completions.follow(request_id)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from scheduler.api.principal import current_agent
 from scheduler.contract.tito.backend import (
     SessionFinished,
     SessionNotFound,
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from scheduler.control.controller import Controller
+    from scheduler.store.sessions import SessionRow
 
 _PARAMS = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed")
 
@@ -43,7 +45,8 @@ class ControlPlaneBackend:
         sp["stop_token_ids"] = list(sp.get("stop_token_ids", []))
         if sp.get("top_k", 0) < 0:  # OpenAI-style "off"
             sp["top_k"] = 0
-        req = ctl.submit_completion(session_id, list(prompt_ids), sp)  # its refusals are BackendErrors
+        # its refusals are BackendErrors
+        req = ctl.submit_completion(session_id, list(prompt_ids), sp, agent=current_agent())
         held = None  # one token held back so the last one can carry the finish reason
         async for rows, cur in ctl.follow_request(req.id):
             for r in rows:
@@ -59,7 +62,7 @@ class ControlPlaneBackend:
 
     async def get_session_tokens(self, session_id: str, start: int = 0) -> SessionTokens | None:
         sessions = self.ctl.store.sessions
-        row = sessions.get(session_id)
+        row = self._visible(session_id)
         if row is None:
             return None
         seg_start = row.segment_starts[-1]
@@ -73,25 +76,35 @@ class ControlPlaneBackend:
         if loss_mask != 0:
             raise ValueError("the gateway appends only non-sampled tokens")
         self._require_open(session_id, create=True)
-        self.ctl.store.sessions.append_prompt(session_id, [int(t) for t in ids])
+        self.ctl.store.sessions.append_prompt(session_id, [int(t) for t in ids], current_agent())
 
     async def start_segment(self, session_id: str, reason: str) -> int:
         sessions = self.ctl.store.sessions
         self._require_open(session_id, create=True)
-        sessions.new_segment(session_id)  # counted by the router's history_rewrites counter
+        sessions.new_segment(session_id, current_agent())  # counted by the router's history_rewrites counter
         return len(sessions.require(session_id).segment_starts) - 1
 
     async def get_gateway_state(self, session_id: str) -> dict[str, Any] | None:
+        self._visible(session_id)
         return self.ctl.store.sessions.gateway_state(session_id)
 
     async def set_gateway_state(self, session_id: str, state: dict[str, Any]) -> None:
+        self._visible(session_id)
         self.ctl.store.sessions.put_gateway_state(session_id, state)
 
     async def finish_session(self, session_id: str, reward: float | None, group_id: str | None) -> dict[str, Any]:
         return self.ctl.finish_session(session_id, 0.0 if reward is None else reward, group_id)
 
-    def _require_open(self, session_id: str, create: bool) -> None:
+    def _visible(self, session_id: str) -> SessionRow | None:
+        """The session (None if new); another agent's session is refused as unknown (404)."""
         row = self.ctl.store.sessions.get(session_id)
+        agent = current_agent()
+        if row is not None and agent is not None and row.agent != agent:
+            raise SessionNotFound(f"unknown session {session_id!r}")
+        return row
+
+    def _require_open(self, session_id: str, create: bool) -> None:
+        row = self._visible(session_id)
         if row is None and not create:
             raise SessionNotFound(f"unknown session {session_id!r}")
         if row is not None and row.state == "finished":

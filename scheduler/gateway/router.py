@@ -62,10 +62,10 @@ from scheduler.gateway.streaming import start_stream
 __all__ = ["make_chat_router", "SESSION_HEADER"]
 
 _CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {
-    s: {"model": ErrorResponse} for s in (400, 401, 409, 413, 422, 429)
+    s: {"model": ErrorResponse} for s in (400, 401, 403, 404, 409, 413, 422, 429)
 }
 _FINISH_RESPONSES: dict[int | str, dict[str, Any]] = {
-    s: {"model": ErrorResponse} for s in (401, 404, 409, 422)
+    s: {"model": ErrorResponse} for s in (401, 403, 404, 409, 422)
 }
 
 

@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from scheduler.store import counters, fleet, owners, sessions
+from scheduler.store import counters, fleet, owners, sessions, tokens
 
-SCHEMA = fleet.SCHEMA + owners.SCHEMA + sessions.SCHEMA
+SCHEMA = fleet.SCHEMA + owners.SCHEMA + sessions.SCHEMA + tokens.SCHEMA
 """Every table and index (table and column names are read by faultkit's checker too)."""
 
 ADDED_COLUMNS = (
@@ -31,6 +31,7 @@ ADDED_COLUMNS = (
     ("flips", "kv_store", "INTEGER NOT NULL DEFAULT 0"),
     ("migrations", "commit_tokens", "INTEGER"),
     ("tokens", "epoch", "INTEGER"),
+    ("sessions", "agent", "TEXT"),
 )
 """Columns added after a table's first release: a store written by an older scheduler gets
 them (with their defaults) when it is opened, so a restart across an upgrade keeps its state."""
@@ -57,6 +58,7 @@ class Store:
         self.fleet = fleet.FleetStore(self)
         self.owners = owners.OwnerStore(self)
         self.sessions = sessions.SessionStore(self)
+        self.tokens = tokens.TokenStore(self)
         counters.rebuild(self)  # kept by triggers; recounted here so any store file starts right
 
     @contextmanager

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions(
   id TEXT PRIMARY KEY, state TEXT NOT NULL, length INTEGER NOT NULL, segment_starts TEXT NOT NULL,
-  reward REAL, group_id TEXT, finish_seq INTEGER, created_at REAL NOT NULL, finished_at REAL);
+  reward REAL, group_id TEXT, finish_seq INTEGER, created_at REAL NOT NULL, finished_at REAL, agent TEXT);
 CREATE UNIQUE INDEX IF NOT EXISTS sessions_finish ON sessions(finish_seq);
 CREATE TABLE IF NOT EXISTS tokens(
   session_id TEXT NOT NULL, idx INTEGER NOT NULL, token_id INTEGER NOT NULL,
@@ -57,6 +57,12 @@ class SessionRow:
     finish_seq: int | None = None
     created_at: float = field(default_factory=time.time)
     finished_at: float | None = None
+    agent: str | None = None
+    """The agent token (its id) that opened the session, the only agent token that may use it;
+    None for a session opened by a trainer or admin token (no agent token may use it)."""
+
+
+_SESSION_COLS = "id, state, length, segment_starts, reward, group_id, finish_seq, created_at, finished_at, agent"
 
 
 class SessionStore:
@@ -64,29 +70,34 @@ class SessionStore:
         self.s = store
 
     def get(self, session_id: str) -> SessionRow | None:
-        q = "SELECT id, state, length, segment_starts, reward, group_id, finish_seq, created_at, finished_at FROM sessions WHERE id=?"
-        r = self.s.execute(q, (session_id,)).fetchone()
+        r = self.s.execute(f"SELECT {_SESSION_COLS} FROM sessions WHERE id=?", (session_id,)).fetchone()
         return None if r is None else SessionRow(r[0], r[1], r[2], loads(r[3]), *r[4:])
 
-    def require(self, session_id: str) -> SessionRow:
+    def require(self, session_id: str, agent: str | None = None) -> SessionRow:
+        """The session; 404 when unknown, or when `agent` (an agent token's id) is given and
+        the session is not that token's (the same answer: another agent's session does not
+        exist for it)."""
         row = self.get(session_id)
-        if row is None:
+        if row is None or (agent is not None and row.agent != agent):
             raise NotFound(f"unknown session {session_id!r}")
         return row
 
     def put(self, row: SessionRow) -> None:
         self.s.execute(
-            "INSERT OR REPLACE INTO sessions(id, state, length, segment_starts, reward, group_id, finish_seq, created_at, finished_at)"
-            " VALUES (?,?,?,?,?,?,?,?,?)",
+            f"INSERT OR REPLACE INTO sessions({_SESSION_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
             (row.id, row.state, row.length, dumps(row.segment_starts), row.reward, row.group_id,
-             row.finish_seq, row.created_at, row.finished_at),
+             row.finish_seq, row.created_at, row.finished_at, row.agent),
         )
 
-    def ensure(self, session_id: str) -> SessionRow:
-        """The open session `session_id`, created empty if new; 409 if it is finished."""
+    def ensure(self, session_id: str, agent: str | None = None) -> SessionRow:
+        """The open session `session_id`, created empty if new (owned by `agent`, the agent
+        token's id, when given); 409 if it is finished; 404 for an agent token when the session
+        is not its own."""
         row = self.get(session_id)
+        if row is not None and agent is not None and row.agent != agent:
+            raise NotFound(f"unknown session {session_id!r}")
         if row is None:
-            row = SessionRow(session_id)
+            row = SessionRow(session_id, agent=agent)
             with self.s.tx(durable=False):
                 self.put(row)
         if row.state != "open":
@@ -126,17 +137,17 @@ class SessionStore:
         row.length += len(rows)
         self.s.execute("UPDATE sessions SET length=? WHERE id=?", (row.length, row.id))
 
-    def append_prompt(self, session_id: str, token_ids: list[int]) -> int:
+    def append_prompt(self, session_id: str, token_ids: list[int], agent: str | None = None) -> int:
         """Append prompt/tool tokens (loss mask 0) to the open session; returns the new length."""
         with self.s.tx(durable=False):
-            row = self.ensure(session_id)
+            row = self.ensure(session_id, agent)
             self._append_rows(row, [(int(t), 0, None, None, 0, None, None) for t in token_ids])
         return row.length
 
-    def new_segment(self, session_id: str) -> int:
+    def new_segment(self, session_id: str, agent: str | None = None) -> int:
         """Start a new segment at the current end (no-op when the current one is empty)."""
         with self.s.tx(durable=False):
-            row = self.ensure(session_id)
+            row = self.ensure(session_id, agent)
             if row.segment_starts[-1] != row.length:
                 row.segment_starts.append(row.length)
                 self.put(row)
@@ -200,8 +211,8 @@ class SessionStore:
             self.put(row)
         return row
 
-    def to_api(self, session_id: str) -> dict[str, Any]:
-        row = self.require(session_id)
+    def to_api(self, session_id: str, agent: str | None = None) -> dict[str, Any]:
+        row = self.require(session_id, agent)
         rows = self.read(session_id)
         return {
             "id": row.id, "state": row.state, "reward": row.reward, "group_id": row.group_id,

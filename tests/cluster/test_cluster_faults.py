@@ -16,7 +16,7 @@ N_TOKENS = 100
 def _start(cluster, n, seed, max_tokens=N_TOKENS):
     rng = random.Random(seed)
     prompts = [[rng.randrange(1024) for _ in range(rng.randrange(40, 120))] for _ in range(n)]
-    streams = [Streamer(cluster.url, p, max_tokens=max_tokens, seed=seed * 100 + i, token=cluster.token) for i, p in enumerate(prompts)]
+    streams = [Streamer(cluster.url, p, max_tokens=max_tokens, seed=seed * 100 + i, token=cluster.agent_token) for i, p in enumerate(prompts)]
     for s in streams:
         s.start()
     cluster.wait(lambda: all(len(s.tokens) >= 5 for s in streams), 90, "tokens flowing")

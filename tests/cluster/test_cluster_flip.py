@@ -34,7 +34,7 @@ def busiest(cluster):
 
 def test_flip_mid_decode_is_token_identical_and_loses_nothing(cluster):
     prompts = _prompts(4, seed=1)
-    streams = [Streamer(cluster.url, p, max_tokens=120, seed=10 + i, token=cluster.token) for i, p in enumerate(prompts)]
+    streams = [Streamer(cluster.url, p, max_tokens=120, seed=10 + i, token=cluster.agent_token) for i, p in enumerate(prompts)]
     for s in streams:
         s.start()
     for s in streams:

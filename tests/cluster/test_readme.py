@@ -11,6 +11,7 @@ import yaml
 
 from cells.cli import _prepare_toy
 from cells.localcluster import ROOT, Cluster, find_free_port
+from scheduler.contract.tokens import SCOPE_ENV, TOKEN_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +45,10 @@ def toy_cluster(tmp_path_factory):
 @pytest.mark.parametrize("index", [0, 1], ids=["openai_client", "trainer_client"])
 def test_readme_block_runs(toy_cluster, index, tmp_path):
     code = readme_python_blocks()[index].replace("127.0.0.1:8700", f"127.0.0.1:{toy_cluster.port}")
-    env = {**os.environ, "CELLFLIP_API_TOKEN": toy_cluster.token, "PYTHONPATH": str(ROOT)}
+    # each example with its own scope only: the agent's token for the chat, the trainer's for the rest
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    env.update({SCOPE_ENV["agent"]: toy_cluster.agent_token, SCOPE_ENV["trainer"]: toy_cluster.trainer_token,
+                "PYTHONPATH": str(ROOT)})
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr + toy_cluster.logs()

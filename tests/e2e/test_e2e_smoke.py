@@ -34,7 +34,7 @@ def test_rl_steps_flip_migrate_score_and_retire(tmp_path):
     raw = _cfg(tmp_path)
     c = Cluster(tmp_path, num_cells=3, cfg=raw, ready_timeout_s=300)
     try:
-        trainer = Trainer(parse_config(raw), c.url, run_dir=tmp_path, tag="smoke", token=c.token)
+        trainer = Trainer(parse_config(raw), c.url, run_dir=tmp_path, tag="smoke", token=c.trainer_token, agent_token=c.agent_token)
         summary = trainer.run()
         assert summary["steps"] == 2, summary
         assert summary["flips"] >= 2 and summary["lost_rollouts"] == 0, summary

@@ -32,7 +32,10 @@ def _paths(app) -> list[tuple[str, str]]:
     return sorted(out)
 
 
-def test_every_route_but_healthz_needs_the_token(tmp_path):
+PUBLIC_PATHS = ("/healthz", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
+
+
+def test_every_route_but_healthz_and_the_docs_needs_a_token(tmp_path):
     token = tmp_path / "token"
     token.write_text("s3cret\n")
     app = create_app(make_config(auth_token_file=str(token)), db_path=str(tmp_path / "a.sqlite"), tick_interval_s=None)
@@ -41,13 +44,13 @@ def test_every_route_but_healthz_needs_the_token(tmp_path):
         assert len(routes) >= 20 and ("GET", "/docs") in routes and ("GET", "/metrics") in routes
         for method, path in routes:
             r = client.request(method, path, json={})
-            if path == "/healthz":
-                assert r.status_code == 200
+            if path in PUBLIC_PATHS:
+                assert r.status_code == 200, path
             else:
                 assert r.status_code == 401, (method, path, r.status_code)
                 assert r.headers["www-authenticate"] == "Bearer"
             wrong = client.request(method, path, json={}, headers={"Authorization": "Bearer nope"})
-            assert wrong.status_code == (200 if path == "/healthz" else 401)
+            assert wrong.status_code == (200 if path in PUBLIC_PATHS else 401)
         ok = client.get("/v1/cells", headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200
         cell = FakeCell(client, "c", headers={"Authorization": "Bearer s3cret"})

@@ -25,16 +25,19 @@ class ChatError(RuntimeError):
 
 class HttpChat:
     """`ChatFn` over the scheduler's OpenAI-compatible gateway (`/v1/chat/completions`, the
-    session in `X-Session-Id`), plus `finish` (`/v1/sessions/{id}/finish`)."""
+    session in `X-Session-Id`), plus `finish` (`/v1/sessions/{id}/finish`). `token` is the
+    agent's; `finish_token` the trainer's (finishing sets the reward: no agent token may),
+    `token` when not given."""
 
     def __init__(self, base_url: str, token: str | None = None, *, timeout: float = 120.0,
-                 client: Any = None) -> None:
+                 client: Any = None, finish_token: str | None = None) -> None:
         import httpx
 
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.client = client if client is not None else httpx.Client(
             base_url=base_url.rstrip("/"), timeout=timeout)
-        self.headers = headers
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        finish_token = finish_token or token
+        self.finish_headers = {"Authorization": f"Bearer {finish_token}"} if finish_token else {}
 
     def __call__(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                  session_id: str, **sampling: Any) -> dict[str, Any]:
@@ -47,7 +50,7 @@ class HttpChat:
 
     def finish(self, session_id: str, reward: float, group_id: str | None = None) -> dict[str, Any]:
         r = self.client.post(f"/v1/sessions/{session_id}/finish",
-                             json={"reward": reward, "group_id": group_id}, headers=self.headers)
+                             json={"reward": reward, "group_id": group_id}, headers=self.finish_headers)
         if r.status_code != 200:
             raise ChatError(r.status_code, r.text)
         return r.json()
