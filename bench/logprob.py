@@ -112,6 +112,7 @@ def main() -> None:
                 time.sleep(0.2)
             host.put(v, weights[v])
             a = host.address
+            c.http.put("/v1/trainer/version-host", json={"host": a.host, "port": a.port}).raise_for_status()
             r = c.http.post("/v1/versions", json={"version": v, "source": {"host": a.host, "port": a.port}})
             r.raise_for_status()
             host.broadcast(v, r.json()["receivers"])

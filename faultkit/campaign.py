@@ -428,6 +428,7 @@ class Campaign:
         self.host.put(v, self.weights[v])
         a = self.host.address
         ref = self.history.invoke("trainer", "publish", version=v)
+        self.http.put("/v1/trainer/version-host", json={"host": a.host, "port": a.port}).raise_for_status()
         r = self.http.post("/v1/versions", json={"version": v, "source": {"host": a.host, "port": a.port}})
         if r.status_code != 201:
             self.history.fail(ref, f"{r.status_code}: {r.text[:200]}")

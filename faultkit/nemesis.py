@@ -177,7 +177,8 @@ class Nemesis:
                       timeout_s: float) -> subprocess.Popen:
         """A trainer process that holds `version`, publishes it and broadcasts it."""
         log = open(self.c.tmp / "trainer.log", "a")  # noqa: SIM115 (the child owns it)
-        env = {**self.c.env, **failpoint_env(failpoints)}
+        env = {**self.c.env, **failpoint_env(failpoints),  # the trainer's token, no other
+               **{k: v for k, v in self.c.scoped_env("trainer").items() if v is not None}}
         # faultkit is not an installed package: the child finds it from the repository root
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO_ROOT, env.get("PYTHONPATH")]))
         p = subprocess.Popen([sys.executable, "-m", "faultkit.nemesis", "trainer", "--scheduler", self.c.url,
@@ -215,7 +216,7 @@ def _trainer_main(args: argparse.Namespace) -> int:
     import yaml
 
     from cells.trainer.versions_host import VersionHost
-    from scheduler.contract.tokens import TOKEN_ENV, auth_headers
+    from scheduler.contract.tokens import SCOPE_ENV, auth_headers
 
     cfg = yaml.safe_load(Path(args.config).read_text())
     # One bucket per op: `broadcast.mid_bucket` then stops the trainer between two ops.
@@ -226,9 +227,12 @@ def _trainer_main(args: argparse.Namespace) -> int:
     print(json.dumps({"ready": os.getpid()}), flush=True)
     sys.stdin.readline()  # the campaign says when (its clients are decoding by then)
     a = host.address
+    auth = auth_headers(os.environ.get(SCOPE_ENV["trainer"]))
+    httpx.put(f"{args.scheduler}/v1/trainer/version-host", json={"host": a.host, "port": a.port}, headers=auth,
+              timeout=30).raise_for_status()
     r = httpx.post(f"{args.scheduler}/v1/versions", json={"version": args.version,
                                                           "source": {"host": a.host, "port": a.port}},
-                   headers=auth_headers(os.environ.get(TOKEN_ENV)), timeout=30)
+                   headers=auth, timeout=30)
     print(json.dumps({"published": r.status_code, "body": r.json()}), flush=True)
     if r.status_code != 201:
         return 1

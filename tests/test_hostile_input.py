@@ -353,8 +353,6 @@ _NESTED = "[" * 900 + "1" + "]" * 900  # parseable, deep
 JSON = {"content-type": "application/json"}
 MALFORMED = [
     # body that is not JSON text
-    ("POST", "/v1/flips", {"content": b"\xff\xfe\xfa{}", "headers": JSON}),
-    ("POST", "/v1/flips", {"content": b'{"to": "training", "cell": "\xc3\x28"}', "headers": JSON}),
     ("POST", "/v1/generate", {"content": _DEEP, "headers": JSON}),
     ("POST", "/internal/v1/cells/register", {"content": _DEEP, "headers": JSON}),
     # deep but parseable: the 422 echoes the input without deep recursion
@@ -404,6 +402,23 @@ MALFORMED = [
     ("POST", "/v1/generate", {"json": {"prompt_ids": [1]}, "headers": {"X-Session-Id": "a b"}}),
     ("POST", "/v1/generate", {"json": {"prompt_ids": [1]}, "headers": {"X-Session-Id": "x" * 300}}),
 ]
+
+
+NOT_UTF8 = [b"\xff\xfe\xfa{}", b'{"to": "training", "cell": "\xc3\x28"}',
+            b'{"to": "training", "cell": "\xed\xa0\x80"}',  # a raw (UTF-8-encoded) lone surrogate
+            b'{"messages": [{"role": "user", "content": "\xed\xb3\xbf"}]}']
+NOT_UTF8_ROUTES = ["/v1/flips", "/v1/versions", "/v1/sessions/s/finish", "/v1/generate", "/v1/chat/completions",
+                   "/v1/trainer/report", "/v1/trajectories/dropped", "/v1/tokens", "/internal/v1/cells/register",
+                   "/internal/v1/cells/c/sync", "/internal/v1/migrations/m/commit"]
+
+
+@pytest.mark.parametrize("path", NOT_UTF8_ROUTES)
+def test_a_body_that_is_not_utf8_is_400_on_every_route_and_changes_nothing(served, path):
+    """One body decoder in front of every route: raw surrogate bytes (which Python's JSON reader
+    would pass through as a lone surrogate, a 500 further down) and other invalid UTF-8 are 400."""
+    for raw in NOT_UTF8:
+        r = _rejected(served.http, served.db, "POST", path, 400, content=raw, headers=JSON)
+        assert r.json()["reason"] == "invalid_text"
 
 
 @pytest.mark.parametrize("method,path,kw", MALFORMED, ids=[f"{i}-{m} {p[:40]}" for i, (m, p, _) in enumerate(MALFORMED)])

@@ -34,6 +34,8 @@ class TrainerClient:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s)
         self.cursor = 0
+        self._version_host: tuple[str, int] | None = None
+        """The version host registered with the scheduler by this client."""
         """Trajectories up to this cursor have been fetched."""
 
     def close(self) -> None:
@@ -104,10 +106,20 @@ class TrainerClient:
         return [out[f["id"]] for f in flips]
 
     # -- versions -----------------------------------------------------------------------------
+    def register_version_host(self, host: str, port: int) -> dict:
+        """Declare where this trainer serves versions: the scheduler sends cells to no other
+        address (besides live cells)."""
+        out = self._call("PUT", "/v1/trainer/version-host", json={"host": host, "port": port})
+        self._version_host = (host, port)
+        return out
+
     def publish(self, version: int, host: str, port: int, namespace: str = "versions",
                 key: str | None = None) -> dict:
         """Record `version` and tell the rollout cells to join its broadcast; the answer's
-        `receivers` are the cells to broadcast to. Idempotent per key."""
+        `receivers` are the cells to broadcast to. Idempotent per key. Registers the version
+        host first when it is a new one."""
+        if self._version_host != (host, port):
+            self.register_version_host(host, port)
         return self._call("POST", "/v1/versions", json={
             "version": version, "source": {"host": host, "port": port, "namespace": namespace}},
             headers={"Idempotency-Key": key or uuid.uuid4().hex})

@@ -17,10 +17,12 @@ from fastapi.responses import StreamingResponse
 from scheduler.api.deps import ApiRoute, Ctl
 from scheduler.api.principal import current_agent
 from scheduler.api.schemas import CompletionCreate, errors
+from scheduler.contract.ids import SESSION_ID_PATTERN, SESSION_ID_RULE
 
 router = APIRouter(tags=["completions"], route_class=ApiRoute, responses=errors(401, 403))
 
-SessionId = Annotated[str | None, Header(alias="X-Session-Id", max_length=256, pattern=r"^[A-Za-z0-9._:@/-]+$")]
+SessionId = Annotated[str | None, Header(alias="X-Session-Id", pattern=SESSION_ID_PATTERN,
+                                        description=f"The session ({SESSION_ID_RULE}); a new one when absent")]
 
 
 def _chunk(rid: str, rows: list[tuple]) -> dict:

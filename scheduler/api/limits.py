@@ -1,10 +1,12 @@
-"""Request body size limit, counting the bytes actually received (chunked bodies included),
-and text that JSON decodes but nothing downstream can encode.
+"""The one body decoder in front of every route: the size limit, counting the bytes actually
+received (chunked bodies included), and text that JSON decodes but nothing downstream can encode.
 
 A declared Content-Length over the limit is refused before reading; otherwise the body is read
 up to the limit and replayed to the app, so a chunked upload that never declares its size is
-cut off at `max_bytes + 1` and answered 413 without buffering the rest. A JSON body holding a
-lone UTF-16 surrogate (`"\ud800"`) in any string is answered 400 before any route sees it.
+cut off at `max_bytes + 1` and answered 413 without buffering the rest. A body that is not
+UTF-8 (raw surrogate bytes `ED A0 80` among them: Python's JSON reader would pass them through
+as a lone surrogate) or a JSON body holding a lone UTF-16 surrogate escape (`"\ud800"`) in any
+string is answered 400 before any route sees it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import json
 from scheduler.api.jsontext import lone_surrogate_path, may_hold_surrogate
 
 
-async def _reply_400_text(send, where: str) -> None:
-    msg = f"{where}: a lone UTF-16 surrogate is not text (send valid Unicode)"
+async def _reply_400_text(send, where: str, msg: str | None = None) -> None:
+    msg = msg or f"{where}: a lone UTF-16 surrogate is not text (send valid Unicode)"
     body = json.dumps({"detail": msg, "reason": "invalid_text", "error": {
         "message": msg, "type": "invalid_request_error", "param": where, "code": "invalid_text"}}).encode()
     await send({"type": "http.response.start", "status": 400, "headers": [
@@ -76,11 +78,25 @@ class BodySizeLimit:
             if not message.get("more_body", False):
                 break
         raw = b"".join(chunks)
+        if raw and not _is_utf8(raw):
+            await _reply_400_text(send, "body", "the request body is not UTF-8 text (send valid Unicode)")
+            return
         if (where := _surrogate_in(raw)) is not None:
             await _reply_400_text(send, where)
             return
         full = {"type": "http.request", "body": raw, "more_body": False}
         await self.app(scope, _replay([full], receive), send)
+
+
+def _is_utf8(raw: bytes) -> bool:
+    """Strict UTF-8 (what JSON text must be): encoded surrogates and overlong forms fail."""
+    if raw.isascii():
+        return True
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _replay(messages: list[dict], receive):

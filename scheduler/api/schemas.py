@@ -64,7 +64,9 @@ class VersionSource(_Body):
 
 
 class VersionCreate(_Body):
-    version: int = Field(ge=0, lt=1 << 62)
+    version: int = Field(ge=0, lt=1 << 31)
+    """The trainer's version number: newer than every version the lineage holds, at most
+    `versions.max_version_step` above the newest."""
     source: VersionSource | None = None
     """Where cells get the weights; without it the version is only recorded (cells that
     load it by other means report it)."""

@@ -48,6 +48,7 @@ ROUTE_SCOPES: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/v1/trajectories"): TRAINER,
     ("POST", "/v1/trajectories/dropped"): TRAINER,
     ("POST", "/v1/trainer/report"): TRAINER,
+    ("PUT", "/v1/trainer/version-host"): TRAINER,
     # agents: turns, and their own sessions (the handler answers 404 for another's)
     ("POST", "/v1/chat/completions"): AGENT,
     ("POST", "/v1/generate"): AGENT,

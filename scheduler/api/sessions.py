@@ -6,25 +6,28 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
 from pydantic import Field
 
 from scheduler.api.deps import ApiRoute, Ctl
 from scheduler.api.principal import current_agent
 from scheduler.api.schemas import SessionFinish, _Body, errors
+from scheduler.contract.ids import SESSION_ID_PATTERN, SESSION_ID_RULE
 from scheduler.control.metrics import GROUP_DROP_REASONS
+
+SessionPath = Annotated[str, Path(pattern=SESSION_ID_PATTERN, description=SESSION_ID_RULE)]
 
 router = APIRouter(tags=["sessions"], route_class=ApiRoute, responses=errors(401, 403))
 
 
 @router.get("/v1/sessions/{session_id}", responses=errors(404, 429))
-async def get_session(session_id: str, ctl: Ctl) -> dict:
+async def get_session(session_id: SessionPath, ctl: Ctl) -> dict:
     """An agent token reads its own sessions only (another's answers 404, as an unknown id)."""
     return ctl.store.sessions.to_api(session_id, current_agent())
 
 
 @router.post("/v1/sessions/{session_id}/finish", responses=errors(404, 409, 413, 422))
-async def finish_session(session_id: str, body: SessionFinish, ctl: Ctl) -> dict:
+async def finish_session(session_id: SessionPath, body: SessionFinish, ctl: Ctl) -> dict:
     return ctl.finish_session(session_id, body.reward, body.group_id)
 
 

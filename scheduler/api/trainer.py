@@ -1,4 +1,6 @@
-"""POST /v1/trainer/report: the trainer's demand and the step it just finished.
+"""POST /v1/trainer/report: the trainer's demand and the step it just finished; PUT
+/v1/trainer/version-host: where the trainer serves its versions (the one address, besides the
+live cells, a published version may name as its source).
 
 The planner's training side comes from here: how many sessions a step consumes, how many
 steps run now and how many cells one can use (the demand), and for a finished step its
@@ -51,3 +53,14 @@ async def report(body: TrainerReport, ctl: Ctl) -> dict:
     return ctl.report_training(body.batch_size, body.steps_in_progress, body.max_cells_per_step,
                                body.max_concurrent_steps, body.step_s, body.sessions, body.tokens, body.cells,
                                untrained=body.untrained)
+
+
+class VersionHost(_Body):
+    host: str = Field(min_length=1, max_length=255)
+    port: int = Field(gt=0, lt=65536)
+
+
+@router.put("/version-host", responses=errors(413, 422))
+async def version_host(body: VersionHost, ctl: Ctl) -> dict:
+    """Register the trainer's version host: publishes may then name it as their source."""
+    return ctl.register_version_host(body.host, body.port)

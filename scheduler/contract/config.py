@@ -87,6 +87,12 @@ class VersionsConfig(_Strict):
     """Retire a superseded version as soon as no cell serves it and every token is scored."""
     load_timeout_s: float = Field(default=60.0, gt=0)
     """A cell that has not reported a version it was told to load is told again after this."""
+    load_deadline_s: float = Field(default=300.0, gt=0)
+    """A flip to rollout whose cell has not loaded the current version within this is rolled
+    back (the cell stays in training, the flip says why): no cell sits in `loading` for good."""
+    max_version_step: int = Field(default=1000, gt=0)
+    """A published version may be at most this far above the newest one the lineage holds
+    (a number near the integer limit would otherwise block every later publish)."""
 
 
 class AgentLimits(_Strict):

@@ -200,6 +200,9 @@ class Controller:
     def publish_version(self, version: int, source: dict | None = None, idempotency_key: str | None = None) -> dict:
         return self.versions.publish(version, source, idempotency_key)
 
+    def register_version_host(self, host: str, port: int) -> dict:
+        return self.versions.register_host(host, port)
+
     def retire_version(self, version: int) -> dict:
         return self.versions.retire(version)
 

@@ -59,6 +59,8 @@ class Flips:
         self.scoring = scoring
         self.snapshot = snapshot
         self.drain_deadline: dict[str, float] = {}
+        self.load_deadline: dict[str, float] = {}
+        """flip id → when a flip to rollout that has not loaded its version rolls back."""
         """flip id → monotonic drain deadline (restarts at now + drain_deadline_s after a restart)."""
         self.pinned_training: set[str] = set()
         """Cells an explicit flip sent to training: the planner does not flip them back."""
@@ -154,6 +156,7 @@ class Flips:
         flip.reason, flip.finished_at = reason, time.time()
         self.ctx.store.fleet.put_flip(flip)
         self.drain_deadline.pop(flip.id, None)
+        self.load_deadline.pop(flip.id, None)
         duration = flip.finished_at - flip.created_at
         fx.later(lambda: metrics.flips.labels(outcome).inc())
         fx.later(lambda: metrics.flip_duration.observe(max(0.0, duration)))
@@ -273,6 +276,11 @@ class Flips:
         summary = self.ctx.registry.summary(cell.id)
         have = summary.version if summary is not None else None
         if want is not None and have != want.v:
+            limit = self.ctx.ver_cfg.load_deadline_s
+            if self.ctx.clock() >= self.load_deadline.setdefault(flip.id, self.ctx.clock() + limit):
+                # never stuck in loading: the cell keeps the training role, the trainer sees why
+                self._set_cell(cell, "training", f"flip {flip.id} rolled back")
+                self.finish(fx, flip, "rolled_back", f"version {want.v} not loaded within {limit:g}s")
             return  # still fetching it
         self._send_role(fx, cell.id, "rollout", flip.id, have)
 

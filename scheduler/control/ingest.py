@@ -85,7 +85,11 @@ def check_events(events: list[Message]) -> None:
 
 
 Outcomes = tuple[list[str], list[tuple[str, str]], list[tuple[str, str]]]
-"""(rejected request ids, revocations [(id, reason)], finishes [(id, finish_reason)])."""
+"""(rejected request ids, revocations [(id, reason)], finishes [(id, finish_reason)]); a
+revocation whose reason starts with `FAIL` ends the request instead of re-placing it."""
+
+FAIL = "fail: "
+"""Prefix of a revocation that ends the request (it cannot go on anywhere)."""
 
 
 class Ingest:
@@ -125,6 +129,13 @@ class Ingest:
             assert req is not None
             if req.cell_id != cell_id or req.epoch != b.epoch:  # only with the fence off
                 ctx.store.owners.record_foreign_batch(req, cell_id, b.epoch, b.start, len(b.records), len(v.new))
+            if v.new and ctx.store.sessions.length(req.session_id) != req.base + req.num_generated:
+                # the session's buffer moved on under the request (only a bug or a race can do
+                # this): it cannot continue where its tokens would land; end it with the reason
+                rejected.append(b.request_id)
+                fx.later(lambda: ctx.metrics.tokens_rejected.labels("misaligned").inc())
+                revokes.append((b.request_id, f"{FAIL}the session's buffer changed under the request"))
+                continue
             if v.new:
                 self._append(fx, req, v.new, b.epoch)
             if b.finish_reason is not None and req.is_owned:
@@ -136,7 +147,7 @@ class Ingest:
         ctx.store.sessions.append_sampled(req.session_id, req.base + req.num_generated, new, epoch)
         req.num_generated += len(new)
         ctx.store.owners.set_num_generated(req.id, req.num_generated)
-        self.ownership.advanced(req.id)
+        self.ownership.advanced(req.id, tokens=True)
         self.migrations.tokens_arrived(fx, req.id, len(new))
         fx.later(lambda k=len(new): ctx.metrics.tokens_generated.inc(k))
         fx.notify(("req", req.id))
@@ -147,7 +158,10 @@ class Ingest:
         for rid, reason in revokes:
             req = owners.get_request(rid)
             if req is not None and req.is_owned:
-                self.ownership.revoke(fx, req, reason)
+                if reason.startswith(FAIL):
+                    self.ownership.fail(fx, req, reason[len(FAIL):])
+                else:
+                    self.ownership.revoke(fx, req, reason)
         for rid, finish_reason in finishes:
             req = owners.get_request(rid)
             if req is not None and req.is_owned:

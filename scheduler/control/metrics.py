@@ -62,6 +62,7 @@ class Metrics:
         self.drift = Counter(p + "retokenization_drift", "Recorded tokens that differ from sampled ones (must stay 0).", registry=r)
         self.history_rewrites = Counter(p + "history_rewrites", "Harness edits of earlier turns (each starts a new segment).", registry=r)
         self.requests_stalled = Counter(p + "requests_stalled", "Running requests taken back from an owner that reported them but committed no token for stall_timeout_s.", ["cell"], registry=r)
+        self.requests_failed = Counter(p + "requests_failed", "Requests ended with an error reason (stuck after repeated re-placement, their session changed under them, or their sampler quarantined).", registry=r)
         self.tokens_rejected = Counter(p + "tokens_rejected", "Token batches refused at sync, by reason.", ["reason"], registry=r)
         self.fenced = Counter(p + "cells_fenced", "Cell incarnations fenced (lease lost or replaced).", ["reason"], registry=r)
         self.groups_dropped = Counter(p + "groups_dropped", "Groups the trainer dropped whole, never trained, by reason (as it reports them).", ["reason"], registry=r)

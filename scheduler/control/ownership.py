@@ -33,6 +33,11 @@ log = logging.getLogger("cellflip.scheduler")
 MAX_PLACEMENTS_PER_TICK = 256
 """Bounds one tick's work when a dead cell leaves many requests to re-prefill."""
 
+MAX_FRUITLESS_REPLACEMENTS = 6
+"""A request taken from its owner this many times with no token committed in between is stuck
+(every cell it lands on loses or stalls it): it is ended with a reason instead of re-placed
+forever."""
+
 
 class Ownership:
     """The owner of every request. Owns `progress_at` (the lost and stall rules' clock),
@@ -53,10 +58,14 @@ class Ownership:
         not own (resent once per lease while it still reports it)."""
         self._report_sweep = ctx.registry.rotation()
         """The live cells `reconcile_reports` visits next."""
+        self.fruitless: dict[str, int] = {}
+        """request id → times it was taken from an owner since its last committed token."""
 
-    def advanced(self, request_id: str) -> None:
+    def advanced(self, request_id: str, tokens: bool = False) -> None:
         """The request's current owner advanced it now (tokens committed, or a commit gave it)."""
         self.progress_at[request_id] = self.ctx.clock()
+        if tokens:
+            self.fruitless.pop(request_id, None)
 
     def _released(self, fx: Effects, req: RequestRow) -> None:
         """The request left its owner's hands (or ended): its clock and stall watch end."""
@@ -86,7 +95,14 @@ class Ownership:
 
     def revoke(self, fx: Effects, req: RequestRow, reason: str, to: str = "queued") -> None:
         """Take a live request from its owner (epoch + 1); `to` = "queued" (re-place now) or
-        "suspended" (drain deadline). The old owner, if still live, is told to drop it."""
+        "suspended" (drain deadline). The old owner, if still live, is told to drop it. A request
+        taken away `MAX_FRUITLESS_REPLACEMENTS` times without a token in between is stuck: it
+        fails with the reason instead of being re-placed again."""
+        if to == "queued":
+            n = self.fruitless[req.id] = self.fruitless.get(req.id, 0) + 1
+            if n >= MAX_FRUITLESS_REPLACEMENTS:
+                self.fail(fx, req, f"stuck: taken from its owner {n} times with no token ({reason})")
+                return
         REQUEST.check(req.state, to)
         self._abort_pending(fx, req, f"request revoked: {reason}", restore=False)
         old = req.cell_id
@@ -112,11 +128,33 @@ class Ownership:
         rid = req.id
         fx.send(req.cell_id, lambda i: SuspendCmd(i, rid, park=True))
 
+    def fail(self, fx: Effects, req: RequestRow, reason: str) -> None:
+        """End a request that cannot go on (its client's stream ends with `reason`); the owner,
+        if any, is told to drop it. The session stays open: the client may retry the turn."""
+        self._abort_pending(fx, req, f"request failed: {reason}", restore=False)
+        REQUEST.check(req.state, "failed")
+        old = req.cell_id
+        if req.is_owned:
+            req.epoch += 1  # whatever the old owner still sends is refused
+        req.cell_id, req.state, req.reason = None, "failed", f"error: {reason}"
+        self.ctx.store.owners.put_request(req)
+        self._released(fx, req)
+        self.avoid_cell.pop(req.id, None)
+        self.fruitless.pop(req.id, None)
+        if old is not None:
+            rid = req.id
+            fx.send(old, lambda i: AbortCmd(i, rid))
+        metrics = self.ctx.metrics
+        fx.later(lambda: metrics.requests_failed.inc())
+        log.warning("request %s failed: %s", req.id, reason)
+        fx.notify(("req", req.id))
+
     def finish(self, fx: Effects, req: RequestRow, reason: str) -> None:
         """The owner reported a finish reason: close the request (its session stays open)."""
         self._abort_pending(fx, req, "request finished before commit", restore=False)
         REQUEST.check(req.state, "finished")
         self.avoid_cell.pop(req.id, None)
+        self.fruitless.pop(req.id, None)
         req.state, req.reason = "finished", reason
         self.ctx.store.owners.put_request(req)
         self._released(fx, req)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from scheduler.contract.errors import Conflict, NotFound
+from scheduler.contract.errors import Conflict, Invalid, NotFound
 from scheduler.contract.protocol import LoadVersionCmd
 from scheduler.contract.states import VERSION, set_state
 from scheduler.control import idempotency
@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from scheduler.control.scoring import Scoring
 
 IDEMPOTENCY_SCOPE = "versions"
+
+VERSION_HOST = "trainer.version_host"
+"""Settings key of the trainer's registered version host (the address cells may fetch from)."""
 
 
 class Versions:
@@ -95,6 +98,27 @@ class Versions:
         return out
 
     # ------------------------------------------------------------------ the trainer's side
+    def register_host(self, host: str, port: int) -> dict[str, Any]:
+        """The trainer's version host: the one address besides the live cells' that a publish
+        may name as its source (cells never connect to an address the scheduler did not vouch for)."""
+        with self.ctx.txn(durable=True):
+            self.ctx.store.fleet.put_setting(VERSION_HOST, {"host": host, "port": port})
+        return {"host": host, "port": port}
+
+    def _check_vouched(self, source: dict) -> None:
+        """A source must be the registered version host or a live cell's transfer endpoint."""
+        where = (source.get("host"), source.get("port"))
+        host = self.ctx.store.fleet.setting(VERSION_HOST)
+        if host is not None and where == (host["host"], host["port"]):
+            return
+        for c in self.ctx.store.fleet.list_cells():
+            if c.state != "down" and c.id in self.ctx.registry.live and where == (
+                    c.address.rpartition(":")[0], c.store_port):
+                return
+        raise Invalid(f"source {where[0]}:{where[1]} is neither the trainer's registered version host "
+                      "(PUT /v1/trainer/version-host) nor a live cell: cells are never sent to an address "
+                      "the scheduler cannot vouch for", code="source_not_vouched")
+
     def publish(self, version: int, source: dict | None = None, idempotency_key: str | None = None) -> dict[str, Any]:
         """Record `version` as broadcasting and tell the rollout cells to join its broadcast.
         Under an Idempotency-Key a replay (a trainer that lost the answer) gets the first answer."""
@@ -104,12 +128,20 @@ class Versions:
         if hit is not None:
             return hit
         now = ctx.clock()
+        if source is not None:
+            self._check_vouched(source)
         with ctx.txn(durable=True) as fx:
             rows = ctx.store.fleet.list_versions()
             if any(r.v == version for r in rows):
                 raise Conflict(f"version {version} exists", code="version_exists")
-            if rows and version < max(r.v for r in rows):
-                raise Conflict(f"version {version} is older than {max(r.v for r in rows)}", code="version_not_newer")
+            lineage = [r.v for r in rows if not _abandoned(r)]
+            newest = max(lineage) if lineage else None
+            if newest is not None and version < newest:
+                raise Conflict(f"version {version} is older than {newest}", code="version_not_newer")
+            step = ctx.ver_cfg.max_version_step
+            if newest is not None and version > newest + step:
+                raise Invalid(f"version {version} is more than versions.max_version_step ({step}) above the "
+                              f"newest, {newest}", code="version_jump")
             row = VersionRow(version, "broadcasting", time.time(), [("broadcasting", time.time(), "published")],
                              source=source)
             ctx.store.fleet.put_version(row)
@@ -228,3 +260,9 @@ class Versions:
 
     def on_cell_fenced(self, fx: Effects, cell_id: str, reason: str) -> None:
         self.forget_cell(cell_id)
+
+
+def _abandoned(row: VersionRow) -> bool:
+    """Retired without ever becoming active (a broadcast no cell completed, a bogus number): it
+    does not hold the lineage back."""
+    return row.state == "retired" and not any(h[0] == "active" for h in row.history)

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from scheduler.api.principal import current_agent
+from scheduler.contract.errors import Conflict
 from scheduler.contract.tito.backend import (
     SessionFinished,
     SessionNotFound,
@@ -76,11 +77,13 @@ class ControlPlaneBackend:
         if loss_mask != 0:
             raise ValueError("the gateway appends only non-sampled tokens")
         self._require_open(session_id, create=True)
+        self._require_idle(session_id)
         self.ctl.store.sessions.append_prompt(session_id, [int(t) for t in ids], current_agent())
 
     async def start_segment(self, session_id: str, reason: str) -> int:
         sessions = self.ctl.store.sessions
         self._require_open(session_id, create=True)
+        self._require_idle(session_id)
         sessions.new_segment(session_id, current_agent())  # counted by the router's history_rewrites counter
         return len(sessions.require(session_id).segment_starts) - 1
 
@@ -102,6 +105,12 @@ class ControlPlaneBackend:
         if row is not None and agent is not None and row.agent != agent:
             raise SessionNotFound(f"unknown session {session_id!r}")
         return row
+
+    def _require_idle(self, session_id: str) -> None:
+        """One turn at a time per session, whichever route runs it: a turn racing another
+        (a `/v1/generate` on the same session) is refused before it records anything."""
+        if self.ctl.store.owners.active_request_for_session(session_id) is not None:
+            raise Conflict(f"session {session_id!r} has a request in flight", code="session_busy")
 
     def _require_open(self, session_id: str, create: bool) -> None:
         row = self._visible(session_id)

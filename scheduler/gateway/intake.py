@@ -6,7 +6,6 @@ Each function returns what it read or the error response to send; nothing is rec
 from __future__ import annotations
 
 import json
-import re
 import uuid
 
 from fastapi import Request
@@ -14,13 +13,13 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from scheduler.api.jsontext import MAX_DEPTH, depth, lone_surrogate_path
+from scheduler.contract.ids import SESSION_ID_RE, SESSION_ID_RULE
 from scheduler.contract.tito.openai_schema import ChatCompletionRequest
 from scheduler.gateway.responses import error_response
 
 __all__ = ["SESSION_HEADER", "parse_chat_request", "read_body", "session_id"]
 
 SESSION_HEADER = "X-Session-Id"
-_SESSION_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
@@ -48,10 +47,10 @@ def session_id(request: Request) -> str | JSONResponse:
     sid = request.headers.get(SESSION_HEADER)
     if sid is None:
         return f"sess-{uuid.uuid4().hex}"
-    if not _SESSION_RE.match(sid):
+    if not SESSION_ID_RE.match(sid):
         return error_response(
             400,
-            f"invalid {SESSION_HEADER} (1-128 of A-Z a-z 0-9 . _ : -)",
+            f"invalid {SESSION_HEADER} ({SESSION_ID_RULE})",
             param=SESSION_HEADER,
             code="invalid_session_id",
         )

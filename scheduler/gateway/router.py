@@ -38,6 +38,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from scheduler.contract.ids import SESSION_ID_PATTERN, SESSION_ID_RULE
 from scheduler.contract.tito.backend import (
     BackendError,
     CompletionBackend,
@@ -76,7 +77,9 @@ def _chat_openapi() -> dict[str, Any]:
     return {
         "requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
         "parameters": [
-            {"name": SESSION_HEADER, "in": "header", "required": False, "schema": {"type": "string"}}
+            {"name": SESSION_HEADER, "in": "header", "required": False,
+             "schema": {"type": "string", "pattern": SESSION_ID_PATTERN},
+             "description": f"The session ({SESSION_ID_RULE}); a new one when absent"}
         ],
     }
 

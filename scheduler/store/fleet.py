@@ -1,4 +1,4 @@
-"""Store tables of the fleet: cells, flips, weight versions and idempotency keys.
+"""Store tables of the fleet: cells, flips, weight versions, idempotency keys and settings.
 
 Rows are plain dataclasses; `put_*` writes a whole row (callers mutate a row they read in the
 same transaction, through `states.set_state` for the state column).
@@ -36,6 +36,7 @@ CREATE TABLE IF NOT EXISTS idempotency(
   scope TEXT NOT NULL, key TEXT NOT NULL, fingerprint TEXT NOT NULL, response TEXT NOT NULL,
   created_at REAL NOT NULL, PRIMARY KEY(scope, key));
 CREATE INDEX IF NOT EXISTS idempotency_created ON idempotency(created_at);
+CREATE TABLE IF NOT EXISTS settings(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 ACTIVE_FLIP_STATES = ("pending", "draining", "loading")
@@ -255,6 +256,14 @@ class FleetStore:
             "INSERT OR REPLACE INTO versions(v, state, created_at, history, source) VALUES (?,?,?,?,?)",
             (row.v, row.state, row.created_at, dumps(row.history), dumps(row.source) if row.source else None),
         )
+
+    # -- settings (small durable facts: the trainer's version host)
+    def setting(self, key: str) -> Any:
+        r = self.s.execute("SELECT value FROM settings WHERE key=?", (key,)).fetchone()
+        return None if r is None else loads(r[0])
+
+    def put_setting(self, key: str, value: Any) -> None:
+        self.s.execute("INSERT OR REPLACE INTO settings(key, value) VALUES (?, ?)", (key, dumps(value)))
 
     # -- idempotency keys
     def get_idempotent(self, scope: str, key: str) -> tuple[str, Any] | None:

@@ -104,6 +104,11 @@ class SessionStore:
             raise Conflict(f"session {session_id!r} is finished", code="session_finished")
         return row
 
+    def length(self, session_id: str) -> int:
+        """Tokens in the session's buffer (0 for an unknown session)."""
+        r = self.s.execute("SELECT length FROM sessions WHERE id=?", (session_id,)).fetchone()
+        return 0 if r is None else r[0]
+
     def gateway_state(self, session_id: str) -> dict[str, Any] | None:
         """The chat gateway's state of a session (None before its first turn)."""
         r = self.s.execute("SELECT state FROM gateway_state WHERE session_id=?", (session_id,)).fetchone()

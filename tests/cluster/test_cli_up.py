@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from cells.localcluster import ROOT, SMALL_MODEL, Cluster, find_free_port
-from scheduler.contract.tokens import TOKEN_ENV
+from scheduler.contract.tokens import SCOPE_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +28,8 @@ def test_up_serves_the_api_and_stops_cleanly_on_ctrl_c(tmp_path):
            "cells": {"count": 2, "engine": {"type": "embedded", "model": SMALL_MODEL, "num_blocks": 64}}}
     (tmp_path / "up.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop(TOKEN_ENV)  # a newcomer's shell: the token is generated on first start
+    for var in SCOPE_ENV.values():  # a newcomer's shell: the tokens are generated on first start
+        env.pop(var, None)
     # its own process group, so a failing test can take every process it started down with it
     proc = subprocess.Popen([sys.executable, "-m", "cells.cli", "up", "--config", str(tmp_path / "up.yaml")],
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -43,9 +44,11 @@ def test_up_serves_the_api_and_stops_cleanly_on_ctrl_c(tmp_path):
         assert "starting the scheduler" in out and "cells in rollout: 2/2" in out, out
         assert f"http://127.0.0.1:{port}" in out
         token_file = tmp_path / "api.token"
-        assert f"API token in {token_file}" in out
+        assert f"API token (admin) in {token_file}" in out
         auth = {"Authorization": f"Bearer {token_file.read_text().strip()}"}
         assert httpx.get(f"http://127.0.0.1:{port}/v1/cells").status_code == 401
+        agent = {"Authorization": f"Bearer {(tmp_path / 'agent.token').read_text().strip()}"}
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/cells", headers=agent).status_code == 403
         cells = httpx.get(f"http://127.0.0.1:{port}/v1/cells", headers=auth).json()["cells"]
         assert sorted(c["id"] for c in cells) == ["cell-0", "cell-1"] and all(c["state"] == "rollout" for c in cells)
         cli = [sys.executable, "-m", "cells.cli", "status", "--scheduler", f"http://127.0.0.1:{port}"]
@@ -57,6 +60,26 @@ def test_up_serves_the_api_and_stops_cleanly_on_ctrl_c(tmp_path):
                                  capture_output=True, text=True, timeout=60)
         assert refused.returncode != 0 and "401" in refused.stderr
         assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+        # tokens made and revoked from the command line, with the admin token beside the store
+        tok = [sys.executable, "-m", "cells.cli", "token"]
+        where = ["--scheduler", f"http://127.0.0.1:{port}", "--config", str(tmp_path / "up.yaml")]
+        made = subprocess.run(tok + ["create", "--scope", "trainer", "--name", "ci", *where], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert made.returncode == 0, made.stderr
+        new = {"Authorization": f"Bearer {made.stdout.strip()}"}
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/cells", headers=new).status_code == 200
+        tid = made.stderr.split()[1]
+        listed = subprocess.run(tok + ["list", *where], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                timeout=60)
+        assert tid in listed.stdout and made.stdout.strip() not in listed.stdout
+        gone = subprocess.run(tok + ["revoke", tid, *where], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert gone.returncode == 0, gone.stderr
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/cells", headers=new).status_code == 401
+        not_admin = subprocess.run(tok + ["create", "--scope", "admin", *where, "--token-file",
+                                          str(tmp_path / "trainer.token")], cwd=tmp_path, env=env,
+                                   capture_output=True, text=True, timeout=60)
+        assert not_admin.returncode != 0 and "403" in not_admin.stderr
         proc.send_signal(signal.SIGINT)  # inherited as ignored: cellflip up stops on it all the same
         assert proc.wait(timeout=60) == 0
         with pytest.raises(httpx.HTTPError):

@@ -35,6 +35,7 @@ def _versions_of(cfg, n):
 def _publish(c, host, v, weights):
     host.put(v, weights[v])
     a = host.address
+    c.http.put("/v1/trainer/version-host", json={"host": a.host, "port": a.port}).raise_for_status()
     r = c.http.post("/v1/versions", json={"version": v, "source": {"host": a.host, "port": a.port}})
     assert r.status_code == 201, r.text
     receivers = r.json()["receivers"]

@@ -87,6 +87,7 @@ def test_version_publish_replay_returns_the_first_answer(harness):
     _fleet(harness, 2)
     c, key = harness.client, {"Idempotency-Key": "publish-3"}
     body = {"version": 3, "source": {"host": "127.0.0.1", "port": 1234, "namespace": "versions"}}
+    c.put("/v1/trainer/version-host", json={"host": "127.0.0.1", "port": 1234})
     first = c.post("/v1/versions", json=body, headers=key)
     assert first.status_code == 201 and first.json()["receivers"] == ["c0", "c1"]
     before = store_dump(harness.db_path)

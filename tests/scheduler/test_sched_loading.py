@@ -24,6 +24,7 @@ def make(tmp_path):
 
 
 def _publish(h: Harness, v: int) -> None:
+    h.client.put("/v1/trainer/version-host", json={"host": SOURCE["host"], "port": SOURCE["port"]})
     assert h.client.post("/v1/versions", json={"version": v, "source": SOURCE}).status_code == 201
 
 

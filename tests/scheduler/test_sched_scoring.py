@@ -118,6 +118,7 @@ def test_flip_to_training_waits_for_the_final_pass_of_a_sole_holder(harness):
 def test_no_holder_fetches_from_the_trainer_for_scoring_and_missing_if_that_fails(harness):
     c = _cell(harness)
     src = {"host": "127.0.0.1", "port": 29999}
+    harness.client.put("/v1/trainer/version-host", json=src)
     assert harness.client.post("/v1/versions", json={"version": 1, "source": src}).status_code == 201
     c.version = 1
     _run(harness, c, "s")
@@ -143,6 +144,7 @@ def test_no_fetch_for_scoring_to_a_cell_that_cannot_score_then_missing_after_the
     version to score; with no other cell, the tokens become `missing` after the grace."""
     c = _cell(harness, scoring=False)
     src = {"host": "127.0.0.1", "port": 29999}
+    harness.client.put("/v1/trainer/version-host", json=src)
     assert harness.client.post("/v1/versions", json={"version": 1, "source": src}).status_code == 201
     c.version = 1
     _run(harness, c, "s")
@@ -163,6 +165,7 @@ def test_no_fetch_for_scoring_to_a_cell_that_cannot_score_then_missing_after_the
 def test_a_restarted_cell_is_told_to_fetch_the_current_version_at_once(harness):
     c = _cell(harness)
     src = {"host": "127.0.0.1", "port": 29999}
+    harness.client.put("/v1/trainer/version-host", json=src)
     assert harness.client.post("/v1/versions", json={"version": 1, "source": src}).status_code == 201
     c.sync()
     assert [x["mode"] for x in c.commands if x["type"] == "load_version"] == ["broadcast"]
