@@ -229,7 +229,9 @@ def _seed(path: str, n_cells: int) -> None:
     sync within its lease: `_sync`). Registering 10,000 cells one by one is not what is measured."""
     store = Store(path)
     with store.tx():
-        store.executemany("INSERT INTO cells VALUES (?,?,'rollout',1,0,?,30000,?,1024,0,16,'[]')",
+        store.executemany("INSERT INTO cells(id, incarnation, state, generation, version, address, store_port, "
+                          "capabilities, kv_blocks_total, kv_blocks_used, max_running, history, trust) "
+                          "VALUES (?,?,'rollout',1,0,?,30000,?,1024,0,16,'[]','verified')",
                           [(f"cell-{i}", f"inc-{i}", f"10.0.{i // 250}.{i % 250}:20000", CAPS) for i in range(n_cells)])
     store.close()
 

@@ -28,13 +28,14 @@ import uuid
 from cells.agent.commands import Commands
 from cells.agent.moves import Moves
 from cells.agent.owned import Owned
-from cells.client import Fenced, SchedulerClient
-from cells.engine.base import Engine, kv_handover, versioned_weights
+from cells.client import Fenced, Refused, SchedulerClient
+from cells.engine.base import Engine, kv_handover, scoring, versioned_weights
 from cells.roles import CellRole
 from cells.training.worker import TrainingWorker
 from cells.transport.store import StoreHost
 from cells.versions import CellVersions
 from scheduler.contract.config import CellflipConfig
+from scheduler.contract.probe import probe_tokens
 from scheduler.contract.protocol import (
     Capabilities,
     RegisterRequest,
@@ -55,6 +56,8 @@ STEP_WAIT_S = 0.5
 (`quiesce`)."""
 STALL_LOG_S = 10.0
 """An engine with work that produced no token for this long logs the cell's state (once a minute)."""
+REGISTER_RETRY_S = 120.0
+"""How long a new incarnation retries while the previous one's lease on its id runs out."""
 
 
 class CellAgent:
@@ -109,13 +112,25 @@ class CellAgent:
 
     # -- lifecycle --------------------------------------------------------------------------
     def register(self) -> None:
+        """Register as a new incarnation. While the previous process's lease has not lapsed the
+        scheduler refuses the id (`cell_id_in_use`): retried until it has (bounded)."""
         self.incarnation = uuid.uuid4().hex
         summary = self.engine.summary()
-        resp = self.client.register(RegisterRequest(
+        req = RegisterRequest(
             cell_id=self.cell_id, incarnation=self.incarnation, address=f"{self.host}:0",
             store_port=self.store_host.address.port, capabilities=engine_capabilities(self.engine),
             kv_blocks_total=summary["kv_blocks_total"], max_running=summary.get("max_running", 1),
-            version=summary["version"]))
+            version=summary["version"], probe=probe_answer(self.engine, summary["version"]))
+        deadline = time.monotonic() + REGISTER_RETRY_S
+        while True:
+            try:
+                resp = self.client.register(req)
+                break
+            except Refused as e:
+                if e.reason != "cell_id_in_use" or time.monotonic() > deadline:
+                    raise
+                log.info("cell %s: the id is still leased to the previous incarnation; retrying", self.cell_id)
+                time.sleep(0.5)
         self.heartbeat_s = resp.heartbeat_s
         self.role.set("rollout", f"registered at generation {resp.generation}")
         log.info("cell %s registered as %s", self.cell_id, self.incarnation[:8])
@@ -348,10 +363,22 @@ class CellAgent:
         self.owned.clear()
 
 
+def probe_answer(engine: Engine, version: int | None) -> list[float] | None:
+    """The registration probe's log-probs for the served version (scheduler/contract/probe.py),
+    by the engine's scoring path; None where the engine cannot score or its vocabulary is unknown."""
+    caps = engine.capabilities
+    if not caps.scoring or not caps.vocab_size:
+        return None
+    tokens = probe_tokens(version, caps.vocab_size, caps.output_ranges)
+    return [float(x) for x in scoring(engine).score(tokens, temperature=1.0)]
+
+
 def engine_capabilities(engine: Engine) -> Capabilities:
     """What the cell reports at registration: its engine's capabilities, as the protocol
     carries them."""
     caps = engine.capabilities
     return Capabilities(kv_export=caps.kv_export, scoring=caps.scoring, weight_update=caps.weight_update,
                         batch_invariant=caps.batch_invariant, block_size=caps.block_size,
-                        kv_store=caps.kv_store, update_ranks=caps.update_ranks)
+                        kv_store=caps.kv_store, update_ranks=caps.update_ranks, vocab_size=caps.vocab_size,
+                        max_context=caps.max_context,
+                        output_ranges=[list(r) for r in caps.output_ranges] if caps.output_ranges else None)

@@ -57,6 +57,12 @@ class Capabilities:
     """Identity of a shared KV store the engine reads and writes (path `kv_store`); None: none."""
     block_size: int = 16
     """Tokens per KV block (or page)."""
+    vocab_size: int = 0
+    """Ids the model takes (0: unknown); a token id at or past it is refused before placement."""
+    max_context: int = 0
+    """Most tokens (prompt plus generation) one request may hold (0: unknown)."""
+    output_ranges: tuple[tuple[int, int], ...] | None = None
+    """Half-open id ranges the model samples from (None: the whole vocabulary)."""
 
 
 class Engine(ABC):

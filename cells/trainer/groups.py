@@ -30,9 +30,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-DROP_REASONS = ("deadline", "stale", "uniform_reward", "no_group", "late")
+DROP_REASONS = ("deadline", "stale", "uniform_reward", "no_group", "late", "untrusted")
 """Why trajectories are dropped (the `reason` label of `cellflip_groups_dropped_total`);
-`late`: a trajectory whose group was already trained (counted as a trajectory, not a group)."""
+`late`: a trajectory whose group was already trained (counted as a trajectory, not a group);
+`untrusted`: a member holds tokens a quarantined cell sampled."""
 
 MAX_CLOSED = 100_000
 """Settled group ids remembered (to recognise stragglers)."""
@@ -135,8 +136,9 @@ class GroupGate:
 
     def _verdict(self, members: list[dict[str, Any]], age_s: float) -> str | None:
         """'ready', a drop reason, or None (keep waiting)."""
-        if any(t.get("dropped") for t in members):
-            return "stale"
+        dropped = [t["dropped"] for t in members if t.get("dropped")]
+        if dropped:
+            return "untrusted" if "untrusted" in dropped else "stale"
         done = {member_id(t) for t in members if is_trunk(t)}
         if len(done) >= self.group_size:
             rewards = {float(t["reward"]) for t in members}

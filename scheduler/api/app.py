@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from scheduler.api.auth import AgentBudget, ScopedAuth, TokenRegistry
 from scheduler.api.docs import declare_bearer, install_docs
+from scheduler.api.jsontext import SafeJSONResponse
 from scheduler.api.limits import BodySizeLimit
 from scheduler.api.routes import ROUTERS
 from scheduler.contract.config import (
@@ -89,6 +89,7 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
             store.close()
 
     app = FastAPI(title="cellflip scheduler", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  default_response_class=SafeJSONResponse,
                   description="Control plane: cells, flips, weight versions, sessions, completions.")
     app.state.metrics = metrics
     app.state.tokens = registry
@@ -142,16 +143,16 @@ def _publish_chat_schemas(app: FastAPI) -> None:
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(CellflipError)
-    async def _domain(_: Request, exc: CellflipError) -> JSONResponse:
+    async def _domain(_: Request, exc: CellflipError) -> SafeJSONResponse:
         status, body, headers = http_answer(exc)
-        return JSONResponse(body, status_code=status, headers=headers)
+        return SafeJSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(ProtocolError)
-    async def _protocol(_: Request, exc: ProtocolError) -> JSONResponse:
+    async def _protocol(_: Request, exc: ProtocolError) -> SafeJSONResponse:
         status, body, headers = http_answer(Invalid(str(exc)))  # a malformed cell message
-        return JSONResponse(body, status_code=status, headers=headers)
+        return SafeJSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> SafeJSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse({"detail": "internal error", "reason": "internal"}, status_code=500)
+        return SafeJSONResponse({"detail": "internal error", "reason": "internal"}, status_code=500)

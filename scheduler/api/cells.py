@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse
 
 from scheduler.api.deps import ApiRoute, Ctl
+from scheduler.api.jsontext import SafeJSONResponse
 from scheduler.api.schemas import errors
 from scheduler.contract.errors import CellflipError, NotFound
 
@@ -44,16 +44,22 @@ def _cursor(raw: str | None) -> str | None:
 # walked again by FastAPI's encoder (most of a small GET's cost at fleet scale).
 
 @router.get("", responses=errors(400), response_model=dict)
-async def list_cells(ctl: Ctl, limit: str | None = None, cursor: str | None = None) -> JSONResponse:
+async def list_cells(ctl: Ctl, limit: str | None = None, cursor: str | None = None) -> SafeJSONResponse:
     """Cells in id order, `limit` at a time (default 1000, at most 10,000): `next_cursor` is the
     `cursor` of the next page, null after the last."""
     cells, nxt = ctl.cell_page(_cursor(cursor), _limit(limit))
-    return JSONResponse({"cells": cells, "next_cursor": nxt})
+    return SafeJSONResponse({"cells": cells, "next_cursor": nxt})
 
 
 @router.get("/{cell_id}", responses=errors(404), response_model=dict)
-async def get_cell(cell_id: str, ctl: Ctl) -> JSONResponse:
+async def get_cell(cell_id: str, ctl: Ctl) -> SafeJSONResponse:
     found = ctl.cell_view(cell_id)
     if not found:
         raise NotFound(f"unknown cell {cell_id!r}")
-    return JSONResponse(found[0])
+    return SafeJSONResponse(found[0])
+
+
+@router.post("/{cell_id}/readmit", responses=errors(404, 409), response_model=dict)
+async def readmit(cell_id: str, ctl: Ctl) -> dict:
+    """Clear a cell's quarantine (admin): its id may register again, unverified until its probe agrees."""
+    return ctl.readmit_cell(cell_id)

@@ -7,7 +7,6 @@ the last), then `data: [DONE]`; without `stream`, one object with the same keys 
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -15,6 +14,7 @@ from fastapi import APIRouter, Header
 from fastapi.responses import StreamingResponse
 
 from scheduler.api.deps import ApiRoute, Ctl
+from scheduler.api.jsontext import dumps
 from scheduler.api.principal import current_agent
 from scheduler.api.schemas import CompletionCreate, errors
 from scheduler.contract.ids import SESSION_ID_PATTERN, SESSION_ID_RULE
@@ -53,8 +53,8 @@ async def create_completion(body: CompletionCreate, ctl: Ctl, session_id: Sessio
 async def _sse(ctl, request_id: str) -> AsyncIterator[str]:
     async for rows, cur in ctl.follow_request(request_id):
         if rows:
-            yield f"data: {json.dumps(_chunk(request_id, rows))}\n\n"
+            yield f"data: {dumps(_chunk(request_id, rows))}\n\n"
         if cur.state in ("finished", "failed") and not rows:
             end = {"id": request_id, "token_ids": [], "logprobs": [], "versions": [], "finish_reason": cur.reason}
-            yield f"data: {json.dumps(end)}\n\n"
+            yield f"data: {dumps(end)}\n\n"
     yield "data: [DONE]\n\n"

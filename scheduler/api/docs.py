@@ -67,3 +67,13 @@ def declare_bearer(doc: dict) -> None:
                 op["x-cellflip-scopes"] = sorted(scopes | {"admin"})
                 note = f"Token scopes: {', '.join(sorted(scopes | {'admin'}))}."
                 op["description"] = f"{op.get('description', '').rstrip()}\n\n{note}".strip()
+            answers = op.setdefault("responses", {})
+            if "requestBody" in op:  # the one body decoder in front of every route (scheduler/api/limits.py)
+                answers.setdefault("400", _error("The body is not UTF-8 text, or holds a lone UTF-16 surrogate"))
+            if scopes is not None and "agent" in scopes:  # each agent token's budget (scheduler/api/auth.py)
+                answers.setdefault("429", _error("The agent token's request rate or concurrent-session limit"))
+
+
+def _error(description: str) -> dict:
+    return {"description": description,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ApiError"}}}}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from scheduler.api.deps import ApiRoute, Ctl, check_int64
+from scheduler.api.principal import CURRENT
 from scheduler.api.schemas import errors
 from scheduler.contract.protocol import (
     AbortMigrationRequest,
@@ -18,8 +19,11 @@ router = APIRouter(prefix="/internal/v1", tags=["internal"], route_class=ApiRout
 
 @router.post("/cells/register", responses=errors(409, 413, 422))
 async def register(body: RegisterRequest, ctl: Ctl) -> dict:
+    """A live cell's id cannot be taken over by another incarnation (409 `cell_id_in_use`)
+    except by an admin token; a quarantined id registers again only after an admin readmits it."""
     check_int64(body)
-    return ctl.register(body).to_dict()
+    caller = CURRENT.get()
+    return ctl.register(body, admin=caller is None or caller.scope == "admin").to_dict()
 
 
 @router.post("/cells/{cell_id}/sync", responses=errors(404, 409, 413, 422))

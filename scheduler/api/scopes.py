@@ -38,6 +38,7 @@ ROUTE_SCOPES: dict[tuple[str, str], frozenset[str]] = {
     # the trainer's API
     ("GET", "/v1/cells"): TRAINER,
     ("GET", "/v1/cells/{cell_id}"): TRAINER,
+    ("POST", "/v1/cells/{cell_id}/readmit"): ADMIN,
     ("POST", "/v1/flips"): TRAINER,
     ("GET", "/v1/flips"): TRAINER,
     ("GET", "/v1/flips/{flip_id}"): TRAINER,

@@ -168,6 +168,13 @@ class SchedulerConfig(_Strict):
     correction weights (decoupled PPO: r_stale capped by the objective's C_s), `drop` hands out
     only a record saying it was dropped (the trainer drops its whole group). Counted either way
     in `cellflip_stale_trajectories_total{policy}` and `GET /v1/versions`."""
+    verify_tolerance: float = Field(default=1e-3, ge=0)
+    """Where either cell is not batch-invariant, two log-probs of the same token and version
+    agree within this many nats (registration probes, the log-prob service's cross-check);
+    batch-invariant cells must agree bit for bit."""
+    trust_unprobed_cells: bool = False
+    """Count cells that cannot score (no registration probe, e.g. SGLang cells scoring on the
+    trainer's copy) toward `min_rollout_cells`. Off: only verified cells count."""
     auto_flip: bool = True
     """Run the planner's autonomous flip policy once the trainer has declared its demand
     (POST /v1/trainer/report); an explicit POST /v1/flips overrides it."""

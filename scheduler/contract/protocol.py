@@ -93,6 +93,12 @@ class Capabilities(Message):
     """Ranks the cell adds to a version's update group when it receives versions through its
     engine's own collective (SGLang: tp ranks, plus the scoring copy). 0: the cell receives
     the trainer's bucketed broadcast itself (embedded engine)."""
+    vocab_size: int = 0
+    """Ids the model takes (0: unknown). Every cell of a fleet reports the same model limits."""
+    max_context: int = 0
+    """Most tokens (prompt plus generation) one request may hold (0: unknown)."""
+    output_ranges: list[list[int]] | None = None
+    """Half-open id ranges the model samples from (None: the whole vocabulary)."""
 
 
 @dataclass
@@ -111,6 +117,10 @@ class RegisterRequest(Message):
     node: str | None = None
     """The machine the cell runs on, as its launcher names it (Ray: node IP and node id);
     shown to operators (`GET /v1/cells` `capabilities.node`, the live view), read by no decision."""
+    probe: list[float] | None = None
+    """Log-probs of `scheduler.contract.probe.probe_tokens(version, ...)` by the cell's scoring
+    path (None: it cannot score): how the scheduler tells a cell that runs the model from one
+    that claims to."""
 
 
 @dataclass

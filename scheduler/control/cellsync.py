@@ -33,6 +33,7 @@ from scheduler.store.fleet import CellRow
 if TYPE_CHECKING:
     from scheduler.control.context import Context, Effects
     from scheduler.control.ingest import Ingest
+    from scheduler.control.trust import Trust
     from scheduler.control.versions import Versions
 
 
@@ -46,10 +47,12 @@ class Membership:
     """Register, sync and fence: the cell side of the control plane. Holds no state beyond the
     context's registry of live cells."""
 
-    def __init__(self, ctx: Context, versions: Versions, ingest: Ingest, holders: Sequence[CellHolder]) -> None:
+    def __init__(self, ctx: Context, versions: Versions, ingest: Ingest, trust: Trust,
+                 holders: Sequence[CellHolder]) -> None:
         self.ctx = ctx
         self.versions = versions
         self.ingest = ingest
+        self.trust = trust
         self.holders = tuple(holders)
         """Asked in this order when a cell is fenced."""
 
@@ -61,16 +64,27 @@ class Membership:
                 self.ctx.registry.admit(cell.id, self.ctx.cfg.lease_s, seen=False)
 
     # ------------------------------------------------------------------ register
-    def register(self, msg: RegisterRequest) -> RegisterResponse:
-        """Join (or re-join after a scheduler restart) the fleet. A new incarnation fences the old."""
+    def register(self, msg: RegisterRequest, admin: bool = False) -> RegisterResponse:
+        """Join (or re-join after a scheduler restart) the fleet. A new incarnation of a known id
+        fences the old one only once the old one's lease has lapsed (or it is down), unless an
+        admin registers it: a live cell's id cannot be taken over (409 `cell_id_in_use`). The
+        registration probe sets the cell's trust (scheduler/control/trust.py)."""
         ctx = self.ctx
         known = ctx.store.fleet.get_cell(msg.cell_id)
+        if known is not None and known.trust == "quarantined" and not admin:
+            raise Conflict(f"{msg.cell_id} is quarantined: an admin readmits it (POST /v1/cells/{msg.cell_id}/readmit)",
+                           code="quarantined")
+        if (known is not None and known.incarnation != msg.incarnation and known.state != "down" and not admin
+                and known.id in ctx.registry.live and not ctx.registry.is_expired(known.id)):
+            raise Conflict(f"{msg.cell_id} is live under another incarnation: register again once its lease "
+                           f"({ctx.cfg.lease_s:g}s) lapses", code="cell_id_in_use", retry_after_s=ctx.cfg.lease_s)
         if (known is not None and known.incarnation == msg.incarnation and known.state != "down"
                 and ctx.registry.is_expired(msg.cell_id)):  # its lease ran out: same rule as a sync
             self.fence(msg.cell_id, "lease expired")
             raise Conflict(f"lease of {msg.cell_id} expired", code="fenced")
         with ctx.txn(durable=True) as fx:
             row = self._registered_row(fx, msg)
+            self.trust.admit(fx, row, msg, admin)
             ctx.store.fleet.put_cell(row)
         if row.state == "joining":  # a new process: what the old one was told to load does not carry over
             self.versions.forget_cell(msg.cell_id)
@@ -134,9 +148,16 @@ class Membership:
         rejected: list[str] = []
         revokes: list[tuple[str, str]] = []
         finishes: list[tuple[str, str]] = []
+        untrue: str | None = None
         if msg.tokens:
             with ctx.txn(durable=False) as fx:  # token batches: NORMAL sync, committed before release
-                rejected, revokes, finishes = self.ingest.accept_tokens(fx, cell_id, msg.tokens)
+                rejected, revokes, finishes, untrue = self.ingest.accept_tokens(fx, cell_id, msg.tokens)
+        if untrue is not None:
+            with ctx.txn(durable=True) as fx:
+                fresh = ctx.store.fleet.get_cell(cell_id)
+                assert fresh is not None
+                self.trust.quarantine(fx, fresh, untrue)
+            raise Conflict(f"{cell_id} is quarantined: {untrue}", code="fenced")
         if revokes or finishes or events or _is_news(row, msg):  # a plain heartbeat writes nothing
             with ctx.txn(durable=True) as fx:
                 self.ingest.apply_outcomes(fx, revokes, finishes)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from scheduler.control.context import Context, Effects
     from scheduler.control.ownership import Ownership
     from scheduler.control.staleness import Staleness
+    from scheduler.control.trust import Trust
     from scheduler.planner.types import Destination, Snapshot
 
 IDEMPOTENCY_SCOPE = "completions"
@@ -38,8 +39,9 @@ class Completions:
     store's, its owner `Ownership`'s."""
 
     def __init__(self, ctx: Context, ownership: Ownership, staleness: Staleness,
-                 snapshot: Callable[[], Snapshot]) -> None:
+                 snapshot: Callable[[], Snapshot], trust: Trust) -> None:
         self.ctx = ctx
+        self.trust = trust
         self.ownership = ownership
         self.staleness = staleness
         self.snapshot = snapshot
@@ -61,6 +63,7 @@ class Completions:
             first = ctx.store.owners.get_request(hit["request_id"])
             assert first is not None, f"idempotency record of a request the store lacks: {hit}"
             return first
+        self.check(session_id, prompt_ids, params, agent)
         self.staleness.check_admission(session_id)
         rid = f"req-{uuid.uuid4().hex[:16]}"
         sid = session_id or f"anon-{rid[4:]}"
@@ -71,6 +74,26 @@ class Completions:
             idempotency.record(ctx.store, scope, idempotency_key, fp,
                                {"request_id": rid, "session_id": sid})
         return req
+
+    def check(self, session_id: str | None, prompt_ids: list[int], params: dict[str, Any],
+              agent: str | None = None) -> None:
+        """Everything that refuses a turn before it records anything: another agent's session
+        (404), a turn already in flight (409), what a cell would refuse (422: ids outside the
+        vocabulary, the context plus max_tokens past the model's length, a negative seed)."""
+        sessions = self.ctx.store.sessions
+        row = sessions.get(session_id) if session_id else None
+        if row is not None:
+            sessions.require(session_id, agent)
+            if self.ctx.store.owners.active_request_for_session(row.id) is not None:
+                raise Conflict(f"session {row.id!r} has a request in flight", code="session_busy")
+        context = len(prompt_ids) if prompt_ids or row is None else row.length - row.segment_starts[-1]
+        self.trust.check_request(list(prompt_ids), context, params)
+
+    def admissible(self, session_id: str | None, num_tokens: int) -> None:
+        """Would a new turn be admitted now (the staleness bound, a rollout cell with room)?
+        Raises the 429 it would get; places nothing."""
+        self.staleness.check_admission(session_id)
+        self._destination("req-admission", session_id or "anon", num_tokens, sticky=bool(session_id))
 
     def _destination(self, rid: str, sid: str, num_tokens: int, sticky: bool) -> Destination:
         """The session's previous cell when it has room, else the planner's choice; 429 when

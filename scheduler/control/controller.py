@@ -47,6 +47,7 @@ from scheduler.control.scoring import Scoring
 from scheduler.control.snapshot import CellSummaries, build_snapshot
 from scheduler.control.staleness import Staleness
 from scheduler.control.tally import FleetTally
+from scheduler.control.trust import Trust
 from scheduler.control.versions import Versions
 from scheduler.planner.types import Snapshot
 from scheduler.store import Store
@@ -74,26 +75,31 @@ class Controller:
         """Finish rate, slot occupancy and training speed as measured here (the planner's inputs)."""
         self.cell_summaries = CellSummaries(ctx)
         """The snapshot's per-cell summaries, re-read only where the store or registry changed."""
-        self.scoring = Scoring(ctx)
+        self.trust = Trust(ctx)
+        """The fleet's model limits and each cell's trust; quarantine."""
+        self.scoring = Scoring(ctx, self.trust)
         """Scoring tasks, scoring-only fetches, version drops and final passes."""
         self.versions = Versions(ctx, self.scoring)
         """Which cell was told to load which version, when."""
-        self.migrations = Migrations(ctx, self.versions)
+        self.migrations = Migrations(ctx, self.versions, self.trust)
         """When each pending KV copy began; each move's client-visible stall."""
         self.ownership = Ownership(ctx, self.migrations, self.snapshot)
         """Each request's progress clock and the cell a stalled request avoids."""
         self.tally = FleetTally(ctx)
         """Rollout slots, live rollout cells and role-seconds, kept by change; the fleet's
         Prometheus families at scrape."""
-        self.flips = Flips(ctx, self.ownership, self.migrations, self.versions, self.scoring, self.snapshot, self.tally)
+        self.flips = Flips(ctx, self.ownership, self.migrations, self.versions, self.scoring, self.snapshot, self.tally,
+                           self.trust)
         """Drain deadlines and the cells an explicit flip pinned in training."""
         self.staleness = Staleness(ctx, self.rates)
         """The trajectory cursor and the staleness rules' counters."""
-        self.completions = Completions(ctx, self.ownership, self.staleness, self.snapshot)
-        ingest = Ingest(ctx, self.ownership, self.migrations, self.scoring, self.flips)
-        self.membership = Membership(ctx, self.versions, ingest,
+        self.completions = Completions(ctx, self.ownership, self.staleness, self.snapshot, self.trust)
+        ingest = Ingest(ctx, self.ownership, self.migrations, self.scoring, self.flips, self.trust)
+        self.membership = Membership(ctx, self.versions, ingest, self.trust,
                                      holders=(self.migrations, self.ownership, self.flips, self.scoring, self.versions))
         """Register, sync, fence; fencing asks each holder above in that order."""
+        self.trust.quarantine_cell = self.membership.fence_in_tx
+        self.trust.fail_request = self.ownership.fail
         self.membership.recover()
         self.gc_policy = GcPolicy(time.monotonic, ctx.metrics.gc_full.observe)
         """The process's garbage collection, paced by the running loop (`run`)."""
@@ -163,8 +169,11 @@ class Controller:
                 await self.ctx.notifier.wait(REST_KEY, left)
 
     # ------------------------------------------------------------------ thin API: cells
-    def register(self, msg: RegisterRequest) -> RegisterResponse:
-        return self.membership.register(msg)
+    def register(self, msg: RegisterRequest, admin: bool = False) -> RegisterResponse:
+        return self.membership.register(msg, admin)
+
+    def readmit_cell(self, cell_id: str) -> dict[str, Any]:
+        return self.trust.readmit(cell_id)
 
     async def sync(self, cell_id: str, msg: SyncRequest) -> SyncResponse:
         return await self.membership.sync(cell_id, msg)

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from scheduler.control.ownership import Ownership
     from scheduler.control.scoring import Scoring
     from scheduler.control.tally import FleetTally
+    from scheduler.control.trust import Trust
     from scheduler.control.versions import Versions
     from scheduler.planner.types import Snapshot
     from scheduler.store.fleet import CellRow
@@ -50,8 +51,9 @@ class Flips:
     """Role changes of cells. Owns `drain_deadline`, `pinned_training` and `role_sent`."""
 
     def __init__(self, ctx: Context, ownership: Ownership, migrations: Migrations, versions: Versions,
-                 scoring: Scoring, snapshot: Callable[[], Snapshot], tally: FleetTally) -> None:
+                 scoring: Scoring, snapshot: Callable[[], Snapshot], tally: FleetTally, trust: Trust) -> None:
         self.ctx = ctx
+        self.trust = trust
         self.tally = tally
         self.ownership = ownership
         self.migrations = migrations
@@ -140,14 +142,16 @@ class Flips:
         return row.to_api()
 
     def _spare_rollout(self, exclude: str, leaving: set[str] | None = None) -> int:
-        """Rollout cells that stay in rollout: live, in state rollout, not flipping to training
-        (the tally's set, brought up to date first: it reads only the cells that changed).
-        `leaving`: the cells flipping to training, when the caller has them (a superset is safe)."""
+        """Verified rollout cells that stay in rollout: live, in state rollout, not flipping to
+        training (the tally's set, brought up to date first: it reads only the cells that
+        changed), and trusted (`Trust.counts`: a cell that has not shown it runs the model is
+        no capacity to guarantee). `leaving`: the cells flipping to training, when the caller
+        has them (a superset is safe)."""
         if leaving is None:
             leaving = self.ctx.store.fleet.flipping_cells("training")
         self.tally.advance(self.ctx.clock())
-        rollout = self.tally.rollout
-        return len(rollout) - sum(1 for c in leaving | {exclude} if c in rollout)
+        away = leaving | {exclude}
+        return sum(1 for c in self.tally.rollout if c not in away and self.trust.counts(c))
 
     def finish(self, fx: Effects, flip: FlipRow, outcome: str, reason: str | None = None) -> None:
         """pending/draining/loading → done | failed | rolled_back (caller saved the cell)."""

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from scheduler.control.migrations import Migrations
     from scheduler.control.ownership import Ownership
     from scheduler.control.scoring import Scoring
+    from scheduler.control.trust import Trust
     from scheduler.store.owners import RequestRow
 
 log = logging.getLogger("cellflip.scheduler")
@@ -84,9 +85,10 @@ def check_events(events: list[Message]) -> None:
             raise Invalid("scored start must be >= 0")
 
 
-Outcomes = tuple[list[str], list[tuple[str, str]], list[tuple[str, str]]]
-"""(rejected request ids, revocations [(id, reason)], finishes [(id, finish_reason)]); a
-revocation whose reason starts with `FAIL` ends the request instead of re-placing it."""
+Outcomes = tuple[list[str], list[tuple[str, str]], list[tuple[str, str]], str | None]
+"""(rejected request ids, revocations [(id, reason)], finishes [(id, finish_reason)], why the
+cell must be quarantined or None); a revocation whose reason starts with `FAIL` ends the request
+instead of re-placing it."""
 
 FAIL = "fail: "
 """Prefix of a revocation that ends the request (it cannot go on anywhere)."""
@@ -97,8 +99,9 @@ class Ingest:
     Holds no state of its own."""
 
     def __init__(self, ctx: Context, ownership: Ownership, migrations: Migrations, scoring: Scoring,
-                 flips: Flips) -> None:
+                 flips: Flips, trust: Trust) -> None:
         self.ctx = ctx
+        self.trust = trust
         self.ownership = ownership
         self.migrations = migrations
         self.scoring = scoring
@@ -112,6 +115,10 @@ class Ingest:
         revokes: list[tuple[str, str]] = []
         finishes: list[tuple[str, str]] = []
         for b in batches:
+            if (why := self.trust.invalid_records(cell_id, b.records)) is not None:
+                # what no honest engine reports: nothing of this sync is taken, the cell goes
+                fx.later(lambda: ctx.metrics.tokens_rejected.labels("untrue").inc())
+                return [x.request_id for x in batches], [], [], f"request {b.request_id}: {why}"
             req = ctx.store.owners.get_request(b.request_id)
             stored = []
             if req is not None and b.start < req.num_generated:
@@ -137,14 +144,14 @@ class Ingest:
                 revokes.append((b.request_id, f"{FAIL}the session's buffer changed under the request"))
                 continue
             if v.new:
-                self._append(fx, req, v.new, b.epoch)
+                self._append(fx, req, v.new, b.epoch, cell_id)
             if b.finish_reason is not None and req.is_owned:
                 finishes.append((req.id, b.finish_reason))
-        return rejected, revokes, finishes
+        return rejected, revokes, finishes, None
 
-    def _append(self, fx: Effects, req: RequestRow, new: list[TokenRecord], epoch: int) -> None:
+    def _append(self, fx: Effects, req: RequestRow, new: list[TokenRecord], epoch: int, cell_id: str) -> None:
         ctx = self.ctx
-        ctx.store.sessions.append_sampled(req.session_id, req.base + req.num_generated, new, epoch)
+        ctx.store.sessions.append_sampled(req.session_id, req.base + req.num_generated, new, epoch, cell_id)
         req.num_generated += len(new)
         ctx.store.owners.set_num_generated(req.id, req.num_generated)
         self.ownership.advanced(req.id, tokens=True)
@@ -170,7 +177,7 @@ class Ingest:
     def apply_events(self, fx: Effects, cell_id: str, events: list[Message]) -> None:
         handlers = {
             MigrationEvent.TYPE: lambda e: self._on_migration(fx, e),
-            ScoredEvent.TYPE: self.scoring.on_scored,
+            ScoredEvent.TYPE: lambda e: self.scoring.on_scored(fx, cell_id, e),
             BroadcastEvent.TYPE: lambda e: self._on_broadcast(fx, e),
             RoleFailedEvent.TYPE: lambda e: self.flips.role_failed(fx, cell_id, e.flip_id, e.reason),
         }

@@ -17,7 +17,7 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _SLOW = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 CELL_STATES = ("joining", "rollout", "draining", "training", "loading", "down")
-GROUP_DROP_REASONS = ("deadline", "stale", "uniform_reward", "no_group", "late")
+GROUP_DROP_REASONS = ("deadline", "stale", "uniform_reward", "no_group", "late", "untrusted")
 """Why a trainer drops a group (cells/trainer/groups.py)."""
 
 
@@ -62,6 +62,9 @@ class Metrics:
         self.drift = Counter(p + "retokenization_drift", "Recorded tokens that differ from sampled ones (must stay 0).", registry=r)
         self.history_rewrites = Counter(p + "history_rewrites", "Harness edits of earlier turns (each starts a new segment).", registry=r)
         self.requests_stalled = Counter(p + "requests_stalled", "Running requests taken back from an owner that reported them but committed no token for stall_timeout_s.", ["cell"], registry=r)
+        self.probes = Counter(p + "probes", "Registration probes by outcome (verified: agreed with the version's reference; refused: disagreed).", ["outcome"], registry=r)
+        self.quarantined = Counter(p + "cells_quarantined", "Cells quarantined for what they reported (invalid tokens, contradicted log-probs, a disagreeing probe).", registry=r)
+        self.tokens_taken_back = Counter(p + "tokens_taken_back", "Session tokens removed because a quarantined cell sampled them (or they followed its samples).", registry=r)
         self.requests_failed = Counter(p + "requests_failed", "Requests ended with an error reason (stuck after repeated re-placement, their session changed under them, or their sampler quarantined).", registry=r)
         self.tokens_rejected = Counter(p + "tokens_rejected", "Token batches refused at sync, by reason.", ["reason"], registry=r)
         self.fenced = Counter(p + "cells_fenced", "Cell incarnations fenced (lease lost or replaced).", ["reason"], registry=r)

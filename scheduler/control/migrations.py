@@ -40,6 +40,7 @@ from scheduler.store.owners import MigrationRow
 
 if TYPE_CHECKING:
     from scheduler.control.context import Context, Effects
+    from scheduler.control.trust import Trust
     from scheduler.control.versions import Versions
     from scheduler.store.fleet import CellRow, FlipRow
     from scheduler.store.owners import RequestRow
@@ -55,9 +56,10 @@ class Migrations:
     """Migration records and the KV copy protocol. Owns `started` (when each pending copy
     began, for its timeout) and `stalls` (the client-visible stall of each move)."""
 
-    def __init__(self, ctx: Context, versions: Versions) -> None:
+    def __init__(self, ctx: Context, versions: Versions, trust: Trust) -> None:
         self.ctx = ctx
         self.versions = versions
+        self.trust = trust
         now = ctx.clock()
         self.started: dict[str, float] = {m.id: now for m in ctx.store.owners.pending_migrations()}
         """migration id → monotonic time the pending copy began (restarts at now after a restart)."""
@@ -239,12 +241,16 @@ class Migrations:
             self.abort(fx, mig, "tail differs from stored tokens", tell=(mig.src,))
             return Conflict("tail differs from the stored tokens", code="mismatch")
         new = tail.records[n - tail.start:]
+        if (why := self.trust.invalid_records(mig.src, new)) is not None:
+            self.abort(fx, mig, f"invalid tail: {why}", tell=(mig.src,))
+            return Conflict(f"the tail cannot be true: {why}", code="invalid")
         if n + len(new) != body.num_tokens:
             self.abort(fx, mig, "token count mismatch at commit", tell=(mig.src,))
             return Conflict(f"store has {n + len(new)} tokens, destination {body.num_tokens}",
                             code="length_mismatch")
         if new:
-            ctx.store.sessions.append_sampled(req.session_id, req.base + n, new, mig.epoch + 1)
+            # sampled by the source: the destination only carried them over
+            ctx.store.sessions.append_sampled(req.session_id, req.base + n, new, mig.epoch + 1, mig.src)
             req.num_generated = n + len(new)
             self.stalls.on_tokens(req.id, len(new), ctx.clock())  # the tail reaches clients now
             fx.later(lambda k=len(new): ctx.metrics.tokens_generated.inc(k))

@@ -28,6 +28,7 @@ from scheduler.contract.protocol import DropVersionCmd, LoadVersionCmd, ScoreCmd
 
 if TYPE_CHECKING:
     from scheduler.control.context import Context, Effects
+    from scheduler.control.trust import Trust
 
 log = logging.getLogger("cellflip.scoring")
 
@@ -50,8 +51,9 @@ class Scoring:
     """The log-prob service's bookkeeping, in memory (rebuilt after a restart: unscored tokens
     are simply assigned again)."""
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, trust: Trust) -> None:
         self.ctx = ctx
+        self.trust = trust
         self.tasks: dict[str, Task] = {}
         self.fetch_sent: dict[tuple[str, int], float] = {}
         """(cell, version) → when a scoring-only fetch of a version was sent."""
@@ -105,6 +107,7 @@ class Scoring:
     def _assign(self, now: float) -> None:
         ctx, cfg = self.ctx, self.ctx.ver_cfg
         holders: dict[int, list[str]] = {}
+        verified = {c.id for c in ctx.store.fleet.list_cells() if c.trust == "verified"}
         with ctx.txn(durable=False) as fx:
             for row in ctx.store.sessions.unscored_ranges(limit=cfg.max_ranges_per_pass):
                 rid, sid, prompt_start, base, num_gen, params, state, owner, v, lo, hi, n = row
@@ -123,7 +126,11 @@ class Scoring:
                     continue
                 self.no_holder_since.pop(v, None)
                 if cells:
-                    cell = owner if owner in cells else min(cells, key=self.load)
+                    # a verified cell other than the sampler scores it: the exact log-probs then
+                    # also check what the sampler reported (Trust.cross_check)
+                    others = [c for c in cells if c != owner and c in verified]
+                    cell = min(others, key=self.load) if others else owner if owner in cells else min(
+                        cells, key=self.load)
                     self._send_task(fx, cell, rid, sid, v, prompt_start, lo, hi + 1, params, now)
 
     def _send_task(self, fx: Effects, cell: str, rid: str, sid: str, v: int, prompt_start: int, start: int, end: int,
@@ -164,14 +171,25 @@ class Scoring:
             log.warning("version %d: %d tokens of session %s have no exact old log-prob (%s)", version, n,
                         session_id, why)
 
-    def on_scored(self, e: ScoredEvent) -> None:
+    def on_scored(self, fx: Effects, cell_id: str, e: ScoredEvent) -> None:
+        """A scoring task's answer. Exact log-probs from a verified cell are checked against what
+        each token's sampler reported (`Trust.cross_check`); a value that is not a finite number
+        is never stored: that token's provenance becomes `missing`."""
         ctx = self.ctx
-        if e.task_id is not None:
-            self.tasks.pop(e.task_id, None)
+        task = self.tasks.pop(e.task_id, None) if e.task_id is not None else None
         if ctx.store.sessions.get(e.session_id) is None:
             return
-        n = ctx.store.sessions.fill_old_logprobs(e.session_id, e.start, e.old_logprobs, e.provenance,
-                                                 version=e.version)
+        old = list(e.old_logprobs)
+        if e.provenance == "exact":
+            req = ctx.store.owners.get_request(task.request_id) if task is not None else None
+            base = req.base if req is not None and req.base <= e.start else e.start
+            clean = self.trust.cross_check(fx, cell_id, e.session_id, base, e.start, e.version, old)
+            for i, (raw, x) in enumerate(zip(old, clean, strict=True)):
+                if raw is not None and x is None and e.version is not None:
+                    n = ctx.store.sessions.mark_missing(e.session_id, e.version, e.start + i, e.start + i + 1)
+                    fx.later(lambda n=n: ctx.metrics.logprob_missing.inc(n))
+            old = clean
+        n = ctx.store.sessions.fill_old_logprobs(e.session_id, e.start, old, e.provenance, version=e.version)
         if e.provenance == "exact":
             self.scored_tokens += n
             self.scoring_seconds += max(e.seconds, 0.0)

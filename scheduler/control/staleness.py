@@ -62,6 +62,8 @@ class Staleness:
         """Past the bound, handed out to be trained with correction weights."""
         self.stale_dropped = 0
         """Past the bound, handed out as dropped."""
+        self.untrusted_dropped = 0
+        """Handed out as dropped because a quarantined cell sampled some of them."""
         self.max_seen = 0
         """Largest staleness of a trajectory handed out."""
         self.admission_paused = 0
@@ -122,6 +124,11 @@ class Staleness:
                 self.max_seen = k
                 ctx.metrics.staleness_max.set(k)
             t = {**t, "staleness": k}
+            if ctx.store.sessions.tainted(t["id"]):  # a quarantined cell sampled some of it
+                self.untrusted_dropped += 1
+                out.append({"id": t["id"], "state": t["state"], "reward": t["reward"], "group_id": t["group_id"],
+                            "staleness": k, "dropped": "untrusted"})
+                continue
             if k > bound:
                 ctx.metrics.stale_trajectories.labels(policy).inc()
                 if policy == "drop":
@@ -138,5 +145,6 @@ class Staleness:
         cfg = self.ctx.cfg
         return {"bound": cfg.staleness_bound, "policy": cfg.staleness_policy,
                 "trajectories_handed_out": self.handed_out, "stale_corrected": self.stale_corrected,
-                "stale_dropped": self.stale_dropped, "max_seen": self.max_seen,
+                "stale_dropped": self.stale_dropped, "untrusted_dropped": self.untrusted_dropped,
+                "max_seen": self.max_seen,
                 "admission_limit": self.admission_limit(), "admission_paused": self.admission_paused}

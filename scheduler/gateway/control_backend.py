@@ -40,12 +40,17 @@ class ControlPlaneBackend:
     def ctl(self) -> Controller:
         return self.app.state.controller  # built by the app's lifespan
 
+    async def admit(self, session_id: str, prompt_ids: list[int], params: dict[str, Any]) -> None:
+        """Every refusal a turn can get, before the gateway records anything of it: another
+        agent's session, a turn in flight, what a cell would refuse, the staleness bound's
+        admission and rollout capacity (scheduler/control/completions.py)."""
+        ctl = self.ctl
+        ctl.completions.check(session_id, list(prompt_ids), _sampling(params), current_agent())
+        ctl.completions.admissible(session_id, len(prompt_ids))
+
     async def complete(self, session_id: str, prompt_ids: list[int], params: dict[str, Any]) -> AsyncIterator[TokenOut]:
         ctl = self.ctl
-        sp = {k: params[k] for k in _PARAMS if params.get(k) is not None}
-        sp["stop_token_ids"] = list(sp.get("stop_token_ids", []))
-        if sp.get("top_k", 0) < 0:  # OpenAI-style "off"
-            sp["top_k"] = 0
+        sp = _sampling(params)
         # its refusals are BackendErrors
         req = ctl.submit_completion(session_id, list(prompt_ids), sp, agent=current_agent())
         held = None  # one token held back so the last one can carry the finish reason
@@ -118,3 +123,12 @@ class ControlPlaneBackend:
             raise SessionNotFound(f"unknown session {session_id!r}")
         if row is not None and row.state == "finished":
             raise SessionFinished(f"session {session_id!r} is finished")
+
+
+def _sampling(params: dict[str, Any]) -> dict[str, Any]:
+    """The gateway's sampling parameters as the control plane takes them."""
+    sp = {k: params[k] for k in _PARAMS if params.get(k) is not None}
+    sp["stop_token_ids"] = list(sp.get("stop_token_ids", []))
+    if sp.get("top_k", 0) < 0:  # OpenAI-style "off"
+        sp["top_k"] = 0
+    return sp

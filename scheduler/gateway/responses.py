@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi.responses import JSONResponse
-
+from scheduler.api.jsontext import SafeJSONResponse
 from scheduler.contract.tito.backend import BackendError
 from scheduler.contract.tito.openai_schema import ChatCompletionRequest, error_body
 from scheduler.contract.tito.turn import TurnResult
@@ -26,14 +25,14 @@ def error_response(
     param: str | None = None,
     code: str | None = None,
     headers: dict | None = None,
-) -> JSONResponse:
+) -> SafeJSONResponse:
     """An OpenAI error object with its status."""
-    return JSONResponse(
+    return SafeJSONResponse(
         error_body(status, message, param=param, code=code), status_code=status, headers=headers
     )
 
 
-def backend_error_response(e: BackendError, hdrs: dict[str, str]) -> JSONResponse:
+def backend_error_response(e: BackendError, hdrs: dict[str, str]) -> SafeJSONResponse:
     """A backend failure's status, with ``Retry-After`` (whole seconds, >= 1) when it has one."""
     h = dict(hdrs)
     ra = e.retry_after_s

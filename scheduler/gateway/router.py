@@ -35,9 +35,10 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import ValidationError
 
+from scheduler.api.jsontext import SafeJSONResponse
 from scheduler.contract.ids import SESSION_ID_PATTERN, SESSION_ID_RULE
 from scheduler.contract.tito.backend import (
     BackendError,
@@ -178,7 +179,7 @@ async def _serve_chat(
             cid, created, model = ident(req)
             run = gw.start(plan)
             result = await run.run()
-        return JSONResponse(
+        return SafeJSONResponse(
             completion_body(gw.tokenizer, result, req, cid, created, model), headers=hdrs
         )
     except GatewayError as e:
@@ -203,4 +204,4 @@ async def _finish(gw: TitoGateway, session_id: str, body: bytes) -> Response:
         return error_response(e.status, str(e) or e.code, code=e.code)
     finally:
         gw.forget(session_id)
-    return JSONResponse(out)
+    return SafeJSONResponse(out)

@@ -8,12 +8,12 @@ stream with an error event; the tokens already sent stay recorded.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi.responses import Response, StreamingResponse
 
+from scheduler.api.jsontext import dumps
 from scheduler.contract.tito.backend import BackendError
 from scheduler.contract.tito.openai_schema import ChatCompletionRequest, error_body
 from scheduler.contract.tito.tito import TitoGateway, TurnRun
@@ -27,7 +27,7 @@ DONE = b"data: [DONE]\n\n"
 
 def sse(obj: dict[str, Any]) -> bytes:
     """One server-sent event carrying ``obj`` as compact JSON."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
 
 class _Chunks:

@@ -32,6 +32,10 @@ ADDED_COLUMNS = (
     ("migrations", "commit_tokens", "INTEGER"),
     ("tokens", "epoch", "INTEGER"),
     ("sessions", "agent", "TEXT"),
+    ("cells", "trust", "TEXT NOT NULL DEFAULT 'unverified'"),
+    ("cells", "probe", "TEXT"),
+    ("tokens", "cell", "TEXT"),
+    ("sessions", "tainted", "INTEGER NOT NULL DEFAULT 0"),
 )
 """Columns added after a table's first release: a store written by an older scheduler gets
 them (with their defaults) when it is opened, so a restart across an upgrade keeps its state."""

@@ -22,7 +22,7 @@ CREATE TABLE IF NOT EXISTS cells(
   id TEXT PRIMARY KEY, incarnation TEXT NOT NULL, state TEXT NOT NULL,
   generation INTEGER NOT NULL, version INTEGER, address TEXT NOT NULL, store_port INTEGER NOT NULL,
   capabilities TEXT NOT NULL, kv_blocks_total INTEGER NOT NULL, kv_blocks_used INTEGER NOT NULL,
-  max_running INTEGER NOT NULL, history TEXT NOT NULL);
+  max_running INTEGER NOT NULL, history TEXT NOT NULL, trust TEXT NOT NULL DEFAULT 'unverified', probe TEXT);
 CREATE TABLE IF NOT EXISTS flips(
   id TEXT PRIMARY KEY, cell_id TEXT NOT NULL, to_role TEXT NOT NULL, state TEXT NOT NULL,
   idem_key TEXT, reason TEXT, migrated INTEGER NOT NULL, suspended INTEGER NOT NULL,
@@ -56,6 +56,12 @@ class CellRow:
     kv_blocks_used: int
     max_running: int
     history: list = field(default_factory=list)
+    trust: str = "unverified"
+    """`unverified` (registered, not yet shown to run the model), `verified` (its registration
+    probe agreed with the version's reference) or `quarantined` (fenced for what it reported:
+    scheduler/control/trust.py)."""
+    probe: dict | None = None
+    """This incarnation's registration probe: {"version", "logprobs", "exact"}."""
 
     def to_api(self) -> dict[str, Any]:
         return {
@@ -63,7 +69,7 @@ class CellRow:
             "role": role_of(self.state), "generation": self.generation, "version": self.version,
             "address": self.address, "store_port": self.store_port,
             "capabilities": self.capabilities, "kv_blocks_used": self.kv_blocks_used,
-            "kv_blocks_total": self.kv_blocks_total, "max_running": self.max_running,
+            "kv_blocks_total": self.kv_blocks_total, "max_running": self.max_running, "trust": self.trust,
         }
 
 
@@ -107,7 +113,8 @@ class VersionRow:
     (None: the version is recorded only, cells load it by other means)."""
 
 
-_CELL_COLS = "id, incarnation, state, generation, version, address, store_port, capabilities, kv_blocks_total, kv_blocks_used, max_running, history"
+_CELL_COLS = ("id, incarnation, state, generation, version, address, store_port, capabilities, kv_blocks_total, "
+              "kv_blocks_used, max_running, history, trust, probe")
 _FLIP_COLS = ("id, cell_id, to_role, state, idem_key, reason, migrated, suspended, recomputed, created_at, "
               "finished_at, history, kv_store")
 
@@ -117,7 +124,7 @@ def _version(r: tuple) -> VersionRow:
 
 
 def _cell(r: tuple) -> CellRow:
-    return CellRow(*r[:7], loads(r[7]), *r[8:11], loads(r[11]))
+    return CellRow(*r[:7], loads(r[7]), *r[8:11], loads(r[11]), r[12], loads(r[13]) if r[13] else None)
 
 
 def _flip(r: tuple) -> FlipRow:
@@ -205,9 +212,10 @@ class FleetStore:
 
     def put_cell(self, c: CellRow) -> None:
         self.s.execute(
-            f"INSERT OR REPLACE INTO cells({_CELL_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            f"INSERT OR REPLACE INTO cells({_CELL_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (c.id, c.incarnation, c.state, c.generation, c.version, c.address, c.store_port,
-             dumps(c.capabilities), c.kv_blocks_total, c.kv_blocks_used, c.max_running, dumps(c.history[-50:])),
+             dumps(c.capabilities), c.kv_blocks_total, c.kv_blocks_used, c.max_running, dumps(c.history[-50:]),
+             c.trust, dumps(c.probe) if c.probe is not None else None),
         )
 
     # -- flips

@@ -32,12 +32,13 @@ if TYPE_CHECKING:
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions(
   id TEXT PRIMARY KEY, state TEXT NOT NULL, length INTEGER NOT NULL, segment_starts TEXT NOT NULL,
-  reward REAL, group_id TEXT, finish_seq INTEGER, created_at REAL NOT NULL, finished_at REAL, agent TEXT);
+  reward REAL, group_id TEXT, finish_seq INTEGER, created_at REAL NOT NULL, finished_at REAL, agent TEXT,
+  tainted INTEGER NOT NULL DEFAULT 0);
 CREATE UNIQUE INDEX IF NOT EXISTS sessions_finish ON sessions(finish_seq);
 CREATE TABLE IF NOT EXISTS tokens(
   session_id TEXT NOT NULL, idx INTEGER NOT NULL, token_id INTEGER NOT NULL,
   loss_mask INTEGER NOT NULL, logprob REAL, version INTEGER, truncated INTEGER NOT NULL,
-  old_logprob REAL, provenance TEXT, epoch INTEGER, PRIMARY KEY(session_id, idx)) WITHOUT ROWID;
+  old_logprob REAL, provenance TEXT, epoch INTEGER, cell TEXT, PRIMARY KEY(session_id, idx)) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS tokens_version ON tokens(version, provenance) WHERE loss_mask = 1;
 CREATE INDEX IF NOT EXISTS tokens_unscored ON tokens(version) WHERE loss_mask = 1 AND provenance IS NULL;
 CREATE TABLE IF NOT EXISTS gateway_state(session_id TEXT PRIMARY KEY, state TEXT NOT NULL);
@@ -134,10 +135,11 @@ class SessionStore:
         start = row.segment_starts[-1]
         return start, self.token_ids(session_id, start)
 
-    def _append_rows(self, row: SessionRow, rows: list[tuple], epoch: int | None = None) -> None:
+    def _append_rows(self, row: SessionRow, rows: list[tuple], epoch: int | None = None,
+                     cell: str | None = None) -> None:
         self.s.executemany(
-            f"INSERT INTO tokens(session_id, idx, {_TOK_COLS}, epoch) VALUES (?,?,?,?,?,?,?,?,?,?)",
-            [(row.id, row.length + i, *r, epoch) for i, r in enumerate(rows)],
+            f"INSERT INTO tokens(session_id, idx, {_TOK_COLS}, epoch, cell) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            [(row.id, row.length + i, *r, epoch, cell) for i, r in enumerate(rows)],
         )
         row.length += len(rows)
         self.s.execute("UPDATE sessions SET length=? WHERE id=?", (row.length, row.id))
@@ -158,13 +160,53 @@ class SessionStore:
                 self.put(row)
         return row.length
 
-    def append_sampled(self, session_id: str, at: int, records: list[TokenRecord], epoch: int) -> None:
+    def append_sampled(self, session_id: str, at: int, records: list[TokenRecord], epoch: int,
+                       cell: str | None = None) -> None:
         """Append sampled tokens (loss mask 1) at buffer index `at` == the current length,
-        accepted under ownership `epoch`."""
+        accepted under ownership `epoch`, sampled by `cell`. The caller checked `at` (a
+        mismatch is a Conflict, never a half-written buffer)."""
         row = self.require(session_id)
-        assert at == row.length, f"sampled tokens at {at} but session {session_id} has {row.length}"
+        if at != row.length:
+            raise Conflict(f"sampled tokens at {at} but session {session_id} has {row.length}", code="misaligned")
         self._append_rows(row, [(int(t), 1, float(lp), int(v), int(bool(tr)), None, None) for t, lp, v, tr in records],
-                          epoch)
+                          epoch, cell)
+
+    def sampled_by(self, cell_id: str) -> list[tuple[str, int]]:
+        """(session, first index) of every session holding tokens `cell_id` sampled."""
+        q = "SELECT session_id, MIN(idx) FROM tokens WHERE cell=? AND loss_mask=1 GROUP BY session_id"
+        return self.s.execute(q, (cell_id,)).fetchall()
+
+    def samplers(self, session_id: str, start: int, end: int) -> list[str | None]:
+        """The cell that sampled each token of [start, end) (None: a prompt token, or unknown)."""
+        q = "SELECT cell FROM tokens WHERE session_id=? AND idx>=? AND idx<? ORDER BY idx"
+        return [r[0] for r in self.s.execute(q, (session_id, start, end))]
+
+    def truncate(self, session_id: str, at: int) -> int:
+        """Drop the tokens from buffer index `at` on (a quarantined cell's samples); the
+        gateway's state of the session goes too (its next turn renders afresh). Returns rows dropped."""
+        row = self.require(session_id)
+        if at >= row.length:
+            return 0
+        n = self.s.execute("DELETE FROM tokens WHERE session_id=? AND idx>=?", (session_id, at)).rowcount
+        row.length = at
+        row.segment_starts = [s for s in row.segment_starts if s <= at] or [0]
+        self.put(row)
+        self.s.execute("DELETE FROM gateway_state WHERE session_id=?", (session_id,))
+        return n
+
+    def mark_missing_from(self, session_id: str, start: int) -> int:
+        """Unscored sampled tokens from `start` on will never be scored (their sampler was
+        quarantined): provenance `missing`, so their versions can retire."""
+        return self.s.execute("UPDATE tokens SET provenance='missing', old_logprob=NULL WHERE session_id=? AND "
+                              "idx>=? AND loss_mask=1 AND provenance IS NULL", (session_id, start)).rowcount
+
+    def taint(self, session_id: str) -> None:
+        """The session holds tokens nobody can vouch for: it is never handed out for training."""
+        self.s.execute("UPDATE sessions SET tainted=1 WHERE id=?", (session_id,))
+
+    def tainted(self, session_id: str) -> bool:
+        r = self.s.execute("SELECT tainted FROM sessions WHERE id=?", (session_id,)).fetchone()
+        return bool(r and r[0])
 
     def epochs(self, session_id: str, start: int = 0) -> list[tuple[int, int | None]]:
         """(index, epoch) of the sampled tokens from `start`: the epochs they were accepted under."""

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from scheduler.api.app import create_app
 from scheduler.contract.config import CellflipConfig, MigrationConfig, SchedulerConfig
+from scheduler.contract.probe import PROBE_LEN
 from tests.conftest import AUTH
 
 
@@ -48,6 +49,14 @@ class Harness:
     def ctl(self):
         return self.app.state.controller
 
+    def auth(self, scope: str) -> dict:
+        """The Authorization header of this app's bootstrap token of `scope` (the client's own
+        default is the admin token)."""
+        from scheduler.contract.tokens import server_tokens
+
+        tokens = server_tokens(self.app.state.controller.cfg.model_copy(update={"db_path": self.db_path}))
+        return {"Authorization": f"Bearer {tokens[scope]}"}
+
     def tick(self, n: int = 1) -> None:
         for _ in range(n):
             self.client.portal.call(self.ctl.tick)
@@ -78,6 +87,10 @@ def open_harness(tmp_path):
     h.close()
 
 
+FAKE_PROBE = [-1.0 - 0.01 * i for i in range(PROBE_LEN - 1)]
+"""The fake model's answer to the registration probe (any version)."""
+
+
 def token_of(request_id: str, i: int) -> int:
     return (sum(map(ord, request_id)) * 31 + i * 7) % 1000
 
@@ -104,7 +117,7 @@ class FakeCell:
 
     def __init__(self, client: TestClient, cell_id: str, *, kv_export: bool = True, max_running: int = 4,
                  kv_blocks_total: int = 64, version: int | None = 0, headers: dict | None = None,
-                 kv_store: str | None = None, scoring: bool = True) -> None:
+                 kv_store: str | None = None, scoring: bool = True, probe: list[float] | None = None) -> None:
         self.client, self.cell_id = client, cell_id
         self.incarnation = uuid.uuid4().hex[:8]
         self.kv_export, self.max_running, self.kv_blocks_total = kv_export, max_running, kv_blocks_total
@@ -119,6 +132,8 @@ class FakeCell:
         self.migrations_out: dict[str, dict] = {}
         self.versions_held: list[int] | None = None
         """Reported weight versions in memory (None: only the served one)."""
+        self.probe = probe if probe is not None else (FAKE_PROBE if scoring else None)
+        """The registration probe's answer: every honest fake cell gives the same one."""
 
     def register(self, expect: int = 200) -> dict:
         r = self.client.post("/internal/v1/cells/register", headers=self.headers, json={
@@ -126,7 +141,8 @@ class FakeCell:
             "store_port": 29500, "capabilities": {"kv_export": self.kv_export, "scoring": self.scoring, "weight_update": "staged",
                                                   "batch_invariant": True, "block_size": 16,
                                                   "kv_store": self.kv_store},
-            "kv_blocks_total": self.kv_blocks_total, "max_running": self.max_running, "version": self.version})
+            "kv_blocks_total": self.kv_blocks_total, "max_running": self.max_running, "version": self.version,
+            "probe": self.probe})
         assert r.status_code == expect, r.text
         return r.json()
 

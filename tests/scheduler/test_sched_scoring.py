@@ -55,6 +55,7 @@ def test_finished_request_is_scored_by_a_holder_with_the_right_context(harness):
 def test_a_scored_event_writes_only_tokens_of_its_version(harness):
     c = _cell(harness)
     _run(harness, c, "s", n=2)
+    assert harness.client.post("/v1/versions", json={"version": 1}).status_code == 201  # recorded, no source
     c.version = 1  # the next turn samples under version 1
     _run(harness, c, "s", n=2, prompt=(8,))
     sess = harness.client.get("/v1/sessions/s").json()

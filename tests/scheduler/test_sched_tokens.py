@@ -164,7 +164,10 @@ def test_version_retire_waits_for_old_logprobs(harness):
     assert harness.client.delete("/v1/versions/7").status_code == 404
 
 
-def test_non_finite_logprob_is_refused_and_the_request_taken_away(harness):
+def test_non_finite_logprob_quarantines_the_cell_and_the_request_moves_on(harness):
+    """No honest engine reports a log-prob of -inf for a token it sampled: nothing of the sync
+    is stored, the cell is quarantined (fenced, its id refused until an admin readmits it), and
+    its request re-prefills on another cell."""
     c = _one_cell(harness)
     fut = harness.complete({"prompt_ids": [1, 2], "max_tokens": 3}, session="nf")
     until_held(c, fut)
@@ -174,12 +177,16 @@ def test_non_finite_logprob_is_refused_and_the_request_taken_away(harness):
                                   "records": [[5, float("-inf"), 0, False]], "finish_reason": "length"}]})
     r = harness.client.post(f"/internal/v1/cells/{c.cell_id}/sync", content=raw,
                             headers={"Content-Type": "application/json"})
-    assert r.status_code == 200 and rid in r.json()["rejected"], r.text
+    assert r.status_code == 409 and r.json()["reason"] == "fenced", r.text
+    cell = harness.client.get(f"/v1/cells/{c.cell_id}").json()
+    assert cell["state"] == "down" and cell["trust"] == "quarantined"
     req = harness.ctl.store.owners.get_request(rid)
     assert req.num_generated == 0 and req.epoch == 2  # nothing stored; re-placed at a new epoch
     assert harness.client.get("/v1/sessions/nf").json()["logprobs"] == [None, None]
-    c.held.clear()
-    for cmd in r.json()["commands"]:
-        c.handle(cmd)
-    pump([c], until=fut, harness=harness)
+    again = FakeCell(harness.client, c.cell_id, headers=harness.auth("cell"))
+    assert again.register(expect=409)["reason"] == "quarantined"  # a new process under that id: refused
+    other = FakeCell(harness.client, "c-ok")
+    other.register(), other.sync()
+    harness.tick()
+    pump([other], until=fut, harness=harness)
     assert len(fut.result(timeout=60).json()["token_ids"]) == 3

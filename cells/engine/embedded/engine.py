@@ -68,9 +68,12 @@ class EmbeddedEngine(Engine):
                                          lambda: self.version, self.evict_one)
         self.num_cached_tokens = 0
         """Prompt tokens whose KV came from the prefix cache instead of a prefill."""
+        ranges = self.spec.output_id_ranges
         self.capabilities = Capabilities(kv_export=True, scoring=True, weight_update="staged",
                                          batch_invariant=cfg.batch_invariant, versioned_weights=True,
-                                         block_size=cfg.block_size)
+                                         block_size=cfg.block_size, vocab_size=self.spec.vocab_size,
+                                         max_context=min(self.spec.max_position, cfg.num_blocks * cfg.block_size),
+                                         output_ranges=tuple(tuple(r) for r in ranges) if ranges else None)
         self.num_steps = 0
 
     # -- versions ---------------------------------------------------------------------------

@@ -135,6 +135,9 @@ class CompletionBackend(Protocol):
         already, or a request in flight) otherwise."""
         ...
 
+    # Optional: ``async def admit(session_id, prompt_ids, params) -> None`` raises every refusal
+    # the turn would get (busy session, limits, capacity) before the gateway records anything.
+
 
 # ------------------------------------------------------------------------------ counters
 class GatewayCounters(Protocol):

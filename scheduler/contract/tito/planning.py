@@ -106,6 +106,9 @@ class TurnPlanner:
                 param="messages",
                 code="context_length_exceeded",
             )
+        admit = getattr(self.backend, "admit", None)
+        if admit is not None:  # the backend's refusals, before the turn records anything
+            await admit(session_id, plan.prompt_ids, plan.params)
         return plan
 
     def _request_fields(self, session_id: str, req: ChatCompletionRequest) -> dict[str, Any]:

@@ -1,0 +1,297 @@
+"""Cells are untrusted until verified: the fleet's model limits, each cell's trust, the checks on
+everything a cell reports, and quarantine.
+
+- **Model limits.** The first cell to register fixes the fleet's vocabulary, context length and
+  output ids (durably); a cell reporting other limits is refused. Requests are checked against
+  them before anything is recorded or placed (`check_request`), and so is every sampled token.
+- **Trust.** A cell registers `unverified`, with its answer to the registration probe
+  (scheduler/contract/probe.py): log-probs of a short sequence fixed by the version. It becomes
+  `verified` when its answer agrees with the version's reference (set when two cells first
+  agree), and is refused when it disagrees. `min_rollout_cells` counts verified cells only (and
+  cells that cannot score, with `scheduler.trust_unprobed_cells`).
+- **Ingest checks.** A sampled token outside the vocabulary or the output ids, a log-prob that is
+  not finite or above 0, a version the cell was never told to serve: the cell is quarantined.
+  So is a cell whose sampled log-probs a verified cell's exact scoring contradicts (bit for
+  bit where both are batch-invariant, within `scheduler.verify_tolerance` otherwise, on tokens
+  whose request never changed version), or whose tokens a verified cell scores as impossible.
+- **Quarantine.** The cell is fenced (`trust` quarantined, so its id is refused until an admin
+  registers it anew); every request holding tokens it sampled ends with the reason, those
+  tokens and what followed them leave the session (the next turn is sampled elsewhere), and a
+  finished session holding them is never handed out for training.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from scheduler.contract.errors import Conflict, Invalid
+from scheduler.contract.probe import agree, well_formed
+
+if TYPE_CHECKING:
+    from scheduler.contract.protocol import Capabilities, RegisterRequest, TokenRecord
+    from scheduler.control.context import Context, Effects
+    from scheduler.store.fleet import CellRow
+
+log = logging.getLogger("cellflip.trust")
+
+MODEL_KEY = "fleet.model"
+PROBE_KEY = "probe.reference.{}"
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    vocab_size: int
+    max_context: int
+    output_ranges: tuple[tuple[int, int], ...] | None
+
+    @classmethod
+    def of(cls, caps: Capabilities) -> ModelLimits:
+        ranges = tuple((int(lo), int(hi)) for lo, hi in caps.output_ranges) if caps.output_ranges else None
+        return cls(int(caps.vocab_size), int(caps.max_context), ranges)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"vocab_size": self.vocab_size, "max_context": self.max_context,
+                "output_ranges": [list(r) for r in self.output_ranges] if self.output_ranges else None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelLimits:
+        ranges = tuple((int(lo), int(hi)) for lo, hi in d["output_ranges"]) if d.get("output_ranges") else None
+        return cls(int(d["vocab_size"]), int(d["max_context"]), ranges)
+
+    def sampleable(self, token: int) -> bool:
+        if not 0 <= token < self.vocab_size:
+            return False
+        return self.output_ranges is None or any(lo <= token < hi for lo, hi in self.output_ranges)
+
+
+class Trust:
+    """Owns the fleet's model limits and each cell's trust (mirrored from the store's cells)."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        raw = ctx.store.fleet.setting(MODEL_KEY)
+        self.limits: ModelLimits | None = ModelLimits.from_dict(raw) if raw else None
+        self.told: dict[str, set[int]] = {c.id: {c.version} for c in ctx.store.fleet.list_cells()
+                                          if c.state != "down" and c.version is not None}
+        """cell → versions it registered with (its tokens may carry them besides published ones);
+        after a restart, the version each cell last reported."""
+        self.quarantine_cell: Callable[[Effects, CellRow, str], None] | None = None
+        """Fences a cell (the controller wires Membership.fence_in_tx here)."""
+        self.fail_request: Callable[..., None] | None = None
+        """Ends a request with a reason (Ownership.fail)."""
+
+    # ------------------------------------------------------------------ registration
+    def admit(self, fx: Effects, row: CellRow, msg: RegisterRequest, admin: bool) -> None:
+        """A (re-)registration: model limits, the id rule, the probe. Refusals raise before
+        anything is written; the caller puts `row`."""
+        ctx = self.ctx
+        self._check_limits(msg.capabilities)
+        self.told.setdefault(row.id, set()).update({msg.version} if msg.version is not None else set())
+        if row.incarnation == msg.incarnation and row.trust == "verified":
+            return  # the same process again (a scheduler restart): it proved itself already
+        row.trust, row.probe = "unverified", None
+        if msg.probe is None:
+            return
+        if not well_formed(msg.probe):
+            raise Invalid("probe must be the probe's log-probs: finite, <= 0, one per predicted token")
+        exact = bool(msg.capabilities.batch_invariant)
+        row.probe = {"version": msg.version, "logprobs": [float(x) for x in msg.probe], "exact": exact}
+        ref = ctx.store.fleet.setting(PROBE_KEY.format(msg.version))
+        if ref is not None:
+            if not self._agree(ref, row.probe):
+                fx.later(lambda: ctx.metrics.probes.labels("refused").inc())
+                raise Conflict(f"{row.id}'s probe at version {msg.version} disagrees with the fleet's: it does not "
+                               "run the fleet's model", code="probe_mismatch")
+            row.trust = "verified"
+            fx.later(lambda: ctx.metrics.probes.labels("verified").inc())
+            return
+        for peer in ctx.store.fleet.list_cells():
+            p = peer.probe
+            if (peer.id == row.id or peer.state == "down" or p is None or p.get("version") != msg.version
+                    or not self._agree(p, row.probe)):
+                continue
+            ctx.store.fleet.put_setting(PROBE_KEY.format(msg.version), row.probe)
+            row.trust = "verified"
+            self._settle(fx, msg.version, row.probe, skip=row.id)
+            log.info("version %s: %s and %s agree on the probe: both verified", msg.version, row.id, peer.id)
+            return
+
+    def readmit(self, cell_id: str) -> dict[str, Any]:
+        """An admin clears a quarantine: the id may register again (unverified, probed anew)."""
+        from scheduler.contract.errors import NotFound
+
+        with self.ctx.txn(durable=True):
+            row = self.ctx.store.fleet.get_cell(cell_id)
+            if row is None:
+                raise NotFound(f"unknown cell {cell_id!r}")
+            if row.trust != "quarantined":
+                raise Conflict(f"{cell_id} is not quarantined ({row.trust})", code="not_quarantined")
+            row.trust, row.probe = "unverified", None
+            self.ctx.store.fleet.put_cell(row)
+        return row.to_api()
+
+    def _agree(self, a: dict, b: dict) -> bool:
+        return agree(a["logprobs"], b["logprobs"], bool(a.get("exact")) and bool(b.get("exact")),
+                     self.ctx.cfg.verify_tolerance)
+
+    def _settle(self, fx: Effects, version: int | None, ref: dict, skip: str) -> None:
+        """A reference was just set: every unverified live cell of that version is verified or
+        quarantined by it."""
+        for cell in self.ctx.store.fleet.list_cells():
+            p = cell.probe
+            if cell.id == skip or cell.state == "down" or cell.trust != "unverified" or p is None:
+                continue
+            if p.get("version") != version:
+                continue
+            row = self.ctx.store.fleet.get_cell(cell.id)
+            assert row is not None
+            if self._agree(ref, p):
+                row.trust = "verified"
+                self.ctx.store.fleet.put_cell(row)
+                fx.later(lambda: self.ctx.metrics.probes.labels("verified").inc())
+            else:
+                self.quarantine(fx, row, f"probe at version {version} disagrees with the fleet's")
+
+    def _check_limits(self, caps: Capabilities) -> None:
+        if not caps.vocab_size:
+            return  # an engine that does not report them (the fleet's, if known, still apply)
+        mine = ModelLimits.of(caps)
+        if self.limits is None:
+            self.limits = mine
+            self.ctx.store.fleet.put_setting(MODEL_KEY, mine.to_dict())
+        elif mine != self.limits:
+            raise Conflict(f"model limits {mine.to_dict()} differ from the fleet's {self.limits.to_dict()}",
+                           code="model_mismatch")
+
+    def counts(self, cell_id: str, row: CellRow | None = None) -> bool:
+        """Does the cell count toward `min_rollout_cells`?"""
+        row = row or self.ctx.store.fleet.get_cell(cell_id)
+        if row is None or row.trust == "quarantined":
+            return False
+        if row.trust == "verified":
+            return True
+        return self.ctx.cfg.trust_unprobed_cells and not row.capabilities.get("scoring")
+
+    # ------------------------------------------------------------------ requests
+    def check_request(self, new_ids: list[int], context_len: int, params: dict[str, Any]) -> None:
+        """What a cell would refuse, refused here first (422), before anything is recorded:
+        ids outside the vocabulary, a context plus max_tokens past the model's length, a
+        negative seed."""
+        seed = params.get("seed")
+        if seed is not None and (not isinstance(seed, int) or seed < 0):
+            raise Invalid(f"seed must be an integer >= 0, got {seed!r}", code="invalid_seed")
+        lim = self.limits
+        if lim is None:
+            return
+        bad = next((t for t in new_ids if not 0 <= t < lim.vocab_size), None)
+        if bad is not None:
+            raise Invalid(f"token id {bad} is outside the model's vocabulary [0, {lim.vocab_size})", code="bad_token")
+        stop_bad = next((t for t in params.get("stop_token_ids") or () if not 0 <= t < lim.vocab_size), None)
+        if stop_bad is not None:
+            raise Invalid(f"stop token id {stop_bad} is outside the vocabulary [0, {lim.vocab_size})", code="bad_token")
+        need = context_len + int(params.get("max_tokens") or 0)
+        if lim.max_context and need > lim.max_context:
+            raise Invalid(f"the context ({context_len} tokens) plus max_tokens ({params.get('max_tokens')}) is "
+                          f"{need}, past the model's {lim.max_context}", code="context_length_exceeded")
+
+    # ------------------------------------------------------------------ ingest
+    def invalid_records(self, cell_id: str, records: list[TokenRecord]) -> str | None:
+        """Why a cell's sampled records cannot be true (None when they can)."""
+        allowed = None
+        for tok, lp, version, _ in records:
+            if not (isinstance(lp, int | float) and math.isfinite(lp) and lp <= 0):
+                return f"log-prob {lp!r} is not a finite number <= 0"
+            if self.limits is not None and not self.limits.sampleable(int(tok)):
+                return f"token id {tok} is not one the model can sample"
+            if allowed is None:
+                allowed = self._servable_by(cell_id)
+            if version not in allowed:
+                return f"version {version} was never served to it"
+        return None
+
+    def _servable_by(self, cell_id: str) -> set[int]:
+        """Versions a cell may tag tokens with: those it registered with, and every published
+        version (it may have been told any of them; a retired one's last tokens can still be
+        on their way)."""
+        out = set(self.told.get(cell_id, ()))
+        out.update(v.v for v in self.ctx.store.fleet.list_versions())
+        return out
+
+    # ------------------------------------------------------------------ scoring cross-check
+    def cross_check(self, fx: Effects, scorer: str, session_id: str, base: int, start: int, version: int | None,
+                    old: list[float | None]) -> list[float | None]:
+        """A verified scorer's exact log-probs for [start, start + len(old)) against what each
+        token's sampler reported; returns `old` with non-finite values replaced by None (never
+        stored). A contradicted sampler is quarantined."""
+        ctx = self.ctx
+        clean = [x if x is None or math.isfinite(x) else None for x in old]
+        srow = ctx.store.fleet.get_cell(scorer)
+        if srow is None or srow.trust != "verified":
+            return clean
+        rows = ctx.store.sessions.read(session_id, base, start + len(old))
+        cells = ctx.store.sessions.samplers(session_id, base, start + len(old))
+        if any(r[1] == 1 and r[3] != version for r in rows):
+            return clean  # the request changed version: its earlier KV was not this version's
+        culprits: dict[str, str] = {}
+        offset = start - base
+        for i, x in enumerate(old):
+            r, sampler = rows[offset + i], cells[offset + i]
+            if r[1] != 1 or sampler is None or sampler == scorer or sampler in culprits:
+                continue
+            if x is None:
+                continue
+            if not math.isfinite(x):
+                culprits[sampler] = f"sampled token {r[0]} that {scorer}'s exact scoring finds impossible"
+                continue
+            if r[4]:  # truncated (top-k/top-p): its behaviour log-prob is of another distribution
+                continue
+            srow2 = ctx.store.fleet.get_cell(sampler)
+            exact = bool(srow2 and srow2.capabilities.get("batch_invariant") and srow.capabilities.get("batch_invariant"))
+            if not agree([r[2]], [x], exact, ctx.cfg.verify_tolerance):
+                culprits[sampler] = (f"reported log-prob {r[2]!r} where {scorer}'s exact scoring gives {x!r} "
+                                     f"(session {session_id}, token {offset + i + base})")
+        for sampler, why in culprits.items():
+            row = ctx.store.fleet.get_cell(sampler)
+            if row is not None and row.trust != "quarantined":
+                self.quarantine(fx, row, why)
+        return clean
+
+    # ------------------------------------------------------------------ quarantine
+    def quarantine(self, fx: Effects, row: CellRow, reason: str) -> None:
+        """Fence the cell for what it reported, and take back what it sampled (inside the
+        caller's durable transaction; the row is put here)."""
+        ctx = self.ctx
+        log.error("cell %s quarantined: %s", row.id, reason)
+        store = ctx.store
+        for session_id, first in store.sessions.sampled_by(row.id):
+            self._take_back(fx, session_id, first, f"sampler {row.id} quarantined: {reason}")
+        row.trust = "quarantined"
+        if row.state != "down" and self.quarantine_cell is not None:
+            self.quarantine_cell(fx, row, f"quarantined: {reason}")
+        store.fleet.put_cell(row)
+        fx.later(lambda: ctx.metrics.quarantined.inc())
+
+    def _take_back(self, fx: Effects, session_id: str, first: int, reason: str) -> None:
+        """Tokens from `first` on were sampled by a quarantined cell (or follow them): the live
+        request ends, an open session loses them, a finished one is never trained."""
+        store = self.ctx.store
+        sess = store.sessions.get(session_id)
+        if sess is None:
+            return
+        req = store.owners.active_request_for_session(session_id)
+        if req is not None and self.fail_request is not None:
+            self.fail_request(fx, req, reason)
+        if sess.state == "finished":  # a trajectory: never trained; its untrusted tokens need no score
+            store.sessions.taint(session_id)
+            n = store.sessions.mark_missing_from(session_id, first)
+            fx.later(lambda: self.ctx.metrics.logprob_missing.inc(n))
+            return
+        for r in store.owners.requests_of_session(session_id):
+            if r.base + r.num_generated > first:
+                store.owners.set_num_generated(r.id, max(0, first - r.base))
+        n = store.sessions.truncate(session_id, first)
+        fx.later(lambda: self.ctx.metrics.tokens_taken_back.inc(n))
