@@ -20,7 +20,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 
 from scheduler.api.auth import AgentBudget, ScopedAuth, TokenRegistry
-from scheduler.api.docs import declare_bearer, install_docs
+from scheduler.api.docs import declare_rules, install_docs
 from scheduler.api.jsontext import SafeJSONResponse
 from scheduler.api.limits import BodySizeLimit
 from scheduler.api.routes import ROUTERS
@@ -42,6 +42,7 @@ from scheduler.contract.tito.openai_schema import ChatCompletionRequest
 from scheduler.contract.tokens import server_tokens
 from scheduler.control.controller import Controller
 from scheduler.control.metrics import Metrics
+from scheduler.control.stallclock import StallClock
 from scheduler.gateway import make_chat_router
 from scheduler.gateway.control_backend import ControlPlaneBackend
 from scheduler.store import Store
@@ -74,15 +75,18 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
         store = Store(db_path or sched.db_path)
         if registry is not None:
             registry.open(store)
-        ctl = Controller(store, sched, migration, clock=clock, metrics=metrics, versions=vers)
+        # on a live loop, leases and deadlines do not run through the loop's own stalls
+        stall = StallClock(clock) if tick_interval_s else None
+        ctl = Controller(store, sched, migration, clock=stall or clock, metrics=metrics, versions=vers)
         app.state.controller = ctl
-        task = asyncio.create_task(ctl.run(tick_interval_s, manage_gc=manage_gc)) if tick_interval_s else None
+        tasks = [asyncio.create_task(ctl.run(tick_interval_s, manage_gc=manage_gc)),
+                 asyncio.create_task(stall.run())] if stall is not None else []
         try:
             yield
         finally:
             ctl.close()
             await asyncio.sleep(0)  # let woken streams see `closing` before the store closes
-            if task is not None:
+            for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -134,7 +138,7 @@ def _publish_chat_schemas(app: FastAPI) -> None:
             known = doc.setdefault("components", {}).setdefault("schemas", {})
             for name, schema in defs.items():
                 known.setdefault(name, schema)
-            declare_bearer(doc)
+            declare_rules(doc)
             app.openapi_schema = doc
         return app.openapi_schema
 

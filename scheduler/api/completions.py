@@ -30,7 +30,14 @@ def _chunk(rid: str, rows: list[tuple]) -> dict:
             "versions": [r[3] for r in rows], "finish_reason": None}
 
 
-@router.post("/v1/generate", response_model=None, responses=errors(404, 409, 413, 422, 429))
+_ANSWER = {200: {"description": "The completion (JSON), or with `stream: true` a server-sent event stream: "
+                                "one `data:` line per chunk {id, token_ids, logprobs, versions, finish_reason}, "
+                                "then `data: [DONE]`",
+                 "content": {"application/json": {"schema": {"type": "object"}},
+                             "text/event-stream": {"schema": {"type": "string"}}}}}
+
+
+@router.post("/v1/generate", response_model=None, responses={**_ANSWER, **errors(404, 409, 413, 422, 429)})
 async def create_completion(body: CompletionCreate, ctl: Ctl, session_id: SessionId = None,
                             idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
                             ) -> dict | StreamingResponse:

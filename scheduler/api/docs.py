@@ -47,10 +47,14 @@ def install_docs(app: FastAPI) -> None:
                               redoc_favicon_url=f"{ASSETS_URL}/favicon.png", with_google_fonts=False)
 
 
-def declare_bearer(doc: dict) -> None:
-    """Every operation but the public ones needs `Authorization: Bearer <token>` of a scope
-    its route takes (Swagger UI's Authorize button; each operation's description names them)."""
+def declare_rules(doc: dict) -> None:
+    """What the server enforces that the models alone do not say: every operation but the
+    public ones needs `Authorization: Bearer <token>` of a scope its route takes (Swagger UI's
+    Authorize button; each operation's description names them); every body route may answer
+    400 (the body decoder) and every agent route 429 (its budget); integers are 64-bit; a
+    sync's events carry one of the known types."""
     from scheduler.api.scopes import PUBLIC, ROUTE_SCOPES
+    from scheduler.contract.protocol import EVENTS
 
     doc.setdefault("components", {}).setdefault("securitySchemes", {})["bearer"] = {
         "type": "http", "scheme": "bearer",
@@ -72,6 +76,27 @@ def declare_bearer(doc: dict) -> None:
                 answers.setdefault("400", _error("The body is not UTF-8 text, or holds a lone UTF-16 surrogate"))
             if scopes is not None and "agent" in scopes:  # each agent token's budget (scheduler/api/auth.py)
                 answers.setdefault("429", _error("The agent token's request rate or concurrent-session limit"))
+    schemas = doc.get("components", {}).get("schemas", {})
+    for schema in schemas.values():
+        _int64(schema)
+    events = schemas.get("SyncRequest", {}).get("properties", {}).get("events")
+    if events is not None:
+        events["items"] = {"type": "object", "required": ["type"], "additionalProperties": True,
+                           "properties": {"type": {"type": "string", "enum": sorted(EVENTS)}}}
+
+
+def _int64(schema: dict) -> None:
+    """Integers without bounds of their own are 64-bit signed (SQLite's INTEGER; larger is a 422)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "integer":
+                node.setdefault("minimum", -(1 << 63))
+                node.setdefault("maximum", (1 << 63) - 1)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def _error(description: str) -> dict:

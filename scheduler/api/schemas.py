@@ -38,6 +38,9 @@ def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 
 class FlipCreate(_Body):
+    model_config = ConfigDict(**_Body.model_config,
+                              json_schema_extra={"dependentRequired": {"expected_generation": ["cell"]}})
+
     cell: str | None = None
     """Cell to flip; null lets the planner pick `count` cells."""
     count: int | None = Field(default=None, ge=1, le=10_000)

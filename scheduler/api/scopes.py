@@ -76,7 +76,9 @@ class Match:
     """The matched route's (method, path); None when no route serves them."""
     scopes: frozenset[str]
     """Who may call it; empty when no route serves this method and path (any valid token
-    then gets the router's 404 or 405)."""
+    then gets the router's 404)."""
+    allow: tuple[str, ...] = ()
+    """With no route for this method: the methods routes serve at this path (a 405's Allow)."""
 
 
 def route_keys(routes: list) -> list[tuple[tuple[str, str], re.Pattern]]:
@@ -108,11 +110,14 @@ class ScopeResolver:
         if self._compiled is None:
             self._compiled = route_keys(self._routes)
         method = "GET" if method == "HEAD" else method
-        public_path = False
+        public_path, allow = False, set()
         for key, regex in self._compiled:
             if regex.match(path):
                 if key[0] in (method, "MOUNT"):
                     return Match(key, ROUTE_SCOPES.get(key, ADMIN))
                 public_path = public_path or ROUTE_SCOPES.get(key) == PUBLIC
+                allow.add(key[0])
+        if "GET" in allow:
+            allow.add("HEAD")
         # another method on a public path: its 405 needs no token either
-        return Match(None, PUBLIC if public_path else frozenset())
+        return Match(None, PUBLIC if public_path else frozenset(), tuple(sorted(allow)))

@@ -218,7 +218,8 @@ class AbortMigrationRequest(Message):
 def _decode(table: Mapping[str, type[Message]], d: Mapping[str, Any], what: str) -> Message:
     if not isinstance(d, Mapping):
         raise ProtocolError(f"{what} must be an object, got {type(d).__name__}")
-    cls = table.get(d.get("type"))  # type: ignore[arg-type]
+    kind = d.get("type")
+    cls = table.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise ProtocolError(f"unknown {what} type {d.get('type')!r} (known: {sorted(table)})")
     return cls.from_dict(d)

@@ -117,7 +117,8 @@ class FakeCell:
 
     def __init__(self, client: TestClient, cell_id: str, *, kv_export: bool = True, max_running: int = 4,
                  kv_blocks_total: int = 64, version: int | None = 0, headers: dict | None = None,
-                 kv_store: str | None = None, scoring: bool = True, probe: list[float] | None = None) -> None:
+                 kv_store: str | None = None, scoring: bool = True, probe: list[float] | None = None,
+                 caps: dict | None = None) -> None:
         self.client, self.cell_id = client, cell_id
         self.incarnation = uuid.uuid4().hex[:8]
         self.kv_export, self.max_running, self.kv_blocks_total = kv_export, max_running, kv_blocks_total
@@ -133,6 +134,8 @@ class FakeCell:
         self.versions_held: list[int] | None = None
         """Reported weight versions in memory (None: only the served one)."""
         self.probe = probe if probe is not None else (FAKE_PROBE if scoring else None)
+        self.caps = caps or {}
+        """More capabilities to report (model limits: vocab_size, max_context, output_ranges)."""
         """The registration probe's answer: every honest fake cell gives the same one."""
 
     def register(self, expect: int = 200) -> dict:
@@ -140,7 +143,7 @@ class FakeCell:
             "cell_id": self.cell_id, "incarnation": self.incarnation, "address": f"127.0.0.1:{hash(self.cell_id) % 1000 + 9000}",
             "store_port": 29500, "capabilities": {"kv_export": self.kv_export, "scoring": self.scoring, "weight_update": "staged",
                                                   "batch_invariant": True, "block_size": 16,
-                                                  "kv_store": self.kv_store},
+                                                  "kv_store": self.kv_store, **self.caps},
             "kv_blocks_total": self.kv_blocks_total, "max_running": self.max_running, "version": self.version,
             "probe": self.probe})
         assert r.status_code == expect, r.text

@@ -8,6 +8,7 @@ it; otherwise the request starts a new segment from a full render (see
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,12 +17,15 @@ from scheduler.contract.tito.chat_request import convert_messages, request_tools
 from scheduler.contract.tito.errors import GatewayError
 from scheduler.contract.tito.fingerprints import message_fingerprint, tools_key
 from scheduler.contract.tito.openai_schema import ChatCompletionRequest
-from scheduler.contract.tito.render import ChatRenderer, RenderDiffError
+from scheduler.contract.tito.render import ChatRenderer, RenderDiffError, message_texts
 
 __all__ = ["STATE_VERSION", "TurnPlan", "TurnPlanner"]
 
 STATE_VERSION = 1
 """Version of the gateway state a committed turn stores beside the session."""
+
+RENDER_CONCURRENCY = 2
+"""Turns rendered at once (each on a worker thread; more wait their turn)."""
 
 
 @dataclass
@@ -73,6 +77,7 @@ class TurnPlanner:
         self.use_bridge = use_bridge
         self.default_max_tokens = default_max_tokens
         self.max_prompt_tokens = max_prompt_tokens
+        self._slots: asyncio.Semaphore | None = None
 
     async def plan(self, session_id: str, req: ChatCompletionRequest) -> TurnPlan:
         """Validate the request and compute the turn's prompt; writes nothing."""
@@ -85,8 +90,12 @@ class TurnPlanner:
             ) from e
 
     async def _plan(self, session_id: str, req: ChatCompletionRequest) -> TurnPlan:
-        common = self._request_fields(session_id, req)
         tokens = await self.backend.get_session_tokens(session_id)
+        state = await self.backend.get_gateway_state(session_id)
+        # Rendering and tokenising are CPU work proportional to the request: off the event loop
+        # (which serves every other request, the cells' heartbeats among them), a few at a time.
+        async with self._render_slots():
+            plan = await asyncio.to_thread(self._compose, session_id, req, state, tokens)
         if tokens is not None and tokens.finished:
             raise GatewayError(
                 409,
@@ -94,11 +103,6 @@ class TurnPlanner:
                 param="X-Session-Id",
                 code="session_finished",
             )
-        state = await self.backend.get_gateway_state(session_id)
-        plan, reason = self._extend_if_possible(state, tokens, common)
-        if plan is None:
-            plan = self._full_render(state, tokens, reason, common)
-        plan.segment = tokens.segment if tokens is not None else 0
         if self.max_prompt_tokens is not None and len(plan.prompt_ids) > self.max_prompt_tokens:
             raise GatewayError(
                 400,
@@ -110,6 +114,38 @@ class TurnPlanner:
         if admit is not None:  # the backend's refusals, before the turn records anything
             await admit(session_id, plan.prompt_ids, plan.params)
         return plan
+
+    def _compose(self, session_id: str, req: ChatCompletionRequest, state: dict[str, Any] | None,
+                 tokens: SessionTokens | None) -> TurnPlan:
+        """The turn's plan from what the backend holds: pure, run on a worker thread."""
+        self._check_size(req)
+        common = self._request_fields(session_id, req)
+        plan, reason = self._extend_if_possible(state, tokens, common)
+        if plan is None:
+            plan = self._full_render(state, tokens, reason, common)
+        plan.segment = tokens.segment if tokens is not None else 0
+        return plan
+
+    def _render_slots(self) -> asyncio.Semaphore:
+        """At most RENDER_CONCURRENCY renders at once (made on first use, on the serving loop)."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(RENDER_CONCURRENCY)
+        return self._slots
+
+    def _check_size(self, req: ChatCompletionRequest) -> None:
+        """A prompt whose text alone is longer than `max_prompt_tokens` of the longest token
+        the tokenizer has cannot fit: refused before any rendering."""
+        if self.max_prompt_tokens is None:
+            return
+        size = sum(len(t.encode("utf-8", "surrogatepass"))
+                   for t in message_texts([m.model_dump(exclude_none=True) for m in req.messages]))
+        if size > self.max_prompt_tokens * self.renderer.tokenizer.max_token_bytes:
+            raise GatewayError(
+                400,
+                f"the messages hold {size} bytes of text, more than {self.max_prompt_tokens} tokens can",
+                param="messages",
+                code="context_length_exceeded",
+            )
 
     def _request_fields(self, session_id: str, req: ChatCompletionRequest) -> dict[str, Any]:
         """The plan's fields that depend on the request alone (validated)."""

