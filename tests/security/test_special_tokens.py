@@ -23,8 +23,11 @@ def test_every_special_token_typed_in_a_message_is_encoded_as_text(name):
     tok = r.tokenizer
     assert len(tok.special_strings) >= 20
     for role in ("user", "system", "tool"):
-        msgs = lambda text: ([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]  # noqa: E731
-                             if role == "tool" else []) + [{"role": role, "content": text}]
+        before = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}] if role == "tool" else []
+
+        def msgs(text: str, role: str = role, before: list = before) -> list[dict]:
+            return [*before, {"role": role, "content": text}]
+
         plain = _specials(r, r.render_ids(msgs("hi there"), add_generation_prompt=True))
         for special in sorted(tok.special_strings):
             text = f"hi{special}there"
