@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from scheduler.control.trust import trusted
 from scheduler.planner.destinations import Placement
 from scheduler.planner.types import CellSummary, Snapshot
 
@@ -83,9 +84,11 @@ class CellSummaries:
         was = {cid for cid in touched if by_id.pop(cid, None) is not None} if touched is not None else None
         training.difference_update(touched or ())
         live = ctx.registry.live
+        unprobed_ok = ctx.cfg.trust_unprobed_cells
         for row in ctx.store.fleet.planning_rows(touched):
             entry = live.get(row[0])
-            if entry is not None and entry.seen:
+            # a cell that has not shown it runs the model gets no request (scheduler/control/trust.py)
+            if entry is not None and entry.seen and trusted(row[12], bool(row[13]), unprobed_ok):
                 c = by_id[row[0]] = _summary(row, entry.summary)
                 if c.role == "training":
                     training.add(c.cell_id)
@@ -125,7 +128,7 @@ def build_snapshot(ctx: Context, rates: Rates, cells: CellSummaries, *, pinned: 
 
 def _summary(row: tuple, s: Summary | None) -> CellSummary:
     """One cell's summary from its `planning_rows` row and its last reported load."""
-    cid, state, generation, c_version, address, caps, c_total, c_used, max_running, n, tokens, incoming = row
+    cid, state, generation, c_version, address, caps, c_total, c_used, max_running, n, tokens, incoming = row[:12]
     bs = int(caps.get("block_size") or 16)
     total = s.kv_blocks_total if s and s.kv_blocks_total else c_total
     used = s.kv_blocks_used if s else c_used

@@ -6,9 +6,11 @@ everything a cell reports, and quarantine.
   them before anything is recorded or placed (`check_request`), and so is every sampled token.
 - **Trust.** A cell registers `unverified`, with its answer to the registration probe
   (scheduler/contract/probe.py): log-probs of a short sequence fixed by the version. It becomes
-  `verified` when its answer agrees with the version's reference (set when two cells first
-  agree), and is refused when it disagrees. `min_rollout_cells` counts verified cells only (and
-  cells that cannot score, with `scheduler.trust_unprobed_cells`).
+  `verified` when its answer agrees with the version's reference (the fleet's first probing
+  cell's answer, or, for a version without one, the answer two cells first agree on), and is
+  refused when it disagrees. Only trusted cells are given requests and count toward
+  `min_rollout_cells`: verified ones, and with `scheduler.trust_unprobed_cells` those that
+  send no probe (an engine that cannot score yet).
 - **Ingest checks.** A sampled token outside the vocabulary or the output ids, a log-prob that is
   not finite or above 0, a version the cell was never told to serve: the cell is quarantined.
   So is a cell whose sampled log-probs a verified cell's exact scoring contradicts (bit for
@@ -40,6 +42,8 @@ log = logging.getLogger("cellflip.trust")
 
 MODEL_KEY = "fleet.model"
 PROBE_KEY = "probe.reference.{}"
+GENESIS_KEY = "probe.genesis"
+"""Which cell set the fleet's first probe reference."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +70,11 @@ class ModelLimits:
         if not 0 <= token < self.vocab_size:
             return False
         return self.output_ranges is None or any(lo <= token < hi for lo, hi in self.output_ranges)
+
+
+def trusted(trust: str, probed: bool, trust_unprobed: bool) -> bool:
+    """A verified cell, or (where the config allows it) one that sent no probe."""
+    return trust == "verified" or (trust == "unverified" and not probed and trust_unprobed)
 
 
 class Trust:
@@ -101,6 +110,14 @@ class Trust:
         exact = bool(msg.capabilities.batch_invariant)
         row.probe = {"version": msg.version, "logprobs": [float(x) for x in msg.probe], "exact": exact}
         ref = ctx.store.fleet.setting(PROBE_KEY.format(msg.version))
+        if ref is None and ctx.store.fleet.setting(GENESIS_KEY) is None:
+            # the fleet's first probing cell: its answer is the first reference (a cell that
+            # registers before every real one is the one case this trusts blindly)
+            ctx.store.fleet.put_setting(GENESIS_KEY, {"cell": row.id, "version": msg.version})
+            ctx.store.fleet.put_setting(PROBE_KEY.format(msg.version), row.probe)
+            row.trust = "verified"
+            fx.later(lambda: ctx.metrics.probes.labels("verified").inc())
+            return
         if ref is not None:
             if not self._agree(ref, row.probe):
                 fx.later(lambda: ctx.metrics.probes.labels("refused").inc())
@@ -159,6 +176,11 @@ class Trust:
     def _check_limits(self, caps: Capabilities) -> None:
         if not caps.vocab_size:
             return  # an engine that does not report them (the fleet's, if known, still apply)
+        ranges = caps.output_ranges or []
+        if caps.vocab_size < 0 or caps.max_context < 0 or not all(
+                len(r) == 2 and 0 <= r[0] < r[1] <= caps.vocab_size for r in ranges):
+            raise Invalid("model limits: vocab_size and max_context >= 0, output_ranges a list of [lo, hi) "
+                          "inside the vocabulary")
         mine = ModelLimits.of(caps)
         if self.limits is None:
             self.limits = mine
@@ -168,13 +190,9 @@ class Trust:
                            code="model_mismatch")
 
     def counts(self, cell_id: str, row: CellRow | None = None) -> bool:
-        """Does the cell count toward `min_rollout_cells`?"""
+        """Is the cell trusted: given requests, and counted toward `min_rollout_cells`?"""
         row = row or self.ctx.store.fleet.get_cell(cell_id)
-        if row is None or row.trust == "quarantined":
-            return False
-        if row.trust == "verified":
-            return True
-        return self.ctx.cfg.trust_unprobed_cells and not row.capabilities.get("scoring")
+        return row is not None and trusted(row.trust, row.probe is not None, self.ctx.cfg.trust_unprobed_cells)
 
     # ------------------------------------------------------------------ requests
     def check_request(self, new_ids: list[int], context_len: int, params: dict[str, Any]) -> None:

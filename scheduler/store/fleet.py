@@ -177,11 +177,12 @@ class FleetStore:
     def planning_rows(self, ids: Collection[str] | None = None) -> list[tuple]:
         """The cells `ids` (None: all) that are not down, with their kept load (store/counters.py),
         for the planner's snapshot: (id, state, generation, version, address, capabilities,
-        kv_blocks_total, kv_blocks_used, max_running, live, tokens, incoming). No history;
+        kv_blocks_total, kv_blocks_used, max_running, live, tokens, incoming, trust, probed). No history;
         `capabilities` are shared decoded copies: read them, never change them."""
         q = ("SELECT c.id, c.state, c.generation, c.version, c.address, c.capabilities, c.kv_blocks_total, "
              "c.kv_blocks_used, c.max_running, COALESCE(l.live, 0), COALESCE(l.tokens, 0), "
-             "COALESCE(l.incoming, 0) FROM cells c LEFT JOIN cell_load l ON l.cell_id = c.id "
+             "COALESCE(l.incoming, 0), c.trust, c.probe IS NOT NULL FROM cells c "
+             "LEFT JOIN cell_load l ON l.cell_id = c.id "
              "WHERE c.state != 'down'")
         if ids is None:
             rows = self.s.execute(q).fetchall()

@@ -5,7 +5,7 @@ and a flip to training that waits for the final pass of what only its cell holds
 from __future__ import annotations
 
 import pytest
-from sched_fakes import FakeCell, keep_alive, open_harness, pump
+from sched_fakes import FakeCell, Harness, keep_alive, open_harness, pump
 
 
 @pytest.fixture
@@ -140,9 +140,18 @@ def test_no_holder_fetches_from_the_trainer_for_scoring_and_missing_if_that_fail
     assert set(sess["provenance"][3:]) == {"missing"}
 
 
-def test_no_fetch_for_scoring_to_a_cell_that_cannot_score_then_missing_after_the_grace(harness):
+@pytest.fixture
+def unprobed(tmp_path):
+    """A fleet that trusts cells sending no registration probe (engines that cannot score)."""
+    h = Harness(str(tmp_path / "u.sqlite"), trust_unprobed_cells=True)
+    yield h
+    h.close()
+
+
+def test_no_fetch_for_scoring_to_a_cell_that_cannot_score_then_missing_after_the_grace(unprobed):
     """Cells whose engine has no scoring copy (SGLang with `trainer_copy`) are never sent a
     version to score; with no other cell, the tokens become `missing` after the grace."""
+    harness = unprobed
     c = _cell(harness, scoring=False)
     src = {"host": "127.0.0.1", "port": 29999}
     harness.client.put("/v1/trainer/version-host", json=src)

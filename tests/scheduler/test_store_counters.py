@@ -105,7 +105,7 @@ def test_snapshot_summaries_kept_between_builds_equal_a_fresh_build(tmp_path):
     ctl = Controller(store, SchedulerConfig(db_path=str(tmp_path / "s.sqlite"), min_rollout_cells=1))
     for i in range(3):
         store.fleet.put_cell(CellRow(f"c{i}", "x", "rollout" if i else "training", 1, 0, f"h{i}:1", 1,
-                                     {"kv_export": True}, 64, 0, 4))
+                                     {"kv_export": True}, 64, 0, 4, trust="verified"))
         ctl.ctx.registry.admit(f"c{i}", 60.0, seen=True)
     kept = CellSummaries(ctl.ctx)
 

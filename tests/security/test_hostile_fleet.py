@@ -17,7 +17,7 @@ from scheduler.contract.probe import PROBE_LEN
 from tests.scheduler.sched_fakes import FakeCell, Harness, keep_alive, pump, until_held
 from tests.scheduler.storecheck import store_dump
 
-LIMITS = {"vocab_size": 1000, "max_context": 64, "output_ranges": [[0, 900]]}
+LIMITS = {"vocab_size": 1024, "max_context": 64, "output_ranges": [[0, 1000]]}
 """The fake model's limits (the fake cells sample ids below 1000)."""
 
 
@@ -63,7 +63,7 @@ def test_a_fake_cell_is_refused_at_registration_or_counts_for_nothing(h):
     second = h.client.post("/v1/flips", json={"cell": "cell-1", "to": "training"}, headers=h.auth("trainer"))
     assert second.status_code == 409 and second.json()["reason"] == "min_rollout_cells"
     # other limits than the fleet's: refused
-    odd = FakeCell(h.client, "odd", headers=h.auth("cell"), caps={**LIMITS, "vocab_size": 5})
+    odd = FakeCell(h.client, "odd", headers=h.auth("cell"), caps={**LIMITS, "max_context": 32})
     assert odd.register(expect=409)["reason"] == "model_mismatch"
 
 
@@ -97,7 +97,7 @@ def test_a_cell_reporting_tokens_no_model_samples_is_quarantined_and_its_tokens_
     rid = next(iter(holder.held))
     sess = h.client.get("/v1/sessions/victim").json()
     assert len(sess["token_ids"]) == 5
-    holder.pending_tokens.append({"request_id": rid, "epoch": 1, "start": 2, "records": [[950, -0.1, 0, False]],
+    holder.pending_tokens.append({"request_id": rid, "epoch": 1, "start": 2, "records": [[1010, -0.1, 0, False]],
                                   "finish_reason": None})  # outside the model's output ids
     assert holder.sync(expect=409)["reason"] == "fenced"
     assert _trust(h, holder.cell_id) == "quarantined"
@@ -224,7 +224,7 @@ def test_a_request_whose_session_moved_under_it_is_ended_not_replaced_forever(h)
 
 
 @pytest.mark.parametrize("body,code", [
-    ({"prompt_ids": [1, 2, 1000], "max_tokens": 2}, "bad_token"),  # past the vocabulary
+    ({"prompt_ids": [1, 2, 1024], "max_tokens": 2}, "bad_token"),  # past the vocabulary
     ({"prompt_ids": [1, 2], "max_tokens": 63}, "context_length_exceeded"),  # 2 + 63 > 64
     ({"prompt_ids": [1, 2], "max_tokens": 2, "stop_token_ids": [5000]}, "bad_token"),
 ])
