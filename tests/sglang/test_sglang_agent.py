@@ -63,7 +63,7 @@ class SGLangCells:
             mods, _ = fake_sglang.fake_modules(store=store, token_delay_s=TOKEN_DELAY_S, eos=-1)
             engine = SGLangEngine(eng_cfg, modules=mods)
             self.engines[cell_id] = engine
-            agent = CellAgent(cfg, cell_id=cell_id, scheduler_url=cluster.url, engine=engine, token=cluster.token)
+            agent = CellAgent(cfg, cell_id=cell_id, scheduler_url=cluster.url, engine=engine, token=cluster.tokens["cell"])
             assert not agent.training.keep_memory  # GPU memory goes back to the engine at every flip
             t = threading.Thread(target=agent.run, args=(self.stop_event,), name=f"agent-{cell_id}", daemon=True)
             self.threads.append(t)
@@ -97,7 +97,9 @@ def scheduler(tmp_path_factory):
     """One scheduler process for this module's tests (each test brings its own cells)."""
     tmp = tmp_path_factory.mktemp("sglang-agent")
     engine = {"type": "sglang", "model_path": MODEL}
-    cluster = Cluster(tmp, num_cells=0, cfg=cluster_config(tmp, cells__engine=engine), ready_timeout_s=30)
+    # SGLang cells send no registration probe (as configs/gpu_cluster.yaml, trusted by their token)
+    cluster = Cluster(tmp, num_cells=0, cfg=cluster_config(tmp, cells__engine=engine, scheduler__trust_unprobed_cells=True),
+                      ready_timeout_s=30)
     yield cluster
     cluster.stop()
 

@@ -1,0 +1,163 @@
+"""A flood of maximum-size and malformed requests against a local fleet, while a control session
+streams: does one bad request hurt the fleet?
+
+A scheduler and three cells (the small test model) on this machine. A control client streams one
+long completion with its own agent token. For the flood's duration, FLOODERS threads, each with
+an agent token of its own (so the control's budget is not theirs), send back to back: chat turns
+whose one user message fills the body limit (rendered and tokenised, then refused: the prompt
+does not fit the model), bodies of exactly the limit that are not JSON, invalid UTF-8 (raw
+surrogate bytes), nesting past the parser's depth, bodies over the limit (413), a /v1/generate
+of a million token ids, and calls with a wrong token (401) or out of scope (403). A prober
+GETs /healthz every PROBE_S.
+
+Reported (`--json`, last line): `cells_fenced` (cells fenced during the flood, from the
+scheduler's `cellflip_cells_fenced_total`; goal 0), `healthz_p99_ms` (goal <= 250), the
+control stream's `control_gap_max_ms` and `control_gap_typical_ms` (median) and
+`control_gap_ok` (largest gap <= 2 x typical + 100 ms), `flood_requests` by status, and
+`flood_5xx` (must be 0).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from common import emit, parse_args
+
+from cells.localcluster import SMALL_MODEL, Cluster, Streamer
+
+FLOODERS = 4
+PROBE_S = 0.1
+BODY_LIMIT = 8 << 20
+"""The scheduler's `max_body_bytes` (the default)."""
+GOALS = {"cells_fenced": 0, "healthz_p99_ms": 250.0}
+
+
+def _cfg(tmp: Path) -> dict:
+    return {
+        "scheduler": {"db_path": str(tmp / "db.sqlite"), "lease_s": 10.0, "heartbeat_s": 0.25,
+                      "min_rollout_cells": 1, "max_body_bytes": BODY_LIMIT},
+        "cells": {"count": 3, "engine": {"type": "embedded", "model": SMALL_MODEL, "num_blocks": 512,
+                                         "block_size": 16, "batch_invariant": True}},
+    }
+
+
+def _attacks(rng: random.Random) -> list[tuple[str, str, dict]]:
+    """(name, path, httpx kwargs) of one round of the flood; bodies built once."""
+    big_text = "".join(rng.choice("abcdefghij klmnop") for _ in range(BODY_LIMIT - 200))
+    chat = json.dumps({"messages": [{"role": "user", "content": big_text}], "max_tokens": 4}).encode()
+    assert len(chat) <= BODY_LIMIT
+    ids = json.dumps({"prompt_ids": [rng.randrange(1000) for _ in range(1_000_000)], "max_tokens": 4}).encode()
+    ids = ids if len(ids) <= BODY_LIMIT else json.dumps({"prompt_ids": [7] * 1_000_000, "max_tokens": 4}).encode()
+    js = {"content-type": "application/json"}
+    return [
+        ("max_chat", "/v1/chat/completions", {"content": chat, "headers": js}),
+        ("not_json", "/v1/chat/completions", {"content": b"{" * (BODY_LIMIT - 10), "headers": js}),
+        ("raw_surrogate", "/v1/generate", {"content": b'{"prompt_ids": [1], "x": "\xed\xa0\x80"}', "headers": js}),
+        ("deep", "/v1/generate", {"content": b"[" * 100_000 + b"]" * 100_000, "headers": js}),
+        ("over_limit", "/v1/chat/completions", {"content": b" " * (BODY_LIMIT + 1), "headers": js}),
+        ("million_ids", "/v1/generate", {"content": ids, "headers": js}),
+        ("wrong_token", "/v1/flips", {"json": {"count": 3, "to": "training"},
+                                      "headers": {"Authorization": "Bearer nope"}}),
+        ("out_of_scope", "/v1/flips", {"json": {"count": 3, "to": "training"}}),
+    ]
+
+
+def _fenced(c: Cluster) -> float:
+    text = c.http.get("/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("cellflip_cells_fenced_total"))
+
+
+def flood(seconds: float) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix="cellflip-flood-"))
+    c = Cluster(tmp, num_cells=3, cfg=_cfg(tmp), ready_timeout_s=300)
+    try:
+        tokens = [c.http.post("/v1/tokens", json={"scope": "agent", "name": f"flooder-{i}"}).json()["token"]
+                  for i in range(FLOODERS)]
+        fenced0 = _fenced(c)
+        control = Streamer(c.url, [5, 6, 7, 8], max_tokens=100_000, seed=1, timeout_s=seconds + 120,
+                           token=c.agent_token)
+        control.start()
+        c.wait(lambda: len(control.tokens) >= 8, 120, "the control stream decoding")
+        stop = threading.Event()
+        statuses: dict[str, dict[int, int]] = {}
+        lock = threading.Lock()
+        attacks = _attacks(random.Random(0))
+
+        def flooder(token: str, k: int) -> None:
+            auth = {"Authorization": f"Bearer {token}"}
+            with httpx.Client(base_url=c.url, timeout=60.0) as http:
+                i = k
+                while not stop.is_set():
+                    name, path, kw = attacks[i % len(attacks)]
+                    i += 1
+                    headers = {**auth, **kw.get("headers", {})}
+                    try:
+                        code = http.post(path, **{**kw, "headers": headers}).status_code
+                    except httpx.HTTPError:
+                        code = -1  # the server closed the connection (a 413 mid-upload)
+                    with lock:
+                        statuses.setdefault(name, {}).setdefault(code, 0)
+                        statuses[name][code] += 1
+
+        health: list[float] = []
+
+        def prober() -> None:
+            with httpx.Client(base_url=c.url, timeout=30.0) as http:
+                while not stop.is_set():
+                    t0 = time.perf_counter()
+                    http.get("/healthz")
+                    health.append((time.perf_counter() - t0) * 1e3)
+                    stop.wait(PROBE_S)
+
+        threads = [threading.Thread(target=flooder, args=(t, k), daemon=True) for k, t in enumerate(tokens)]
+        threads.append(threading.Thread(target=prober, daemon=True))
+        t_start = time.monotonic()
+        for t in threads:
+            t.start()
+        stop.wait(seconds)
+        stop.set()
+        t_end = time.monotonic()
+        for t in threads:
+            t.join(120)
+        times = [t for t in control.times if t_start <= t <= t_end]
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        typical = statistics.median(gaps) if gaps else float("inf")
+        biggest = max(gaps) if gaps else float("inf")
+        fenced = _fenced(c) - fenced0
+        health.sort()
+        p99 = health[min(len(health) - 1, int(0.99 * len(health)))] if health else float("inf")
+        n5xx = sum(n for per in statuses.values() for code, n in per.items() if code >= 500)
+        result = {
+            "seconds": seconds, "flooders": FLOODERS,
+            "cells_fenced": int(fenced), "healthz_p99_ms": round(p99, 1), "healthz_max_ms": round(health[-1], 1),
+            "healthz_probes": len(health),
+            "control_tokens": len(times), "control_gap_typical_ms": round(typical * 1e3, 1),
+            "control_gap_max_ms": round(biggest * 1e3, 1),
+            "control_gap_ok": biggest <= 2 * typical + 0.1, "control_error": control.error,
+            "flood_requests": {k: {str(code): n for code, n in sorted(v.items())} for k, v in sorted(statuses.items())},
+            "flood_5xx": n5xx,
+        }
+        result["goals_met"] = {"cells_fenced": result["cells_fenced"] <= GOALS["cells_fenced"],
+                               "healthz_p99_ms": result["healthz_p99_ms"] <= GOALS["healthz_p99_ms"],
+                               "control_gap_ok": result["control_gap_ok"], "flood_5xx": n5xx == 0}
+        return result
+    finally:
+        c.stop()
+
+
+def main() -> None:
+    args = parse_args(__doc__.splitlines()[0])
+    result = flood(20.0 if args.quick else 60.0)
+    emit(result, args.json)
+
+
+if __name__ == "__main__":
+    main()
