@@ -1,9 +1,10 @@
 """A flood of maximum-size and malformed requests against a local fleet, while a control session
 streams: does one bad request hurt the fleet?
 
-A scheduler and three cells (the small test model) on this machine. A control client streams one
-long completion with its own agent token. For the flood's duration, FLOODERS threads, each with
-an agent token of its own (so the control's budget is not theirs), send back to back: chat turns
+A scheduler and three cells (the small test model) on this machine. A control client streams
+long completions, one after another, with its own agent token. For the flood's duration,
+FLOODERS client processes, each with an agent token of its own (so the control's budget is not
+theirs), send back to back: chat turns
 whose one user message fills the body limit (rendered and tokenised, then refused: the prompt
 does not fit the model), bodies of exactly the limit that are not JSON, invalid UTF-8 (raw
 surrogate bytes), nesting past the parser's depth, bodies over the limit (413), a /v1/generate
@@ -20,15 +21,18 @@ control stream's `control_gap_max_ms` and `control_gap_typical_ms` (median) and
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import httpx
-from common import emit, parse_args
+from common import ROOT, emit, parse_args
 
 from cells.localcluster import SMALL_MODEL, Cluster, Streamer
 
@@ -37,6 +41,8 @@ PROBE_S = 0.1
 BODY_LIMIT = 8 << 20
 """The scheduler's `max_body_bytes` (the default)."""
 GOALS = {"cells_fenced": 0, "healthz_p99_ms": 250.0}
+CONTROL_TOKENS = 8000
+"""Tokens of one control completion (the small model's context is 8,192)."""
 
 
 def _cfg(tmp: Path) -> dict:
@@ -75,37 +81,46 @@ def _fenced(c: Cluster) -> float:
                if line.startswith("cellflip_cells_fenced_total"))
 
 
-def flood(seconds: float) -> dict:
+def flood(seconds: float, flooders: int = FLOODERS) -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="cellflip-flood-"))
     c = Cluster(tmp, num_cells=3, cfg=_cfg(tmp), ready_timeout_s=300)
     try:
         tokens = [c.http.post("/v1/tokens", json={"scope": "agent", "name": f"flooder-{i}"}).json()["token"]
-                  for i in range(FLOODERS)]
+                  for i in range(flooders)]
         fenced0 = _fenced(c)
-        control = Streamer(c.url, [5, 6, 7, 8], max_tokens=100_000, seed=1, timeout_s=seconds + 120,
-                           token=c.agent_token)
-        control.start()
-        c.wait(lambda: len(control.tokens) >= 8, 120, "the control stream decoding")
         stop = threading.Event()
+        controls: list[Streamer] = []
+
+        def control_loop() -> None:
+            """The control session: one long completion after another (each within the context)."""
+            k = 0
+            while not stop.is_set():
+                s = Streamer(c.url, [5, 6, 7, 8], max_tokens=CONTROL_TOKENS, seed=k, timeout_s=seconds + 300,
+                             token=c.agent_token)
+                controls.append(s)
+                s.start()
+                while s.is_alive() and not stop.is_set():
+                    s.join(0.2)
+                k += 1
+
+        ctl_thread = threading.Thread(target=control_loop, daemon=True)
+        ctl_thread.start()
+        c.wait(lambda: controls and len(controls[0].tokens) >= 8, 120, "the control stream decoding")
         statuses: dict[str, dict[int, int]] = {}
         lock = threading.Lock()
-        attacks = _attacks(random.Random(0))
 
         def flooder(token: str, k: int) -> None:
-            auth = {"Authorization": f"Bearer {token}"}
-            with httpx.Client(base_url=c.url, timeout=60.0) as http:
-                i = k
-                while not stop.is_set():
-                    name, path, kw = attacks[i % len(attacks)]
-                    i += 1
-                    headers = {**auth, **kw.get("headers", {})}
-                    try:
-                        code = http.post(path, **{**kw, "headers": headers}).status_code
-                    except httpx.HTTPError:
-                        code = -1  # the server closed the connection (a 413 mid-upload)
-                    with lock:
-                        statuses.setdefault(name, {}).setdefault(code, 0)
-                        statuses[name][code] += 1
+            """One flooding client, a process of its own (as an agent sandbox is): its sends do
+            not compete with the control client for this process's interpreter."""
+            p = subprocess.Popen([sys.executable, __file__, "--flood-one", c.url, token, str(seconds), str(k)],
+                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+            out, _ = p.communicate(timeout=seconds + 300)
+            counts = json.loads(out.strip().splitlines()[-1])
+            with lock:
+                for name, per in counts.items():
+                    for code, n in per.items():
+                        statuses.setdefault(name, {}).setdefault(int(code), 0)
+                        statuses[name][int(code)] += n
 
         health: list[float] = []
 
@@ -127,8 +142,13 @@ def flood(seconds: float) -> dict:
         t_end = time.monotonic()
         for t in threads:
             t.join(120)
-        times = [t for t in control.times if t_start <= t <= t_end]
-        gaps = [b - a for a, b in zip(times, times[1:])]
+        gaps, n_tokens = [], 0
+        for s in controls:  # gaps within each completion, during the flood
+            times = [t for t in s.times if t_start <= t <= t_end]
+            n_tokens += len(times)
+            arrivals = sorted(set(times))  # tokens of one event arrive together: gaps between events
+            gaps += [b - a for a, b in zip(arrivals, arrivals[1:])]
+        errors = [s.error for s in controls if s.error]
         typical = statistics.median(gaps) if gaps else float("inf")
         biggest = max(gaps) if gaps else float("inf")
         fenced = _fenced(c) - fenced0
@@ -136,12 +156,12 @@ def flood(seconds: float) -> dict:
         p99 = health[min(len(health) - 1, int(0.99 * len(health)))] if health else float("inf")
         n5xx = sum(n for per in statuses.values() for code, n in per.items() if code >= 500)
         result = {
-            "seconds": seconds, "flooders": FLOODERS,
+            "seconds": seconds, "flooders": flooders,
             "cells_fenced": int(fenced), "healthz_p99_ms": round(p99, 1), "healthz_max_ms": round(health[-1], 1),
             "healthz_probes": len(health),
-            "control_tokens": len(times), "control_gap_typical_ms": round(typical * 1e3, 1),
+            "control_tokens": n_tokens, "control_gap_typical_ms": round(typical * 1e3, 1),
             "control_gap_max_ms": round(biggest * 1e3, 1),
-            "control_gap_ok": biggest <= 2 * typical + 0.1, "control_error": control.error,
+            "control_gap_ok": biggest <= 2 * typical + 0.1, "control_errors": errors,
             "flood_requests": {k: {str(code): n for code, n in sorted(v.items())} for k, v in sorted(statuses.items())},
             "flood_5xx": n5xx,
         }
@@ -153,9 +173,34 @@ def flood(seconds: float) -> dict:
         c.stop()
 
 
+def flood_one(url: str, token: str, seconds: float, k: int) -> None:
+    """A flooding client's process: the attacks back to back for `seconds`; prints its status
+    counts as one JSON line."""
+    attacks = _attacks(random.Random(k))
+    auth = {"Authorization": f"Bearer {token}"}
+    counts: dict[str, dict[int, int]] = {}
+    deadline = time.monotonic() + seconds
+    with httpx.Client(base_url=url, timeout=60.0) as http:
+        i = k
+        while time.monotonic() < deadline:
+            name, path, kw = attacks[i % len(attacks)]
+            i += 1
+            try:
+                code = http.post(path, **{**kw, "headers": {**auth, **kw.get("headers", {})}}).status_code
+            except httpx.HTTPError:
+                code = -1  # the server closed the connection (a 413 mid-upload)
+            counts.setdefault(name, {}).setdefault(code, 0)
+            counts[name][code] += 1
+    print(json.dumps(counts), flush=True)
+
+
 def main() -> None:
-    args = parse_args(__doc__.splitlines()[0])
-    result = flood(20.0 if args.quick else 60.0)
+    if len(sys.argv) == 6 and sys.argv[1] == "--flood-one":
+        flood_one(sys.argv[2], sys.argv[3], float(sys.argv[4]), int(sys.argv[5]))
+        return
+    args = parse_args(__doc__.splitlines()[0], lambda ap: ap.add_argument(
+        "--flooders", type=int, default=FLOODERS, help="flooding clients (0: the control stream alone)"))
+    result = flood(20.0 if args.quick else 60.0, args.flooders)
     emit(result, args.json)
 
 

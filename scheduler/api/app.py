@@ -24,6 +24,7 @@ from scheduler.api.docs import declare_rules, install_docs
 from scheduler.api.jsontext import SafeJSONResponse
 from scheduler.api.limits import BodySizeLimit
 from scheduler.api.routes import ROUTERS
+from scheduler.api.schemas import CompletionCreate
 from scheduler.contract.config import (
     SCHEDULER_CONFIG_ENV,
     SHARED_PROCESS_ENV,
@@ -126,18 +127,20 @@ def create_app_from_env() -> FastAPI:
 
 
 def _publish_chat_schemas(app: FastAPI) -> None:
-    """The chat route's request schema is given inline (its body is read raw, to count and
-    refuse it before parsing): its nested models join the document's components, so every
-    `$ref` in /openapi.json resolves."""
+    """The chat route's and /v1/generate's bodies are read raw (to bound and refuse them
+    before parsing, and to parse large ones off the event loop): their models and nested models
+    join the document's components, so every `$ref` in /openapi.json resolves."""
     base = app.openapi
 
     def openapi() -> dict:
         if app.openapi_schema is None:
             doc = base()
-            defs = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {})
             known = doc.setdefault("components", {}).setdefault("schemas", {})
-            for name, schema in defs.items():
-                known.setdefault(name, schema)
+            for model in (ChatCompletionRequest, CompletionCreate):  # bodies read raw by their routes
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                for name, sub in schema.pop("$defs", {}).items():
+                    known.setdefault(name, sub)
+                known.setdefault(model.__name__, schema)
             declare_rules(doc)
             app.openapi_schema = doc
         return app.openapi_schema

@@ -7,16 +7,20 @@ the last), then `data: [DONE]`; without `stream`, one object with the same keys 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Header
+from fastapi import APIRouter, Header, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 
 from scheduler.api.deps import ApiRoute, Ctl
 from scheduler.api.jsontext import dumps
 from scheduler.api.principal import current_agent
 from scheduler.api.schemas import CompletionCreate, errors
+from scheduler.contract.errors import TooLarge
 from scheduler.contract.ids import SESSION_ID_PATTERN, SESSION_ID_RULE
 
 router = APIRouter(tags=["completions"], route_class=ApiRoute, responses=errors(401, 403))
@@ -37,10 +41,35 @@ _ANSWER = {200: {"description": "The completion (JSON), or with `stream: true` a
                              "text/event-stream": {"schema": {"type": "string"}}}}}
 
 
-@router.post("/v1/generate", response_model=None, responses={**_ANSWER, **errors(404, 409, 413, 422, 429)})
-async def create_completion(body: CompletionCreate, ctl: Ctl, session_id: SessionId = None,
+PARSE_ON_LOOP_BYTES = 64 << 10
+"""Bodies up to this are parsed on the event loop; larger ones on a worker thread."""
+BYTES_PER_TOKEN = 16
+"""Room for one token id in a body (digits, separator, whitespace): a body longer than the
+model's context times this plus a margin cannot fit it and is refused before parsing."""
+
+
+async def read_completion(request: Request, ctl) -> CompletionCreate:
+    """The body, bounded by the model's context (413 before parsing a body no context could
+    hold), parsed off the event loop when large; a body that does not match is a 422."""
+    raw = await request.body()  # already read (and size-limited) by the body decoder
+    limits = ctl.trust.limits
+    if limits is not None and limits.max_context and len(raw) > limits.max_context * BYTES_PER_TOKEN + PARSE_ON_LOOP_BYTES:
+        raise TooLarge(f"a {len(raw)}-byte body cannot hold a prompt of at most {limits.max_context} tokens")
+    try:
+        if len(raw) > PARSE_ON_LOOP_BYTES:
+            return await asyncio.to_thread(CompletionCreate.model_validate_json, raw)
+        return CompletionCreate.model_validate_json(raw)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False, include_input=False)) from None
+
+
+@router.post("/v1/generate", response_model=None, responses={**_ANSWER, **errors(404, 409, 413, 422, 429)},
+             openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+                 "schema": {"$ref": "#/components/schemas/CompletionCreate"}}}}})
+async def create_completion(request: Request, ctl: Ctl, session_id: SessionId = None,
                             idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
                             ) -> dict | StreamingResponse:
+    body = await read_completion(request, ctl)
     # `stream` is how the answer travels, not what is asked: a replay may switch it
     req = ctl.submit_completion(session_id, list(body.prompt_ids), body.params(), idempotency_key,
                                 agent=current_agent())

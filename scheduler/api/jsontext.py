@@ -18,8 +18,9 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 
 
 def may_hold_surrogate(raw: bytes) -> bool:
-    """Cheap pre-check on the raw body: only bodies with a surrogate escape need the walk."""
-    return _SURROGATE_ESCAPE.search(raw) is not None
+    """Cheap pre-check on the raw body: only bodies with a surrogate escape need the walk (and
+    only bodies with an escape at all need the pattern: a memchr-speed scan first)."""
+    return b"\\u" in raw and _SURROGATE_ESCAPE.search(raw) is not None
 
 
 def _children(node: Any) -> list[Any]:

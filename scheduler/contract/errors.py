@@ -47,6 +47,13 @@ class NotFound(CellflipError):
     code = "not_found"
 
 
+class TooLarge(CellflipError):
+    """A body over the size its route can take."""
+
+    status = 413
+    code = "too_large"
+
+
 class Conflict(CellflipError):
     """An illegal transition, a stale generation/epoch/incarnation, a lost compare-and-set."""
 

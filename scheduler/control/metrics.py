@@ -64,7 +64,7 @@ class Metrics:
         self.requests_stalled = Counter(p + "requests_stalled", "Running requests taken back from an owner that reported them but committed no token for stall_timeout_s.", ["cell"], registry=r)
         self.probes = Counter(p + "probes", "Registration probes by outcome (verified: agreed with the version's reference; refused: disagreed).", ["outcome"], registry=r)
         self.quarantined = Counter(p + "cells_quarantined", "Cells quarantined for what they reported (invalid tokens, contradicted log-probs, a disagreeing probe).", registry=r)
-        self.tokens_taken_back = Counter(p + "tokens_taken_back", "Session tokens removed because a quarantined cell sampled them (or they followed its samples).", registry=r)
+        self.sessions_tainted = Counter(p + "sessions_tainted", "Sessions holding tokens a quarantined cell sampled: never trained on.", registry=r)
         self.requests_failed = Counter(p + "requests_failed", "Requests ended with an error reason (stuck after repeated re-placement, their session changed under them, or their sampler quarantined).", registry=r)
         self.tokens_rejected = Counter(p + "tokens_rejected", "Token batches refused at sync, by reason.", ["reason"], registry=r)
         self.fenced = Counter(p + "cells_fenced", "Cell incarnations fenced (lease lost or replaced).", ["reason"], registry=r)

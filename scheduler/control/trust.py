@@ -17,9 +17,9 @@ everything a cell reports, and quarantine.
   bit where both are batch-invariant, within `scheduler.verify_tolerance` otherwise, on tokens
   whose request never changed version), or whose tokens a verified cell scores as impossible.
 - **Quarantine.** The cell is fenced (`trust` quarantined, so its id is refused until an admin
-  registers it anew); every request holding tokens it sampled ends with the reason, those
-  tokens and what followed them leave the session (the next turn is sampled elsewhere), and a
-  finished session holding them is never handed out for training.
+  readmits it); every live request holding tokens it sampled ends with the reason (the next
+  turn is sampled by a trusted cell), and every session holding them is never handed out for
+  training (kept in the store as its clients saw it, handed out as dropped).
 """
 
 from __future__ import annotations
@@ -295,21 +295,16 @@ class Trust:
 
     def _take_back(self, fx: Effects, session_id: str, first: int, reason: str) -> None:
         """Tokens from `first` on were sampled by a quarantined cell (or follow them): the live
-        request ends, an open session loses them, a finished one is never trained."""
+        request ends with the reason (its next turn is sampled by a trusted cell), and the
+        session is never trained on. Nothing is removed: a client saw those tokens, and the
+        store keeps what was shown; their unscored tokens need no score."""
         store = self.ctx.store
-        sess = store.sessions.get(session_id)
-        if sess is None:
+        if store.sessions.get(session_id) is None:
             return
         req = store.owners.active_request_for_session(session_id)
         if req is not None and self.fail_request is not None:
             self.fail_request(fx, req, reason)
-        if sess.state == "finished":  # a trajectory: never trained; its untrusted tokens need no score
-            store.sessions.taint(session_id)
-            n = store.sessions.mark_missing_from(session_id, first)
-            fx.later(lambda: self.ctx.metrics.logprob_missing.inc(n))
-            return
-        for r in store.owners.requests_of_session(session_id):
-            if r.base + r.num_generated > first:
-                store.owners.set_num_generated(r.id, max(0, first - r.base))
-        n = store.sessions.truncate(session_id, first)
-        fx.later(lambda: self.ctx.metrics.tokens_taken_back.inc(n))
+        store.sessions.taint(session_id)
+        n = store.sessions.mark_missing_from(session_id, first)
+        metrics = self.ctx.metrics
+        fx.later(lambda: (metrics.logprob_missing.inc(n), metrics.sessions_tainted.inc()))

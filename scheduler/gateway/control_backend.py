@@ -40,6 +40,11 @@ class ControlPlaneBackend:
     def ctl(self) -> Controller:
         return self.app.state.controller  # built by the app's lifespan
 
+    def max_prompt_tokens(self) -> int | None:
+        """The fleet model's context length (scheduler/control/trust.py), once a cell reported it."""
+        limits = self.ctl.trust.limits
+        return limits.max_context if limits is not None and limits.max_context else None
+
     async def admit(self, session_id: str, prompt_ids: list[int], params: dict[str, Any]) -> None:
         """Every refusal a turn can get, before the gateway records anything of it: another
         agent's session, a turn in flight, what a cell would refuse, the staleness bound's

@@ -29,6 +29,7 @@ this module only wires them to the routes.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -62,6 +63,9 @@ from scheduler.gateway.responses import backend_error_response, completion_body,
 from scheduler.gateway.streaming import start_stream
 
 __all__ = ["make_chat_router", "SESSION_HEADER"]
+
+PARSE_ON_LOOP_BYTES = 64 << 10
+"""Bodies up to this are parsed on the event loop; larger ones on a worker thread."""
 
 _CHAT_RESPONSES: dict[int | str, dict[str, Any]] = {
     s: {"model": ErrorResponse} for s in (400, 401, 403, 404, 409, 413, 422, 429)
@@ -148,7 +152,17 @@ def _add_chat_route(router: APIRouter, gw: TitoGateway, ident: Any, max_body_byt
         if isinstance(sid, Response):
             return sid
         hdrs = {SESSION_HEADER: sid}
-        req = parse_chat_request(body, hdrs)
+        if len(body) > PARSE_ON_LOOP_BYTES:
+            # no prompt within the limit needs a body this long (JSON escapes beyond that are not
+            # worth parsing 8 MB for): refused unparsed; else parsed on a worker thread, the
+            # event loop serving everyone else meanwhile
+            bound = await asyncio.to_thread(gw.planner.byte_bound)
+            if bound is not None and len(body) > bound + PARSE_ON_LOOP_BYTES:
+                return error_response(413, f"a {len(body)}-byte body cannot hold a prompt the model takes "
+                                           f"({bound} bytes of text at most)", code="body_too_large", headers=hdrs)
+            req = await asyncio.to_thread(parse_chat_request, body, hdrs)
+        else:
+            req = parse_chat_request(body, hdrs)
         if isinstance(req, Response):
             return req
         return await _serve_chat(gw, sid, req, hdrs, ident)

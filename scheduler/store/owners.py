@@ -183,10 +183,6 @@ class OwnerStore:
         r = self.s.execute(q, (session_id,)).fetchone()
         return None if r is None else _req(r)
 
-    def requests_of_session(self, session_id: str) -> list[RequestRow]:
-        q = f"SELECT {_REQ_COLS} FROM requests WHERE session_id=? ORDER BY created_at"
-        return [_req(r) for r in self.s.execute(q, (session_id,))]
-
     def has_requests(self, session_id: str) -> bool:
         """Has the session ever had a request (is it a rollout already admitted)?"""
         q = "SELECT 1 FROM requests WHERE session_id=? LIMIT 1"

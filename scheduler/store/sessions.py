@@ -61,9 +61,12 @@ class SessionRow:
     agent: str | None = None
     """The agent token (its id) that opened the session, the only agent token that may use it;
     None for a session opened by a trainer or admin token (no agent token may use it)."""
+    tainted: int = 0
+    """1: a quarantined cell sampled some of its tokens; never handed out for training."""
 
 
-_SESSION_COLS = "id, state, length, segment_starts, reward, group_id, finish_seq, created_at, finished_at, agent"
+_SESSION_COLS = ("id, state, length, segment_starts, reward, group_id, finish_seq, created_at, finished_at, agent, "
+                 "tainted")
 
 
 class SessionStore:
@@ -85,9 +88,9 @@ class SessionStore:
 
     def put(self, row: SessionRow) -> None:
         self.s.execute(
-            f"INSERT OR REPLACE INTO sessions({_SESSION_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            f"INSERT OR REPLACE INTO sessions({_SESSION_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
             (row.id, row.state, row.length, dumps(row.segment_starts), row.reward, row.group_id,
-             row.finish_seq, row.created_at, row.finished_at, row.agent),
+             row.finish_seq, row.created_at, row.finished_at, row.agent, row.tainted),
         )
 
     def ensure(self, session_id: str, agent: str | None = None) -> SessionRow:
@@ -180,19 +183,6 @@ class SessionStore:
         """The cell that sampled each token of [start, end) (None: a prompt token, or unknown)."""
         q = "SELECT cell FROM tokens WHERE session_id=? AND idx>=? AND idx<? ORDER BY idx"
         return [r[0] for r in self.s.execute(q, (session_id, start, end))]
-
-    def truncate(self, session_id: str, at: int) -> int:
-        """Drop the tokens from buffer index `at` on (a quarantined cell's samples); the
-        gateway's state of the session goes too (its next turn renders afresh). Returns rows dropped."""
-        row = self.require(session_id)
-        if at >= row.length:
-            return 0
-        n = self.s.execute("DELETE FROM tokens WHERE session_id=? AND idx>=?", (session_id, at)).rowcount
-        row.length = at
-        row.segment_starts = [s for s in row.segment_starts if s <= at] or [0]
-        self.put(row)
-        self.s.execute("DELETE FROM gateway_state WHERE session_id=?", (session_id,))
-        return n
 
     def mark_missing_from(self, session_id: str, start: int) -> int:
         """Unscored sampled tokens from `start` on will never be scored (their sampler was

@@ -79,7 +79,7 @@ def test_a_live_cells_id_cannot_be_taken_over_but_by_an_admin(h):
     real[0].sync(expect=409)
 
 
-def test_a_cell_reporting_tokens_no_model_samples_is_quarantined_and_its_tokens_taken_back(h):
+def test_a_cell_reporting_tokens_no_model_samples_is_quarantined_and_its_session_never_trained(h):
     honest, rogue = _cells(h, 2)
     fut = h.complete({"prompt_ids": [1, 2, 3], "max_tokens": 8}, session="victim", headers=h.auth("agent"))
     holder = None
@@ -101,16 +101,23 @@ def test_a_cell_reporting_tokens_no_model_samples_is_quarantined_and_its_tokens_
                                   "finish_reason": None})  # outside the model's output ids
     assert holder.sync(expect=409)["reason"] == "fenced"
     assert _trust(h, holder.cell_id) == "quarantined"
-    sess = h.client.get("/v1/sessions/victim").json()
-    assert sess["token_ids"] == [1, 2, 3]  # what it sampled left the session
     answer = fut.result(timeout=30)
     assert answer.status_code == 200 and answer.json()["finish_reason"].startswith("error: sampler")
-    # the next turn is sampled elsewhere, from the verified prefix
-    fut2 = h.complete({"prompt_ids": [1, 2, 3], "max_tokens": 3}, session="victim", headers=h.auth("agent"))
+    shown = answer.json()["token_ids"]
+    sess = h.client.get("/v1/sessions/victim").json()
+    assert sess["token_ids"] == [1, 2, 3, *shown]  # the store keeps what its client saw, nothing more
+    assert len(shown) == 2 and 1010 not in sess["token_ids"]
+    # the next turn is sampled by the trusted cell; the session is never trained on
+    fut2 = h.complete({"prompt_ids": [], "max_tokens": 3}, session="victim", headers=h.auth("agent"))
     until_held(other, fut2)
     pump([other], until=fut2)
     assert fut2.result(timeout=30).status_code == 200
-    assert h.client.get("/metrics").text.count("cellflip_cells_quarantined_total 1.0") == 1
+    assert h.client.post("/v1/sessions/victim/finish", json={"reward": 1.0},
+                         headers=h.auth("trainer")).status_code == 200
+    out = h.client.get("/v1/trajectories", headers=h.auth("trainer")).json()["trajectories"]
+    assert [t.get("dropped") for t in out] == ["untrusted"]
+    metrics = h.client.get("/metrics").text
+    assert "cellflip_cells_quarantined_total 1.0" in metrics and "cellflip_sessions_tainted_total 1.0" in metrics
 
 
 def test_log_probs_a_verified_scorer_contradicts_quarantine_the_sampler_and_drop_its_trajectory(h):

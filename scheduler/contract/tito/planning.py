@@ -103,10 +103,11 @@ class TurnPlanner:
                 param="X-Session-Id",
                 code="session_finished",
             )
-        if self.max_prompt_tokens is not None and len(plan.prompt_ids) > self.max_prompt_tokens:
+        limit = self.prompt_limit()
+        if limit is not None and len(plan.prompt_ids) > limit:
             raise GatewayError(
                 400,
-                f"the prompt has {len(plan.prompt_ids)} tokens, over the limit of {self.max_prompt_tokens}",
+                f"the prompt has {len(plan.prompt_ids)} tokens, over the limit of {limit}",
                 param="messages",
                 code="context_length_exceeded",
             )
@@ -132,17 +133,31 @@ class TurnPlanner:
             self._slots = asyncio.Semaphore(RENDER_CONCURRENCY)
         return self._slots
 
+    def prompt_limit(self) -> int | None:
+        """The longest prompt a turn may have: the configured limit, or the backend's (the
+        model's context length) where that is shorter."""
+        limits = [x for x in (self.max_prompt_tokens, getattr(self.backend, "max_prompt_tokens", lambda: None)())
+                  if x]
+        return min(limits) if limits else None
+
+    def byte_bound(self) -> int | None:
+        """Most text bytes a prompt within the limit can hold (None: no limit). Computing the
+        tokenizer's longest token the first time walks its vocabulary: call it off the loop."""
+        limit = self.prompt_limit()
+        return None if limit is None else limit * self.renderer.tokenizer.max_token_bytes
+
     def _check_size(self, req: ChatCompletionRequest) -> None:
-        """A prompt whose text alone is longer than `max_prompt_tokens` of the longest token
-        the tokenizer has cannot fit: refused before any rendering."""
-        if self.max_prompt_tokens is None:
+        """A prompt whose text alone is longer than the prompt limit in tokens of the longest
+        token the tokenizer has cannot fit: refused before any rendering."""
+        limit = self.prompt_limit()
+        if limit is None:
             return
         size = sum(len(t.encode("utf-8", "surrogatepass"))
                    for t in message_texts([m.model_dump(exclude_none=True) for m in req.messages]))
-        if size > self.max_prompt_tokens * self.renderer.tokenizer.max_token_bytes:
+        if size > limit * self.renderer.tokenizer.max_token_bytes:
             raise GatewayError(
                 400,
-                f"the messages hold {size} bytes of text, more than {self.max_prompt_tokens} tokens can",
+                f"the messages hold {size} bytes of text, more than {limit} tokens can",
                 param="messages",
                 code="context_length_exceeded",
             )
