@@ -161,6 +161,7 @@ def flood(seconds: float, flooders: int = FLOODERS) -> dict:
             "healthz_probes": len(health),
             "control_tokens": n_tokens, "control_gap_typical_ms": round(typical * 1e3, 1),
             "control_gap_max_ms": round(biggest * 1e3, 1),
+            "control_gap_p99_ms": round(sorted(gaps)[int(0.99 * (len(gaps) - 1))] * 1e3, 1) if gaps else None,
             "control_gap_ok": biggest <= 2 * typical + 0.1, "control_errors": errors,
             "flood_requests": {k: {str(code): n for code, n in sorted(v.items())} for k, v in sorted(statuses.items())},
             "flood_5xx": n5xx,

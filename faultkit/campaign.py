@@ -302,7 +302,9 @@ class Campaign:
 
     # -- cluster control --------------------------------------------------------------------
     def cells(self) -> dict[str, dict]:
-        return {c["id"]: c for c in self.cluster.cells()}
+        """The campaign's own cells (a rogue a scenario registered is not one of them)."""
+        ours = {f"cell-{i}" for i in range(CELLS)}
+        return {c["id"]: c for c in self.cluster.cells() if c["id"] in ours}
 
     def post_flip(self, run: Run, cell: str, to: str) -> str | None:
         ref = self.history.invoke("campaign", "flip", cell=cell, to=to)
@@ -1045,6 +1047,66 @@ def scn_training_rank_fault(camp: Campaign, run: Run, k: int) -> None:
     camp.flip_all(run, [(other, "rollout")])
 
 
+def scn_rogue_cell(camp: Campaign, run: Run, k: int) -> None:
+    """A process holding the cell token plays a cell (faultkit/rogue.py): one whose probe no model
+    gives is refused at registration; one that holds the model and then reports an
+    out-of-vocabulary token, a -inf log-prob or log-probs that are not its tokens' is quarantined
+    (at its sync, or when a verified cell's exact scoring contradicts it). Nothing it sampled is
+    ever handed out for training, and the fleet serves throughout (the run's clients)."""
+    from cells.agent.cell import probe_answer
+    from cells.engine.embedded import EmbeddedEngine
+    from faultkit.rogue import MODES, RogueCell
+    from scheduler.contract.config import parse_config
+
+    mode = MODES[k % len(MODES)]
+    run.params["mode"] = mode
+    eng_cfg = parse_config(camp.cfg).cells.engine
+    boot = EmbeddedEngine(eng_cfg)  # what a fresh cell process holds: version 0's weights
+    v = camp.target
+    serve = EmbeddedEngine(eng_cfg, weights=camp.weights.setdefault(v, version_weights(camp.cfg, v)), version=v) \
+        if v else boot
+    name = f"rogue-{run.index}"
+    rogue = RogueCell(camp.cluster.url, camp.cluster.tokens["cell"], name, mode, serve,
+                      probe_answer(boot, boot.version), boot.version, v, boot.capabilities.vocab_size)
+    rogue.start()
+    camp.start_clients(run, 3)
+    if mode == "bad_probe":
+        rogue.join(30)
+        code, body = rogue.register_answer or (None, {})
+        if code == 409 and body.get("reason") == "probe_mismatch":
+            camp.fault(run, "probe_refused", name)
+        else:
+            run.violations.append(f"rogue: a cell answering the probe wrongly registered ({code}: {body})")
+        return
+    # more clients until one request lands on the rogue (it is verified: it holds the model)
+    deadline = time.monotonic() + 60
+    while not rogue.given and time.monotonic() < deadline and not rogue.fenced.is_set():
+        camp.start_clients(run, 1, min_tokens=0)
+        time.sleep(0.5)
+    if not camp.await_fault(run, lambda: _trust_of(camp, name) == "quarantined", 90, "quarantined", name,
+                            given=len(rogue.given)):
+        run.violations.append(f"rogue: {mode} was not quarantined (given {len(rogue.given)} requests)")
+    rogue.stop.set()
+    rogue.join(10)
+    untrusted = _untrusted_sessions(camp, name)
+    if untrusted:
+        run.violations.append(f"rogue: sessions holding tokens {name} sampled are not kept from training: {untrusted}")
+
+
+def _trust_of(camp: Campaign, cell_id: str) -> str | None:
+    with camp._conn_lock:
+        r = camp._conn2.execute("SELECT trust FROM cells WHERE id = ?", (cell_id,)).fetchone()
+    return r[0] if r else None
+
+
+def _untrusted_sessions(camp: Campaign, cell_id: str) -> list[str]:
+    """Sessions holding tokens `cell_id` sampled that are not marked never to be trained."""
+    with camp._conn_lock:
+        rows = camp._conn2.execute("SELECT DISTINCT t.session_id FROM tokens t JOIN sessions s ON s.id = t.session_id"
+                                   " WHERE t.cell = ? AND s.tainted = 0", (cell_id,)).fetchall()
+    return [r[0] for r in rows]
+
+
 SCENARIOS: dict[str, Callable[[Campaign, Run, int], None]] = {
     "mig_kill_source": scn_mig_kill_source,
     "mig_kill_destination": scn_mig_kill_destination,
@@ -1058,6 +1120,7 @@ SCENARIOS: dict[str, Callable[[Campaign, Run, int], None]] = {
     "broadcast_receiver": scn_broadcast_receiver,
     "scoring_fault": scn_scoring_fault,
     "training_rank_fault": scn_training_rank_fault,
+    "rogue_cell": scn_rogue_cell,
 }
 
 CANARY_PLAN = [("zombie_destination", 0), ("mig_kill_destination", DST_FPS.index("migrate.after_commit")),

@@ -36,6 +36,14 @@ def test_scenario_keeps_every_invariant(campaign, name):
     assert accepted, _why(campaign, run)
 
 
+def test_every_rogue_cell_is_quarantined_and_nothing_it_sampled_is_trained(campaign):
+    """The rogue modes past the refused probe (run 0 above): an out-of-vocabulary token, a -inf
+    log-prob, log-probs that are not its tokens'."""
+    for run in campaign.execute([("rogue_cell", k) for k in (1, 2, 3)]):
+        assert [f["kind"] for f in run.faults] == ["quarantined"], _why(campaign, run)
+        assert not run.hangs and run.lost == 0 and run.violations == [], _why(campaign, run)
+
+
 def test_canary_without_fencing_is_caught_by_the_store(campaign):
     # Split ownership needs the zombie to wake inside a window that depends on timing: the
     # canary scenarios are tried in turn (twice over) until the store's own token history
