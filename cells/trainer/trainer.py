@@ -92,6 +92,10 @@ class Trainer:
                                 drop_uniform=self.tc.drop_uniform_groups)
         self.rl_step = 0
         """RL steps taken (the learner's own count includes the warm-up's steps)."""
+        self.updates_kept = self.updates_rejected = self.versions_published = 0
+        """RL updates kept and rejected by the trust-region guard; versions their publishes made."""
+        self.lr_scale = 1.0
+        """The learning rate's factor after rejected updates (`reject_lr_backoff`, `reject_lr_recovery`)."""
         self.cells = StepCells(self.client, batch_size=self.tc.batch_episodes, train_cells=self.tc.train_cells,
                                choice=self.tc.train_cell_choice, emit=self._emit)
 
@@ -185,7 +189,18 @@ class Trainer:
         metrics = self.coordinator.update(batch, cells, next_version=self._next_version, cursor=self.client.cursor)
         self.rl_step += 1
         t_train = time.monotonic()
-        self._publish()  # under the number the update was committed as (the cells hold it)
+        if metrics.get("update_rejected"):
+            # the guard rejected it: nothing to publish (no number, no broadcast, no cell restarts
+            # a request), and the next update takes a smaller step
+            self.updates_rejected += 1
+            self._set_lr_scale(self.lr_scale * self.tc.reject_lr_backoff)
+            self._emit({"event": "update_rejected", "step": self.rl_step, "update_kl": metrics.get("update_kl"),
+                        "lr": self.learner.lr})
+        else:
+            self.updates_kept += 1
+            self._set_lr_scale(min(1.0, self.lr_scale * self.tc.reject_lr_recovery))
+            self._publish()  # under the number the update was committed as (the cells hold it)
+            self.versions_published += 1
         self.cells.release(cells)
         prov = [p for t in batch for m, p in zip(t["loss_mask"], t["provenance"], strict=True) if m]
         figures = StepFigures(round(t_train - t_flip, 3), len(batch), len(prov), len(cells)) if cells else None
@@ -240,6 +255,10 @@ class Trainer:
         """Declare the step and bring its cells to the training role (cells/trainer/step_cells.py)."""
         return self.cells.acquire(untrained)
 
+    def _set_lr_scale(self, scale: float) -> None:
+        self.lr_scale = scale
+        self.learner.lr = self.tc.lr * scale
+
     def _next_version(self) -> int:
         """The number the next published version gets: the learner's (one per RL update, what
         staleness is measured in), and always newer than any the scheduler has seen (a
@@ -288,4 +307,6 @@ class Trainer:
             "coordinator_forward_s": self.learner.compute_s["forward"],
             "coordinator_backward_s": self.learner.compute_s["backward"],
             "coordinator_fallbacks": sum(int(h.get("coordinator_fallback", 0)) for h in steps),
+            "updates_kept": self.updates_kept, "updates_rejected": self.updates_rejected,
+            "versions_published": self.versions_published,
         }

@@ -112,7 +112,8 @@ class TrainingCoordinator:
         self.emit({"event": "coordinator_fallback", "step": self.num_steps, "lost": lost})
         self._wait_packer()  # the packer reads the host state: it finishes before that changes
         metrics = self.learner.rl_step(trajectories, cursor=cursor)
-        self.learner.version = next_version()
+        if not metrics.get("update_rejected"):
+            self.learner.version = next_version()
         metrics.update({"attempts": float(attempts), "cells_lost": float(len(lost)),
                         "coordinator_fallback": 1.0, "train_cells": 0.0})
         return metrics
@@ -291,7 +292,8 @@ class TrainingCoordinator:
         failpoint("training.before_commit")  # the coordinator dying with the cells' update in hand
         self._wait_packer()  # a packer still reading the host state finishes first
         unpack(self.learner, result["state"], flat, idx, held="warm")  # into the host tensors, in place
-        self.learner.version = next_version()
+        if not result["metrics"].get("update_rejected"):  # a rejected update keeps the version it started at
+            self.learner.version = next_version()
         set_json(self.store, f"{prefix}/commit", {"tag": self.tag, "version": self.learner.version,
                                                   "checksum": crc})
         self._pack_ahead({**result["state"], "version": self.learner.version}, flat, idx)

@@ -4,20 +4,23 @@ is rejected whole.
 PPO's clip bounds the ratio only on tokens whose advantage pushes past it; one optimizer step
 can still move the policy by nats on the rest (a rare large gradient through Adam's moments),
 and one such step can undo an RL run. The guard measures what the update did, as the k3
-estimate of KL(π_prox ‖ π) over the batch's kept tokens (π_prox: the parameters at the start
-of the update, the previous published version):
+estimate of KL(π_prox ‖ π) over the batch's kept tokens, reweighted from the sampling policy to
+π_prox (`update_kl_terms`; π_prox: the parameters at the start of the update, the last
+published version):
 
     during   the forward of minibatch j ≥ 1 (needed for its own loss) already measures the
              steps before it; past `max_update_kl` the update stops there;
     after    one detached forward over the batch measures the finished update
              (`update_kl`, the approximate KL between consecutive published policies).
 
-Past the bound the update is rejected: parameters, optimizer moments, the EWMA copy and the
-optimizer-step counter go back to the start of the update (a snapshot taken there). The
-version still advances (one published RL update, same weights as the one before), so the
-commit protocol and the cells' bookkeeping are unchanged; the rejection is counted
-(`update_rejected`), never silent. Every rank computes the same summed KL, so every rank
-makes the same decision and the ranks' states stay equal.
+Past the bound the update is rejected whole: parameters, optimizer moments, the EWMA copy and
+the optimizer-step counter go back to the start of the update (a snapshot taken there), the
+minibatches before the stop included (the choice: a step that ends past the trust region is no
+evidence the earlier steps were sound). The version does not advance: the coordinator commits
+the restored state under the version it started at and the trainer publishes nothing (no
+number, no broadcast, no request restarted on any cell) and backs its learning rate off. The
+rejection is counted (`update_rejected`), never silent. Every rank computes the same summed
+KL, so every rank makes the same decision and the ranks' states stay equal.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from cells.trainer.objectives import update_kl_terms
 from cells.training.batch import pad
 from cells.training.reduce import Reducer
 from cells.training.tree_loss import approx_kl_sum
@@ -105,26 +109,26 @@ def restore(learner: Any, snap: Snapshot) -> None:
 
 
 def minibatch_kl(sums: dict[str, float]) -> float:
-    """Mean k3 KL(π_prox ‖ π) over a minibatch's tokens, from its reduced metric sums."""
-    return sums["approx_kl_sum"] / sums["num_tokens"] if sums["num_tokens"] else 0.0
+    """KL(π_prox ‖ π) over a minibatch's tokens (the importance-weighted k3 mean), from its
+    reduced metric sums."""
+    return sums["approx_kl_sum"] / sums["approx_kl_weight"] if sums["approx_kl_weight"] else 0.0
 
 
 @torch.no_grad()
 def update_kl(learner: Any, b: Any, pre: dict, reducer: Reducer) -> float:
-    """Mean k3 KL(π_prox ‖ π_now) over the batch's kept tokens (rows and trees, all ranks):
-    one detached forward at the current parameters."""
+    """KL(π_prox ‖ π_now) over the batch's kept tokens (rows and trees, all ranks), by
+    `update_kl_terms`: one detached forward at the current parameters."""
     acc = torch.zeros(2, dtype=torch.float64)
+    cap = learner.objective.update_kl_is_cap
     if b is not None and b.size:
         for lo in range(0, b.size, learner.micro_batch):
             ids = b.ids[lo: lo + learner.micro_batch]
             lt = pad(learner.seq_logprobs(learner.params, ids, False)[0], b.length, 0.0)
-            mask = b.mask[lo: lo + len(ids)]
-            log_r = torch.where(mask, pre["lp_prox"][lo: lo + len(ids)] - lt, 0.0)
-            acc[0] += float((log_r.exp() - 1.0 - log_r).sum())
-            acc[1] += float(mask.sum())
+            sl = slice(lo, lo + len(ids))
+            acc += torch.tensor(update_kl_terms(pre["lp_prox"][sl], lt, b.behav[sl], b.mask[sl], cap),
+                                dtype=torch.float64)
     for u, s in zip(b.trees if b is not None else [], pre["trees"]):
         lt, _, _ = learner.tree_logprobs(learner.params, u.ser, False)
-        acc[0] += approx_kl_sum(u, s, lt)
-        acc[1] += float(u.mask.sum())
+        acc += torch.tensor(approx_kl_sum(u, s, lt, cap), dtype=torch.float64)
     reducer.all_reduce(acc)
     return float(acc[0] / acc[1]) if acc[1] > 0 else 0.0

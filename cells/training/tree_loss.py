@@ -24,6 +24,7 @@ from cells.trainer.objectives import (
     kl_reward_penalty,
     token_weights,
     tree_ppo_loss,
+    update_kl_terms,
 )
 from cells.training.trees import TreeUnit
 
@@ -79,10 +80,10 @@ def tree_loss(learner: Any, u: TreeUnit, s: TreeStart, lp_theta: Tensor, n0: Ten
                          normalizer=normalizer)
 
 
-def approx_kl_sum(u: TreeUnit, s: TreeStart, lp_theta: Tensor) -> float:
-    """k3 of pi_prox against this minibatch's pi, summed over the masked (branch, token) pairs."""
-    log_r = torch.where(u.mask, _per_branch(u, s.lp_prox - lp_theta), 0.0)
-    return float((log_r.exp() - 1.0 - log_r).sum())
+def approx_kl_sum(u: TreeUnit, s: TreeStart, lp_theta: Tensor, cap: float) -> tuple[float, float]:
+    """The tree's `update_kl_terms` of KL(pi_prox || pi) over its masked (branch, token) pairs."""
+    return update_kl_terms(_per_branch(u, s.lp_prox), _per_branch(u, lp_theta), _per_branch(u, u.behav), u.mask,
+                           cap)
 
 
 def correction_sums(cfg: Any, u: TreeUnit, s: TreeStart) -> Tensor:

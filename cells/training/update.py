@@ -29,6 +29,7 @@ from cells.trainer.objectives import (
     decoupled_ppo_loss,
     kl_reward_penalty,
     token_weights,
+    update_kl_terms,
 )
 from cells.training import guard
 from cells.training.batch import Batch, pad
@@ -49,7 +50,7 @@ _MEANS = {"kl": "num_kept", "mean_r_d": "num_exact", "mean_r_stale": "num_exact"
           "mean_r_d_missing": "num_missing", "mean_r_stale_missing": "num_missing",
           "mean_r_t": "num_kept", "mean_weight": "num_kept", "clip_frac": "num_kept",
           "dual_clip_frac": "num_kept", "frac_seq_rejected": "num_sequences"}
-_SUMS = ("loss", "pg_loss", "kl_loss", "approx_kl_sum", "num_sequences", *_COUNTS, *_MEANS)
+_SUMS = ("loss", "pg_loss", "kl_loss", "approx_kl_sum", "approx_kl_weight", "num_sequences", *_COUNTS, *_MEANS)
 
 
 def run_update(learner: Any, share: Share, reducer: Reducer) -> dict[str, float]:
@@ -79,9 +80,10 @@ def run_update(learner: Any, share: Share, reducer: Reducer) -> dict[str, float]
     kl = (guard.minibatch_kl(dict(zip(_SUMS, mb_sums[-1].tolist()))) if stopped
           else guard.update_kl(learner, b, pre, reducer))
     rejected = snap is not None and (stopped or kl > bound)
-    if rejected:
+    if rejected:  # the whole update, minibatches before the stop included, goes back
         guard.restore(learner, snap)
-    learner.version += 1
+    else:
+        learner.version += 1  # a rejected update publishes nothing: no new version
     out = _finish_metrics(totals, mb_losses, list(share.n0[: len(mb_losses)]))
     out.update({"update_kl": kl, "update_rejected": float(rejected), "minibatches_run": float(len(grad_norms))})
     clip = [float(x[_SUMS.index("clip_frac")] / max(float(x[_SUMS.index("num_kept")]), 1.0)) for x in mb_sums]
@@ -223,8 +225,9 @@ def _local_sums(learner: Any, b: Batch | None, pre: dict, rows: list[int], lt_ro
     lt = torch.cat(lt_rows)
     _, m = decoupled_ppo_loss(lt, pre["lp_prox"][idx], b.behav[idx], pre["adv"][idx], b.mask[idx],
                               learner.objective, **_extra(b, pre, idx), num_tokens=n0, normalizer=normalizer)
-    log_r = torch.where(b.mask[idx], pre["lp_prox"][idx] - lt, 0.0)
-    return _as_sums(m, len(rows), float((log_r.exp() - 1.0 - log_r).sum()))  # k3 of pi_prox vs this step's pi
+    # KL(pi_prox || this step's pi), the importance-weighted k3 (cells/trainer/objectives/kl.py)
+    kl = update_kl_terms(pre["lp_prox"][idx], lt, b.behav[idx], b.mask[idx], learner.objective.update_kl_is_cap)
+    return _as_sums(m, len(rows), kl)
 
 
 @torch.no_grad()
@@ -235,13 +238,13 @@ def _tree_sums(learner: Any, b: Batch | None, pre: dict, trees: list[int], lt_tr
     for i, lt in zip(trees, lt_trees):
         u, s = b.trees[i], pre["trees"][i]
         _, m = tree_loss(learner, u, s, lt, n0, normalizer)
-        out += _as_sums(m, u.num_branches, approx_kl_sum(u, s, lt))
+        out += _as_sums(m, u.num_branches, approx_kl_sum(u, s, lt, learner.objective.update_kl_is_cap))
     return out
 
 
-def _as_sums(m: dict[str, float], num_sequences: int, approx_kl: float) -> Tensor:
+def _as_sums(m: dict[str, float], num_sequences: int, approx_kl: tuple[float, float]) -> Tensor:
     """A loss's metrics as the sums `_SUMS` (means times their counts)."""
-    m = {**m, "num_sequences": float(num_sequences), "approx_kl_sum": approx_kl}
+    m = {**m, "num_sequences": float(num_sequences), "approx_kl_sum": approx_kl[0], "approx_kl_weight": approx_kl[1]}
     for k, d in _MEANS.items():
         m[k] = m[k] * m[d]
     return torch.tensor([float(m[k]) for k in _SUMS], dtype=torch.float64)
@@ -258,7 +261,8 @@ def _finish_metrics(totals: Tensor, mb_losses: list[Tensor], n0: list[int]) -> d
         m[k] = m[k] / m[d] if m[d] else 0.0
     m["frac_masked"] = 1.0 - m["num_kept"] / m["num_tokens"] if m["num_tokens"] else 0.0
     m["frac_missing_kept"] = m["num_missing_kept"] / m["num_missing"] if m["num_missing"] else 1.0
-    m["approx_kl"] = m.pop("approx_kl_sum") / m["num_tokens"] if m["num_tokens"] else 0.0
+    weight = m.pop("approx_kl_weight")
+    m["approx_kl"] = m.pop("approx_kl_sum") / weight if weight else 0.0
     return m
 
 

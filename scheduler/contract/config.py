@@ -227,6 +227,11 @@ class TrainerConfig(_Strict):
     """RL learning rate (0: a control run whose weights never move after the warm-up). 1e-3:
     the best held-out score of `bench/lr_sweep.py` with updates under 0.35 nats/token; at 2e-3
     single updates moved the policy 1.6–5.3 nats/token (docs/RL.md)."""
+    reject_lr_backoff: float = Field(default=0.5, gt=0, le=1)
+    """After an update the trust-region guard rejected, the learning rate is multiplied by this
+    (the update published nothing; the next one tries a smaller step)."""
+    reject_lr_recovery: float = Field(default=2.0, ge=1)
+    """After each kept update the learning rate is multiplied by this, up to `lr`."""
     minibatches: int = Field(default=2, ge=1)
     """Optimizer steps per RL update (one published version): lp_prox is taken once at the
     start of the update, so from the second minibatch on the PPO clip binds."""

@@ -45,7 +45,10 @@ def test_rl_steps_flip_migrate_score_and_retire(tmp_path):
         assert all(s["missing"] == 0 for s in steps)
         versions = c.http.get("/v1/versions").json()["versions"]
         numbers = [v["version"] for v in versions]
-        assert len(numbers) == 3 and numbers == sorted(numbers)  # warm-up, then one per step
+        # the warm-up's version, then one per kept update (a rejected one publishes nothing)
+        assert summary["updates_kept"] + summary["updates_rejected"] == 2, summary
+        assert len(numbers) == 1 + summary["updates_kept"] == 1 + summary["versions_published"], (numbers, summary)
+        assert numbers == sorted(numbers)
         for v in versions:
             if v["state"] == "retired":
                 assert v["tokens_unscored"] == 0 and v["tokens_scored"] + v["tokens_missing"] == v["tokens_generated"]

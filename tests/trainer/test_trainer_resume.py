@@ -77,3 +77,56 @@ def test_without_a_checkpoint_there_is_nothing_to_resume(tmp_path):
     t = _trainer(tmp_path, "a", FakeClient([]))
     assert t._resume() is False and t.rl_step == 0 and t.client.published == []
     t.host.close()
+
+
+class _Cells:
+    """The step's cells, as `_step` uses them (no flips: the update itself is stubbed)."""
+
+    planner_flips = 0
+
+    def acquire(self, untrained: int) -> list[str]:
+        return ["cell-0"]
+
+    def group(self) -> list[str]:
+        return ["cell-0"]
+
+    def release(self, cells) -> None:
+        pass
+
+    def declare(self, *a, **k) -> None:
+        pass
+
+    def finished_flips(self) -> list[dict]:
+        return []
+
+
+def test_a_rejected_update_publishes_nothing_and_backs_the_learning_rate_off(tmp_path):
+    import threading
+
+    client = FakeClient([0])
+    client.trajectories = lambda limit=64: []
+    client.wait_scored = lambda batch, timeout_s=600: batch
+    client.report_dropped = lambda *a: None
+    t = _trainer(tmp_path, "r", client)
+    t.tc = t.tc.model_copy(update={"lr": 1e-3})
+    t._set_lr_scale(1.0)
+    t.cells = _Cells()
+    t.versions_published = 0
+    def batch(n: int) -> list[dict]:
+        return [{"id": f"s{i}", "reward": 1.0, "group_id": f"g{i}", "loss_mask": [0, 1],
+                 "provenance": [None, "exact"], "token_ids": [1, 2]} for i in range(n)]
+
+    t._complete_groups = batch
+    outcomes = iter([{"update_rejected": 1.0, "update_kl": 3.0}, {"update_rejected": 1.0, "update_kl": 2.0},
+                     {"update_rejected": 0.0, "update_kl": 0.1}])
+    t.coordinator.update = lambda batch, cells, **kw: dict(next(outcomes))
+    stop = threading.Event()
+    t._step(stop)
+    assert client.published == [] and t.updates_rejected == 1 and t.versions_published == 0
+    assert t.learner.lr == 1e-3 * t.tc.reject_lr_backoff  # the next update takes a smaller step
+    t._step(stop)
+    assert client.published == [] and t.learner.lr == 1e-3 * t.tc.reject_lr_backoff ** 2
+    t._step(stop)  # kept: published, and the rate recovers (never past the configured one)
+    assert client.published == [1] and t.updates_kept == t.versions_published == 1
+    assert t.learner.lr == min(1e-3, 1e-3 * t.tc.reject_lr_backoff ** 2 * t.tc.reject_lr_recovery)
+    t.host.close()

@@ -34,7 +34,13 @@ from cells.trainer.objectives.config import (
 )
 from cells.trainer.objectives.correction import Correction, apply_correction
 from cells.trainer.objectives.ewma import PPOEWMA, beta_for_window
-from cells.trainer.objectives.kl import add_kl_to_rewards, kl_estimate, kl_loss, kl_reward_penalty
+from cells.trainer.objectives.kl import (
+    add_kl_to_rewards,
+    kl_estimate,
+    kl_loss,
+    kl_reward_penalty,
+    update_kl_terms,
+)
 from cells.trainer.objectives.ppo import (
     PROVENANCE_EXACT,
     PROVENANCE_MISSING,
@@ -87,6 +93,7 @@ __all__ = [
     "kl_estimate",
     "kl_loss",
     "kl_reward_penalty",
+    "update_kl_terms",
     "log_ratios",
     "ppo_objective",
     "rloo_advantages",

@@ -213,9 +213,12 @@ class ObjectiveConfig(_Strict):
     kl: KLConfig | None = None
     """KL penalty to the reference policy (None: off)."""
     max_update_kl: float | None = Field(default=1.0, gt=0)
-    """Trust-region guard: an RL update whose mean k3 KL(π_prox ‖ π_new) over its batch's kept
-    tokens exceeds this is rolled back whole and counted (cells/training/guard.py). None: off
-    (no snapshot of the optimizer state is kept)."""
+    """Trust-region guard: an RL update whose k3 estimate of KL(π_prox ‖ π_new) over its batch's
+    kept tokens (`update_kl_terms`) exceeds this is rejected whole and counted, and publishes
+    nothing (cells/training/guard.py). None: off (no snapshot of the optimizer state is kept)."""
+    update_kl_is_cap: float = Field(default=2.0, gt=1)
+    """The truncation of the importance weight π_prox/π_behav that reweights the sampled tokens
+    in that KL estimate (and the `approx_kl` metric)."""
     advantage: AdvantageConfig = GRPOAdvantage()
     """Group-relative advantage estimator."""
     ewma: EWMAConfig = EWMAConfig()

@@ -14,10 +14,15 @@ These are estimates of the KL's value. As a loss what matters is the gradient (d
 So `kl_loss` optimises k2's gradient whatever it reports: with `k3` its value is k3 and its
 gradient k2's (k3.detach() + k2 − k2.detach()); `k1` is refused there and belongs in the
 reward (`add_kl_to_rewards`).
+
+`update_kl_terms` measures how far an update moved the policy (KL(pi_prox || pi_new), the
+trust-region guard's and the `approx_kl` metric's figure) with the same k3, the ratio taken
+the right way up and the samples reweighted to pi_prox.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -141,3 +146,21 @@ def add_kl_to_rewards(
     return rewards - kl_reward_penalty(
         lp_policy, lp_ref, weight, mask, coef=coef, estimator=estimator
     ).to(rewards.dtype)
+
+
+def update_kl_terms(lp_prox: Tensor, lp_new: Tensor, lp_behav: Tensor, mask: Tensor,
+                    cap: float) -> tuple[float, float]:
+    """How far an update moved the policy: the parts of the self-normalised importance-sampled
+    k3 estimate of KL(pi_prox || pi_new) over masked tokens, (sum w·k3, sum w).
+
+    k3 of KL(pi_prox || pi_new) is r − 1 − log r with r = pi_new/pi_prox (log r = lp_new −
+    lp_prox): unbiased and ≥ 0 for tokens drawn from pi_prox (the inverse ratio would estimate
+    chi²(pi_prox || pi_new) − KL instead, unbounded for large steps). The tokens were drawn from
+    pi_behav, so each is weighted by the detached pi_prox/pi_behav, truncated at `cap` (the
+    truncation trades a small bias for bounded variance); the estimate is the weighted mean."""
+    check_same_shape(lp_prox=lp_prox, lp_new=lp_new, lp_behav=lp_behav)
+    m = as_bool_mask(mask, "mask")
+    log_r = torch.where(m, lp_new.detach() - lp_prox, 0.0)
+    k3 = log_r.exp() - 1.0 - log_r
+    w = torch.where(m, (lp_prox - lp_behav).clamp(max=math.log(cap)).exp(), 0.0).detach()
+    return float((w * k3).sum()), float(w.sum())
