@@ -962,22 +962,28 @@ def scn_scoring_fault(camp: Campaign, run: Run, k: int) -> None:
     run.params.update(variant=variant, victim=victim)
     camp.restart({victim: {"logprob.final_pass": f"1*{variant}"}})
     offset = camp.nem.log_size(victim)
-    camp.start_clients(run, 3, min_tokens=20)
-    v = camp.next_version
-    camp.next_version += 1
-    run.params["version"] = v
-    t = camp.publish(v)
-    if variant == "kill":
-        fired = camp.await_fault(run, lambda: camp.nem.killed(victim), 60, "SIGKILL", victim,
-                                 failpoint="logprob.final_pass")
-        if fired:
+    hit = (lambda: camp.nem.killed(victim)) if variant == "kill" else (
+        lambda: camp.nem.log_has(victim, offset, "failpoint logprob.final_pass"))
+    # a range is scored by a verified cell other than its sampler, the least loaded (ties spread
+    # by the range): the victim gets a final-pass task within a round or two of versions
+    for attempt in range(3):
+        camp.start_clients(run, 3, min_tokens=20)
+        v = camp.next_version
+        camp.next_version += 1
+        run.params["version"] = v
+        t = camp.publish(v)
+        deadline = time.monotonic() + 30
+        while not hit() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        t.join(90)
+        if hit() or attempt == 2:
+            break
+    kind = "SIGKILL" if variant == "kill" else "raise"
+    if camp.await_fault(run, hit, 30, kind, victim, failpoint="logprob.final_pass"):
+        if variant == "kill":
             camp.restart({victim: None})
-    else:
-        fired = camp.await_fault(run, lambda: camp.nem.log_has(victim, offset, "failpoint logprob.final_pass"),
-                                 60, "raise", victim, failpoint="logprob.final_pass")
-        if fired:
+        else:
             camp.nem.armed.pop(victim, None)
-    t.join(90)
 
 
 def _training_batch(spec, seed: int) -> list[dict]:

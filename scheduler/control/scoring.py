@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -128,9 +129,11 @@ class Scoring:
                 if cells:
                     # a verified cell other than the sampler scores it: the exact log-probs then
                     # also check what the sampler reported (Trust.cross_check)
+                    # (ties between equally loaded cells broken by the range, so every cell scores)
                     others = [c for c in cells if c != owner and c in verified]
-                    cell = min(others, key=self.load) if others else owner if owner in cells else min(
-                        cells, key=self.load)
+                    spread = lambda c, rid=rid: (self.load(c), zlib.crc32(f"{rid}/{c}".encode()))  # noqa: E731
+                    cell = min(others, key=spread) if others else owner if owner in cells else min(
+                        cells, key=spread)
                     self._send_task(fx, cell, rid, sid, v, prompt_start, lo, hi + 1, params, now)
 
     def _send_task(self, fx: Effects, cell: str, rid: str, sid: str, v: int, prompt_start: int, start: int, end: int,
