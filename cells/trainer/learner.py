@@ -38,6 +38,7 @@ from cells.engine.embedded.layers import rope_tables
 from cells.engine.embedded.model import check_weights, prepare, token_logprobs
 from cells.engine.embedded.model_spec import ModelSpec
 from cells.trainer.objectives import PPOEWMA, ObjectiveConfig, SerializedTree
+from cells.trainer.objectives.config import ewma_window
 from cells.trainer.vocab_rows import EMBED, HEAD, VocabRows, id_ranges
 from cells.training.batch import EXACT, MISSING  # noqa: F401  (re-exported)
 from cells.training.plan import plan_update
@@ -48,6 +49,11 @@ from cells.training.update import run_update
 STATE_FORMAT = 1
 
 __all__ = ["EXACT", "MISSING", "Learner", "id_ranges"]
+
+
+DEFAULT_STALENESS_BOUND = 8
+"""The scheduler's default `staleness_bound`: the EWMA window's span when the objective names
+none and the trainer has not resolved it from the scheduler's bound."""
 
 
 class Learner:
@@ -140,7 +146,7 @@ class Learner:
         self.reference: dict[str, Tensor] = {}
         self.set_reference(reference if reference is not None else weights)
         ew = self.objective.ewma
-        self.ewma = PPOEWMA(self.params, staleness_window=ew.staleness_window,
+        self.ewma = PPOEWMA(self.params, staleness_window=ewma_window(ew, DEFAULT_STALENESS_BOUND, self.minibatches),
                             reset_threshold=ew.reset_threshold)
 
     # -- parameters ------------------------------------------------------------------------
@@ -253,8 +259,8 @@ class Learner:
         self.rl_start_step = self.step
         self.version = 1
 
-    def rl_step(self, trajectories: Sequence[dict[str, Any]], *, cursor: int | None = None
-                ) -> dict[str, float]:
+    def rl_step(self, trajectories: Sequence[dict[str, Any]], *, cursor: int | None = None,
+                staleness_bound: int | None = None) -> dict[str, float]:
         """One RL update (`minibatches` optimizer steps, one published version) of the
         decoupled PPO objective over finished `trajectories` (the store's `to_api` format),
         computed in this process; returns the update's metrics. The cells of a training group
@@ -262,8 +268,10 @@ class Learner:
 
         Trajectories whose group has fewer than two members are dropped (their advantage is
         undefined; counted in `num_dropped`). `cursor`, when given, becomes the checkpointed
-        data cursor."""
-        plan = plan_update(trajectories, self.objective, self.minibatches, [1.0])
+        data cursor. `staleness_bound`: sampled tokens older than that many versions before
+        this update's start leave the loss (`mask_stale`)."""
+        plan = plan_update(trajectories, self.objective, self.minibatches, [1.0], version=self.version,
+                           staleness_bound=staleness_bound)
         metrics = run_update(self, plan.shares[0], LocalReducer())
         if cursor is not None:
             self.cursor = cursor

@@ -43,7 +43,7 @@ from cells.trainer.agents import AgentPool
 from cells.trainer.client import TrainerClient
 from cells.trainer.groups import GroupGate, num_members
 from cells.trainer.learner import Learner
-from cells.trainer.objectives.config import ObjectiveConfig
+from cells.trainer.objectives.config import ObjectiveConfig, ewma_window
 from cells.trainer.step_cells import StepCells, StepFigures
 from cells.trainer.versions_host import VersionHost
 from cells.trainer.warmup import run_warmup
@@ -63,6 +63,15 @@ def engine_tile(cfg: CellflipConfig) -> int | None:
     return eng.row_tile if probe_row_invariance(tile=eng.row_tile) else 1
 
 
+def resolved_objective(cfg: CellflipConfig) -> ObjectiveConfig:
+    """The trainer's objective with what it leaves to the deployment filled in: the EWMA
+    stand-in's window spans the scheduler's staleness bound (`staleness_bound` versions ×
+    `minibatches` optimizer steps each), so the cells' learners get the same concrete number."""
+    obj = ObjectiveConfig.model_validate(cfg.trainer.objective)
+    window = ewma_window(obj.ewma, cfg.scheduler.staleness_bound, cfg.trainer.minibatches)
+    return obj.model_copy(update={"ewma": obj.ewma.model_copy(update={"staleness_window": window})})
+
+
 class Trainer:
     def __init__(self, cfg: CellflipConfig, url: str, *, run_dir: str | Path = "runs",
                  token: str | None = None, agent_token: str | None = None, tag: str = "run") -> None:
@@ -78,7 +87,7 @@ class Trainer:
         self.spec = resolve_spec(model)
         torch.manual_seed(self.tc.seed)
         self.learner = Learner(self.spec, init_weights(self.spec, model.seed, std=self.tc.init_std), lr=self.tc.warmup_lr,
-                               objective=ObjectiveConfig.model_validate(self.tc.objective),
+                               objective=resolved_objective(cfg),
                                tile=engine_tile(cfg), temperature=self.tc.temperature, seed=self.tc.seed,
                                minibatches=self.tc.minibatches, lr_warmup_steps=self.tc.lr_warmup_steps)
         self.host = VersionHost(self.tc.host, 0, bucket_bytes=cfg.versions.bucket_bytes,
@@ -186,7 +195,8 @@ class Trainer:
         batch = self.client.wait_scored(batch, timeout_s=600)
         t_scored = time.monotonic()
         cells = self.cells.group()
-        metrics = self.coordinator.update(batch, cells, next_version=self._next_version, cursor=self.client.cursor)
+        metrics = self.coordinator.update(batch, cells, next_version=self._next_version, cursor=self.client.cursor,
+                                          staleness_bound=self._staleness_bound())
         self.rl_step += 1
         t_train = time.monotonic()
         if metrics.get("update_rejected"):
@@ -254,6 +264,12 @@ class Trainer:
     def _flip_to_training(self, untrained: int = 0) -> list[dict]:
         """Declare the step and bring its cells to the training role (cells/trainer/step_cells.py)."""
         return self.cells.acquire(untrained)
+
+    def _staleness_bound(self) -> int | None:
+        """The scheduler's staleness bound where it holds at training (policy `drop`); None
+        under `correct` (stale tokens train with their correction weights)."""
+        st = self.client.versions().get("staleness") or {}
+        return int(st["bound"]) if st.get("policy") == "drop" and st.get("bound") is not None else None
 
     def _set_lr_scale(self, scale: float) -> None:
         self.lr_scale = scale

@@ -81,23 +81,23 @@ class TrainingCoordinator:
 
     def update(self, trajectories: Sequence[dict], cells: Sequence[str], *,
                next_version: Callable[[], int], shares: Sequence[float] | None = None,
-               cursor: int | None = None) -> dict[str, Any]:
+               cursor: int | None = None, staleness_bound: int | None = None) -> dict[str, Any]:
         """One RL update on `cells` (redone without the cells that fail); the host learner
         then holds it as version `next_version()`. Returns the update's metrics."""
         self.num_steps += 1
         try:
-            return self._update(trajectories, list(cells), next_version, shares, cursor)
+            return self._update(trajectories, list(cells), next_version, shares, cursor, staleness_bound)
         finally:
             for c in cells:  # a cell restarting later must not take this step up again
                 self.store.delete_key(P.assign_key(c))
 
     def _update(self, trajectories: Sequence[dict], cells: list[str], next_version: Callable[[], int],
-                shares: Sequence[float] | None, cursor: int | None) -> dict[str, Any]:
+                shares: Sequence[float] | None, cursor: int | None, staleness_bound: int | None) -> dict[str, Any]:
         lost, attempts = [], 0
         while cells and attempts < self.max_attempts:
             attempts += 1
             try:
-                out = self._attempt(trajectories, cells, attempts, next_version, shares)
+                out = self._attempt(trajectories, cells, attempts, next_version, shares, staleness_bound)
             except StepFailed as e:
                 lost += e.lost
                 self.emit({"event": "train_attempt_failed", "step": self.num_steps, "attempt": attempts,
@@ -111,7 +111,7 @@ class TrainingCoordinator:
             return out
         self.emit({"event": "coordinator_fallback", "step": self.num_steps, "lost": lost})
         self._wait_packer()  # the packer reads the host state: it finishes before that changes
-        metrics = self.learner.rl_step(trajectories, cursor=cursor)
+        metrics = self.learner.rl_step(trajectories, cursor=cursor, staleness_bound=staleness_bound)
         if not metrics.get("update_rejected"):
             self.learner.version = next_version()
         metrics.update({"attempts": float(attempts), "cells_lost": float(len(lost)),
@@ -119,10 +119,12 @@ class TrainingCoordinator:
         return metrics
 
     def _attempt(self, trajectories: Sequence[dict], cells: list[str], attempt: int,
-                 next_version: Callable[[], int], shares: Sequence[float] | None) -> dict[str, Any]:
+                 next_version: Callable[[], int], shares: Sequence[float] | None,
+                 staleness_bound: int | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         plan = plan_update(trajectories, self.learner.objective, self.learner.minibatches,
-                           list(shares) if shares else [1.0] * len(cells))
+                           list(shares) if shares else [1.0] * len(cells), version=self.learner.version,
+                           staleness_bound=staleness_bound)
         prefix = P.attempt_prefix(self.num_steps, attempt, self.run)
         self._cells = cells
         t_assign = time.perf_counter()

@@ -42,6 +42,8 @@ class Share:
     advantages: list[float]
     minibatch: list[int]
     n0: list[int]
+    staleness_bound: int | None = None
+    """The bound the plan applied: the rank checks its trajectories against it again."""
 
     @property
     def num_minibatches(self) -> int:
@@ -49,12 +51,15 @@ class Share:
 
     def to_json(self) -> dict[str, Any]:
         return {"trajectories": [{k: t.get(k) for k in WIRE_KEYS} for t in self.trajectories],
-                "advantages": self.advantages, "minibatch": self.minibatch, "n0": self.n0}
+                "advantages": self.advantages, "minibatch": self.minibatch, "n0": self.n0,
+                "staleness_bound": self.staleness_bound}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Share:
+        bound = d.get("staleness_bound")
         return cls(list(d["trajectories"]), [float(a) for a in d["advantages"]],
-                   [int(m) for m in d["minibatch"]], [int(n) for n in d["n0"]])
+                   [int(m) for m in d["minibatch"]], [int(n) for n in d["n0"]],
+                   None if bound is None else int(bound))
 
 
 @dataclass
@@ -66,13 +71,41 @@ class UpdatePlan:
     """Masked tokens per member ((branch, token) pairs for a tree), in N0's units."""
     rewards: list[float] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
+    stale_tokens_dropped: int = 0
+    """Sampled tokens past the staleness bound, left out of the loss."""
 
     def metrics(self) -> dict[str, float]:
         r = torch.tensor(self.rewards, dtype=torch.float32)
         a = torch.tensor(self.advantages, dtype=torch.float32)
         return {"reward_mean": float(r.mean()), "reward_std": float(r.std()) if len(r) > 1 else 0.0,
                 "adv_abs_mean": float(a.abs().mean()), "num_trajectories": float(self.num_trajectories),
-                "num_dropped": float(self.num_dropped), "num_minibatches": float(self.shares[0].num_minibatches)}
+                "num_dropped": float(self.num_dropped), "num_minibatches": float(self.shares[0].num_minibatches),
+                "stale_tokens_dropped": float(self.stale_tokens_dropped)}
+
+
+def mask_stale(trajectories: Sequence[dict[str, Any]], version: int, bound: int | None
+               ) -> tuple[list[dict[str, Any]], int]:
+    """The staleness bound where it is trained: a sampled token from more than `bound` versions
+    before `version` (the update's proximal policy) leaves the loss (its loss mask becomes 0).
+    A partly stale multi-turn session trains only its tokens within the bound; its reward still
+    counts in its group's advantage (the group stays whole). Returns the trajectories (copies
+    where a token changed) and how many sampled tokens left the loss. `bound` None: no check
+    (the `correct` policy: stale tokens train with their correction weights)."""
+    if bound is None:
+        return list(trajectories), 0
+    out, dropped = [], 0
+    oldest = version - bound
+    for t in trajectories:
+        stale = [i for i, (m, v) in enumerate(zip(t["loss_mask"], t["versions"], strict=True))
+                 if m and v is not None and v < oldest]
+        if stale:
+            mask = list(t["loss_mask"])
+            for i in stale:
+                mask[i] = 0
+            t = {**t, "loss_mask": mask}
+            dropped += len(stale)
+        out.append(t)
+    return out, dropped
 
 
 def masked_tokens(t: dict[str, Any]) -> int:
@@ -88,11 +121,15 @@ def member_tokens(trajs: Sequence[dict[str, Any]], idx: list[int], tree: TreeCon
 
 
 def plan_update(trajectories: Sequence[dict[str, Any]], objective: ObjectiveConfig,
-                minibatches: int, shares: Sequence[float]) -> UpdatePlan:
+                minibatches: int, shares: Sequence[float], *, version: int = 0,
+                staleness_bound: int | None = None) -> UpdatePlan:
     """Split the usable part of `trajectories` into `minibatches` (at most one per member)
     and each minibatch across len(shares) ranks in proportion to `shares` by tokens, a member
-    never split. Raises ValueError when no group has two members."""
+    never split; tokens past the staleness bound of an update from `version` leave the loss
+    first (`mask_stale`; every rank checks it again). Raises ValueError when no group has two
+    members."""
     trajs, dropped = usable(trajectories)
+    trajs, stale = mask_stale(trajs, version, staleness_bound)
     if not trajs:
         raise ValueError("no group in the batch has two or more trajectories")
     if minibatches < 1 or not shares or min(shares) <= 0:
@@ -114,14 +151,14 @@ def plan_update(trajectories: Sequence[dict[str, Any]], objective: ObjectiveConf
         mine = [u for u in range(len(units)) if mb[u] == j]
         for u, r in zip(mine, _cut([tokens[u] for u in mine], list(shares))):
             owner[u] = r
-    out = [Share([], [], [], n0) for _ in shares]
+    out = [Share([], [], [], n0, staleness_bound) for _ in shares]
     for u, idx in enumerate(units):
         s = out[owner[u]]
         for i in idx:
             s.trajectories.append(trajs[i])
             s.advantages.append(float(adv[i]))
             s.minibatch.append(mb[u])
-    return UpdatePlan(out, len(trajs), dropped, tokens, rewards.tolist(), [float(a) for a in adv])
+    return UpdatePlan(out, len(trajs), dropped, tokens, rewards.tolist(), [float(a) for a in adv], stale)
 
 
 def _cut(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:

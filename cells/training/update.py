@@ -33,7 +33,7 @@ from cells.trainer.objectives import (
 )
 from cells.training import guard
 from cells.training.batch import Batch, pad
-from cells.training.plan import Share
+from cells.training.plan import Share, mask_stale
 from cells.training.reduce import Reducer, sum_gradients
 from cells.training.tree_loss import (
     approx_kl_sum,
@@ -58,6 +58,11 @@ def run_update(learner: Any, share: Share, reducer: Reducer) -> dict[str, float]
     rank's `share`; every rank of `reducer` must call it with its share of the same plan.
     Returns the update's metrics summed over the ranks (equal on every rank)."""
     t0 = time.perf_counter()
+    # the staleness bound, checked again here: the plan left no stale token in the loss
+    _, stale = mask_stale(share.trajectories, learner.version, share.staleness_bound)
+    if stale:
+        raise ValueError(f"{stale} sampled tokens past the staleness bound {share.staleness_bound} of an "
+                         f"update from version {learner.version} reached this rank")
     b = Batch.build(share.trajectories, learner.objective.tree) if share.trajectories else None
     pre = _start_of_update(learner, b, share)
     learner.compute_s["forward"] += time.perf_counter() - t0

@@ -163,11 +163,15 @@ class SchedulerConfig(_Strict):
     flight plus the finished ones the trainer has not fetched reach (bound + 1) × the
     trainer's batch size. Hand-out: a trajectory whose oldest sampled token is more versions
     old than this follows `staleness_policy`. The planner reads the same bound."""
-    staleness_policy: Literal["correct", "drop"] = "correct"
-    """A trajectory past the staleness bound at hand-out: `correct` trains it with its
-    correction weights (decoupled PPO: r_stale capped by the objective's C_s), `drop` hands out
-    only a record saying it was dropped (the trainer drops its whole group). Counted either way
-    in `cellflip_stale_trajectories_total{policy}` and `GET /v1/versions`."""
+    staleness_policy: Literal["correct", "drop"] = "drop"
+    """`drop` (the bound holds): a trajectory past the staleness bound at hand-out is handed out
+    only as a record saying it was dropped (the trainer drops its whole group), and at training
+    every rank leaves out of the loss each sampled token more than `staleness_bound` versions
+    older than the update's start (a partly stale multi-turn session trains its fresh tokens;
+    cells/training/plan.py `mask_stale`). `correct` (an explicit choice): stale trajectories are
+    trained with their correction weights (decoupled PPO: r_stale capped by the objective's
+    C_s). Counted either way in `cellflip_stale_trajectories_total{policy}`, `GET /v1/versions`
+    and the update's `stale_tokens_dropped`."""
     verify_tolerance: float = Field(default=1e-3, ge=0)
     """Where either cell is not batch-invariant, two log-probs of the same token and version
     agree within this many nats (registration probes, the log-prob service's cross-check);

@@ -158,11 +158,19 @@ DEFAULT_EWMA_BAND = (0.5, 2.0)
 """Band of the PPO-EWMA reset rule when neither it nor an MIS correction sets one."""
 
 
+def ewma_window(ewma: EWMAConfig, staleness_bound: int, minibatches: int) -> float:
+    """W_stale: the configured one, else the staleness bound's span in optimizer steps."""
+    return ewma.staleness_window if ewma.staleness_window is not None else float(staleness_bound * minibatches)
+
+
 class EWMAConfig(_Strict):
     """PPO-EWMA parameter average that stands in for missing old log-probs."""
 
-    staleness_window: float = Field(default=4.0, ge=0)
-    """W_stale in optimizer steps; beta = W_stale / (W_stale + 1) centres the average there."""
+    staleness_window: float | None = Field(default=None, ge=0)
+    """W_stale in optimizer steps; beta = W_stale / (W_stale + 1) centres the average there.
+    None: the staleness bound's span, `staleness_bound` versions × the optimizer steps of one
+    version (`minibatches`): the average then stands in for a policy as old as the oldest
+    token the bound lets train (the trainer resolves it from the scheduler's bound)."""
     reset_threshold: float = Field(default=0.5, ge=0, le=1)
     """tau: reset the average to the current parameters when the fraction of
     missing-provenance tokens whose exp(lp_stand − lp_behav) lies in the band falls below
