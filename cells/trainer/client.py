@@ -80,7 +80,8 @@ class TrainerClient:
 
     def report_training(self, *, batch_size: int, steps_in_progress: int, max_cells_per_step: int,
                         step_s: float | None = None, sessions: int | None = None,
-                        tokens: int | None = None, cells: int | None = None, untrained: int = 0) -> dict:
+                        tokens: int | None = None, cells: int | None = None, untrained: int = 0,
+                        update: dict | None = None) -> dict:
         """Declare the trainer's demand (batch size, steps running, cells a step can use, sessions
         fetched and not yet trained) and, after a step, what it took (seconds, sessions, tokens,
         cells): the planner's training side and the staleness admission rule's input."""
@@ -88,6 +89,8 @@ class TrainerClient:
                                 "max_cells_per_step": max_cells_per_step, "untrained": untrained}
         if step_s is not None:
             body |= {"step_s": step_s, "sessions": sessions, "tokens": tokens, "cells": cells}
+        if update is not None:
+            body["update"] = update
         return self._call("POST", "/v1/trainer/report", json=body)
 
     def wait_flips(self, flips: list[dict], timeout_s: float = 300.0) -> list[dict]:

@@ -27,6 +27,7 @@ The learnability check (warm-up, then RL vs an lr = 0 control) is cells/trainer/
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -56,6 +57,8 @@ DEFAULT_STALENESS_BOUND = 8
 none and the trainer has not resolved it from the scheduler's bound."""
 
 
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
 class Learner:
     """Parameters, optimizer, reference and PPO-EWMA copies, and the two kinds of step."""
 
@@ -75,6 +78,9 @@ class Learner:
         micro_batch: int = 16,
         minibatches: int = 1,
         lr_warmup_steps: int = 0,
+        lr_schedule: str = "constant",
+        lr_total_steps: int | None = None,
+        lr_min_ratio: float = 0.1,
         sft_tile: int | None = None,
         version: int = 0,
         seed: int = 0,
@@ -99,6 +105,11 @@ class Learner:
         self.minibatches = minibatches
         """Optimizer steps per RL update (k >= 2 lets the clip bind from the second; docs/RL.md)."""
         self.lr_warmup_steps = lr_warmup_steps
+        if lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {lr_schedule!r}")
+        self.lr_schedule, self.lr_total_steps, self.lr_min_ratio = lr_schedule, lr_total_steps, lr_min_ratio
+        """After the warm-up: `constant`, or `cosine` / `linear` decay to `lr_min_ratio` of the
+        rate at `lr_total_steps` RL optimizer steps (then held there)."""
         self.rl_start_step: int | None = None
         """The optimizer step RL started at (`start_rl`); None: no RL learning-rate warm-up."""
         self.compute_s = {"forward": 0.0, "backward": 0.0}
@@ -173,18 +184,23 @@ class Learner:
 
     # -- the forward -------------------------------------------------------------------------
     def _logprobs(self, weights: dict[str, Tensor], seqs: Sequence[Tensor], grad: bool,
-                  tile: int | None | str = "cells"
+                  tile: int | None | str = "cells", entropy: list | None = None
                   ) -> tuple[list[Tensor], dict[str, Tensor], Tensor | None]:
         """Per-token log-probs (index t = token t, 0 at t = 0) of each sequence, with the
-        cells' row tile unless `tile` says otherwise."""
+        cells' row tile unless `tile` says otherwise; with `entropy` (a list) each sequence's
+        per-token policy entropy (same layout, 0 at t = 0) is appended to it."""
         tile = self.tile if tile == "cells" else tile
         spec, w, rows, remapped = self._vocab.compact(weights, seqs, grad)
         with torch.set_grad_enabled(grad):
             prep = prepare(spec, w, self._rope)
             out = []
             for ids in remapped:
-                lp = token_logprobs(prep, ids, self.temperature, tile)
+                ent: list | None = [] if entropy is not None else None
+                lp = token_logprobs(prep, ids, self.temperature, tile, entropy=ent)
                 out.append(torch.cat([lp.new_zeros(1), lp]))
+                if entropy is not None:
+                    h = ent[0] if ent else lp.new_zeros(0)
+                    entropy.append(torch.cat([h.new_zeros(1), h]))
         return out, w, rows
 
     def logprobs(self, token_ids: Sequence[int], which: str = "current") -> Tensor:
@@ -279,10 +295,10 @@ class Learner:
         return metrics
 
     # -- what `run_update` calls ----------------------------------------------------------------
-    def seq_logprobs(self, weights: dict[str, Tensor], seqs: Sequence[Tensor], grad: bool
-                     ) -> tuple[list[Tensor], dict[str, Tensor], Tensor | None]:
+    def seq_logprobs(self, weights: dict[str, Tensor], seqs: Sequence[Tensor], grad: bool,
+                     entropy: list | None = None) -> tuple[list[Tensor], dict[str, Tensor], Tensor | None]:
         """Per-token log-probs of `seqs` under `weights` at the cells' tile (see `_logprobs`)."""
-        return self._logprobs(weights, seqs, grad)
+        return self._logprobs(weights, seqs, grad, entropy=entropy)
 
     def tree_logprobs(self, weights: dict[str, Tensor], tree: SerializedTree, grad: bool
                       ) -> tuple[Tensor, dict[str, Tensor], Tensor | None]:
@@ -340,10 +356,20 @@ class Learner:
         return norm
 
     def lr_scale(self) -> float:
-        """Linear learning-rate warm-up over the first `lr_warmup_steps` optimizer steps of RL."""
-        if self.rl_start_step is None or self.lr_warmup_steps <= 0:
+        """The schedule's factor for the next optimizer step of RL: a linear warm-up over the
+        first `lr_warmup_steps`, then constant, or a cosine or linear decay that reaches
+        `lr_min_ratio` at `lr_total_steps` (1 outside RL)."""
+        if self.rl_start_step is None:
             return 1.0
-        return min(1.0, (self.step - self.rl_start_step + 1) / self.lr_warmup_steps)
+        k = self.step - self.rl_start_step + 1  # this step's number in RL, from 1
+        if self.lr_warmup_steps > 0 and k <= self.lr_warmup_steps:
+            return k / self.lr_warmup_steps
+        if self.lr_schedule == "constant" or not self.lr_total_steps:
+            return 1.0
+        span = max(1, self.lr_total_steps - self.lr_warmup_steps)
+        p = min(1.0, (k - self.lr_warmup_steps) / span)
+        decay = 0.5 * (1.0 + math.cos(math.pi * p)) if self.lr_schedule == "cosine" else 1.0 - p
+        return self.lr_min_ratio + (1.0 - self.lr_min_ratio) * decay
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -47,6 +47,9 @@ class StepFigures:
     sessions: int
     tokens: int
     cells: int
+    update: dict | None = None
+    """The update's figures for the scheduler's metrics (`update_kl`, `grad_norm`, `clip_frac`,
+    `entropy`, `staleness`: trained tokens per versions behind), or None."""
 
 
 class StepCells:
@@ -70,7 +73,7 @@ class StepCells:
         """POST /v1/trainer/report (`untrained`: sessions fetched and not trained yet, which the
         staleness admission rule counts); learns from the answer who flips."""
         kw = {} if step is None else {"step_s": step.step_s, "sessions": step.sessions,
-                                      "tokens": step.tokens, "cells": step.cells}
+                                      "tokens": step.tokens, "cells": step.cells, "update": step.update}
         r = self.client.report_training(batch_size=self.batch_size, steps_in_progress=steps_in_progress,
                                         max_cells_per_step=self.width, untrained=untrained, **kw)
         self.planner_flips = bool(r.get("auto_flip")) and self.train_cells > 0

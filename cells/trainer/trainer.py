@@ -72,6 +72,23 @@ def resolved_objective(cfg: CellflipConfig) -> ObjectiveConfig:
     return obj.model_copy(update={"ewma": obj.ewma.model_copy(update={"staleness_window": window})})
 
 
+def update_figures(metrics: dict, batch: list[dict], start_version: int, bound: int | None) -> dict:
+    """What the scheduler's `cellflip_training_*` metrics show of one update: its KL, grad
+    norm, clip fraction, entropy, outcome, and its trained tokens by versions behind its start."""
+    behind: list[int] = []
+    for t in batch:
+        for m, v in zip(t["loss_mask"], t["versions"], strict=True):
+            k = start_version - v if m and v is not None else None
+            if k is None or (bound is not None and k > bound):
+                continue  # a prompt token, or one the bound left out of the loss
+            k = max(0, min(k, 64))
+            behind += [0] * (k + 1 - len(behind))
+            behind[k] += 1
+    return {"update_kl": float(metrics.get("update_kl", 0.0)), "grad_norm": float(metrics.get("grad_norm", 0.0)),
+            "clip_frac": float(metrics.get("clip_frac", 0.0)), "entropy": float(metrics.get("entropy_mean", 0.0)),
+            "rejected": bool(metrics.get("update_rejected")), "staleness": behind}
+
+
 class Trainer:
     def __init__(self, cfg: CellflipConfig, url: str, *, run_dir: str | Path = "runs",
                  token: str | None = None, agent_token: str | None = None, tag: str = "run") -> None:
@@ -89,7 +106,9 @@ class Trainer:
         self.learner = Learner(self.spec, init_weights(self.spec, model.seed, std=self.tc.init_std), lr=self.tc.warmup_lr,
                                objective=resolved_objective(cfg),
                                tile=engine_tile(cfg), temperature=self.tc.temperature, seed=self.tc.seed,
-                               minibatches=self.tc.minibatches, lr_warmup_steps=self.tc.lr_warmup_steps)
+                               minibatches=self.tc.minibatches, lr_warmup_steps=self.tc.lr_warmup_steps,
+                               lr_schedule=self.tc.lr_schedule, lr_min_ratio=self.tc.lr_min_ratio,
+                               lr_total_steps=self.tc.steps * self.tc.minibatches)
         self.host = VersionHost(self.tc.host, 0, bucket_bytes=cfg.versions.bucket_bytes,
                                 update_backend=cfg.versions.update_backend)
         self.coordinator = TrainingCoordinator(self.learner, self.host.address, timeout_s=self.tc.train_timeout_s,
@@ -195,8 +214,9 @@ class Trainer:
         batch = self.client.wait_scored(batch, timeout_s=600)
         t_scored = time.monotonic()
         cells = self.cells.group()
+        start_version, bound = self.learner.version, self._staleness_bound()
         metrics = self.coordinator.update(batch, cells, next_version=self._next_version, cursor=self.client.cursor,
-                                          staleness_bound=self._staleness_bound())
+                                          staleness_bound=bound)
         self.rl_step += 1
         t_train = time.monotonic()
         if metrics.get("update_rejected"):
@@ -213,7 +233,8 @@ class Trainer:
             self.versions_published += 1
         self.cells.release(cells)
         prov = [p for t in batch for m, p in zip(t["loss_mask"], t["provenance"], strict=True) if m]
-        figures = StepFigures(round(t_train - t_flip, 3), len(batch), len(prov), len(cells)) if cells else None
+        update = update_figures(metrics, batch, start_version, bound)
+        figures = StepFigures(round(t_train - t_flip, 3), len(batch), len(prov), len(cells), update) if cells else None
         self.cells.declare(0, figures, untrained=len(self.batch))
         self._drop_retired()
         if self.rl_step % self.tc.checkpoint_every == 0:

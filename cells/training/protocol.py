@@ -66,6 +66,8 @@ def hyper(learner: Any) -> dict[str, Any]:
             "lr": learner.lr, "betas": list(learner.betas), "weight_decay": learner.weight_decay,
             "max_grad_norm": learner.max_grad_norm, "micro_batch": learner.micro_batch,
             "minibatches": learner.minibatches, "lr_warmup_steps": learner.lr_warmup_steps,
+            "lr_schedule": learner.lr_schedule, "lr_total_steps": learner.lr_total_steps,
+            "lr_min_ratio": learner.lr_min_ratio,
             "tile": learner.tile, "temperature": learner.temperature}
 
 
@@ -90,6 +92,8 @@ def build_learner(h: dict[str, Any], meta: dict[str, Any], flat: torch.Tensor | 
                       temperature=float(h["temperature"]), weight_decay=float(h["weight_decay"]),
                       betas=tuple(h["betas"]), max_grad_norm=h["max_grad_norm"], micro_batch=int(h["micro_batch"]),
                       minibatches=int(h["minibatches"]), lr_warmup_steps=int(h["lr_warmup_steps"]),
+                      lr_schedule=h.get("lr_schedule", "constant"), lr_total_steps=h.get("lr_total_steps"),
+                      lr_min_ratio=float(h.get("lr_min_ratio", 0.1)),
                       param_storage=param_storage)
     return learner
 

@@ -113,7 +113,8 @@ def _start_of_update(learner: Any, b: Batch | None, share: Share) -> dict[str, A
     trees = start_trees(learner, b.trees, share.advantages, share.minibatch)
     if b.size == 0:
         return {"trees": trees, "mb": torch.zeros(0, dtype=torch.long)}
-    lp_prox = pad(learner.seq_logprobs(learner.params, b.ids, False)[0], b.length, 0.0)
+    ent: list[Tensor] = []
+    lp_prox = pad(learner.seq_logprobs(learner.params, b.ids, False, entropy=ent)[0], b.length, 0.0)
     lp_stand = torch.zeros_like(b.behav)
     need = [i for i in range(b.size) if bool(b.missing[i].any())]
     if need:
@@ -133,7 +134,7 @@ def _start_of_update(learner: Any, b: Batch | None, share: Share) -> dict[str, A
         adv_traj = adv_traj - torch.zeros_like(adv_traj).index_add_(0, b.traj, pen.to(adv_traj.dtype))
     mb = torch.tensor(share.minibatch, dtype=torch.long)[b.traj]
     return {"lp_prox": lp_prox, "lp_stand": lp_stand, "lp_ref": lp_ref, "adv": adv_traj[b.traj], "mb": mb,
-            "trees": trees}
+            "trees": trees, "entropy": pad(ent, b.length, 0.0)}
 
 
 def _rows(b: Batch | None, pre: dict, j: int) -> list[int]:
@@ -274,7 +275,7 @@ def _finish_metrics(totals: Tensor, mb_losses: list[Tensor], n0: list[int]) -> d
 def _batch_metrics(b: Batch | None, pre: dict, reducer: Reducer, version: int) -> dict[str, float]:
     """Provenance counts, staleness against the update's version, and how many exact old
     log-probs lp_prox reproduces bitwise, over all ranks (a tree's tokens counted once)."""
-    s = torch.zeros(10, dtype=torch.float64)
+    s = torch.zeros(11, dtype=torch.float64)
     mx = torch.full((1,), -1e9, dtype=torch.float64)
     if b is not None and b.size:
         exact = b.mask & ~b.missing
@@ -282,12 +283,13 @@ def _batch_metrics(b: Batch | None, pre: dict, reducer: Reducer, version: int) -
         s += torch.tensor([float(exact.sum()), float((b.missing & ~b.unscored).sum()), float(b.unscored.sum()),
                            float(stale.sum()), float(stale.numel()),
                            float((pre["lp_prox"] == b.old)[exact].sum()),
-                           float(pre["adv"].abs().sum()), float(b.size), 0.0, 0.0], dtype=torch.float64)
+                           float(pre["adv"].abs().sum()), float(b.size), 0.0, 0.0,
+                           float(pre["entropy"][b.mask].sum())], dtype=torch.float64)
         if stale.numel():
             mx[0] = stale.max()
     for u, st in zip(b.trees if b is not None else [], pre["trees"]):
         counts, most = batch_counts(u, st, version)
-        s += torch.cat([counts, torch.tensor([1.0, 0.0], dtype=torch.float64)])
+        s += torch.cat([counts, torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)])
         mx[0] = max(float(mx[0]), most)
     if b is not None:
         s[9] += b.num_unrolled
@@ -298,4 +300,13 @@ def _batch_metrics(b: Batch | None, pre: dict, reducer: Reducer, version: int) -
             "staleness_mean": s[3].item() / n if n else 0.0, "staleness_max": mx.item() if n else 0.0,
             "frac_bitwise_equal": s[5].item() / exact_n if exact_n else float("nan"),
             "adv_seq_abs_mean": s[6].item() / s[7].item() if s[7].item() else 0.0,
-            "num_trees": s[8].item(), "num_trees_unrolled": s[9].item()}
+            "num_trees": s[8].item(), "num_trees_unrolled": s[9].item(),
+            # the policy's entropy at the update's start, over the sampled tokens of rows
+            "entropy_mean": s[10].item() / rows_n if (rows_n := _row_tokens(b, reducer)) else 0.0}
+
+
+def _row_tokens(b: Batch | None, reducer: Reducer) -> float:
+    """Sampled tokens of the rows (trees apart), over all ranks."""
+    n = torch.tensor([float(b.mask.sum()) if b is not None and b.size else 0.0], dtype=torch.float64)
+    reducer.all_reduce(n)
+    return n.item()

@@ -19,6 +19,20 @@ from scheduler.api.schemas import _Body, errors
 router = APIRouter(prefix="/v1/trainer", tags=["trainer"], route_class=ApiRoute, responses=errors(401, 403))
 
 
+class UpdateFigures(_Body):
+    """One RL update as the trainer measured it (the scheduler's `cellflip_training_*` metrics)."""
+
+    update_kl: float = Field(ge=0, le=1e9)
+    """KL(π_prox ‖ π_new) over the batch (the trust-region guard's estimate)."""
+    grad_norm: float = Field(ge=0, le=1e12)
+    clip_frac: float = Field(ge=0, le=1)
+    entropy: float = Field(ge=0, le=1e6)
+    """The policy's mean entropy at the sampled tokens, at the update's start (nats)."""
+    rejected: bool = False
+    staleness: list[int] = Field(default_factory=list, max_length=1024)
+    """Trained tokens by how many versions older than the update's start they were (index)."""
+
+
 class TrainerReport(_Body):
     batch_size: int = Field(ge=1, le=1 << 30)
     """Sessions one training step consumes."""
@@ -39,6 +53,8 @@ class TrainerReport(_Body):
     """Tokens that step trained on."""
     cells: int | None = Field(default=None, ge=1, le=1 << 20)
     """Training cells that step ran on."""
+    update: UpdateFigures | None = None
+    """That step's update figures (metrics only)."""
 
     @model_validator(mode="after")
     def _whole_step(self) -> TrainerReport:
@@ -50,6 +66,8 @@ class TrainerReport(_Body):
 
 @router.post("/report", responses=errors(413, 422))
 async def report(body: TrainerReport, ctl: Ctl) -> dict:
+    if body.update is not None:
+        ctl.metrics.observe_update(body.update.model_dump())
     return ctl.report_training(body.batch_size, body.steps_in_progress, body.max_cells_per_step,
                                body.max_concurrent_steps, body.step_s, body.sessions, body.tokens, body.cells,
                                untrained=body.untrained)

@@ -231,6 +231,11 @@ class TrainerConfig(_Strict):
     """RL learning rate (0: a control run whose weights never move after the warm-up). 1e-3:
     the best held-out score of `bench/lr_sweep.py` with updates under 0.35 nats/token; at 2e-3
     single updates moved the policy 1.6–5.3 nats/token (docs/RL.md)."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """After the learning-rate warm-up: constant, or a cosine or linear decay over the run's RL
+    optimizer steps (`steps` x `minibatches`) down to `lr_min_ratio` of `lr`."""
+    lr_min_ratio: float = Field(default=0.1, ge=0, le=1)
+    """Where a decaying schedule ends, as a fraction of `lr`."""
     reject_lr_backoff: float = Field(default=0.5, gt=0, le=1)
     """After an update the trust-region guard rejected, the learning rate is multiplied by this
     (the update published nothing; the next one tries a smaller step)."""

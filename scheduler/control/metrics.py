@@ -65,6 +65,12 @@ class Metrics:
         self.probes = Counter(p + "probes", "Registration probes by outcome (verified: agreed with the version's reference; refused: disagreed).", ["outcome"], registry=r)
         self.quarantined = Counter(p + "cells_quarantined", "Cells quarantined for what they reported (invalid tokens, contradicted log-probs, a disagreeing probe).", registry=r)
         self.sessions_tainted = Counter(p + "sessions_tainted", "Sessions holding tokens a quarantined cell sampled: never trained on.", registry=r)
+        self.training_update_kl = Gauge(p + "training_update_kl", "KL(pi_prox || pi_new) of the last RL update (nats per token, the trust-region guard's estimate).", registry=r)
+        self.training_grad_norm = Gauge(p + "training_grad_norm", "Gradient norm of the last RL update's last optimizer step (before clipping).", registry=r)
+        self.training_clip_fraction = Gauge(p + "training_clip_fraction", "Fraction of kept tokens whose PPO ratio was clipped in the last RL update.", registry=r)
+        self.training_entropy = Gauge(p + "training_entropy", "The policy's mean entropy at the sampled tokens at the last RL update's start (nats).", registry=r)
+        self.training_updates = Counter(p + "training_updates", "RL updates by outcome (kept: published as a version; rejected: past max_update_kl, nothing published).", ["outcome"], registry=r)
+        self.trained_tokens = Counter(p + "trained_tokens", "Trained tokens by versions behind the update's start (the staleness histogram; 64 collects 64 and more).", ["versions_behind"], registry=r)
         self.requests_failed = Counter(p + "requests_failed", "Requests ended with an error reason (stuck after repeated re-placement, their session changed under them, or their sampler quarantined).", registry=r)
         self.tokens_rejected = Counter(p + "tokens_rejected", "Token batches refused at sync, by reason.", ["reason"], registry=r)
         self.fenced = Counter(p + "cells_fenced", "Cell incarnations fenced (lease lost or replaced).", ["reason"], registry=r)
@@ -86,6 +92,17 @@ class Metrics:
             self.group_trajectories_dropped.labels(reason)
         for policy in ("correct", "drop"):
             self.stale_trajectories.labels(policy)
+
+    def observe_update(self, u: dict) -> None:
+        """One RL update's figures, as the trainer reported them."""
+        self.training_update_kl.set(u["update_kl"])
+        self.training_grad_norm.set(u["grad_norm"])
+        self.training_clip_fraction.set(u["clip_frac"])
+        self.training_entropy.set(u["entropy"])
+        self.training_updates.labels("rejected" if u.get("rejected") else "kept").inc()
+        for k, n in enumerate(u.get("staleness") or ()):
+            if n:
+                self.trained_tokens.labels(str(min(k, 64))).inc(n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

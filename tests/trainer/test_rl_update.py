@@ -4,6 +4,7 @@ group std."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cells.trainer.objectives import KLInReward, ObjectiveConfig
@@ -85,3 +86,26 @@ def test_rl_begins_at_the_warmed_up_policy():
     for k, p in learner.params.items():
         assert torch.equal(learner.reference[k], p.detach()) and torch.equal(learner.ewma.params[k], p.detach())
     assert not learner.optimizer.state and learner.version == 1 and learner.rl_start_step == learner.step
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
+def test_learning_rate_schedules_after_the_warm_up(schedule):
+    """Warm-up 2 steps, then the schedule over 10 RL optimizer steps down to 0.1 of the rate;
+    the factors by hand."""
+    import math
+
+    learner = small_learner(lr=1e-2, minibatches=1, lr_warmup_steps=2, lr_schedule=schedule, lr_total_steps=10,
+                            lr_min_ratio=0.1)
+    learner.start_rl()
+    got = []
+    for _ in range(12):
+        got.append(learner.lr_scale())
+        learner.step += 1
+    want = [0.5, 1.0]
+    for k in range(3, 13):
+        p = min(1.0, (k - 2) / 8)
+        decay = {"constant": 1.0, "cosine": 0.5 * (1 + math.cos(math.pi * p)), "linear": 1 - p}[schedule]
+        want.append(1.0 if schedule == "constant" else 0.1 + 0.9 * decay)
+    assert got == pytest.approx(want)
+    m = learner.rl_step(_batch(learner))  # the optimizer step uses it
+    assert m["lr_effective"] == pytest.approx(1e-2 * want[-1])

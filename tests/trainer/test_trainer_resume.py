@@ -114,7 +114,7 @@ def test_a_rejected_update_publishes_nothing_and_backs_the_learning_rate_off(tmp
     t.versions_published = 0
     def batch(n: int) -> list[dict]:
         return [{"id": f"s{i}", "reward": 1.0, "group_id": f"g{i}", "loss_mask": [0, 1],
-                 "provenance": [None, "exact"], "token_ids": [1, 2]} for i in range(n)]
+                 "provenance": [None, "exact"], "token_ids": [1, 2], "versions": [None, 0]} for i in range(n)]
 
     t._complete_groups = batch
     outcomes = iter([{"update_rejected": 1.0, "update_kl": 3.0}, {"update_rejected": 1.0, "update_kl": 2.0},

@@ -186,11 +186,12 @@ def output_logprobs(prep: Prepared, hidden: torch.Tensor, temperature: float | t
 
 
 def token_logprobs(prep: Prepared, token_ids: torch.Tensor, temperature: float = 1.0,
-                   tile: int | None = None) -> torch.Tensor:
+                   tile: int | None = None, entropy: list | None = None) -> torch.Tensor:
     """Cache-free full forward: log-prob of token t given tokens < t for t = 1..L-1.
 
     The scoring primitive of the log-prob service and the trainer's forward (autograd
-    flows through `prep.weights`). Tokens outside the output ids get -inf.
+    flows through `prep.weights`). Tokens outside the output ids get -inf. With `entropy`
+    (a list), the policy's entropy at each of those positions is appended to it (detached).
     """
     n = token_ids.shape[0]
     if n < 2:
@@ -198,6 +199,9 @@ def token_logprobs(prep: Prepared, token_ids: torch.Tensor, temperature: float =
     positions = torch.arange(n)
     hidden = forward(prep, token_ids, positions, [Segment(0, n, 0)], tile)
     lp = output_logprobs(prep, hidden[:-1], temperature, tile)
+    if entropy is not None:
+        with torch.no_grad():
+            entropy.append(-(lp.exp() * lp.clamp(min=-1e30)).sum(-1))
     targets = token_ids[1:]
     if prep.id_to_out is None:
         return lp.gather(1, targets[:, None])[:, 0]
