@@ -94,7 +94,8 @@ class CellAgent:
         self._progress_at = time.monotonic()  # the engine last produced a token, or had no work
         self._stall_logged_at = float("-inf")
         keep = cfg.cells.keep_training_memory == "auto" and not caps.role_handover
-        self.training = TrainingWorker(cell_id, device=engine.train_device, keep_memory=keep)
+        self.training = TrainingWorker(cell_id, device=engine.train_device, keep_memory=keep,
+                                       local_loss=cfg.trainer.objective.get("loss"))
         """The cell's training rank: takes the trainer's step assignments in the training role."""
         prepare = versioned_weights(engine).prepare_weights if caps.versioned_weights else None
         self.versions = CellVersions(cell_id, emit=self.events_append, wake=self.wake,

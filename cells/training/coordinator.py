@@ -175,7 +175,12 @@ class TrainingCoordinator:
         if lost:
             set_json(self.store, f"{prefix}/abort", {"reason": "no ack"})
             raise StepFailed(f"no ack from {lost} within {self.ack_timeout_s}s", lost)
-        return {r: get_json(self.store, k) for r, k in enumerate(keys, start=1)}
+        acks = {r: get_json(self.store, k) for r, k in enumerate(keys, start=1)}
+        refused = {cells[r - 1]: a["refused"] for r, a in acks.items() if a.get("refused")}
+        if refused:  # a cell whose configuration refuses the step: the next attempt goes without it
+            set_json(self.store, f"{prefix}/abort", {"reason": "refused"})
+            raise StepFailed(f"refused by {refused}", list(refused))
+        return acks
 
     def _join(self, prefix: str, n: int):
         return join_group(self.store, f"{prefix}/all/", 0, n + 1, timeout_s=self.timeout_s,

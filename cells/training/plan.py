@@ -44,6 +44,8 @@ class Share:
     n0: list[int]
     staleness_bound: int | None = None
     """The bound the plan applied: the rank checks its trajectories against it again."""
+    s0: list[int] = field(default_factory=list)
+    """Sequences of every minibatch over all ranks (S of the sequence-level aggregations)."""
 
     @property
     def num_minibatches(self) -> int:
@@ -52,14 +54,14 @@ class Share:
     def to_json(self) -> dict[str, Any]:
         return {"trajectories": [{k: t.get(k) for k in WIRE_KEYS} for t in self.trajectories],
                 "advantages": self.advantages, "minibatch": self.minibatch, "n0": self.n0,
-                "staleness_bound": self.staleness_bound}
+                "staleness_bound": self.staleness_bound, "s0": self.s0}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Share:
         bound = d.get("staleness_bound")
         return cls(list(d["trajectories"]), [float(a) for a in d["advantages"]],
                    [int(m) for m in d["minibatch"]], [int(n) for n in d["n0"]],
-                   None if bound is None else int(bound))
+                   None if bound is None else int(bound), [int(n) for n in d.get("s0") or ()])
 
 
 @dataclass
@@ -113,6 +115,14 @@ def masked_tokens(t: dict[str, Any]) -> int:
     return sum(int(s["mask"].sum()) for s in segments(0, t))
 
 
+def member_sequences(trajs: Sequence[dict[str, Any]], idx: list[int], tree: TreeConfig) -> int:
+    """What a member adds to S (the sequence-level aggregations' count): a tree's kept
+    branches with a token in the loss, else its trajectories with one."""
+    if is_tree([trajs[i] for i in idx]):
+        return build_tree(trajs, idx, tree).num_sequences()
+    return sum(1 for i in idx if masked_tokens(trajs[i]) > 0)
+
+
 def member_tokens(trajs: Sequence[dict[str, Any]], idx: list[int], tree: TreeConfig) -> int:
     """What a member adds to N0: a tree's masked (branch, token) pairs, else its tokens."""
     if is_tree([trajs[i] for i in idx]):
@@ -141,17 +151,19 @@ def plan_update(trajectories: Sequence[dict[str, Any]], objective: ObjectiveConf
     index: dict[Any, int] = {}
     groups = torch.tensor([index.setdefault(t["group_id"], len(index)) for t in trajs])
     rewards = torch.tensor([float(t["reward"]) for t in trajs], dtype=torch.float32)
-    adv = member_advantages(rewards, objective.advantage, groups, member).tolist()
+    adv = member_advantages(rewards, objective.advantage, groups, member, objective.advantage_norm).tolist()
     tokens = [member_tokens(trajs, idx, objective.tree) for idx in units]
+    seqs = [member_sequences(trajs, idx, objective.tree) for idx in units]
     mb = _cut(tokens, [1.0] * min(minibatches, len(units)))
     k = max(mb) + 1
     n0 = [sum(n for n, j in zip(tokens, mb) if j == i) for i in range(k)]
+    s0 = [sum(n for n, j in zip(seqs, mb) if j == i) for i in range(k)]
     owner = [0] * len(units)
     for j in range(k):
         mine = [u for u in range(len(units)) if mb[u] == j]
         for u, r in zip(mine, _cut([tokens[u] for u in mine], list(shares))):
             owner[u] = r
-    out = [Share([], [], [], n0, staleness_bound) for _ in shares]
+    out = [Share([], [], [], n0, staleness_bound, s0) for _ in shares]
     for u, idx in enumerate(units):
         s = out[owner[u]]
         for i in idx:

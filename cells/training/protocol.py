@@ -76,19 +76,32 @@ def spec_from_signature(d: dict[str, Any]) -> ModelSpec:
     return ModelSpec(**{**d, "output_id_ranges": tuple(tuple(r) for r in ranges) if ranges else None})
 
 
+def local_objective(h: dict[str, Any], local_loss: str | None) -> ObjectiveConfig:
+    """The coordinator's objective, provided its loss is this process's own: a loss function
+    is imported only by a name from the local configuration, never by one that came over the
+    wire (that would run code the network chose)."""
+    objective = ObjectiveConfig.model_validate_json(h["objective"])
+    if objective.loss is not None and objective.loss != local_loss:
+        raise ValueError(f"the coordinator's objective.loss {objective.loss!r} is not this cell's configured "
+                         f"loss ({local_loss!r}): set trainer.objective.loss in the cell's configuration too")
+    return objective
+
+
 def build_learner(h: dict[str, Any], meta: dict[str, Any], flat: torch.Tensor | None = None,
-                  param_storage: torch.Tensor | None = None) -> Any:
+                  param_storage: torch.Tensor | None = None, local_loss: str | None = None) -> Any:
     """A learner with the coordinator's hyper-parameters and the parameters packed in `flat`
     (its reference and EWMA copy equal to them: `wire.unpack(..., held="fresh")` then writes
     only what differs), or zero parameters of the manifest's shapes without `flat`
-    (`wire.unpack` then fills the whole state)."""
+    (`wire.unpack` then fills the whole state). `local_loss`: the custom loss of this
+    process's configuration (the only one it imports)."""
     from cells.trainer.learner import Learner
 
+    objective = local_objective(h, local_loss)
     spec = spec_from_signature(h["model"])
     weights = (params_view(meta, flat) if flat is not None else
                {e["name"]: torch.zeros(e["shape"]) for e in meta["entries"] if e["kind"] == "param"})
     learner = Learner(replace(spec), weights, lr=float(h["lr"]),
-                      objective=ObjectiveConfig.model_validate_json(h["objective"]), tile=h["tile"],
+                      objective=objective, tile=h["tile"],
                       temperature=float(h["temperature"]), weight_decay=float(h["weight_decay"]),
                       betas=tuple(h["betas"]), max_grad_norm=h["max_grad_norm"], micro_batch=int(h["micro_batch"]),
                       minibatches=int(h["minibatches"]), lr_warmup_steps=int(h["lr_warmup_steps"]),
@@ -98,13 +111,15 @@ def build_learner(h: dict[str, Any], meta: dict[str, Any], flat: torch.Tensor | 
     return learner
 
 
-def build_skeleton(sk: dict[str, Any], param_storage: torch.Tensor | None = None) -> Any:
+def build_skeleton(sk: dict[str, Any], param_storage: torch.Tensor | None = None,
+                   local_loss: str | None = None) -> Any:
     """A learner of the skeleton's shapes with every tensor of a training state allocated and
     touched (zero parameters, reference, EWMA copy, AdamW moments): a join writes the state
     into it in place (`wire.unpack(..., held="warm")`). `param_storage`: where the parameters
     live (the front of the buffer a joining state is received into: they arrive in place)."""
     learner = build_learner(sk["hyper"], {"entries": [{"kind": "param", "name": n, "shape": s}
-                                                      for n, s in sk["params"]]}, param_storage=param_storage)
+                                                      for n, s in sk["params"]]}, param_storage=param_storage,
+                            local_loss=local_loss)
     for p in learner.params.values():
         learner.optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(p.shape),
                                       "exp_avg_sq": torch.zeros(p.shape)}

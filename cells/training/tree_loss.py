@@ -72,12 +72,17 @@ def _kl_penalty(cfg: Any, u: TreeUnit, lp_prox: Tensor, lp_stand: Tensor, lp_ref
 
 
 def tree_loss(learner: Any, u: TreeUnit, s: TreeStart, lp_theta: Tensor, n0: Tensor,
-              normalizer: Tensor | None) -> tuple[Tensor, dict[str, float]]:
-    """The tree's share of its minibatch's loss (normalised by the global N0) and its metrics
-    (counting (branch, token) pairs)."""
+              normalizer: Tensor | None, s0: int = 0) -> tuple[Tensor, dict[str, float]]:
+    """The tree's share of its minibatch's loss (normalised by the global N0, or under a
+    sequence-level aggregation by S and each branch's tokens) and its metrics (counting
+    (branch, token) pairs). Its sequences are its branches."""
+    from cells.training.update import agg_scale
+
+    scale = agg_scale(learner.objective, u.mask.sum(1).to(torch.float32), s0)
     return tree_ppo_loss(u.ser, lp_theta, s.lp_prox, u.behav, s.adv, learner.objective, lp_old=u.old,
                          provenance=u.missing, lp_stand=s.lp_stand, lp_ref=s.lp_ref, num_pairs=n0,
-                         normalizer=normalizer)
+                         normalizer=normalizer, token_scale=scale,
+                         versions_behind=torch.where(u.ser.loss_mask, learner.version - u.versions, -1))
 
 
 def approx_kl_sum(u: TreeUnit, s: TreeStart, lp_theta: Tensor, cap: float) -> tuple[float, float]:

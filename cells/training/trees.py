@@ -134,6 +134,10 @@ class TreeUnit:
         """Masked (branch, token) pairs: the tree's share of N0."""
         return int(self.mask.sum())
 
+    def num_sequences(self) -> int:
+        """Branches with a token in the loss: the tree's share of S (sequence aggregations)."""
+        return int((self.mask.sum(1) > 0).sum())
+
 
 def build_tree(trajectories: Sequence[dict[str, Any]], indices: Sequence[int], cfg: TreeConfig) -> TreeUnit:
     """The TreeUnit of the member whose trajectories are `indices` (branch 0 = the trunk

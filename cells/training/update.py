@@ -31,6 +31,7 @@ from cells.trainer.objectives import (
     token_weights,
     update_kl_terms,
 )
+from cells.trainer.objectives.custom import loss_metric_names
 from cells.training import guard
 from cells.training.batch import Batch, pad
 from cells.training.plan import Share, mask_stale
@@ -68,7 +69,8 @@ def run_update(learner: Any, share: Share, reducer: Reducer) -> dict[str, float]
     learner.compute_s["forward"] += time.perf_counter() - t0
     bound = learner.objective.max_update_kl
     snap = guard.take(learner) if bound is not None else None
-    totals = torch.zeros(len(_SUMS), dtype=torch.float64)
+    keys = sum_keys(learner.objective)
+    totals = torch.zeros(len(keys), dtype=torch.float64)
     mb_losses, mb_sums, grad_norms = [], [], []
     stopped = False
     for j in range(share.num_minibatches):
@@ -89,7 +91,7 @@ def run_update(learner: Any, share: Share, reducer: Reducer) -> dict[str, float]
         guard.restore(learner, snap)
     else:
         learner.version += 1  # a rejected update publishes nothing: no new version
-    out = _finish_metrics(totals, mb_losses, list(share.n0[: len(mb_losses)]))
+    out = _finish_metrics(keys, totals, mb_losses, list(share.n0[: len(mb_losses)]))
     out.update({"update_kl": kl, "update_rejected": float(rejected), "minibatches_run": float(len(grad_norms))})
     clip = [float(x[_SUMS.index("clip_frac")] / max(float(x[_SUMS.index("num_kept")]), 1.0)) for x in mb_sums]
     out["clip_frac_first"] = clip[0]
@@ -102,6 +104,12 @@ def run_update(learner: Any, share: Share, reducer: Reducer) -> dict[str, float]
                 "optimizer_step": float(learner.step), "train_ranks": float(reducer.world),
                 "step_s": time.perf_counter() - t0})
     return out
+
+
+def sum_keys(objective: Any) -> tuple[str, ...]:
+    """The per-minibatch sums reduced over the ranks: the built-in ones, then a custom loss's
+    declared metrics (the same layout on every rank)."""
+    return _SUMS + loss_metric_names(objective.loss)
 
 
 def _start_of_update(learner: Any, b: Batch | None, share: Share) -> dict[str, Any]:
@@ -133,12 +141,40 @@ def _start_of_update(learner: Any, b: Batch | None, share: Share) -> dict[str, A
         pen = kl_reward_penalty(lp_prox, lp_ref, w, b.mask, coef=cfg.kl.coef, estimator=cfg.kl.estimator)
         adv_traj = adv_traj - torch.zeros_like(adv_traj).index_add_(0, b.traj, pen.to(adv_traj.dtype))
     mb = torch.tensor(share.minibatch, dtype=torch.long)[b.traj]
+    # each row's sequence (its trajectory) and the sequence's tokens in the loss
+    per_traj = torch.zeros(len(share.trajectories), dtype=torch.float32).index_add_(
+        0, b.traj, b.mask.sum(1).to(torch.float32))
     return {"lp_prox": lp_prox, "lp_stand": lp_stand, "lp_ref": lp_ref, "adv": adv_traj[b.traj], "mb": mb,
-            "trees": trees, "entropy": pad(ent, b.length, 0.0)}
+            "trees": trees, "entropy": pad(ent, b.length, 0.0), "seq_len": per_traj[b.traj],
+            "behind": torch.where(b.mask, learner.version - b.versions, -1)}
 
 
 def _rows(b: Batch | None, pre: dict, j: int) -> list[int]:
     return [] if b is None else torch.nonzero(pre["mb"] == j).flatten().tolist()
+
+
+def agg_scale(cfg: Any, seq_len: Tensor, s0: int) -> Tensor | None:
+    """Each row's coefficient (rows, 1) under a sequence-level `loss_agg` (None: `token_mean`,
+    1/N0): 1/(S·|seq|) or 1/(S·constant), S counted over all ranks by the plan."""
+    if cfg.loss_agg == "token_mean":
+        return None
+    s = float(max(s0, 1))
+    if cfg.loss_agg == "seq_mean_token_mean":
+        return (1.0 / (s * seq_len.clamp(min=1.0))).unsqueeze(1)
+    return torch.full((seq_len.shape[0], 1), 1.0 / (s * cfg.loss_agg_constant))
+
+
+def _chunks(rows: list[int], b: Batch, size: int, whole: bool) -> list[list[int]]:
+    """Micro-batches of `rows`; with `whole`, a trajectory's rows are never split (a sequence
+    ratio is taken over all of them at once)."""
+    if not whole:
+        return [rows[lo: lo + size] for lo in range(0, len(rows), size)]
+    out: list[list[int]] = [[]]
+    for i, r in enumerate(rows):
+        if len(out[-1]) >= size and int(b.traj[r]) != int(b.traj[rows[i - 1]]):
+            out.append([])
+        out[-1].append(r)
+    return [c for c in out if c]
 
 
 def _trees(pre: dict, j: int) -> list[int]:
@@ -174,27 +210,30 @@ def _minibatch(learner: Any, b: Batch | None, pre: dict, share: Share, j: int, r
     cfg, rows, trees = learner.objective, _rows(b, pre, j), _trees(pre, j)
     normalizer = _normalizer(learner, b, pre, rows, trees, reducer)
     n0 = torch.tensor(float(max(share.n0[j], 1)))
+    s0 = share.s0[j] if share.s0 else 0
     touched = learner.zero_grads()
-    lt_rows, lt_trees = [], []
-    for lo in range(0, len(rows), learner.micro_batch):
-        idx = torch.tensor(rows[lo: lo + learner.micro_batch])
+    lt_rows, lt_trees, done_rows = [], [], []
+    for chunk in _chunks(rows, b, learner.micro_batch, cfg.ratio == "sequence"):
+        idx = torch.tensor(chunk)
         t0 = time.perf_counter()
-        lps, w, vocab_rows = learner.seq_logprobs(learner.params, [b.ids[i] for i in idx.tolist()], True)
+        lps, w, vocab_rows = learner.seq_logprobs(learner.params, [b.ids[i] for i in chunk], True)
         lt = pad(lps, b.length, 0.0)
         loss, _ = decoupled_ppo_loss(lt, pre["lp_prox"][idx], b.behav[idx], pre["adv"][idx], b.mask[idx], cfg,
-                                     **_extra(b, pre, idx), num_tokens=n0, normalizer=normalizer)
+                                     **_extra(b, pre, idx), num_tokens=n0, normalizer=normalizer,
+                                     token_scale=agg_scale(cfg, pre["seq_len"][idx], s0), seq_index=b.traj[idx])
         _backward(learner, loss, w, vocab_rows, touched, t0)
         lt_rows.append(lt.detach())
+        done_rows += chunk
     for i in trees:
         t0 = time.perf_counter()
         lt, w, vocab_rows = learner.tree_logprobs(learner.params, b.trees[i].ser, True)
-        loss, _ = tree_loss(learner, b.trees[i], pre["trees"][i], lt, n0, normalizer)
+        loss, _ = tree_loss(learner, b.trees[i], pre["trees"][i], lt, n0, normalizer, s0)
         _backward(learner, loss, w, vocab_rows, touched, t0)
         lt_trees.append(lt.detach())
-    sums = _local_sums(learner, b, pre, rows, lt_rows, n0, normalizer)
-    sums += _tree_sums(learner, b, pre, trees, lt_trees, n0, normalizer)
+    sums = _local_sums(learner, b, pre, done_rows, lt_rows, n0, normalizer, s0)
+    sums += _tree_sums(learner, b, pre, trees, lt_trees, n0, normalizer, s0)
     reducer.all_reduce(sums)
-    m = dict(zip(_SUMS, sums.tolist()))
+    m = dict(zip(sum_keys(learner.objective), sums.tolist()))
     if bound is not None and j > 0 and guard.minibatch_kl(m) > bound:  # equal on every rank
         return sums, None
     sum_gradients(reducer, learner.params, touched)
@@ -217,49 +256,53 @@ def _backward(learner: Any, loss: Tensor, w: dict[str, Tensor], vocab_rows: Tens
 
 def _extra(b: Batch, pre: dict, idx: Tensor) -> dict[str, Any]:
     return {"lp_old": b.old[idx], "provenance": b.missing[idx], "lp_stand": pre["lp_stand"][idx],
-            "lp_ref": None if pre["lp_ref"] is None else pre["lp_ref"][idx]}
+            "lp_ref": None if pre["lp_ref"] is None else pre["lp_ref"][idx], "versions_behind": pre["behind"][idx]}
 
 
 @torch.no_grad()
 def _local_sums(learner: Any, b: Batch | None, pre: dict, rows: list[int], lt_rows: list[Tensor],
-                n0: Tensor, normalizer: Tensor | None) -> Tensor:
+                n0: Tensor, normalizer: Tensor | None, s0: int = 0) -> Tensor:
     """This rank's rows' contribution to minibatch j's metric sums (no forward: the log-probs
     of the backward pass are kept)."""
     if not rows:
-        return torch.zeros(len(_SUMS), dtype=torch.float64)
+        return torch.zeros(len(sum_keys(learner.objective)), dtype=torch.float64)
     idx = torch.tensor(rows)
     lt = torch.cat(lt_rows)
     _, m = decoupled_ppo_loss(lt, pre["lp_prox"][idx], b.behav[idx], pre["adv"][idx], b.mask[idx],
-                              learner.objective, **_extra(b, pre, idx), num_tokens=n0, normalizer=normalizer)
+                              learner.objective, **_extra(b, pre, idx), num_tokens=n0, normalizer=normalizer,
+                              token_scale=agg_scale(learner.objective, pre["seq_len"][idx], s0),
+                              seq_index=b.traj[idx])
     # KL(pi_prox || this step's pi), the importance-weighted k3 (cells/trainer/objectives/kl.py)
     kl = update_kl_terms(pre["lp_prox"][idx], lt, b.behav[idx], b.mask[idx], learner.objective.update_kl_is_cap)
-    return _as_sums(m, len(rows), kl)
+    return _as_sums(sum_keys(learner.objective), m, len(rows), kl)
 
 
 @torch.no_grad()
 def _tree_sums(learner: Any, b: Batch | None, pre: dict, trees: list[int], lt_trees: list[Tensor],
-               n0: Tensor, normalizer: Tensor | None) -> Tensor:
+               n0: Tensor, normalizer: Tensor | None, s0: int = 0) -> Tensor:
     """This rank's trees' contribution to minibatch j's metric sums ((branch, token) pairs)."""
-    out = torch.zeros(len(_SUMS), dtype=torch.float64)
+    keys = sum_keys(learner.objective)
+    out = torch.zeros(len(keys), dtype=torch.float64)
     for i, lt in zip(trees, lt_trees):
         u, s = b.trees[i], pre["trees"][i]
-        _, m = tree_loss(learner, u, s, lt, n0, normalizer)
-        out += _as_sums(m, u.num_branches, approx_kl_sum(u, s, lt, learner.objective.update_kl_is_cap))
+        _, m = tree_loss(learner, u, s, lt, n0, normalizer, s0)
+        out += _as_sums(keys, m, u.num_branches, approx_kl_sum(u, s, lt, learner.objective.update_kl_is_cap))
     return out
 
 
-def _as_sums(m: dict[str, float], num_sequences: int, approx_kl: tuple[float, float]) -> Tensor:
-    """A loss's metrics as the sums `_SUMS` (means times their counts)."""
+def _as_sums(keys: tuple[str, ...], m: dict[str, float], num_sequences: int,
+             approx_kl: tuple[float, float]) -> Tensor:
+    """A loss's metrics as the sums `keys` (means times their counts)."""
     m = {**m, "num_sequences": float(num_sequences), "approx_kl_sum": approx_kl[0], "approx_kl_weight": approx_kl[1]}
     for k, d in _MEANS.items():
         m[k] = m[k] * m[d]
-    return torch.tensor([float(m[k]) for k in _SUMS], dtype=torch.float64)
+    return torch.tensor([float(m[k]) for k in keys], dtype=torch.float64)
 
 
-def _finish_metrics(totals: Tensor, mb_losses: list[Tensor], n0: list[int]) -> dict[str, float]:
+def _finish_metrics(keys: tuple[str, ...], totals: Tensor, mb_losses: list[Tensor], n0: list[int]) -> dict[str, float]:
     """Means from the summed metrics; the loss terms are those of the whole batch at the
     start of each minibatch, weighted by its tokens."""
-    m = dict(zip(_SUMS, totals.tolist()))
+    m = dict(zip(keys, totals.tolist()))
     weights = [n / max(sum(n0), 1) for n in n0]
     for i, k in enumerate(("loss", "pg_loss", "kl_loss")):
         m[k] = sum(float(x[i]) * w for x, w in zip(mb_losses, weights))

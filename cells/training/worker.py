@@ -56,8 +56,12 @@ class TrainingWorker:
     """Owned by the cell agent (or run bare). `active` gates taking assignments (the cell's
     role is training); `source` is the coordinator's store address."""
 
-    def __init__(self, cell_id: str, *, device: str = "cpu", keep_memory: bool = True) -> None:
+    def __init__(self, cell_id: str, *, device: str = "cpu", keep_memory: bool = True,
+                 local_loss: str | None = None) -> None:
         self.cell_id, self.device = cell_id, torch.device(device)
+        self.local_loss = local_loss
+        """The custom loss of this cell's own configuration (`trainer.objective.loss`): the only
+        one it imports; a step whose coordinator names another fails with the reason."""
         self.keep_memory = keep_memory
         """Whether the training state stays allocated while the cell serves rollouts: yes where
         the engine does not take the memory back (host memory, the embedded engine), so the
@@ -151,7 +155,11 @@ class TrainingWorker:
         rows = sum(s[0] for _, s in sk["params"] if len(s) == 2)
         # the parameters live at the front of the receive buffer: a joining state's arrive in place
         rx = (torch.zeros(2 * n, dtype=torch.float32), torch.zeros(2 * rows, dtype=torch.long))
-        learner = P.build_skeleton(sk, param_storage=rx[0])
+        try:
+            learner = P.build_skeleton(sk, param_storage=rx[0], local_loss=self.local_loss)
+        except ValueError as e:  # the step itself fails with the reason (`_receive_state`)
+            log.warning("cell %s: no skeleton prepared: %s", self.cell_id, e)
+            return False
         if learner.objective.max_update_kl is not None:
             guard.take(learner)  # the update's snapshot will copy into these (warm) tensors
         with self._lock:
@@ -221,16 +229,24 @@ class TrainingWorker:
         if store.check([f"{prefix}/commit"]) or store.check([f"{prefix}/abort"]):
             return False  # an attempt that ended before this rank (re)started
         rank, n = spec["cells"].index(self.cell_id) + 1, len(spec["cells"])
+        try:  # a loss this cell's configuration does not name is refused before anything joins
+            P.local_objective(spec["hyper"], self.local_loss)
+        except ValueError as e:
+            log.warning("cell %s: refusing training step: %s", self.cell_id, e)
+            set_json(store, f"{prefix}/ack/{rank}", {"tag": self.tag, "refused": str(e)[:300]})
+            return False
         share = Share.from_json(wait_json(store, f"{prefix}/share/{rank}", 10.0))
         timeout, connect_s = float(spec["timeout_s"]), float(spec["connect_timeout_s"])
         set_json(store, f"{prefix}/ack/{rank}", {"tag": self.tag})
         try:
             # all ranks join `all` before `dp`: the coordinator waits in `all` for everyone
             groups.append(join_group(store, f"{prefix}/all/", rank, n + 1, timeout_s=timeout,
-                                     connect_timeout_s=connect_s, device=torch.device("cpu")))
+                                     connect_timeout_s=connect_s, device=torch.device("cpu"),
+                                     abort_key=f"{prefix}/abort"))
             if n > 1:
                 groups.append(join_group(store, f"{prefix}/dp/", rank - 1, n, timeout_s=timeout,
-                                         connect_timeout_s=connect_s, device=self.device))
+                                         connect_timeout_s=connect_s, device=self.device,
+                                         abort_key=f"{prefix}/abort"))
             if self.tag != spec["tag"] or self.learner is None:
                 crc = self._receive_state(store, prefix, spec, groups[0], timeout)
                 set_json(store, f"{prefix}/joined/{rank}", {"state_checksum": crc})
@@ -269,7 +285,8 @@ class TrainingWorker:
         t2 = time.perf_counter()
         warm = self.learner is not None and self.hyper is not None and P.same_learner(self.hyper, spec["hyper"])
         if not warm:
-            self.learner = P.build_learner(spec["hyper"], meta, flat, param_storage=flat)
+            self.learner = P.build_learner(spec["hyper"], meta, flat, param_storage=flat,
+                                           local_loss=self.local_loss)
             self.hyper = spec["hyper"]
         t3 = time.perf_counter()
         unpack(self.learner, meta, flat, idx, held="warm" if warm else "fresh", zero_moments=warm and self._zeroed)

@@ -55,12 +55,14 @@ def join_group(
     timeout_s: float,
     connect_timeout_s: float,
     device: torch.device,
+    abort_key: str | None = None,
 ):
     """Joins a stateless group of `size` ranks rendezvousing under `prefix` in `store`.
 
     A join counter in the store comes first, so that waiting for late peers is bounded by
     `connect_timeout_s` while the backend itself gets the (usually shorter) per-op timeout,
     and so that a reused prefix fails loudly instead of mixing two attempts' connections.
+    The wait ends early once `abort_key` is set in `store` (the attempt was called off).
     """
     pstore = PrefixStore(prefix, store)
     try:
@@ -71,6 +73,8 @@ def join_group(
         while joined < size:
             if not next(sleeps):
                 raise TransferError(f"group {prefix!r}: {joined}/{size} ranks joined within {connect_timeout_s}s")
+            if abort_key is not None and store.check([abort_key]):
+                raise TransferError(f"group {prefix!r}: called off ({abort_key})")
             joined = pstore.add("joined", 0)
     except TransferError:
         raise

@@ -8,6 +8,7 @@ import torch
 
 from cells.trainer.objectives.config import (
     MISSequenceCorrection,
+    NoCorrection,
     ObjectiveConfig,
     TISTokenCorrection,
     TreeConfig,
@@ -181,6 +182,46 @@ def test_tree_loss_and_gradients_equal_the_unrolled_branches():
     for gt, ge in zip(tree_grads, explicit_grads, strict=True):
         torch.testing.assert_close(gt, ge)
     assert any(gt.abs().sum() > 0 for gt in tree_grads)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_gspo_on_a_tree_takes_each_branch_as_its_sequence(agg):
+    """GSPO on a tree: branch b's ratio s_b = exp(mean over its loss tokens of lp − lp_prox),
+    a shared token carrying each branch's own s_b; the loss of the explicit per-branch sum."""
+    tree, (root, a, b, c, d) = _small_tree()
+    leaves = [b, c, d]
+    s = serialize_tree(tree, leaves)
+    g = torch.Generator().manual_seed(5)
+    model = TinyLM()
+    lp_tree = _tree_logprobs(model, s)
+    with torch.no_grad():
+        lp_prox = lp_tree.detach() + 0.05 * torch.randn(lp_tree.shape, generator=g, dtype=F64)
+    adv = torch.tensor([1.0, -0.5, 2.0], dtype=F64)
+    eps = 0.03
+    cfg = ObjectiveConfig(ratio="sequence", clip_low=eps, clip_high=eps, loss_agg=agg, correction=NoCorrection())
+    pairs = (s.branches & s.loss_mask.unsqueeze(0)).sum(1).to(F64)
+    scale = None if agg == "token_mean" else (1.0 / (3 * pairs)).unsqueeze(1).expand(3, s.token_ids.shape[0])
+    loss, metrics = tree_ppo_loss(s, lp_tree, lp_prox, lp_prox.clone(), adv, cfg, lp_old=lp_prox.clone(),
+                                  token_scale=scale)
+    tree_grads = torch.autograd.grad(loss, list(model.parameters()))
+    total, clipped, ratios = 0.0, 0, []
+    for bi, leaf in enumerate(leaves):
+        idx = s.branch_indices(bi)
+        lp_branch = _branch_logprobs(model, tree.branch_token_ids(leaf))
+        keep = [j for j, m in enumerate(tree.branch_loss_mask(leaf)) if m]
+        log_s = sum(lp_branch[j] - lp_prox[idx[j]] for j in keep) / len(keep)
+        r = torch.exp(log_s)
+        ratios.append(float(r))
+        per_token = torch.minimum(r * adv[bi], r.clamp(1 - eps, 1 + eps) * adv[bi])
+        clipped += len(keep) * int(abs(float(r) - 1) > eps)
+        total = total + per_token * len(keep) * (1.0 / 7 if agg == "token_mean" else 1.0 / (3 * len(keep)))
+    explicit = -total
+    explicit_grads = torch.autograd.grad(explicit, list(model.parameters()))
+    assert any(abs(x - 1) > eps for x in ratios) and any(abs(x - 1) <= eps for x in ratios), ratios
+    torch.testing.assert_close(loss, explicit)
+    for gt, ge in zip(tree_grads, explicit_grads, strict=True):
+        torch.testing.assert_close(gt, ge)
+    assert metrics["num_tokens"] == 7 and 0 < metrics["clip_frac"] < 1
 
 
 def test_sequence_corrections_act_per_branch():

@@ -122,8 +122,13 @@ def _explicit_loss_and_grads(learner: Learner, trajs: list[dict], adv: list[floa
         ref = torch.zeros(shape)
         for b, s in enumerate(seqs):
             ref[b, 1:len(s["ids"])] = learner.logprobs(s["ids"], "reference")
+    scale = None  # a sequence-level aggregation by hand: each branch 1/(S·its tokens)
+    if learner.objective.loss_agg == "seq_mean_token_mean":
+        n = mask.sum(1, keepdim=True).to(torch.float32)
+        scale = torch.where(n > 0, 1.0 / (int((n > 0).sum()) * n.clamp(min=1)), 0.0).expand(shape)
+    # each row its own sequence: the sequence ratio is the branch's
     loss, _ = decoupled_ppo_loss(lt, lp, behav, torch.tensor(adv), mask, learner.objective,
-                                 lp_old=old, provenance=missing, lp_stand=stand, lp_ref=ref)
+                                 lp_old=old, provenance=missing, lp_stand=stand, lp_ref=ref, token_scale=scale)
     loss.backward()
     return float(loss.detach()), {k: p.grad for k, p in params.items()}, int(mask.sum())
 
@@ -157,10 +162,15 @@ def test_an_episode_with_three_branches_is_one_tree_member(learner_and_group):
     assert len(plan.tokens) == 2 and plan.shares[0].n0 == [sum(plan.tokens)]
 
 
-@pytest.mark.parametrize("kl", [False, True])
+@pytest.mark.parametrize("kl", [False, True, "gspo"])
 def test_tree_loss_and_gradients_equal_the_explicit_per_branch_computation(learner_and_group, kl):
+    """`gspo`: a tree's sequences are its branches, for GSPO's ratio and the sequence mean."""
     learner, trajs = learner_and_group
-    if kl:  # the KL term in the loss, against a reference away from the current weights
+    if kl == "gspo":
+        learner = Learner(learner.spec, learner.weights(), lr=1e-3, minibatches=1, max_grad_norm=None,
+                          objective=ObjectiveConfig(ratio="sequence", loss_agg="seq_mean_token_mean",
+                                                    clip_low=0.01, clip_high=0.01))
+    elif kl:  # the KL term in the loss, against a reference away from the current weights
         learner = Learner(learner.spec, learner.weights(), lr=1e-3, minibatches=1, max_grad_norm=None,
                           objective=ObjectiveConfig(kl=KLInLoss(coef=0.5)))
         learner.set_reference({k: v + 0.02 * torch.randn_like(v) for k, v in learner.weights().items()})
@@ -178,7 +188,7 @@ def test_tree_loss_and_gradients_equal_the_explicit_per_branch_computation(learn
     m = learner.rl_step(trajs)
     assert m["num_trees"] == 1 and m["num_tokens"] == pairs and m["tokens_missing"] == 2
     assert m["loss"] == pytest.approx(loss_ref, rel=1e-5, abs=1e-7)
-    assert (m["kl_loss"] != 0.0) == kl
+    assert (m["kl_loss"] != 0.0) == (kl is True)
     for k, g in grads_ref.items():
         torch.testing.assert_close(got[k], g, rtol=1e-4, atol=1e-7, msg=k)
     assert any(float(g.abs().sum()) > 0 for g in grads_ref.values())

@@ -54,11 +54,12 @@ def trajectories(lrn: Learner, groups: int = 4, size: int = 3, seed: int = 0) ->
 class Ranks:
     """`n` bare training ranks polling `store`'s coordinator keys."""
 
-    def __init__(self, tmp: Path, n: int, env: dict[int, dict] | None = None) -> None:
+    def __init__(self, tmp: Path, n: int, env: dict[int, dict] | None = None,
+                 args: dict[int, list[str]] | None = None) -> None:
         self.host = StoreHost("127.0.0.1", 0)
         self.tmp, self.procs = Path(tmp), {}
         for i in range(n):
-            self.start(f"cell-{i}", (env or {}).get(i))
+            self.start(f"cell-{i}", (env or {}).get(i), (args or {}).get(i, []))
         self.wait_ready(list(self.procs))
 
     def wait_ready(self, cells: list[str], timeout_s: float = 120.0) -> None:
@@ -69,12 +70,13 @@ class Ranks:
         if len(wait_keys(self.host.store, keys, timeout_s)) < len(keys):
             raise TimeoutError(f"training ranks not up within {timeout_s}s:\n{self.logs()}")
 
-    def start(self, cell_id: str, env: dict | None = None) -> None:
+    def start(self, cell_id: str, env: dict | None = None, args: list[str] | None = None) -> None:
         a = self.host.address
         log = open(self.tmp / f"{cell_id}.log", "a")
         e = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
         self.procs[cell_id] = subprocess.Popen(
-            [sys.executable, "-m", "cells.training.bare", "--store", f"{a.host}:{a.port}", "--cell-id", cell_id],
+            [sys.executable, "-m", "cells.training.bare", "--store", f"{a.host}:{a.port}", "--cell-id", cell_id,
+             *(args or [])],
             env=e, stdout=log, stderr=subprocess.STDOUT)
 
     def stop(self) -> None:

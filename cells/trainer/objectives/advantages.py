@@ -20,13 +20,15 @@ from cells.trainer.objectives.correction import as_bool_mask
 
 
 def grpo_advantages(
-    rewards: Tensor, group_ids: Tensor | None = None, *, eps: float = 1e-6
+    rewards: Tensor, group_ids: Tensor | None = None, *, eps: float = 1e-6, norm: str = "group_std"
 ) -> Tensor:
-    """GRPO advantages, same shape as `rewards`."""
+    """GRPO advantages, same shape as `rewards` (`norm="none"`: centred only, Dr. GRPO)."""
     flat, inverse, counts = _groups(rewards, group_ids)
     n = counts[inverse].to(flat.dtype)
     mean = _group_sum(flat, inverse, counts)[inverse] / n
     centred = flat - mean
+    if norm == "none":
+        return centred.reshape(rewards.shape)
     var = _group_sum(centred.square(), inverse, counts)[inverse] / (n - 1)
     return (centred / (var.sqrt() + eps)).reshape(rewards.shape)
 
@@ -40,18 +42,18 @@ def rloo_advantages(rewards: Tensor, group_ids: Tensor | None = None) -> Tensor:
 
 
 def compute_advantages(
-    rewards: Tensor, cfg: AdvantageConfig, group_ids: Tensor | None = None
+    rewards: Tensor, cfg: AdvantageConfig, group_ids: Tensor | None = None, norm: str = "group_std"
 ) -> Tensor:
-    """Dispatch on the configured estimator."""
+    """Dispatch on the configured estimator (`norm`: `objective.advantage_norm`, GRPO's)."""
     if isinstance(cfg, GRPOAdvantage):
-        return grpo_advantages(rewards, group_ids, eps=cfg.eps)
+        return grpo_advantages(rewards, group_ids, eps=cfg.eps, norm=norm)
     if isinstance(cfg, RLOOAdvantage):
         return rloo_advantages(rewards, group_ids)
     raise ValueError(f"unknown advantage estimator {cfg!r}")
 
 
 def member_advantages(
-    rewards: Tensor, cfg: AdvantageConfig, group_ids: Tensor, member_ids: Tensor
+    rewards: Tensor, cfg: AdvantageConfig, group_ids: Tensor, member_ids: Tensor, norm: str = "group_std"
 ) -> Tensor:
     """One advantage per branch (B,) when a member (one rollout) may hold several branches,
     each with its own reward. The group's statistics are over its members, R_m being the mean
@@ -61,7 +63,8 @@ def member_advantages(
         GRPO  A_b = (R_b − mean_G R_m) / (std_G R_m + eps)
         RLOO  A_b = R_b − (sum_{j != m} R_j) / (n − 1)      (n = members of the group)
 
-    With one branch per member this is `compute_advantages`. Every group needs two members.
+    With `norm="none"` GRPO's A_b is only centred (Dr. GRPO). With one branch per member this
+    is `compute_advantages`. Every group needs two members.
     """
     flat = rewards.reshape(-1).to(torch.float64)
     _, m_inv, m_counts = torch.unique(member_ids.reshape(-1), return_inverse=True, return_counts=True)
@@ -72,8 +75,10 @@ def member_advantages(
     total = _group_sum(r_m, g_inv, g_counts)[g_inv]
     if isinstance(cfg, GRPOAdvantage):
         mean = total / n
-        var = _group_sum((r_m - mean).square(), g_inv, g_counts)[g_inv] / (n - 1)
-        out = (flat - mean[m_inv]) / (var.sqrt() + cfg.eps)[m_inv]
+        out = flat - mean[m_inv]
+        if norm == "group_std":
+            var = _group_sum((r_m - mean).square(), g_inv, g_counts)[g_inv] / (n - 1)
+            out = out / (var.sqrt() + cfg.eps)[m_inv]
     elif isinstance(cfg, RLOOAdvantage):
         out = flat - ((total - r_m) / (n - 1))[m_inv]
     else:

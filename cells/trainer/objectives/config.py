@@ -132,7 +132,8 @@ KLConfig = Annotated[KLInReward | KLInLoss, Field(discriminator="type")]
 
 
 class GRPOAdvantage(_Strict):
-    """A_i = (R_i − mean_G R) / (std_G R + eps), Bessel-corrected std."""
+    """A_i = (R_i − mean_G R) / (std_G R + eps), Bessel-corrected std; with the objective's
+    `advantage_norm: none`, A_i = R_i − mean_G R."""
 
     type: Literal["grpo"] = "grpo"
     """Estimator selector."""
@@ -229,6 +230,28 @@ class ObjectiveConfig(_Strict):
     in that KL estimate (and the `approx_kl` metric)."""
     advantage: AdvantageConfig = GRPOAdvantage()
     """Group-relative advantage estimator."""
+    advantage_norm: Literal["group_std", "none"] = "group_std"
+    """GRPO's centred reward divided by the group's std (`group_std`) or not (`none`: Dr.
+    GRPO, whose argument is that a near-uniform group's small std blows its advantages up and
+    weighs easy and hopeless prompts most). RLOO is never divided."""
+    loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = "token_mean"
+    """How per-token terms add up to the loss (S: sequences of the minibatch over all ranks, a
+    sequence being a trajectory or a tree's branch; N0: their tokens): `token_mean` Σ_t / N0
+    (every token weighs the same); `seq_mean_token_mean` (1/S) Σ_seq (1/|seq|) Σ_t (every
+    sequence weighs the same); `seq_mean_token_sum_norm` (1/S) Σ_seq Σ_t / `loss_agg_constant`
+    (Dr. GRPO: no length normalisation per sequence)."""
+    loss_agg_constant: float = Field(default=1024.0, gt=0)
+    """The constant of `seq_mean_token_sum_norm` (Dr. GRPO's, e.g. the generation budget)."""
+    ratio: Literal["token", "sequence"] = "token"
+    """The PPO ratio: per token (r_t), or per sequence (GSPO: s = exp of the mean of
+    lp_theta − lp_prox over the sequence's kept tokens, clipped by `clip_low`/`clip_high`, which
+    GSPO sets near 3e-4 and 4e-4; every token of the sequence carries s; a tree's sequences are
+    its branches)."""
+    loss: str | None = Field(default=None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """A loss of one's own, "package.module:function" (cells/trainer/objectives/custom.py has the
+    signature and an example). Imported only from the local configuration of the trainer and
+    of each cell, never from a name sent over the wire: a cell refuses a step whose
+    coordinator names another."""
     ewma: EWMAConfig = EWMAConfig()
     """PPO-EWMA stand-in for missing old log-probs."""
     tree: TreeConfig = TreeConfig()

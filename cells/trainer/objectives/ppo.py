@@ -20,6 +20,7 @@ from torch import Tensor
 
 from cells.trainer.objectives.config import KLInLoss, ObjectiveConfig
 from cells.trainer.objectives.correction import Correction, apply_correction, as_bool_mask
+from cells.trainer.objectives.custom import LossInputs, custom_pg_loss
 from cells.trainer.objectives.kl import kl_estimate, kl_loss
 from cells.trainer.objectives.ratios import check_same_shape
 
@@ -165,13 +166,21 @@ def decoupled_ppo_loss(
     lp_ref: Tensor | None = None,
     num_tokens: Tensor | float | None = None,
     normalizer: Tensor | float | None = None,
+    token_scale: Tensor | None = None,
+    seq_index: Tensor | None = None,
+    versions_behind: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The decoupled PPO loss over tokens (B, T) and its metrics.
 
     `advantages` is (B,) per sequence or (B, T) per token. `num_tokens` is N0; default is the
-    local sum of M (pass the sum over data-parallel ranks so that ranks add up). With a
-    `KLInLoss` config, `lp_ref` is required and coef·k is added to the loss; with `lp_ref`
-    alone the KL is only reported. Gradients flow only through lp_theta.
+    local sum of M (pass the sum over data-parallel ranks so that ranks add up). `token_scale`
+    (B, T), when given, is each token's coefficient in the sum in place of 1/N0 (the
+    sequence-level aggregations, `loss_agg`). `seq_index` (B,) names each row's sequence (rows
+    of one trajectory share it): the sequence ratio (`ratio: sequence`) is taken over all its
+    rows; default: each row its own. `versions_behind` (B, T) only reaches a custom loss
+    (`objective.loss`, cells/trainer/objectives/custom.py). With a `KLInLoss` config, `lp_ref` is required and coef·k
+    is added to the loss (a token mean over N0); with `lp_ref` alone the KL is only reported.
+    Gradients flow only through lp_theta.
     """
     check_same_shape(
         lp_theta=lp_theta, lp_prox=lp_prox, lp_behav=lp_behav, mask=mask, lp_ref=lp_ref
@@ -192,19 +201,43 @@ def decoupled_ppo_loss(
     # Zero log r_t outside M' before exp: padding log-probs may be -inf, and 0·inf in the
     # backward of the unselected branch would give NaN gradients.
     log_r_t = torch.where(keep, lp_theta - lp_prox.detach(), 0.0)
+    if cfg.ratio == "sequence":
+        log_r_t = torch.where(keep, sequence_log_ratio(log_r_t, keep, seq_index), 0.0)
     r_t = log_r_t.exp()
     obj, is_clipped, is_dual = ppo_objective(r_t, adv, cfg.clip_low, cfg.clip_high, cfg.dual_clip)
 
     n0 = m.sum() if num_tokens is None else torch.as_tensor(num_tokens, device=lp_theta.device)
     n0 = n0.to(lp_theta.dtype).clamp(min=1)
-    pg_loss = -(torch.where(keep, tw.weight * obj, 0.0)).sum() / n0
+    scale = (1.0 / n0) if token_scale is None else token_scale.detach().to(lp_theta.dtype)
+    extra: dict[str, Tensor] = {}
+    if cfg.loss is not None:
+        pg_loss, extra = custom_pg_loss(cfg.loss, LossInputs(
+            lp_theta=lp_theta, lp_prox=lp_prox.detach(), lp_behav=lp_behav.detach(),
+            lp_old=torch.where(m, lp_behav.detach() + tw.log_r_d, 0.0), missing=tw.missing & m,
+            advantages=adv.detach(), mask=m, keep=keep, weight=tw.weight.detach(),
+            scale=torch.where(keep, torch.as_tensor(scale, dtype=lp_theta.dtype), 0.0).expand_as(lp_theta),
+            log_ratio=log_r_t, versions_behind=versions_behind, cfg=cfg))
+    else:
+        pg_loss = -(torch.where(keep, tw.weight * obj, 0.0) * scale).sum()
 
     kl_term, kl_mean = _kl_terms(lp_theta, lp_ref, tw.weight, r_t, keep, cfg, n0, pg_loss)
     loss = pg_loss + kl_term
     metrics = _metrics(
         loss, pg_loss, kl_term, kl_mean, tw, m, r_t, is_clipped, is_dual, cfg.ewma_band()
     )
+    metrics.update({k: float(v) for k, v in extra.items()})
     return loss, metrics
+
+
+def sequence_log_ratio(log_r: Tensor, keep: Tensor, seq_index: Tensor | None) -> Tensor:
+    """GSPO's log s per token: the mean of log r_t over each sequence's kept tokens (a
+    sequence spanning several rows when `seq_index` says so), broadcast back to its tokens."""
+    rows = log_r.shape[0]
+    seq = torch.arange(rows, device=log_r.device) if seq_index is None else seq_index.to(log_r.device)
+    n = int(seq.max()) + 1 if rows else 0
+    sums = log_r.new_zeros(n).index_add(0, seq, torch.where(keep, log_r, 0.0).sum(1))
+    counts = log_r.new_zeros(n).index_add(0, seq, keep.sum(1).to(log_r.dtype))
+    return (sums / counts.clamp(min=1))[seq].unsqueeze(1).expand_as(log_r)
 
 
 def _kl_terms(

@@ -247,8 +247,11 @@ def tree_ppo_loss(
     lp_ref: Tensor | None = None,
     num_pairs: Tensor | float | None = None,
     normalizer: Tensor | float | None = None,
+    token_scale: Tensor | None = None,
+    versions_behind: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The tree loss over serialised tokens (L,) with one advantage per branch (nb,).
+    """The tree loss over serialised tokens (L,) with one advantage per branch (nb,); its
+    sequences (the sequence ratio, the sequence-level aggregations) are the branches.
 
     `num_pairs` is N0, the number of masked (branch, token) pairs; pass the sum over
     data-parallel ranks. Metrics count (branch, token) pairs.
@@ -266,6 +269,7 @@ def tree_ppo_loss(
         ("provenance", provenance),
         ("lp_stand", lp_stand),
         ("lp_ref", lp_ref),
+        ("versions_behind", versions_behind),
     ):
         if t is not None and t.shape != (length,):
             raise ValueError(f"{name} must have shape ({length},), got {tuple(t.shape)}")
@@ -288,4 +292,7 @@ def tree_ppo_loss(
         lp_ref=per_branch(lp_ref),
         num_tokens=num_pairs,
         normalizer=normalizer,
+        token_scale=token_scale,
+        seq_index=torch.arange(nb, device=device),
+        versions_behind=per_branch(versions_behind),
     )
