@@ -30,8 +30,20 @@ Fields:
   clipped (the clip bound).
 - updates_rejected: RL updates the trust-region guard rolled back (their KL between
   consecutive policies past the objective's `max_update_kl`), summed over the RL runs;
-  per seed also update_kl_max, the largest such KL an update measured.
+  update_kl_max: the largest KL(π_prox ‖ π_new) an update measured (k3 with r = π_new/π_prox,
+  importance-weighted from the sampler's tokens), over the RL runs (and per seed).
+- updates_kept: RL updates kept (each publishes one version), summed over the RL runs;
+  versions_published: versions the scheduler's own list (GET /v1/versions) holds past the
+  warm-up's, summed over the RL runs; versions_match: the two agree in every RL run (a
+  rejected update publishes nothing).
+- stale_tokens_dropped: sampled tokens left out of the loss for being more than the
+  staleness bound behind the update that would have trained them, summed over the RL runs.
+- entropy_mean: the policy's mean entropy (nats) at the sampled tokens, at the updates' start,
+  mean over the RL runs' steps (per seed: first and last step).
 - wall_s: the whole invocation.
+
+`--staleness-bound N` runs with `scheduler.staleness_bound` N (and the trainer's own bound,
+policy `drop`, the default) instead of the shipped 8.
 """
 
 from __future__ import annotations
@@ -52,7 +64,7 @@ HELDOUT = 32
 """Held-out episodes scored greedily at the start and the end of each run."""
 
 
-def make_cfg(tmp: Path, seed: int, steps: int, lr: float | None, quick: bool) -> dict:
+def make_cfg(tmp: Path, seed: int, steps: int, lr: float | None, quick: bool, bound: int | None = None) -> dict:
     trainer = {"enabled": True, "steps": steps, "seed": seed, "checkpoint_dir": None,
                "batch_episodes": 64, "agents": 16, "group_size": 8, "train_cells": 2,
                "train_cell_choice": "busiest", "long_fraction": 0.1}
@@ -60,7 +72,8 @@ def make_cfg(tmp: Path, seed: int, steps: int, lr: float | None, quick: bool) ->
         trainer["lr"] = lr
     return {
         "scheduler": {"db_path": str(tmp / "db.sqlite"), "lease_s": 10.0, "heartbeat_s": 0.25,
-                      "min_rollout_cells": 1, "drain_deadline_s": 60.0},
+                      "min_rollout_cells": 1, "drain_deadline_s": 60.0,
+                      **({"staleness_bound": bound} if bound is not None else {})},
         "cells": {"count": 3, "engine": {"type": "embedded", "model": {"preset": "toy"},
                                          "num_blocks": 1024, "block_size": 16, "max_running": 8,
                                          "batch_invariant": True}},
@@ -70,11 +83,11 @@ def make_cfg(tmp: Path, seed: int, steps: int, lr: float | None, quick: bool) ->
     }
 
 
-def run_one(seed: int, steps: int, lr: float | None, quick: bool) -> dict:
+def run_one(seed: int, steps: int, lr: float | None, quick: bool, bound: int | None = None) -> dict:
     from cells.trainer.trainer import Trainer
 
     tmp = Path(tempfile.mkdtemp(prefix=f"cellflip-e2e-{seed}-"))
-    raw = make_cfg(tmp, seed, steps, lr, quick)
+    raw = make_cfg(tmp, seed, steps, lr, quick, bound)
     c = Cluster(tmp, num_cells=3, cfg=raw, ready_timeout_s=300)
     try:
         trainer = Trainer(parse_config(raw), c.url, run_dir=tmp, tag=f"s{seed}", token=c.trainer_token, agent_token=c.agent_token)
@@ -104,9 +117,10 @@ def _evaluation(trainer, first_weights: dict | None, c: Cluster, seed: int) -> d
 
     client = TrainerClient(c.url, c.trainer_token)
     try:
-        staleness = client.versions().get("staleness", {})
+        listed = client.versions()
     finally:
         client.close()
+    staleness = listed.get("staleness", {})
     steps = [h for h in trainer.history if h.get("event") == "step"]
     clip = [h["clip_frac"] for h in steps if "clip_frac" in h]
     return {"heldout_first": heldout(first_weights), "heldout_last": heldout(trainer.learner.weights()),
@@ -114,7 +128,11 @@ def _evaluation(trainer, first_weights: dict | None, c: Cluster, seed: int) -> d
             "staleness_max": staleness.get("max_seen"), "staleness_bound": trainer.cfg.scheduler.staleness_bound,
             "clip_frac": clip, "trees": int(sum(h.get("num_trees", 0) for h in steps)),
             "updates_rejected": int(sum(h.get("update_rejected", 0) for h in steps)),
-            "update_kl_max": round(max((h.get("update_kl", 0.0) for h in steps), default=0.0), 4)}
+            "update_kl_max": round(max((h.get("update_kl", 0.0) for h in steps), default=0.0), 4),
+            "stale_tokens_dropped": int(sum(h.get("stale_tokens_dropped", 0) for h in steps)),
+            "entropy": [h["entropy_mean"] for h in steps if "entropy_mean" in h],
+            # the scheduler's own list: every version but the warm-up's was published by an update
+            "versions_listed": len(listed.get("versions", [])) - 1}
 
 
 def _mean(xs: list[float]) -> float:
@@ -127,14 +145,16 @@ def _round_mean(xs: list[float | None], digits: int = 4) -> float | None:
 
 
 def main() -> None:
-    args = parse_args(__doc__)
+    args = parse_args(__doc__, lambda ap: ap.add_argument(
+        "--staleness-bound", type=int, default=None, help="scheduler.staleness_bound (default: the shipped 8)"))
     set_threads(1)
     t0 = time.monotonic()
     seeds, steps = ([0], 8) if args.quick else ([0, 1, 2], 14)
+    bound = args.staleness_bound
     per_seed, rl_runs = [], []
     for seed in seeds:
-        rl = run_one(seed, steps, None, args.quick)
-        ctl = run_one(seed, steps, 0.0, args.quick)
+        rl = run_one(seed, steps, None, args.quick, bound)
+        ctl = run_one(seed, steps, 0.0, args.quick, bound)
         rl_runs.append(rl)
         per_seed.append({"seed": seed, "reward_first": round(_mean(rl["rewards"][:WINDOW]), 4),
                          "reward_last": round(_mean(rl["rewards"][-WINDOW:]), 4),
@@ -144,6 +164,9 @@ def main() -> None:
                          "clip_frac_mean": _round_mean(rl["clip_frac"], 6), "lost_rollouts": rl["lost_rollouts"],
                          "exact_frac": rl["exact_frac"], "trees": rl["trees"],
                          "updates_rejected": rl["updates_rejected"], "update_kl_max": rl["update_kl_max"],
+                         "updates_kept": rl["updates_kept"], "versions_published": rl["versions_listed"],
+                         "stale_tokens_dropped": rl["stale_tokens_dropped"],
+                         "entropy_first": _round_mean(rl["entropy"][:1]), "entropy_last": _round_mean(rl["entropy"][-1:]),
                          "wall_s": rl["wall_s"] + ctl["wall_s"]})
         if not args.json:
             print(per_seed[-1], flush=True)
@@ -168,6 +191,12 @@ def main() -> None:
         "staleness_bound": rl_runs[0]["staleness_bound"],
         "clip_frac_mean": _round_mean([x for r in rl_runs for x in r["clip_frac"]], 6),
         "updates_rejected": sum(r["updates_rejected"] for r in rl_runs),
+        "update_kl_max": max(r["update_kl_max"] for r in rl_runs),
+        "updates_kept": sum(r["updates_kept"] for r in rl_runs),
+        "versions_published": sum(r["versions_listed"] for r in rl_runs),
+        "versions_match": all(r["versions_listed"] == r["updates_kept"] == r["versions_published"] for r in rl_runs),
+        "stale_tokens_dropped": sum(r["stale_tokens_dropped"] for r in rl_runs),
+        "entropy_mean": _round_mean([x for r in rl_runs for x in r["entropy"]]),
         "wall_s": round(time.monotonic() - t0, 1),
     }
     emit(result, args.json)

@@ -131,8 +131,11 @@ class RayCluster(Cluster):
         call argument)."""
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         env.update({k: v for k, v in self.scoped_env(*scopes).items() if v is not None})
+        runtime_env: dict = {"env_vars": env}
+        if self.launcher.py_modules:  # user code (a custom loss) on every node
+            runtime_env["py_modules"] = [str(Path(m).resolve()) for m in self.launcher.py_modules]
         return {"name": name, "namespace": self.namespace, "max_restarts": self.launcher.max_restarts,
-                "runtime_env": {"env_vars": env}, **kw}
+                "runtime_env": runtime_env, **kw}
 
     def _config_json(self) -> str:
         return json.dumps(self.cfg)

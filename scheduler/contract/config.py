@@ -315,6 +315,10 @@ class RayLauncherConfig(_Strict):
     fencing decides what it may still own."""
     ready_timeout_s: float = Field(default=300.0, gt=0)
     """Bound on the placement group, the scheduler and every cell coming up."""
+    py_modules: list[str] = Field(default_factory=list, max_length=64)
+    """Local directories (Python packages) or `.whl` files shipped to every actor with its
+    runtime environment (Ray's `py_modules`): how code of one's own, such as the module of
+    `trainer.objective.loss`, reaches cells on other nodes without installing it there."""
 
 
 LauncherConfig = Annotated[LocalLauncherConfig | RayLauncherConfig, Field(discriminator="type")]

@@ -268,6 +268,7 @@ class Migrations:
         REQUEST.check(req.state, "running")
         req.cell_id, req.epoch, req.state = mig.dst, req.epoch + 1, "running"
         ctx.store.owners.put_request(req)
+        self.trust.placed(req.id, mig.dst, fresh_kv=path == "reprefill")
         if mig.flip_id is not None and (flip := ctx.store.fleet.get_flip(mig.flip_id)) is not None:
             flip.migrated += 1
             ctx.store.fleet.put_flip(flip)

@@ -87,6 +87,7 @@ class Ownership:
         REQUEST.check(req.state, "running")
         req.cell_id, req.state, req.reason = cell_id, "running", None
         store.owners.put_request(req)
+        self.migrations.trust.placed(req.id, cell_id, fresh_kv=path in (None, "reprefill"))
         token_ids = store.sessions.token_ids(req.session_id, req.prompt_start, req.base + req.num_generated)
         prompt_len = req.base - req.prompt_start
         rid, epoch, sid, n, params = req.id, req.epoch, req.session_id, req.num_generated, dict(req.params)

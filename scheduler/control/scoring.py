@@ -130,7 +130,8 @@ class Scoring:
                     # a verified cell other than the sampler scores it: the exact log-probs then
                     # also check what the sampler reported (Trust.cross_check)
                     # (ties between equally loaded cells broken by the range, so every cell scores)
-                    others = [c for c in cells if c != owner and c in verified]
+                    sampled_by = set(ctx.store.sessions.samplers(sid, lo, hi + 1))
+                    others = [c for c in cells if c != owner and c not in sampled_by and c in verified]
                     spread = lambda c, rid=rid: (self.load(c), zlib.crc32(f"{rid}/{c}".encode()))  # noqa: E731
                     cell = min(others, key=spread) if others else owner if owner in cells else min(
                         cells, key=spread)
@@ -186,7 +187,8 @@ class Scoring:
         if e.provenance == "exact":
             req = ctx.store.owners.get_request(task.request_id) if task is not None else None
             base = req.base if req is not None and req.base <= e.start else e.start
-            clean = self.trust.cross_check(fx, cell_id, e.session_id, base, e.start, e.version, old)
+            clean = self.trust.cross_check(fx, cell_id, e.session_id, base, e.start, e.version, old,
+                                           task.request_id if task is not None else None)
             for i, (raw, x) in enumerate(zip(old, clean, strict=True)):
                 if raw is not None and x is None and e.version is not None:
                     n = ctx.store.sessions.mark_missing(e.session_id, e.version, e.start + i, e.start + i + 1)

@@ -14,8 +14,13 @@ everything a cell reports, and quarantine.
 - **Ingest checks.** A sampled token outside the vocabulary or the output ids, a log-prob that is
   not finite or above 0, a version the cell was never told to serve: the cell is quarantined.
   So is a cell whose sampled log-probs a verified cell's exact scoring contradicts (bit for
-  bit where both are batch-invariant, within `scheduler.verify_tolerance` otherwise, on tokens
-  whose request never changed version), or whose tokens a verified cell scores as impossible.
+  bit where both are batch-invariant, within `scheduler.verify_tolerance` otherwise), or whose
+  tokens a verified cell scores as impossible. Compared only where the sampler computed the
+  whole context under the scored version: the request came to it (placed, or re-prefilled)
+  when it already reported serving that version, and every token it sampled carries it. A
+  cell continues its running requests across a version change over KV of the previous
+  version (the `continue` policy): their log-probs are honestly not the new version's, and
+  KV that arrived by migration was computed elsewhere.
 - **Quarantine.** The cell is fenced (`trust` quarantined, so its id is refused until an admin
   readmits it); every live request holding tokens it sampled ends with the reason (the next
   turn is sampled by a trusted cell), and every session holding them is never handed out for
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -43,6 +49,9 @@ log = logging.getLogger("cellflip.trust")
 MODEL_KEY = "fleet.model"
 PROBE_KEY = "probe.reference.{}"
 GENESIS_KEY = "probe.genesis"
+KV_VERSIONS_KEPT = 1 << 16
+"""Requests whose placement versions are remembered for the cross-check (the oldest forgotten:
+their tokens are then not cross-checked; so are all after a scheduler restart)."""
 """Which cell set the fleet's first probe reference."""
 
 
@@ -92,8 +101,27 @@ class Trust:
         """Fences a cell (the controller wires Membership.fence_in_tx here)."""
         self.fail_request: Callable[..., None] | None = None
         """Ends a request with a reason (Ownership.fail)."""
+        self.kv_version: OrderedDict[str, dict[str, int | None]] = OrderedDict()
+        """request id → {cell: the version it served when the request came to it with fresh KV,
+        None when its KV moved in}: where the cross-check may compare (`placed`)."""
 
     # ------------------------------------------------------------------ registration
+    def placed(self, request_id: str, cell_id: str, fresh_kv: bool) -> None:
+        """`request_id` came to `cell_id`: with `fresh_kv` (placed, or re-prefilled there) its
+        KV will be computed there under the version the cell last reported serving (it never
+        goes back; a later change shows in its tokens' versions); else (KV moved in) unknown."""
+        version = None
+        if fresh_kv:
+            entry = self.ctx.registry.live.get(cell_id)
+            if entry is not None and entry.summary is not None:
+                version = entry.summary.version
+            elif (row := self.ctx.store.fleet.get_cell(cell_id)) is not None:
+                version = row.version
+        self.kv_version.setdefault(request_id, {})[cell_id] = version
+        self.kv_version.move_to_end(request_id)
+        while len(self.kv_version) > KV_VERSIONS_KEPT:
+            self.kv_version.popitem(last=False)
+
     def admit(self, fx: Effects, row: CellRow, msg: RegisterRequest, admin: bool) -> None:
         """A (re-)registration: model limits, the id rule, the probe. Refusals raise before
         anything is written; the caller puts `row`."""
@@ -241,10 +269,10 @@ class Trust:
 
     # ------------------------------------------------------------------ scoring cross-check
     def cross_check(self, fx: Effects, scorer: str, session_id: str, base: int, start: int, version: int | None,
-                    old: list[float | None]) -> list[float | None]:
-        """A verified scorer's exact log-probs for [start, start + len(old)) against what each
-        token's sampler reported; returns `old` with non-finite values replaced by None (never
-        stored). A contradicted sampler is quarantined."""
+                    old: list[float | None], request_id: str | None = None) -> list[float | None]:
+        """A verified scorer's exact log-probs for [start, start + len(old)) of request
+        `request_id` against what each token's sampler reported; returns `old` with non-finite
+        values replaced by None (never stored). A contradicted sampler is quarantined."""
         ctx = self.ctx
         clean = [x if x is None or math.isfinite(x) else None for x in old]
         srow = ctx.store.fleet.get_cell(scorer)
@@ -267,6 +295,8 @@ class Trust:
                 continue
             if r[4]:  # truncated (top-k/top-p): its behaviour log-prob is of another distribution
                 continue
+            if self.kv_version.get(request_id or "", {}).get(sampler) != version:
+                continue  # its context's KV may be another version's (see the module's notes)
             srow2 = ctx.store.fleet.get_cell(sampler)
             exact = bool(srow2 and srow2.capabilities.get("batch_invariant") and srow.capabilities.get("batch_invariant"))
             if not agree([r[2]], [x], exact, ctx.cfg.verify_tolerance):

@@ -137,3 +137,20 @@ def test_an_absent_head_fails_at_once_with_the_address():
     with pytest.raises(SystemExit, match=r"no Ray head answers at 127\.0\.0\.1:\d+"):
         check_reachable(f"127.0.0.1:{find_free_port()}")
     check_reachable("auto")  # Ray's to resolve
+
+
+def test_user_code_reaches_every_actor_through_py_modules(tmp_path, monkeypatch):
+    """A custom loss's module ships with each actor's runtime environment (Ray's py_modules),
+    as an absolute path; without it the runtime environment carries the environment only."""
+    from cells.launch.ray_launcher import RayCluster
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "myloss").mkdir()
+    rc = object.__new__(RayCluster)
+    rc.launcher = parse_config({"launcher": {"type": "ray", "py_modules": ["myloss"]}}).launcher
+    rc.namespace = "ns"
+    rc.scoped_env = lambda *scopes: {"CELLFLIP_TOKEN": "t"}
+    env = rc._options("cellflip-cell-0", ("cell",))["runtime_env"]
+    assert env["py_modules"] == [str(tmp_path / "myloss")] and env["env_vars"]["CELLFLIP_TOKEN"] == "t"
+    rc.launcher = parse_config({"launcher": {"type": "ray"}}).launcher
+    assert "py_modules" not in rc._options("cellflip-cell-0", ("cell",))["runtime_env"]

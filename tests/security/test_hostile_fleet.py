@@ -174,6 +174,60 @@ def test_a_cross_check_that_agrees_verifies_nothing_away(h):
     assert h.client.get("/v1/sessions/s2").json()["provenance"][2:] == ["exact"] * 3
 
 
+def _sample_and_score(h, cells: list[FakeCell], session: str, switch_before_decoding: bool) -> FakeCell:
+    """A request placed on one of `cells` serving version 0 (1 when not
+    `switch_before_decoding`), decoded under version 1 (switched after the placement when
+    `switch_before_decoding`: its prompt's KV is version 0's), then the scoring task of version
+    1, answered by the other cell with other log-probs than reported. Returns the sampler."""
+    for c in cells:
+        c.version, c.versions_held = (0 if switch_before_decoding else 1), [0, 1]
+        c.sync()
+    fut = h.complete({"prompt_ids": [5, 6], "max_tokens": 3}, session=session, headers=h.auth("agent"))
+    sampler = None
+    for _ in range(200):
+        for c in cells:
+            c.sync()
+        sampler = next((c for c in cells if c.held), None)
+        if sampler is not None:
+            break
+        time.sleep(0.002)
+    scorer = next(c for c in cells if c is not sampler)
+    sampler.version = 1
+    pump([sampler], until=fut)
+    assert fut.result(timeout=30).status_code == 200
+    assert h.client.get(f"/v1/sessions/{session}").json()["versions"][2:] == [1, 1, 1]
+    assert h.client.post(f"/v1/sessions/{session}/finish", json={"reward": 1.0},
+                         headers=h.auth("trainer")).status_code == 200
+    task = None
+    for _ in range(20):  # scoring passes run every score_interval_s (0.2 s)
+        h.clock.advance(0.25)
+        h.tick()
+        for c in cells:
+            c.sync()
+        task = next((x for x in scorer.commands if x["type"] == "score" and x["session_id"] == session), None)
+        if task is not None:
+            break
+    assert task is not None and task["version"] == 1
+    scorer.events.append({"type": "scored", "session_id": session, "start": task["start"],
+                          "old_logprobs": [-0.9] * (task["end"] - task["start"]), "version": 1,
+                          "task_id": task["task_id"], "seconds": 0.01})
+    scorer.sync()
+    return sampler
+
+
+def test_a_request_continued_over_a_version_change_is_not_cross_checked_against_the_new_version(h):
+    """A cell that changes version mid-request continues over KV of the previous version: its
+    tokens carry the new version but their log-probs are honestly not its exact ones. Only
+    requests the sampler took up already serving the scored version are compared; the
+    control (placed after the switch, the same disagreement) quarantines."""
+    assert h.client.post("/v1/versions", json={"version": 1}, headers=h.auth("trainer")).status_code == 201
+    cells = _cells(h, 2)
+    sampler = _sample_and_score(h, cells, "continued", switch_before_decoding=True)
+    assert [_trust(h, c.cell_id) for c in cells] == ["verified", "verified"]
+    sampler = _sample_and_score(h, cells, "fresh", switch_before_decoding=False)
+    assert _trust(h, sampler.cell_id) == "quarantined"
+
+
 def test_a_restart_on_a_store_holding_non_finite_records_comes_up(tmp_path):
     h = Harness(str(tmp_path / "sched.sqlite"))
     c = FakeCell(h.client, "c0")
