@@ -118,6 +118,9 @@ class RequestSnapshot:
     token_ids_from: int = 0
     token_ids: list[int] = field(default_factory=list)
     """Token ids from `token_ids_from` on (prompt and generated)."""
+    kv_version: int | None = None
+    """The weight version the KV was computed under, when it was one version throughout (None:
+    several, or unknown): the destination reuses it as that version's only if it serves it."""
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -50,3 +50,28 @@ def test_cache_is_evicted_instead_of_preempting_and_never_reused_across_versions
     run_all(eng)
     assert eng.num_cached_tokens == before
     eng.pool.check_integrity()
+
+
+def test_a_turn_that_ran_across_a_version_change_is_never_reused_as_the_new_versions_kv():
+    """Running requests continue over their KV when the version changes (`continue`): that KV
+    is partly the old version's, so the session's cached prefix must not pass for the new
+    version's. The next turn re-prefills and its log-probs are the new version's exact ones;
+    the control (no change mid-turn) reuses the cache."""
+    eng = make_engine(True)
+    p = prompts(1, seed=45, lo=40, hi=41)[0]
+    eng.add_request("e", p, SamplingParams(max_tokens=8, seed=3), cache_key="s3")
+    early = [e.record for _ in range(4) for e in eng.step()]  # prefill and tokens under version 0
+    eng.load_weights(1, {k: v + 0.01 for k, v in eng.weights().items()}, keep_previous=True)
+    toks = [e.record for e in run_all(eng)["e"]]
+    assert {r.version for r in early} == {0} and {r.version for r in toks} == {1} and len(toks) >= 3
+    before = eng.num_cached_tokens
+    nxt = p + [r.token_id for r in early + toks] + [7, 8]
+    eng.add_request("f", nxt, SamplingParams(max_tokens=4, seed=4), cache_key="s3")
+    out = [e.record for e in run_all(eng)["f"]]
+    assert eng.num_cached_tokens == before  # not reused
+    exact = eng.score(nxt + [r.token_id for r in out], version=1)
+    assert [r.logprob for r in out] == exact[len(nxt) - 1:].tolist()
+    # the control: a turn entirely under version 1 is cached and reused
+    eng.add_request("g", nxt + [r.token_id for r in out] + [9], SamplingParams(max_tokens=2, seed=5), cache_key="s3")
+    run_all(eng)
+    assert eng.num_cached_tokens > before

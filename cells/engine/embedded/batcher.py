@@ -34,10 +34,18 @@ class Request:
     like `BlockPool.export_blocks` of every computed block."""
     pause_at: int | None = None
     """Pause (as `pause_request` does) once `token_ids` reaches this length (`pause_after`)."""
+    kv_version: int | None = None
+    """The weight version its KV was computed under (None: no KV; `MIXED_KV` once the version
+    changed while it held KV, or its KV came from elsewhere): what its cached prefix is tagged
+    with, so a later turn never reuses KV of another version."""
 
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+
+MIXED_KV = -1
+"""`Request.kv_version` of KV from more than one version (or of unknown origin)."""
 
 
 @dataclass(slots=True)
@@ -106,6 +114,7 @@ class Batcher:
         self.running.remove(victim)
         self.pool.free(victim.request_id)
         victim.num_computed = 0
+        victim.kv_version = None
         victim.status = "waiting"
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)

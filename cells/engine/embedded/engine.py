@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from cells.engine.base import Capabilities, Engine
-from cells.engine.embedded.batcher import Batcher, Request, WorkItem
+from cells.engine.embedded.batcher import MIXED_KV, Batcher, Request, WorkItem
 from cells.engine.embedded.checkpoint import load_checkpoint
 from cells.engine.embedded.handover import EmbeddedHandover
 from cells.engine.embedded.kv_cache import BlockPool, PagedSink
@@ -218,6 +218,8 @@ class EmbeddedEngine(Engine):
             hidden = forward(prep, torch.tensor(ids), torch.tensor(pos), segs, self.tile)
             for it in items:
                 it.req.num_computed = it.end
+                kv = it.req.kv_version  # the version change mid-request (`continue`): mixed KV
+                it.req.kv_version = self._version if kv is None or kv == self._version else MIXED_KV
             if not rows:
                 return torch.empty(0)
             return output_logprobs(prep, hidden[torch.tensor(rows)], torch.tensor(temps), self.tile)
@@ -266,7 +268,8 @@ class EmbeddedEngine(Engine):
             self.pool.free(old.owner)
         owner = f"cache/{req.cache_key}"
         self.pool.tables[owner] = self.pool.tables.pop(req.request_id)
-        self.prefix_cache[req.cache_key] = CachedPrefix(owner, req.token_ids[: req.num_computed], self._version)
+        version = MIXED_KV if req.kv_version is None else req.kv_version  # never the engine's: the KV's
+        self.prefix_cache[req.cache_key] = CachedPrefix(owner, req.token_ids[: req.num_computed], version)
 
     def _reuse_prefix(self, req: Request) -> None:
         """Adopt the session's cached blocks when their tokens prefix the new prompt (same
@@ -280,6 +283,7 @@ class EmbeddedEngine(Engine):
             return
         self.pool.tables[req.request_id] = self.pool.tables.pop(hit.owner)
         req.num_computed = min(n, len(req.token_ids) - 1)  # at least one token left to compute
+        req.kv_version = hit.version
         self.num_cached_tokens += req.num_computed
 
     def evict_one(self) -> bool:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from cells.engine.embedded.batcher import Batcher, Request
+from cells.engine.embedded.batcher import MIXED_KV, Batcher, Request
 from cells.engine.embedded.kv_cache import BlockPool
 from cells.engine.embedded.model_spec import ModelSpec
 from cells.engine.records import EngineError, RequestSnapshot, SamplingParams
@@ -159,6 +159,7 @@ class EmbeddedHandover:
             records=[r.to_list() for r in req.records[rel:]],
             token_ids_from=token_ids_from,
             token_ids=req.token_ids[token_ids_from:],
+            kv_version=req.kv_version if req.kv_version is not None and req.kv_version >= 0 else None,
         )
 
     def release(self, request_id: str) -> None:
@@ -226,7 +227,9 @@ class EmbeddedHandover:
         if min(ids) < 0 or max(ids) >= self.spec.vocab_size:  # C-speed check: no per-id loop here
             raise EngineError(f"token ids outside [0, {self.spec.vocab_size})")
         req = Request(snap.request_id, ids, snap.prompt_len, params, num_computed=snap.num_computed,
-                      status="paused", records_base=len(ids) - snap.prompt_len)
+                      status="paused", records_base=len(ids) - snap.prompt_len,
+                      kv_version=None if not snap.num_computed else snap.kv_version
+                      if snap.kv_version is not None and snap.kv_version == self._version() else MIXED_KV)
         if snap.num_computed == 0:
             self.pool.free(snap.request_id)
         self.requests[snap.request_id] = req

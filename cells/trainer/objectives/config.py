@@ -221,10 +221,12 @@ class ObjectiveConfig(_Strict):
     """C_s in min(r_stale, C_s)."""
     kl: KLConfig | None = None
     """KL penalty to the reference policy (None: off)."""
-    max_update_kl: float | None = Field(default=1.0, gt=0)
+    max_update_kl: float | None = Field(default=0.1, gt=0)
     """Trust-region guard: an RL update whose k3 estimate of KL(π_prox ‖ π_new) over its batch's
     kept tokens (`update_kl_terms`) exceeds this is rejected whole and counted, and publishes
-    nothing (cells/training/guard.py). None: off (no snapshot of the optimizer state is kept)."""
+    nothing (cells/training/guard.py). None: off (no snapshot of the optimizer state is kept).
+    The default is derived from `bench/lr_sweep.py` in docs/RL.md (about 7× the largest update
+    at the shipped learning rate, below the updates of every run that ended worse)."""
     update_kl_is_cap: float = Field(default=2.0, gt=1)
     """The truncation of the importance weight π_prox/π_behav that reweights the sampled tokens
     in that KL estimate (and the `approx_kl` metric)."""
