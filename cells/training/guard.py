@@ -66,10 +66,14 @@ def take(learner: Any) -> Snapshot:
     prev = _WARM.get(learner)
 
     def keep(t: Tensor, old: Tensor | None) -> Tensor:
+        # on an accelerator the copy lives in (pinned) host memory: at the real size it is
+        # parameters, moments and the EWMA copy, 16 bytes a parameter (docs/RL.md)
         t = t.detach()
         if old is not None and old.shape == t.shape and old.dtype == t.dtype:
-            return old.copy_(t)
-        return t.clone()
+            return old.copy_(t, non_blocking=t.is_cuda)
+        if t.device.type == "cpu":
+            return t.clone()
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t, non_blocking=t.is_cuda)
 
     params = {k: keep(p, prev and prev.params.get(k)) for k, p in learner.params.items()}
     buffers = dict(prev.buffers) if prev else {}
@@ -80,6 +84,8 @@ def take(learner: Any) -> Snapshot:
             was = buffers.get(k, {})
             moments[k] = buffers[k] = {s: keep(v, was.get(s)) for s, v in st.items()}
     ewma = {k: keep(v, prev and prev.ewma.get(k)) for k, v in learner.ewma.params.items()}
+    if any(p.is_cuda for p in learner.params.values()):
+        torch.cuda.synchronize()  # the host copies are complete before the update changes the state
     snap = Snapshot(params, moments, ewma, learner.ewma.weight, learner.ewma.num_resets, learner.step, buffers)
     _WARM[learner] = snap
     return snap
@@ -96,13 +102,14 @@ def restore(learner: Any, snap: Snapshot) -> None:
         if saved is None:
             state.pop(p, None)
         elif not cur or set(cur) != set(saved):
-            state[p] = {s: v.clone() for s, v in saved.items()}
+            state[p] = {s: v.to(p.device if v.dim() else v.device, copy=True) for s, v in saved.items()}
         else:
             for s, v in saved.items():
                 cur[s].copy_(v)
     for k, v in snap.ewma.items():
         avg = learner.ewma.params.get(k)
-        learner.ewma.params[k] = avg.copy_(v) if avg is not None and avg.shape == v.shape else v.clone()
+        device = avg.device if avg is not None else learner.params[k].device if k in learner.params else v.device
+        learner.ewma.params[k] = avg.copy_(v) if avg is not None and avg.shape == v.shape else v.to(device, copy=True)
     learner.ewma.weight = snap.ewma_weight
     learner.ewma.num_resets = snap.ewma_resets
     learner.step = snap.step
