@@ -1012,6 +1012,7 @@ def scn_training_rank_fault(camp: Campaign, run: Run, k: int) -> None:
     ||a - b|| / ||a - theta_0|| <= 1e-3), one version number is taken, and only after the redo."""
     from cells.engine.embedded.model_spec import resolve_spec
     from cells.trainer.learner import Learner
+    from cells.trainer.objectives import ObjectiveConfig
     from cells.training.coordinator import TrainingCoordinator
     from scheduler.contract.config import parse_config
 
@@ -1026,7 +1027,9 @@ def scn_training_rank_fault(camp: Campaign, run: Run, k: int) -> None:
     camp.start_clients(run, 3)  # rollouts go on on the third cell throughout
     spec = resolve_spec(parse_config(camp.cfg).cells.engine.model)
     batch = _training_batch(spec, run.seed)
-    clean, host = (Learner(spec, camp.weights[v], lr=2e-3, minibatches=2) for _ in range(2))
+    # the guard off: this checks the redo of a kept update (a rejected one takes no number)
+    clean, host = (Learner(spec, camp.weights[v], lr=2e-3, minibatches=2, objective=ObjectiveConfig(max_update_kl=None))
+                   for _ in range(2))
     clean.rl_step(batch)
     taken: list[int] = []
     coord = TrainingCoordinator(host, camp.host.address, timeout_s=TRANSFER_TIMEOUT_S + 2, ack_timeout_s=15,

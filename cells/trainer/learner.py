@@ -21,13 +21,11 @@ touch, ids remapped monotonically; the same rows in the same order enter the sam
 the log-probs are bitwise those of the full model (tested), and the rows' gradient is added
 back into the full table once (cells/trainer/vocab_rows.py).
 
-The learnability check (warm-up, then RL vs an lr = 0 control) is cells/trainer/learnability.py.
-"""
+The learnability check (warm-up, then RL vs an lr = 0 control): cells/trainer/learnability.py."""
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -38,6 +36,7 @@ from torch import Tensor
 from cells.engine.embedded.layers import rope_tables
 from cells.engine.embedded.model import check_weights, prepare, token_logprobs
 from cells.engine.embedded.model_spec import ModelSpec
+from cells.trainer.lr_schedule import LRSchedule
 from cells.trainer.objectives import PPOEWMA, ObjectiveConfig, SerializedTree
 from cells.trainer.objectives.config import ewma_window
 from cells.trainer.vocab_rows import EMBED, HEAD, VocabRows, id_ranges
@@ -50,14 +49,10 @@ from cells.training.update import run_update
 STATE_FORMAT = 1
 
 __all__ = ["EXACT", "MISSING", "Learner", "id_ranges"]
-
-
 DEFAULT_STALENESS_BOUND = 8
 """The scheduler's default `staleness_bound`: the EWMA window's span when the objective names
 none and the trainer has not resolved it from the scheduler's bound."""
 
-
-LR_SCHEDULES = ("constant", "cosine", "linear")
 
 class Learner:
     """Parameters, optimizer, reference and PPO-EWMA copies, and the two kinds of step."""
@@ -98,18 +93,11 @@ class Learner:
         check_weights(spec, weights)
         self.spec = spec
         self.objective = objective or ObjectiveConfig()
-        self.tile = tile
-        self.temperature = temperature
-        self.max_grad_norm = max_grad_norm
-        self.micro_batch = micro_batch
+        self.tile, self.temperature, self.max_grad_norm, self.micro_batch = tile, temperature, max_grad_norm, micro_batch
         self.minibatches = minibatches
         """Optimizer steps per RL update (k >= 2 lets the clip bind from the second; docs/RL.md)."""
-        self.lr_warmup_steps = lr_warmup_steps
-        if lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {lr_schedule!r}")
-        self.lr_schedule, self.lr_total_steps, self.lr_min_ratio = lr_schedule, lr_total_steps, lr_min_ratio
-        """After the warm-up: `constant`, or `cosine` / `linear` decay to `lr_min_ratio` of the
-        rate at `lr_total_steps` RL optimizer steps (then held there)."""
+        self.schedule = LRSchedule(lr_warmup_steps, lr_schedule, lr_total_steps, lr_min_ratio)
+        """RL's learning-rate schedule (cells/trainer/lr_schedule.py)."""
         self.rl_start_step: int | None = None
         """The optimizer step RL started at (`start_rl`); None: no RL learning-rate warm-up."""
         self.compute_s = {"forward": 0.0, "backward": 0.0}
@@ -356,20 +344,10 @@ class Learner:
         return norm
 
     def lr_scale(self) -> float:
-        """The schedule's factor for the next optimizer step of RL: a linear warm-up over the
-        first `lr_warmup_steps`, then constant, or a cosine or linear decay that reaches
-        `lr_min_ratio` at `lr_total_steps` (1 outside RL)."""
+        """The schedule's factor for the next optimizer step (1 outside RL)."""
         if self.rl_start_step is None:
             return 1.0
-        k = self.step - self.rl_start_step + 1  # this step's number in RL, from 1
-        if self.lr_warmup_steps > 0 and k <= self.lr_warmup_steps:
-            return k / self.lr_warmup_steps
-        if self.lr_schedule == "constant" or not self.lr_total_steps:
-            return 1.0
-        span = max(1, self.lr_total_steps - self.lr_warmup_steps)
-        p = min(1.0, (k - self.lr_warmup_steps) / span)
-        decay = 0.5 * (1.0 + math.cos(math.pi * p)) if self.lr_schedule == "cosine" else 1.0 - p
-        return self.lr_min_ratio + (1.0 - self.lr_min_ratio) * decay
+        return self.schedule.scale(self.step - self.rl_start_step + 1)
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

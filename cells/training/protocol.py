@@ -65,9 +65,9 @@ def hyper(learner: Any) -> dict[str, Any]:
     return {"model": learner.spec.signature(), "objective": learner.objective.model_dump_json(),
             "lr": learner.lr, "betas": list(learner.betas), "weight_decay": learner.weight_decay,
             "max_grad_norm": learner.max_grad_norm, "micro_batch": learner.micro_batch,
-            "minibatches": learner.minibatches, "lr_warmup_steps": learner.lr_warmup_steps,
-            "lr_schedule": learner.lr_schedule, "lr_total_steps": learner.lr_total_steps,
-            "lr_min_ratio": learner.lr_min_ratio,
+            "minibatches": learner.minibatches, "lr_warmup_steps": learner.schedule.warmup_steps,
+            "lr_schedule": learner.schedule.kind, "lr_total_steps": learner.schedule.total_steps,
+            "lr_min_ratio": learner.schedule.min_ratio,
             "tile": learner.tile, "temperature": learner.temperature}
 
 

@@ -58,7 +58,7 @@ def run_update(learner: Any, share: Share, reducer: Reducer) -> dict[str, float]
     """Apply one RL update (share.num_minibatches optimizer steps) to `learner` from this
     rank's `share`; every rank of `reducer` must call it with its share of the same plan.
     Returns the update's metrics summed over the ranks (equal on every rank)."""
-    t0 = time.perf_counter()
+    t0, start_version = time.perf_counter(), learner.version
     # the staleness bound, checked again here: the plan left no stale token in the loss
     _, stale = mask_stale(share.trajectories, learner.version, share.staleness_bound)
     if stale:
@@ -96,7 +96,7 @@ def run_update(learner: Any, share: Share, reducer: Reducer) -> dict[str, float]
     clip = [float(x[_SUMS.index("clip_frac")] / max(float(x[_SUMS.index("num_kept")]), 1.0)) for x in mb_sums]
     out["clip_frac_first"] = clip[0]
     out["clip_frac_after_first"] = sum(clip[1:]) / len(clip[1:]) if len(clip) > 1 else 0.0
-    out.update(_batch_metrics(b, pre, reducer, learner.version - 1))
+    out.update(_batch_metrics(b, pre, reducer, start_version))  # staleness against the update's start
     out.update({"grad_norm": grad_norms[-1] if grad_norms else 0.0, "grad_norm_max": max(grad_norms, default=0.0),
                 "lr": learner.lr,
                 "lr_effective": learner.last_lr,

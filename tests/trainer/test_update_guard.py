@@ -82,6 +82,7 @@ def test_an_update_past_the_bound_is_rolled_back_whole():
     assert m["update_kl"] == pytest.approx(_measured(1e-2), rel=1e-4)
     assert _equal(start, _state(lrn))  # bitwise: parameters, moments, EWMA, step counter
     assert lrn.version == version  # nothing to publish: the version it started at
+    assert m["staleness_mean"] == 0.0 and m["staleness_max"] == 0.0  # on-policy, measured at the start
     m = lrn.rl_step(_batch(lrn))  # the next update starts from the restored state
     assert lrn.step in (start["step"], start["step"] + 1)
 

@@ -170,32 +170,19 @@ def decoupled_ppo_loss(
     seq_index: Tensor | None = None,
     versions_behind: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
-    """The decoupled PPO loss over tokens (B, T) and its metrics.
+    """The decoupled PPO loss over tokens (B, T) and its metrics; gradients only through lp_theta.
 
-    `advantages` is (B,) per sequence or (B, T) per token. `num_tokens` is N0; default is the
-    local sum of M (pass the sum over data-parallel ranks so that ranks add up). `token_scale`
-    (B, T), when given, is each token's coefficient in the sum in place of 1/N0 (the
-    sequence-level aggregations, `loss_agg`). `seq_index` (B,) names each row's sequence (rows
-    of one trajectory share it): the sequence ratio (`ratio: sequence`) is taken over all its
-    rows; default: each row its own. `versions_behind` (B, T) only reaches a custom loss
-    (`objective.loss`, cells/trainer/objectives/custom.py). With a `KLInLoss` config, `lp_ref` is required and coef·k
-    is added to the loss (a token mean over N0); with `lp_ref` alone the KL is only reported.
-    Gradients flow only through lp_theta.
+    `advantages`: (B,) per sequence or (B, T) per token. `num_tokens`: N0 (default the local
+    sum of M; pass the sum over data-parallel ranks). `token_scale` (B, T): each token's
+    coefficient in place of 1/N0 (the sequence-level `loss_agg`). `seq_index` (B,): each row's
+    sequence, over whose rows the sequence ratio is taken (default: each row its own).
+    `versions_behind` only reaches a custom loss (`objective.loss`). With `KLInLoss`, `lp_ref`
+    is required and coef·k (a token mean over N0) is added; with `lp_ref` alone it is reported.
     """
-    check_same_shape(
-        lp_theta=lp_theta, lp_prox=lp_prox, lp_behav=lp_behav, mask=mask, lp_ref=lp_ref
-    )
+    check_same_shape(lp_theta=lp_theta, lp_prox=lp_prox, lp_behav=lp_behav, mask=mask, lp_ref=lp_ref)
     adv = _token_advantages(advantages, lp_theta.shape)
-    tw = token_weights(
-        lp_prox,
-        lp_behav,
-        mask,
-        cfg,
-        lp_old=lp_old,
-        provenance=provenance,
-        lp_stand=lp_stand,
-        normalizer=normalizer,
-    )
+    tw = token_weights(lp_prox, lp_behav, mask, cfg, lp_old=lp_old, provenance=provenance, lp_stand=lp_stand,
+                       normalizer=normalizer)
     keep = tw.keep
     m = as_bool_mask(mask, "mask")
     # Zero log r_t outside M' before exp: padding log-probs may be -inf, and 0·inf in the
@@ -209,24 +196,29 @@ def decoupled_ppo_loss(
     n0 = m.sum() if num_tokens is None else torch.as_tensor(num_tokens, device=lp_theta.device)
     n0 = n0.to(lp_theta.dtype).clamp(min=1)
     scale = (1.0 / n0) if token_scale is None else token_scale.detach().to(lp_theta.dtype)
-    extra: dict[str, Tensor] = {}
     if cfg.loss is not None:
-        pg_loss, extra = custom_pg_loss(cfg.loss, LossInputs(
-            lp_theta=lp_theta, lp_prox=lp_prox.detach(), lp_behav=lp_behav.detach(),
-            lp_old=torch.where(m, lp_behav.detach() + tw.log_r_d, 0.0), missing=tw.missing & m,
-            advantages=adv.detach(), mask=m, keep=keep, weight=tw.weight.detach(),
-            scale=torch.where(keep, torch.as_tensor(scale, dtype=lp_theta.dtype), 0.0).expand_as(lp_theta),
-            log_ratio=log_r_t, versions_behind=versions_behind, cfg=cfg))
+        pg_loss, extra = _custom_loss(cfg, lp_theta, lp_prox, lp_behav, adv, m, tw, scale, log_r_t, versions_behind)
     else:
-        pg_loss = -(torch.where(keep, tw.weight * obj, 0.0) * scale).sum()
+        pg_loss, extra = -(torch.where(keep, tw.weight * obj, 0.0) * scale).sum(), {}
 
     kl_term, kl_mean = _kl_terms(lp_theta, lp_ref, tw.weight, r_t, keep, cfg, n0, pg_loss)
     loss = pg_loss + kl_term
-    metrics = _metrics(
-        loss, pg_loss, kl_term, kl_mean, tw, m, r_t, is_clipped, is_dual, cfg.ewma_band()
-    )
+    metrics = _metrics(loss, pg_loss, kl_term, kl_mean, tw, m, r_t, is_clipped, is_dual, cfg.ewma_band())
     metrics.update({k: float(v) for k, v in extra.items()})
     return loss, metrics
+
+
+def _custom_loss(cfg: ObjectiveConfig, lp_theta: Tensor, lp_prox: Tensor, lp_behav: Tensor, adv: Tensor,
+                 m: Tensor, tw: TokenWeights, scale: Tensor | float, log_r_t: Tensor,
+                 versions_behind: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
+    """The configured loss of one's own on this micro-batch (cells/trainer/objectives/custom.py)."""
+    keep = tw.keep
+    return custom_pg_loss(cfg.loss, LossInputs(
+        lp_theta=lp_theta, lp_prox=lp_prox.detach(), lp_behav=lp_behav.detach(),
+        lp_old=torch.where(m, lp_behav.detach() + tw.log_r_d, 0.0), missing=tw.missing & m,
+        advantages=adv.detach(), mask=m, keep=keep, weight=tw.weight.detach(),
+        scale=torch.where(keep, torch.as_tensor(scale, dtype=lp_theta.dtype), 0.0).expand_as(lp_theta),
+        log_ratio=log_r_t, versions_behind=versions_behind, cfg=cfg))
 
 
 def sequence_log_ratio(log_r: Tensor, keep: Tensor, seq_index: Tensor | None) -> Tensor:

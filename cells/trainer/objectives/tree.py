@@ -258,19 +258,10 @@ def tree_ppo_loss(
     """
     nb, length = tree.branches.shape
     if branch_advantages.shape != (nb,):
-        raise ValueError(
-            f"branch_advantages must have shape ({nb},), got {tuple(branch_advantages.shape)}"
-        )
-    for name, t in (
-        ("lp_theta", lp_theta),
-        ("lp_prox", lp_prox),
-        ("lp_behav", lp_behav),
-        ("lp_old", lp_old),
-        ("provenance", provenance),
-        ("lp_stand", lp_stand),
-        ("lp_ref", lp_ref),
-        ("versions_behind", versions_behind),
-    ):
+        raise ValueError(f"branch_advantages must have shape ({nb},), got {tuple(branch_advantages.shape)}")
+    named = {"lp_theta": lp_theta, "lp_prox": lp_prox, "lp_behav": lp_behav, "lp_old": lp_old,
+             "provenance": provenance, "lp_stand": lp_stand, "lp_ref": lp_ref, "versions_behind": versions_behind}
+    for name, t in named.items():
         if t is not None and t.shape != (length,):
             raise ValueError(f"{name} must have shape ({length},), got {tuple(t.shape)}")
 
