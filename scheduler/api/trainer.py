@@ -10,6 +10,8 @@ a step starts and when it ends.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from fastapi import APIRouter
 from pydantic import Field, model_validator
 
@@ -29,7 +31,7 @@ class UpdateFigures(_Body):
     entropy: float = Field(ge=0, le=1e6)
     """The policy's mean entropy at the sampled tokens, at the update's start (nats)."""
     rejected: bool = False
-    staleness: list[int] = Field(default_factory=list, max_length=1024)
+    staleness: list[Annotated[int, Field(ge=0, le=1 << 50)]] = Field(default_factory=list, max_length=1024)
     """Trained tokens by how many versions older than the update's start they were (index)."""
 
 

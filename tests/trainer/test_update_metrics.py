@@ -54,5 +54,8 @@ def test_a_trainer_report_sets_the_training_metrics(tmp_path):
                      'cellflip_trained_tokens_total{versions_behind="0"} 5.0',
                      'cellflip_trained_tokens_total{versions_behind="3"} 1.0'):
             assert line in text, line
+        bad = {**body, "update": {**body["update"], "staleness": [-1]}}  # a count is never negative
+        assert h.client.post("/v1/trainer/report", json=bad).status_code == 422
+        assert h.client.get("/metrics").text.count('cellflip_training_updates_total{outcome="kept"} 1.0') == 1
     finally:
         h.close()
