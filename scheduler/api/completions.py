@@ -78,16 +78,16 @@ async def create_completion(request: Request, ctl: Ctl, session_id: SessionId = 
         return StreamingResponse(_sse(ctl, req.id), media_type="text/event-stream", headers=head)
     out = {"id": req.id, "session_id": req.session_id, "token_ids": [], "logprobs": [], "versions": [],
            "finish_reason": None}
-    async for rows, cur in ctl.follow_request(req.id):
+    async for start, rows, cur in ctl.follow_request(req.id, live=False):
         chunk = _chunk(req.id, rows)
         for k in ("token_ids", "logprobs", "versions"):
-            out[k].extend(chunk[k])
+            out[k][start:] = chunk[k]  # a start below the end: taken-back tokens are dropped
         out["finish_reason"] = cur.reason if cur.state in ("finished", "failed") else None
     return out
 
 
 async def _sse(ctl, request_id: str) -> AsyncIterator[str]:
-    async for rows, cur in ctl.follow_request(request_id):
+    async for _, rows, cur in ctl.follow_request(request_id):
         if rows:
             yield f"data: {dumps(_chunk(request_id, rows))}\n\n"
         if cur.state in ("finished", "failed") and not rows:

@@ -12,6 +12,7 @@ committed: nothing is shown that a scheduler restart could take back.
 from __future__ import annotations
 
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -32,11 +33,21 @@ IDEMPOTENCY_SCOPE = "completions"
 
 FOLLOW_POLL_S = 1.0
 """A waiting stream re-reads the store at least this often (a missed wake-up costs ≤ 1 s)."""
+SHOWN_KEPT = 1 << 16
+"""Requests whose shown watermark is remembered; an older one counts as wholly shown."""
 
 
 class Completions:
-    """Admission and streaming of completions. Holds no state of its own: a request is the
-    store's, its owner `Ownership`'s."""
+    """Admission and streaming of completions. A request is the store's, its owner
+    `Ownership`'s; this holds only what clients of this process were shown of each request
+    (`shown`) and the rewinds their followers must apply (`rewinds`).
+
+    What a client was shown is final: a sampler quarantined later (scheduler/control/trust.py)
+    can take back only the tokens no client saw. A live stream shows each token as it yields
+    it; a whole answer (`/v1/generate` or a chat turn without `stream`) shows nothing until it
+    returns, so its tokens stay rewindable until then. Only requests submitted by this process
+    are tracked: after a restart, whatever a client saw before it is unknown, so every older
+    request counts as wholly shown."""
 
     def __init__(self, ctx: Context, ownership: Ownership, staleness: Staleness,
                  snapshot: Callable[[], Snapshot], trust: Trust) -> None:
@@ -45,6 +56,11 @@ class Completions:
         self.ownership = ownership
         self.staleness = staleness
         self.snapshot = snapshot
+        self.shown: OrderedDict[str, int] = OrderedDict()
+        """request id → buffer index up to which a client was shown its tokens."""
+        self.rewinds: dict[str, list[int]] = {}
+        """request id → the generated-token counts it was rewound to, in order (rare: only a
+        quarantine rewinds)."""
 
     def submit(self, session_id: str | None, prompt_ids: list[int], params: dict[str, Any],
                idempotency_key: str | None = None, agent: str | None = None) -> RequestRow:
@@ -73,7 +89,23 @@ class Completions:
             self.ownership.assign(fx, req, dst.cell_id)
             idempotency.record(ctx.store, scope, idempotency_key, fp,
                                {"request_id": rid, "session_id": sid})
+        self.shown[rid] = req.base
+        while len(self.shown) > SHOWN_KEPT:
+            self.shown.popitem(last=False)
         return req
+
+    def unshown_from(self, req: RequestRow, first: int) -> bool:
+        """Were the request's tokens from buffer index `first` on shown to no client?"""
+        shown = self.shown.get(req.id)
+        return shown is not None and req.base <= first and shown <= first
+
+    def rewound(self, req: RequestRow, keep: int) -> None:
+        """The request's generated tokens from `keep` on were taken back: followers drop them."""
+        self.rewinds.setdefault(req.id, []).append(keep)
+
+    def _show(self, req: RequestRow, upto: int) -> None:
+        if req.id in self.shown and self.shown[req.id] < upto:
+            self.shown[req.id] = upto
 
     def check(self, session_id: str | None, prompt_ids: list[int], params: dict[str, Any],
               agent: str | None = None) -> None:
@@ -129,22 +161,42 @@ class Completions:
         ctx.store.owners.put_request(req)
         return req
 
-    async def follow(self, request_id: str) -> AsyncIterator[tuple[list[tuple], RequestRow]]:
-        """Yield (new committed token rows, request) until the request is finished or failed;
-        the last item carries the terminal request (possibly with no rows)."""
+    async def follow(self, request_id: str, live: bool = True) -> AsyncIterator[tuple[int, list[tuple], RequestRow]]:
+        """Yield (start, committed token rows, request) until the request is finished or
+        failed; `start` is the generated-token index the rows begin at, the last item carries
+        the terminal request (possibly with no rows). `live`: the consumer shows each row as it
+        gets it (a stream); else it shows them all when the follow ends (a whole answer), and a
+        rewind (a quarantined sampler's tokens taken back) may come first: `start` below what
+        was yielded so far says to drop the rows from there."""
         ctx = self.ctx
         sent = 0
-        while True:
-            req = ctx.store.owners.get_request(request_id)
-            assert req is not None
-            if req.num_generated > sent:
-                rows = ctx.store.sessions.read(req.session_id, req.base + sent, req.base + req.num_generated)
-                sent += len(rows)
-                yield rows, req
-                continue  # re-read before parking: a notify may have come while the client read
-            if req.state in ("finished", "failed"):
-                yield [], req
-                return
-            await ctx.notifier.wait(("req", request_id), FOLLOW_POLL_S)
-            if ctx.closing:  # shutdown: the client gets what was committed so far
-                return
+        seen_rewinds = 0
+        req = ctx.store.owners.get_request(request_id)
+        assert req is not None
+        try:
+            while True:
+                req = ctx.store.owners.get_request(request_id)
+                assert req is not None
+                rewinds = self.rewinds.get(request_id, ())
+                if len(rewinds) > seen_rewinds:
+                    keep = min(rewinds[seen_rewinds:])
+                    seen_rewinds = len(rewinds)
+                    if keep < sent:
+                        assert not live, f"{request_id} rewound to {keep} below the {sent} tokens a stream showed"
+                        sent = keep
+                        yield keep, [], req
+                if req.num_generated > sent:
+                    rows = ctx.store.sessions.read(req.session_id, req.base + sent, req.base + req.num_generated)
+                    start, sent = sent, sent + len(rows)
+                    if live:
+                        self._show(req, req.base + sent)
+                    yield start, rows, req
+                    continue  # re-read before parking: a notify may have come while the client read
+                if req.state in ("finished", "failed"):
+                    yield sent, [], req
+                    return
+                await ctx.notifier.wait(("req", request_id), FOLLOW_POLL_S)
+                if ctx.closing:  # shutdown: the client gets what was committed so far
+                    return
+        finally:  # a whole answer is shown once its follow ends (done, or closed early)
+            self._show(req, req.base + sent)

@@ -100,6 +100,7 @@ class Controller:
         """Register, sync, fence; fencing asks each holder above in that order."""
         self.trust.quarantine_cell = self.membership.fence_in_tx
         self.trust.fail_request = self.ownership.fail
+        self.trust.rewind_request = self._rewind
         self.membership.recover()
         self.gc_policy = GcPolicy(time.monotonic, ctx.metrics.gc_full.observe)
         """The process's garbage collection, paced by the running loop (`run`)."""
@@ -246,8 +247,18 @@ class Controller:
                           idempotency_key: str | None = None, agent: str | None = None) -> RequestRow:
         return self.completions.submit(session_id, prompt_ids, params, idempotency_key, agent)
 
-    def follow_request(self, request_id: str) -> AsyncIterator[tuple[list[tuple], RequestRow]]:
-        return self.completions.follow(request_id)
+    def follow_request(self, request_id: str, live: bool = True) -> AsyncIterator[tuple[int, list[tuple], RequestRow]]:
+        return self.completions.follow(request_id, live)
+
+    def _rewind(self, fx: Effects, req: RequestRow, first: int, reason: str) -> int | None:
+        """Trust's take-back of a live request's tokens from buffer index `first` on: when no
+        client was shown them, they are removed and sampled again elsewhere (returns how many);
+        else None (the caller ends the request and keeps its session from training)."""
+        if not self.completions.unshown_from(req, first):
+            return None
+        n = self.ownership.rewind(fx, req, first - req.base, reason)
+        self.completions.rewound(req, first - req.base)
+        return n
 
     def finish_session(self, session_id: str, reward: float, group_id: str | None) -> dict:
         if self.store.owners.active_request_for_session(session_id) is not None:

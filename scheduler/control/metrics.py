@@ -64,6 +64,7 @@ class Metrics:
         self.requests_stalled = Counter(p + "requests_stalled", "Running requests taken back from an owner that reported them but committed no token for stall_timeout_s.", ["cell"], registry=r)
         self.probes = Counter(p + "probes", "Registration probes by outcome (verified: agreed with the version's reference; refused: disagreed).", ["outcome"], registry=r)
         self.quarantined = Counter(p + "cells_quarantined", "Cells quarantined for what they reported (invalid tokens, contradicted log-probs, a disagreeing probe).", registry=r)
+        self.tokens_resampled = Counter(p + "tokens_resampled", "Tokens a quarantined cell sampled (and those after them) that no client was shown: taken back and sampled again by a trusted cell.", registry=r)
         self.sessions_tainted = Counter(p + "sessions_tainted", "Sessions holding tokens a quarantined cell sampled: never trained on.", registry=r)
         self.training_update_kl = Gauge(p + "training_update_kl", "KL(pi_prox || pi_new) of the last RL update (nats per token, the trust-region guard's estimate).", registry=r)
         self.training_grad_norm = Gauge(p + "training_grad_norm", "Gradient norm of the last RL update's last optimizer step (before clipping).", registry=r)

@@ -116,6 +116,24 @@ class Ownership:
             fx.send(old, lambda i: cmd(i, rid))
         self.ctx.kick()
 
+    def rewind(self, fx: Effects, req: RequestRow, keep: int, reason: str) -> int:
+        """Take back the request's generated tokens from `keep` on — no client was shown them
+        (the caller checked) — and re-place it, so a trusted cell samples them again from
+        there (with the request's own seed: the same tokens in batch-invariant mode). Its
+        owner, if any, is told to drop it. Returns the tokens removed. Inside a durable txn."""
+        assert 0 <= keep <= req.num_generated, (req.id, keep, req.num_generated)
+        if req.cell_id is not None:
+            self.revoke(fx, req, f"rewound: {reason}")
+            req = self.ctx.store.owners.get_request(req.id)
+            if req.state == "failed":  # stuck: revoke ended it
+                return 0
+        n = self.ctx.store.sessions.truncate(req.session_id, req.base + keep)
+        req.num_generated = keep
+        self.ctx.store.owners.put_request(req)
+        fx.notify(("req", req.id))
+        self.ctx.kick()
+        return n
+
     def park(self, fx: Effects, req: RequestRow, reason: str) -> None:
         """Suspend a request in place: its owner keeps the KV in host memory and stays the owner
         (same epoch, so the tokens it already sampled still land); a later `place_waiting` moves

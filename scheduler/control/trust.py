@@ -101,6 +101,9 @@ class Trust:
         """Fences a cell (the controller wires Membership.fence_in_tx here)."""
         self.fail_request: Callable[..., None] | None = None
         """Ends a request with a reason (Ownership.fail)."""
+        self.rewind_request: Callable[..., int | None] | None = None
+        """Takes back a live request's tokens from an index on when no client was shown them,
+        to be sampled again elsewhere; None when some were shown (the controller's `_rewind`)."""
         self.kv_version: OrderedDict[str, dict[str, int | None]] = OrderedDict()
         """request id → {cell: the version it served when the request came to it with fresh KV,
         None when its KV moved in}: where the cross-check may compare (`placed`)."""
@@ -324,17 +327,26 @@ class Trust:
         fx.later(lambda: ctx.metrics.quarantined.inc())
 
     def _take_back(self, fx: Effects, session_id: str, first: int, reason: str) -> None:
-        """Tokens from `first` on were sampled by a quarantined cell (or follow them): the live
-        request ends with the reason (its next turn is sampled by a trusted cell), and the
-        session is never trained on. Nothing is removed: a client saw those tokens, and the
-        store keeps what was shown; their unscored tokens need no score."""
+        """Tokens from `first` on were sampled by a quarantined cell (or follow them). Those of
+        the live request that no client was shown are removed and sampled again by a trusted
+        cell from there: the session stays trainable. Otherwise a client saw some: nothing is
+        removed (the store keeps what was shown), the live request ends with the reason (its
+        next turn is sampled by a trusted cell) and the session is never trained on; its
+        unscored tokens need no score."""
         store = self.ctx.store
         if store.sessions.get(session_id) is None:
             return
+        metrics = self.ctx.metrics
         req = store.owners.active_request_for_session(session_id)
+        if req is not None and self.rewind_request is not None:
+            n = self.rewind_request(fx, req, first, reason)
+            if n is not None:
+                log.warning("request %s: %d token(s) from index %d taken back to be sampled again (%s)",
+                            req.id, n, first, reason)
+                fx.later(lambda: metrics.tokens_resampled.inc(n))
+                return
         if req is not None and self.fail_request is not None:
             self.fail_request(fx, req, reason)
         store.sessions.taint(session_id)
         n = store.sessions.mark_missing_from(session_id, first)
-        metrics = self.ctx.metrics
         fx.later(lambda: (metrics.logprob_missing.inc(n), metrics.sessions_tainted.inc()))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from scheduler.api.principal import current_agent
 from scheduler.contract.errors import Conflict
 from scheduler.contract.tito.backend import (
+    Rewind,
     SessionFinished,
     SessionNotFound,
     SessionTokens,
@@ -53,15 +54,23 @@ class ControlPlaneBackend:
         ctl.completions.check(session_id, list(prompt_ids), _sampling(params), current_agent())
         ctl.completions.admissible(session_id, len(prompt_ids))
 
-    async def complete(self, session_id: str, prompt_ids: list[int], params: dict[str, Any]) -> AsyncIterator[TokenOut]:
+    async def complete(self, session_id: str, prompt_ids: list[int], params: dict[str, Any],
+                       live: bool = True) -> AsyncIterator[TokenOut | Rewind]:
         ctl = self.ctl
         sp = _sampling(params)
         # its refusals are BackendErrors
         req = ctl.submit_completion(session_id, list(prompt_ids), sp, agent=current_agent())
         held = None  # one token held back so the last one can carry the finish reason
-        async for rows, cur in ctl.follow_request(req.id):
+        out = 0  # tokens yielded
+        async for start, rows, cur in ctl.follow_request(req.id, live):
+            if start < out + (held is not None):  # taken back (only when not live)
+                held = None
+                if start < out:
+                    out = start
+                    yield Rewind(start)
             for r in rows:
                 if held is not None:
+                    out += 1
                     yield held
                 held = TokenOut(int(r[0]), float(r[2]), int(r[3]))
             if cur.state in ("finished", "failed"):

@@ -174,6 +174,19 @@ class SessionStore:
         self._append_rows(row, [(int(t), 1, float(lp), int(v), int(bool(tr)), None, None) for t, lp, v, tr in records],
                           epoch, cell)
 
+    def truncate(self, session_id: str, at: int) -> int:
+        """Remove the tokens from buffer index `at` on (sampled tokens no client was shown,
+        taken back to be sampled again); `at` must lie in the current segment. Returns how
+        many were removed."""
+        row = self.require(session_id)
+        if not row.segment_starts[-1] <= at <= row.length:
+            raise ValueError(f"truncate {session_id} at {at}: outside its current segment "
+                             f"[{row.segment_starts[-1]}, {row.length}]")
+        n = self.s.execute("DELETE FROM tokens WHERE session_id=? AND idx>=?", (session_id, at)).rowcount
+        row.length = at
+        self.s.execute("UPDATE sessions SET length=? WHERE id=?", (at, session_id))
+        return n
+
     def sampled_by(self, cell_id: str) -> list[tuple[str, int]]:
         """(session, first index) of every session holding tokens `cell_id` sampled."""
         q = "SELECT session_id, MIN(idx) FROM tokens WHERE cell=? AND loss_mask=1 GROUP BY session_id"

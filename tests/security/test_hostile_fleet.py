@@ -14,7 +14,7 @@ import time
 import pytest
 
 from scheduler.contract.probe import PROBE_LEN
-from tests.scheduler.sched_fakes import FakeCell, Harness, keep_alive, pump, until_held
+from tests.scheduler.sched_fakes import FakeCell, Harness, keep_alive, pump, token_of, until_held
 from tests.scheduler.storecheck import store_dump
 
 LIMITS = {"vocab_size": 1024, "max_context": 64, "output_ranges": [[0, 1000]]}
@@ -79,35 +79,107 @@ def test_a_live_cells_id_cannot_be_taken_over_but_by_an_admin(h):
     real[0].sync(expect=409)
 
 
-def test_a_cell_reporting_tokens_no_model_samples_is_quarantined_and_its_session_never_trained(h):
-    honest, rogue = _cells(h, 2)
-    fut = h.complete({"prompt_ids": [1, 2, 3], "max_tokens": 8}, session="victim", headers=h.auth("agent"))
-    holder = None
+def _placed(h, cells: list[FakeCell], fut) -> FakeCell:
+    """Sync `cells` until one of them holds the request in `fut`; returns it."""
     for _ in range(200):
-        for c in (honest, rogue):
+        for c in cells:
             c.sync()
-        holder = next((c for c in (honest, rogue) if c.held), None)
+        holder = next((c for c in cells if c.held), None)
         if holder is not None:
-            break
+            return holder
+        assert not fut.done(), fut.result().text
         time.sleep(0.002)
-    assert holder is not None
-    other = honest if holder is rogue else rogue
+    raise AssertionError("the request was never placed")
+
+
+def _report_oov(h, holder: FakeCell) -> str:
+    """`holder` reports two plausible tokens (accepted), then one outside the model's output
+    ids: it is fenced and quarantined. Returns the request id."""
     holder.step(2)
     holder.sync()  # two honest-looking tokens, accepted
     rid = next(iter(holder.held))
-    sess = h.client.get("/v1/sessions/victim").json()
-    assert len(sess["token_ids"]) == 5
     holder.pending_tokens.append({"request_id": rid, "epoch": 1, "start": 2, "records": [[1010, -0.1, 0, False]],
                                   "finish_reason": None})  # outside the model's output ids
     assert holder.sync(expect=409)["reason"] == "fenced"
     assert _trust(h, holder.cell_id) == "quarantined"
-    answer = fut.result(timeout=30)
-    assert answer.status_code == 200 and answer.json()["finish_reason"].startswith("error: sampler")
-    shown = answer.json()["token_ids"]
+    return rid
+
+
+def _samplers(h, session: str) -> list[str | None]:
+    with sqlite3.connect(h.db_path) as conn:
+        return [r[0] for r in conn.execute("SELECT cell FROM tokens WHERE session_id=? ORDER BY idx", (session,))]
+
+
+def test_a_quarantined_cells_tokens_nobody_was_shown_are_sampled_again_by_a_trusted_cell(h):
+    """A whole answer (no stream) shows nothing until it returns: when its sampler is
+    quarantined mid-way, the tokens it sampled are taken back and a trusted cell samples them
+    again from there; the client gets one answer, all of it from the trusted cell, and the
+    session is trained on."""
+    cells = _cells(h, 2)
+    fut = h.complete({"prompt_ids": [1, 2, 3], "max_tokens": 8}, session="victim", headers=h.auth("agent"))
+    holder = _placed(h, cells, fut)
+    other = next(c for c in cells if c is not holder)
+    assert _samplers(h, "victim") == [None] * 3
+    rid = _report_oov(h, holder)
+    assert h.client.get("/v1/sessions/victim").json()["token_ids"] == [1, 2, 3]  # taken back at once
+    pump([other], until=fut, harness=h)  # the loop re-places it
+    answer = fut.result(timeout=30).json()
+    assert answer["finish_reason"] == "length"
+    assert answer["token_ids"] == [token_of(rid, i) for i in range(8)]  # the fake model's own tokens, in order
+    sess = h.client.get("/v1/sessions/victim").json()
+    assert sess["token_ids"] == [1, 2, 3, *answer["token_ids"]]
+    assert _samplers(h, "victim") == [None] * 3 + [other.cell_id] * 8  # nothing of the rogue's is left
+    assert h.client.post("/v1/sessions/victim/finish", json={"reward": 1.0},
+                         headers=h.auth("trainer")).status_code == 200
+    out = h.client.get("/v1/trajectories", headers=h.auth("trainer")).json()["trajectories"]
+    assert [t.get("dropped") for t in out] == [None]  # trained on
+    metrics = h.client.get("/metrics").text
+    assert "cellflip_tokens_resampled_total 2.0" in metrics and "cellflip_sessions_tainted_total 0.0" in metrics
+
+
+def test_a_chat_turn_without_stream_gets_its_answer_from_the_trusted_cell(h):
+    """The same take-back through the OpenAI-compatible gateway: a chat turn without `stream`
+    returns one answer, none of it the quarantined cell's, and the session is trained on."""
+    caps = {"vocab_size": 152_000, "max_context": 4096, "output_ranges": [[0, 1000]]}
+    cells = []
+    for i in range(2):
+        c = FakeCell(h.client, f"cell-{i}", headers=h.auth("cell"), caps=caps)
+        c.register(), c.sync()
+        cells.append(c)
+    fut = h.pool.submit(h.client.post, "/v1/chat/completions",
+                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+                        headers={**h.auth("agent"), "X-Session-Id": "chat-victim"})
+    holder = _placed(h, cells, fut)
+    other = next(c for c in cells if c is not holder)
+    before = len(h.client.get("/v1/sessions/chat-victim").json()["token_ids"])
+    rid = _report_oov(h, holder)
+    pump([other], until=fut, harness=h)
+    r = fut.result(timeout=30)
+    assert r.status_code == 200, r.text
+    sess = h.client.get("/v1/sessions/chat-victim").json()
+    assert sess["token_ids"][before:] == [token_of(rid, i) for i in range(8)]
+    assert _samplers(h, "chat-victim")[before:] == [other.cell_id] * 8
+    assert r.json()["usage"]["completion_tokens"] == 8
+
+
+def test_a_quarantined_cells_tokens_a_stream_showed_end_the_request_and_are_never_trained(h):
+    """Negative control of the take-back: a stream showed the rogue's tokens as they came, so
+    they stay (the store keeps what its client saw); the request ends with the reason, the
+    next turn is sampled by the trusted cell, and the session is never trained on."""
+    cells = _cells(h, 2)
+    body = {"prompt_ids": [1, 2, 3], "max_tokens": 8, "stream": True}
+    fut = h.pool.submit(h.client.post, "/v1/generate", json=body,
+                        headers={**h.auth("agent"), "X-Session-Id": "victim"})
+    holder = _placed(h, cells, fut)
+    other = next(c for c in cells if c is not holder)
+    _report_oov(h, holder)
+    events = [json.loads(x[6:]) for x in fut.result(timeout=30).text.splitlines()
+              if x.startswith("data: ") and x != "data: [DONE]"]
+    shown = [t for e in events for t in e["token_ids"]]
+    assert events[-1]["finish_reason"].startswith("error: sampler") and len(shown) == 2
     sess = h.client.get("/v1/sessions/victim").json()
     assert sess["token_ids"] == [1, 2, 3, *shown]  # the store keeps what its client saw, nothing more
-    assert len(shown) == 2 and 1010 not in sess["token_ids"]
-    # the next turn is sampled by the trusted cell; the session is never trained on
+    assert 1010 not in sess["token_ids"]
     fut2 = h.complete({"prompt_ids": [], "max_tokens": 3}, session="victim", headers=h.auth("agent"))
     until_held(other, fut2)
     pump([other], until=fut2)
@@ -118,6 +190,7 @@ def test_a_cell_reporting_tokens_no_model_samples_is_quarantined_and_its_session
     assert [t.get("dropped") for t in out] == ["untrusted"]
     metrics = h.client.get("/metrics").text
     assert "cellflip_cells_quarantined_total 1.0" in metrics and "cellflip_sessions_tainted_total 1.0" in metrics
+    assert "cellflip_tokens_resampled_total 0.0" in metrics
 
 
 def test_log_probs_a_verified_scorer_contradicts_quarantine_the_sampler_and_drop_its_trajectory(h):

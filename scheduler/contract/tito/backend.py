@@ -41,6 +41,7 @@ __all__ = [
     "CompletionBackend",
     "GatewayCounters",
     "PrometheusCounters",
+    "Rewind",
     "SessionFinished",
     "SessionNotFound",
     "SessionTokens",
@@ -58,6 +59,15 @@ class TokenOut:
     version: int
     finish_reason: str | None = None
     """None until the last token of the completion: then ``"stop"`` or ``"length"``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rewind:
+    """Yielded by :meth:`CompletionBackend.complete` only when not ``live``: the completion's
+    tokens from index ``keep`` on were taken back (their sampler was found untrustworthy
+    before anyone was shown them) and are being sampled again; drop them."""
+
+    keep: int
 
 
 @dataclass(slots=True)
@@ -105,9 +115,11 @@ class CompletionBackend(Protocol):
     """Session store + cell routing, as the gateway uses them (see the module docstring)."""
 
     def complete(
-        self, session_id: str, prompt_ids: list[int], params: dict[str, Any]
-    ) -> AsyncIterator[TokenOut]:
-        """Decode a completion for ``prompt_ids`` on the session's cell, recording each token."""
+        self, session_id: str, prompt_ids: list[int], params: dict[str, Any], live: bool = True
+    ) -> AsyncIterator[TokenOut | Rewind]:
+        """Decode a completion for ``prompt_ids`` on the session's cell, recording each token.
+        ``live``: each token is shown as it is yielded (a stream); else the whole completion is
+        shown when the iteration ends, and a :class:`Rewind` may come before that."""
         ...
 
     async def get_session_tokens(self, session_id: str, start: int = 0) -> SessionTokens | None:

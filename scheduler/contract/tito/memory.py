@@ -167,7 +167,7 @@ class InMemoryBackend:
         return sess
 
     async def complete(
-        self, session_id: str, prompt_ids: list[int], params: dict[str, Any]
+        self, session_id: str, prompt_ids: list[int], params: dict[str, Any], live: bool = True
     ) -> AsyncIterator[TokenOut]:
         sess = self._get(session_id)
         if sess.finished:

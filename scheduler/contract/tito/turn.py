@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from scheduler.contract.tito.backend import TokenOut
+from scheduler.contract.tito.backend import Rewind, TokenOut
 from scheduler.contract.tito.fingerprints import message_fingerprint
 from scheduler.contract.tito.planning import STATE_VERSION, TurnPlan
 from scheduler.contract.tito.render import ChatRenderer
@@ -108,8 +108,10 @@ class TurnRun:
         self.result: TurnResult | None = None
         self.segment = 0
 
-    async def tokens(self) -> AsyncIterator[TokenOut]:
-        """Write the plan's prompt, then yield each sampled token; commit at the end."""
+    async def tokens(self, live: bool = True) -> AsyncIterator[TokenOut]:
+        """Write the plan's prompt, then yield each sampled token; commit at the end. Not
+        `live` (the whole answer is returned at the end): tokens the backend takes back
+        before then are dropped (what was yielded of them is not the answer)."""
         await self._write_prompt()
         gw, plan = self.gw, self.plan
         sampled: list[TokenOut] = []
@@ -117,9 +119,12 @@ class TurnRun:
         window = max((len(s) for s in stops), default=0) + 8
         stop_hit: str | None = None
         finish: str | None = None
-        agen = gw.backend.complete(plan.session_id, plan.prompt_ids, plan.params)
+        agen = gw.backend.complete(plan.session_id, plan.prompt_ids, plan.params, live)
         try:
             async for tok in agen:
+                if isinstance(tok, Rewind):
+                    del sampled[tok.keep:]
+                    continue
                 sampled.append(tok)
                 yield tok
                 if stops:
@@ -187,7 +192,7 @@ class TurnRun:
         )
 
     async def run(self) -> TurnResult:
-        async for _ in self.tokens():
+        async for _ in self.tokens(live=False):
             pass
         assert self.result is not None
         return self.result
