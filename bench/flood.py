@@ -9,7 +9,9 @@ whose one user message fills the body limit (rendered and tokenised, then refuse
 does not fit the model), bodies of exactly the limit that are not JSON, invalid UTF-8 (raw
 surrogate bytes), nesting past the parser's depth, bodies over the limit (413), a /v1/generate
 of a million token ids, and calls with a wrong token (401) or out of scope (403). A prober
-GETs /healthz every PROBE_S.
+GETs /healthz every PROBE_S. The flooding processes run niced (FLOODER_NICE): in a fleet they
+are agent sandboxes on machines of their own, and what is measured is what handling their
+requests costs the fleet.
 
 Reported (`--json`, last line): `cells_fenced` (cells fenced during the flood, from the
 scheduler's `cellflip_cells_fenced_total`; goal 0), `healthz_p99_ms` (goal <= 250), the
@@ -37,6 +39,7 @@ from common import ROOT, emit, parse_args
 from cells.localcluster import SMALL_MODEL, Cluster, Streamer
 
 FLOODERS = 4
+FLOODER_NICE = 10
 PROBE_S = 0.1
 BODY_LIMIT = 8 << 20
 """The scheduler's `max_body_bytes` (the default)."""
@@ -111,8 +114,12 @@ def flood(seconds: float, flooders: int = FLOODERS) -> dict:
 
         def flooder(token: str, k: int) -> None:
             """One flooding client, a process of its own (as an agent sandbox is): its sends do
-            not compete with the control client for this process's interpreter."""
-            p = subprocess.Popen([sys.executable, __file__, "--flood-one", c.url, token, str(seconds), str(k)],
+            not compete with the control client for this process's interpreter. It runs at
+            FLOODER_NICE: an agent sandbox runs on a machine of its own, so what the flood may
+            cost the fleet is the scheduler's and cells' handling of it, not the CPU the
+            attacker spends building and sending it (here both share 2 cores)."""
+            p = subprocess.Popen(["nice", "-n", str(FLOODER_NICE), sys.executable, __file__, "--flood-one", c.url,
+                                  token, str(seconds), str(k)],
                                  stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
             out, _ = p.communicate(timeout=seconds + 300)
             counts = json.loads(out.strip().splitlines()[-1])
