@@ -21,6 +21,11 @@ The report declares the trainer's batch size, which the staleness bound's admiss
 counts in. This process runs no forward or backward in RL steps unless no cell could train
 (every attempt failed, or no cell reached training): then it computes the update itself,
 counted as `coordinator_fallback`. The supervised warm-up runs here.
+
+Start: from the user's Hugging Face directory when `cells.engine.model.path` names one (no
+warm-up unless `trainer.warmup_steps` asks for one), else random-initialised and warmed up on
+the toy task. Every `trainer.export_every`-th published version is written as a Hugging Face
+directory (cells/engine/embedded/checkpoint.py) on a thread of its own.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ from typing import Any
 
 import torch
 
+from cells.engine.embedded.checkpoint import load_checkpoint, save_checkpoint
 from cells.engine.embedded.layers import probe_row_invariance
 from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import resolve_spec
+from cells.engine.records import EngineError
 from cells.trainer.agents import AgentPool
 from cells.trainer.client import TrainerClient
 from cells.trainer.groups import GroupGate, num_members
@@ -48,6 +55,7 @@ from cells.trainer.step_cells import StepCells, StepFigures
 from cells.trainer.versions_host import VersionHost
 from cells.trainer.warmup import run_warmup
 from cells.training.coordinator import TrainingCoordinator
+from cells.training.wire import weights_checksum
 from scheduler.contract.config import CellflipConfig, EmbeddedEngineConfig
 
 log = logging.getLogger("cellflip.trainer")
@@ -103,7 +111,14 @@ class Trainer:
         model = cfg.cells.engine.model
         self.spec = resolve_spec(model)
         torch.manual_seed(self.tc.seed)
-        self.learner = Learner(self.spec, init_weights(self.spec, model.seed, std=self.tc.init_std), lr=self.tc.warmup_lr,
+        self.pretrained = model.path
+        """The user's Hugging Face directory the policy starts from (None: random-initialised)."""
+        start = load_checkpoint(model.path, self.spec) if model.path else init_weights(self.spec, model.seed,
+                                                                                          std=self.tc.init_std)
+        self.start_checksum = weights_checksum(start)
+        self.warmup_steps = self.tc.warmup_steps if self.tc.warmup_steps is not None else (0 if model.path else 300)
+        self.exports: list[threading.Thread] = []
+        self.learner = Learner(self.spec, start, lr=self.tc.warmup_lr,
                                objective=resolved_objective(cfg),
                                tile=engine_tile(cfg), temperature=self.tc.temperature, seed=self.tc.seed,
                                minibatches=self.tc.minibatches, lr_warmup_steps=self.tc.lr_warmup_steps,
@@ -134,10 +149,12 @@ class Trainer:
         try:
             resumed = self._resume()
             if not resumed:
-                self._emit({"event": "warmup_start", "steps": self.tc.warmup_steps})
-                w = run_warmup(self.learner, steps=self.tc.warmup_steps, batch_size=self.tc.warmup_batch,
-                               seed=self.tc.seed, on_step=self._warmup_progress())
-                self._emit({"event": "warmup_done", "loss": w["final_loss"], "wall_s": round(w["wall_s"], 1)})
+                self._emit({"event": "model", "source": self.pretrained or "random", "checksum": self.start_checksum})
+                if self.warmup_steps:
+                    self._emit({"event": "warmup_start", "steps": self.warmup_steps})
+                    w = run_warmup(self.learner, steps=self.warmup_steps, batch_size=self.tc.warmup_batch,
+                                   seed=self.tc.seed, on_step=self._warmup_progress())
+                    self._emit({"event": "warmup_done", "loss": w["final_loss"], "wall_s": round(w["wall_s"], 1)})
                 self._begin_rl()
                 self._publish()
             self.learner.lr = self.tc.lr
@@ -148,6 +165,8 @@ class Trainer:
             self.cells.hand_back()
             return self.summary()
         finally:
+            for t in self.exports:
+                t.join()
             self.agents.close()
             self.host.close()
             self.client.close()
@@ -155,7 +174,7 @@ class Trainer:
     def _warmup_progress(self) -> Callable[[int, float], None]:
         """Status lines while the warm-up runs (about every 5%), with an estimate of the time
         left, so the live view shows a progress bar instead of a silent wait."""
-        total, t0 = self.tc.warmup_steps, time.monotonic()
+        total, t0 = self.warmup_steps, time.monotonic()
         every = max(1, total // 20)
 
         def report(step: int, loss: float) -> None:
@@ -317,6 +336,30 @@ class Trainer:
         self._emit({"event": "published", "version": version, "receivers": len(r["receivers"]),
                     "delivered": len(res.delivered), "failed": sorted(res.failed),
                     "seconds": round(time.monotonic() - t0, 2)})
+        if self.tc.export_every and version % self.tc.export_every == 0:
+            self._export(version)
+
+    def _export(self, version: int) -> None:
+        """Write `version` as a Hugging Face directory on a thread of its own (from a copy of
+        the weights: the next step does not wait for the disk)."""
+        weights = {k: v.detach().clone() for k, v in self.learner.weights().items()}
+        dtype = getattr(torch, self.tc.export_dtype)
+        path = Path(self.tc.export_dir) / f"v{version}"
+
+        def write() -> None:
+            t0 = time.monotonic()
+            try:
+                save_checkpoint(path, self.spec, weights, dtype, source=self.pretrained, version=version)
+            except (OSError, EngineError) as e:
+                self._emit({"event": "export_failed", "version": version, "path": str(path), "error": str(e)})
+                return
+            self._emit({"event": "exported", "version": version, "path": str(path),
+                        "seconds": round(time.monotonic() - t0, 2)})
+
+        self.exports = [t for t in self.exports if t.is_alive()]
+        t = threading.Thread(target=write, name=f"export-v{version}", daemon=False)
+        t.start()
+        self.exports.append(t)
 
     def _drop_retired(self) -> None:
         held = set(self.host.versions())

@@ -252,8 +252,10 @@ class TrainerConfig(_Strict):
     fails the step's attempt after this, and the step is redone without it."""
     warmup_lr: float = Field(default=3e-3, ge=0)
     """Learning rate of the supervised warm-up (its optimizer moments are dropped when RL starts)."""
-    warmup_steps: int = Field(default=300, ge=0)
-    """Supervised warm-up steps on synthetic demonstrations before RL."""
+    warmup_steps: int | None = Field(default=None, ge=0)
+    """Supervised warm-up steps on the toy task's synthetic demonstrations before RL. None:
+    300 on a random-initialised model, none when `cells.engine.model.path` names the user's
+    weights (they start RL as they are unless a warm-up is asked for)."""
     init_std: float = Field(default=0.1, gt=0)
     """Initial weight scale of the trainer's model (small toy models need more than 0.02 to
     learn to copy within a CPU warm-up)."""
@@ -275,6 +277,12 @@ class TrainerConfig(_Strict):
     checkpoint_dir: str | None = "runs/trainer"
     """Checkpoints (parameters, optimizer, RNG, data cursor, version); None: none."""
     checkpoint_every: int = Field(default=5, gt=0)
+    export_every: int = Field(default=0, ge=0)
+    """Export every N-th published version as a Hugging Face directory (`export_dir`/v{N}:
+    sharded safetensors, index, config, the source checkpoint's tokenizer files); 0: never."""
+    export_dir: str = "runs/exports"
+    export_dtype: Literal["float32", "bfloat16"] = "float32"
+    """float32 serves bitwise like the embedded cells; bfloat16 halves the files."""
     host: str = "127.0.0.1"
     """Address cells reach the trainer's version host at."""
     objective: dict[str, Any] = Field(default_factory=dict)

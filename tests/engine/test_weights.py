@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -62,3 +64,65 @@ def test_mismatched_weights_are_refused_and_nothing_changes():
     with pytest.raises(EngineError, match="missing"):
         eng.load_weights(1, missing)
     assert eng.version == 0 and torch.equal(eng.score(ids), before)
+
+
+def _toy(seed: int = 5):
+    from cells.engine.embedded.model_spec import PRESETS
+    spec = PRESETS["toy"]  # restricted output ids
+    return spec, init_weights(spec, seed=seed)
+
+
+def test_an_export_is_sharded_marked_and_served_bitwise_like_its_weights(tmp_path):
+    """A sharded export (index, config with the restricted output ids under `cellflip`, the
+    source's tokenizer files) loads back tensor for tensor, and an engine serving it gives
+    bitwise the log-probs of one serving the weights; another version's export does not."""
+    spec, w = _toy()
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "tokenizer_config.json").write_text('{"model_max_length": 8192}')
+    out = save_checkpoint(tmp_path / "v3", spec, w, max_shard_bytes=8 << 20, source=src, version=3)
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(shards) > 1 and sorted(set(index["weight_map"].values())) == shards
+    assert set(index["weight_map"]) == set(w)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["cellflip"] == {"output_id_ranges": [list(r) for r in spec.output_id_ranges], "version": 3}
+    assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 8192}'
+    assert spec_from_hf_config(out) == spec
+    back = load_checkpoint(out, spec)
+    assert set(back) == set(w) and all(torch.equal(w[k], back[k]) for k in w)
+    ids = prompts(1, seed=4)[0]
+    served = EmbeddedEngine(spec=spec, weights=w).score(ids)
+    exported = EmbeddedEngine(EmbeddedEngineConfig(model=ModelConfig(preset=None, path=str(out)))).score(ids)
+    assert torch.equal(served, exported)
+    other = save_checkpoint(tmp_path / "v2", spec, init_weights(spec, seed=6))
+    assert not torch.equal(served, EmbeddedEngine(EmbeddedEngineConfig(
+        model=ModelConfig(preset=None, path=str(other)))).score(ids))  # negative control
+    with pytest.raises(EngineError, match="never overwrites"):
+        save_checkpoint(out, spec, w)
+
+
+def test_a_bf16_export_loads_tensor_by_tensor_into_the_asked_dtype(tmp_path):
+    spec, w = _toy()
+    out = save_checkpoint(tmp_path / "bf16", spec, w, dtype=torch.bfloat16)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    as_bf16 = load_checkpoint(out, spec, dtype=torch.bfloat16)
+    assert all(t.dtype == torch.bfloat16 for t in as_bf16.values())
+    assert all(torch.equal(as_bf16[k], w[k].to(torch.bfloat16)) for k in w)
+    as_fp32 = load_checkpoint(out, spec)
+    assert all(torch.equal(as_fp32[k], w[k].to(torch.bfloat16).float()) for k in w)
+
+
+def test_a_broken_sharded_checkpoint_is_a_clear_error(tmp_path):
+    spec, w = _toy()
+    out = save_checkpoint(tmp_path / "x", spec, w, max_shard_bytes=8 << 20)
+    first = sorted(out.glob("*.safetensors"))[0]
+    first.rename(out / "elsewhere.bin")
+    with pytest.raises(EngineError, match="names shards that are not in"):
+        load_checkpoint(out, spec)
+    (out / "elsewhere.bin").rename(first)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.norm.weight"]
+    (out / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(EngineError, match="model.norm.weight"):
+        load_checkpoint(out, spec)

@@ -128,9 +128,22 @@ def spec_from_hf_config(path: str | Path) -> ModelSpec:
             max_position=int(cfg.get("max_position_embeddings", 40960)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qk_norm=model_type == "qwen3",
+            output_id_ranges=_output_ranges(cfg, cfg_path),
         )
     except KeyError as e:
         raise EngineError(f"{cfg_path} lacks required key {e}") from None
+
+
+def _output_ranges(cfg: dict, cfg_path: Path) -> tuple[tuple[int, int], ...] | None:
+    """The output ids an export of a restricted model was sampled from (its config's `cellflip`
+    key, cells/engine/embedded/checkpoint.py); None for a plain Hugging Face config."""
+    raw = (cfg.get("cellflip") or {}).get("output_id_ranges")
+    if raw is None:
+        return None
+    try:
+        return tuple((int(lo), int(hi)) for lo, hi in raw)
+    except (TypeError, ValueError):
+        raise EngineError(f"{cfg_path}: cellflip.output_id_ranges must be [[lo, hi], ...], got {raw!r}") from None
 
 
 def resolve_spec(cfg: ModelConfig) -> ModelSpec:
