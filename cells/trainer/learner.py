@@ -352,7 +352,7 @@ class Learner:
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Parameters, reference, EWMA, optimizer, RNG, version and data cursor: tensors and
-        JSON-able metadata only (loadable with `torch.load(weights_only=True)`)."""
+        JSON-able metadata only (written by cells/trainer/state_files.py: no pickle)."""
         return {
             "params": {k: v.detach().clone() for k, v in self.params.items()},
             "reference": {k: v.clone() for k, v in self.reference.items()},

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -46,6 +45,7 @@ from cells.engine.embedded.layers import probe_row_invariance
 from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import resolve_spec
 from cells.engine.records import EngineError
+from cells.trainer import state_files
 from cells.trainer.agents import AgentPool
 from cells.trainer.client import TrainerClient
 from cells.trainer.groups import GroupGate, num_members
@@ -60,7 +60,7 @@ from scheduler.contract.config import CellflipConfig, EmbeddedEngineConfig
 
 log = logging.getLogger("cellflip.trainer")
 
-CHECKPOINT = "trainer.pt"
+CHECKPOINT = "trainer-state"
 
 
 def engine_tile(cfg: CellflipConfig) -> int | None:
@@ -118,6 +118,7 @@ class Trainer:
         self.start_checksum = weights_checksum(start)
         self.warmup_steps = self.tc.warmup_steps if self.tc.warmup_steps is not None else (0 if model.path else 300)
         self.exports: list[threading.Thread] = []
+        self.ckpt_writer: threading.Thread | None = None
         self.learner = Learner(self.spec, start, lr=self.tc.warmup_lr,
                                objective=resolved_objective(cfg),
                                tile=engine_tile(cfg), temperature=self.tc.temperature, seed=self.tc.seed,
@@ -165,8 +166,7 @@ class Trainer:
             self.cells.hand_back()
             return self.summary()
         finally:
-            for t in self.exports:
-                t.join()
+            self.flush()
             self.agents.close()
             self.host.close()
             self.client.close()
@@ -186,11 +186,14 @@ class Trainer:
 
     def _resume(self) -> bool:
         path = self._ckpt_path()
-        if path is None or not path.exists():
+        if path is None or not state_files.exists(path):
             return False
-        state = torch.load(path, weights_only=True)
+        state = state_files.load_state(path)
         self.learner.load_state_dict(state["learner"])
         self.rl_step = int(state["rl_step"])
+        self.lr_scale = float(state.get("lr_scale", 1.0))
+        self.updates_kept = int(state.get("updates_kept", 0))
+        self.updates_rejected = int(state.get("updates_rejected", 0))
         self.client.cursor = self.learner.cursor
         self._publish()  # cells may hold anything: give them these weights
         self._emit({"event": "resumed", "step": self.rl_step, "version": self.learner.version})
@@ -200,14 +203,37 @@ class Trainer:
         return Path(self.tc.checkpoint_dir) / CHECKPOINT if self.tc.checkpoint_dir else None
 
     def _checkpoint(self) -> None:
+        """Copy the state now (parameters, moments, EWMA, reference, RNG, step, learning-rate
+        scale, data cursor) and write it on a thread of its own (cells/trainer/state_files.py:
+        safetensors plus a JSON manifest, renamed into place): the next step does not wait for
+        the disk, and a crash mid-write leaves the previous checkpoint."""
         path = self._ckpt_path()
         if path is None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
         self.learner.cursor = self.client.cursor
-        torch.save({"learner": self.learner.state_dict(), "rl_step": self.rl_step}, tmp)
-        os.replace(tmp, path)  # a crash mid-write leaves the previous checkpoint
+        state = {"learner": self.learner.state_dict(), "rl_step": self.rl_step, "lr_scale": self.lr_scale,
+                 "updates_kept": self.updates_kept, "updates_rejected": self.updates_rejected}
+        if self.ckpt_writer is not None:
+            self.ckpt_writer.join()  # one write at a time, in order
+        step = self.rl_step
+
+        def write() -> None:
+            t0 = time.monotonic()
+            try:
+                state_files.save_state(path, state)
+            except (OSError, TypeError, ValueError) as e:
+                self._emit({"event": "checkpoint_failed", "step": step, "error": str(e)})
+                return
+            self._emit({"event": "checkpointed", "step": step, "seconds": round(time.monotonic() - t0, 2)})
+
+        self.ckpt_writer = threading.Thread(target=write, name=f"checkpoint-{step}", daemon=False)
+        self.ckpt_writer.start()
+
+    def flush(self) -> None:
+        """Wait for the checkpoint and exports being written."""
+        for t in [*self.exports, *([self.ckpt_writer] if self.ckpt_writer else [])]:
+            t.join()
 
     def _begin_rl(self) -> None:
         """The warmed-up policy is where RL starts: the KL reference (when a KL term is

@@ -1,5 +1,6 @@
 """The trainer's checkpoint and resume: RL step, data cursor, learner state (parameters,
-optimizer, RNG) and a version number newer than any the scheduler has seen."""
+optimizer, RNG) and a version number newer than any the scheduler has seen; the checkpoint is
+safetensors plus a JSON manifest (no pickle)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def test_checkpoint_then_resume_restores_step_cursor_learner_and_publishes_a_new
     torch.randint(10, (3,), generator=first.learner.generator)
     first.learner.version, first.rl_step, first.client.cursor = 5, 3, 17
     first._checkpoint()
-    assert (tmp_path / "ckpt" / CHECKPOINT).exists()
+    first.flush()
+    assert sorted(p.name for p in (tmp_path / "ckpt" / CHECKPOINT).iterdir()) == ["manifest.json", "state.safetensors"]
     first.host.close()
 
     second = _trainer(tmp_path, "b", FakeClient([0, 1, 2, 3, 4, 5]))
