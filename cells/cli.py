@@ -288,6 +288,38 @@ def cmd_token(args) -> int:
     return 0
 
 
+def cmd_export_weights(args) -> int:
+    """`cellflip export-weights VERSION DIR`: a cell holding the version writes it as a Hugging
+    Face directory at DIR below its `cells.export_root`; waits for its answer."""
+    import time
+
+    import httpx
+
+    token = _token(_load(args.config), args.token_file, scope="trainer")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        with httpx.Client(base_url=args.scheduler, headers=headers, timeout=10.0) as http:
+            r = http.post(f"/v1/versions/{args.version}/exports", json={"path": args.dir, "dtype": args.dtype})
+            if r.status_code != 202:
+                try:
+                    detail = r.json().get("detail")
+                except ValueError:
+                    detail = r.text[:200]
+                raise SystemExit(f"cellflip export-weights: {args.scheduler} answered {r.status_code}: {detail}")
+            ex = r.json()
+            print(f"export {ex['id']}: version {args.version} from {ex['cell']}", file=sys.stderr)
+            deadline = time.monotonic() + args.timeout
+            while ex["state"] == "pending" and time.monotonic() < deadline:
+                time.sleep(0.5)
+                ex = http.get(f"/v1/exports/{ex['id']}").json()
+    except httpx.HTTPError as e:
+        raise SystemExit(f"cellflip export-weights: cannot reach {args.scheduler}: {e}") from None
+    if ex["state"] != "done":
+        raise SystemExit(f"cellflip export-weights: {ex['state']}: {ex.get('reason') or 'no answer in time'}")
+    print(ex["written_to"])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="cellflip", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -342,11 +374,20 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config", help="the scheduler's config (where its token file is)")
         p.add_argument("--token-file", help="file holding the admin token (default: $CELLFLIP_API_TOKEN, "
                                             "else the scheduler's generated runs/api.token)")
+    ex = sub.add_parser("export-weights", help="write a weight version as a Hugging Face directory (a cell "
+                                               "holding it writes it below its cells.export_root)")
+    ex.add_argument("version", type=int)
+    ex.add_argument("dir", help="relative to the cells' export root (runs/exports by default)")
+    ex.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ex.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the cell's answer")
+    ex.add_argument("--scheduler", default="http://127.0.0.1:8700")
+    ex.add_argument("--config", help="the scheduler's config (where its token file is)")
+    ex.add_argument("--token-file", help="file holding a trainer or admin token")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     return {"up": cmd_up, "scheduler": cmd_scheduler, "cell": cmd_cell, "trainer": cmd_trainer,
-            "status": cmd_status, "token": cmd_token}[args.cmd](args)
+            "status": cmd_status, "token": cmd_token, "export-weights": cmd_export_weights}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -9,17 +9,25 @@ flip it refuses rolls the flip back).
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from cells.agent.owned import Owned
 from cells.engine.base import kv_handover, role_handover, scoring, versioned_weights
+from cells.engine.embedded.checkpoint import save_checkpoint
 from cells.engine.records import EngineError, SamplingParams
 from cells.transport.store import StoreAddress
+from scheduler.contract.exports import resolve_export_path
 from scheduler.contract.protocol import (
     AbortCmd,
     CancelMigrationCmd,
     DropVersionCmd,
+    ExportCmd,
+    ExportedEvent,
     LoadVersionCmd,
     MigrateInCmd,
     MigrateOutCmd,
@@ -55,6 +63,7 @@ class Commands:
             LoadVersionCmd.TYPE: self.load_version,
             ScoreCmd.TYPE: self.score,
             DropVersionCmd.TYPE: self.drop_version,
+            ExportCmd.TYPE: self.export,
         }
 
     def handle(self, raw: dict) -> None:
@@ -153,6 +162,42 @@ class Commands:
         engine = self.agent.engine
         held = engine.capabilities.scoring and cmd.version in self.held()
         self.agent.versions.score(cmd, scoring(engine).scorer(cmd.version) if held else None)
+
+    def export(self, cmd: ExportCmd) -> None:
+        """Write a held version as a Hugging Face directory below `cells.export_root`, on a
+        thread of its own (the weights of a held version never change: no lock is needed past
+        taking the reference); answered by an ExportedEvent either way."""
+        a = self.agent
+        engine = a.engine
+
+        def refuse(reason: str) -> None:
+            log.warning("export %s of version %d refused: %s", cmd.export_id, cmd.version, reason)
+            a.events_append(ExportedEvent(cmd.export_id, cmd.version, ok=False, reason=reason).to_dict())
+
+        if not engine.capabilities.versioned_weights or not hasattr(engine, "spec"):
+            return refuse("this cell's engine keeps no weights it can export")
+        if cmd.version not in self.held():
+            return refuse(f"version {cmd.version} is not held here")
+        try:
+            target = resolve_export_path(a.cfg.cells.export_root, cmd.path)
+        except ValueError as e:
+            return refuse(str(e))
+        weights = versioned_weights(engine).weights(cmd.version)
+        spec, source = engine.spec, a.cfg.cells.engine.model.path
+
+        def write() -> None:
+            t0 = time.monotonic()
+            try:
+                out = save_checkpoint(target, spec, weights, getattr(torch, cmd.dtype), source=source,
+                                      version=cmd.version)
+            except (OSError, EngineError, AttributeError) as e:
+                return refuse(f"writing {target}: {e}")
+            size = sum(f.stat().st_size for f in out.iterdir())
+            log.info("exported version %d to %s (%d bytes)", cmd.version, out, size)
+            a.events_append(ExportedEvent(cmd.export_id, cmd.version, ok=True, path=str(out),
+                                          seconds=round(time.monotonic() - t0, 3), bytes=size).to_dict())
+
+        threading.Thread(target=write, name=f"export-{cmd.export_id}", daemon=True).start()
 
     def drop_version(self, cmd: DropVersionCmd) -> None:
         engine = self.agent.engine

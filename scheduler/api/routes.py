@@ -12,5 +12,5 @@ from scheduler.api import (
            versions,
 )
 
-ROUTERS = (ops.router, cells.router, flips.router, versions.router, sessions.router,
+ROUTERS = (ops.router, cells.router, flips.router, versions.router, versions.exports_router, sessions.router,
            completions.router, internal.router, trainer.router, tokens.router)

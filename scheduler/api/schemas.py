@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from scheduler.contract.exports import EXPORT_PATH_PATTERN, EXPORT_PATH_RULE
+
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 MAX_PROMPT_TOKENS = 1 << 20
 
@@ -73,6 +75,12 @@ class VersionCreate(_Body):
     source: VersionSource | None = None
     """Where cells get the weights; without it the version is only recorded (cells that
     load it by other means report it)."""
+
+
+class ExportCreate(_Body):
+    path: str = Field(pattern=EXPORT_PATH_PATTERN, description=EXPORT_PATH_RULE)
+    """Where the cell writes the directory, below its `cells.export_root`."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 class SessionFinish(_Body):

@@ -45,6 +45,8 @@ ROUTE_SCOPES: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/v1/versions"): TRAINER,
     ("POST", "/v1/versions"): TRAINER,
     ("DELETE", "/v1/versions/{version}"): TRAINER,
+    ("POST", "/v1/versions/{version}/exports"): TRAINER,
+    ("GET", "/v1/exports/{export_id}"): TRAINER,
     ("POST", "/v1/sessions/{session_id}/finish"): TRAINER,
     ("GET", "/v1/trajectories"): TRAINER,
     ("POST", "/v1/trajectories/dropped"): TRAINER,

@@ -1,4 +1,6 @@
-"""GET/POST /v1/versions, DELETE /v1/versions/{v} (retire; 409 while tokens are unscored)."""
+"""GET/POST /v1/versions, DELETE /v1/versions/{v} (retire; 409 while tokens are unscored),
+POST /v1/versions/{v}/exports and GET /v1/exports/{id} (a version written as a Hugging Face
+directory by a cell holding it: scheduler/control/exports.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Path
 
 from scheduler.api.deps import ApiRoute, Ctl
-from scheduler.api.schemas import VersionCreate, errors
+from scheduler.api.schemas import ExportCreate, VersionCreate, errors
 
 router = APIRouter(prefix="/v1/versions", tags=["versions"], route_class=ApiRoute, responses=errors(401, 403))
 
@@ -26,3 +28,19 @@ async def publish_version(body: VersionCreate, ctl: Ctl,
 @router.delete("/{version}", responses=errors(404, 409, 422))
 async def retire_version(version: Annotated[int, Path(ge=0, lt=1 << 62)], ctl: Ctl) -> dict:
     return ctl.retire_version(version)
+
+
+@router.post("/{version}/exports", status_code=202, responses=errors(404, 409, 422))
+async def export_version(version: Annotated[int, Path(ge=0, lt=1 << 62)], body: ExportCreate, ctl: Ctl) -> dict:
+    """Ask a verified cell holding `version` to write it as a Hugging Face directory at `path`
+    below its `cells.export_root` (409 `version_not_held` when no live cell holds it). Poll
+    GET /v1/exports/{id} until `state` is `done` (`written_to`, `bytes`) or `failed` (`reason`)."""
+    return ctl.export_version(version, body.path, body.dtype)
+
+
+exports_router = APIRouter(prefix="/v1/exports", tags=["versions"], route_class=ApiRoute, responses=errors(401, 403))
+
+
+@exports_router.get("/{export_id}", responses=errors(404))
+async def get_export(export_id: Annotated[str, Path(max_length=64)], ctl: Ctl) -> dict:
+    return ctl.export_view(export_id)

@@ -191,6 +191,9 @@ class CellsConfig(_Strict):
     """Number of cell processes."""
     engine: EngineConfig = EmbeddedEngineConfig()
     """Inference engine of every cell."""
+    export_root: str = "runs/exports"
+    """The directory weight exports (`cellflip export-weights`) are written below; a cell
+    refuses a path that leaves it (scheduler/contract/exports.py)."""
     keep_training_memory: Literal["auto", "off"] = "auto"
     """Whether a cell keeps its training state (parameters, AdamW moments, reference, EWMA
     copy, buffers: about six model copies) allocated through a rollout stint, so that its next

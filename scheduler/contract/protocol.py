@@ -50,6 +50,8 @@ from scheduler.contract.protocol_commands import (
     CancelMigrationCmd,
     Command,
     DropVersionCmd,
+    ExportCmd,
+    ExportedEvent,
     LoadVersionCmd,
     MigrateInCmd,
     MigrateOutCmd,
@@ -64,7 +66,8 @@ from scheduler.contract.protocol_commands import (
 
 __all__ = [
     "COMMANDS", "EVENTS", "MAX_WAIT_S", "AbortCmd", "AbortMigrationRequest", "BroadcastEvent", "CancelMigrationCmd",
-    "Capabilities", "Command", "CommitRequest", "CommitResponse", "DropVersionCmd", "LoadVersionCmd", "Message",
+    "Capabilities", "Command", "CommitRequest", "CommitResponse", "DropVersionCmd", "ExportCmd", "ExportedEvent",
+    "LoadVersionCmd", "Message",
     "MigrateInCmd", "MigrateOutCmd", "ScoreCmd",
     "MigrationEvent", "ProtocolError", "RegisterRequest", "RegisterResponse", "RoleFailedEvent", "ScoredEvent",
     "SetRoleCmd", "StartCmd", "Summary", "SuspendCmd", "SyncRequest", "SyncResponse", "Tail", "TokenBatch",

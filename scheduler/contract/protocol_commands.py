@@ -152,9 +152,22 @@ class CancelMigrationCmd(Command):
     migration_id: str
 
 
+@dataclass
+class ExportCmd(Command):
+    """Write held weight version `version` as a Hugging Face directory at `path`, relative to
+    the cell's `cells.export_root` (scheduler/contract/exports.py); answered by an
+    ExportedEvent with the same export id."""
+
+    TYPE: ClassVar[str] = "export"
+    export_id: str
+    version: int
+    path: str
+    dtype: str = "float32"
+
+
 COMMANDS: dict[str, type[Command]] = {
     c.TYPE: c for c in (StartCmd, MigrateOutCmd, MigrateInCmd, AbortCmd, SuspendCmd, SetRoleCmd, CancelMigrationCmd,
-                        LoadVersionCmd, ScoreCmd, DropVersionCmd)
+                        LoadVersionCmd, ScoreCmd, DropVersionCmd, ExportCmd)
 }
 
 
@@ -218,4 +231,20 @@ class RoleFailedEvent(Message):
     reason: str = ""
 
 
-EVENTS: dict[str, type[Message]] = {e.TYPE: e for e in (MigrationEvent, ScoredEvent, BroadcastEvent, RoleFailedEvent)}
+@dataclass
+class ExportedEvent(Message):
+    """An export (ExportCmd) was written, or could not be."""
+
+    TYPE: ClassVar[str] = "exported"
+    export_id: str
+    version: int
+    ok: bool
+    path: str = ""
+    """Where it was written, as the cell resolved it."""
+    reason: str = ""
+    seconds: float = 0.0
+    bytes: int = 0
+
+
+EVENTS: dict[str, type[Message]] = {e.TYPE: e for e in (MigrationEvent, ScoredEvent, BroadcastEvent, RoleFailedEvent,
+                                                        ExportedEvent)}

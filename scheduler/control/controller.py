@@ -35,6 +35,7 @@ from scheduler.contract.protocol import (
 from scheduler.control.cellsync import Membership
 from scheduler.control.completions import Completions
 from scheduler.control.context import TICK_KEY, Context, Effects
+from scheduler.control.exports import Exports
 from scheduler.control.flips import Flips
 from scheduler.control.gcpolicy import GcPolicy
 from scheduler.control.ingest import Ingest
@@ -94,7 +95,9 @@ class Controller:
         self.staleness = Staleness(ctx, self.rates)
         """The trajectory cursor and the staleness rules' counters."""
         self.completions = Completions(ctx, self.ownership, self.staleness, self.snapshot, self.trust)
-        ingest = Ingest(ctx, self.ownership, self.migrations, self.scoring, self.flips, self.trust)
+        self.exports = Exports(ctx, self.trust)
+        """Weight exports asked of the cells holding a version (kept in memory)."""
+        ingest = Ingest(ctx, self.ownership, self.migrations, self.scoring, self.flips, self.trust, self.exports)
         self.membership = Membership(ctx, self.versions, ingest, self.trust,
                                      holders=(self.migrations, self.ownership, self.flips, self.scoring, self.versions))
         """Register, sync, fence; fencing asks each holder above in that order."""
@@ -215,6 +218,12 @@ class Controller:
 
     def retire_version(self, version: int) -> dict:
         return self.versions.retire(version)
+
+    def export_version(self, version: int, path: str, dtype: str = "float32") -> dict:
+        return self.exports.start(version, path, dtype)
+
+    def export_view(self, export_id: str) -> dict:
+        return self.exports.get(export_id)
 
     def versions_view(self) -> dict[str, Any]:
         """GET /v1/versions: every version, the scoring totals and the staleness rules."""

@@ -18,6 +18,7 @@ from scheduler.contract.errors import Invalid
 from scheduler.contract.failpoints import CANARY_NO_FENCING
 from scheduler.contract.protocol import (
     BroadcastEvent,
+    ExportedEvent,
     Message,
     MigrationEvent,
     RoleFailedEvent,
@@ -29,6 +30,7 @@ from scheduler.contract.protocol import (
 
 if TYPE_CHECKING:
     from scheduler.control.context import Context, Effects
+    from scheduler.control.exports import Exports
     from scheduler.control.flips import Flips
     from scheduler.control.migrations import Migrations
     from scheduler.control.ownership import Ownership
@@ -99,9 +101,10 @@ class Ingest:
     Holds no state of its own."""
 
     def __init__(self, ctx: Context, ownership: Ownership, migrations: Migrations, scoring: Scoring,
-                 flips: Flips, trust: Trust) -> None:
+                 flips: Flips, trust: Trust, exports: Exports) -> None:
         self.ctx = ctx
         self.trust = trust
+        self.exports = exports
         self.ownership = ownership
         self.migrations = migrations
         self.scoring = scoring
@@ -180,6 +183,7 @@ class Ingest:
             ScoredEvent.TYPE: lambda e: self.scoring.on_scored(fx, cell_id, e),
             BroadcastEvent.TYPE: lambda e: self._on_broadcast(fx, e),
             RoleFailedEvent.TYPE: lambda e: self.flips.role_failed(fx, cell_id, e.flip_id, e.reason),
+            ExportedEvent.TYPE: lambda e: self.exports.on_exported(fx, cell_id, e),
         }
         for e in events:
             dispatch(handlers, e)

@@ -124,3 +124,41 @@ def test_recompute_policy_and_late_joiner_catch_up(tmp_path):
     finally:
         host.close()
         c.stop()
+
+
+def test_export_weights_writes_what_a_cell_serves_bitwise(tmp_path):
+    """`cellflip export-weights 0 DIR` on a live fleet: the cell holding version 0 writes it
+    below its export root, and an engine loading that directory gives bitwise the log-probs
+    the cell reported for the tokens it sampled (batch-invariant mode); a directory that
+    exists is refused, never overwritten."""
+    from cells.cli import main as cli
+    from cells.localcluster import Streamer, cluster_config
+
+    cfg = cluster_config(tmp_path)
+    cfg["cells"]["export_root"] = str(tmp_path / "exports")
+    c = Cluster(tmp_path, num_cells=1, cfg=cfg)
+    try:
+        stream = Streamer(c.url, [5, 6, 7, 8], max_tokens=12, seed=3, token=c.agent_token)
+        stream.start()
+        stream.join(120)
+        assert stream.finish_reason == "length", stream.error
+        s = c.session(stream.session_id)
+        token_file = tmp_path / "trainer.token"
+        token_file.write_text(c.tokens["trainer"])
+        args = ["export-weights", "0", "fleet/v0", "--scheduler", c.url, "--token-file", str(token_file),
+                "--timeout", "120"]
+        assert cli(args) == 0
+        out = tmp_path / "exports" / "fleet" / "v0"
+        ecfg = parse_config({"cells": {"engine": {**cfg["cells"]["engine"],
+                                                  "model": {"preset": None, "path": str(out)}}}}).cells.engine
+        scored = EmbeddedEngine(ecfg).score(s["token_ids"]).tolist()
+        sampled = [(lp, scored[i - 1]) for i, (m, lp) in enumerate(zip(s["loss_mask"], s["logprobs"])) if m]
+        assert len(sampled) == 12 and all(a == b for a, b in sampled), sampled
+        other = parse_config({"cells": {"engine": {**cfg["cells"]["engine"], "model": {
+            **cfg["cells"]["engine"]["model"], "seed": 99}}}}).cells.engine
+        rescored = EmbeddedEngine(other).score(s["token_ids"]).tolist()
+        assert any(lp != rescored[i - 1] for i, (m, lp) in enumerate(zip(s["loss_mask"], s["logprobs"])) if m)
+        with pytest.raises(SystemExit, match="never overwrites"):
+            cli(args)
+    finally:
+        c.stop()
