@@ -37,15 +37,26 @@ Fields of the JSON line:
   version retired while a token of it lacks an old log-prob; I4 no cell serves and no token
   carries a version not completely delivered; I5 a restarted scheduler extends the last
   committed state (flips, versions, token buffers, requests).
-- lost_requests: accepted requests that never reached a terminal state.
+- faults_fired / unfired_faults: a fault a scenario armed that never fired tested nothing:
+  any unfired fault fails the run.
+- lost_requests: what a client feels as a loss: accepted requests that never reached a
+  terminal state, that ended `failed` (`failed_requests`, also on its own), or whose client's
+  stream broke and could not be followed again (`stream_errors`, on its own too). Clients are
+  written as a real one is: each request carries an Idempotency-Key and a broken stream (a
+  scheduler restart) is followed again from its first token, the tokens already received
+  skipped (`client_reconnects` counts those follows; a replay that disagrees with what the
+  client first got is an I1 violation).
 - stalled_requests: requests the scheduler's stall watchdog (`stall_timeout_s`, 15 s here) took
   back from a cell that kept reporting them without committing a token, and re-placed; each is
   a liveness defect the watchdog recovered from, named in the run's notes.
 - unexpected_exits: processes that died on their own (not by the nemesis).
 - hangs: runs in which a bounded wait ran out (a request, a flip, or the recovery to healthy).
-- max_recovery_s: over all runs, seconds from the fault until every request unfinished at the
-  fault commits a token again (or ends); each scenario's own in by_scenario (with the mean, and
-  max_healthy_s: until the whole cluster is healthy again, restarts and catch-ups included).
+- affected_requests, recovery_p50_s, max_recovery_s: per request its client had not finished
+  at the fault, seconds from the fault until that client got its next token (or its finish),
+  reconnects included: p50 and max over all runs, and per scenario in by_scenario
+  (`recovery_p50_s`, `recovery_max_s`; a scenario where no request was in flight at any fault
+  says so in `recovery` instead of reporting 0), with max_healthy_s: until the whole cluster
+  is healthy again, restarts and catch-ups included.
 - checker_errors: checks that raised (main and canary runs); a crashed checker fails the run.
 - canary_violations: violations the same checkers report in the canary runs, where the
   scheduler runs with the test-only CELLFLIP_CANARY_NO_FENCING=1 (scheduler/contract/failpoints.py:
@@ -121,8 +132,8 @@ def main() -> None:
 def verdict(result: dict) -> list[str]:
     """Why the campaign fails: any violation outside the canary, a checker that crashed, or a
     canary the checkers did not catch (then they can pass anything)."""
-    out = [f"{result[k]} {k}" for k in ("invariant_violations", "lost_requests", "hangs", "unexpected_exits",
-                                        "checker_errors") if result.get(k)]
+    out = [f"{result[k]} {k}" for k in ("invariant_violations", "lost_requests", "unfired_faults", "hangs",
+                                        "unexpected_exits", "checker_errors") if result.get(k)]
     if result.get("canary_runs") and not result.get("canary_violations"):
         out.append("the canary ran with fencing off and no checker caught it")
     elif result.get("canary_runs") and not result.get("canary_store_violations"):

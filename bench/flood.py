@@ -13,6 +13,9 @@ GETs /healthz every PROBE_S. The flooding processes run niced (FLOODER_NICE): in
 are agent sandboxes on machines of their own, and what is measured is what handling their
 requests costs the fleet.
 
+Also reported, to say where a gap comes from: the scheduler's 100 ms event-loop beats during the
+flood and how many ran more than 50 / 100 ms late (`cellflip_event_loop_lag_seconds`).
+
 Reported (`--json`, last line): `cells_fenced` (cells fenced during the flood, from the
 scheduler's `cellflip_cells_fenced_total`; goal 0), `healthz_p99_ms` (goal <= 250), the
 control stream's `control_gap_max_ms` and `control_gap_typical_ms` (median) and
@@ -78,6 +81,16 @@ def _attacks(rng: random.Random) -> list[tuple[str, str, dict]]:
     ]
 
 
+def _loop_lag(c: Cluster) -> dict[str, float]:
+    """The scheduler's event-loop lag histogram: cumulative beat counts by upper bound."""
+    out = {}
+    for line in c.http.get("/metrics").text.splitlines():
+        if line.startswith("cellflip_event_loop_lag_seconds_bucket"):
+            le = line.split('le="')[1].split('"')[0]
+            out[le] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def _fenced(c: Cluster) -> float:
     text = c.http.get("/metrics").text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
@@ -90,7 +103,7 @@ def flood(seconds: float, flooders: int = FLOODERS) -> dict:
     try:
         tokens = [c.http.post("/v1/tokens", json={"scope": "agent", "name": f"flooder-{i}"}).json()["token"]
                   for i in range(flooders)]
-        fenced0 = _fenced(c)
+        fenced0, lag0 = _fenced(c), _loop_lag(c)
         stop = threading.Event()
         controls: list[Streamer] = []
 
@@ -159,6 +172,9 @@ def flood(seconds: float, flooders: int = FLOODERS) -> dict:
         typical = statistics.median(gaps) if gaps else float("inf")
         biggest = max(gaps) if gaps else float("inf")
         fenced = _fenced(c) - fenced0
+        lag1 = _loop_lag(c)
+        beats = {le: lag1.get(le, 0) - lag0.get(le, 0) for le in lag1}
+        total = beats.get("+Inf", 0)
         health.sort()
         p99 = health[min(len(health) - 1, int(0.99 * len(health)))] if health else float("inf")
         n5xx = sum(n for per in statuses.values() for code, n in per.items() if code >= 500)
@@ -172,6 +188,9 @@ def flood(seconds: float, flooders: int = FLOODERS) -> dict:
             "control_gap_ok": biggest <= 2 * typical + 0.1, "control_errors": errors,
             "flood_requests": {k: {str(code): n for code, n in sorted(v.items())} for k, v in sorted(statuses.items())},
             "flood_5xx": n5xx,
+            "scheduler_loop_beats": int(total),
+            "scheduler_loop_lag_over_50ms": int(total - beats.get("0.05", 0)),
+            "scheduler_loop_lag_over_100ms": int(total - beats.get("0.1", 0)),
         }
         result["goals_met"] = {"cells_fenced": result["cells_fenced"] <= GOALS["cells_fenced"],
                                "healthz_p99_ms": result["healthz_p99_ms"] <= GOALS["healthz_p99_ms"],

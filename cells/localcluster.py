@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -220,13 +221,22 @@ class Cluster:
 
 
 class Streamer(threading.Thread):
-    """A client of one streamed completion; records each token's arrival time."""
+    """A client of one streamed completion; records each token's arrival time.
+
+    `reconnect`: a client as a real one is written: the request carries an Idempotency-Key,
+    and a stream that breaks (the scheduler restarted, the connection dropped) is followed
+    again under the same key until `timeout_s` — the replay starts at the request's first token,
+    so the tokens already received are skipped, and a replay that disagrees with them is a
+    `replay_mismatch` (what a client would see as its text changing under it). `reconnects`
+    counts the follows after the first; `error` is set only when no follow completed."""
 
     def __init__(self, url: str, prompt: list[int], max_tokens: int, seed: int, timeout_s: float = 180,
-                 token: str | None = None):
+                 token: str | None = None, reconnect: bool = False):
         super().__init__(daemon=True)
         self.headers = auth_headers(token or os.environ.get(SCOPE_ENV["agent"]) or os.environ.get(TOKEN_ENV))
         self.url, self.prompt, self.max_tokens, self.seed, self.timeout_s = url, prompt, max_tokens, seed, timeout_s
+        self.reconnect = reconnect
+        self.key = f"stream-{uuid.uuid4().hex}"
         self.request_id: str | None = None
         self.session_id: str | None = None
         self.tokens: list[int] = []
@@ -236,35 +246,65 @@ class Streamer(threading.Thread):
         """Arrival instants on the wall clock, comparable with the cells' migration marks."""
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.finished_at: float | None = None
+        """When the finish arrived (monotonic clock)."""
+        self.reconnects = 0
+        self.replay_mismatch: str | None = None
         self.started = threading.Event()
 
     def run(self) -> None:
-        body = {"prompt_ids": self.prompt, "max_tokens": self.max_tokens, "seed": self.seed, "stream": True}
+        deadline = time.monotonic() + self.timeout_s
         try:
-            with httpx.stream("POST", f"{self.url}/v1/generate", json=body, headers=self.headers,
-                              timeout=self.timeout_s) as r:
-                self.request_id = r.headers.get("X-Request-Id")
-                self.session_id = r.headers.get("X-Session-Id")
-                if r.status_code != 200:
-                    self.error = f"{r.status_code}: {r.read()[:300]!r}"
+            while True:
+                try:
+                    self._follow(max(1.0, deadline - time.monotonic()))
                     return
-                for line in r.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    msg = json.loads(line[6:])
-                    now, wall = time.monotonic(), time.time()
-                    for t, lp in zip(msg.get("token_ids", []), msg.get("logprobs", [])):
-                        self.tokens.append(t)
-                        self.logprobs.append(lp)
-                        self.times.append(now)
-                        self.wall_times.append(wall)
-                    self.started.set()
-                    if msg.get("finish_reason"):
-                        self.finish_reason = msg["finish_reason"]
+                except (httpx.TransportError, httpx.RemoteProtocolError) as e:
+                    if not self.reconnect or time.monotonic() >= deadline:
+                        self.error = repr(e)
+                        return
+                    self.reconnects += 1
+                    time.sleep(0.2)
         except Exception as e:  # reported by the test
             self.error = repr(e)
         finally:
             self.started.set()
+
+    def _follow(self, timeout_s: float) -> None:
+        body = {"prompt_ids": self.prompt, "max_tokens": self.max_tokens, "seed": self.seed, "stream": True}
+        headers = {**self.headers, "Idempotency-Key": self.key} if self.reconnect else self.headers
+        skip = len(self.tokens)  # a replay starts at the first token
+        with httpx.stream("POST", f"{self.url}/v1/generate", json=body, headers=headers, timeout=timeout_s) as r:
+            if r.status_code != 200:
+                if self.reconnect and r.status_code in (502, 503) and self.request_id is not None:
+                    raise httpx.RemoteProtocolError(f"{r.status_code} while the scheduler restarts")
+                self.error = f"{r.status_code}: {r.read()[:300]!r}"
+                return
+            self.request_id = r.headers.get("X-Request-Id")
+            self.session_id = r.headers.get("X-Session-Id")
+            seen = 0
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                msg = json.loads(line[6:])
+                now, wall = time.monotonic(), time.time()
+                for t, lp in zip(msg.get("token_ids", []), msg.get("logprobs", [])):
+                    if seen < skip:
+                        if t != self.tokens[seen] and self.replay_mismatch is None:
+                            self.replay_mismatch = f"token {seen}: {self.tokens[seen]} first, {t} on the replay"
+                        seen += 1
+                        continue
+                    seen += 1
+                    self.tokens.append(t)
+                    self.logprobs.append(lp)
+                    self.times.append(now)
+                    self.wall_times.append(wall)
+                self.started.set()
+                if msg.get("finish_reason"):
+                    self.finish_reason = msg["finish_reason"]
+                    self.finished_at = now
+            if self.finish_reason is None and self.reconnect:  # the stream ended early: a drop
+                raise httpx.RemoteProtocolError("the stream ended without a finish")
 
 
 def reference_tokens(cfg: dict, request_id: str, prompt: list[int], max_tokens: int, seed: int) -> list[int]:

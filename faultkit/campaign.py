@@ -167,12 +167,24 @@ class Run:
     """Processes that died on their own (not by a fault of the nemesis): crashes."""
     stalls: int = 0
     """Requests the scheduler's stall watchdog took back from a cell that held them undecoded."""
+    failed: int = 0
+    """Accepted requests that ended `failed` (a client sees an error finish)."""
+    stream_errors: int = 0
+    """Clients whose stream broke and could not be followed again under its Idempotency-Key."""
+    reconnects: int = 0
+    """Follows after a broken stream (a real client's reconnect; not a loss when it completes)."""
+    unfired: int = 0
+    """Faults the scenario armed that never fired: the run tested nothing of them."""
+    recoveries: list[float] = field(default_factory=list)
+    """Per request unfinished at the fault: seconds from the fault to its client's next token
+    (or its finish)."""
 
     def summary(self) -> dict:
         return {"scenario": self.scenario, "index": self.index, "seed": self.seed, "canary": self.canary,
                 "params": self.params, "faults": self.faults, "violations": self.violations, "lost": self.lost,
                 "hangs": self.hangs, "notes": self.notes, "exits": self.exits, "stalls": self.stalls,
-                "checker_errors": self.checker_errors,
+                "checker_errors": self.checker_errors, "failed": self.failed, "stream_errors": self.stream_errors,
+                "reconnects": self.reconnects, "unfired": self.unfired, "recoveries": self.recoveries,
                 "recovery_s": self.recovery_s,
                 "healthy_s": None if self.t_healthy is None or self.t_fault is None else self.t_healthy - self.t_fault,
                 "requests": [c.stream.request_id for c in self.clients]}
@@ -297,6 +309,7 @@ class Campaign:
                 return True
             time.sleep(0.02)
         run.notes.append(f"fault {kind} on {target} {detail} did not fire within {timeout_s:.0f}s")
+        run.unfired += 1
         self.history.info("nemesis", "not_fired", kind=kind, target=target, run=run.index, **detail)
         return False
 
@@ -400,7 +413,8 @@ class Campaign:
         for _ in range(k):
             prompt = [rng.randrange(1024) for _ in range(rng.randrange(30, 80))]
             max_tokens, seed = rng.randrange(*tokens), rng.randrange(1 << 30)
-            s = Streamer(self.cluster.url, prompt, max_tokens=max_tokens, seed=seed, timeout_s=REQUEST_DEADLINE_S, token=self.cluster.agent_token)
+            s = Streamer(self.cluster.url, prompt, max_tokens=max_tokens, seed=seed, timeout_s=REQUEST_DEADLINE_S,
+                         token=self.cluster.agent_token, reconnect=True)
             self._n_clients += 1
             name = f"client-{self._n_clients}"
             ref = self.history.invoke(name, "request", prompt=prompt, max_tokens=max_tokens, seed=seed, run=run.index)
@@ -514,6 +528,7 @@ class Campaign:
                                                 [c.stream.request_id for c in run.clients if c.stream.request_id])
             if run.recovery_s is None and not run.hangs:
                 run.hangs.append("a request made no progress after the fault within the run")
+            run.recoveries = client_recoveries(run)
         self.history.ok(ref, **{k: v for k, v in run.summary().items() if k not in ("scenario", "index", "seed")},
                         wall_s=time.monotonic() - t_start)
         self.runs.append(run)
@@ -596,8 +611,15 @@ class Campaign:
             client = {"request_id": s.request_id, "session_id": s.session_id, "max_tokens": s.max_tokens,
                       "tokens": list(s.tokens), "finish_reason": s.finish_reason, "error": s.error}
             vio, lost = checker.check_request(client, r, rows, expect)
+            if s.replay_mismatch:
+                vio.append(f"I1: the client of {s.request_id} was replayed other tokens than it first got "
+                           f"({s.replay_mismatch})")
+            failed = r is not None and r["state"] == "failed"
+            run.failed += failed
+            run.stream_errors += bool(s.error)
+            run.reconnects += s.reconnects
             out += vio
-            run.lost += lost
+            run.lost += bool(lost or failed or s.error)  # what a client feels: no answer, or an error one
         outcomes = []
         if self.mig_log.exists():
             with open(self.mig_log, "rb") as f:
@@ -689,7 +711,8 @@ class Campaign:
                 done.append(run)
                 self.log(f"[{run.index:3d}] {'canary ' if canary else ''}{name:26s} k={k} "
                          f"{time.monotonic() - t:5.1f}s faults={len(run.faults)} "
-                         f"recovery={run.recovery_s if run.recovery_s is None else round(run.recovery_s, 2)} "
+                         f"recovery={max(run.recoveries) if run.recoveries else '-'} "
+                         f"failed={run.failed} stream_errors={run.stream_errors} reconnects={run.reconnects} "
                          f"violations={len(run.violations)} lost={run.lost} hangs={len(run.hangs)} exits={len(run.exits)}"
                          + (f" {run.params}" if run.params else ""))
                 for v in run.violations[:3] + run.hangs[:2]:
@@ -701,24 +724,47 @@ class Campaign:
         return done
 
 
+def client_recoveries(run: Run, in_flight_s: float = 0.3) -> list[float]:
+    """For each request its client had not finished at the fault: seconds from the fault until
+    its client got the next token (or its finish) — what the client felt, reconnects
+    included. Tokens arriving within `in_flight_s` were sampled before the fault (one sync)
+    and do not count as recovery. A request that got nothing more counts as the whole run."""
+    t_fault = run.t_fault
+    out = []
+    for c in run.clients:
+        s = c.stream
+        if s.request_id is None or (s.finished_at is not None and s.finished_at <= t_fault) or not s.times:
+            continue
+        if s.times[0] > t_fault:
+            continue  # started after the fault: not affected by it
+        after = [t for t in s.times if t > t_fault + in_flight_s]
+        ends = [t for t in (after[0] if after else None, s.finished_at) if t is not None and t > t_fault]
+        out.append(round(min(ends) - t_fault, 3) if ends else round(time.monotonic() - t_fault, 3))
+    return out
+
+
 def summarize(runs: list[Run], canary_runs: list[Run]) -> dict:
     by: dict[str, dict] = {}
+    recoveries: dict[str, list[float]] = {}
     for r in runs:
-        b = by.setdefault(r.scenario, {"runs": 0, "faults_fired": 0, "invariant_violations": 0, "lost_requests": 0,
-                                       "hangs": 0, "unexpected_exits": 0, "stalled_requests": 0, "max_recovery_s": 0.0,
-                                       "mean_recovery_s": 0.0, "max_healthy_s": 0.0, "checker_errors": 0,
-                                       "params": [], "violations": []})
+        b = by.setdefault(r.scenario, {"runs": 0, "faults_fired": 0, "unfired_faults": 0, "invariant_violations": 0,
+                                       "lost_requests": 0, "failed_requests": 0, "stream_errors": 0,
+                                       "client_reconnects": 0, "hangs": 0, "unexpected_exits": 0,
+                                       "stalled_requests": 0, "affected_requests": 0, "max_healthy_s": 0.0,
+                                       "checker_errors": 0, "params": [], "violations": []})
         b["runs"] += 1
         b["faults_fired"] += len(r.faults)
+        b["unfired_faults"] += r.unfired
         b["invariant_violations"] += len(r.violations)
         b["lost_requests"] += r.lost
+        b["failed_requests"] += r.failed
+        b["stream_errors"] += r.stream_errors
+        b["client_reconnects"] += r.reconnects
         b["hangs"] += bool(r.hangs)
         b["unexpected_exits"] += len(r.exits)
         b["stalled_requests"] += r.stalls
         b["checker_errors"] += len(r.checker_errors)
-        if r.recovery_s is not None:
-            b["max_recovery_s"] = max(b["max_recovery_s"], r.recovery_s)
-            b["mean_recovery_s"] += r.recovery_s
+        recoveries.setdefault(r.scenario, []).extend(r.recoveries)
         healthy = r.summary()["healthy_s"]
         if healthy is not None:
             b["max_healthy_s"] = max(b["max_healthy_s"], healthy)
@@ -726,23 +772,35 @@ def summarize(runs: list[Run], canary_runs: list[Run]) -> dict:
             b["params"].append(r.params)
         b["violations"] += [v for v in r.violations + r.hangs + r.exits + r.checker_errors
                             if v not in b["violations"]][:5]
-    for b in by.values():
-        n = b["runs"]
-        b["mean_recovery_s"] = round(b["mean_recovery_s"] / n, 3) if n else 0.0
-        b["max_recovery_s"] = round(b["max_recovery_s"], 3)
+    for name, b in by.items():
+        rec = sorted(recoveries[name])
+        b["affected_requests"] = len(rec)
+        if rec:
+            b["recovery_p50_s"] = rec[len(rec) // 2]
+            b["recovery_max_s"] = rec[-1]
+        else:  # nothing to recover: say so rather than report 0.0
+            b["recovery_p50_s"] = b["recovery_max_s"] = None
+            b["recovery"] = "no request in flight at any fault"
         b["max_healthy_s"] = round(b["max_healthy_s"], 3)
         b["violations"] = b["violations"][:5]
     canary_vio = [v for r in canary_runs for v in r.violations]
+    every = [x for r in runs for x in r.recoveries]
     return {
         "scenarios": len(by),
         "runs": len(runs),
         "faults_fired": sum(len(r.faults) for r in runs),
+        "unfired_faults": sum(r.unfired for r in runs),
         "invariant_violations": sum(len(r.violations) for r in runs),
         "lost_requests": sum(r.lost for r in runs),
+        "failed_requests": sum(r.failed for r in runs),
+        "stream_errors": sum(r.stream_errors for r in runs),
+        "client_reconnects": sum(r.reconnects for r in runs),
         "hangs": sum(bool(r.hangs) for r in runs),
         "unexpected_exits": sum(len(r.exits) for r in runs),
         "stalled_requests": sum(r.stalls for r in runs),
-        "max_recovery_s": round(max((r.recovery_s for r in runs if r.recovery_s is not None), default=0.0), 3),
+        "affected_requests": len(every),
+        "recovery_p50_s": sorted(every)[len(every) // 2] if every else None,
+        "max_recovery_s": max(every) if every else None,
         "checker_errors": sum(len(r.checker_errors) for r in runs + canary_runs),
         "canary_violations": len(canary_vio),
         "canary_store_violations": sum(checker.STORE_HISTORY in v for v in canary_vio),

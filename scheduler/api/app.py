@@ -20,6 +20,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 
 from scheduler.api.auth import AgentBudget, ScopedAuth, TokenRegistry
+from scheduler.api.completions import generate_body_bound
 from scheduler.api.docs import declare_rules, install_docs
 from scheduler.api.jsontext import SafeJSONResponse
 from scheduler.api.limits import BodySizeLimit
@@ -77,7 +78,7 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
         if registry is not None:
             registry.open(store)
         # on a live loop, leases and deadlines do not run through the loop's own stalls
-        stall = StallClock(clock) if tick_interval_s else None
+        stall = StallClock(clock, on_lag=metrics.loop_lag.observe) if tick_interval_s else None
         ctl = Controller(store, sched, migration, clock=stall or clock, metrics=metrics, versions=vers)
         app.state.controller = ctl
         tasks = [asyncio.create_task(ctl.run(tick_interval_s, manage_gc=manage_gc)),
@@ -103,13 +104,16 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
     # The chat gateway records on the durable session store and decodes on the cells; its
     # own finish route stays off (the sessions router serves it).
     counters = CallbackCounters(lambda n: metrics.drift.inc(n), metrics.history_rewrites.inc)
-    app.include_router(make_chat_router(ControlPlaneBackend(app), gateway.renderer, counters=counters,
-                                        **{**gateway.router_kwargs(), "finish_route": False}))
+    chat = make_chat_router(ControlPlaneBackend(app), gateway.renderer, counters=counters,
+                            **{**gateway.router_kwargs(), "finish_route": False})
+    app.include_router(chat)
     _install_error_handlers(app)
     _publish_chat_schemas(app)
     install_docs(app)
     # outermost first: refuse unauthenticated requests before reading any body
-    app.add_middleware(BodySizeLimit, max_bytes=sched.max_body_bytes)
+    app.add_middleware(BodySizeLimit, max_bytes=sched.max_body_bytes,
+                       bounds={"/v1/generate": lambda: generate_body_bound(getattr(app.state, "controller", None)),
+                               "/v1/chat/completions": lambda: chat.body_bound})
     if registry is not None:
         app.add_middleware(ScopedAuth, registry=registry, routes=app.router.routes,
                            budget=AgentBudget(sched.agent_limits))

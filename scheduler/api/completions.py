@@ -48,13 +48,20 @@ BYTES_PER_TOKEN = 16
 model's context times this plus a margin cannot fit it and is refused before parsing."""
 
 
+def generate_body_bound(ctl) -> int | None:
+    """Most bytes a /v1/generate body within the model's context can have (None: no cell has
+    reported the model's limits yet); the body decoder refuses longer ones unread."""
+    limits = ctl.trust.limits if ctl is not None else None
+    return limits.max_context * BYTES_PER_TOKEN + PARSE_ON_LOOP_BYTES if limits is not None and limits.max_context else None
+
+
 async def read_completion(request: Request, ctl) -> CompletionCreate:
     """The body, bounded by the model's context (413 before parsing a body no context could
     hold), parsed off the event loop when large; a body that does not match is a 422."""
     raw = await request.body()  # already read (and size-limited) by the body decoder
-    limits = ctl.trust.limits
-    if limits is not None and limits.max_context and len(raw) > limits.max_context * BYTES_PER_TOKEN + PARSE_ON_LOOP_BYTES:
-        raise TooLarge(f"a {len(raw)}-byte body cannot hold a prompt of at most {limits.max_context} tokens")
+    bound = generate_body_bound(ctl)
+    if bound is not None and len(raw) > bound:
+        raise TooLarge(f"a {len(raw)}-byte body cannot hold a prompt of at most {ctl.trust.limits.max_context} tokens")
     try:
         if len(raw) > PARSE_ON_LOOP_BYTES:
             return await asyncio.to_thread(CompletionCreate.model_validate_json, raw)

@@ -12,6 +12,7 @@ string is answered 400 before any route sees it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 
 from scheduler.api.jsontext import lone_surrogate_path, may_hold_surrogate
 
@@ -34,9 +35,10 @@ def _surrogate_in(raw: bytes) -> str | None:
         return None  # not JSON: the route's own parser answers
 
 
-async def _reply_413(send, limit: int) -> None:
+async def _reply_413(send, limit: int, tight: bool = False) -> None:
     # the API's {detail, reason} and, for the OpenAI-compatible gateway, an OpenAI error object
-    msg = f"request body exceeds {limit} bytes"
+    msg = (f"request body exceeds {limit} bytes, more than a prompt the model takes can need" if tight
+           else f"request body exceeds {limit} bytes")
     body = json.dumps({"detail": msg, "reason": "too_large", "error": {
         "message": msg, "type": "invalid_request_error", "param": None, "code": "body_too_large"}}).encode()
     await send({"type": "http.response.start", "status": 413, "headers": [
@@ -46,22 +48,35 @@ async def _reply_413(send, limit: int) -> None:
 
 
 class BodySizeLimit:
-    def __init__(self, app, max_bytes: int) -> None:
+    """`bounds`: per route path, a tighter limit once it is known (None: not yet) — the most
+    bytes a body the route could accept can have (a prompt within the model's context): a
+    longer one is refused by its declared length before a byte of it is read, or as soon as
+    it streams past, instead of reading megabytes the route would refuse anyway."""
+
+    def __init__(self, app, max_bytes: int, bounds: Mapping[str, Callable[[], int | None]] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.bounds = dict(bounds or {})
+
+    def _limit(self, path: str) -> tuple[int, bool]:
+        """The limit for `path`, and whether it is the route's own (tighter) bound."""
+        bound = self.bounds.get(path)
+        tight = bound() if bound is not None else None
+        return (tight, True) if tight is not None and tight < self.max_bytes else (self.max_bytes, False)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit, tight = self._limit(scope.get("path", ""))
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None:
             try:
-                too_big = int(declared) > self.max_bytes
+                too_big = int(declared) > limit
             except ValueError:
                 too_big = False  # a malformed header: the server layer rejects it
             if too_big:
-                await _reply_413(send, self.max_bytes)
+                await _reply_413(send, limit, tight)
                 return
         chunks, total = [], 0
         while True:
@@ -71,8 +86,8 @@ class BodySizeLimit:
                 return
             chunk = message.get("body", b"")
             total += len(chunk)
-            if total > self.max_bytes:
-                await _reply_413(send, self.max_bytes)
+            if total > limit:
+                await _reply_413(send, limit, tight)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):

@@ -102,7 +102,7 @@ class Controller:
                                      holders=(self.migrations, self.ownership, self.flips, self.scoring, self.versions))
         """Register, sync, fence; fencing asks each holder above in that order."""
         self.trust.quarantine_cell = self.membership.fence_in_tx
-        self.trust.fail_request = self.ownership.fail
+        self.trust.requeue_request = self.ownership.revoke
         self.trust.rewind_request = self._rewind
         self.membership.recover()
         self.gc_policy = GcPolicy(time.monotonic, ctx.metrics.gc_full.observe)
@@ -262,7 +262,7 @@ class Controller:
     def _rewind(self, fx: Effects, req: RequestRow, first: int, reason: str) -> int | None:
         """Trust's take-back of a live request's tokens from buffer index `first` on: when no
         client was shown them, they are removed and sampled again elsewhere (returns how many);
-        else None (the caller ends the request and keeps its session from training)."""
+        else None (the caller re-places the request as it is and keeps its session from training)."""
         if not self.completions.unshown_from(req, first):
             return None
         n = self.ownership.rewind(fx, req, first - req.base, reason)

@@ -20,9 +20,12 @@ BEAT_S = 0.1
 
 
 class StallClock:
-    def __init__(self, clock: Callable[[], float] = time.monotonic, grace_s: float = 1.0) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic, grace_s: float = 1.0,
+                 on_lag: Callable[[float], None] | None = None) -> None:
         self.base = clock
         self.grace_s = grace_s
+        self.on_lag = on_lag
+        """Called with each beat's lateness (seconds past BEAT_S): how long the loop was held."""
         self.last = clock()
         self.stalled = 0.0
         """Seconds of loop stalls so far, left out of this clock."""
@@ -33,6 +36,8 @@ class StallClock:
         if gap > self.grace_s:
             self.stalled += gap - self.grace_s
         self.last = now
+        if self.on_lag is not None:
+            self.on_lag(max(0.0, gap - BEAT_S))
 
     def __call__(self) -> float:
         now = self.base()

@@ -22,9 +22,10 @@ everything a cell reports, and quarantine.
   version (the `continue` policy): their log-probs are honestly not the new version's, and
   KV that arrived by migration was computed elsewhere.
 - **Quarantine.** The cell is fenced (`trust` quarantined, so its id is refused until an admin
-  readmits it); every live request holding tokens it sampled ends with the reason (the next
-  turn is sampled by a trusted cell), and every session holding them is never handed out for
-  training (kept in the store as its clients saw it, handed out as dropped).
+  readmits it). A live request's tokens it sampled that no client was shown are taken back
+  and sampled again by a trusted cell (the session stays trainable); where a client saw
+  some, the request goes on from there on a trusted cell, and the session is never handed
+  out for training (kept in the store as its clients saw it, handed out as dropped).
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ class Trust:
         after a restart, the version each cell last reported."""
         self.quarantine_cell: Callable[[Effects, CellRow, str], None] | None = None
         """Fences a cell (the controller wires Membership.fence_in_tx here)."""
-        self.fail_request: Callable[..., None] | None = None
-        """Ends a request with a reason (Ownership.fail)."""
+        self.requeue_request: Callable[..., None] | None = None
+        """Takes a request from its owner to be re-placed (Ownership.revoke)."""
         self.rewind_request: Callable[..., int | None] | None = None
         """Takes back a live request's tokens from an index on when no client was shown them,
         to be sampled again elsewhere; None when some were shown (the controller's `_rewind`)."""
@@ -330,9 +331,9 @@ class Trust:
         """Tokens from `first` on were sampled by a quarantined cell (or follow them). Those of
         the live request that no client was shown are removed and sampled again by a trusted
         cell from there: the session stays trainable. Otherwise a client saw some: nothing is
-        removed (the store keeps what was shown), the live request ends with the reason (its
-        next turn is sampled by a trusted cell) and the session is never trained on; its
-        unscored tokens need no score."""
+        removed (the store keeps what was shown), the live request goes on from there on a
+        trusted cell (its client's stream does not break), and the session is never trained
+        on; its unscored tokens need no score."""
         store = self.ctx.store
         if store.sessions.get(session_id) is None:
             return
@@ -345,8 +346,8 @@ class Trust:
                             req.id, n, first, reason)
                 fx.later(lambda: metrics.tokens_resampled.inc(n))
                 return
-        if req is not None and self.fail_request is not None:
-            self.fail_request(fx, req, reason)
+        if req is not None and req.cell_id is not None and self.requeue_request is not None:
+            self.requeue_request(fx, req, reason)  # it goes on from what its client saw, on a trusted cell
         store.sessions.taint(session_id)
         n = store.sessions.mark_missing_from(session_id, first)
         fx.later(lambda: (metrics.logprob_missing.inc(n), metrics.sessions_tainted.inc()))

@@ -126,6 +126,10 @@ def make_chat_router(
     served = model_name or rend.name
     router = APIRouter()
     router.gateway = gw  # type: ignore[attr-defined]
+    router.body_bound = None  # type: ignore[attr-defined]
+    """Most bytes a chat body holding a prompt the model takes can have, once a long body made
+    the route compute it (computing it walks the vocabulary: never on the loop): the body
+    decoder then refuses a longer one by its declared length, unread."""
 
     def ident(req: ChatCompletionRequest) -> tuple[str, int, str]:
         return f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model or served
@@ -157,6 +161,7 @@ def _add_chat_route(router: APIRouter, gw: TitoGateway, ident: Any, max_body_byt
             # worth parsing 8 MB for): refused unparsed; else parsed on a worker thread, the
             # event loop serving everyone else meanwhile
             bound = await asyncio.to_thread(gw.planner.byte_bound)
+            router.body_bound = None if bound is None else bound + PARSE_ON_LOOP_BYTES  # type: ignore[attr-defined]
             if bound is not None and len(body) > bound + PARSE_ON_LOOP_BYTES:
                 return error_response(413, f"a {len(body)}-byte body cannot hold a prompt the model takes "
                                            f"({bound} bytes of text at most)", code="body_too_large", headers=hdrs)

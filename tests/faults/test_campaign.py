@@ -32,6 +32,7 @@ def test_scenario_keeps_every_invariant(campaign, name):
     assert run.violations == [], _why(campaign, run)
     assert run.checker_errors == [], _why(campaign, run)  # a crashed checker checked nothing
     assert run.recovery_s is not None, _why(campaign, run)
+    assert run.unfired == 0 and run.failed == 0 and run.stream_errors == 0, _why(campaign, run)
     accepted = [c for c in run.clients if c.stream.request_id]
     assert accepted, _why(campaign, run)
 

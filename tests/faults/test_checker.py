@@ -324,3 +324,26 @@ def test_token_epochs_past_a_commit_point_must_be_newer():
     assert len(v) == 1 and _has(v, "I2", checker.STORE_HISTORY, "m1", "from index 5")
     old_rows = {"s": [(2, None), (3, None), (5, None)]}  # a store from before epochs were kept
     assert checker.check_token_epochs(reqs, migs, old_rows) == []
+
+
+def test_recovery_is_what_each_affected_client_felt_and_none_in_flight_says_so():
+    from types import SimpleNamespace
+
+    from faultkit.campaign import Run, client_recoveries, summarize
+
+    def client(times, finished_at=None):
+        return SimpleNamespace(stream=SimpleNamespace(request_id="r", times=times, finished_at=finished_at))
+
+    run = Run("s", 0, 0, t_fault=10.0)
+    run.clients = [client([9.0, 9.5, 10.1, 12.5]),  # one in flight: 10.1 was sampled before the fault
+                   client([9.0, 9.2], finished_at=9.3),  # done before the fault: not affected
+                   client([11.0, 11.2]),  # started after it: not affected
+                   client([9.8], finished_at=10.9)]  # only its finish came after
+    assert client_recoveries(run) == [2.5, 0.9]
+    run.recoveries = client_recoveries(run)
+    quiet = Run("q", 1, 0, t_fault=10.0)
+    out = summarize([run, quiet], [])
+    assert (out["affected_requests"], out["recovery_p50_s"], out["max_recovery_s"]) == (2, 2.5, 2.5)
+    assert out["by_scenario"]["s"]["recovery_max_s"] == 2.5
+    q = out["by_scenario"]["q"]
+    assert q["recovery_max_s"] is None and q["recovery"] == "no request in flight at any fault"

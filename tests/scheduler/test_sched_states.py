@@ -65,8 +65,8 @@ def test_protocol_roundtrip_and_tables():
     assert d["type"] == "start" and d["cmd_id"] == 7
     assert decode_command(d) == cmd
     assert set(COMMANDS) == {"start", "migrate_out", "migrate_in", "abort", "suspend", "set_role", "cancel_migration",
-                             "load_version", "score", "drop_version"}
-    assert set(EVENTS) == {"migration", "scored", "broadcast", "role_failed"}
+                             "load_version", "score", "drop_version", "export"}
+    assert set(EVENTS) == {"migration", "scored", "broadcast", "role_failed", "exported"}
     seen = []
     dispatch({"start": seen.append}, cmd)
     assert seen == [cmd]

@@ -162,24 +162,26 @@ def test_a_chat_turn_without_stream_gets_its_answer_from_the_trusted_cell(h):
     assert r.json()["usage"]["completion_tokens"] == 8
 
 
-def test_a_quarantined_cells_tokens_a_stream_showed_end_the_request_and_are_never_trained(h):
+def test_a_quarantined_cells_tokens_a_stream_showed_stay_and_are_never_trained(h):
     """Negative control of the take-back: a stream showed the rogue's tokens as they came, so
-    they stay (the store keeps what its client saw); the request ends with the reason, the
-    next turn is sampled by the trusted cell, and the session is never trained on."""
+    they stay (the store keeps what its client saw); the request goes on from there on the
+    trusted cell without breaking the stream, and the session is never trained on."""
     cells = _cells(h, 2)
     body = {"prompt_ids": [1, 2, 3], "max_tokens": 8, "stream": True}
     fut = h.pool.submit(h.client.post, "/v1/generate", json=body,
                         headers={**h.auth("agent"), "X-Session-Id": "victim"})
     holder = _placed(h, cells, fut)
     other = next(c for c in cells if c is not holder)
-    _report_oov(h, holder)
+    rid = _report_oov(h, holder)
+    pump([other], until=fut, harness=h)  # re-placed as it is
     events = [json.loads(x[6:]) for x in fut.result(timeout=30).text.splitlines()
               if x.startswith("data: ") and x != "data: [DONE]"]
     shown = [t for e in events for t in e["token_ids"]]
-    assert events[-1]["finish_reason"].startswith("error: sampler") and len(shown) == 2
+    assert events[-1]["finish_reason"] == "length" and len(shown) == 8
     sess = h.client.get("/v1/sessions/victim").json()
-    assert sess["token_ids"] == [1, 2, 3, *shown]  # the store keeps what its client saw, nothing more
-    assert 1010 not in sess["token_ids"]
+    assert sess["token_ids"] == [1, 2, 3, *shown]  # the store keeps what its client saw
+    assert 1010 not in sess["token_ids"] and shown == [token_of(rid, i) for i in range(8)]
+    assert _samplers(h, "victim") == [None] * 3 + [holder.cell_id] * 2 + [other.cell_id] * 6
     fut2 = h.complete({"prompt_ids": [], "max_tokens": 3}, session="victim", headers=h.auth("agent"))
     until_held(other, fut2)
     pump([other], until=fut2)
@@ -506,3 +508,26 @@ def test_asyncio_is_not_blocked_by_the_stall_clock_task():
         return clock.stalled
 
     assert asyncio.run(main()) == 0.0
+
+
+def test_a_body_longer_than_any_prompt_the_model_takes_is_refused_unread(h):
+    """Once the model's context is known, a /v1/generate body (and, once the gateway computed
+    its bound, a chat body) longer than any prompt within it could be is refused by its
+    declared length, before a byte is read, and records nothing."""
+    _cells(h, 1)  # the model's limits: a context of 64 tokens
+    agent = {**h.auth("agent"), "X-Session-Id": "big", "content-type": "application/json"}
+    before = store_dump(h.db_path)
+    big = b'{"prompt_ids": [' + b"1, " * 40_000 + b'1], "max_tokens": 1}'  # 120 kB, under the 8 MB limit
+    r = h.client.post("/v1/generate", content=big, headers=agent)
+    assert r.status_code == 413 and "more than a prompt the model takes" in r.json()["detail"], r.text
+    text = "word " * 40_000
+    first = h.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": text}]},
+                          headers=agent)
+    assert first.status_code == 413 and "cannot hold a prompt" in first.text  # the route read it, and computed its bound
+    again = h.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": text * 10}]},
+                          headers=agent)
+    assert again.status_code == 413 and "more than a prompt the model takes" in again.text
+    assert store_dump(h.db_path) == before
+    small = h.client.post("/v1/generate", json={"prompt_ids": [1, 2, 5000], "max_tokens": 1},
+                          headers=h.auth("agent"))
+    assert small.json()["reason"] == "bad_token"  # under the bound: the route itself read and judged it
