@@ -162,12 +162,15 @@ def flood(seconds: float, flooders: int = FLOODERS) -> dict:
         t_end = time.monotonic()
         for t in threads:
             t.join(120)
-        gaps, n_tokens = [], 0
-        for s in controls:  # gaps within each completion, during the flood
+        gaps, n_tokens, worst = [], 0, []
+        for k, s in enumerate(controls):  # gaps within each completion, during the flood
             times = [t for t in s.times if t_start <= t <= t_end]
             n_tokens += len(times)
             arrivals = sorted(set(times))  # tokens of one event arrive together: gaps between events
             gaps += [b - a for a, b in zip(arrivals, arrivals[1:])]
+            first = {t: i for i, t in reversed(list(enumerate(s.times)))}
+            worst += [(b - a, k, first[b], b - t_start) for a, b in zip(arrivals, arrivals[1:])]
+        worst = sorted(worst, reverse=True)[:3]
         errors = [s.error for s in controls if s.error]
         typical = statistics.median(gaps) if gaps else float("inf")
         biggest = max(gaps) if gaps else float("inf")
@@ -186,6 +189,8 @@ def flood(seconds: float, flooders: int = FLOODERS) -> dict:
             "control_gap_max_ms": round(biggest * 1e3, 1),
             "control_gap_p99_ms": round(sorted(gaps)[int(0.99 * (len(gaps) - 1))] * 1e3, 1) if gaps else None,
             "control_gap_ok": biggest <= 2 * typical + 0.1, "control_errors": errors,
+            "control_gap_worst": [{"ms": round(g * 1e3, 1), "completion": k, "token": i, "at_s": round(t, 2)}
+                                  for g, k, i, t in worst],
             "flood_requests": {k: {str(code): n for code, n in sorted(v.items())} for k, v in sorted(statuses.items())},
             "flood_5xx": n5xx,
             "scheduler_loop_beats": int(total),

@@ -10,7 +10,7 @@ the store: a share of the rollout cells finish sessions, admit new ones and deco
 (each then syncs its KV blocks in use), the trainer runs up to 8 steps at once, the backlog
 of finished trajectories wanders (so the planner flips both ways), and the last tick's flips
 and placements are written back; then the controller's GC policy steps, as the running loop
-does after each tick (scheduler/control/gcpolicy.py: the fleet's long-lived state frozen out of
+does after each tick (scheduler/contract/gcpolicy.py: the fleet's long-lived state frozen out of
 the automatic collections). The scheduled full collection (every 10 minutes in production) is
 timed apart at the end: `gc_full_ms`.
 

@@ -149,6 +149,7 @@ def cmd_cell(args) -> int:
     sys.setswitchinterval(0.0005)
     agent = CellAgent(cfg, cell_id=args.cell_id, scheduler_url=args.scheduler, engine=engine, host=args.host,
                       token=_token(cfg, scope="cell"))
+    agent.manage_gc()  # the process is the cell's
     stop = threading.Event()
     if probe is not None:
         probe.start(agent.quiesce, stop)

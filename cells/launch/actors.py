@@ -218,6 +218,7 @@ class CellActor(_LoopActor):
         engine = build_engine(cfg.cells.engine)
         sys.setswitchinterval(0.0005)  # as `cellflip cell`: transfer threads wake promptly
         self.agent = CellAgent(cfg, cell_id=cell_id, scheduler_url=url, engine=engine, host=self.ip, token=token)
+        self.agent.manage_gc()  # one actor per process
         self.agent.client.close()
         self.agent.client = RayNodeClient(url, token, node=f"{self.ip}/{self.node_id[:12]}",
                                           resolve=lambda: scheduler_url(namespace))

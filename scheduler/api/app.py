@@ -60,7 +60,7 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
                manage_gc: bool = True) -> FastAPI:
     """Build the app. `tick_interval_s=None` runs no background loop (tests tick by hand);
     `clock` is the monotonic clock of leases and deadlines; `manage_gc`: the running loop paces
-    the process's garbage collection (scheduler/control/gcpolicy.py), for a scheduler that owns
+    the process's garbage collection (scheduler/contract/gcpolicy.py), for a scheduler that owns
     its process."""
     if isinstance(config, CellflipConfig):
         sched, migration, gateway, vers = config.scheduler, config.migration, config.gateway, config.versions

@@ -23,6 +23,7 @@ from typing import Any
 
 from scheduler.contract.config import MigrationConfig, SchedulerConfig, VersionsConfig
 from scheduler.contract.errors import Conflict
+from scheduler.contract.gcpolicy import GcPolicy
 from scheduler.contract.protocol import (
     AbortMigrationRequest,
     CommitRequest,
@@ -37,7 +38,6 @@ from scheduler.control.completions import Completions
 from scheduler.control.context import TICK_KEY, Context, Effects
 from scheduler.control.exports import Exports
 from scheduler.control.flips import Flips
-from scheduler.control.gcpolicy import GcPolicy
 from scheduler.control.ingest import Ingest
 from scheduler.control.metrics import Metrics
 from scheduler.control.migrations import Migrations

@@ -81,7 +81,7 @@ class Metrics:
         self.admission_stale = Counter(p + "admission_staleness_paused", "New sessions refused with 429 because the staleness bound held admission.", registry=r)
         self.staleness_max = Gauge(p + "trajectory_staleness_max", "Largest staleness (versions) of a trajectory handed out so far.", registry=r)
         self.loop_lag = Histogram(p + "event_loop_lag_seconds", "How late the scheduler's event loop ran a 100 ms beat: the longest any handler held it in that beat (every request, sync and stream waits behind it).", buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0), registry=r)
-        self.gc_full = Histogram(p + "gc_full_seconds", "The scheduler's scheduled full garbage collections (scheduler/control/gcpolicy.py): the event loop is held this long.", buckets=_LATENCY, registry=r)
+        self.gc_full = Histogram(p + "gc_full_seconds", "The scheduler's scheduled full garbage collections (scheduler/contract/gcpolicy.py): the event loop is held this long.", buckets=_LATENCY, registry=r)
         self.training_step = Histogram(p + "training_step_seconds", "Duration of a training step (RL update on the training cells), as the trainer reports it.", buckets=_SLOW, registry=r)
         self.training_cells = Gauge(p + "training_step_cells", "Training cells the last reported training step ran on (its data-parallel group).", registry=r)
         for outcome in ("committed", "aborted"):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from scheduler.control.gcpolicy import GcPolicy
+from scheduler.contract.gcpolicy import GcPolicy
 
 
 class Node:
@@ -34,5 +34,24 @@ def test_freeze_then_scheduled_full_collection_reclaims_cycles():
         now[0] = 101.0
         policy.step()  # the scheduled full collection
         assert ref() is None and len(pauses) == 1 and pauses[0] >= 0.0
+    finally:
+        gc.unfreeze()
+
+
+def test_a_cell_defers_the_full_collection_while_busy_at_most_max_defer():
+    now = [0.0]
+    pauses: list[float] = []
+    policy = GcPolicy(lambda: now[0], pauses.append, freeze_every_s=10.0, full_every_s=100.0, max_defer_s=50.0)
+    try:
+        policy.step(idle=False)
+        now[0] = 120.0
+        policy.step(idle=False)  # due, but requests are in flight: deferred
+        assert pauses == []
+        now[0] = 130.0
+        policy.step(idle=True)  # idle now: collected
+        assert len(pauses) == 1
+        now[0] = 290.0
+        policy.step(idle=False)  # due again 60 s ago, past the 50 s it may wait: collected though busy
+        assert len(pauses) == 2
     finally:
         gc.unfreeze()

@@ -1,4 +1,6 @@
-"""The scheduler process's garbage collection, paced by the control loop.
+"""A process's garbage collection, paced by its own loop: the scheduler's control loop, and a
+cell's sync loop (where a full collection of the engine's objects held every thread ~140 ms:
+the one long gap of a decoding stream).
 
 At 10,000 cells the scheduler holds ~140,000 long-lived tracked objects (per-cell rows,
 summaries, leases). CPython's automatic oldest-generation collection walks all of them: ~80 ms
@@ -8,7 +10,8 @@ REST request and tick waiting behind it feels that pause. The fleet's state is a
 (`gc.freeze`) every `freeze_every_s`: the automatic collections then walk only what was made
 since. Every `full_every_s` it unfreezes and runs one full collection (the only pause of that
 size, on a known schedule: the `cellflip_gc_full_seconds` histogram), so a cycle made in
-between is reclaimed within that interval. Only a scheduler that owns its process does this
+between is reclaimed within that interval. A cell runs it when idle (no request in flight),
+deferring it at most `max_defer_s` past due. Only a scheduler that owns its process does this
 (`python -m scheduler`, a server started by module path); one sharing a process with other work
 (`cellflip up`'s launcher, `$CELLFLIP_SCHEDULER_SHARES_PROCESS`) leaves the collector alone.
 """
@@ -27,19 +30,23 @@ FULL_EVERY_S = 600.0
 
 class GcPolicy:
     def __init__(self, clock: Callable[[], float], observe: Callable[[float], None] | None = None,
-                 freeze_every_s: float = FREEZE_EVERY_S, full_every_s: float = FULL_EVERY_S) -> None:
+                 freeze_every_s: float = FREEZE_EVERY_S, full_every_s: float = FULL_EVERY_S,
+                 max_defer_s: float = 0.0) -> None:
         self.clock, self.observe = clock, observe
         self.freeze_every_s, self.full_every_s = freeze_every_s, full_every_s
+        self.max_defer_s = max_defer_s
         self.last_freeze = float("-inf")
         self.last_full: float | None = None
         """None: no step yet (the first full collection is one interval after the first step)."""
 
-    def step(self) -> None:
-        """Between ticks: freeze what is alive, or run the scheduled full collection."""
+    def step(self, idle: bool = True) -> None:
+        """Between ticks: freeze what is alive, or run the scheduled full collection (when
+        `idle`, or once it is `max_defer_s` overdue)."""
         now = self.clock()
         if self.last_full is None:
             self.last_full = now
-        if now - self.last_full >= self.full_every_s:
+        due = now - self.last_full - self.full_every_s
+        if due >= 0 and (idle or due >= self.max_defer_s):
             t0 = time.perf_counter()
             gc.unfreeze()
             gc.collect()
