@@ -30,9 +30,9 @@ version served and the one received, are warm), a perturbed copy of the weights.
   buffer (allocated once, reused by every raw round; the versioned receiver lands in warm
   buffers too, `CellVersions.buffers`) on a thread at the version loader's OS priority
   (`CellVersions.receive_nice`, inherited by the transport's threads) while its decode loop
-  keeps running. Per round, the mean of the raw run before and the one after the versioned
-  run (drift cancels); model_bytes / the best round's mean. Best of (minima), on both sides
-  alike, because other load on the machine only ever adds time.
+  keeps running. A raw run before and one after each versioned run; model_bytes / the fastest
+  single raw run. The same estimator on both sides (the fastest single run), because other
+  load on the machine only ever adds time.
 - efficiency: min over points of gbps / raw_bcast_gbps.
 - decode_tokens_during_broadcast: tokens the receivers decoded in engine steps that ended
   inside a versioned broadcast's window, summed over receivers and broadcasts (> 0: the
@@ -433,7 +433,7 @@ def main() -> None:
                     windows3.append(window)
                 raws.append(_raw(host.address, conns[:k], raw_buf, f"{k}/{rep}/b"))
             seconds = min(vers)
-            raw_s = min((a + b) / 2 for a, b in zip(raws[::2], raws[1::2]))
+            raw_s = min(raws)  # one estimator on both sides: the fastest single run
             total_seconds += sum(vers)
             points.append({"receivers": k, "seconds": round(seconds, 4),
                            "gbps": round(model_bytes / seconds / 1e9, 4),

@@ -321,6 +321,18 @@ def cmd_export_weights(args) -> int:
     return 0
 
 
+def _export_parser(sub) -> None:
+    ex = sub.add_parser("export-weights", help="write a weight version as a Hugging Face directory (a cell "
+                                               "holding it writes it below its cells.export_root)")
+    ex.add_argument("version", type=int)
+    ex.add_argument("dir", help="relative to the cells' export root (runs/exports by default)")
+    ex.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ex.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the cell's answer")
+    ex.add_argument("--scheduler", default="http://127.0.0.1:8700")
+    ex.add_argument("--config", help="the scheduler's config (where its token file is)")
+    ex.add_argument("--token-file", help="file holding a trainer or admin token")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="cellflip", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -375,15 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--config", help="the scheduler's config (where its token file is)")
         p.add_argument("--token-file", help="file holding the admin token (default: $CELLFLIP_API_TOKEN, "
                                             "else the scheduler's generated runs/api.token)")
-    ex = sub.add_parser("export-weights", help="write a weight version as a Hugging Face directory (a cell "
-                                               "holding it writes it below its cells.export_root)")
-    ex.add_argument("version", type=int)
-    ex.add_argument("dir", help="relative to the cells' export root (runs/exports by default)")
-    ex.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    ex.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the cell's answer")
-    ex.add_argument("--scheduler", default="http://127.0.0.1:8700")
-    ex.add_argument("--config", help="the scheduler's config (where its token file is)")
-    ex.add_argument("--token-file", help="file holding a trainer or admin token")
+    _export_parser(sub)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -19,7 +19,6 @@ registers again as a new incarnation: it never resumes the old one's work.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import logging
 import threading
@@ -36,7 +35,7 @@ from cells.training.worker import TrainingWorker
 from cells.transport.store import StoreHost
 from cells.versions import CellVersions
 from scheduler.contract.config import CellflipConfig
-from scheduler.contract.gcpolicy import GcPolicy
+from scheduler.contract.gcpolicy import GcPolicy, log_long_pauses
 from scheduler.contract.probe import probe_tokens
 from scheduler.contract.protocol import (
     Capabilities,
@@ -60,28 +59,6 @@ STALL_LOG_S = 10.0
 """An engine with work that produced no token for this long logs the cell's state (once a minute)."""
 REGISTER_RETRY_S = 120.0
 """How long a new incarnation retries while the previous one's lease on its id runs out."""
-
-
-GC_PAUSE_LOG_S = 0.05
-CELL_GC_FULL_EVERY_S = 300.0
-CELL_GC_MAX_DEFER_S = 1800.0
-
-
-def watch_gc_pauses() -> None:
-    """Log every garbage collection that held the process longer than GC_PAUSE_LOG_S (every
-    thread waits on it: decoding, the sync loop, a migration's sends)."""
-    started: list[float] = []
-
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            started[:] = [time.perf_counter()]
-        elif started:
-            took = time.perf_counter() - started[0]
-            if took > GC_PAUSE_LOG_S:
-                log.warning("garbage collection (generation %d) held the process %.0f ms",
-                            info.get("generation", -1), took * 1e3)
-
-    gc.callbacks.append(on_gc)
 
 
 class CellAgent:
@@ -164,7 +141,7 @@ class CellAgent:
 
     def run(self, stop: threading.Event) -> None:
         """Register, then run the engine loop on a thread and the sync loop here until `stop`."""
-        watch_gc_pauses()
+        log_long_pauses(log)
         self.register()
         engine_thread = threading.Thread(target=self._engine_loop, args=(stop,), name="engine", daemon=True)
         engine_thread.start()
@@ -264,11 +241,9 @@ class CellAgent:
     def manage_gc(self) -> None:
         """This cell owns its process: pace its garbage collection from the sync loop
         (scheduler/contract/gcpolicy.py): what is alive is frozen every second, and the full
-        collection (~140 ms of every thread at the small test model) runs when no request is
-        in flight, at most CELL_GC_MAX_DEFER_S past due — not at a moment the allocator picks
-        mid-stream."""
-        self.gc_policy = GcPolicy(time.monotonic, freeze_every_s=1.0, full_every_s=CELL_GC_FULL_EVERY_S,
-                                  max_defer_s=CELL_GC_MAX_DEFER_S)
+        collection (~140 ms of every thread at the small test model) runs every 5 minutes when
+        no request is in flight (at most 30 minutes late), not mid-stream."""
+        self.gc_policy = GcPolicy(time.monotonic, freeze_every_s=1.0, full_every_s=300.0, max_defer_s=1800.0)
 
     def _sync_loop(self, stop: threading.Event) -> None:
         """Ship tokens and events as soon as there are any; otherwise renew the lease every

@@ -19,6 +19,7 @@ import torch
 from cells.agent.owned import Owned
 from cells.engine.base import kv_handover, role_handover, scoring, versioned_weights
 from cells.engine.embedded.checkpoint import save_checkpoint
+from cells.engine.embedded.model_spec import resolve_spec
 from cells.engine.records import EngineError, SamplingParams
 from cells.transport.store import StoreAddress
 from scheduler.contract.exports import resolve_export_path
@@ -174,7 +175,7 @@ class Commands:
             log.warning("export %s of version %d refused: %s", cmd.export_id, cmd.version, reason)
             a.events_append(ExportedEvent(cmd.export_id, cmd.version, ok=False, reason=reason).to_dict())
 
-        if not engine.capabilities.versioned_weights or not hasattr(engine, "spec"):
+        if not engine.capabilities.versioned_weights:
             return refuse("this cell's engine keeps no weights it can export")
         if cmd.version not in self.held():
             return refuse(f"version {cmd.version} is not held here")
@@ -183,7 +184,7 @@ class Commands:
         except ValueError as e:
             return refuse(str(e))
         weights = versioned_weights(engine).weights(cmd.version)
-        spec, source = engine.spec, a.cfg.cells.engine.model.path
+        spec, source = resolve_spec(a.cfg.cells.engine.model), a.cfg.cells.engine.model.path
 
         def write() -> None:
             t0 = time.monotonic()

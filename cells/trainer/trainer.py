@@ -44,7 +44,6 @@ from cells.engine.embedded.checkpoint import load_checkpoint, save_checkpoint
 from cells.engine.embedded.layers import probe_row_invariance
 from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import resolve_spec
-from cells.engine.records import EngineError
 from cells.trainer import state_files
 from cells.trainer.agents import AgentPool
 from cells.trainer.client import TrainerClient
@@ -54,6 +53,7 @@ from cells.trainer.objectives.config import ObjectiveConfig, ewma_window
 from cells.trainer.step_cells import StepCells, StepFigures
 from cells.trainer.versions_host import VersionHost
 from cells.trainer.warmup import run_warmup
+from cells.trainer.writer import BackgroundWriter
 from cells.training.coordinator import TrainingCoordinator
 from cells.training.wire import weights_checksum
 from scheduler.contract.config import CellflipConfig, EmbeddedEngineConfig
@@ -117,8 +117,8 @@ class Trainer:
                                                                                           std=self.tc.init_std)
         self.start_checksum = weights_checksum(start)
         self.warmup_steps = self.tc.warmup_steps if self.tc.warmup_steps is not None else (0 if model.path else 300)
-        self.exports: list[threading.Thread] = []
-        self.ckpt_writer: threading.Thread | None = None
+        self.writer = BackgroundWriter(self._emit)
+        """Checkpoints and exports, written off the step."""
         self.learner = Learner(self.spec, start, lr=self.tc.warmup_lr,
                                objective=resolved_objective(cfg),
                                tile=engine_tile(cfg), temperature=self.tc.temperature, seed=self.tc.seed,
@@ -204,9 +204,8 @@ class Trainer:
 
     def _checkpoint(self) -> None:
         """Copy the state now (parameters, moments, EWMA, reference, RNG, step, learning-rate
-        scale, data cursor) and write it on a thread of its own (cells/trainer/state_files.py:
-        safetensors plus a JSON manifest, renamed into place): the next step does not wait for
-        the disk, and a crash mid-write leaves the previous checkpoint."""
+        scale, data cursor) and write it off the step (cells/trainer/state_files.py: safetensors
+        plus a JSON manifest, renamed into place: a crash mid-write leaves the previous one)."""
         path = self._ckpt_path()
         if path is None:
             return
@@ -214,26 +213,11 @@ class Trainer:
         self.learner.cursor = self.client.cursor
         state = {"learner": self.learner.state_dict(), "rl_step": self.rl_step, "lr_scale": self.lr_scale,
                  "updates_kept": self.updates_kept, "updates_rejected": self.updates_rejected}
-        if self.ckpt_writer is not None:
-            self.ckpt_writer.join()  # one write at a time, in order
-        step = self.rl_step
-
-        def write() -> None:
-            t0 = time.monotonic()
-            try:
-                state_files.save_state(path, state)
-            except (OSError, TypeError, ValueError) as e:
-                self._emit({"event": "checkpoint_failed", "step": step, "error": str(e)})
-                return
-            self._emit({"event": "checkpointed", "step": step, "seconds": round(time.monotonic() - t0, 2)})
-
-        self.ckpt_writer = threading.Thread(target=write, name=f"checkpoint-{step}", daemon=False)
-        self.ckpt_writer.start()
+        self.writer.submit("checkpoint", lambda: state_files.save_state(path, state), step=self.rl_step)
 
     def flush(self) -> None:
         """Wait for the checkpoint and exports being written."""
-        for t in [*self.exports, *([self.ckpt_writer] if self.ckpt_writer else [])]:
-            t.join()
+        self.writer.flush()
 
     def _begin_rl(self) -> None:
         """The warmed-up policy is where RL starts: the KL reference (when a KL term is
@@ -366,26 +350,11 @@ class Trainer:
             self._export(version)
 
     def _export(self, version: int) -> None:
-        """Write `version` as a Hugging Face directory on a thread of its own (from a copy of
-        the weights: the next step does not wait for the disk)."""
+        """Write `version` as a Hugging Face directory off the step, from a copy of the weights."""
         weights = {k: v.detach().clone() for k, v in self.learner.weights().items()}
-        dtype = getattr(torch, self.tc.export_dtype)
-        path = Path(self.tc.export_dir) / f"v{version}"
-
-        def write() -> None:
-            t0 = time.monotonic()
-            try:
-                save_checkpoint(path, self.spec, weights, dtype, source=self.pretrained, version=version)
-            except (OSError, EngineError) as e:
-                self._emit({"event": "export_failed", "version": version, "path": str(path), "error": str(e)})
-                return
-            self._emit({"event": "exported", "version": version, "path": str(path),
-                        "seconds": round(time.monotonic() - t0, 2)})
-
-        self.exports = [t for t in self.exports if t.is_alive()]
-        t = threading.Thread(target=write, name=f"export-v{version}", daemon=False)
-        t.start()
-        self.exports.append(t)
+        path, dtype = Path(self.tc.export_dir) / f"v{version}", getattr(torch, self.tc.export_dtype)
+        self.writer.submit("export", lambda: save_checkpoint(path, self.spec, weights, dtype, source=self.pretrained,
+                                                             version=version), version=version, path=str(path))
 
     def _drop_retired(self) -> None:
         held = set(self.host.versions())

@@ -103,21 +103,24 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
         app.include_router(router)
     # The chat gateway records on the durable session store and decodes on the cells; its
     # own finish route stays off (the sessions router serves it).
-    counters = CallbackCounters(lambda n: metrics.drift.inc(n), metrics.history_rewrites.inc)
-    chat = make_chat_router(ControlPlaneBackend(app), gateway.renderer, counters=counters,
-                            **{**gateway.router_kwargs(), "finish_route": False})
+    chat = make_chat_router(ControlPlaneBackend(app), gateway.renderer, counters=CallbackCounters(
+        lambda n: metrics.drift.inc(n), metrics.history_rewrites.inc), **{**gateway.router_kwargs(), "finish_route": False})
     app.include_router(chat)
     _install_error_handlers(app)
     _publish_chat_schemas(app)
     install_docs(app)
     # outermost first: refuse unauthenticated requests before reading any body
-    app.add_middleware(BodySizeLimit, max_bytes=sched.max_body_bytes,
-                       bounds={"/v1/generate": lambda: generate_body_bound(getattr(app.state, "controller", None)),
-                               "/v1/chat/completions": lambda: chat.body_bound})
+    app.add_middleware(BodySizeLimit, max_bytes=sched.max_body_bytes, bounds=_body_bounds(app, chat))
     if registry is not None:
         app.add_middleware(ScopedAuth, registry=registry, routes=app.router.routes,
                            budget=AgentBudget(sched.agent_limits))
     return app
+
+
+def _body_bounds(app: FastAPI, chat) -> dict:
+    """Per route, the most bytes a body holding a prompt the model takes can have, once known."""
+    return {"/v1/generate": lambda: generate_body_bound(getattr(app.state, "controller", None)),
+            "/v1/chat/completions": lambda: chat.body_bound}
 
 
 def create_app_from_env() -> FastAPI:

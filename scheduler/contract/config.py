@@ -192,8 +192,7 @@ class CellsConfig(_Strict):
     engine: EngineConfig = EmbeddedEngineConfig()
     """Inference engine of every cell."""
     export_root: str = "runs/exports"
-    """The directory weight exports (`cellflip export-weights`) are written below; a cell
-    refuses a path that leaves it (scheduler/contract/exports.py)."""
+    """Where `cellflip export-weights` writes (a path leaving it is refused)."""
     keep_training_memory: Literal["auto", "off"] = "auto"
     """Whether a cell keeps its training state (parameters, AdamW moments, reference, EWMA
     copy, buffers: about six model copies) allocated through a rollout stint, so that its next
@@ -256,9 +255,8 @@ class TrainerConfig(_Strict):
     warmup_lr: float = Field(default=3e-3, ge=0)
     """Learning rate of the supervised warm-up (its optimizer moments are dropped when RL starts)."""
     warmup_steps: int | None = Field(default=None, ge=0)
-    """Supervised warm-up steps on the toy task's synthetic demonstrations before RL. None:
-    300 on a random-initialised model, none when `cells.engine.model.path` names the user's
-    weights (they start RL as they are unless a warm-up is asked for)."""
+    """Supervised warm-up steps on the toy task's demonstrations before RL. None: 300 from
+    random weights, none from the user's (`cells.engine.model.path`)."""
     init_std: float = Field(default=0.1, gt=0)
     """Initial weight scale of the trainer's model (small toy models need more than 0.02 to
     learn to copy within a CPU warm-up)."""
@@ -281,8 +279,7 @@ class TrainerConfig(_Strict):
     """Checkpoints (parameters, optimizer, RNG, data cursor, version); None: none."""
     checkpoint_every: int = Field(default=5, gt=0)
     export_every: int = Field(default=0, ge=0)
-    """Export every N-th published version as a Hugging Face directory (`export_dir`/v{N}:
-    sharded safetensors, index, config, the source checkpoint's tokenizer files); 0: never."""
+    """Export every N-th published version as a Hugging Face directory `export_dir`/vN; 0: never."""
     export_dir: str = "runs/exports"
     export_dtype: Literal["float32", "bfloat16"] = "float32"
     """float32 serves bitwise like the embedded cells; bfloat16 halves the files."""

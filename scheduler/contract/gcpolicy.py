@@ -19,6 +19,7 @@ deferring it at most `max_defer_s` past due. Only a scheduler that owns its proc
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from collections.abc import Callable
 
@@ -57,3 +58,18 @@ class GcPolicy:
         elif now - self.last_freeze >= self.freeze_every_s:
             gc.freeze()
             self.last_freeze = now
+
+
+def log_long_pauses(log: logging.Logger, threshold_s: float = 0.05) -> None:
+    """Log every collection that held the process longer than `threshold_s` (every thread
+    waits on it: decoding, the sync loop, a migration's sends)."""
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started and (took := time.perf_counter() - started[0]) > threshold_s:
+            log.warning("garbage collection (generation %d) held the process %.0f ms", info.get("generation", -1),
+                        took * 1e3)
+
+    gc.callbacks.append(on_gc)

@@ -61,8 +61,7 @@ def test_every_nth_published_version_is_exported_and_serves_like_its_weights(tmp
             t.learner.sft_step(_demo(t))  # the weights move between versions
             t._publish()
             published[t.learner.version] = {k: v.detach().clone() for k, v in t.learner.weights().items()}
-        for th in t.exports:
-            th.join()
+        t.flush()
     finally:
         t.host.close()
     assert sorted(p.name for p in (tmp_path / "exports").iterdir()) == [f"v{v}" for v in sorted(published) if v % 2 == 0]
