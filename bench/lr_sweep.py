@@ -40,8 +40,8 @@ from common import emit, parse_args, set_threads
 
 from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import PRESETS
-from cells.trainer.learner import Learner
-from cells.trainer.objectives import ObjectiveConfig
+from cells.rl.learner import Learner
+from cells.rl.objectives import ObjectiveConfig
 from cells.trainer.toy_task import TaskSpec, ToySampler, heldout_eval, make_episodes
 from cells.trainer.warmup import run_warmup
 

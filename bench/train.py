@@ -56,7 +56,7 @@ from common import ROOT, emit, parse_args, set_threads
 
 from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import PRESETS
-from cells.trainer.learner import Learner
+from cells.rl.learner import Learner
 from cells.trainer.versions_host import VersionHost
 from cells.training.bare import reply_key, request_key
 from cells.training.coordinator import TrainingCoordinator

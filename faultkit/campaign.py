@@ -1069,8 +1069,8 @@ def scn_training_rank_fault(camp: Campaign, run: Run, k: int) -> None:
     the parameters equal a fault-free update of the same batch (max over tensors of
     ||a - b|| / ||a - theta_0|| <= 1e-3), one version number is taken, and only after the redo."""
     from cells.engine.embedded.model_spec import resolve_spec
-    from cells.trainer.learner import Learner
-    from cells.trainer.objectives import ObjectiveConfig
+    from cells.rl.learner import Learner
+    from cells.rl.objectives import ObjectiveConfig
     from cells.training.coordinator import TrainingCoordinator
     from scheduler.contract.config import parse_config
 

@@ -86,6 +86,17 @@ def test_the_probe_check_can_fail():
     assert list(_probe_calls(tree))
 
 
+def test_the_rl_maths_imports_neither_the_trainer_nor_the_training_ranks_and_they_one_way():
+    """cells/rl/ is imported by both the trainer process and the cells' training ranks and
+    imports neither; the training ranks (cells/training/) never import the trainer process."""
+    def importing(pkg: str, banned: tuple[str, ...]) -> list[str]:
+        return [f"{_rel(p)}:{ln} {mod}" for p in _modules(pkg) for ln, mod in _imported_modules(_tree(p))
+                if any(mod == b or mod.startswith(b + ".") for b in banned)]
+
+    assert not importing("cells/rl", ("cells.trainer", "cells.training")), importing("cells/rl", ("cells.trainer", "cells.training"))
+    assert not importing("cells/training", ("cells.trainer",)), importing("cells/training", ("cells.trainer",))
+
+
 def test_cells_import_only_the_schedulers_contract():
     found = [f"{_rel(p)}:{ln} {mod}" for p in _modules("cells") for ln, mod in _imported_modules(_tree(p))
              if (mod == "scheduler" or mod.startswith("scheduler.")) and not mod.startswith(CONTRACT + ".")]

@@ -23,12 +23,13 @@ what was taken and what was dropped.
 
 from __future__ import annotations
 
-import re
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from cells.rl.trees import member_id
 
 DROP_REASONS = ("deadline", "stale", "uniform_reward", "no_group", "late", "untrusted")
 """Why trajectories are dropped (the `reason` label of `cellflip_groups_dropped_total`);
@@ -37,14 +38,6 @@ DROP_REASONS = ("deadline", "stale", "uniform_reward", "no_group", "late", "untr
 
 MAX_CLOSED = 100_000
 """Settled group ids remembered (to recognise stragglers)."""
-
-_BRANCH = re.compile(r"\.b\d+$")
-
-
-def member_id(trajectory: dict[str, Any]) -> str:
-    """The rollout a trajectory belongs to: its session id without a `.b<k>` branch suffix."""
-    return _BRANCH.sub("", str(trajectory["id"]))
-
 
 def num_members(trajectories: Sequence[dict[str, Any]]) -> int:
     """Rollouts among `trajectories` (a tree's branch sessions count once)."""

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from cells.trainer.learner import Learner
-from cells.trainer.objectives import GRPOAdvantage, ObjectiveConfig, RLOOAdvantage
+from cells.rl.learner import Learner
+from cells.rl.objectives import GRPOAdvantage, ObjectiveConfig, RLOOAdvantage
 
 
 @dataclass(frozen=True)

@@ -44,12 +44,12 @@ from cells.engine.embedded.checkpoint import load_checkpoint, save_checkpoint
 from cells.engine.embedded.layers import probe_row_invariance
 from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import resolve_spec
+from cells.rl.learner import Learner
+from cells.rl.objectives.config import ObjectiveConfig, ewma_window
 from cells.trainer import state_files
 from cells.trainer.agents import AgentPool
 from cells.trainer.client import TrainerClient
 from cells.trainer.groups import GroupGate, num_members
-from cells.trainer.learner import Learner
-from cells.trainer.objectives.config import ObjectiveConfig, ewma_window
 from cells.trainer.step_cells import StepCells, StepFigures
 from cells.trainer.versions_host import VersionHost
 from cells.trainer.warmup import run_warmup

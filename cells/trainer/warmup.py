@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from cells.trainer.learner import Learner
+from cells.rl.learner import Learner
 from cells.trainer.toy_task import TOY_RENDERER, Demonstrator, TaskSpec, demo_token_sequences
 
 WARMUP_TEACHER = Demonstrator(p_skip=0.6)

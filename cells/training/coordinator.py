@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
+from cells.rl.plan import plan_update
 from cells.training import protocol as P
-from cells.training.plan import plan_update
 from cells.training.wire import (
     pack,
     packed_checksum,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from cells.engine.embedded.model_spec import ModelSpec
-from cells.trainer.objectives import ObjectiveConfig
+from cells.rl.objectives import ObjectiveConfig
 from cells.training.wire import params_view
 
 NAMESPACE = "train"
@@ -94,7 +94,7 @@ def build_learner(h: dict[str, Any], meta: dict[str, Any], flat: torch.Tensor | 
     only what differs), or zero parameters of the manifest's shapes without `flat`
     (`wire.unpack` then fills the whole state). `local_loss`: the custom loss of this
     process's configuration (the only one it imports)."""
-    from cells.trainer.learner import Learner
+    from cells.rl.learner import Learner
 
     objective = local_objective(h, local_loss)
     spec = spec_from_signature(h["model"])

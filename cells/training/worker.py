@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-from cells.training import guard
+from cells.rl import guard
+from cells.rl.plan import Share
+from cells.rl.reduce import GroupReducer, LocalReducer
+from cells.rl.update import run_update
 from cells.training import protocol as P
-from cells.training.plan import Share
-from cells.training.reduce import GroupReducer, LocalReducer
-from cells.training.update import run_update
 from cells.training.wire import (
     pack,
     packed_checksum,
@@ -49,7 +49,7 @@ POLL_S = 0.05
 
 
 def _import_learner() -> None:
-    import cells.trainer.learner  # noqa: F401
+    import cells.rl.learner  # noqa: F401
 
 
 class TrainingWorker:

@@ -168,7 +168,7 @@ class SchedulerConfig(_Strict):
     only as a record saying it was dropped (the trainer drops its whole group), and at training
     every rank leaves out of the loss each sampled token more than `staleness_bound` versions
     older than the update's start (a partly stale multi-turn session trains its fresh tokens;
-    cells/training/plan.py `mask_stale`). `correct` (an explicit choice): stale trajectories are
+    cells/rl/plan.py `mask_stale`). `correct` (an explicit choice): stale trajectories are
     trained with their correction weights (decoupled PPO: r_stale capped by the objective's
     C_s). Counted either way in `cellflip_stale_trajectories_total{policy}`, `GET /v1/versions`
     and the update's `stale_tokens_dropped`."""
@@ -286,7 +286,7 @@ class TrainerConfig(_Strict):
     host: str = "127.0.0.1"
     """Address cells reach the trainer's version host at."""
     objective: dict[str, Any] = Field(default_factory=dict)
-    """The RL objective (cells/trainer/objectives/config.py: advantages, correction, PPO
+    """The RL objective (cells/rl/objectives/config.py: advantages, correction, PPO
     clip, EWMA, KL); validated by the trainer at start-up."""
 
 

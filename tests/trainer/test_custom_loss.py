@@ -11,9 +11,9 @@ import torch
 
 from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import PRESETS
-from cells.trainer.learner import Learner
-from cells.trainer.objectives import ObjectiveConfig, decoupled_ppo_loss
-from cells.trainer.objectives.custom import LossInputs
+from cells.rl.learner import Learner
+from cells.rl.objectives import ObjectiveConfig, decoupled_ppo_loss
+from cells.rl.objectives.custom import LossInputs
 from cells.trainer.toy_task import TaskSpec, ToySampler, heldout_eval, make_episodes
 from cells.trainer.warmup import run_warmup
 from cells.training.protocol import build_learner, hyper, local_objective
@@ -22,7 +22,7 @@ from tests.trainer.test_learner import BAD, GOOD, PROMPT, small_learner, traject
 torch.set_num_threads(1)
 
 F64 = torch.float64
-EXAMPLE = "cells.trainer.objectives.custom:reinforce_with_weights"
+EXAMPLE = "cells.rl.objectives.custom:reinforce_with_weights"
 SEEN: list[LossInputs] = []
 
 

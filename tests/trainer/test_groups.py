@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from cells.rl.objectives.advantages import grpo_advantages
 from cells.trainer.groups import GroupGate
-from cells.trainer.objectives.advantages import grpo_advantages
 from cells.trainer.trainer import Trainer
 
 torch.set_num_threads(1)

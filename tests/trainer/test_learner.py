@@ -10,8 +10,8 @@ import torch
 from cells.engine.embedded import EmbeddedEngine
 from cells.engine.embedded.model import init_weights, prepare, token_logprobs
 from cells.engine.embedded.model_spec import PRESETS, ModelSpec
-from cells.trainer.learner import Learner
-from cells.trainer.objectives import KLInLoss, KLInReward, ObjectiveConfig, decoupled_ppo_loss
+from cells.rl.learner import Learner
+from cells.rl.objectives import KLInLoss, KLInReward, ObjectiveConfig, decoupled_ppo_loss
 from scheduler.contract.config import EmbeddedEngineConfig
 
 torch.set_num_threads(1)
@@ -23,7 +23,7 @@ SMALL = ModelSpec(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, hea
 
 def small_learner(guard: bool = False, **kw) -> Learner:
     """The tiny model moves by nats in one step at these learning rates: the trust-region
-    guard (cells/training/guard.py) is off unless `guard`."""
+    guard (cells/rl/guard.py) is off unless `guard`."""
     kw.setdefault("lr", 1e-2)
     objective = kw.pop("objective", None) or ObjectiveConfig()
     if not guard:

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from cells.engine.embedded.model import prepare, token_logprobs
-from cells.trainer.objectives import ObjectiveConfig, decoupled_ppo_loss, member_advantages
-from cells.trainer.objectives.advantages import compute_advantages
-from cells.trainer.objectives.config import GRPOAdvantage
-from cells.trainer.objectives.ppo import sequence_log_ratio
-from cells.training.update import agg_scale
+from cells.rl.objectives import ObjectiveConfig, decoupled_ppo_loss, member_advantages
+from cells.rl.objectives.advantages import compute_advantages
+from cells.rl.objectives.config import GRPOAdvantage
+from cells.rl.objectives.ppo import sequence_log_ratio
+from cells.rl.update import agg_scale
 from tests.trainer.test_learner import PROMPT, small_learner, trajectory
 
 torch.set_num_threads(1)

@@ -5,13 +5,13 @@ import math
 import pytest
 import torch
 
-from cells.trainer.objectives.advantages import (
+from cells.rl.objectives.advantages import (
     compute_advantages,
     expand_to_tokens,
     grpo_advantages,
     rloo_advantages,
 )
-from cells.trainer.objectives.config import GRPOAdvantage, RLOOAdvantage
+from cells.rl.objectives.config import GRPOAdvantage, RLOOAdvantage
 
 torch.set_num_threads(1)
 

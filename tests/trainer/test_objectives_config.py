@@ -3,7 +3,7 @@
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from cells.trainer.objectives import config as C
+from cells.rl.objectives import config as C
 
 MODELS = [
     C.NoCorrection,

@@ -5,14 +5,14 @@ import math
 import pytest
 import torch
 
-from cells.trainer.objectives.config import (
+from cells.rl.objectives.config import (
     MISSequenceCorrection,
     MISTokenCorrection,
     NoCorrection,
     TISSequenceCorrection,
     TISTokenCorrection,
 )
-from cells.trainer.objectives.correction import apply_correction
+from cells.rl.objectives.correction import apply_correction
 
 torch.set_num_threads(1)
 

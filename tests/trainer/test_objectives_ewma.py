@@ -3,14 +3,14 @@
 import pytest
 import torch
 
-from cells.trainer.objectives.config import (
+from cells.rl.objectives.config import (
     EWMAConfig,
     MISTokenCorrection,
     ObjectiveConfig,
     TISTokenCorrection,
 )
-from cells.trainer.objectives.ewma import PPOEWMA, beta_for_window
-from cells.trainer.objectives.ppo import decoupled_ppo_loss
+from cells.rl.objectives.ewma import PPOEWMA, beta_for_window
+from cells.rl.objectives.ppo import decoupled_ppo_loss
 
 torch.set_num_threads(1)
 

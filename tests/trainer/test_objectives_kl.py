@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from cells.trainer.objectives.kl import add_kl_to_rewards, kl_estimate, kl_loss, kl_reward_penalty
+from cells.rl.objectives.kl import add_kl_to_rewards, kl_estimate, kl_loss, kl_reward_penalty
 
 torch.set_num_threads(1)
 
@@ -170,7 +170,7 @@ def test_k1_is_refused_in_the_loss():
         kl_loss(x, x, x, torch.ones(1, 2), coef=0.1, estimator="k1")
     from pydantic import ValidationError
 
-    from cells.trainer.objectives.config import KLInLoss, KLInReward
+    from cells.rl.objectives.config import KLInLoss, KLInReward
 
     with pytest.raises(ValidationError, match="zero expected gradient"):
         KLInLoss(estimator="k1")
@@ -180,8 +180,8 @@ def test_k1_is_refused_in_the_loss():
 def test_decoupled_loss_kl_term_expected_gradient_is_forward_kl_gradient():
     # the whole loss with A = 0 (no policy-gradient term): lp_old = lp_behav (r_d = 1),
     # lp_prox = lp_theta detached (first minibatch), so w·r_t = pi_theta/pi_behav.
-    from cells.trainer.objectives.config import KLInLoss, NoCorrection, ObjectiveConfig
-    from cells.trainer.objectives.ppo import decoupled_ppo_loss
+    from cells.rl.objectives.config import KLInLoss, NoCorrection, ObjectiveConfig
+    from cells.rl.objectives.ppo import decoupled_ppo_loss
 
     theta, lp_ref, lp_behav = _categoricals(7)
     cfg = ObjectiveConfig(correction=NoCorrection(), reject_below=None, staleness_cap=1e6,

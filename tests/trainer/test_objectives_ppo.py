@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from cells.trainer.objectives.config import (
+from cells.rl.objectives.config import (
     KLInLoss,
     MISSequenceCorrection,
     MISTokenCorrection,
@@ -15,7 +15,7 @@ from cells.trainer.objectives.config import (
     TISSequenceCorrection,
     TISTokenCorrection,
 )
-from cells.trainer.objectives.ppo import PROVENANCE_MISSING, decoupled_ppo_loss, ppo_objective
+from cells.rl.objectives.ppo import PROVENANCE_MISSING, decoupled_ppo_loss, ppo_objective
 
 torch.set_num_threads(1)
 

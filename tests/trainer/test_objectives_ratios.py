@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cells.trainer.objectives.ratios import check_same_shape, log_ratios
+from cells.rl.objectives.ratios import check_same_shape, log_ratios
 
 torch.set_num_threads(1)
 

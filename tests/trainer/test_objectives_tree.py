@@ -6,15 +6,15 @@ import math
 import pytest
 import torch
 
-from cells.trainer.objectives.config import (
+from cells.rl.objectives.config import (
     MISSequenceCorrection,
     NoCorrection,
     ObjectiveConfig,
     TISTokenCorrection,
     TreeConfig,
 )
-from cells.trainer.objectives.ppo import decoupled_ppo_loss
-from cells.trainer.objectives.tree import (
+from cells.rl.objectives.ppo import decoupled_ppo_loss
+from cells.rl.objectives.tree import (
     RolloutTree,
     select_branches,
     select_branches_for,

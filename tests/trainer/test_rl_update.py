@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cells.trainer.objectives import KLInReward, ObjectiveConfig
+from cells.rl.objectives import KLInReward, ObjectiveConfig
 from tests.trainer.test_learner import BAD, GOOD, PROMPT, small_learner, trajectory
 
 torch.set_num_threads(1)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from cells.engine.embedded.model_spec import PRESETS
-from cells.trainer.objectives.tree import select_branches, serialize_tree
+from cells.rl.objectives.tree import select_branches, serialize_tree
 from cells.trainer.toy_task import (
     TOOLS,
     TOY_RENDERER,

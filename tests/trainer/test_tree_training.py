@@ -11,15 +11,17 @@ import torch
 
 from cells.engine.embedded.model import init_weights, prepare, token_logprobs
 from cells.engine.embedded.model_spec import PRESETS
-from cells.trainer.learner import Learner
-from cells.trainer.objectives import (
+from cells.rl.batch import Batch
+from cells.rl.learner import Learner
+from cells.rl.objectives import (
     KLInLoss,
     ObjectiveConfig,
     RLOOAdvantage,
     decoupled_ppo_loss,
     member_advantages,
 )
-from cells.trainer.objectives.config import GRPOAdvantage
+from cells.rl.objectives.config import GRPOAdvantage
+from cells.rl.plan import plan_update
 from cells.trainer.toy_task import (
     LocalGateway,
     TaskSpec,
@@ -29,8 +31,6 @@ from cells.trainer.toy_task import (
     oracle_messages,
     run_episode,
 )
-from cells.training.batch import Batch
-from cells.training.plan import plan_update
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""The update's trust-region guard (cells/training/guard.py): an update that moves the policy
+"""The update's trust-region guard (cells/rl/guard.py): an update that moves the policy
 past `max_update_kl` on its own batch is rolled back whole (parameters, optimizer moments, EWMA,
 step counter bitwise, the minibatches before a stop included), the version does not advance,
 and the KL it reports is the one an independent forward before and after the update measures."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cells.trainer.objectives import ObjectiveConfig
+from cells.rl.objectives import ObjectiveConfig
 from cells.training.coordinator import TrainingCoordinator
 from tests.trainer.test_learner import BAD, GOOD, PROMPT, small_learner, trajectory
 from tests.training.cluster import Ranks, learner, trajectories
@@ -123,7 +123,7 @@ def test_two_training_ranks_reject_together_and_commit_the_start_weights(tmp_pat
 
 
 def test_the_snapshot_is_taken_into_the_previous_ones_tensors():
-    from cells.training import guard
+    from cells.rl import guard
 
     lrn = small_learner(guard=True, objective=GUARDED, lr=1e-3)
     lrn.rl_step(_batch(lrn))
@@ -136,7 +136,7 @@ def test_the_snapshot_is_taken_into_the_previous_ones_tensors():
 
 
 def test_moment_buffers_outlive_a_snapshot_taken_without_moments():
-    from cells.training import guard
+    from cells.rl import guard
 
     lrn = small_learner(guard=True, objective=GUARDED, lr=1e-3)
     lrn.rl_step(_batch(lrn))

@@ -9,7 +9,7 @@ import math
 import torch
 
 from cells.engine.embedded.model import Segment, forward, output_logprobs, prepare
-from cells.trainer.objectives import update_kl_terms
+from cells.rl.objectives import update_kl_terms
 from tests.trainer.test_learner import BAD, GOOD, PROMPT, SMALL, small_learner, trajectory
 
 torch.set_num_threads(1)

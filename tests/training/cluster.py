@@ -13,7 +13,7 @@ import torch
 
 from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import ModelSpec
-from cells.trainer.learner import Learner
+from cells.rl.learner import Learner
 from cells.transport.store import StoreHost
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cells.trainer.objectives import ObjectiveConfig
+from cells.rl.objectives import ObjectiveConfig
 from cells.training.coordinator import TrainingCoordinator
 from tests.training.cluster import Ranks, learner, rel_diff, trajectories
 
@@ -62,7 +62,7 @@ def test_one_two_three_cells_give_the_same_update(tmp_path):
     assert m1[0]["join_cells"] == 1 and m1[1]["join_cells"] == 0  # state sent once, then kept
 
 
-CUSTOM = "cells.trainer.objectives.custom:reinforce_with_weights"
+CUSTOM = "cells.rl.objectives.custom:reinforce_with_weights"
 VARIANTS = {
     "gspo_seq_mean": ObjectiveConfig(ratio="sequence", loss_agg="seq_mean_token_mean", clip_low=0.01, clip_high=0.01),
     "dr_grpo_custom": ObjectiveConfig(loss_agg="seq_mean_token_sum_norm", loss_agg_constant=16.0,

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cells.training.plan import Share, mask_stale, plan_update
-from cells.training.reduce import LocalReducer
-from cells.training.update import run_update
+from cells.rl.plan import Share, mask_stale, plan_update
+from cells.rl.reduce import LocalReducer
+from cells.rl.update import run_update
 from tests.trainer.test_learner import BAD, GOOD, PROMPT, small_learner, trajectory
 
 torch.set_num_threads(1)

@@ -4,7 +4,7 @@ A trainer recognises a tree as the sessions of one group whose ids share the ste
 `.b`, and whose token ids share a prefix (branch 0 sampled it; the others got the same tokens
 from the gateway's full render of the shared messages): `rollout_tree` builds the
 `RolloutTree` of objectives/tree.py from them, as the RL update does
-(cells/training/trees.py: one member of its group, trained with the tree loss).
+(cells/rl/trees.py: one member of its group, trained with the tree loss).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cells.trainer.objectives.tree import RolloutTree
-from cells.training.trees import trajectory_tree
+from cells.rl.objectives.tree import RolloutTree
+from cells.rl.trees import trajectory_tree
 
 
 def branch_session_id(session_id: str, branch: int) -> str:
@@ -45,7 +45,7 @@ def branch_groups(trajectories: Iterable[dict[str, Any]]) -> list[BranchGroup]:
 def rollout_tree(branches: Sequence[dict[str, Any]]) -> tuple[RolloutTree, list[int]]:
     """The rollout tree of forked sessions (single-segment trajectories, branch 0 first): the
     shared prefix is the root (loss mask: 1 where a branch sampled the token), each branch's
-    remainder a leaf (cells/training/trees.py, `trajectory_tree`). Returns (tree, leaf of each
+    remainder a leaf (cells/rl/trees.py, `trajectory_tree`). Returns (tree, leaf of each
     branch in input order)."""
     if not branches:
         raise ValueError("no branches")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from cells.trainer.objectives.tree import MAX_BRANCHES
+from cells.rl.objectives.tree import MAX_BRANCHES
 from cells.trainer.toy_task.branches import branch_session_id
 from cells.trainer.toy_task.task import TOOLS, Episode, execute_tool, score_messages
 

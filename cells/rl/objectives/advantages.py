@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cells.trainer.objectives.config import AdvantageConfig, GRPOAdvantage, RLOOAdvantage
-from cells.trainer.objectives.correction import as_bool_mask
+from cells.rl.objectives.config import AdvantageConfig, GRPOAdvantage, RLOOAdvantage
+from cells.rl.objectives.correction import as_bool_mask
 
 
 def grpo_advantages(

@@ -11,14 +11,14 @@ KL to the reference and tree rollouts. One concept per module; the formulas and 
     config       pydantic models of all of the above
 """
 
-from cells.trainer.objectives.advantages import (
+from cells.rl.objectives.advantages import (
     compute_advantages,
     expand_to_tokens,
     grpo_advantages,
     member_advantages,
     rloo_advantages,
 )
-from cells.trainer.objectives.config import (
+from cells.rl.objectives.config import (
     EWMAConfig,
     GRPOAdvantage,
     KLInLoss,
@@ -32,16 +32,16 @@ from cells.trainer.objectives.config import (
     TISTokenCorrection,
     TreeConfig,
 )
-from cells.trainer.objectives.correction import Correction, apply_correction
-from cells.trainer.objectives.ewma import PPOEWMA, beta_for_window
-from cells.trainer.objectives.kl import (
+from cells.rl.objectives.correction import Correction, apply_correction
+from cells.rl.objectives.ewma import PPOEWMA, beta_for_window
+from cells.rl.objectives.kl import (
     add_kl_to_rewards,
     kl_estimate,
     kl_loss,
     kl_reward_penalty,
     update_kl_terms,
 )
-from cells.trainer.objectives.ppo import (
+from cells.rl.objectives.ppo import (
     PROVENANCE_EXACT,
     PROVENANCE_MISSING,
     TokenWeights,
@@ -49,8 +49,8 @@ from cells.trainer.objectives.ppo import (
     ppo_objective,
     token_weights,
 )
-from cells.trainer.objectives.ratios import LogRatios, log_ratios
-from cells.trainer.objectives.tree import (
+from cells.rl.objectives.ratios import LogRatios, log_ratios
+from cells.rl.objectives.tree import (
     MAX_BRANCHES,
     RolloutTree,
     SerializedTree,

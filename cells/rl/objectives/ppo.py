@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cells.trainer.objectives.config import KLInLoss, ObjectiveConfig
-from cells.trainer.objectives.correction import Correction, apply_correction, as_bool_mask
-from cells.trainer.objectives.custom import LossInputs, custom_pg_loss
-from cells.trainer.objectives.kl import kl_estimate, kl_loss
-from cells.trainer.objectives.ratios import check_same_shape
+from cells.rl.objectives.config import KLInLoss, ObjectiveConfig
+from cells.rl.objectives.correction import Correction, apply_correction, as_bool_mask
+from cells.rl.objectives.custom import LossInputs, custom_pg_loss
+from cells.rl.objectives.kl import kl_estimate, kl_loss
+from cells.rl.objectives.ratios import check_same_shape
 
 PROVENANCE_EXACT = 0
 """Provenance code: lp_old was scored exactly at the behaviour version."""
@@ -211,7 +211,7 @@ def decoupled_ppo_loss(
 def _custom_loss(cfg: ObjectiveConfig, lp_theta: Tensor, lp_prox: Tensor, lp_behav: Tensor, adv: Tensor,
                  m: Tensor, tw: TokenWeights, scale: Tensor | float, log_r_t: Tensor,
                  versions_behind: Tensor | None) -> tuple[Tensor, dict[str, Tensor]]:
-    """The configured loss of one's own on this micro-batch (cells/trainer/objectives/custom.py)."""
+    """The configured loss of one's own on this micro-batch (cells/rl/objectives/custom.py)."""
     keep = tw.keep
     return custom_pg_loss(cfg.loss, LossInputs(
         lp_theta=lp_theta, lp_prox=lp_prox.detach(), lp_behav=lp_behav.detach(),

@@ -1,4 +1,4 @@
-"""The tree side of one RL update: what cells/training/update.py does for a row, for a tree.
+"""The tree side of one RL update: what cells/rl/update.py does for a row, for a tree.
 
 One line: detached forwards over the serialised tree at the update's start (lp_prox, the EWMA
 stand-in, the reference) → one advantage per kept branch (task advantage − beta·KL of that
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cells.trainer.objectives import (
+from cells.rl.objectives import (
     KLInReward,
     apply_correction,
     kl_reward_penalty,
@@ -26,7 +26,7 @@ from cells.trainer.objectives import (
     tree_ppo_loss,
     update_kl_terms,
 )
-from cells.training.trees import TreeUnit
+from cells.rl.trees import TreeUnit
 
 
 @dataclass
@@ -76,7 +76,7 @@ def tree_loss(learner: Any, u: TreeUnit, s: TreeStart, lp_theta: Tensor, n0: Ten
     """The tree's share of its minibatch's loss (normalised by the global N0, or under a
     sequence-level aggregation by S and each branch's tokens) and its metrics (counting
     (branch, token) pairs). Its sequences are its branches."""
-    from cells.training.update import agg_scale
+    from cells.rl.update import agg_scale
 
     scale = agg_scale(learner.objective, u.mask.sum(1).to(torch.float32), s0)
     return tree_ppo_loss(u.ser, lp_theta, s.lp_prox, u.behav, s.adv, learner.objective, lp_old=u.old,

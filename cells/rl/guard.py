@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cells.trainer.objectives import update_kl_terms
-from cells.training.batch import pad
-from cells.training.reduce import Reducer
-from cells.training.tree_loss import approx_kl_sum
+from cells.rl.batch import pad
+from cells.rl.objectives import update_kl_terms
+from cells.rl.reduce import Reducer
+from cells.rl.tree_loss import approx_kl_sum
 
 
 @dataclass

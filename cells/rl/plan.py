@@ -6,7 +6,7 @@ contiguous) → each minibatch split across the ranks by token shares → one JS
 The unit of all of it is the member (one rollout): a forked episode's branch sessions are one
 member of their group (its reward for the group statistics is the mean of its branches', each
 branch keeps its own advantage), stay together in one minibatch on one rank, and count their
-(branch, token) pairs in N0 (cells/training/trees.py).
+(branch, token) pairs in N0 (cells/rl/trees.py).
 
 The update must not depend on how many cells train, so everything that needs the whole batch
 is decided here, once: the group statistics of the advantages (the task reward only; a KL
@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from cells.trainer.objectives import ObjectiveConfig, member_advantages
-from cells.trainer.objectives.config import TreeConfig
-from cells.training.batch import segments, usable
-from cells.training.trees import build_tree, is_tree, members
+from cells.rl.batch import segments, usable
+from cells.rl.objectives import ObjectiveConfig, member_advantages
+from cells.rl.objectives.config import TreeConfig
+from cells.rl.trees import build_tree, is_tree, members
 
 WIRE_KEYS = ("id", "reward", "group_id", "segment_starts", "token_ids", "loss_mask", "logprobs",
              "versions", "old_logprobs", "provenance")

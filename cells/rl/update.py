@@ -4,10 +4,10 @@ the cells of a training group.
 One line: detached forwards at the start (lp_prox, the EWMA stand-in, the reference) → per
 sequence advantage (task advantage − beta·KL when the KL is in the reward) → per minibatch:
 forward/backward on this rank's rows and trees → sum the gradients over the ranks → clip →
-AdamW step → EWMA → sum the metrics → the trust-region guard (cells/training/guard.py: an update
+AdamW step → EWMA → sum the metrics → the trust-region guard (cells/rl/guard.py: an update
 that moved the policy past `max_update_kl` is rolled back whole). One published version per
 update, one optimizer step per minibatch. A forked episode is one tree
-(cells/training/tree_loss.py): one forward over its serialised tokens, the tree loss with one
+(cells/rl/tree_loss.py): one forward over its serialised tokens, the tree loss with one
 advantage per branch.
 
 Every rank applies the same summed gradient to the same state, so the states stay equal; the
@@ -23,7 +23,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cells.trainer.objectives import (
+from cells.rl import guard
+from cells.rl.batch import Batch, pad
+from cells.rl.objectives import (
     KLInReward,
     apply_correction,
     decoupled_ppo_loss,
@@ -31,12 +33,10 @@ from cells.trainer.objectives import (
     token_weights,
     update_kl_terms,
 )
-from cells.trainer.objectives.custom import loss_metric_names
-from cells.training import guard
-from cells.training.batch import Batch, pad
-from cells.training.plan import Share, mask_stale
-from cells.training.reduce import Reducer, sum_gradients
-from cells.training.tree_loss import (
+from cells.rl.objectives.custom import loss_metric_names
+from cells.rl.plan import Share, mask_stale
+from cells.rl.reduce import Reducer, sum_gradients
+from cells.rl.tree_loss import (
     approx_kl_sum,
     batch_counts,
     correction_sums,
@@ -272,7 +272,7 @@ def _local_sums(learner: Any, b: Batch | None, pre: dict, rows: list[int], lt_ro
                               learner.objective, **_extra(b, pre, idx), num_tokens=n0, normalizer=normalizer,
                               token_scale=agg_scale(learner.objective, pre["seq_len"][idx], s0),
                               seq_index=b.traj[idx])
-    # KL(pi_prox || this step's pi), the importance-weighted k3 (cells/trainer/objectives/kl.py)
+    # KL(pi_prox || this step's pi), the importance-weighted k3 (cells/rl/objectives/kl.py)
     kl = update_kl_terms(pre["lp_prox"][idx], lt, b.behav[idx], b.mask[idx], learner.objective.update_kl_is_cap)
     return _as_sums(sum_keys(learner.objective), m, len(rows), kl)
 

@@ -6,8 +6,8 @@ same row tile -- so at the first update on a version sampled and scored in batch
 mode lp_theta equals the cells' old log-probs bitwise (reported as `frac_bitwise_equal`).
 
 One `rl_step` is one RL update (one published version) over a batch of trajectories in the
-store's `to_api` format, run in this process by cells/training/update.py -- the code the
-training cells run on their shares of the same plan (cells/training/plan.py): group-relative
+store's `to_api` format, run in this process by cells/rl/update.py -- the code the
+training cells run on their shares of the same plan (cells/rl/plan.py): group-relative
 advantages of the task reward per `group_id`, each segment of a session its own sequence,
 `minibatches` optimizer steps with lp_prox from one detached forward at the start of the
 update, the PPO-EWMA stand-in where old log-probs are missing or unscored, and KL to the
@@ -19,7 +19,7 @@ materialises a dense gradient of the whole table per use -- on CPU most of a ste
 Each micro-batch therefore uses a leaf copy of only the rows its tokens and the output ids
 touch, ids remapped monotonically; the same rows in the same order enter the same kernels, so
 the log-probs are bitwise those of the full model (tested), and the rows' gradient is added
-back into the full table once (cells/trainer/vocab_rows.py).
+back into the full table once (cells/rl/vocab_rows.py).
 
 The learnability check (warm-up, then RL vs an lr = 0 control): cells/trainer/learnability.py."""
 
@@ -36,15 +36,15 @@ from torch import Tensor
 from cells.engine.embedded.layers import rope_tables
 from cells.engine.embedded.model import check_weights, prepare, token_logprobs
 from cells.engine.embedded.model_spec import ModelSpec
-from cells.trainer.lr_schedule import LRSchedule
-from cells.trainer.objectives import PPOEWMA, ObjectiveConfig, SerializedTree
-from cells.trainer.objectives.config import ewma_window
-from cells.trainer.vocab_rows import EMBED, HEAD, VocabRows, id_ranges
-from cells.training.batch import EXACT, MISSING  # noqa: F401  (re-exported)
-from cells.training.plan import plan_update
-from cells.training.reduce import LocalReducer
-from cells.training.trees import tree_token_logprobs
-from cells.training.update import run_update
+from cells.rl.batch import EXACT, MISSING  # noqa: F401  (re-exported)
+from cells.rl.lr_schedule import LRSchedule
+from cells.rl.objectives import PPOEWMA, ObjectiveConfig, SerializedTree
+from cells.rl.objectives.config import ewma_window
+from cells.rl.plan import plan_update
+from cells.rl.reduce import LocalReducer
+from cells.rl.trees import tree_token_logprobs
+from cells.rl.update import run_update
+from cells.rl.vocab_rows import EMBED, HEAD, VocabRows, id_ranges
 
 STATE_FORMAT = 1
 
@@ -97,7 +97,7 @@ class Learner:
         self.minibatches = minibatches
         """Optimizer steps per RL update (k >= 2 lets the clip bind from the second; docs/RL.md)."""
         self.schedule = LRSchedule(lr_warmup_steps, lr_schedule, lr_total_steps, lr_min_ratio)
-        """RL's learning-rate schedule (cells/trainer/lr_schedule.py)."""
+        """RL's learning-rate schedule (cells/rl/lr_schedule.py)."""
         self.rl_start_step: int | None = None
         """The optimizer step RL started at (`start_rl`); None: no RL learning-rate warm-up."""
         self.compute_s = {"forward": 0.0, "backward": 0.0}
@@ -291,7 +291,7 @@ class Learner:
     def tree_logprobs(self, weights: dict[str, Tensor], tree: SerializedTree, grad: bool
                       ) -> tuple[Tensor, dict[str, Tensor], Tensor | None]:
         """Per-token log-probs (L,) of a serialised rollout tree under `weights`, from one
-        forward in which each node attends to its own path (cells/training/trees.py); equal to
+        forward in which each node attends to its own path (cells/rl/trees.py); equal to
         each branch's own forward at the cells' tile."""
         spec, w, rows, (ids,) = self._vocab.compact(weights, [tree.token_ids], grad)
         with torch.set_grad_enabled(grad):

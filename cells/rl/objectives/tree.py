@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from cells.trainer.objectives.config import ObjectiveConfig, TreeConfig
-from cells.trainer.objectives.ppo import decoupled_ppo_loss
+from cells.rl.objectives.config import ObjectiveConfig, TreeConfig
+from cells.rl.objectives.ppo import decoupled_ppo_loss
 
 MAX_BRANCHES = 5
 """At most this many root-to-leaf branches are kept per tree."""

@@ -3,7 +3,7 @@
 One line: a member's branch sessions (`sid`, `sid.b1`, ...) → their tree (the root is the
 prefix they share, each branch's remainder a leaf) → the kept branches serialised once → one
 forward over the serialised tokens (a node attends to its ancestors' keys only, position =
-depth) → `tree_ppo_loss` with one advantage per branch (cells/training/tree_loss.py).
+depth) → `tree_ppo_loss` with one advantage per branch (cells/rl/tree_loss.py).
 
 Per token, the tree keeps the data of the session that sampled it: the shared prefix was
 sampled once, by branch 0 (the others got the same tokens from the gateway's render of the
@@ -16,6 +16,7 @@ each with its own behaviour log-prob, not one node. A member whose sessions cann
 
 from __future__ import annotations
 
+import re
 import zlib
 from collections import Counter
 from collections.abc import Sequence
@@ -26,9 +27,8 @@ import torch
 from torch import Tensor
 
 from cells.engine.embedded.model import Prepared, Segment, forward, output_logprobs
-from cells.trainer.groups import member_id
-from cells.trainer.objectives.config import TreeConfig
-from cells.trainer.objectives.tree import (
+from cells.rl.objectives.config import TreeConfig
+from cells.rl.objectives.tree import (
     RolloutTree,
     SerializedTree,
     select_branches_for,
@@ -37,6 +37,14 @@ from cells.trainer.objectives.tree import (
 
 TokenFields = tuple[float, float, bool, bool, int]
 """(lp_behav, lp_old, missing, unscored, version) of one token (zeros / −1 outside the mask)."""
+
+
+_BRANCH = re.compile(r"\.b\d+$")
+
+
+def member_id(trajectory: dict[str, Any]) -> str:
+    """The rollout a trajectory belongs to: its session id without a `.b<k>` branch suffix."""
+    return _BRANCH.sub("", str(trajectory["id"]))
 
 
 def token_fields(t: dict[str, Any], i: int, sampled: bool) -> TokenFields:

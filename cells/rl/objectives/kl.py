@@ -28,8 +28,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from cells.trainer.objectives.correction import as_bool_mask
-from cells.trainer.objectives.ratios import check_same_shape
+from cells.rl.objectives.correction import as_bool_mask
+from cells.rl.objectives.ratios import check_same_shape
 
 Estimator = Literal["k1", "k2", "k3"]
 LossEstimator = Literal["k2", "k3"]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cells.trainer.objectives.config import (
+from cells.rl.objectives.config import (
     CorrectionConfig,
     MISSequenceCorrection,
     MISTokenCorrection,
@@ -30,7 +30,7 @@ from cells.trainer.objectives.config import (
     TISSequenceCorrection,
     TISTokenCorrection,
 )
-from cells.trainer.objectives.ratios import check_same_shape
+from cells.rl.objectives.ratios import check_same_shape
 
 LOG_RHO_CLAMP = 20.0
 """log rho is clamped to [−20, 20] before exponentiation so that c stays finite."""

@@ -2,7 +2,7 @@
 
 Each segment of a session with sampled tokens is its own sequence; token t of a row is at
 column t. A forked episode (a member with branch sessions `sid.b<k>`) is one serialised tree
-instead (cells/training/trees.py). Built on whichever process runs the compute (a training
+instead (cells/rl/trees.py). Built on whichever process runs the compute (a training
 cell, or the coordinator when no cell trains) from the JSON trajectories of its share.
 """
 
@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cells.trainer.objectives.config import TreeConfig
-from cells.training.trees import TreeUnit, build_tree, is_tree, members, token_fields
+from cells.rl.objectives.config import TreeConfig
+from cells.rl.trees import TreeUnit, build_tree, is_tree, members, token_fields
 
 EXACT, MISSING = "exact", "missing"
 """Provenance values of the store's trajectories (None: not scored yet)."""

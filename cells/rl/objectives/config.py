@@ -224,7 +224,7 @@ class ObjectiveConfig(_Strict):
     max_update_kl: float | None = Field(default=0.1, gt=0)
     """Trust-region guard: an RL update whose k3 estimate of KL(π_prox ‖ π_new) over its batch's
     kept tokens (`update_kl_terms`) exceeds this is rejected whole and counted, and publishes
-    nothing (cells/training/guard.py). None: off (no snapshot of the optimizer state is kept).
+    nothing (cells/rl/guard.py). None: off (no snapshot of the optimizer state is kept).
     The default is derived from `bench/lr_sweep.py` in docs/RL.md (about 7× the largest update
     at the shipped learning rate, below the updates of every run that ended worse)."""
     update_kl_is_cap: float = Field(default=2.0, gt=1)
@@ -250,7 +250,7 @@ class ObjectiveConfig(_Strict):
     GSPO sets near 3e-4 and 4e-4; every token of the sequence carries s; a tree's sequences are
     its branches)."""
     loss: str | None = Field(default=None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-    """A loss of one's own, "package.module:function" (cells/trainer/objectives/custom.py has the
+    """A loss of one's own, "package.module:function" (cells/rl/objectives/custom.py has the
     signature and an example). Imported only from the local configuration of the trainer and
     of each cell, never from a name sent over the wire: a cell refuses a step whose
     coordinator names another."""

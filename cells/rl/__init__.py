@@ -1,0 +1,15 @@
+"""The RL maths, imported by both the trainer process and the cells' training ranks; it imports
+neither (`tests/test_shape.py`).
+
+    objectives    advantages, ratios, train/inference correction, PPO and its variants, KL, trees
+    batch         trajectories (JSON) to padded token tensors
+    plan          the coordinator's split of an update: advantages, minibatches, token shares
+    update        one RL update on one rank (1 rank: the learner alone; n: a training group)
+    guard         the trust-region guard: the update's KL to the policy it started from
+    trees         tree rollouts: shared prefixes computed once
+    tree_loss     the losses over a tree's tokens
+    reduce        sums over the ranks: gradients on the union of touched vocabulary rows
+    learner       parameters, optimizer, EWMA and reference copies; one process's update
+    lr_schedule   the learning-rate schedule
+    vocab_rows    the vocabulary rows a step touches
+"""
