@@ -262,11 +262,13 @@ class Controller:
     def _rewind(self, fx: Effects, req: RequestRow, first: int, reason: str) -> int | None:
         """Trust's take-back of a live request's tokens from buffer index `first` on: when no
         client was shown them, they are removed and sampled again elsewhere (returns how many);
-        else None (the caller re-places the request as it is and keeps its session from training)."""
+        else None (the caller keeps the session from training; a request still live goes on
+        as it is)."""
         if not self.completions.unshown_from(req, first):
             return None
         n = self.ownership.rewind(fx, req, first - req.base, reason)
-        self.completions.rewound(req, first - req.base)
+        if n is not None:
+            self.completions.rewound(req, first - req.base)
         return n
 
     def finish_session(self, session_id: str, reward: float, group_id: str | None) -> dict:

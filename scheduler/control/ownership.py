@@ -116,17 +116,18 @@ class Ownership:
             fx.send(old, lambda i: cmd(i, rid))
         self.ctx.kick()
 
-    def rewind(self, fx: Effects, req: RequestRow, keep: int, reason: str) -> int:
+    def rewind(self, fx: Effects, req: RequestRow, keep: int, reason: str) -> int | None:
         """Take back the request's generated tokens from `keep` on — no client was shown them
         (the caller checked) — and re-place it, so a trusted cell samples them again from
         there (with the request's own seed: the same tokens in batch-invariant mode). Its
-        owner, if any, is told to drop it. Returns the tokens removed. Inside a durable txn."""
+        owner, if any, is told to drop it. Returns the tokens removed; None when the request
+        was stuck and ended instead (nothing taken back). Inside a durable txn."""
         assert 0 <= keep <= req.num_generated, (req.id, keep, req.num_generated)
         if req.cell_id is not None:
             self.revoke(fx, req, f"rewound: {reason}")
             req = self.ctx.store.owners.get_request(req.id)
             if req.state == "failed":  # stuck: revoke ended it
-                return 0
+                return None
         n = self.ctx.store.sessions.truncate(req.session_id, req.base + keep)
         req.num_generated = keep
         self.ctx.store.owners.put_request(req)

@@ -346,6 +346,7 @@ class Trust:
                             req.id, n, first, reason)
                 fx.later(lambda: metrics.tokens_resampled.inc(n))
                 return
+            req = store.owners.active_request_for_session(session_id)  # (a stuck one ended meanwhile)
         if req is not None and req.cell_id is not None and self.requeue_request is not None:
             self.requeue_request(fx, req, reason)  # it goes on from what its client saw, on a trusted cell
         store.sessions.taint(session_id)

@@ -531,3 +531,26 @@ def test_a_body_longer_than_any_prompt_the_model_takes_is_refused_unread(h):
     small = h.client.post("/v1/generate", json={"prompt_ids": [1, 2, 5000], "max_tokens": 1},
                           headers=h.auth("agent"))
     assert small.json()["reason"] == "bad_token"  # under the bound: the route itself read and judged it
+
+
+def test_a_request_that_ends_stuck_while_taken_back_keeps_its_session_from_training(h):
+    """Edge of the take-back: re-placing the request is refused as stuck (taken from its owners
+    too often without a token), so it ends instead of being sampled again: nothing was taken
+    back, and the session holding the quarantined cell's tokens is never trained on."""
+    from scheduler.control.ownership import MAX_FRUITLESS_REPLACEMENTS
+
+    cells = _cells(h, 2)
+    fut = h.complete({"prompt_ids": [1, 2, 3], "max_tokens": 8}, session="stuck", headers=h.auth("agent"))
+    holder = _placed(h, cells, fut)
+    holder.step(2)
+    holder.sync()
+    rid = next(iter(holder.held))
+    h.ctl.ownership.fruitless[rid] = MAX_FRUITLESS_REPLACEMENTS - 1
+    holder.pending_tokens.append({"request_id": rid, "epoch": 1, "start": 2, "records": [[1010, -0.1, 0, False]],
+                                  "finish_reason": None})
+    assert holder.sync(expect=409)["reason"] == "fenced"
+    answer = fut.result(timeout=30).json()
+    assert answer["finish_reason"].startswith("error: stuck"), answer
+    assert h.client.post("/v1/sessions/stuck/finish", json={"reward": 1.0}, headers=h.auth("trainer")).status_code == 200
+    out = h.client.get("/v1/trajectories", headers=h.auth("trainer")).json()["trajectories"]
+    assert [t.get("dropped") for t in out] == ["untrusted"]
