@@ -126,3 +126,26 @@ def test_a_broken_sharded_checkpoint_is_a_clear_error(tmp_path):
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(EngineError, match="model.norm.weight"):
         load_checkpoint(out, spec)
+
+
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_an_export_loads_in_transformers_with_the_same_log_probs(tmp_path, qk_norm):
+    """Where `transformers` is installed: the exported directory loads as a Qwen3 (or Llama)
+    model whose log-probs match the engine's (float32, up to kernel order); another seed's
+    export does not."""
+    transformers = pytest.importorskip("transformers")
+    spec = ModelSpec(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                     vocab_size=300, tie_word_embeddings=False, qk_norm=qk_norm, rope_theta=10000.0, max_position=512)
+    w = init_weights(spec, seed=3)
+    ids = [t % 300 for t in prompts(1, seed=4)[0]][:40]
+    ours = EmbeddedEngine(spec=spec, weights=w).score(ids)
+
+    def theirs(weights, name):
+        out = save_checkpoint(tmp_path / name, spec, weights)
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].float()
+        return torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+    assert torch.allclose(theirs(w, "same"), ours, atol=1e-4)
+    assert not torch.allclose(theirs(init_weights(spec, seed=4), "other"), ours, atol=1e-4)  # negative control
