@@ -141,7 +141,6 @@ class CellAgent:
 
     def run(self, stop: threading.Event) -> None:
         """Register, then run the engine loop on a thread and the sync loop here until `stop`."""
-        log_long_pauses(log)
         self.register()
         engine_thread = threading.Thread(target=self._engine_loop, args=(stop,), name="engine", daemon=True)
         engine_thread.start()
@@ -244,6 +243,7 @@ class CellAgent:
         collection (~140 ms of every thread at the small test model) runs every 5 minutes when
         no request is in flight (at most 30 minutes late), not mid-stream."""
         self.gc_policy = GcPolicy(time.monotonic, freeze_every_s=1.0, full_every_s=300.0, max_defer_s=1800.0)
+        log_long_pauses(log)
 
     def _sync_loop(self, stop: threading.Event) -> None:
         """Ship tokens and events as soon as there are any; otherwise renew the lease every

@@ -62,7 +62,9 @@ class GcPolicy:
 
 def log_long_pauses(log: logging.Logger, threshold_s: float = 0.05) -> None:
     """Log every collection that held the process longer than `threshold_s` (every thread
-    waits on it: decoding, the sync loop, a migration's sends)."""
+    waits on it: decoding, the sync loop, a migration's sends). Once per process."""
+    if any(getattr(cb, "logs_long_pauses", False) for cb in gc.callbacks):
+        return
     started: list[float] = []
 
     def on_gc(phase: str, info: dict) -> None:
@@ -72,4 +74,5 @@ def log_long_pauses(log: logging.Logger, threshold_s: float = 0.05) -> None:
             log.warning("garbage collection (generation %d) held the process %.0f ms", info.get("generation", -1),
                         took * 1e3)
 
+    on_gc.logs_long_pauses = True  # type: ignore[attr-defined]
     gc.callbacks.append(on_gc)

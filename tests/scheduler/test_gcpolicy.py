@@ -55,3 +55,20 @@ def test_a_cell_defers_the_full_collection_while_busy_at_most_max_defer():
         assert len(pauses) == 2
     finally:
         gc.unfreeze()
+
+
+def test_long_pauses_are_logged_once_per_process(caplog):
+    import logging
+
+    from scheduler.contract.gcpolicy import log_long_pauses
+
+    before = list(gc.callbacks)
+    try:
+        log_long_pauses(logging.getLogger("t"), threshold_s=0.0)
+        log_long_pauses(logging.getLogger("t"), threshold_s=0.0)  # a second agent in the process
+        assert sum(getattr(cb, "logs_long_pauses", False) for cb in gc.callbacks) == 1
+        with caplog.at_level(logging.WARNING, logger="t"):
+            gc.collect()
+        assert len([r for r in caplog.records if "garbage collection" in r.getMessage()]) == 1
+    finally:
+        gc.callbacks[:] = before
