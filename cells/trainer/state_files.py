@@ -1,15 +1,15 @@
-"""Training state on disk without pickle: a directory of `state.safetensors` (every tensor) and
-`manifest.json` (the structure around them, its numbers and strings, and the tensor file's
-SHA-256).
+"""Training state on disk without pickle: below a checkpoint root, a directory of
+`state.safetensors` (every tensor) and `manifest.json` (the structure around them, its numbers
+and strings, and the tensor file's SHA-256), named by the root's `LATEST` file.
 
 A nested state (dicts, lists, tuples, tensors, numbers, strings, None) is written as it is:
 a tensor becomes `{"__tensor__": "its/path"}` in the manifest and one entry of the safetensors
 file, a dict whose keys are not all strings (an optimizer's per-parameter state) becomes
 `{"__items__": [[key, value], ...]}`, a tuple `{"__tuple__": [...]}`, a non-finite float
 `{"__float__": "nan" | "inf" | "-inf"}`: `load_state` gives back an equal structure, tensors
-bitwise. The directory is written beside its final name and renamed into place, so a crash
-mid-write leaves the previous state whole; a tensor file that does not match the manifest's
-hash is refused.
+bitwise. Each save writes a new directory and only then points `LATEST` at it (an atomic
+rename), so a crash at any moment leaves the previous state whole; a tensor file that does not
+match the manifest's hash is refused.
 
 Sizes at Qwen3-32B (32.8e9 parameters, fp32 params + 2 Adam moments + EWMA + reference): 5 x 4 B
 x 32.8e9 = 656 GB per full state — one file per training rank's shard once state is sharded
@@ -23,6 +23,7 @@ import json
 import math
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -85,46 +86,58 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+LATEST = "LATEST"
+"""The file naming the newest complete state directory below a checkpoint root."""
+
+
 def save_state(path: str | Path, state: dict[str, Any]) -> Path:
-    """Write `state` to the directory `path` (replacing a previous one there atomically)."""
+    """Write `state` below the checkpoint root `path`: a new directory, then `LATEST` naming it
+    (replaced atomically), then the older directories removed. A crash at any point leaves the
+    previous state whole and named. Returns the new directory."""
     root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     tree = _encode(state, "", tensors)
-    tmp = root.with_name(f".{root.name}.tmp-{os.getpid()}")
+    name = f"state-{time.time_ns():x}"
+    tmp = root / f".{name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp.mkdir()
     save_file(tensors, str(tmp / TENSORS))
     manifest = {"format": FORMAT, "tensors_sha256": _sha256(tmp / TENSORS), "num_tensors": len(tensors),
                 "state": tree}
     (tmp / MANIFEST).write_text(json.dumps(manifest, allow_nan=False))
-    old = root.with_name(f".{root.name}.old-{os.getpid()}")
-    if root.exists():
-        os.replace(root, old)
-    os.replace(tmp, root)
-    shutil.rmtree(old, ignore_errors=True)
-    return root
+    os.replace(tmp, root / name)
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(name)
+    os.replace(pointer, root / LATEST)
+    for old in root.iterdir():
+        if old.name not in (name, LATEST):
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+    return root / name
 
 
 def load_state(path: str | Path) -> dict[str, Any]:
-    """Read back what `save_state` wrote; a missing, foreign or altered file is a StateFileError."""
+    """Read back the newest state `save_state` wrote below `path`; a missing, foreign or
+    altered file is a StateFileError."""
     root = Path(path)
     try:
-        manifest = json.loads((root / MANIFEST).read_text())
+        d = root / (root / LATEST).read_text().strip()
+        manifest = json.loads((d / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise StateFileError(f"cannot read {root / MANIFEST}: {e}") from None
+        raise StateFileError(f"cannot read the state below {root}: {e}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise StateFileError(f"{root / MANIFEST} is not a {FORMAT} manifest")
-    if not (root / TENSORS).is_file():
-        raise StateFileError(f"{root / TENSORS} is missing")
-    if _sha256(root / TENSORS) != manifest.get("tensors_sha256"):
-        raise StateFileError(f"{root / TENSORS} does not match its manifest's SHA-256 (altered or truncated)")
-    with safe_open(str(root / TENSORS), framework="pt", device="cpu") as f:
+        raise StateFileError(f"{d / MANIFEST} is not a {FORMAT} manifest")
+    if not (d / TENSORS).is_file():
+        raise StateFileError(f"{d / TENSORS} is missing")
+    if _sha256(d / TENSORS) != manifest.get("tensors_sha256"):
+        raise StateFileError(f"{d / TENSORS} does not match its manifest's SHA-256 (altered or truncated)")
+    with safe_open(str(d / TENSORS), framework="pt", device="cpu") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     return _decode(manifest["state"], tensors)
 
 
 def exists(path: str | Path) -> bool:
-    return (Path(path) / MANIFEST).is_file()
+    return (Path(path) / LATEST).is_file()
 
 
 __all__ = ["StateFileError", "exists", "load_state", "save_state"]

@@ -52,7 +52,7 @@ def test_rl_steps_flip_migrate_score_and_retire(tmp_path):
         for v in versions:
             if v["state"] == "retired":
                 assert v["tokens_unscored"] == 0 and v["tokens_scored"] + v["tokens_missing"] == v["tokens_generated"]
-        assert (tmp_path / "ckpt" / "trainer-state" / "manifest.json").exists()  # safetensors + JSON
+        assert (tmp_path / "ckpt" / "trainer-state" / "LATEST").exists()  # safetensors + JSON, named by LATEST
         assert summary["coordinator_forward_s"] == 0.0 and summary["coordinator_backward_s"] == 0.0, summary
         assert summary["max_train_cells"] >= 2 and summary["coordinator_fallbacks"] == 0, summary
         assert all(s["coordinator_backward_s"] == 0.0 and s["train_cells"] >= 1 for s in steps), steps

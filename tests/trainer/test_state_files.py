@@ -36,8 +36,9 @@ def _equal(a, b) -> bool:
 
 def test_a_state_comes_back_bitwise_with_its_structure(tmp_path):
     state = _state()
-    save_state(tmp_path / "s", state)
-    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["manifest.json", "state.safetensors"]
+    d = save_state(tmp_path / "s", state)
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["LATEST", d.name]
+    assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "state.safetensors"]
     back = load_state(tmp_path / "s")
     assert _equal(state, back)
     assert 0 in back["optimizer"]["state"] and isinstance(back["optimizer"]["param_groups"][0]["betas"], tuple)
@@ -55,23 +56,27 @@ def test_a_state_comes_back_bitwise_with_its_structure(tmp_path):
     assert not _equal(other, back)
 
 
-def test_a_second_save_replaces_the_first_whole(tmp_path):
-    save_state(tmp_path / "s", {"x": torch.zeros(2)})
-    save_state(tmp_path / "s", {"x": torch.ones(2), "y": 1})
+def test_a_second_save_replaces_the_first_whole_and_a_crash_between_keeps_the_first(tmp_path):
+    first = save_state(tmp_path / "s", {"x": torch.zeros(2)})
+    second = save_state(tmp_path / "s", {"x": torch.ones(2), "y": 1})
     back = load_state(tmp_path / "s")
     assert torch.equal(back["x"], torch.ones(2)) and back["y"] == 1
-    assert [p.name for p in tmp_path.iterdir()] == ["s"]  # no temporary left behind
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["LATEST", second.name]  # nothing else left
+    assert not first.exists()
+    # a crash after the new directory was written but before LATEST named it: the previous state
+    (tmp_path / "s" / "state-crashed").mkdir()
+    (tmp_path / "s" / "state-crashed" / "manifest.json").write_text("{")
+    assert load_state(tmp_path / "s")["y"] == 1
 
 
 def test_an_altered_or_foreign_state_is_refused(tmp_path):
-    save_state(tmp_path / "s", {"x": torch.arange(1000.0)})
-    f = tmp_path / "s" / "state.safetensors"
+    f = save_state(tmp_path / "s", {"x": torch.arange(1000.0)}) / "state.safetensors"
     raw = bytearray(f.read_bytes())
     raw[-1] ^= 0xFF
     f.write_bytes(bytes(raw))
     with pytest.raises(StateFileError, match="SHA-256"):
         load_state(tmp_path / "s")
-    (tmp_path / "s" / "manifest.json").write_text(json.dumps({"format": "other"}))
+    (f.parent / "manifest.json").write_text(json.dumps({"format": "other"}))
     with pytest.raises(StateFileError, match="manifest"):
         load_state(tmp_path / "s")
     with pytest.raises(StateFileError, match="cannot read"):
