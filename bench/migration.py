@@ -25,7 +25,10 @@ stream's client felt: its largest gap minus its own typical gap), stall_p50_ms i
 stall_over_control_ms the median control-subtracted figure (what the move adds to the stream's
 ordinary burstiness), stall_total_ms (median), downtime_ms (the hand-over gap, located by token
 index: from the last token the source synced to the next one, minus the typical gap), and the
-raw figures behind them (moved_/control_excess_ms: medians; stall_all_ms: every move's excess).
+raw figures behind them (moved_/control_excess_ms: medians; stall_all_ms: every move's excess;
+worst_gap_phase: where each move's largest gap lay — `flip` before the source joined the
+transfer, `copy` during the copy rounds, `hand-over` from the stop to the destination's resume,
+`after` on the destination; `+` when it spans into the next phase).
 
 Transfer rate, like for like:
 - gbps: a move's KV bytes over the time its messages spent on the link, each message from
@@ -162,6 +165,18 @@ def excess(wall: list[float], first: int, last: int, typical: float) -> tuple[fl
     return max(gaps) - typical, sum(max(0.0, g - typical) for g in gaps)
 
 
+def phase_of(t0: float, t1: float, m: dict) -> str:
+    """Where a gap (t0, t1) of the moved stream lies in its move: before the source joined the
+    transfer (the flips), during the copy rounds, from the stop to the destination's resume (the
+    hand-over), or after it (the destination decoding)."""
+    src, dst = m["source"]["marks"], m["destination"]["marks"]
+    edges = [("flip", src.get("joined")), ("copy", src.get("stop_requested")), ("hand-over", dst.get("resumed"))]
+    for name, end in edges:
+        if end is not None and t0 < end:
+            return name if t1 <= end or name == "hand-over" else f"{name}+"
+    return "after"
+
+
 def stalls(moved: list[float], control: list[float], moves: list[dict]) -> list[dict]:
     out = []
     for m in moves:
@@ -170,12 +185,14 @@ def stalls(moved: list[float], control: list[float], moves: list[dict]) -> list[
         last = next(j for j, w in enumerate(moved) if w > commit) + AFTER_COMMIT - 1
         typ = typical_gap(moved, t_cmd)
         mx, tot = excess(moved, first, last, typ)
+        worst = max(range(first, last + 1), key=lambda j: moved[j] - moved[j - 1])
         c_typ = typical_gap(control, control[first - 1])
         c_mx, c_tot = excess(control, first, last, c_typ)
         k = m["source"]["num_generated"]  # tokens before k came through the source
         out.append({"stall_s": mx - c_mx, "stall_total_s": tot - c_tot, "moved_excess_s": mx,
                     "control_excess_s": c_mx, "downtime_s": moved[k] - moved[k - 1] - typ,
-                    "window_tokens": last - first + 1, "total_s": m["source"]["total_s"]})
+                    "window_tokens": last - first + 1, "total_s": m["source"]["total_s"],
+                    "worst_gap_phase": phase_of(moved[worst - 1], moved[worst], m)})
     return out
 
 
@@ -314,7 +331,8 @@ def main() -> None:
                 "raw_transfer_ms": round(med(t for t, _ in raws) * 1e3, 2),
                 "raw_p2p_gbps": round(med(b / t / 1e9 for t, b in raws), 3), "raw_under_load": under_load,
                 "stall_all_ms": [round(p["moved_excess_s"] * 1e3, 1) for p in per],
-                "stall_over_control_all_ms": [round(p["stall_s"] * 1e3, 1) for p in per]})
+                "stall_over_control_all_ms": [round(p["stall_s"] * 1e3, 1) for p in per],
+                "worst_gap_phase": [p["worst_gap_phase"] for p in per]})
             runs.append((s, prompt, k))
             print(json.dumps(points[-1]), flush=True)
     finally:

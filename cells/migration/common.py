@@ -20,11 +20,14 @@ OnEngine = Callable[[Callable[[KVHandover], Any]], Any]
 Quiesce = Callable[[], contextlib.AbstractContextManager]
 """`with quiesce():` pauses this cell's decoding for the block (bounded by the agent)."""
 
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 4 << 20
 """Largest KV message of a copy round: bounds how long one export holds the engine lock and,
 on cells that pause decoding for a copy message (`copy_quiesce`), how long one pause lasts
-(the engine steps once between two messages): about 12 ms at loopback rates, so a stream
-feels a copy round as a slightly slower token or two, not as one long gap."""
+(the engine steps once between two messages): a few ms at loopback rates, so a stream feels a
+copy round as slightly slower tokens, not as one long gap. At 16 MB a loaded 2-core machine
+stretched single pauses to 70-87 ms (`bench/migration.py`'s worst gaps at 8k-16k, all in the
+copy rounds); at 4 MB the worst was 30 / 46 ms, the move itself taking longer (355 / 898 ms).
+On a GPU cell (no quiesce) a 4 MB NCCL message costs ~0.2 ms at 25 GB/s plus ~20 us launch."""
 
 CANCELLED = "cancelled by the scheduler"
 
