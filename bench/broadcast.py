@@ -372,7 +372,7 @@ def main() -> None:
 
     from cells.engine.embedded.model import init_weights
     from cells.engine.embedded.model_spec import resolve_spec
-    from cells.trainer.versions_host import VersionHost
+    from cells.transport.versions_host import VersionHost
 
     repeats = args.repeats or (2 if args.quick else 3)
     base = init_weights(resolve_spec(_engine_cfg().model), _engine_cfg().model.seed)

@@ -43,7 +43,7 @@ from cells.engine.embedded import EmbeddedEngine
 from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import resolve_spec
 from cells.localcluster import Cluster, Streamer, cluster_config
-from cells.trainer.versions_host import VersionHost
+from cells.transport.versions_host import VersionHost
 from scheduler.contract.config import parse_config
 
 

@@ -57,12 +57,12 @@ from common import ROOT, emit, parse_args, set_threads
 from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import PRESETS
 from cells.rl.learner import Learner
-from cells.trainer.versions_host import VersionHost
 from cells.training.bare import reply_key, request_key
 from cells.training.coordinator import TrainingCoordinator
 from cells.training.protocol import alive_key, prepared_key
 from cells.training.wire import weights_checksum
 from cells.transport.store import connect, set_json, wait_json, wait_keys
+from cells.transport.versions_host import VersionHost
 
 LR, MINIBATCHES = 1e-3, 2
 

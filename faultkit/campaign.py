@@ -225,7 +225,7 @@ class Campaign:
             else:
                 os.environ["CELLFLIP_MIGRATION_LOG"] = saved
         self.nem = Nemesis(self.cluster, self.history)
-        from cells.trainer.versions_host import VersionHost
+        from cells.transport.versions_host import VersionHost
 
         # One bucket per op: a receiver's `broadcast.mid_bucket` fires between two ops.
         self.host = VersionHost(bucket_bytes=BUCKET_BYTES, timeout_s=TRANSFER_TIMEOUT_S,

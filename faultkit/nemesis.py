@@ -215,7 +215,7 @@ def _trainer_main(args: argparse.Namespace) -> int:
     import httpx
     import yaml
 
-    from cells.trainer.versions_host import VersionHost
+    from cells.transport.versions_host import VersionHost
     from scheduler.contract.tokens import SCOPE_ENV, auth_headers
 
     cfg = yaml.safe_load(Path(args.config).read_text())

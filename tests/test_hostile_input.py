@@ -267,8 +267,8 @@ def test_servers_bind_loopback_unless_told_otherwise(tmp_path, monkeypatch):
     import inspect
 
     from cells.agent import CellAgent
-    from cells.trainer.versions_host import VersionHost
     from cells.transport.store import StoreHost
+    from cells.transport.versions_host import VersionHost
     for listener in (CellAgent.__init__, VersionHost.__init__, StoreHost.__init__):
         assert inspect.signature(listener).parameters["host"].default == "127.0.0.1", listener
 

@@ -116,6 +116,8 @@ class Commands:
     def set_role(self, cmd: SetRoleCmd) -> None:
         a = self.agent
         if cmd.role == "training":
+            if cmd.source:  # the trainer's store: the training rank's steps and jobs meet there
+                a.training.source = StoreAddress.from_dict(cmd.source)
             for rid, o in list(a.owned.items()):  # anything else left was suspended by the drain deadline
                 if not o.parked:
                     a.forget(rid, abort_engine=True)

@@ -26,6 +26,7 @@ The learnability check (warm-up, then RL vs an lr = 0 control): cells/trainer/le
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -43,7 +44,7 @@ from cells.rl.objectives.config import ewma_window
 from cells.rl.plan import plan_update
 from cells.rl.reduce import LocalReducer
 from cells.rl.trees import tree_token_logprobs
-from cells.rl.update import run_update
+from cells.rl.update import PROCESS_COMPUTE_S, run_update
 from cells.rl.vocab_rows import EMBED, HEAD, VocabRows, id_ranges
 
 STATE_FORMAT = 1
@@ -112,6 +113,7 @@ class Learner:
         """Optimizer steps taken."""
         self.cursor = 0
         """The caller's data cursor (e.g. the store's trajectory cursor); checkpointed."""
+        self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
         """The caller's RNG for data order (checkpointed)."""
         self._rope = rope_tables(spec.head_dim, spec.max_position, spec.rope_theta)
@@ -223,6 +225,13 @@ class Learner:
     def sft_step(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> dict[str, float]:
         """One optimizer step of the token-mean negative log-likelihood of the loss-masked
         tokens of `batch` ((token ids, loss mask) pairs)."""
+        t0 = time.perf_counter()
+        try:
+            return self._sft_step(batch)
+        finally:
+            PROCESS_COMPUTE_S["sft"] += time.perf_counter() - t0
+
+    def _sft_step(self, batch: Sequence[tuple[Sequence[int], Sequence[int]]]) -> dict[str, float]:
         seqs = []
         for ids, m in batch:
             mask = torch.tensor([bool(x) for x in m])
@@ -352,7 +361,7 @@ class Learner:
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Parameters, reference, EWMA, optimizer, RNG, version and data cursor: tensors and
-        JSON-able metadata only (written by cells/trainer/state_files.py: no pickle)."""
+        JSON-able metadata only (written by cells/training/state_files.py: no pickle)."""
         return {
             "params": {k: v.detach().clone() for k, v in self.params.items()},
             "reference": {k: v.clone() for k, v in self.reference.items()},

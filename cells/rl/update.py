@@ -54,10 +54,16 @@ _MEANS = {"kl": "num_kept", "mean_r_d": "num_exact", "mean_r_stale": "num_exact"
 _SUMS = ("loss", "pg_loss", "kl_loss", "approx_kl_sum", "approx_kl_weight", "num_sequences", *_COUNTS, *_MEANS)
 
 
-def run_update(learner: Any, share: Share, reducer: Reducer) -> dict[str, float]:
+PROCESS_COMPUTE_S = {"rl": 0.0, "sft": 0.0}
+"""Seconds of every update and supervised step this process ran, any learner's: the trainer
+process reports it (it computes nothing: 0)."""
+
+
+def run_update(learner: Any, share: Share, reducer: Reducer, snapshot: Any = None) -> dict[str, float]:
     """Apply one RL update (share.num_minibatches optimizer steps) to `learner` from this
     rank's `share`; every rank of `reducer` must call it with its share of the same plan.
-    Returns the update's metrics summed over the ranks (equal on every rank)."""
+    Returns the update's metrics summed over the ranks (equal on every rank). `snapshot`:
+    the start-of-update state the caller already took (`guard.take`), which the guard reuses."""
     t0, start_version = time.perf_counter(), learner.version
     # the staleness bound, checked again here: the plan left no stale token in the loss
     _, stale = mask_stale(share.trajectories, learner.version, share.staleness_bound)
@@ -68,7 +74,7 @@ def run_update(learner: Any, share: Share, reducer: Reducer) -> dict[str, float]
     pre = _start_of_update(learner, b, share)
     learner.compute_s["forward"] += time.perf_counter() - t0
     bound = learner.objective.max_update_kl
-    snap = guard.take(learner) if bound is not None else None
+    snap = (snapshot if snapshot is not None else guard.take(learner)) if bound is not None else None
     keys = sum_keys(learner.objective)
     totals = torch.zeros(len(keys), dtype=torch.float64)
     mb_losses, mb_sums, grad_norms = [], [], []
@@ -103,6 +109,7 @@ def run_update(learner: Any, share: Share, reducer: Reducer) -> dict[str, float]
                 "ewma_resets": float(learner.ewma.num_resets), "version": float(learner.version),
                 "optimizer_step": float(learner.step), "train_ranks": float(reducer.world),
                 "step_s": time.perf_counter() - t0})
+    PROCESS_COMPUTE_S["rl"] += out["step_s"]
     return out
 
 

@@ -127,6 +127,14 @@ class TrainerClient:
             "version": version, "source": {"host": host, "port": port, "namespace": namespace}},
             headers={"Idempotency-Key": key or uuid.uuid4().hex})
 
+    def export(self, version: int, path: str, dtype: str = "float32") -> dict:
+        """Ask a cell holding `version` to write it as a Hugging Face directory at `path`
+        (below its `cells.export_root`); the answer names the export to follow."""
+        return self._call("POST", f"/v1/versions/{version}/exports", json={"path": path, "dtype": dtype})
+
+    def export_state(self, export_id: str) -> dict:
+        return self._call("GET", f"/v1/exports/{export_id}")
+
     def versions(self) -> dict:
         return self._call("GET", "/v1/versions")
 

@@ -1,31 +1,35 @@
-"""The trainer process: owns what must outlive any cell's role, and drives the RL loop through
-the public REST API (the same client an external trainer uses).
+"""The trainer process: plans, commits and publishes, and drives the RL loop through the public
+REST API (the same client an external trainer uses). It holds no model state and computes
+nothing: no parameters, moments, EWMA or reference copy, no version, no forward or backward.
 
-State it owns: parameters and optimizer state (the Learner), every unretired version in host
-memory (its VersionHost, which cells broadcast from and catch up from), the reference and
-PPO-EWMA copies, the data cursor; checkpointed every few steps and resumed from.
+What it keeps: the rendezvous store the training cells and publishing cells meet on (keys
+and rendezvous only), the configuration the cells build their learners from, the newest
+commit record (metadata and per-tensor checksums), the RL loop's counters and data cursor.
+Where the rest lives:
+    training state      on the cells that computed it, parked through their rollout stints;
+                        a joining cell receives it from a peer (cells/training/join.py); a
+                        checkpoint one of them writes is the fallback
+    versions            published by a cell that computed them (cells/training/holder.py),
+                        which also serves their catch-ups; a rollout cell holding a version
+                        serves its scoring and its exports
+    the warm-up         a supervised run on one training cell (demonstrations are data)
 
 One step:
     batch   the next `batch_episodes` rollouts of whole groups (agents keep playing meanwhile)
     cells   declare the step (POST /v1/trainer/report) and bring `train_cells` cells to training
-            — the planner flips them, or the trainer does (cells/trainer/step_cells.py); their
-            in-flight rollouts move live to other cells
+            (cells/trainer/step_cells.py); their in-flight rollouts move live to other cells
     wait    until every sampled token of the batch has its old log-prob (exact, or missing)
-    train   one RL update on the training cells, data-parallel (cells/training/): this process
-            plans and coordinates, the cells compute; the new state comes back to the host copy
-    publish version v+1: host copy → POST /v1/versions → broadcast to the rollout cells
-    back    the training cells return to rollout (loading: they already hold v+1 and install it
-            locally after checking its checksum; nothing is sent to them); report the step
-    retire  superseded versions leave the host once the scheduler retired them (all scored)
-The report declares the trainer's batch size, which the staleness bound's admission rule
-counts in. This process runs no forward or backward in RL steps unless no cell could train
-(every attempt failed, or no cell reached training): then it computes the update itself,
-counted as `coordinator_fallback`. The supervised warm-up runs here.
+    train   one RL update on the training cells, data-parallel (cells/training/)
+    publish version v+1: a cell that computed it keeps and broadcasts it (POST /v1/versions
+            names the receivers)
+    back    the training cells return to rollout, installing v+1 from their own state
+    retire  superseded versions leave the publishing cells once the scheduler retired them
+A step whose every cell failed is retried with the cells the next attempt gets.
 
 Start: from the user's Hugging Face directory when `cells.engine.model.path` names one (no
 warm-up unless `trainer.warmup_steps` asks for one), else random-initialised and warmed up on
-the toy task. Every `trainer.export_every`-th published version is written as a Hugging Face
-directory (cells/engine/embedded/checkpoint.py) on a thread of its own.
+the toy task. A restarted trainer resumes at the newest commit any cell or checkpoint holds.
+Every `trainer.export_every`-th published version is exported by a cell holding it.
 """
 
 from __future__ import annotations
@@ -38,24 +42,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from cells.engine.embedded.checkpoint import load_checkpoint, save_checkpoint
 from cells.engine.embedded.layers import probe_row_invariance
-from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import resolve_spec
-from cells.rl.learner import Learner
 from cells.rl.objectives.config import ObjectiveConfig, ewma_window
-from cells.trainer import state_files
+from cells.rl.update import PROCESS_COMPUTE_S
 from cells.trainer.agents import AgentPool
 from cells.trainer.client import TrainerClient
 from cells.trainer.groups import GroupGate, num_members
 from cells.trainer.step_cells import StepCells, StepFigures
-from cells.trainer.versions_host import VersionHost
-from cells.trainer.warmup import run_warmup
-from cells.trainer.writer import BackgroundWriter
-from cells.training.coordinator import TrainingCoordinator
-from cells.training.wire import weights_checksum
+from cells.trainer.warmup import toy_demos
+from cells.training import jobs
+from cells.training import protocol as P
+from cells.training.coordinator import StepFailed, TrainingCoordinator
+from cells.training.resume import find_committed
+from cells.transport.store import StoreHost
 from scheduler.contract.config import CellflipConfig, EmbeddedEngineConfig
 
 log = logging.getLogger("cellflip.trainer")
@@ -78,6 +78,11 @@ def resolved_objective(cfg: CellflipConfig) -> ObjectiveConfig:
     obj = ObjectiveConfig.model_validate(cfg.trainer.objective)
     window = ewma_window(obj.ewma, cfg.scheduler.staleness_bound, cfg.trainer.minibatches)
     return obj.model_copy(update={"ewma": obj.ewma.model_copy(update={"staleness_window": window})})
+
+
+def trainer_compute_s() -> float:
+    """Seconds of updates and supervised steps this process computed (0: the cells did)."""
+    return sum(PROCESS_COMPUTE_S.values())
 
 
 def update_figures(metrics: dict, batch: list[dict], start_version: int, bound: int | None) -> dict:
@@ -110,55 +115,63 @@ class Trainer:
         self.client = TrainerClient(url, token)
         model = cfg.cells.engine.model
         self.spec = resolve_spec(model)
-        torch.manual_seed(self.tc.seed)
         self.pretrained = model.path
         """The user's Hugging Face directory the policy starts from (None: random-initialised)."""
-        start = load_checkpoint(model.path, self.spec) if model.path else init_weights(self.spec, model.seed,
-                                                                                          std=self.tc.init_std)
-        self.start_checksum = weights_checksum(start)
+        start = ({"kind": "path", "path": str(Path(model.path).resolve())} if model.path else
+                 {"kind": "init", "seed": model.seed, "std": self.tc.init_std})
         self.warmup_steps = self.tc.warmup_steps if self.tc.warmup_steps is not None else (0 if model.path else 300)
-        self.writer = BackgroundWriter(self._emit)
-        """Checkpoints and exports, written off the step."""
-        self.learner = Learner(self.spec, start, lr=self.tc.warmup_lr,
-                               objective=resolved_objective(cfg),
-                               tile=engine_tile(cfg), temperature=self.tc.temperature, seed=self.tc.seed,
-                               minibatches=self.tc.minibatches, lr_warmup_steps=self.tc.lr_warmup_steps,
-                               lr_schedule=self.tc.lr_schedule, lr_min_ratio=self.tc.lr_min_ratio,
-                               lr_total_steps=self.tc.steps * self.tc.minibatches)
-        self.host = VersionHost(self.tc.host, 0, bucket_bytes=cfg.versions.bucket_bytes,
-                                update_backend=cfg.versions.update_backend)
-        self.coordinator = TrainingCoordinator(self.learner, self.host.address, timeout_s=self.tc.train_timeout_s,
-                                               ack_timeout_s=self.tc.train_timeout_s, emit=self._emit)
+        self.store = self._store_host()
+        tc = self.tc
+        hyper = P.hyper_of(self.spec, resolved_objective(cfg), lr=tc.lr, minibatches=tc.minibatches,
+                           tile=engine_tile(cfg), temperature=tc.temperature, lr_warmup_steps=tc.lr_warmup_steps,
+                           lr_schedule=tc.lr_schedule, lr_total_steps=tc.steps * tc.minibatches,
+                           lr_min_ratio=tc.lr_min_ratio, seed=tc.seed)
+        self.coordinator = TrainingCoordinator(hyper, P.param_shapes(self.spec), self.store.address, start=start,
+                                               timeout_s=tc.train_timeout_s, ack_timeout_s=tc.train_timeout_s,
+                                               emit=self._emit)
         self.agents = AgentPool(url, self.tc, token=agent_token, finish_token=token, run_tag=tag)
         self.history: list[dict[str, Any]] = []
         self.batch: list[dict] = []
         self.groups = GroupGate(self.tc.group_size, deadline_s=self.tc.group_deadline_s,
                                 drop_uniform=self.tc.drop_uniform_groups)
         self.rl_step = 0
-        """RL steps taken (the learner's own count includes the warm-up's steps)."""
+        """RL steps taken."""
         self.updates_kept = self.updates_rejected = self.versions_published = 0
         """RL updates kept and rejected by the trust-region guard; versions their publishes made."""
         self.lr_scale = 1.0
         """The learning rate's factor after rejected updates (`reject_lr_backoff`, `reject_lr_recovery`)."""
         self.cells = StepCells(self.client, batch_size=self.tc.batch_episodes, train_cells=self.tc.train_cells,
                                choice=self.tc.train_cell_choice, emit=self._emit)
+        self.publishers: set[str] = set()
+        """Cells that published versions (told to drop the retired ones)."""
+        self._pending_checkpoint: tuple[str, str] | None = None
+        self._exports: list[str] = []
+
+    def _store_host(self) -> StoreHost:
+        """The rendezvous store, on the port the last incarnation of this run used where it is
+        free: training cells holding the state reconnect to it after a restart by themselves."""
+        path = self.run_dir / "store.json"
+        port = json.loads(path.read_text()).get("port", 0) if path.is_file() else 0
+        try:
+            host = StoreHost(self.tc.host, port)
+        except Exception:  # taken: a fresh port (cells learn it from the next commands)
+            host = StoreHost(self.tc.host, 0)
+        path.write_text(json.dumps({"port": host.address.port}))
+        return host
+
+    @property
+    def version(self) -> int:
+        return self.coordinator.version
 
     # -- lifecycle ------------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
         stop = stop or threading.Event()
-        self.host.start()
+        a = self.store.address
+        self.client.register_version_host(a.host, a.port)
         try:
-            resumed = self._resume()
-            if not resumed:
-                self._emit({"event": "model", "source": self.pretrained or "random", "checksum": self.start_checksum})
-                if self.warmup_steps:
-                    self._emit({"event": "warmup_start", "steps": self.warmup_steps})
-                    w = run_warmup(self.learner, steps=self.warmup_steps, batch_size=self.tc.warmup_batch,
-                                   seed=self.tc.seed, on_step=self._warmup_progress())
-                    self._emit({"event": "warmup_done", "loss": w["final_loss"], "wall_s": round(w["wall_s"], 1)})
-                self._begin_rl()
-                self._publish()
-            self.learner.lr = self.tc.lr
+            if not self._resume():
+                self._start()
+            self.coordinator.lr = self.tc.lr * self.lr_scale
             self.cells.declare(0)  # the admission rule's unit: the batch size
             self.agents.start()
             while self.rl_step < self.tc.steps and not stop.is_set():
@@ -168,63 +181,99 @@ class Trainer:
         finally:
             self.flush()
             self.agents.close()
-            self.host.close()
+            self.store.close()
             self.client.close()
 
-    def _warmup_progress(self) -> Callable[[int, float], None]:
-        """Status lines while the warm-up runs (about every 5%), with an estimate of the time
-        left, so the live view shows a progress bar instead of a silent wait."""
-        total, t0 = self.warmup_steps, time.monotonic()
-        every = max(1, total // 20)
+    def _start(self) -> None:
+        """The first state: built on a training cell from the start weights, warmed up there
+        (`warmup_steps`; 0 with a user's model), RL begun, published as version 1."""
+        self._emit({"event": "warmup_start", "steps": self.warmup_steps})
+        demos = toy_demos(self.tc.seed) if self.warmup_steps else []
+        while True:
+            self.cells.acquire(0)
+            cells = self.cells.group()
+            try:
+                m = self.coordinator.warmup(cells[0], demos, steps=self.warmup_steps, batch_size=self.tc.warmup_batch,
+                                            lr=self.tc.warmup_lr, extra=self._extra(),
+                                            on_progress=self._warmup_progress())
+                break
+            except (StepFailed, IndexError) as e:
+                self._emit({"event": "warmup_failed", "reason": str(e)[:300]})
+                self.cells.release(cells)
+                time.sleep(1.0)
+        self._emit({"event": "model", "source": self.pretrained or "random", "checksum": int(m["joined_checksum"]),
+                    "cell": cells[0]})
+        self._emit({"event": "warmup_done", "loss": m.get("final_loss"), "wall_s": round(m.get("wall_s", 0.0), 1)})
+        self._publish()
+        self.cells.release(cells)
 
-        def report(step: int, loss: float) -> None:
-            if step % every == 0 or step == total:
-                spent = time.monotonic() - t0
-                self._emit({"event": "warmup_progress", "step": step, "steps": total, "loss": round(loss, 4),
-                            "eta_s": round(spent / step * (total - step), 1)})
+    def _warmup_progress(self) -> Callable[[dict], None]:
+        """Status lines while the warm-up runs on its cell (about every 5%), with an estimate
+        of the time left, so the live view shows a progress bar instead of a silent wait."""
+        t0 = time.monotonic()
+
+        def report(p: dict) -> None:
+            step, total = int(p["step"]), int(p["steps"])
+            spent = time.monotonic() - t0
+            self._emit({"event": "warmup_progress", "step": step, "steps": total, "loss": round(p["loss"], 4),
+                        "eta_s": round(spent / max(step, 1) * (total - step), 1)})
         return report
 
+    def _extra(self, steps: int = 0, kept: int = 0, rejected: int = 0) -> dict[str, Any]:
+        """The trainer's counters as of a commit (kept with it on the cells and in checkpoints)."""
+        return {"rl_step": self.rl_step + steps, "lr_scale": self.lr_scale,
+                "updates_kept": self.updates_kept + kept, "updates_rejected": self.updates_rejected + rejected,
+                "versions_published": self.versions_published + kept}
+
     def _resume(self) -> bool:
-        path = self._ckpt_path()
-        if path is None or not state_files.exists(path):
+        """At the newest commit any cell (reconnected to this store) or checkpoint holds."""
+        found = find_committed(self.coordinator.store, [c["id"] for c in self.client.cells()], self._ckpt_path(),
+                               wait_s=self.tc.resume_wait_s)
+        if found is None:
             return False
-        state = state_files.load_state(path)
-        self.learner.load_state_dict(state["learner"])
-        self.rl_step = int(state["rl_step"])
-        self.lr_scale = float(state.get("lr_scale", 1.0))
-        self.updates_kept = int(state.get("updates_kept", 0))
-        self.updates_rejected = int(state.get("updates_rejected", 0))
-        self.client.cursor = self.learner.cursor
-        self._publish()  # cells may hold anything: give them these weights
-        self._emit({"event": "resumed", "step": self.rl_step, "version": self.learner.version})
+        commit, holders, ckpt = found
+        self.coordinator.adopt(commit, holders, ckpt)
+        e = commit.get("extra") or {}
+        self.rl_step, self.lr_scale = int(e.get("rl_step", 0)), float(e.get("lr_scale", 1.0))
+        self.updates_kept, self.updates_rejected = int(e.get("updates_kept", 0)), int(e.get("updates_rejected", 0))
+        self.versions_published = int(e.get("versions_published", 0))
+        self.client.cursor = int(commit.get("cursor") or 0)
+        known = {v["version"] for v in self.client.versions()["versions"]}
+        if commit["version"] not in known:  # committed, never published: publish it now
+            self._publish()
+        self._emit({"event": "resumed", "step": self.rl_step, "version": commit["version"],
+                    "from": "cells" if holders else "checkpoint", "holders": holders})
         return True
 
     def _ckpt_path(self) -> Path | None:
         return Path(self.tc.checkpoint_dir) / CHECKPOINT if self.tc.checkpoint_dir else None
 
     def _checkpoint(self) -> None:
-        """Copy the state now (parameters, moments, EWMA, reference, RNG, step, learning-rate
-        scale, data cursor) and write it off the step (cells/trainer/state_files.py: safetensors
-        plus a JSON manifest, renamed into place: a crash mid-write leaves the previous one)."""
+        """A cell holding the committed state writes it (parameters, moments, EWMA, reference,
+        generator, step, learning-rate position, data cursor, the trainer's counters) off its
+        step: safetensors plus a JSON manifest, renamed into place."""
         path = self._ckpt_path()
         if path is None:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.learner.cursor = self.client.cursor
-        state = {"learner": self.learner.state_dict(), "rl_step": self.rl_step, "lr_scale": self.lr_scale,
-                 "updates_kept": self.updates_kept, "updates_rejected": self.updates_rejected}
-        self.writer.submit("checkpoint", lambda: state_files.save_state(path, state), step=self.rl_step)
+        self._finish_checkpoint()
+        self._pending_checkpoint = (self.coordinator.checkpoint(str(path.resolve())), str(path.resolve()))
+
+    def _finish_checkpoint(self, timeout_s: float = 600.0) -> None:
+        if self._pending_checkpoint is None:
+            return
+        job, path = self._pending_checkpoint
+        self._pending_checkpoint = None
+        r = self.coordinator.checkpoint_done(job, path, timeout_s)
+        self._emit({"event": "checkpoint" if r.get("ok") else "checkpoint_failed", "path": path,
+                    "error": r.get("error")})
 
     def flush(self) -> None:
         """Wait for the checkpoint and exports being written."""
-        self.writer.flush()
-
-    def _begin_rl(self) -> None:
-        """The warmed-up policy is where RL starts: the KL reference (when a KL term is
-        configured) anchors at it, not at the initial weights; the optimizer's moments are
-        dropped and the RL learning-rate warm-up starts (`Learner.start_rl`)."""
-        self.learner.set_reference()
-        self.learner.start_rl()
+        try:
+            self._finish_checkpoint()
+            self._finish_exports()
+        except Exception as e:  # the store or the scheduler gone: nothing left to wait for
+            log.warning("flush: %s", e)
 
     # -- one RL step ------------------------------------------------------------------------
     def _step(self, stop: threading.Event) -> None:
@@ -243,9 +292,15 @@ class Trainer:
         batch = self.client.wait_scored(batch, timeout_s=600)
         t_scored = time.monotonic()
         cells = self.cells.group()
-        start_version, bound = self.learner.version, self._staleness_bound()
-        metrics = self.coordinator.update(batch, cells, next_version=self._next_version, cursor=self.client.cursor,
-                                          staleness_bound=bound)
+        start_version, bound = self.version, self._staleness_bound()
+        try:
+            metrics = self._update(batch, cells, bound)
+        except StepFailed as e:  # no cell could compute it: the batch waits for the next cells
+            self._emit({"event": "step_failed", "step": self.rl_step + 1, "reason": str(e)[:300]})
+            self.batch = batch + self.batch
+            self.cells.release(cells)
+            self.cells.declare(0, untrained=len(self.batch))
+            return
         self.rl_step += 1
         t_train = time.monotonic()
         if metrics.get("update_rejected"):
@@ -254,7 +309,7 @@ class Trainer:
             self.updates_rejected += 1
             self._set_lr_scale(self.lr_scale * self.tc.reject_lr_backoff)
             self._emit({"event": "update_rejected", "step": self.rl_step, "update_kl": metrics.get("update_kl"),
-                        "lr": self.learner.lr})
+                        "lr": self.coordinator.lr})
         else:
             self.updates_kept += 1
             self._set_lr_scale(min(1.0, self.lr_scale * self.tc.reject_lr_recovery))
@@ -270,6 +325,16 @@ class Trainer:
             self._checkpoint()
         self._record(batch, metrics, prov, t0, [t_batch, t_flip, t_scored, t_train])
 
+    def _update(self, batch: list[dict], cells: list[str], bound: int | None) -> dict[str, Any]:
+        """The update on the step's cells, committed with the counters it leads to."""
+        peers = [c["id"] for c in self.client.cells() if c["state"] not in ("down",)]
+        self.coordinator.lr = self.tc.lr * self.lr_scale
+        # the counters as they stand after this step, as the guard decided (the commit record
+        # carries them; a rejected update keeps its version)
+        return self.coordinator.update(batch, cells, next_version=self._next_version, cursor=self.client.cursor,
+                                       staleness_bound=bound, peers=peers,
+                                       extra=lambda kept: self._extra(1, int(kept), int(not kept)))
+
     def _record(self, batch: list[dict], metrics: dict, prov: list, t0: float, marks: list[float]) -> None:
         """The step record (trainer.jsonl, the live view, the summary)."""
         t_batch, t_flip, t_scored, t_train = marks
@@ -277,15 +342,14 @@ class Trainer:
         flips = self.cells.finished_flips()
         rec = {
             **{k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k not in ("step", "version")},
-            "event": "step", "step": self.rl_step, "version": self.learner.version,
+            "event": "step", "step": self.rl_step, "version": self.version,
             "reward": sum(rewards) / len(rewards), "episodes": num_members(batch), "sessions": len(batch),
             "tokens": len(prov), "exact": sum(p == "exact" for p in prov), "missing": sum(p == "missing" for p in prov),
             "flips": len(flips), "migrated": sum(f.get("migrated", 0) for f in flips),
             "suspended": sum(f.get("suspended", 0) for f in flips), "planner_flips": self.cells.planner_flips,
             "wait_batch_s": round(t_batch - t0, 2), "flip_s": round(t_flip - t_batch, 2),
             "wait_scored_s": round(t_scored - t_flip, 2), "train_s": round(t_train - t_scored, 2),
-            "coordinator_forward_s": round(self.learner.compute_s["forward"], 4),
-            "coordinator_backward_s": round(self.learner.compute_s["backward"], 4),
+            "trainer_compute_s": round(trainer_compute_s(), 4),
             "step_s": round(time.monotonic() - t0, 2),
             "agents": {"episodes": self.agents.stats.episodes, "lost": self.agents.stats.lost,
                        "retries": self.agents.stats.retries},
@@ -323,44 +387,69 @@ class Trainer:
 
     def _set_lr_scale(self, scale: float) -> None:
         self.lr_scale = scale
-        self.learner.lr = self.tc.lr * scale
+        self.coordinator.lr = self.tc.lr * scale
 
     def _next_version(self) -> int:
-        """The number the next published version gets: the learner's (one per RL update, what
-        staleness is measured in), and always newer than any the scheduler has seen (a
-        resumed trainer never reuses one)."""
+        """The number the next published version gets: one above the committed one (one per
+        RL update, what staleness is measured in), and always newer than any the scheduler has
+        seen (a resumed trainer never reuses one)."""
         known = [v["version"] for v in self.client.versions()["versions"]]
-        return max(self.learner.version, max(known, default=-1) + 1)
+        return max(self.version + 1, max(known, default=-1) + 1)
 
     def _publish(self) -> None:
-        """Publish the current parameters under `_next_version()`: after a training step,
-        the number the update was committed as (nothing newer was published since), which
-        the cells that computed it hold."""
+        """Publish the committed version from a cell that computed it: it keeps the weights in
+        its version host (checked against the commit's checksum), the scheduler names the
+        receivers, the cell broadcasts to them and serves the catch-ups."""
         t0 = time.monotonic()
-        version = self._next_version()
-        self.host.put(version, self.learner.weights())
-        a = self.host.address
-        r = self.client.publish(version, a.host, a.port, self.host.namespace)
-        res = self.host.broadcast(version, r["receivers"], r.get("receiver_ranks", {}))
-        self.learner.version = version
+        version, store = self.version, self.coordinator.store
+        known = {v["version"] for v in self.client.versions()["versions"]}
+        if version in known:
+            return
+        cell = self.coordinator.publisher()
+        live = [v["version"] for v in self.client.versions()["versions"] if v["state"] != "retired"]
+        put = jobs.wait(store, jobs.post(store, cell, {"op": "put", "version": version, "live": live,
+                                                       "bucket_bytes": self.cfg.versions.bucket_bytes,
+                                                       "update_backend": self.cfg.versions.update_backend}), 120.0)
+        if not put.get("ok"):
+            raise RuntimeError(f"cell {cell} could not hold version {version} for publishing: {put.get('error')}")
+        self.publishers.add(cell)
+        a = self.store.address
+        r = self.client.publish(version, a.host, a.port, put["namespace"])
+        res = jobs.wait(store, jobs.post(store, cell, {"op": "broadcast", "version": version,
+                                                       "receivers": r["receivers"],
+                                                       "receiver_ranks": r.get("receiver_ranks", {})}), 600.0)
         self._emit({"event": "published", "version": version, "receivers": len(r["receivers"]),
-                    "delivered": len(res.delivered), "failed": sorted(res.failed),
-                    "seconds": round(time.monotonic() - t0, 2)})
+                    "delivered": len(res.get("delivered", [])), "failed": sorted(res.get("failed", {})),
+                    "root": res.get("root"), "cell": cell, "seconds": round(time.monotonic() - t0, 2)})
         if self.tc.export_every and version % self.tc.export_every == 0:
             self._export(version)
 
     def _export(self, version: int) -> None:
-        """Write `version` as a Hugging Face directory off the step, from a copy of the weights."""
-        weights = {k: v.detach().clone() for k, v in self.learner.weights().items()}
-        path, dtype = Path(self.tc.export_dir) / f"v{version}", getattr(torch, self.tc.export_dtype)
-        self.writer.submit("export", lambda: save_checkpoint(path, self.spec, weights, dtype, source=self.pretrained,
-                                                             version=version), version=version, path=str(path))
+        """Ask a cell holding `version` to write it as a Hugging Face directory (off its loop)."""
+        path = str(Path(self.tc.export_dir) / f"v{version}")
+        try:
+            ex = self.client.export(version, path, self.tc.export_dtype)
+            self._exports.append(ex["id"])
+            self._emit({"event": "export", "version": version, "path": path, "id": ex["id"], "cell": ex.get("cell")})
+        except Exception as e:
+            self._emit({"event": "export_failed", "version": version, "path": path, "reason": str(e)[:300]})
+
+    def _finish_exports(self, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        for eid in self._exports:
+            while time.monotonic() < deadline:
+                ex = self.client.export_state(eid)
+                if ex["state"] not in ("pending", "writing"):
+                    self._emit({"event": "exported", "id": eid, "state": ex["state"], "path": ex.get("path")})
+                    break
+                time.sleep(0.2)
+        self._exports = []
 
     def _drop_retired(self) -> None:
-        held = set(self.host.versions())
-        for v in self.client.versions()["versions"]:
-            if v["state"] == "retired" and v["version"] in held:
-                self.host.drop(v["version"])
+        """The publishing cells drop the versions the scheduler retired."""
+        live = [v["version"] for v in self.client.versions()["versions"] if v["state"] != "retired"]
+        for cell in sorted(self.publishers):
+            jobs.post(self.coordinator.store, cell, {"op": "drop", "live": live})
 
     # -- reporting --------------------------------------------------------------------------
     def _emit(self, rec: dict[str, Any]) -> None:
@@ -377,11 +466,9 @@ class Trainer:
             "flips": sum(h["flips"] for h in steps), "migrations": sum(h["migrated"] for h in steps),
             "lost_rollouts": self.agents.stats.lost,
             "exact_frac": (sum(h["exact"] for h in steps) / tokens) if tokens else None,
-            "version": self.learner.version,
+            "version": self.version,
             "max_train_cells": max((int(h.get("train_cells", 0)) for h in steps), default=0),
-            "coordinator_forward_s": self.learner.compute_s["forward"],
-            "coordinator_backward_s": self.learner.compute_s["backward"],
-            "coordinator_fallbacks": sum(int(h.get("coordinator_fallback", 0)) for h in steps),
+            "trainer_compute_s": trainer_compute_s(),
             "updates_kept": self.updates_kept, "updates_rejected": self.updates_rejected,
             "versions_published": self.versions_published,
         }

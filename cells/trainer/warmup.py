@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from cells.rl.learner import Learner
+from cells.rl.sft import sft_steps
 from cells.trainer.toy_task import TOY_RENDERER, Demonstrator, TaskSpec, demo_token_sequences
 
 WARMUP_TEACHER = Demonstrator(p_skip=0.6)
@@ -30,6 +31,12 @@ one decision at the first token, which the group-relative advantage corrects wit
 RL steps. At 40% the RL run's lead over the lr = 0 control after a few steps was about the
 size of the batch reward's step-to-step noise (±0.1 with 8 task instances per step), while
 the RL learning rate cannot go much higher than 2e-3 without the policy collapsing."""
+
+
+def toy_demos(seed: int, num_demos: int = 512) -> list[list[list[int]]]:
+    """The toy task's warm-up demonstrations as JSON data ([token ids, loss mask] pairs): the
+    trainer makes them, a training cell trains on them."""
+    return [[list(ids), list(mask)] for ids, mask in demo_token_sequences(num_demos, seed, teacher=WARMUP_TEACHER)]
 
 
 def run_warmup(
@@ -53,27 +60,15 @@ def run_warmup(
         demos = demo_token_sequences(num_demos, seed, spec=spec, renderer=renderer,
                                      teacher=teacher or WARMUP_TEACHER)
     t_demo = time.perf_counter() - t0
-    losses = []
-    for step in range(steps):
-        idx = torch.randint(len(demos), (batch_size,), generator=learner.generator).tolist()
-        m = learner.sft_step([demos[i] for i in idx])
-        losses.append(m["loss"])
+
+    def step_done(step: int, loss: float) -> None:
         if on_step is not None:
-            on_step(step + 1, m["loss"])
-        if log_every and (step % log_every == 0 or step == steps - 1):
-            print(json.dumps({"warmup_step": step, "loss": round(m["loss"], 4),
-                              "grad_norm": round(m["grad_norm"], 3)}), flush=True)
-    tail = losses[-max(1, min(10, len(losses))):] if losses else [float("nan")]
-    return {
-        "steps": steps,
-        "batch_size": batch_size,
-        "num_demos": len(demos),
-        "first_loss": losses[0] if losses else float("nan"),
-        "final_loss": sum(tail) / len(tail),
-        "losses": losses,
-        "demo_s": t_demo,
-        "wall_s": time.perf_counter() - t0,
-    }
+            on_step(step, loss)
+        if log_every and ((step - 1) % log_every == 0 or step == steps):
+            print(json.dumps({"warmup_step": step - 1, "loss": round(loss, 4)}), flush=True)
+
+    out = sft_steps(learner, demos, steps=steps, batch_size=batch_size, on_step=step_done)
+    return {**out, "num_demos": len(demos), "demo_s": t_demo, "wall_s": time.perf_counter() - t0}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,43 +1,36 @@
-"""The trainer side of a training step: the coordinator assigns, the training cells compute.
+"""The trainer side of a training step: the coordinator plans and commits, the cells hold and
+compute. It holds no model state: a commit is metadata plus per-tensor checksums.
 
 One step, one line: plan (advantages, minibatches, token shares) → assign each training cell
-→ acks (who is alive, which state each holds) → rendezvous `all` → send the host state to
-the cells whose state is stale → wait for the result → receive the new state from rank 1,
-check every rank's checksum → install it in the host copy → commit (version v, checksum).
+→ acks (who is alive, which committed state each holds) → name the state's source → the
+cells join it (from a rank of the step, a peer cell outside it, a checkpoint, or built from
+the start weights) and report its checksum → compute → every rank reports the same
+parameters → commit (version v, the parameters' checksums, the data cursor and the trainer's
+counters) → the ranks keep it under the new tag.
 
-The host copy (the coordinator's `Learner`) stays authoritative: it changes only when a
-whole update came back and every rank reported the same parameters. Any failure (a cell
-dead or stalled mid-step, a timeout, a checksum mismatch) aborts the attempt -- the cells
-drop what they computed -- and the step is redone from the unchanged host copy with the
-cells that still answer, counted in `attempts` and logged. With no cell left, the step runs
-here (`coordinator_fallback`), so training never stops for want of cells.
+Where the committed state lives: on the ranks that computed it, through their rollout stints
+(parked in host memory, cells/training/worker.py), each announcing what it holds
+(`protocol.holds_key`); a checkpoint written by one of them (`checkpoint`) is the fallback.
+Nothing of it passes through this process: a joining rank receives it from a peer.
+
+Any failure (a cell dead or stalled mid-step, a timeout, a checksum mismatch) aborts the
+attempt: every surviving rank restores the start-of-update state it holds, and the step is
+redone with the cells that still answer, counted in `attempts`. With no cell left the step
+fails (`StepFailed`): the trainer retries it with the cells it gets next.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
+from cells.rl.objectives import ObjectiveConfig
 from cells.rl.plan import plan_update
+from cells.training import jobs
 from cells.training import protocol as P
-from cells.training.wire import (
-    pack,
-    packed_checksum,
-    params_view,
-    recv_state,
-    send_state,
-    unpack,
-    weights_checksum,
-    with_reference,
-)
-from cells.transport.p2p import TransferError, discard, join_group
 from cells.transport.store import StoreAddress, connect, get_json, set_json, wait_any, wait_keys
 from scheduler.contract.failpoints import failpoint
 
@@ -50,121 +43,133 @@ class StepFailed(RuntimeError):
         self.lost = list(lost)
 
 
-class TrainingCoordinator:
-    """Drives the training cells' steps for the host learner. `address`: the rendezvous
-    store the cells know (the version host's)."""
+class StateLost(RuntimeError):
+    """No cell and no checkpoint holds the committed state any more."""
 
-    def __init__(self, learner: Any, address: StoreAddress, *, timeout_s: float = 30.0,
-                 ack_timeout_s: float = 10.0, step_timeout_s: float = 600.0, max_attempts: int = 3,
-                 emit: Callable[[dict], None] | None = None) -> None:
-        self.learner, self.address = learner, address
+
+class TrainingCoordinator:
+    """Drives the training cells' steps. `hyper` (`protocol.hyper_of`) and `params` (name,
+    shape) describe the learner every rank builds; `start`: where the first state comes from
+    when nothing holds one (`{"kind": "init", "seed", "std"}` or `{"kind": "path", "path"}`,
+    built by each rank itself); `address`: the rendezvous store the cells know."""
+
+    def __init__(self, hyper: dict[str, Any], params: list, address: StoreAddress, *, start: dict[str, Any],
+                 timeout_s: float = 30.0, ack_timeout_s: float = 10.0, step_timeout_s: float = 600.0,
+                 max_attempts: int = 3, emit: Callable[[dict], None] | None = None) -> None:
+        self.hyper, self.params, self.address, self.start = dict(hyper), params, address, dict(start)
+        self.objective = ObjectiveConfig.model_validate_json(hyper["objective"])
+        self.minibatches = int(hyper["minibatches"])
+        self.lr = float(hyper["lr"])
         self.timeout_s, self.ack_timeout_s = timeout_s, ack_timeout_s
         self.step_timeout_s, self.max_attempts = step_timeout_s, max_attempts
         self.emit = emit or (lambda rec: log.info("%s", rec))
         self.store = connect(address, timeout_s=timeout_s)
         self.run = uuid.uuid4().hex[:8]
-        """This coordinator's incarnation: a restarted one never matches a cell's old state."""
         self.num_steps = 0
-        set_json(self.store, P.SKELETON_KEY, P.skeleton(learner))  # training cells pre-build from it
-        self._packed: dict[str, Any] | None = None
-        """The host state packed for joiners, under the tag it was packed at."""
-        self._packer: threading.Thread | None = None
-        self._spare: tuple | None = None
-        """Buffers a step's result is received into: the previous result's, once the pack
-        ahead no longer holds them (never the current one's: a failed attempt needs it), or
-        ones the pack ahead allocated and touched when those are too small (the first steps)."""
+        self.commit: dict[str, Any] | None = None
+        """The newest committed state: tag, version, step, checksum, tensors, cursor, extra."""
+        self.checkpoint_path: str | None = None
+        """The newest checkpoint a cell wrote (the state's fallback home)."""
+        self.holders: list[str] = []
+        """Cells that hold the committed state (those that computed it, newest first)."""
+        self._progress: Callable[[dict], None] | None = None
+        set_json(self.store, P.SKELETON_KEY, {"hyper": self.hyper, "params": params})
 
     @property
-    def tag(self) -> str:
-        """Names the host state: the incarnation and its optimizer step."""
-        return f"{self.run}:{self.learner.step}:{self.learner.version}"
+    def tag(self) -> str | None:
+        return None if self.commit is None else self.commit["tag"]
 
-    def update(self, trajectories: Sequence[dict], cells: Sequence[str], *,
-               next_version: Callable[[], int], shares: Sequence[float] | None = None,
-               cursor: int | None = None, staleness_bound: int | None = None) -> dict[str, Any]:
-        """One RL update on `cells` (redone without the cells that fail); the host learner
-        then holds it as version `next_version()`. Returns the update's metrics."""
-        self.num_steps += 1
+    @property
+    def version(self) -> int:
+        return 0 if self.commit is None else int(self.commit["version"])
+
+    def adopt(self, commit: dict[str, Any], holders: Sequence[str] = (), checkpoint: str | None = None) -> None:
+        """Take over a committed state found on the cells or in a checkpoint (a restart)."""
+        self.commit, self.holders, self.checkpoint_path = dict(commit), list(holders), checkpoint
+
+    # -- steps ---------------------------------------------------------------------------
+    def update(self, trajectories: Sequence[dict], cells: Sequence[str], *, next_version: Callable[[], int],
+               shares: Sequence[float] | None = None, cursor: int | None = None,
+               staleness_bound: int | None = None, extra: dict | None = None,
+               peers: Sequence[str] = ()) -> dict[str, Any]:
+        """One RL update on `cells` (redone without the cells that fail); committed as version
+        `next_version()` unless the trust-region guard rejected it. `peers`: other cells that
+        may hold the state (a joiner's source when no rank of the step does)."""
+        def plan(n: int, sh: Sequence[float] | None) -> dict[str, Any]:
+            p = plan_update(trajectories, self.objective, self.minibatches, list(sh) if sh else [1.0] * n,
+                            version=self.version, staleness_bound=staleness_bound)
+            return {"kind": "rl", "shares": [s.to_json() for s in p.shares], "plan": p}
+
+        return self._run(plan, list(cells), next_version, shares, cursor, extra, peers)
+
+    def warmup(self, cell: str, demos: list, *, steps: int, batch_size: int, lr: float,
+               extra: dict | None = None, on_progress: Callable[[dict], None] | None = None,
+               peers: Sequence[str] = ()) -> dict[str, Any]:
+        """The supervised warm-up (`steps` SFT steps on `demos`, then RL begins: reference,
+        moments dropped, version 1) on one cell, committed like an update."""
+        def plan(n: int, sh: Sequence[float] | None) -> dict[str, Any]:
+            return {"kind": "warmup", "demos": demos, "steps": steps, "batch_size": batch_size, "lr": lr}
+
+        self._progress = on_progress
         try:
-            return self._update(trajectories, list(cells), next_version, shares, cursor, staleness_bound)
+            return self._run(plan, [cell], lambda: 1, None, None, extra, peers)
         finally:
-            for c in cells:  # a cell restarting later must not take this step up again
-                self.store.delete_key(P.assign_key(c))
+            self._progress = None
 
-    def _update(self, trajectories: Sequence[dict], cells: list[str], next_version: Callable[[], int],
-                shares: Sequence[float] | None, cursor: int | None, staleness_bound: int | None) -> dict[str, Any]:
+    def _run(self, plan, cells: list[str], next_version, shares, cursor, extra, peers) -> dict[str, Any]:
+        self.num_steps += 1
         lost, attempts = [], 0
-        while cells and attempts < self.max_attempts:
-            attempts += 1
-            try:
-                out = self._attempt(trajectories, cells, attempts, next_version, shares, staleness_bound)
-            except StepFailed as e:
-                lost += e.lost
-                self.emit({"event": "train_attempt_failed", "step": self.num_steps, "attempt": attempts,
-                           "cells": cells, "reason": str(e)[:300], "lost": e.lost})
-                cells = [c for c in cells if c not in e.lost]
-                shares = None
-                continue
-            out.update({"attempts": float(attempts), "cells_lost": float(len(lost)), "coordinator_fallback": 0.0})
-            if cursor is not None:
-                self.learner.cursor = cursor
-            return out
-        self.emit({"event": "coordinator_fallback", "step": self.num_steps, "lost": lost})
-        self._wait_packer()  # the packer reads the host state: it finishes before that changes
-        metrics = self.learner.rl_step(trajectories, cursor=cursor, staleness_bound=staleness_bound)
-        if not metrics.get("update_rejected"):
-            self.learner.version = next_version()
-        metrics.update({"attempts": float(attempts), "cells_lost": float(len(lost)),
-                        "coordinator_fallback": 1.0, "train_cells": 0.0})
-        return metrics
-
-    def _attempt(self, trajectories: Sequence[dict], cells: list[str], attempt: int,
-                 next_version: Callable[[], int], shares: Sequence[float] | None,
-                 staleness_bound: int | None = None) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        plan = plan_update(trajectories, self.learner.objective, self.learner.minibatches,
-                           list(shares) if shares else [1.0] * len(cells), version=self.learner.version,
-                           staleness_bound=staleness_bound)
-        prefix = P.attempt_prefix(self.num_steps, attempt, self.run)
-        self._cells = cells
-        t_assign = time.perf_counter()
-        self._assign(prefix, cells, plan, attempt)
-        acks = self._acks(prefix, cells)
-        group = None
         try:
-            group = self._join(prefix, len(cells))
-            stale = [r for r, a in acks.items() if a.get("tag") != self.tag]
-            sent = self._send_state(prefix, group, stale)
-            self._check_joined(prefix, stale, sent)
-            # what the step waited for its joiners: from the assignment (a cell still preparing
-            # its learner acks late) until each confirmed the whole state
-            join_s = time.perf_counter() - t_assign if stale else 0.0
-            t_join = time.perf_counter()
-            result, flat, idx = self._result(prefix, cells, group)
-            t_result = time.perf_counter()
+            while cells and attempts < self.max_attempts:
+                attempts += 1
+                try:
+                    out = self._attempt(plan(len(cells), shares), cells, attempts, next_version, cursor,
+                                        extra, [p for p in peers if p not in cells])
+                except StepFailed as e:
+                    lost += e.lost
+                    self.emit({"event": "train_attempt_failed", "step": self.num_steps, "attempt": attempts,
+                               "cells": cells, "reason": str(e)[:300], "lost": e.lost})
+                    cells, shares = [c for c in cells if c not in e.lost], None
+                    continue
+                out.update({"attempts": float(attempts), "cells_lost": float(len(lost))})
+                return out
+        finally:
+            for c in cells + lost:  # a cell restarting later must not take this step up again
+                self.store.delete_key(P.assign_key(c))
+        raise StepFailed(f"step {self.num_steps}: no cell left after {attempts} attempts (lost {lost})", lost)
+
+    def _attempt(self, work: dict, cells: list[str], attempt: int, next_version, cursor, extra,
+                 peers: list[str]) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        prefix = P.attempt_prefix(self.num_steps, attempt, self.run)
+        plan = work.pop("plan", None)
+        try:
+            self._assign(prefix, cells, attempt, work)
+            acks = self._acks(prefix, cells)
+            source = self._source(prefix, acks, peers)
+            joined = self._check_joined(prefix, cells, source)
+            join_s = time.perf_counter() - t0 if source["to"] else 0.0
+            result = self._result(prefix, cells)
             self._check_ranks(prefix, cells, result["checksum"])
-            out = self._commit(prefix, result, flat, idx, next_version, plan, len(cells), len(stale),
-                               join_s, time.perf_counter() - t0)
-            log.info("step %d attempt %d on %d cells: plan %.2fs, acks and groups %.2fs, compute and result "
-                     "%.2fs (update %.2fs on rank 1), checks and commit %.2fs", self.num_steps, attempt, len(cells),
-                     t_assign - t0, t_join - t_assign, t_result - t_join, result["metrics"]["step_s"],
-                     time.perf_counter() - t_result)
-        except (TransferError, StepFailed, RuntimeError) as e:
+        except (StepFailed, RuntimeError) as e:
             set_json(self.store, f"{prefix}/abort", {"reason": str(e)[:300]})
-            if group is not None:
-                discard(group, [], broken=True)
-                group = None  # the raised frame would keep it: the reaper drops the last one
             raise e if isinstance(e, StepFailed) else StepFailed(str(e), self._failed(prefix, cells)) from e
-        discard(group, [], broken=False)
+        out = self._commit(prefix, result, next_version, cells, cursor, extra)
+        if plan is not None:
+            out.update(plan.metrics())
+        out.update({"train_cells": float(len(cells)), "join_cells": float(len(source["to"])),
+                    "join_s": join_s, "join_source": source["kind"], "joined_checksum": float(joined),
+                    "train_wall_s": time.perf_counter() - t0})
         return out
 
-    def _assign(self, prefix: str, cells: list[str], plan, attempt: int) -> None:
-        spec = {"cells": cells, "tag": self.tag, "hyper": P.hyper(self.learner), "timeout_s": self.timeout_s,
-                "connect_timeout_s": self.ack_timeout_s + self.timeout_s,
-                "commit_timeout_s": self.step_timeout_s}
+    def _assign(self, prefix: str, cells: list[str], attempt: int, work: dict) -> None:
+        shares = work.pop("shares", None)
+        spec = {"cells": cells, "tag": self.tag, "hyper": self.hyper, "lr": self.lr, "timeout_s": self.timeout_s,
+                "connect_timeout_s": self.ack_timeout_s + self.timeout_s, "commit_timeout_s": self.step_timeout_s,
+                "start": self.start, **work}
         set_json(self.store, f"{prefix}/spec", spec)
-        for r, share in enumerate(plan.shares, start=1):
-            set_json(self.store, f"{prefix}/share/{r}", share.to_json())
+        for r, share in enumerate(shares or [], start=1):
+            set_json(self.store, f"{prefix}/share/{r}", share)
         for c in cells:
             set_json(self.store, P.assign_key(c), {"run": self.run, "step": self.num_steps, "attempt": attempt})
 
@@ -173,104 +178,85 @@ class TrainingCoordinator:
         present = set(wait_keys(self.store, keys, self.ack_timeout_s))
         lost = [c for c, k in zip(cells, keys) if k not in present]
         if lost:
-            set_json(self.store, f"{prefix}/abort", {"reason": "no ack"})
             raise StepFailed(f"no ack from {lost} within {self.ack_timeout_s}s", lost)
         acks = {r: get_json(self.store, k) for r, k in enumerate(keys, start=1)}
         refused = {cells[r - 1]: a["refused"] for r, a in acks.items() if a.get("refused")}
         if refused:  # a cell whose configuration refuses the step: the next attempt goes without it
-            set_json(self.store, f"{prefix}/abort", {"reason": "refused"})
             raise StepFailed(f"refused by {refused}", list(refused))
         return acks
 
-    def _join(self, prefix: str, n: int):
-        return join_group(self.store, f"{prefix}/all/", 0, n + 1, timeout_s=self.timeout_s,
-                          connect_timeout_s=self.ack_timeout_s + self.timeout_s, device=torch.device("cpu"))
+    def _source(self, prefix: str, acks: dict[int, dict], peers: list[str]) -> dict[str, Any]:
+        """Where the ranks whose state is stale get the committed one: a rank of the step that
+        holds it, else a peer cell that holds it (fetched by the first stale rank, which then
+        serves the others), else the newest checkpoint; with nothing committed yet, each
+        builds the start state."""
+        stale = [r for r, a in acks.items() if self.tag is None or a.get("tag") != self.tag]
+        holders = [r for r in acks if r not in stale]
+        if not stale:
+            src: dict[str, Any] = {"kind": "none"}
+        elif self.tag is None:
+            src = {"kind": "build"}
+        elif holders:
+            src = {"kind": "rank", "rank": holders[0]}
+        else:
+            src = self._outside_source(peers, stale[0])
+        src["to"] = stale
+        set_json(self.store, f"{prefix}/source", src)
+        return src
 
-    def _send_state(self, prefix: str, group, ranks: list[int]) -> int | None:
-        """The host state to the joining ranks, one after another (each is a full copy);
-        returns the checksum of what was sent."""
-        if not ranks:
-            return None
-        t0 = time.perf_counter()
-        packed = self._packed_state()
-        set_json(self.store, f"{prefix}/state", packed["meta"])
-        t1 = time.perf_counter()
-        for r in ranks:
-            send_state(group, r, packed["values"], packed["rows"], self.timeout_s)
-        log.info("state to ranks %s: pack %.2fs (%s), send %.2fs", ranks, t1 - t0, packed["how"],
-                 time.perf_counter() - t1)
-        return packed["checksum"]
+    def _outside_source(self, peers: list[str], first: int) -> dict[str, Any]:
+        held = [c for c in dict.fromkeys(self.holders + list(peers)) if P.holds(self.store, c, self.tag)]
+        if held:
+            return {"kind": "peer", "cell": held[0], "rank": first}
+        if self.checkpoint_path is not None:
+            return {"kind": "checkpoint", "path": self.checkpoint_path}
+        raise StateLost(f"no cell holds the committed state {self.tag} (version {self.version}) and no "
+                        "checkpoint was written: restart from a checkpoint directory")
 
-    def _packed_state(self) -> dict[str, Any]:
-        """The host state as a joiner receives it: packed ahead at the last commit (from the
-        result the cells returned, plus the reference), or now when that is not the current
-        state (the first join, after a fallback step)."""
-        self._wait_packer()
-        p = self._packed
-        if p is None or p["tag"] != self.tag or p["meta"]["lr"] != self.learner.lr:
-            meta, flat, idx = pack(self.learner)
-            p = self._packed = {"tag": self.tag, "meta": meta, "values": [flat], "rows": [idx],
-                                "checksum": packed_checksum(meta, flat, idx), "how": "now"}
-        return p
-
-    def _wait_packer(self) -> None:
-        if self._packer is not None:
-            self._packer.join()
-            self._packer = None
-
-    def _pack_ahead(self, meta: dict[str, Any], flat, idx) -> None:
-        """After a commit, off the next join's path: the result just installed is the host
-        state without its reference (bitwise what `pack` gives), so a joiner's state is that
-        plus the reference's rows, packed and checksummed in the background. Nothing else
-        changes the host learner between commits (the fallback and the next commit wait)."""
-        tag = self.tag
-
-        def work() -> None:
-            # at the lowest priority: the version just committed is broadcast from this
-            # process now, and the cells decode; this only has to be ready by the next join
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-            try:
-                full, values, rows = with_reference(self.learner, meta, flat, idx)
-                self._packed = {"tag": tag, "meta": full, "values": values, "rows": rows,
-                                "checksum": packed_checksum(full, values, rows), "how": "ahead"}
-                if short:  # the next result must not land in memory first touched on the step's path
-                    self._spare = (torch.zeros(int(flat.numel() * 1.1)),
-                                   torch.zeros(int(idx.numel() * 1.1) + 1024, dtype=torch.long))
-            except Exception:  # the next join packs it then (`_packed_state`)
-                log.exception("packing the state ahead failed")
-
-        old, self._packed = self._packed, None
-        if old is not None and old["values"][0].data_ptr() != flat.data_ptr():
-            self._spare = (old["values"][0], old["rows"][0])
-        spare = self._spare  # too small for a result like this one (the first ones): a warm one, ahead
-        short = spare is None or spare[0].numel() < flat.numel() or spare[1].numel() < idx.numel()
-        # not a daemon: torch code still running while the interpreter exits aborts the process
-        self._packer = threading.Thread(target=work, name="pack-ahead", daemon=False)
-        self._packer.start()
-
-    def _check_joined(self, prefix: str, ranks: list[int], mine: int | None) -> None:
-        """Each joining rank rebuilt the state from exactly what was sent (its checksum)."""
-        if not ranks:
-            return
-        keys = [f"{prefix}/joined/{r}" for r in ranks]
-        # rebuilding the state is CPU work on the joiner, not one transfer op: a longer bound
-        if len(wait_keys(self.store, keys, self.ack_timeout_s + self.timeout_s)) < len(keys):
-            raise StepFailed("a joining rank did not confirm the state", self._failed(prefix, self._cells))
-        bad = [r for r, k in zip(ranks, keys) if int(get_json(self.store, k)["state_checksum"]) != mine]
+    def _check_joined(self, prefix: str, cells: list[str], source: dict) -> int:
+        """Every rank holds the same parameters, the committed ones (their checksum), before
+        it computes: a joiner rebuilt exactly what its source holds."""
+        keys = [f"{prefix}/joined/{r}" for r in range(1, len(cells) + 1)]
+        # a join is CPU work on the joiner besides its transfers: a longer bound
+        bound = self.ack_timeout_s + self.timeout_s * (2 if source["to"] else 1)
+        if not self._wait_all(keys, self._abort_keys(prefix, cells), bound):
+            raise StepFailed("a rank did not confirm the state", self._failed(prefix, cells))
+        sums = {r: int(get_json(self.store, k)["checksum"]) for r, k in enumerate(keys, start=1)}
+        want = int(self.commit["checksum"]) if self.commit is not None else sums[1]
+        bad = [cells[r - 1] for r, s in sums.items() if s != want]
         if bad:
-            raise StepFailed(f"ranks {bad} rebuilt another state")
+            raise StepFailed(f"{bad} joined with parameters other than the committed ones", bad)
+        return want
 
-    def _result(self, prefix: str, cells: list[str], group) -> tuple[dict, Any, Any]:
-        keys = [f"{prefix}/result"] + [f"{prefix}/failed/{r}" for r in range(1, len(cells) + 1)]
-        got = wait_any(self.store, keys, self.step_timeout_s)
+    def _abort_keys(self, prefix: str, cells: list[str]) -> list[str]:
+        return [f"{prefix}/failed/{r}" for r in range(1, len(cells) + 1)]
+
+    def _wait_all(self, keys: list[str], abort: list[str], timeout_s: float) -> bool:
+        """Whether every key of `keys` appeared before any of `abort` did, within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.store.check(keys):
+                return True
+            if any(self.store.check([k]) for k in abort):
+                return False
+            time.sleep(0.02)
+        return self.store.check(keys)
+
+    def _result(self, prefix: str, cells: list[str]) -> dict:
+        keys = [f"{prefix}/result"] + self._abort_keys(prefix, cells)
+        deadline, got, seen = time.monotonic() + self.step_timeout_s, None, None
+        while got is None and time.monotonic() < deadline:
+            got = wait_any(self.store, keys, 1.0)
+            progress = self._progress and self.store.check([f"{prefix}/progress"])
+            if progress and (p := get_json(self.store, f"{prefix}/progress")) != seen:
+                seen = p
+                self._progress(p)
         if got != f"{prefix}/result":
             raise StepFailed(f"step failed on the cells ({got or 'timed out'})", self._failed(prefix, cells))
-        result = get_json(self.store, got)
-        flat, idx = recv_state(group, 1, result["state"], self.timeout_s, tag=P.RESULT_TAG, into=self._spare)
-        return result, flat, idx
+        return get_json(self.store, got)
 
     def _check_ranks(self, prefix: str, cells: list[str], checksum: int) -> None:
-        """Every rank ended with the parameters rank 1 sent (none holds another update)."""
+        """Every rank ended with the parameters rank 1 reported (none holds another update)."""
         keys = [f"{prefix}/done/{r}" for r in range(1, len(cells) + 1)]
         present = wait_keys(self.store, keys, self.timeout_s)
         if len(present) < len(keys):
@@ -291,22 +277,39 @@ class TrainingCoordinator:
                 return silent
             time.sleep(0.05)
 
-    def _commit(self, prefix: str, result: dict, flat, idx, next_version: Callable[[], int], plan,
-                n: int, joined: int, join_s: float, wall_s: float) -> dict[str, Any]:
-        crc = weights_checksum(params_view(result["state"], flat))
-        if crc != int(result["checksum"]):  # checked before the host copy changes
-            raise StepFailed("the returned state does not match its checksum")
+    def _commit(self, prefix: str, result: dict, next_version, cells: list[str], cursor, extra) -> dict[str, Any]:
         failpoint("training.before_commit")  # the coordinator dying with the cells' update in hand
-        self._wait_packer()  # a packer still reading the host state finishes first
-        unpack(self.learner, result["state"], flat, idx, held="warm")  # into the host tensors, in place
-        if not result["metrics"].get("update_rejected"):  # a rejected update keeps the version it started at
-            self.learner.version = next_version()
-        set_json(self.store, f"{prefix}/commit", {"tag": self.tag, "version": self.learner.version,
-                                                  "checksum": crc})
-        self._pack_ahead({**result["state"], "version": self.learner.version}, flat, idx)
-        metrics = dict(result["metrics"])
-        metrics.update(plan.metrics())
-        metrics.update({"version": float(self.learner.version), "train_cells": float(n),
-                        "join_cells": float(joined), "join_s": join_s, "train_wall_s": wall_s,
-                        "checksum": float(crc)})
-        return metrics
+        m = result["metrics"]
+        version = self.version if m.get("update_rejected") else next_version()  # rejected: no new version
+        commit = {"tag": f"{self.run}:{self.num_steps}:{version}", "version": version,
+                  "step": int(m.get("optimizer_step", 0)), "checksum": int(result["checksum"]),
+                  "tensors": result["tensors"], "cursor": cursor if cursor is not None else
+                  (self.commit or {}).get("cursor", 0),
+                  "extra": dict((extra(not m.get("update_rejected")) if callable(extra) else extra) or {})}
+        set_json(self.store, f"{prefix}/commit", commit)
+        self.commit, self.holders = commit, list(cells)
+        out = dict(m)
+        out.update({"version": float(version), "checksum": float(commit["checksum"])})
+        return out
+
+    # -- the committed state's other uses ---------------------------------------------------
+    def checkpoint(self, path: str, timeout_s: float = 600.0) -> str:
+        """Ask a cell holding the committed state to write it to `path` (safetensors plus a JSON
+        manifest, off its step); returns the job id `checkpoint_done` waits for."""
+        if self.commit is None or not self.holders:
+            raise StateLost("nothing committed to checkpoint")
+        return jobs.post(self.store, self.holders[0], {"op": "checkpoint", "path": path, "commit": self.commit})
+
+    def checkpoint_done(self, job: str, path: str, timeout_s: float = 600.0) -> dict:
+        """Wait for a checkpoint job; on success it becomes the state's fallback home."""
+        r = jobs.wait(self.store, job, timeout_s)
+        if r.get("ok"):
+            self.checkpoint_path = path
+        return r
+
+    def publisher(self) -> str:
+        """The cell that publishes the committed version (one that computed it)."""
+        if not self.holders:
+            raise StateLost("no cell holds the committed version")
+        return self.holders[0]
+

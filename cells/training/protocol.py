@@ -1,13 +1,14 @@
 """The coordinator ⇄ training-cell exchange on the coordinator's store: keys, JSON, groups.
 
 One step attempt, one line: assign (per cell) → spec + shares → ack (with the state tag the
-cell holds) → join the step's groups → state to the cells whose tag is stale → compute →
-rank 1 returns the state → commit (or abort).
+cell holds) → the state's source → join → joined checksums → compute → result (metrics,
+checksums) → commit (or abort).
 
-Keys under `train/` in the trainer's rendezvous store (the version host's, whose address
-every cell learns from its version commands). Two stateless groups per attempt, formed on
-that store with `join_group`: `all` (the coordinator as rank 0, the cells as 1..n: the state
-travels there) and `dp` (the cells only: the gradient sums). A fresh attempt number gives
+Keys under `train/` in the trainer's rendezvous store (the address every cell learns from its
+`set_role training` and version commands); the store carries keys and rendezvous only. One
+stateless group per attempt, formed on that store with `join_group`: `dp` (the cells only:
+a joiner's state from the source rank, the gradient sums); a joiner fetching from a peer
+outside the step pairs with it in a group of two (`serve`). A fresh attempt number gives
 fresh group names, so a failed attempt's half-open groups never mix with the next.
 """
 
@@ -24,8 +25,6 @@ from cells.rl.objectives import ObjectiveConfig
 from cells.training.wire import params_view
 
 NAMESPACE = "train"
-RESULT_TAG = 16
-"""Tags of the state's way back from rank 1 over `all` (the way out uses 0..3: two pieces)."""
 
 
 def assign_key(cell_id: str) -> str:
@@ -68,7 +67,7 @@ def hyper(learner: Any) -> dict[str, Any]:
             "minibatches": learner.minibatches, "lr_warmup_steps": learner.schedule.warmup_steps,
             "lr_schedule": learner.schedule.kind, "lr_total_steps": learner.schedule.total_steps,
             "lr_min_ratio": learner.schedule.min_ratio,
-            "tile": learner.tile, "temperature": learner.temperature}
+            "tile": learner.tile, "temperature": learner.temperature, "seed": learner.seed}
 
 
 def spec_from_signature(d: dict[str, Any]) -> ModelSpec:
@@ -88,25 +87,28 @@ def local_objective(h: dict[str, Any], local_loss: str | None) -> ObjectiveConfi
 
 
 def build_learner(h: dict[str, Any], meta: dict[str, Any], flat: torch.Tensor | None = None,
-                  param_storage: torch.Tensor | None = None, local_loss: str | None = None) -> Any:
+                  param_storage: torch.Tensor | None = None, local_loss: str | None = None,
+                  weights: dict[str, torch.Tensor] | None = None) -> Any:
     """A learner with the coordinator's hyper-parameters and the parameters packed in `flat`
     (its reference and EWMA copy equal to them: `wire.unpack(..., held="fresh")` then writes
     only what differs), or zero parameters of the manifest's shapes without `flat`
     (`wire.unpack` then fills the whole state). `local_loss`: the custom loss of this
-    process's configuration (the only one it imports)."""
+    process's configuration (the only one it imports); `weights`: the parameters themselves
+    (the start state a rank builds)."""
     from cells.rl.learner import Learner
 
     objective = local_objective(h, local_loss)
     spec = spec_from_signature(h["model"])
-    weights = (params_view(meta, flat) if flat is not None else
-               {e["name"]: torch.zeros(e["shape"]) for e in meta["entries"] if e["kind"] == "param"})
+    if weights is None:
+        weights = (params_view(meta, flat) if flat is not None else
+                   {e["name"]: torch.zeros(e["shape"]) for e in meta["entries"] if e["kind"] == "param"})
     learner = Learner(replace(spec), weights, lr=float(h["lr"]),
                       objective=objective, tile=h["tile"],
                       temperature=float(h["temperature"]), weight_decay=float(h["weight_decay"]),
                       betas=tuple(h["betas"]), max_grad_norm=h["max_grad_norm"], micro_batch=int(h["micro_batch"]),
                       minibatches=int(h["minibatches"]), lr_warmup_steps=int(h["lr_warmup_steps"]),
                       lr_schedule=h.get("lr_schedule", "constant"), lr_total_steps=h.get("lr_total_steps"),
-                      lr_min_ratio=float(h.get("lr_min_ratio", 0.1)),
+                      lr_min_ratio=float(h.get("lr_min_ratio", 0.1)), seed=int(h.get("seed", 0)),
                       param_storage=param_storage)
     return learner
 
@@ -128,3 +130,36 @@ def build_skeleton(sk: dict[str, Any], param_storage: torch.Tensor | None = None
 
 def dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def holds_key(cell_id: str) -> str:
+    """{"tag", "version", "checksum", "commit"}: the committed state a cell holds (set by the
+    cell whenever that changes and when it connects; deleted when it holds none)."""
+    return f"{NAMESPACE}/holds/{cell_id}"
+
+
+def holds(store, cell_id: str, tag: str | None) -> bool:
+    if tag is None or not store.check([holds_key(cell_id)]):
+        return False
+    return json.loads(store.get(holds_key(cell_id))).get("tag") == tag
+
+
+def hyper_of(spec: ModelSpec, objective: ObjectiveConfig, *, lr: float, minibatches: int,
+             tile: int | None, temperature: float, lr_warmup_steps: int = 0, lr_schedule: str = "constant",
+             lr_total_steps: int | None = None, lr_min_ratio: float = 0.1, betas=(0.9, 0.999),
+             weight_decay: float = 0.0, max_grad_norm: float | None = 1.0, micro_batch: int = 16,
+             seed: int = 0) -> dict[str, Any]:
+    """`hyper` from configuration, without building a learner (the trainer holds none);
+    `seed`: the learner's sampling generator (the warm-up's batches)."""
+    return {"model": spec.signature(), "objective": objective.model_dump_json(), "lr": lr, "betas": list(betas),
+            "weight_decay": weight_decay, "max_grad_norm": max_grad_norm, "micro_batch": micro_batch,
+            "minibatches": minibatches, "lr_warmup_steps": lr_warmup_steps, "lr_schedule": lr_schedule,
+            "lr_total_steps": lr_total_steps, "lr_min_ratio": lr_min_ratio, "tile": tile,
+            "temperature": temperature, "seed": seed}
+
+
+def param_shapes(spec: ModelSpec) -> list[list]:
+    """[[name, shape], ...] of the model's parameters, computed without allocating them."""
+    from cells.engine.embedded.model import weight_shapes
+
+    return [[k, list(s)] for k, s in weight_shapes(spec).items()]

@@ -42,6 +42,12 @@ def weights_checksum(weights: dict[str, Tensor]) -> int:
     return crc
 
 
+def tensor_checksums(weights: dict[str, Tensor]) -> dict[str, int]:
+    """CRC32 of each parameter's bytes: a commit's per-tensor record (which tensor differs)."""
+    return {k: crc32(weights[k].detach().contiguous().view(torch.uint8).reshape(-1).numpy()
+                     if weights[k].numel() else b"") for k in sorted(weights)}
+
+
 def _entries(learner: Any, reference: bool) -> list[tuple[str, str, Tensor, Tensor | None]]:
     """(kind, name, tensor, base) for every tensor of the state; base None: dense. The
     reference comes last, so a state packed without it is a prefix of one packed with it

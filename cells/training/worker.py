@@ -1,19 +1,18 @@
 """The training rank on a cell: while the cell is in the training role, take the coordinator's
-step assignments and compute them with the other training cells.
+step assignments and compute them with the other training cells; in either role, hold the
+committed training state and serve it (cells/training/holder.py).
 
-One attempt, one line: read spec and share → ack with the held state's tag → join `all` and
-`dp` → receive the state if the tag is stale → `run_update` over `dp` → rank 1 sends the new
-state back → wait for commit (keep it, as version v with its checksum) or abort (drop it).
+One attempt, one line: read spec and share → ack with the held state's tag → the source →
+join `dp` → take the state if the tag is stale (cells/training/join.py) → report its checksum
+→ snapshot → `run_update` over `dp` → report the checksums → commit (keep it under the new
+tag) or abort (restore the snapshot: the state it started from, still committed).
 
-A cell never keeps a half-applied update: the state is updated in place only inside the
-attempt, and any failure (a peer died, a stall past the op timeout, an abort, the
-coordinator gone) drops the whole state; the next attempt sends it afresh from the
-coordinator's host copy, into the learner the rank prepared while it waited in the training
-role (`prepare`). After a commit the cell holds the published version's weights, so
-its `loading` back to rollout installs them locally (`weights_for`), fetching nothing. Where
-the engine does not take the memory back (host memory) the state stays allocated through the
-rollout stint (`keep_memory`): the next join writes into warm tensors, or sends nothing when
-no step ran meanwhile.
+The committed state lives here, not in the trainer: after a commit every rank of the step
+holds it; when the cell flips back to rollout the state stays parked in host memory — the
+learner itself where its memory is host memory (`keep_memory`), else packed into host buffers
+(`park`) while the engine takes the accelerator back. A rank whose update failed part way
+restores the start-of-update snapshot, so a retry with the members left needs no transfer;
+only a state received part way is dropped.
 A bare rank without an engine (tests, benches): `python -m cells.training.bare`.
 """
 
@@ -30,16 +29,12 @@ import torch
 from cells.rl import guard
 from cells.rl.plan import Share
 from cells.rl.reduce import GroupReducer, LocalReducer
+from cells.rl.sft import begin_rl, sft_steps
 from cells.rl.update import run_update
 from cells.training import protocol as P
-from cells.training.wire import (
-    pack,
-    packed_checksum,
-    recv_state,
-    send_state,
-    unpack,
-    weights_checksum,
-)
+from cells.training.holder import Holder
+from cells.training.join import take_state
+from cells.training.wire import pack, params_view, tensor_checksums, unpack, weights_checksum
 from cells.transport.p2p import TransferError, discard, join_group
 from cells.transport.store import StoreAddress, connect, get_json, set_json, wait_any, wait_json
 
@@ -63,30 +58,27 @@ class TrainingWorker:
         """The custom loss of this cell's own configuration (`trainer.objective.loss`): the only
         one it imports; a step whose coordinator names another fails with the reason."""
         self.keep_memory = keep_memory
-        """Whether the training state stays allocated while the cell serves rollouts: yes where
-        the engine does not take the memory back (host memory, the embedded engine), so the
-        next stint joins into warm tensors (or, if no step ran meanwhile, needs nothing); no
-        where it does (SGLang's GPU memory, `role_handover`)."""
+        """Whether the learner stays allocated while the cell serves rollouts: yes where its
+        memory is host memory (the embedded engine); no where the engine takes it back
+        (SGLang's GPU memory, `role_handover`): the state is then parked packed in host memory."""
         self.source: StoreAddress | None = None
         self.active = threading.Event()
         self.learner: Any = None
         self.tag: str | None = None
-        """Which coordinator state the learner holds (None: nothing trusted)."""
+        """Which committed state the learner (or the parked copy) holds (None: nothing trusted)."""
         self.committed: dict[str, Any] | None = None
-        """{"version", "checksum"} of the last committed update this cell computed."""
+        """The commit record of that state (version, checksums, cursor, the trainer's counters)."""
         self.hyper: dict[str, Any] | None = None
-        """The hyper-parameters the learner was built with."""
+        self.parked: tuple[dict, torch.Tensor, torch.Tensor] | None = None
+        """The state packed in host memory while the learner is gone (`park`)."""
         self._rx: tuple[torch.Tensor, torch.Tensor] | None = None
         """Warm receive buffers for a joining state (values, rows); a prepared learner's
         parameters live at the front of the values buffer."""
         self._zeroed = False
         """The learner's moments are all zero (prepared, never written since)."""
-        self._tx: torch.Tensor | None = None
-        """Warm buffer rank 1 packs each step's result into."""
-        self._weights: dict[str, torch.Tensor] | None = None
-        """The committed parameters, kept when the cell left training (the rest went)."""
-        self._lock = threading.Lock()
-        """Guards `leave` against a learner `prepare` installs at the same time."""
+        self._lock = threading.RLock()
+        """Guards the state against the holder's jobs and `leave` running beside the loop."""
+        self.holder = Holder(self)
         self.num_attempts = self.num_failed = 0
         self._last: tuple | None = None
         self._stop = threading.Event()
@@ -99,6 +91,7 @@ class TrainingWorker:
 
     def close(self) -> None:
         self._stop.set()
+        self.holder.close()
 
     def enter(self) -> None:
         """The cell is in the training role: take assignments from the next step boundary.
@@ -107,47 +100,70 @@ class TrainingWorker:
         threading.Thread(target=_import_learner, name="training-imports", daemon=True).start()
 
     def leave(self) -> None:
-        """Back to rollout: no more assignments. With `keep_memory` the whole state stays, under
-        its tag (nothing changes it out of the role); otherwise it goes, all of it (moments,
-        copies, buffers) but the committed parameters, which stay reachable through
-        `weights_for` until the version is installed."""
+        """Back to rollout: no more assignments; the committed state stays, parked."""
         with self._lock:
             self.active.clear()
-            if self.keep_memory:
+            if not self.keep_memory:
+                self.park()
+
+    def park(self) -> None:
+        """The state into host memory, the learner dropped (its accelerator memory goes back
+        to the engine); the next attempt unpacks it (`unparked`)."""
+        with self._lock:
+            if self.learner is None or self.tag is None:
                 return
-            learner, committed = self.learner, self.committed
-            self.drop()
-            if learner is not None and committed is not None:
-                self.committed = committed
-                self._weights = {k: p.detach() for k, p in learner.params.items()}
+            meta, flat, idx = pack(self.learner)
+            self.parked = ({**meta, **_extras(self.learner)}, flat, idx)
+            self.learner, self._rx, self._zeroed = None, None, False
+
+    def unparked(self) -> None:
+        """A parked state back into a learner (before an attempt uses it)."""
+        with self._lock:
+            if self.parked is None or self.learner is not None:
+                return
+            meta, flat, idx = self.parked
+            self.learner = P.build_learner(self.hyper, meta, local_loss=self.local_loss)
+            unpack(self.learner, meta, flat, idx)
+            _set_extras(self.learner, meta)
+            self.parked = None
+
+    def packed(self) -> tuple[dict, torch.Tensor, torch.Tensor]:
+        """The held state packed (what a peer or a checkpoint receives), with its extras."""
+        with self._lock:
+            if self.parked is not None:
+                return self.parked
+            meta, flat, idx = pack(self.learner)
+            return {**meta, **_extras(self.learner)}, flat, idx
 
     def weights_for(self, version: int) -> dict[str, torch.Tensor] | None:
-        """The committed weights of `version` if this cell computed them, verified against the
-        checksum the coordinator committed; None otherwise (fetch it). Called from a loader
-        thread, after the cell left training (its own parameters, handed over once) or while
-        its learner holds them (a copy: it trains on, or keeps its memory)."""
-        with self._lock:  # a join overwriting the learner waits for the copy (`_receive_state`)
-            c, left, learner = self.committed, self._weights, self.learner
-            if c is None or c["version"] != version or (left is None and learner is None):
+        """The committed weights of `version` if this cell holds them, verified against the
+        commit's checksum; None otherwise (fetch it). A copy: the state stays held."""
+        with self._lock:
+            c = self.committed
+            if c is None or c["version"] != version or (self.learner is None and self.parked is None):
                 return None
-            self._weights = None
-            weights = left if left is not None else {k: p.detach().clone() for k, p in learner.params.items()}
+            if self.parked is not None:
+                weights = {k: v.clone() for k, v in params_view(self.parked[0], self.parked[1]).items()}
+            else:
+                weights = {k: p.detach().clone() for k, p in self.learner.params.items()}
         if weights_checksum(weights) != c["checksum"]:
             log.warning("version %d: local weights fail the committed checksum; fetching", version)
             return None
         return weights
 
     def drop(self) -> None:
-        """Forget everything (after the weights were installed, or on a failure)."""
-        self.learner, self.tag, self.committed, self.hyper, self._rx, self._tx = None, None, None, None, None, None
-        self._zeroed, self._weights = False, None
+        """Forget everything (a state received part way, or a fence)."""
+        with self._lock:
+            self.learner, self.tag, self.committed, self.hyper, self._rx = None, None, None, None, None
+            self._zeroed, self.parked = False, None
+        self.holder.announce()
 
     def prepare(self, store) -> bool:
         """In the training role and holding nothing: build the learner the next join fills
         (every tensor of the state allocated and touched) and warm receive buffers, so the
         join writes into memory that exists instead of materialising five model copies on
         the step's critical path. True when it built one."""
-        if self.learner is not None or not store.check([P.SKELETON_KEY]):
+        if self.learner is not None or self.parked is not None or not store.check([P.SKELETON_KEY]):
             return False
         sk = get_json(store, P.SKELETON_KEY)
         t0 = time.perf_counter()
@@ -157,13 +173,12 @@ class TrainingWorker:
         rx = (torch.zeros(2 * n, dtype=torch.float32), torch.zeros(2 * rows, dtype=torch.long))
         try:
             learner = P.build_skeleton(sk, param_storage=rx[0], local_loss=self.local_loss)
-        except ValueError as e:  # the step itself fails with the reason (`_receive_state`)
+        except ValueError as e:  # the step itself fails with the reason (`join.take_state`)
             log.warning("cell %s: no skeleton prepared: %s", self.cell_id, e)
             return False
-        if learner.objective.max_update_kl is not None:
-            guard.take(learner)  # the update's snapshot will copy into these (warm) tensors
+        guard.take(learner)  # each update's snapshot copies into these (warm) tensors
         with self._lock:
-            if not self.active.is_set() or self.learner is not None:
+            if not self.active.is_set() or self.learner is not None or self.parked is not None:
                 return False  # left meanwhile, or something arrived
             self.learner, self.hyper, self._rx, self.tag, self._zeroed = learner, sk["hyper"], rx, None, True
         set_json(store, P.prepared_key(self.cell_id), {"t": time.time(), "s": time.perf_counter() - t0})
@@ -172,17 +187,19 @@ class TrainingWorker:
 
     # -- the loop ------------------------------------------------------------------------
     def _loop(self) -> None:
-        store = None
+        store, source = None, None
         while not self._stop.is_set():
-            if not self.active.is_set() or self.source is None:
+            if self.source is None or (not self.active.is_set() and self.tag is None):
                 store = None
                 time.sleep(POLL_S)
                 continue
             try:
-                if store is None:
-                    store = connect(self.source, timeout_s=10.0)
+                if store is None or source != self.source:
+                    store, source = connect(self.source, timeout_s=10.0), self.source
                     set_json(store, P.alive_key(self.cell_id), {"t": time.time()})
-                a = wait_json(store, P.assign_key(self.cell_id), POLL_S)
+                    self.holder.connected(store)
+                self.holder.poll(store)
+                a = wait_json(store, P.assign_key(self.cell_id), POLL_S) if self.active.is_set() else None
             except Exception as e:  # coordinator restarting: try again shortly
                 log.debug("training store unreachable: %s", e)
                 store = None
@@ -190,12 +207,7 @@ class TrainingWorker:
                 continue
             key = None if a is None else (a["run"], a["step"], a["attempt"])
             if a is None or key == self._last or not self.active.is_set():
-                try:
-                    if not self.prepare(store):
-                        time.sleep(POLL_S)
-                except Exception:
-                    log.exception("cell %s: preparing a learner failed", self.cell_id)
-                    time.sleep(POLL_S)
+                self._idle(store)
                 continue
             self._last = key
             try:
@@ -204,13 +216,22 @@ class TrainingWorker:
                 log.exception("cell %s: training attempt crashed", self.cell_id)
                 self.drop()
 
+    def _idle(self, store) -> None:
+        try:
+            if not (self.active.is_set() and self.prepare(store)):
+                time.sleep(POLL_S)
+        except Exception:
+            log.exception("cell %s: preparing a learner failed", self.cell_id)
+            time.sleep(POLL_S)
+
     def run_attempt(self, store, a: dict[str, Any]) -> bool:
         """One attempt of one step; True when it was committed."""
         self.num_attempts += 1
         prefix = P.attempt_prefix(a["step"], a["attempt"], a["run"])
         groups: list = []
+        box: dict[str, Any] = {}
         try:
-            ok = self._attempt(store, prefix, groups)
+            ok = self._attempt(store, prefix, groups, box)
         except (TransferError, RuntimeError, OSError, ValueError, KeyError) as e:
             log.warning("cell %s: training step %s attempt %s failed: %s", self.cell_id, a["step"], a["attempt"], e)
             ok = False
@@ -219,10 +240,22 @@ class TrainingWorker:
         groups.clear()  # the reaper drops the last reference (its destructor blocks)
         if not ok:
             self.num_failed += 1
-            self.drop()
+            self._recover(box)
         return ok
 
-    def _attempt(self, store, prefix: str, groups: list) -> bool:
+    def _recover(self, box: dict[str, Any]) -> None:
+        """After a failed attempt: the start-of-update state back where the update began (it
+        is still the committed state); a state received part way is dropped."""
+        snap, tag = box.get("snapshot"), box.get("tag")
+        if snap is not None and self.learner is not None:
+            with self._lock:
+                guard.restore(self.learner, snap)
+                self.tag = tag
+            log.info("cell %s: restored the start-of-update state %s", self.cell_id, tag)
+        elif box.get("joining"):
+            self.drop()
+
+    def _attempt(self, store, prefix: str, groups: list, box: dict) -> bool:
         spec = wait_json(store, f"{prefix}/spec", 10.0)
         if spec is None or self.cell_id not in spec["cells"]:
             return False
@@ -235,74 +268,67 @@ class TrainingWorker:
             log.warning("cell %s: refusing training step: %s", self.cell_id, e)
             set_json(store, f"{prefix}/ack/{rank}", {"tag": self.tag, "refused": str(e)[:300]})
             return False
-        share = Share.from_json(wait_json(store, f"{prefix}/share/{rank}", 10.0))
-        timeout, connect_s = float(spec["timeout_s"]), float(spec["connect_timeout_s"])
+        share = (Share.from_json(wait_json(store, f"{prefix}/share/{rank}", 10.0))
+                 if spec.get("kind", "rl") == "rl" else None)
+        self.unparked()
         set_json(store, f"{prefix}/ack/{rank}", {"tag": self.tag})
         try:
-            # all ranks join `all` before `dp`: the coordinator waits in `all` for everyone
-            groups.append(join_group(store, f"{prefix}/all/", rank, n + 1, timeout_s=timeout,
-                                     connect_timeout_s=connect_s, device=torch.device("cpu"),
-                                     abort_key=f"{prefix}/abort"))
-            if n > 1:
-                groups.append(join_group(store, f"{prefix}/dp/", rank - 1, n, timeout_s=timeout,
-                                         connect_timeout_s=connect_s, device=self.device,
-                                         abort_key=f"{prefix}/abort"))
-            if self.tag != spec["tag"] or self.learner is None:
-                crc = self._receive_state(store, prefix, spec, groups[0], timeout)
-                set_json(store, f"{prefix}/joined/{rank}", {"state_checksum": crc})
-            reducer = GroupReducer(groups[1], n, timeout) if n > 1 else LocalReducer()
-            t0 = time.perf_counter()
-            metrics = run_update(self.learner, share, reducer)
-            t1 = time.perf_counter()
-            crc = weights_checksum({k: p.detach() for k, p in self.learner.params.items()})
-            t2 = t3 = time.perf_counter()
-            if rank == 1:
-                meta, flat, idx = pack(self.learner, reference=False, out=self._tx)
-                self._tx = flat if self._tx is None or flat.numel() > self._tx.numel() else self._tx
-                t3 = time.perf_counter()
-                set_json(store, f"{prefix}/result", {"metrics": metrics, "state": meta, "checksum": crc})
-                send_state(groups[0], 0, flat, idx, timeout, tag=P.RESULT_TAG)
-            set_json(store, f"{prefix}/done/{rank}", {"checksum": crc})
-            log.info("cell %s rank %d: update %.2fs, checksum %.2fs, pack %.2fs, send %.2fs", self.cell_id, rank,
-                     t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+            self._compute(store, prefix, spec, rank, n, share, groups, box)
         except Exception as e:
             set_json(store, f"{prefix}/failed/{rank}", {"reason": str(e)[:300]})
             raise
         return self._settle(store, prefix, float(spec["commit_timeout_s"]))
 
-    def _receive_state(self, store, prefix: str, spec: dict, group, timeout: float) -> int:
-        """The coordinator's state, rebuilt here (in place into a learner of the same
-        hyper-parameters when one is held: prepared, or a stale state); returns the checksum
-        of what arrived."""
-        t0 = time.perf_counter()
-        meta = wait_json(store, f"{prefix}/state", timeout)
-        if meta is None:
-            raise TransferError("no state manifest from the coordinator")
-        t1 = time.perf_counter()
+    def _compute(self, store, prefix: str, spec: dict, rank: int, n: int, share, groups: list, box: dict) -> None:
+        timeout, connect_s = float(spec["timeout_s"]), float(spec["connect_timeout_s"])
+        source = wait_json(store, f"{prefix}/source", connect_s)
+        if source is None:
+            raise TransferError("no state source from the coordinator")
+        if n > 1:
+            groups.append(join_group(store, f"{prefix}/dp/", rank - 1, n, timeout_s=timeout,
+                                     connect_timeout_s=connect_s, device=self.device, abort_key=f"{prefix}/abort"))
+        box["joining"] = rank in source["to"]
+        take_state(self, store, prefix, spec, source, rank, groups[0] if groups else None)
+        box["joining"] = False
         with self._lock:
-            self.committed = None  # whatever this learner held is overwritten now (after any copy)
-        flat, idx = recv_state(group, 0, meta, timeout, into=self._rx)
-        t2 = time.perf_counter()
-        warm = self.learner is not None and self.hyper is not None and P.same_learner(self.hyper, spec["hyper"])
-        if not warm:
-            self.learner = P.build_learner(spec["hyper"], meta, flat, param_storage=flat,
-                                           local_loss=self.local_loss)
-            self.hyper = spec["hyper"]
-        t3 = time.perf_counter()
-        unpack(self.learner, meta, flat, idx, held="warm" if warm else "fresh", zero_moments=warm and self._zeroed)
-        self._zeroed = False
-        t4 = time.perf_counter()
-        crc = packed_checksum(meta, flat, idx)
-        if not warm:  # the learner's parameters live at the front of `flat`: the next join's buffers
-            self._rx = (flat, idx)
-        log.info("cell %s: state of %.0f MB (%s): manifest after %.2fs, bytes %.2fs, build %.2fs, unpack %.2fs, "
-                 "checksum %.2fs", self.cell_id, (flat.numel() * 4 + idx.numel() * 8) / 1e6,
-                 "in place" if warm else "built", t1 - t0, t2 - t1, t3 - t2, t4 - t3, time.perf_counter() - t4)
-        return crc
+            self.learner.lr = float(spec["lr"])
+        set_json(store, f"{prefix}/joined/{rank}", {"checksum": weights_checksum(self._params())})
+        box["tag"], box["snapshot"] = self.tag, guard.take(self.learner)
+        t0 = time.perf_counter()
+        if spec.get("kind", "rl") == "rl":
+            reducer = GroupReducer(groups[0], n, timeout) if n > 1 else LocalReducer()
+            metrics = run_update(self.learner, share, reducer, snapshot=box["snapshot"])
+        else:
+            metrics = self._warmup(store, prefix, spec)
+        params = self._params()
+        crc = weights_checksum(params)
+        if rank == 1:
+            set_json(store, f"{prefix}/result", {"metrics": metrics, "checksum": crc,
+                                                 "tensors": tensor_checksums(params)})
+        set_json(store, f"{prefix}/done/{rank}", {"checksum": crc})
+        log.info("cell %s rank %d: %s %.2fs", self.cell_id, rank, spec.get("kind", "rl"), time.perf_counter() - t0)
+
+    def _warmup(self, store, prefix: str, spec: dict) -> dict[str, Any]:
+        """The supervised warm-up, then RL begins (`begin_rl`): progress lines on the store."""
+        self.learner.lr = float(spec["lr"])
+        total, every = int(spec["steps"]), max(1, int(spec["steps"]) // 20)
+
+        def on_step(step: int, loss: float) -> None:
+            if step % every == 0 or step == total:
+                set_json(store, f"{prefix}/progress", {"step": step, "steps": total, "loss": loss})
+
+        w = sft_steps(self.learner, [tuple(d) for d in spec["demos"]], steps=total,
+                      batch_size=int(spec["batch_size"]), on_step=on_step)
+        begin_rl(self.learner)
+        return {"final_loss": w["final_loss"], "optimizer_step": float(self.learner.step),
+                "version": float(self.learner.version), "update_rejected": 0.0, "wall_s": w["wall_s"]}
+
+    def _params(self) -> dict[str, torch.Tensor]:
+        return {k: p.detach() for k, p in self.learner.params.items()}
 
     def _settle(self, store, prefix: str, timeout: float) -> bool:
         """Keep the update only once the coordinator committed it. A newer assignment (the
-        coordinator restarted, or moved on) or its silence past `timeout` drops it."""
+        coordinator restarted, or moved on) or its silence past `timeout` gives it up."""
         mine = self._last
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -313,12 +339,25 @@ class TrainingWorker:
                 break
             a = wait_json(store, P.assign_key(self.cell_id), 0.0)
             if a is not None and (a["run"], a["step"], a["attempt"]) != mine:
-                log.warning("cell %s: a newer assignment before this step's commit: dropping it", self.cell_id)
+                log.warning("cell %s: a newer assignment before this step's commit: giving it up", self.cell_id)
                 return False
         else:
             return False
         c = get_json(store, end)
-        self.tag = c["tag"]
-        self.learner.version = int(c["version"])
-        self.committed = {"version": int(c["version"]), "checksum": int(c["checksum"])}
+        with self._lock:
+            self.tag, self.committed = c["tag"], c
+            self.learner.version, self.learner.cursor = int(c["version"]), int(c.get("cursor") or 0)
+        self.holder.announce()
         return True
+
+
+def _extras(learner: Any) -> dict[str, Any]:
+    """What travels with a packed state besides the tensors: the sampling generator and the
+    data cursor (a resumed or joining learner continues bitwise)."""
+    return {"rng": learner.generator.get_state().tolist(), "cursor": learner.cursor}
+
+
+def _set_extras(learner: Any, meta: dict[str, Any]) -> None:
+    if "rng" in meta:
+        learner.generator.set_state(torch.tensor(meta["rng"], dtype=torch.uint8))
+    learner.cursor = int(meta.get("cursor") or 0)

@@ -1,5 +1,5 @@
 """Weight versions, cell side: receive a version from the trainer's version host
-(cells/trainer/versions_host.py), broadcast or point to point, or take part in an engine's
+(cells/transport/versions_host.py), broadcast or point to point, or take part in an engine's
 update group. Rollout cells use this; none of it needs the trainer package.
 
 One line each:

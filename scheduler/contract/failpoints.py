@@ -43,6 +43,7 @@ FAILPOINTS: dict[str, str] = {
     "broadcast.mid_bucket": "a broadcast receiver or sender, between buckets",
     "training.after_minibatch": "a training rank, after each minibatch's optimizer step (mid-update)",
     "training.before_commit": "the training coordinator, with the cells' update received, before committing it",
+    "training.after_commit": "the trainer, after a commit, before its checkpoint is written",
     "logprob.final_pass": "a cell, before each scoring task (the final pass before dropping a version is made of them)",
 }
 

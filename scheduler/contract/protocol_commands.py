@@ -97,6 +97,9 @@ class SetRoleCmd(Command):
     flip_id: str
     version: int | None = None
     """For role "rollout": the weight version to load (None: keep the held one)."""
+    source: dict | None = None
+    """For role "training": the trainer's store ({"host", "port"}, its registered version
+    host), where the cell's training rank takes its steps."""
 
 
 @dataclass

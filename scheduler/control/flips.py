@@ -24,6 +24,7 @@ from scheduler.contract.failpoints import failpoint
 from scheduler.contract.protocol import SetRoleCmd
 from scheduler.contract.states import CELL, FLIP, set_state
 from scheduler.control import idempotency
+from scheduler.control.versions import VERSION_HOST
 from scheduler.planner import placement
 from scheduler.store.fleet import FlipRow
 
@@ -300,7 +301,8 @@ class Flips:
         if cell_id not in self.ctx.registry.live or (last_flip == flip_id and now - last_at < self.ctx.cfg.lease_s):
             return False
         self.role_sent[cell_id] = (flip_id, now)
-        fx.send(cell_id, lambda i: SetRoleCmd(i, role, flip_id, version))
+        host = self.ctx.store.fleet.setting(VERSION_HOST) if role == "training" else None
+        fx.send(cell_id, lambda i: SetRoleCmd(i, role, flip_id, version, host))
         return True
 
     def align_roles(self) -> None:

@@ -18,9 +18,9 @@ import torch
 
 from cells.engine.records import SamplingParams
 from cells.engine.sglang.engine import SGLangEngine
-from cells.trainer.versions_host import VersionHost
 from cells.transport.receive import receive_broadcast
 from cells.transport.store import connect, get_json
+from cells.transport.versions_host import VersionHost
 from cells.versions import CellVersions
 from scheduler.contract.config import SGLangEngineConfig
 from scheduler.contract.protocol import LoadVersionCmd

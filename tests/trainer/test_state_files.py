@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from cells.trainer.state_files import StateFileError, load_state, save_state
+from cells.training.state_files import StateFileError, load_state, save_state
 
 
 def _state() -> dict:

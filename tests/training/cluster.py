@@ -51,6 +51,37 @@ def trajectories(lrn: Learner, groups: int = 4, size: int = 3, seed: int = 0) ->
     return out
 
 
+START = {"kind": "init", "seed": 0, "std": 0.1}
+"""What `learner()` starts from: the ranks build it themselves."""
+
+
+def coordinator(lrn: Learner, address, **kw):
+    """A coordinator for learners like `lrn` (its hyper-parameters; the ranks build `START`)."""
+    from cells.training import protocol as P
+    from cells.training.coordinator import TrainingCoordinator
+
+    kw.setdefault("timeout_s", 30)
+    kw.setdefault("ack_timeout_s", 30)
+    return TrainingCoordinator(P.hyper(lrn), P.skeleton(lrn)["params"], address, start=START, **kw)
+
+
+def committed_state(coord, path: Path) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The committed state as a cell holding it writes it (a checkpoint job): no state ever
+    passes through the coordinator, so tests read it this way."""
+    from cells.training import state_files
+
+    r = coord.checkpoint_done(coord.checkpoint(str(path)), str(path), 120)
+    assert r.get("ok"), r
+    return state_files.load_packed(path)
+
+
+def committed_params(coord, path: Path) -> dict[str, torch.Tensor]:
+    from cells.training.wire import params_view
+
+    meta, flat, _ = committed_state(coord, path)
+    return {k: v.clone() for k, v in params_view(meta, flat).items()}
+
+
 class Ranks:
     """`n` bare training ranks polling `store`'s coordinator keys."""
 
@@ -78,6 +109,11 @@ class Ranks:
             [sys.executable, "-m", "cells.training.bare", "--store", f"{a.host}:{a.port}", "--cell-id", cell_id,
              *(args or [])],
             env=e, stdout=log, stderr=subprocess.STDOUT)
+
+    def runs(self) -> int:
+        """A fresh number per call (names of per-run files)."""
+        self._runs = getattr(self, "_runs", 0) + 1
+        return self._runs
 
     def stop(self) -> None:
         for p in self.procs.values():

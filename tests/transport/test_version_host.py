@@ -20,10 +20,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from transport_harness import OP_TIMEOUT_S, Pool, make_tensors, serve  # noqa: E402
 
-from cells.trainer.versions_host import VersionHost  # noqa: E402
 from cells.transport.p2p import PairChannel, TransferError  # noqa: E402
 from cells.transport.receive import VersionUnavailable, fetch_version, receive_broadcast  # noqa: E402
 from cells.transport.store import StoreAddress, connect, set_json  # noqa: E402
+from cells.transport.versions_host import VersionHost  # noqa: E402
 
 pytestmark = pytest.mark.slow
 torch.set_num_threads(1)

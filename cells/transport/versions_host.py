@@ -1,7 +1,8 @@
-"""The trainer's version host: every unretired weight version in host memory, broadcast to
-rollout cells and served point to point to cells that missed it.
+"""A version host: unretired weight versions in host memory, broadcast to rollout cells and
+served point to point to cells that missed it. The cell that computed a version publishes it
+(cells/training/publisher.py) over the trainer's store.
 
-One line: put → broadcast (trainer = rank 0 of a fresh group) → cells outside it take a
+One line: put → broadcast (the host = rank 0 of a fresh group) → cells outside it take a
 catch-up ticket → header → buckets → verdict → drop when the version is retired.
 
 Two kinds of receivers share one publish (`broadcast(version, receivers, receiver_ranks)`):
@@ -31,11 +32,11 @@ import time
 
 import torch
 
-from cells.trainer.catchup_server import REQUEST_TIMEOUT_S, CatchupServer
-from cells.trainer.update_groups import UPDATE_BACKENDS, UpdateGroupSender
 from cells.transport.broadcast import SPLIT_OP_BYTES, BroadcastResult, WeightSender
 from cells.transport.buckets import DEFAULT_BUCKET_BYTES, FlatVersion, byte_view
+from cells.transport.catchup_server import REQUEST_TIMEOUT_S, CatchupServer
 from cells.transport.store import StoreAddress, StoreHost, connect
+from cells.transport.update_groups import UPDATE_BACKENDS, UpdateGroupSender
 
 log = logging.getLogger("cellflip.versions")
 
@@ -75,9 +76,9 @@ def _merge(into: BroadcastResult, other: BroadcastResult) -> None:
 
 
 class VersionHost:
-    """Holds the trainer's unretired weight versions and serves them to rollout cells.
+    """Holds unretired weight versions and serves them to rollout cells.
 
-    Lives in the trainer process. `address` is what the trainer tells the scheduler; cells
+    Lives in the process that holds the versions (a cell, or a test). `address`: where cells
     reach the host (cells/transport/receive.py) with `receive_broadcast` (when named in a
     broadcast), `await_update_group` (the same, for cells whose engine receives through its
     own collective) or `fetch_version` (any time, once `start()` has run). `put`/`get`/`drop`
@@ -97,10 +98,14 @@ class VersionHost:
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         update_backend: str = "gloo",
         op_bytes: int = SPLIT_OP_BYTES,
+        store: StoreAddress | None = None,
     ) -> None:
         """`op_bytes`: payload bytes per collective op of a broadcast in the split format.
         `update_backend`: the collective of update groups (engine-collective cells): "gloo"
-        sends from host memory; "nccl" stages each bucket on this process's GPU first."""
+        sends from host memory; "nccl" stages each bucket on this process's GPU first.
+        `store`: rendezvous on this store (another process's, e.g. the trainer's) instead of
+        hosting one: a cell publishes a version it holds through the trainer's store, which
+        carries only keys and rendezvous; the bytes go from this process to the cells."""
         if update_backend not in UPDATE_BACKENDS:
             raise ValueError(f"update_backend must be one of {UPDATE_BACKENDS}, got {update_backend!r}")
         if bucket_bytes <= 0:
@@ -112,8 +117,8 @@ class VersionHost:
         self.bucket_bytes, self.timeout_s, self.join_timeout_s = bucket_bytes, timeout_s, join_timeout_s
         self.namespace, self.request_timeout_s = namespace, request_timeout_s
         self.update_backend, self.op_bytes = update_backend, op_bytes
-        self._store_host = StoreHost(host, port, timeout_s=timeout_s)
-        self._address = self._store_host.address
+        self._store_host = StoreHost(host, port, timeout_s=timeout_s) if store is None else None
+        self._address = self._store_host.address if store is None else store
         self._lock = threading.Lock()
         self._versions: dict[int, dict[str, torch.Tensor]] = {}
         self._flats: dict[int, FlatVersion] = {}
@@ -280,7 +285,8 @@ class VersionHost:
             return
         self._closed = True
         self._catchups.stop(grace_s)
-        self._store_host.close()
+        if self._store_host is not None:
+            self._store_host.close()
 
     def __enter__(self) -> VersionHost:
         return self

@@ -140,4 +140,25 @@ def exists(path: str | Path) -> bool:
     return (Path(path) / LATEST).is_file()
 
 
-__all__ = ["StateFileError", "exists", "load_state", "save_state"]
+__all__ = ["StateFileError", "exists", "load_commit", "load_packed", "load_state", "save_state"]
+
+
+def load_packed(path: str | Path) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
+    """The packed training state a cell's checkpoint holds (cells/training/holder.py):
+    (manifest with the generator and cursor, values, rows)."""
+    state = load_state(path)["state"]
+    return dict(state["meta"]), state["values"], state["rows"]
+
+
+def load_commit(path: str | Path) -> dict[str, Any] | None:
+    """The commit record a cell's checkpoint was written for, read from its manifest alone
+    (None: no checkpoint there)."""
+    if not exists(path):
+        return None
+    root = Path(path)
+    try:
+        manifest = json.loads((root / (root / LATEST).read_text().strip() / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise StateFileError(f"cannot read the state below {root}: {e}") from None
+    commit = manifest.get("state", {}).get("commit")
+    return _decode(commit, {}) if commit is not None else None
