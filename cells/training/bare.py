@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     w.enter()
     stop = threading.Event()
     threading.Thread(target=serve_requests, args=(w, w.source, stop), daemon=True, name="bare").start()
+    threading.Thread(target=w._beat, name="training-beat", daemon=True).start()
     w._loop()
 
 

@@ -47,6 +47,28 @@ class StateLost(RuntimeError):
     """No cell and no checkpoint holds the committed state any more."""
 
 
+class Heartbeats:
+    """Which of `cells` stopped beating (`protocol.beat_key`) for `timeout_s`."""
+
+    def __init__(self, store, cells: list[str], timeout_s: float) -> None:
+        self.store, self.cells, self.timeout_s = store, cells, timeout_s
+        now = time.monotonic()
+        self.last = {c: (self._read(c), now) for c in cells}
+
+    def _read(self, cell: str) -> int:
+        return int(self.store.add(P.beat_key(cell), 0))
+
+    def silent(self) -> list[str]:
+        now, out = time.monotonic(), []
+        for c in self.cells:
+            n = self._read(c)
+            if n != self.last[c][0]:
+                self.last[c] = (n, now)
+            elif now - self.last[c][1] > self.timeout_s:
+                out.append(c)
+        return out
+
+
 class TrainingCoordinator:
     """Drives the training cells' steps. `hyper` (`protocol.hyper_of`) and `params` (name,
     shape) describe the learner every rank builds; `start`: where the first state comes from
@@ -205,13 +227,19 @@ class TrainingCoordinator:
         return src
 
     def _outside_source(self, peers: list[str], first: int) -> dict[str, Any]:
-        held = [c for c in dict.fromkeys(self.holders + list(peers)) if P.holds(self.store, c, self.tag)]
-        if held:
-            return {"kind": "peer", "cell": held[0], "rank": first}
+        for c in dict.fromkeys(self.holders + list(peers)):
+            if P.holds(self.store, c, self.tag) and self._answers(c):
+                return {"kind": "peer", "cell": c, "rank": first}
         if self.checkpoint_path is not None:
             return {"kind": "checkpoint", "path": self.checkpoint_path}
         raise StateLost(f"no cell holds the committed state {self.tag} (version {self.version}) and no "
                         "checkpoint was written: restart from a checkpoint directory")
+
+    def _answers(self, cell: str, timeout_s: float = 3.0) -> bool:
+        """Whether `cell` is alive and still holds the committed state (its announcement may
+        outlive it)."""
+        r = jobs.wait(self.store, jobs.post(self.store, cell, {"op": "ping"}), timeout_s)
+        return bool(r.get("ok")) and r.get("tag") == self.tag
 
     def _check_joined(self, prefix: str, cells: list[str], source: dict) -> int:
         """Every rank holds the same parameters, the committed ones (their checksum), before
@@ -245,8 +273,11 @@ class TrainingCoordinator:
     def _result(self, prefix: str, cells: list[str]) -> dict:
         keys = [f"{prefix}/result"] + self._abort_keys(prefix, cells)
         deadline, got, seen = time.monotonic() + self.step_timeout_s, None, None
+        beats = Heartbeats(self.store, cells, self.timeout_s)
         while got is None and time.monotonic() < deadline:
             got = wait_any(self.store, keys, 1.0)
+            if got is None and (silent := beats.silent()):
+                raise StepFailed(f"{silent} stopped beating for {self.timeout_s}s mid-step", silent)
             progress = self._progress and self.store.check([f"{prefix}/progress"])
             if progress and (p := get_json(self.store, f"{prefix}/progress")) != seen:
                 seen = p

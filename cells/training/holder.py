@@ -79,6 +79,9 @@ class Holder:
             self.host = None
 
     # -- jobs ------------------------------------------------------------------------------
+    def _job_ping(self, store, job: dict) -> dict:
+        return {"ok": True, "tag": self.w.tag}
+
     def _job_serve(self, store, job: dict) -> dict:
         from cells.training.join import serve
 

@@ -36,6 +36,14 @@ def alive_key(cell_id: str) -> str:
     return f"{NAMESPACE}/alive/{cell_id}"
 
 
+def beat_key(cell_id: str) -> str:
+    """A counter a training rank's heartbeat thread adds to every `BEAT_S`: a rank whose
+    counter stands still for an op timeout is dead or stopped (no clocks compared)."""
+    return f"{NAMESPACE}/beat/{cell_id}"
+
+
+BEAT_S = 0.5
+
 SKELETON_KEY = f"{NAMESPACE}/skeleton"
 """{"hyper", "params": [[name, shape], ...]}: what a training cell pre-builds its learner from."""
 

@@ -88,6 +88,21 @@ class TrainingWorker:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="training", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._beat, name="training-beat", daemon=True).start()
+
+    def _beat(self) -> None:
+        """The heartbeat the coordinator watches while this rank computes (its own connection:
+        the loop's is busy)."""
+        store, source = None, None
+        while not self._stop.wait(P.BEAT_S):
+            if self.source is None:
+                continue
+            try:
+                if store is None or source != self.source:
+                    store, source = connect(self.source, timeout_s=10.0), self.source
+                store.add(P.beat_key(self.cell_id), 1)
+            except Exception:  # the store restarting: the next beat reconnects
+                store = None
 
     def close(self) -> None:
         self._stop.set()
@@ -281,9 +296,10 @@ class TrainingWorker:
 
     def _compute(self, store, prefix: str, spec: dict, rank: int, n: int, share, groups: list, box: dict) -> None:
         timeout, connect_s = float(spec["timeout_s"]), float(spec["connect_timeout_s"])
-        source = wait_json(store, f"{prefix}/source", connect_s)
-        if source is None:
-            raise TransferError("no state source from the coordinator")
+        got = wait_any(store, [f"{prefix}/source", f"{prefix}/abort"], connect_s)
+        if got != f"{prefix}/source":
+            raise TransferError(f"no state source from the coordinator ({got or 'timed out'})")
+        source = get_json(store, got)
         if n > 1:
             groups.append(join_group(store, f"{prefix}/dp/", rank - 1, n, timeout_s=timeout,
                                      connect_timeout_s=connect_s, device=self.device, abort_key=f"{prefix}/abort"))

@@ -1,8 +1,9 @@
-"""A training coordinator in its own process, for the SIGKILL test: it resumes from a
-checkpoint, runs one RL update on the given cells and records every version number it takes
-(before using it) and its final state.
+"""A training coordinator in its own process, for the SIGKILL test: it resumes at the newest
+commit the cells or its checkpoint hold, runs RL updates up to `--steps` on the given cells,
+records every version it commits (before anything else happens), checkpoints each through a
+cell, and writes the final committed parameters (read from a cell's checkpoint).
 
-    python -m tests.training.coordinator_proc --store HOST:PORT --checkpoint PATH --out DIR --cells a,b
+    python -m tests.training.coordinator_proc --store HOST:PORT --checkpoint DIR --out DIR --cells a,b --steps N
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from cells.training.coordinator import TrainingCoordinator
-from cells.training.wire import weights_checksum
+from cells.training.resume import find_committed
 from cells.transport.store import StoreAddress
-from tests.training.cluster import learner, trajectories
+from scheduler.contract.failpoints import failpoint
+from tests.training.cluster import committed_params, coordinator, learner, trajectories
 
 
 def main() -> None:
@@ -25,24 +26,28 @@ def main() -> None:
     ap.add_argument("--checkpoint", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--cells", required=True)
+    ap.add_argument("--steps", type=int, required=True)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    out = Path(a.out)
+    out, cells, ckpt = Path(a.out), a.cells.split(","), Path(a.checkpoint)
     host, port = a.store.rsplit(":", 1)
-    batch = trajectories(learner(), seed=5)  # the step's batch: the same in every incarnation
-    lrn = learner(seed=1)
-    lrn.load_state_dict(torch.load(a.checkpoint, weights_only=True))
-
-    def next_version() -> int:
-        with open(out / "published.jsonl", "a") as f:  # on disk before it is used
-            f.write(json.dumps({"version": lrn.version}) + "\n")
-        return lrn.version
-
-    coord = TrainingCoordinator(lrn, StoreAddress(host, int(port)), timeout_s=15, ack_timeout_s=15)
-    m = coord.update(batch, a.cells.split(","), next_version=next_version)
-    torch.save({k: p.detach() for k, p in lrn.params.items()}, out / "params.pt")
-    (out / "result.json").write_text(json.dumps({"metrics": m, "checksum": weights_checksum(
-        {k: p.detach() for k, p in lrn.params.items()})}))
+    batches = [trajectories(learner(), seed=s) for s in range(a.steps)]  # the same in every incarnation
+    coord = coordinator(learner(), StoreAddress(host, int(port)), timeout_s=15, ack_timeout_s=15)
+    found = find_committed(coord.store, cells, ckpt, wait_s=5)
+    if found is not None:
+        coord.adopt(*found)
+    metrics = []
+    while coord.version < a.steps:
+        m = coord.update(batches[coord.version], cells, next_version=lambda: coord.version + 1)
+        with open(out / "committed.jsonl", "a") as f:  # on disk before anything else happens
+            f.write(json.dumps({"version": coord.version}) + "\n")
+        metrics.append(m)
+        failpoint("training.after_commit")  # the trainer dying before its checkpoint is written
+        coord.checkpoint_done(coord.checkpoint(str(ckpt)), str(ckpt), 60)
+    params = committed_params(coord, out / f"final-{len(metrics)}")
+    torch.save(params, out / "params.pt")
+    (out / "result.json").write_text(json.dumps({"metrics": metrics, "resumed": found is not None and found[0]["version"],
+                                                 "from_cells": bool(found and found[1])}))
 
 
 if __name__ == "__main__":

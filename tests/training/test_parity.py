@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from cells.rl.objectives import ObjectiveConfig
-from tests.training.cluster import Ranks, committed_params, coordinator, learner, rel_diff, trajectories
+from tests.training.cluster import (
+    Ranks,
+    committed_params,
+    coordinator,
+    learner,
+    rel_diff,
+    trajectories,
+)
 
 torch.set_num_threads(1)
 pytestmark = pytest.mark.slow
