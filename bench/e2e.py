@@ -17,6 +17,9 @@ Fields:
 - max_train_cells: the largest data-parallel group of training cells in any RL step of the RL
   runs (up to `train_cells` = 2 per step; the planner flips them, cells/trainer/step_cells.py).
 - trees: forked episodes trained as one tree (the tree loss), summed over the RL runs' steps.
+- trainer_compute_s, trainer_state_bytes: every forward, backward and optimizer step the
+  trainer process ran (warm-up included), and the tensor bytes it sent or received through
+  torch.distributed; both 0: the cells hold and compute the state.
 - coordinator_backward_s: seconds the trainer process spent in backward passes of RL steps,
   over the RL runs (the training cells compute; target 0).
 - heldout_first / heldout_last: greedy (temperature 0) mean reward on HELDOUT fixed held-out
@@ -66,6 +69,7 @@ HELDOUT = 32
 
 def make_cfg(tmp: Path, seed: int, steps: int, lr: float | None, quick: bool, bound: int | None = None) -> dict:
     trainer = {"enabled": True, "steps": steps, "seed": seed, "checkpoint_dir": None,
+               "export_dir": str(tmp / "exports"),
                "batch_episodes": 64, "agents": 16, "group_size": 8, "train_cells": 2,
                "train_cell_choice": "busiest", "long_fraction": 0.1}
     if lr is not None:
@@ -74,7 +78,7 @@ def make_cfg(tmp: Path, seed: int, steps: int, lr: float | None, quick: bool, bo
         "scheduler": {"db_path": str(tmp / "db.sqlite"), "lease_s": 10.0, "heartbeat_s": 0.25,
                       "min_rollout_cells": 1, "drain_deadline_s": 60.0,
                       **({"staleness_bound": bound} if bound is not None else {})},
-        "cells": {"count": 3, "engine": {"type": "embedded", "model": {"preset": "toy"},
+        "cells": {"count": 3, "export_root": str(tmp / "exports"), "engine": {"type": "embedded", "model": {"preset": "toy"},
                                          "num_blocks": 1024, "block_size": 16, "max_running": 8,
                                          "batch_invariant": True}},
         "migration": {"transfer_timeout_s": 20.0},
@@ -94,26 +98,43 @@ def run_one(seed: int, steps: int, lr: float | None, quick: bool, bound: int | N
         first: dict = {}
         publish = trainer._publish
 
-        def publish_and_keep_first() -> None:  # the first publish follows the warm-up
-            first.setdefault("weights", trainer.learner.weights())
+        def publish_and_export_first() -> None:  # the first publish follows the warm-up
             publish()
+            if not first:  # a cell holding it writes it out (the trainer holds no weights)
+                first["version"] = trainer.version
+                trainer._export(trainer.version)
 
-        trainer._publish = publish_and_keep_first
+        trainer._publish = publish_and_export_first
+        run_stop = trainer.cells.hand_back
+
+        def export_last() -> list:  # the run's last version, exported by a cell serving it
+            out = run_stop()
+            first["last"] = trainer.version
+            trainer._export(trainer.version)
+            return out
+
+        trainer.cells.hand_back = export_last
         t0 = time.monotonic()
         out = trainer.run()
-        out.update(_evaluation(trainer, first.get("weights"), c, seed))
+        out.update(_evaluation(trainer, tmp / "exports", first, c, seed))
         out["wall_s"] = round(time.monotonic() - t0, 1)
         return out
     finally:
         c.stop()
 
 
-def _evaluation(trainer, first_weights: dict | None, c: Cluster, seed: int) -> dict:
-    """Held-out rewards at the start and end, groups dropped, staleness, clip fraction."""
-    spec = trainer.learner.spec
+def _evaluation(trainer, exports: Path, versions: dict, c: Cluster, seed: int) -> dict:
+    """Held-out rewards at the start and end (of the first and last versions as cells exported
+    them), groups dropped, staleness, clip fraction."""
+    from cells.engine.embedded.checkpoint import load_checkpoint
 
-    def heldout(w: dict | None) -> float | None:
-        return None if w is None else heldout_eval(spec, w, TaskSpec(seed=seed), HELDOUT)["reward"]
+    spec = trainer.spec
+
+    def heldout(v: int | None) -> float | None:
+        path = exports / f"v{v}"
+        if v is None or not (path / "config.json").is_file():
+            return None
+        return heldout_eval(spec, load_checkpoint(path, spec), TaskSpec(seed=seed), HELDOUT)["reward"]
 
     client = TrainerClient(c.url, c.trainer_token)
     try:
@@ -123,7 +144,7 @@ def _evaluation(trainer, first_weights: dict | None, c: Cluster, seed: int) -> d
     staleness = listed.get("staleness", {})
     steps = [h for h in trainer.history if h.get("event") == "step"]
     clip = [h["clip_frac"] for h in steps if "clip_frac" in h]
-    return {"heldout_first": heldout(first_weights), "heldout_last": heldout(trainer.learner.weights()),
+    return {"heldout_first": heldout(versions.get("version")), "heldout_last": heldout(versions.get("last")),
             "groups_dropped": sum(trainer.groups.groups_dropped.values()),
             "staleness_max": staleness.get("max_seen"), "staleness_bound": trainer.cfg.scheduler.staleness_bound,
             "clip_frac": clip, "trees": int(sum(h.get("num_trees", 0) for h in steps)),
@@ -181,7 +202,9 @@ def main() -> None:
         "lost_rollouts": sum(r["lost_rollouts"] for r in rl_runs),
         "exact_frac": round(min(tokens_exact), 6) if tokens_exact else None,
         "max_train_cells": max(r["max_train_cells"] for r in rl_runs),
-        "coordinator_backward_s": sum(r["coordinator_backward_s"] for r in rl_runs),
+        "coordinator_backward_s": sum(r["trainer_compute_s"] for r in rl_runs),
+        "trainer_compute_s": sum(r["trainer_compute_s"] for r in rl_runs),
+        "trainer_state_bytes": sum(r["trainer_state_bytes"] for r in rl_runs),
         "heldout_first": _round_mean([p["heldout_first"] for p in per_seed]),
         "heldout_last": _round_mean([p["heldout_last"] for p in per_seed]),
         "heldout_control_last": _round_mean([p["heldout_control_last"] for p in per_seed]),

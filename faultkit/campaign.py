@@ -1065,13 +1065,18 @@ def _training_batch(spec, seed: int) -> list[dict]:
 
 def scn_training_rank_fault(camp: Campaign, run: Run, k: int) -> None:
     """A training cell dies (SIGKILL) or stalls (SIGSTOP) in the middle of an update: the step
-    is redone by the other training cell from the coordinator's unchanged host copy. Checked:
+    is redone by the other training cell from the start-of-update state it restored (the
+    coordinator holds none; the state it reads back is a cell's checkpoint). Checked:
     the parameters equal a fault-free update of the same batch (max over tensors of
     ||a - b|| / ||a - theta_0|| <= 1e-3), one version number is taken, and only after the redo."""
+    from cells.engine.embedded.checkpoint import save_checkpoint
     from cells.engine.embedded.model_spec import resolve_spec
     from cells.rl.learner import Learner
     from cells.rl.objectives import ObjectiveConfig
+    from cells.training import protocol as P
+    from cells.training import state_files
     from cells.training.coordinator import TrainingCoordinator
+    from cells.training.wire import params_view
     from scheduler.contract.config import parse_config
 
     variant = ["kill", "stop"][k % 2]
@@ -1086,26 +1091,33 @@ def scn_training_rank_fault(camp: Campaign, run: Run, k: int) -> None:
     spec = resolve_spec(parse_config(camp.cfg).cells.engine.model)
     batch = _training_batch(spec, run.seed)
     # the guard off: this checks the redo of a kept update (a rejected one takes no number)
-    clean, host = (Learner(spec, camp.weights[v], lr=2e-3, minibatches=2, objective=ObjectiveConfig(max_update_kl=None))
-                   for _ in range(2))
+    clean = Learner(spec, camp.weights[v], lr=2e-3, minibatches=2, objective=ObjectiveConfig(max_update_kl=None))
+    start = save_checkpoint(camp.workdir / f"start-{run.seed}", spec, camp.weights[v])  # the ranks build from it
+    clean_before = {n: t.clone() for n, t in camp.weights[v].items()}
     clean.rl_step(batch)
     taken: list[int] = []
-    coord = TrainingCoordinator(host, camp.host.address, timeout_s=TRANSFER_TIMEOUT_S + 2, ack_timeout_s=15,
-                                emit=lambda rec: camp.history.info("trainer", rec.get("event", "train"), **{
-                                    k2: v2 for k2, v2 in rec.items() if k2 != "event"}))
-    m = coord.update(batch, [victim, other], next_version=lambda: taken.append(host.version) or host.version)
+    coord = TrainingCoordinator(P.hyper(clean), P.skeleton(clean)["params"], camp.host.address,
+                                start={"kind": "path", "path": str(start)}, timeout_s=TRANSFER_TIMEOUT_S + 2,
+                                ack_timeout_s=15, emit=lambda rec: camp.history.info("trainer", rec.get("event", "train"), **{
+                                    k2: v2 for k2, v2 in rec.items() if k2 != "event" and isinstance(v2, (int, float, str))}))
+    coord.lr = 2e-3
+    m = coord.update(batch, [victim, other], next_version=lambda: taken.append(coord.version + 1) or coord.version + 1)
     gone = camp.nem.killed(victim) if variant == "kill" else camp.nem.stopped(victim)
     if gone and m["attempts"] >= 2:
         camp.fault(run, "SIGKILL" if variant == "kill" else "SIGSTOP", victim,
                    failpoint="training.after_minibatch", attempts=m["attempts"], cells_lost=m["cells_lost"])
     else:
         run.notes.append(f"training fault on {victim} did not disturb the step: {gone}, attempts {m['attempts']}")
-    diff = 0.0
+    path = camp.workdir / f"state-{run.seed}"
+    done = coord.checkpoint_done(coord.checkpoint(str(path)), str(path), 60)  # the state, from the cell holding it
+    meta, flat, _ = state_files.load_packed(path) if done.get("ok") else ({"entries": []}, None, None)
+    after = params_view(meta, flat) if flat is not None else {}
+    diff = 0.0 if after else float("inf")
     for name, p in clean.params.items():
-        den = float((p.detach() - camp.weights[v][name]).norm())
-        if den > 0:
-            diff = max(diff, float((p.detach() - host.params[name].detach()).norm()) / den)
-    run.params.update(param_rel_diff=diff, attempts=m["attempts"], fallback=m["coordinator_fallback"])
+        den = float((p.detach() - clean_before[name]).norm())
+        if den > 0 and name in after:
+            diff = max(diff, float((p.detach() - after[name]).norm()) / den)
+    run.params.update(param_rel_diff=diff, attempts=m["attempts"], restored=m["join_cells"] == 0)
     if diff > 1e-3:
         run.violations.append(f"training: the update after the fault differs from the fault-free one ({diff:.2e})")
     if len(taken) != 1:

@@ -14,17 +14,12 @@ Where the rest lives:
                         serves its scoring and its exports
     the warm-up         a supervised run on one training cell (demonstrations are data)
 
-One step:
-    batch   the next `batch_episodes` rollouts of whole groups (agents keep playing meanwhile)
-    cells   declare the step (POST /v1/trainer/report) and bring `train_cells` cells to training
-            (cells/trainer/step_cells.py); their in-flight rollouts move live to other cells
-    wait    until every sampled token of the batch has its old log-prob (exact, or missing)
-    train   one RL update on the training cells, data-parallel (cells/training/)
-    publish version v+1: a cell that computed it keeps and broadcasts it (POST /v1/versions
-            names the receivers)
-    back    the training cells return to rollout, installing v+1 from their own state
-    retire  superseded versions leave the publishing cells once the scheduler retired them
-A step whose every cell failed is retried with the cells the next attempt gets.
+One step: the next `batch_episodes` rollouts of whole groups → declare the step and bring
+`train_cells` cells to training (cells/trainer/step_cells.py; their rollouts move live) →
+wait for every sampled token's old log-prob → one RL update on the training cells
+(cells/training/) → publish v+1 from a cell that computed it (cells/trainer/publish.py) →
+the cells return to rollout, installing v+1 from their own state → retired versions leave
+the publishing cells. A step whose every cell failed is retried with the next cells.
 
 Start: from the user's Hugging Face directory when `cells.engine.model.path` names one (no
 warm-up unless `trainer.warmup_steps` asks for one), else random-initialised and warmed up on
@@ -45,13 +40,13 @@ from typing import Any
 from cells.engine.embedded.layers import probe_row_invariance
 from cells.engine.embedded.model_spec import resolve_spec
 from cells.rl.objectives.config import ObjectiveConfig, ewma_window
-from cells.rl.update import PROCESS_COMPUTE_S
 from cells.trainer.agents import AgentPool
 from cells.trainer.client import TrainerClient
+from cells.trainer.figures import trainer_compute_s, trainer_state_bytes, update_figures
 from cells.trainer.groups import GroupGate, num_members
+from cells.trainer.publish import drop_retired, export, finish_exports, publish
 from cells.trainer.step_cells import StepCells, StepFigures
 from cells.trainer.warmup import toy_demos
-from cells.training import jobs
 from cells.training import protocol as P
 from cells.training.coordinator import StepFailed, TrainingCoordinator
 from cells.training.resume import find_committed
@@ -78,28 +73,6 @@ def resolved_objective(cfg: CellflipConfig) -> ObjectiveConfig:
     obj = ObjectiveConfig.model_validate(cfg.trainer.objective)
     window = ewma_window(obj.ewma, cfg.scheduler.staleness_bound, cfg.trainer.minibatches)
     return obj.model_copy(update={"ewma": obj.ewma.model_copy(update={"staleness_window": window})})
-
-
-def trainer_compute_s() -> float:
-    """Seconds of updates and supervised steps this process computed (0: the cells did)."""
-    return sum(PROCESS_COMPUTE_S.values())
-
-
-def update_figures(metrics: dict, batch: list[dict], start_version: int, bound: int | None) -> dict:
-    """What the scheduler's `cellflip_training_*` metrics show of one update: its KL, grad
-    norm, clip fraction, entropy, outcome, and its trained tokens by versions behind its start."""
-    behind: list[int] = []
-    for t in batch:
-        for m, v in zip(t["loss_mask"], t["versions"], strict=True):
-            k = start_version - v if m and v is not None else None
-            if k is None or (bound is not None and k > bound):
-                continue  # a prompt token, or one the bound left out of the loss
-            k = max(0, min(k, 64))
-            behind += [0] * (k + 1 - len(behind))
-            behind[k] += 1
-    return {"update_kl": float(metrics.get("update_kl", 0.0)), "grad_norm": float(metrics.get("grad_norm", 0.0)),
-            "clip_frac": float(metrics.get("clip_frac", 0.0)), "entropy": float(metrics.get("entropy_mean", 0.0)),
-            "rejected": bool(metrics.get("update_rejected")), "staleness": behind}
 
 
 class Trainer:
@@ -287,7 +260,7 @@ class Trainer:
         if stop.is_set():
             return
         t_batch = time.monotonic()
-        self._flip_to_training(untrained=len(batch) + len(self.batch))
+        self.cells.acquire(len(batch) + len(self.batch))
         t_flip = time.monotonic()
         batch = self.client.wait_scored(batch, timeout_s=600)
         t_scored = time.monotonic()
@@ -349,7 +322,7 @@ class Trainer:
             "suspended": sum(f.get("suspended", 0) for f in flips), "planner_flips": self.cells.planner_flips,
             "wait_batch_s": round(t_batch - t0, 2), "flip_s": round(t_flip - t_batch, 2),
             "wait_scored_s": round(t_scored - t_flip, 2), "train_s": round(t_train - t_scored, 2),
-            "trainer_compute_s": round(trainer_compute_s(), 4),
+            "trainer_compute_s": round(trainer_compute_s(), 4), "trainer_state_bytes": trainer_state_bytes(),
             "step_s": round(time.monotonic() - t0, 2),
             "agents": {"episodes": self.agents.stats.episodes, "lost": self.agents.stats.lost,
                        "retries": self.agents.stats.retries},
@@ -375,10 +348,6 @@ class Trainer:
                 log.warning("could not report dropped groups: %s", e)
         return sel.ready
 
-    def _flip_to_training(self, untrained: int = 0) -> list[dict]:
-        """Declare the step and bring its cells to the training role (cells/trainer/step_cells.py)."""
-        return self.cells.acquire(untrained)
-
     def _staleness_bound(self) -> int | None:
         """The scheduler's staleness bound where it holds at training (policy `drop`); None
         under `correct` (stale tokens train with their correction weights)."""
@@ -397,59 +366,16 @@ class Trainer:
         return max(self.version + 1, max(known, default=-1) + 1)
 
     def _publish(self) -> None:
-        """Publish the committed version from a cell that computed it: it keeps the weights in
-        its version host (checked against the commit's checksum), the scheduler names the
-        receivers, the cell broadcasts to them and serves the catch-ups."""
-        t0 = time.monotonic()
-        version, store = self.version, self.coordinator.store
-        known = {v["version"] for v in self.client.versions()["versions"]}
-        if version in known:
-            return
-        cell = self.coordinator.publisher()
-        live = [v["version"] for v in self.client.versions()["versions"] if v["state"] != "retired"]
-        put = jobs.wait(store, jobs.post(store, cell, {"op": "put", "version": version, "live": live,
-                                                       "bucket_bytes": self.cfg.versions.bucket_bytes,
-                                                       "update_backend": self.cfg.versions.update_backend}), 120.0)
-        if not put.get("ok"):
-            raise RuntimeError(f"cell {cell} could not hold version {version} for publishing: {put.get('error')}")
-        self.publishers.add(cell)
-        a = self.store.address
-        r = self.client.publish(version, a.host, a.port, put["namespace"])
-        res = jobs.wait(store, jobs.post(store, cell, {"op": "broadcast", "version": version,
-                                                       "receivers": r["receivers"],
-                                                       "receiver_ranks": r.get("receiver_ranks", {})}), 600.0)
-        self._emit({"event": "published", "version": version, "receivers": len(r["receivers"]),
-                    "delivered": len(res.get("delivered", [])), "failed": sorted(res.get("failed", {})),
-                    "root": res.get("root"), "cell": cell, "seconds": round(time.monotonic() - t0, 2)})
-        if self.tc.export_every and version % self.tc.export_every == 0:
-            self._export(version)
+        publish(self)
 
     def _export(self, version: int) -> None:
-        """Ask a cell holding `version` to write it as a Hugging Face directory (off its loop)."""
-        path = str(Path(self.tc.export_dir) / f"v{version}")
-        try:
-            ex = self.client.export(version, path, self.tc.export_dtype)
-            self._exports.append(ex["id"])
-            self._emit({"event": "export", "version": version, "path": path, "id": ex["id"], "cell": ex.get("cell")})
-        except Exception as e:
-            self._emit({"event": "export_failed", "version": version, "path": path, "reason": str(e)[:300]})
+        export(self, version)
 
     def _finish_exports(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        for eid in self._exports:
-            while time.monotonic() < deadline:
-                ex = self.client.export_state(eid)
-                if ex["state"] not in ("pending", "writing"):
-                    self._emit({"event": "exported", "id": eid, "state": ex["state"], "path": ex.get("path")})
-                    break
-                time.sleep(0.2)
-        self._exports = []
+        finish_exports(self, timeout_s)
 
     def _drop_retired(self) -> None:
-        """The publishing cells drop the versions the scheduler retired."""
-        live = [v["version"] for v in self.client.versions()["versions"] if v["state"] != "retired"]
-        for cell in sorted(self.publishers):
-            jobs.post(self.coordinator.store, cell, {"op": "drop", "live": live})
+        drop_retired(self)
 
     # -- reporting --------------------------------------------------------------------------
     def _emit(self, rec: dict[str, Any]) -> None:
@@ -468,7 +394,7 @@ class Trainer:
             "exact_frac": (sum(h["exact"] for h in steps) / tokens) if tokens else None,
             "version": self.version,
             "max_train_cells": max((int(h.get("train_cells", 0)) for h in steps), default=0),
-            "trainer_compute_s": trainer_compute_s(),
+            "trainer_compute_s": trainer_compute_s(), "trainer_state_bytes": trainer_state_bytes(),
             "updates_kept": self.updates_kept, "updates_rejected": self.updates_rejected,
             "versions_published": self.versions_published,
         }

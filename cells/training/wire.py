@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from cells.transport.buckets import crc32  # zlib's CRC-32, bit for bit (isal's where installed)
-from cells.transport.p2p import wait_work
+from cells.transport.p2p import count_bytes, wait_work
 
 ROW_SPARSE_MIN_ROWS = 4096
 """Tensors with at least this many rows travel row-sparse (the vocabulary tables)."""
@@ -233,6 +233,7 @@ def send_state(pg, dst: int, values: Tensor | list[Tensor], rows: Tensor | list[
     for i, (v, r) in enumerate(zip(values, rows, strict=True)):
         for j, t in enumerate((v, r)):
             if t.numel():
+                count_bytes("send", t)
                 wait_work(pg.send([t], dst, tag + 2 * i + j), timeout_s, f"state to rank {dst}")
 
 
@@ -247,6 +248,7 @@ def recv_state(pg, src: int, meta: dict[str, Any], timeout_s: float, tag: int = 
     for i, (v, r) in enumerate(pieces(meta)):
         for j, t in enumerate((flat[vpos: vpos + v], idx[rpos: rpos + r])):
             if t.numel():
+                count_bytes("recv", t)
                 wait_work(pg.recv([t], src, tag + 2 * i + j), timeout_s, f"state from rank {src}")
         vpos, rpos = vpos + v, rpos + r
     if (vpos, rpos) != (nv, nr):

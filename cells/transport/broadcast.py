@@ -41,7 +41,7 @@ from cells.transport.buckets import (
     Manifest,
 )
 from cells.transport.catchup import recv_version_p2p, send_version_p2p  # noqa: F401 (re-export)
-from cells.transport.p2p import TransferError, discard, join_group, wait_work
+from cells.transport.p2p import TransferError, count_bytes, discard, join_group, wait_work
 from cells.transport.staging import FlatReceipt, StagingBuffers, empty_flat
 from cells.transport.store import get_json, poll_sleeps, set_json, wait_json, wait_keys
 from scheduler.contract.failpoints import failpoint
@@ -67,6 +67,7 @@ class BroadcastResult:
 def _bcast(backend, tensor: torch.Tensor):
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
+    count_bytes("send" if backend.rank() == 0 else "recv", tensor)
     return backend.broadcast([tensor], opts)
 
 

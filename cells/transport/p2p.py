@@ -24,6 +24,15 @@ from torch.distributed import PrefixStore, ProcessGroupGloo, Store
 from cells.transport.store import poll_sleeps
 
 MAX_JSON_BYTES = 64 << 20
+
+TENSOR_BYTES = {"sent": 0, "received": 0}
+"""Tensor bytes this process posted to or received through torch.distributed, by every
+transfer in cells/ (pair channels, broadcasts, training state): what a process that must hold
+no model state (the trainer) reports."""
+
+
+def count_bytes(what: str, tensor: torch.Tensor) -> None:
+    TENSOR_BYTES["sent" if what == "send" else "received"] += tensor.numel() * tensor.element_size()
 """Largest JSON message a receiver accepts; a larger length header means a confused peer."""
 
 
@@ -263,6 +272,7 @@ class PairChannel:
         try:
             fn = self._backend.send if what == "send" else self._backend.recv
             work = fn([tensor], self.peer, 0)
+            count_bytes(what, tensor)
         except Exception as e:
             self._fail(f"posting {what} failed: {e}")
             raise TransferError(f"{self.name}: posting {what} failed: {e}") from e
