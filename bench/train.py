@@ -1,68 +1,54 @@
-"""Training on cells: step time on 1 and 2 training cells, parity, join and flip-back costs.
+"""Training on cells: step time on 1 and 2 training cells, parity, joins, publishing, and what
+passes through the trainer.
 
     python bench/train.py [--quick] [--json]
 
-This process is the coordinator (a `Learner` with the `tiny` preset and a `VersionHost`, as
-the trainer holds them); three spawned bare training ranks (`cells.training.bare`, one torch
-thread each, no engine, no rollout load) are the cells. The batch is the e2e RL step's:
-64 trajectories in groups of 8 (32 with --quick), synthetic token ids over the preset's output
-vocabulary, exact old log-probs; two minibatches per update, grad-norm clipping on, the e2e
-learning rate.
+This process is the trainer's coordinator (cells/training/coordinator.py: hyper-parameters, a
+rendezvous store, commit records; no learner, no weights); spawned bare training ranks
+(`cells.training.bare`, one torch thread each, no engine) are the cells and build the start
+weights themselves. The batch is the e2e RL step's: 64 trajectories in groups of 8 (32 with
+--quick), synthetic token ids over the preset's output vocabulary; two minibatches per
+update, grad-norm clipping on, the e2e learning rate.
 
-Run A: cell 0 alone, updates u1..u3 (u1 includes its join). Run B: a fresh coordinator state
-(the same initial weights), cells 0 and 1, the same three batches. Each run starts once its
-cells prepared a learner from the coordinator's skeleton (what a cell does between its flip
-to training and the step boundary), so u2 and u3 are steady updates on both.
-- step_s["1"], step_s["2"]: median coordinator-side wall time of u2 and u3 in runs A and B
-  (plan, assignment, compute on the cells, the new state back to the host copy, commit).
-- speedup_2 = step_s["1"] / step_s["2"].
-- update_s: the same medians of rank 1's own `run_update` time (forwards, backwards, gradient
-  sums, optimizer steps): the part of a step the cells split; the rest of step_s is the
-  state's way back to the host copy, checksums and the commit.
-- param_max_rel_diff: max over tensors of ||θ_A − θ_B|| / ||θ_A − θ_0|| after u3.
-- coordinator_forward_s / coordinator_backward_s: seconds this process spent in RL forwards
-  and backwards over both runs (the learner's own counters).
-- join_s: cell 1 trains u4 and u5 with cell 0 (moments exist), flips to rollout, misses u6,
-  and flips back for u7 on cells 0 and 1: the coordinator's time from u7's assignment until
-  cell 1 confirmed that it rebuilt parameters, moments, reference and EWMA copy bitwise (its
-  checksum of the whole state), every tensor of it overwritten. Cell 1's training memory
-  stayed through its rollout stint, as on every cell whose engine does not take the memory
-  back (`keep_memory`).
-- join_prepared_s: the same for cell 2 joining u5, in the training role since the start (its
-  learner prepared from the skeleton, never trained).
-- join_cold_s: the same for a rank process started just before u6 (cells 0 and 3): its first
-  stint, every tensor of the state allocated on the step's path (or by the learner it
-  began preparing when it came up).
-- broadcast_s: a version broadcast of the same model (`VersionHost.broadcast`) to cell 2, the
-  receiver's time (join, buckets, CRC checks).
-- loading_bytes: bytes cell 0 received loading the version of the last update it computed
-  back for rollout (0: it installed its own copy); loaded_checksum_ok: the weights it would
-  install have the published version's checksum.
+Run A: cell 0 alone, updates u1..u3. Run B: a fresh coordinator, cells 0 and 1 with token
+shares 1:2, the same three batches.
+- step_s, speedup_2, update_s: medians of u2 and u3 (coordinator wall time; rank 1's update).
+- param_max_rel_diff: max over tensors of ||θ_A − θ_B|| / ||θ_A − θ_0|| after u3 (θ read back
+  from a checkpoint the cells wrote; one cell computes exactly one process's update).
+- join_s (cell 1 back from a rollout stint a step behind: from a rank of the step),
+  join_peer_s (cell 3, a fresh process, alone in a step: from a parked peer), broadcast_s.
+- publish_root: who sent the published version's bytes (`cell`: the cell that computed it).
+- trainer_state_bytes: tensor bytes this process sent or received through torch.distributed
+  over the whole run; join_bytes_from_trainer: the same during the steps with joiners.
+- trainer_bytes_per_step, trainer_max_rss_bytes: JSON bytes this process wrote and read at the
+  store per step, and its peak resident memory, each measured in a fresh process at the `toy`
+  and `tiny` presets (4.3x apart); trainer_growth: the larger of the two ratios.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 from common import ROOT, emit, parse_args, set_threads
 
 from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import PRESETS
-from cells.rl.learner import Learner
+from cells.rl.update import PROCESS_COMPUTE_S
+from cells.training import jobs, state_files
 from cells.training.bare import reply_key, request_key
 from cells.training.coordinator import TrainingCoordinator
 from cells.training.protocol import alive_key, prepared_key
-from cells.training.wire import weights_checksum
-from cells.transport.store import connect, set_json, wait_json, wait_keys
-from cells.transport.versions_host import VersionHost
+from cells.training.wire import params_view
+from cells.transport.p2p import TENSOR_BYTES
+from cells.transport.store import JSON_BYTES, StoreHost, connect, set_json, wait_json, wait_keys
 
 LR, MINIBATCHES = 1e-3, 2
 
@@ -105,63 +91,117 @@ def ask(store, cell: str, n: int, req: dict) -> dict:
     return got
 
 
-def run(host: VersionHost, w0: dict, batches: list, cells: list[str]) -> tuple[Learner, TrainingCoordinator, list]:
-    spec = PRESETS["tiny"]
-    lrn = Learner(spec, w0, lr=LR, minibatches=MINIBATCHES, tile=None)
-    lrn.start_rl()
-    coord = TrainingCoordinator(lrn, host.address, timeout_s=120, ack_timeout_s=60)
-    # the cells prepare their learner from the skeleton the coordinator published, as a cell
-    # does between its flip to training and the step: every update measured is a steady one
-    store = connect(host.address)
+def coordinator(address, spec, lr: float = LR):
+    from cells.rl.objectives import ObjectiveConfig
+    from cells.training import protocol as P
+
+    hyper = P.hyper_of(spec, ObjectiveConfig(), lr=lr, minibatches=MINIBATCHES, tile=None, temperature=1.0)
+    return TrainingCoordinator(hyper, P.param_shapes(spec), address, start={"kind": "init", "seed": 0, "std": 0.02},
+                               timeout_s=120, ack_timeout_s=60)
+
+
+def run(address, spec, batches: list, cells: list[str], shares=None) -> tuple:
+    coord = coordinator(address, spec)
+    store = connect(address)  # the cells prepare a learner first, as between a flip and a step
     if len(wait_keys(store, [prepared_key(c) for c in cells], 300)) < len(cells):
         raise TimeoutError("training ranks did not prepare a learner")
-    ms = [coord.update(b, cells, next_version=lambda: lrn.version) for b in batches]
-    return lrn, coord, ms
+    ms = [coord.update(b, cells, shares=shares, next_version=lambda: coord.version + 1) for b in batches]
+    return coord, ms
 
 
-def main() -> None:
-    args = parse_args(__doc__)
-    set_threads(1)
-    spec = PRESETS["tiny"]
-    w0 = init_weights(spec, 0, 0.02)
-    batches = [batch(spec, 32 if args.quick else 64, s) for s in range(3)]
-    tmp = Path(tempfile.mkdtemp(prefix="cellflip-train-"))
-    host = VersionHost("127.0.0.1", 0)
-    host.start()
-    procs = start_ranks(tmp, host.address, 3)
-    store = connect(host.address)
+def state_of(coord, path: Path) -> dict:
+    r = coord.checkpoint_done(coord.checkpoint(str(path)), str(path), 300)
+    if not r.get("ok"):
+        raise RuntimeError(f"checkpoint failed: {r}")
+    meta, flat, _ = state_files.load_packed(path)
+    return {k: v.clone() for k, v in params_view(meta, flat).items()}
+
+
+def publish(coord, cell: str, receivers: list[str]) -> dict:
+    store = coord.store
+    put = jobs.wait(store, jobs.post(store, cell, {"op": "put", "version": coord.version, "live": []}), 120)
+    if not put.get("ok"):
+        raise RuntimeError(f"put failed: {put}")
+    return jobs.wait(store, jobs.post(store, cell, {"op": "broadcast", "version": coord.version,
+                                                   "receivers": receivers}), 300)
+
+
+def size_probe(preset: str, quick: bool) -> dict:
+    """In a fresh process: two steps at `preset` on one cell; this process's store bytes per
+    step and peak memory."""
+    spec = PRESETS[preset]
+    tmp = Path(tempfile.mkdtemp(prefix="cellflip-train-size-"))
+    host = StoreHost("127.0.0.1", 0)
+    procs = start_ranks(tmp, host.address, 1, first=9)
     try:
-        a, coord_a, ma = run(host, w0, batches, ["cell-0"])
-        theta_a = {k: p.detach().clone() for k, p in a.params.items()}
-        m4 = coord_a.update(batches[0], ["cell-0", "cell-1"], next_version=lambda: a.version)
-        m5 = coord_a.update(batches[1], ["cell-0", "cell-1", "cell-2"], next_version=lambda: a.version)
-        host.put(a.version, a.weights())
-        load = ask(store, "cell-0", 1, {"op": "load", "version": a.version})
-        loaded_ok = load["checksum"] == weights_checksum(a.weights())  # before u6 changes them
-        t0 = time.perf_counter()
-        bc_reply = [None]
-        th = threading.Thread(target=lambda: bc_reply.__setitem__(0, ask(store, "cell-2", 1, {"op": "broadcast", "version": a.version})))
-        th.start()
-        host.broadcast(a.version, ["cell-2"])
-        th.join()
-        broadcast_wall = time.perf_counter() - t0
-        ask(store, "cell-1", 1, {"op": "flip"})  # cell 1, which trained u4 and u5, goes to rollout
-        procs += start_ranks(tmp, host.address, 1, first=3)  # a cell process in its first stint
-        m6 = coord_a.update(batches[2], ["cell-0", "cell-3"], next_version=lambda: a.version)
-        ask(store, "cell-1", 2, {"op": "flip"})  # ... and comes back: its state is a step behind
-        m7 = coord_a.update(batches[0], ["cell-0", "cell-1"], next_version=lambda: a.version)
-        b, _, mb = run(host, w0, batches, ["cell-0", "cell-1"])
+        batches = [batch(spec, 8, s) for s in range(3)]
+        coord, _ = run(host.address, spec, batches[:1], ["cell-9"])
+        before = dict(JSON_BYTES)
+        for b in batches[1:]:
+            coord.update(b, ["cell-9"], next_version=lambda: coord.version + 1)
+        per_step = (sum(JSON_BYTES.values()) - sum(before.values())) / 2
     finally:
         for p in procs:
             p.kill()
         host.close()
+    return {"bytes_per_step": per_step + sum(TENSOR_BYTES.values()) / 3,
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def probe_sizes(quick: bool) -> dict:
+    out = {}
+    for preset in ("toy", "tiny"):
+        r = subprocess.run([sys.executable, __file__, "--size-probe", preset] + (["--quick"] if quick else []),
+                           capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if r.returncode != 0:
+            raise RuntimeError(f"size probe {preset} failed: {r.stderr[-2000:]}")
+        out[preset] = json.loads(r.stdout.strip().splitlines()[-1])
+    return out
+
+
+def main() -> None:
+    args = parse_args(__doc__, lambda ap: ap.add_argument("--size-probe", default=None))
+    set_threads(1)
+    if args.size_probe:
+        print(json.dumps(size_probe(args.size_probe, args.quick)))
+        return
+    sizes = probe_sizes(args.quick)
+    spec = PRESETS["tiny"]
+    batches = [batch(spec, 32 if args.quick else 64, s) for s in range(3)]
+    tmp = Path(tempfile.mkdtemp(prefix="cellflip-train-"))
+    host = StoreHost("127.0.0.1", 0)
+    procs = start_ranks(tmp, host.address, 3)
+    store = connect(host.address)
+    try:
+        coord_a, ma = run(host.address, spec, batches, ["cell-0"])
+        theta_a = state_of(coord_a, tmp / "a")
+        m4 = coord_a.update(batches[0], ["cell-0", "cell-1"], next_version=lambda: coord_a.version + 1)
+        pub = publish(coord_a, "cell-0", ["cell-2"])
+        ask(store, "cell-1", 1, {"op": "flip"})  # cell 1, which trained u4, goes to rollout
+        joins_before = sum(TENSOR_BYTES.values())
+        m5 = coord_a.update(batches[1], ["cell-0"], next_version=lambda: coord_a.version + 1)
+        ask(store, "cell-1", 2, {"op": "flip"})  # ... and comes back a step behind
+        m6 = coord_a.update(batches[2], ["cell-0", "cell-1"], next_version=lambda: coord_a.version + 1)
+        procs += start_ranks(tmp, host.address, 1, first=3)  # a fresh cell alone: from a parked peer
+        m7 = coord_a.update(batches[0], ["cell-3"], next_version=lambda: coord_a.version + 1,
+                            peers=["cell-0", "cell-1"])
+        join_bytes = sum(TENSOR_BYTES.values()) - joins_before
+        coord_b, mb = run(host.address, spec, batches, ["cell-0", "cell-1"], shares=[1.0, 2.0])
+        theta_b = state_of(coord_b, tmp / "b")
+    finally:
+        for p in procs:
+            p.kill()
+        host.close()
+    w0 = init_weights(spec, 0, 0.02)  # the start, for the relative difference (after the runs)
     diff = 0.0
     for k in theta_a:
         den = float((theta_a[k] - w0[k]).norm())
         if den > 0:
-            diff = max(diff, float((theta_a[k] - b.params[k].detach()).norm()) / den)
+            diff = max(diff, float((theta_a[k] - theta_b[k]).norm()) / den)
     s1 = statistics.median(m["train_wall_s"] for m in ma[1:])
     s2 = statistics.median(m["train_wall_s"] for m in mb[1:])
+    bps = {k: v["bytes_per_step"] for k, v in sizes.items()}
+    rss = {k: v["max_rss_bytes"] for k, v in sizes.items()}
     result = {
         "model_params": sum(t.numel() for t in w0.values()),
         "global_batch_tokens": int(sum(len(t["token_ids"]) for t in batches[0])),
@@ -170,17 +210,15 @@ def main() -> None:
         "update_s": {"1": round(statistics.median(m["step_s"] for m in ma[1:]), 3),
                      "2": round(statistics.median(m["step_s"] for m in mb[1:]), 3)},
         "param_max_rel_diff": diff,
-        "coordinator_forward_s": a.compute_s["forward"] + b.compute_s["forward"],
-        "coordinator_backward_s": a.compute_s["backward"] + b.compute_s["backward"],
-        "join_s": round(m7["join_s"], 3),
-        "join_prepared_s": round(m5["join_s"], 3),
-        "join_cold_s": round(m6["join_s"], 3),
-        "broadcast_s": round(bc_reply[0]["seconds"], 3),
-        "broadcast_wall_s": round(broadcast_wall, 3),
-        "loading_bytes": load["bytes"],
-        "loading_mode": load["mode"],
-        "loaded_checksum_ok": loaded_ok,
-        "join_cells_u7": m7["join_cells"],
+        "join_s": round(m6["join_s"], 3), "join_source_u6": m6["join_source"],
+        "join_peer_s": round(m7["join_s"], 3), "join_source_u7": m7["join_source"],
+        "broadcast_s": round(pub.get("seconds", -1.0), 3),
+        "publish_root": pub.get("root"),
+        "trainer_state_bytes": sum(TENSOR_BYTES.values()),
+        "join_bytes_from_trainer": join_bytes,
+        "trainer_bytes_per_step": bps, "trainer_max_rss_bytes": rss,
+        "trainer_growth": round(max(bps["tiny"] / bps["toy"], rss["tiny"] / rss["toy"]), 4),
+        "trainer_compute_s": sum(PROCESS_COMPUTE_S.values()),
         "train_cells": [m["train_cells"] for m in ma + [m4, m5, m6, m7] + mb],
     }
     emit(result, args.json)

@@ -112,13 +112,21 @@ def wait_any(store: Store, keys: list[str], timeout_s: float) -> str | None:
             return None
 
 
+JSON_BYTES = {"set": 0, "get": 0}
+"""Bytes of JSON this process wrote to and read from stores (a trainer's per-step traffic)."""
+
+
 def set_json(store: Store, key: str, obj: object) -> None:
-    store.set(key, json.dumps(obj, separators=(",", ":")).encode())
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    JSON_BYTES["set"] += len(data)
+    store.set(key, data)
 
 
 def get_json(store: Store, key: str) -> object:
     """Reads a key known to exist (check it first: a missing key blocks for the client timeout)."""
-    return json.loads(bytes(store.get(key)).decode())
+    data = bytes(store.get(key))
+    JSON_BYTES["get"] += len(data)
+    return json.loads(data.decode())
 
 
 def wait_json(store: Store, key: str, timeout_s: float) -> object | None:
