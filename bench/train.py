@@ -52,7 +52,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import ROOT, emit, parse_args, set_threads
+from common import ROOT, finish, parse_args, set_threads
 
 from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import PRESETS
@@ -183,7 +183,7 @@ def main() -> None:
         "join_cells_u7": m7["join_cells"],
         "train_cells": [m["train_cells"] for m in ma + [m4, m5, m6, m7] + mb],
     }
-    emit(result, args.json)
+    finish(result, args, "train")
 
 
 if __name__ == "__main__":
