@@ -34,6 +34,10 @@ version served and the one received, are warm), a perturbed copy of the weights.
   single raw run. The same estimator on both sides (the fastest single run), because other
   load on the machine only ever adds time.
 - efficiency: min over points of gbps / raw_bcast_gbps.
+- points[].seconds_all, points[].raw_seconds_all: every versioned and every raw run of the
+  point; points[].efficiency_median: the median raw run's time over the median versioned
+  run's; efficiency_median: its min over points (the figure the target judges: the median of
+  the bench's own runs, not the fastest).
 - decode_tokens_during_broadcast: tokens the receivers decoded in engine steps that ended
   inside a versioned broadcast's window, summed over receivers and broadcasts (> 0: the
   cells decoded during the transfer).
@@ -44,10 +48,10 @@ version served and the one received, are warm), a perturbed copy of the weights.
 - decode_rate_ratio: the three cells' decode rate (tokens per second, summed over cells)
   inside the 3-receiver point's versioned broadcasts, over their rate in windows of the same
   lengths with no transfer at all, measured right after that point in the same run (the
-  cells decode the same way throughout). Target >= 0.8.
+  cells decode the same way throughout).
 Correctness, checked once after the last point: every cell serves the last version and a
 CRC32 over all its tensors equals the trainer's; otherwise the bench exits non-zero.
-Targets: efficiency >= 0.8, decode_rate_ratio >= 0.8, pause_fraction <= 0.05. On 2 shared
+Targets (bench/targets.yaml): efficiency_median, decode_rate_ratio, pause_fraction. On 2 shared
 cores all three are bounded by CPU, not by the protocol: the trainer and three decoding cells
 share the cores with the transfer, so every cycle the transfer spends (the kernel's TCP
 copies, each receiver's CRC32 pass over the version, `prepare()` on the loader thread) is
@@ -59,13 +63,14 @@ from __future__ import annotations
 import json
 import os
 import queue
+import statistics
 import subprocess
 import sys
 import threading
 import time
 import zlib
 
-from common import emit, parse_args, set_threads
+from common import finish, parse_args, set_threads
 
 PRESET = "small"
 NUM_CELLS = 3
@@ -437,7 +442,10 @@ def main() -> None:
             total_seconds += sum(vers)
             points.append({"receivers": k, "seconds": round(seconds, 4),
                            "gbps": round(model_bytes / seconds / 1e9, 4),
-                           "raw_bcast_gbps": round(model_bytes / raw_s / 1e9, 4)})
+                           "raw_bcast_gbps": round(model_bytes / raw_s / 1e9, 4),
+                           "seconds_all": [round(s, 4) for s in vers],
+                           "raw_seconds_all": [round(s, 4) for s in raws],
+                           "efficiency_median": round(statistics.median(raws) / statistics.median(vers), 4)})
             print(f"# {k} receivers: versioned {[round(s, 3) for s in vers]} s, raw {[round(s, 3) for s in raws]} s",
                   flush=True)
         # Correctness: the 3-receiver point ended with every cell serving the last version.
@@ -467,12 +475,13 @@ def main() -> None:
         "model_bytes": model_bytes,
         "points": points,
         "efficiency": round(min(p["gbps"] / p["raw_bcast_gbps"] for p in points), 4),
+        "efficiency_median": min(p["efficiency_median"] for p in points),
         "decode_tokens_during_broadcast": tokens,
         "decode_pause_s": round(total_pause, 4),
         "pause_fraction": round(total_pause / total_seconds, 4),
         "decode_rate_ratio": round(rate_ratio, 4) if rate_ratio is not None else None,
     }
-    emit(result, args.json)
+    finish(result, args, "broadcast")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ for p in (str(HERE.parent), str(HERE)):
     if p not in sys.path:
         sys.path.insert(0, p)
 
+from common import add_target_args, finish  # noqa: E402
 from sim import BUILTIN, POLICIES, RunResult, load_workload, make_policy, run_policy  # noqa: E402
 from sim.fluid import rebalance_gain  # noqa: E402
 from sim.policies import ORACLE_SOURCES  # noqa: E402
@@ -210,6 +211,7 @@ def main() -> None:
     ap.add_argument("--plots", nargs="?", const=str(HERE / "out"), default=None,
                     help="write PNG plots (seed 1) to DIR (default bench/out/)")
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes; default 1)")
+    add_target_args(ap)
     args = ap.parse_args()
     cells = args.cells or (1_000 if args.quick else 10_000)
     t0 = time.perf_counter()
@@ -240,15 +242,12 @@ def main() -> None:
         pool.close()
     print(f"total wall {time.perf_counter() - t0:.0f} s")
     print(markdown(result))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(json.dumps(result, indent=2))
     # the oracle is the ceiling: a policy above it means the oracle (or the model) is wrong
     for name, b in result["workloads"].items():
         for p, m in b["policies"].items():
             assert b["policies"]["oracle"]["trained_tokens_per_hour"] >= m["trained_tokens_per_hour"], (
                 f"{name}: {p} ({m['trained_tokens_per_hour']:.0f}) above the oracle ({b['oracle_throughput']:.0f})")
+    finish(result, args, "cluster_sim")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""Shared bench plumbing: argument parsing, one-thread torch, the final JSON line."""
+"""Shared bench plumbing: argument parsing, one-thread torch, the final JSON line, and the
+verdict: `finish` judges the result against bench/targets.yaml, records what code it was
+measured on, prints it and exits 1 when a target is missed (0 with --no-targets)."""
 
 from __future__ import annotations
 
@@ -17,9 +19,16 @@ def parse_args(description: str, extra=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--quick", action="store_true", help="smaller, faster run")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON line last")
+    add_target_args(ap)
     if extra:
         extra(ap)
     return ap.parse_args()
+
+
+def add_target_args(ap: argparse.ArgumentParser) -> None:
+    """--no-targets, for a bench that builds its own parser."""
+    ap.add_argument("--no-targets", action="store_true",
+                    help="exit 0 even when a target of bench/targets.yaml is missed (exploring)")
 
 
 def set_threads(n: int = 1) -> None:
@@ -33,6 +42,21 @@ def emit(result: dict, as_json: bool) -> None:
         print(json.dumps(result))
     else:
         print(json.dumps(result, indent=2))
+
+
+def finish(result: dict, args: argparse.Namespace, bench: str, argv: list[str] | None = None) -> None:
+    """The end of every bench: `targets`, `all_met` and `provenance` added to the result, the
+    result printed (`emit`), each missed target named on stderr, then exit 1 if one was missed
+    and --no-targets was not given, else 0."""
+    from judge import judge, missed, provenance
+
+    quick = bool(getattr(args, "quick", False))
+    result["targets"], result["all_met"] = judge(result, bench, quick)
+    result["provenance"] = provenance(bench, sys.argv[1:] if argv is None else argv)
+    emit(result, bool(getattr(args, "json", False)))
+    for line in missed(result["targets"]):
+        print(f"target missed: {line}", file=sys.stderr)
+    sys.exit(0 if result["all_met"] or getattr(args, "no_targets", False) else 1)
 
 
 class Timer:

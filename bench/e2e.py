@@ -55,7 +55,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import emit, parse_args, set_threads
+from common import finish, parse_args, set_threads
 
 from cells.localcluster import Cluster
 from cells.trainer.client import TrainerClient
@@ -222,7 +222,7 @@ def main() -> None:
         "entropy_mean": _round_mean([x for r in rl_runs for x in r["entropy"]]),
         "wall_s": round(time.monotonic() - t0, 1),
     }
-    emit(result, args.json)
+    finish(result, args, "e2e")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ The baseline the other benches are read against. Fast mode (the default path), t
 from __future__ import annotations
 
 import torch  # noqa: E402
-from common import Timer, emit, parse_args, set_threads
+from common import Timer, finish, parse_args, set_threads
 
 from cells.engine.embedded import EmbeddedEngine  # noqa: E402
 from cells.engine.records import SamplingParams  # noqa: E402
@@ -54,7 +54,7 @@ def main() -> None:
         "decode_tokens_per_s": {str(b): round(decode_rate(eng, b, 512, new), 1) for b in (1, 16)},
         "prefill_tokens_per_s": round(context / best, 1),
     }
-    emit(result, args.json)
+    finish(result, args, "engine")
 
 
 if __name__ == "__main__":

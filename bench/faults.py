@@ -72,19 +72,20 @@ Fields of the JSON line:
   canary's rounds, its scenarios run once more at most, one by one, until the store shows one.
 - canary_runs: canary runs made (rounds, plus the ones run until the store showed a split).
 
-Exit status: non-zero on any violation, lost request, hang, unexpected exit or checker error
-outside the canary, or a canary that no checker caught or that the store's history did not show.
+Exit status (the targets of bench/targets.yaml, judged by `finish`): 1 on any violation, lost
+request, unfired fault, hang, unexpected exit or checker error outside the canary, or a canary
+that no checker caught or that the store's history did not show (a run without the canary,
+--canary-rounds 0, misses those two: explore with --no-targets).
 - requests: completions started over the main runs; history: the JSON-lines history file.
 """
 
 from __future__ import annotations
 
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import emit, parse_args, set_threads
+from common import finish, parse_args, set_threads
 
 from faultkit.campaign import CANARY_PLAN, Campaign, summarize
 from faultkit.checker import STORE_HISTORY
@@ -122,23 +123,7 @@ def main() -> None:
     result["seed"] = args.seed
     result["wall_s"] = round(time.monotonic() - t0, 1)
     result["history"] = str(workdir / "history.jsonl")
-    emit(result, args.json)
-    failures = verdict(result)
-    for f in failures:
-        print(f"FAILED: {f}", file=sys.stderr)
-    sys.exit(1 if failures else 0)
-
-
-def verdict(result: dict) -> list[str]:
-    """Why the campaign fails: any violation outside the canary, a checker that crashed, or a
-    canary the checkers did not catch (then they can pass anything)."""
-    out = [f"{result[k]} {k}" for k in ("invariant_violations", "lost_requests", "unfired_faults", "hangs",
-                                        "unexpected_exits", "checker_errors") if result.get(k)]
-    if result.get("canary_runs") and not result.get("canary_violations"):
-        out.append("the canary ran with fencing off and no checker caught it")
-    elif result.get("canary_runs") and not result.get("canary_store_violations"):
-        out.append("the canary ran with fencing off and the store's own token history did not show it")
-    return out
+    finish(result, args, "faults")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import emit, parse_args, set_threads
+from common import finish, parse_args, set_threads
 
 from cells.localcluster import Cluster, Streamer
 
@@ -93,7 +93,7 @@ def main() -> None:
         aborts.append(run("reprefill", n, context))
     live_s = statistics.median(r["seconds"] for r in lives)
     abort_s = statistics.median(r["seconds"] for r in aborts)
-    emit({
+    finish({
         "requests": n,
         "context_tokens": context,
         "repeats": REPEATS,
@@ -105,7 +105,7 @@ def main() -> None:
         "lost": sum(r["lost"] for r in lives + aborts),
         "migrated": min(r["flip"]["migrated"] for r in lives),  # per flip (the fewest of the repeats)
         "recomputed": min(r["flip"]["recomputed"] for r in aborts),
-    }, args.json)
+    }, args, "flip")
 
 
 if __name__ == "__main__":

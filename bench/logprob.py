@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import emit, parse_args, set_threads
+from common import finish, parse_args, set_threads
 
 from cells.engine.embedded import EmbeddedEngine
 from cells.engine.embedded.model import init_weights
@@ -173,7 +173,7 @@ def main() -> None:
     if not args.json:
         for k, v in result.items():
             print(f"{k:>22}: {v}")
-    emit(result, args.json)
+    finish(result, args, "logprob")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import time
 
-from common import emit, parse_args, set_threads
+from common import finish, parse_args, set_threads
 
 from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import PRESETS
@@ -134,10 +134,10 @@ def main() -> None:
             runs.append(rl_run(spec, state, lr, reset, p, heldout_warmup))
             if not args.json:
                 print(runs[-1], flush=True)
-    emit({**p, "heldout_warmup": round(heldout_warmup, 4),
+    finish({**p, "heldout_warmup": round(heldout_warmup, 4),
           "highest_stable_lr_before": highest_stable(runs, "carry"),
           "highest_stable_lr_after": highest_stable(runs, "reset"),
-          "runs": runs, "wall_s": round(time.monotonic() - t0, 1)}, args.json)
+          "runs": runs, "wall_s": round(time.monotonic() - t0, 1)}, args, "lr_sweep")
 
 
 if __name__ == "__main__":

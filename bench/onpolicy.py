@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 import torch  # noqa: E402
-from common import Timer, emit, parse_args, set_threads
+from common import Timer, finish, parse_args, set_threads
 
 from cells.engine.embedded import EmbeddedEngine  # noqa: E402
 from cells.engine.records import SamplingParams  # noqa: E402
@@ -65,7 +65,7 @@ def main() -> None:
         per_batch[str(b)] = {"fast_s": round(t_fast, 3), "batch_invariant_s": round(t_bi, 3)}
         slowdown = max(slowdown, t_bi / t_fast)
     mode = lambda r: {"bitwise_equal_frac": round(r["eq"] / r["n"], 6), "max_abs_diff": r["diff"]}
-    emit({
+    finish({
         "requests": n_req,
         "prompt_tokens": plen,
         "batch_sizes": list(BATCH_SIZES),
@@ -73,7 +73,7 @@ def main() -> None:
         "batch_invariant": mode(res[True]),
         "slowdown": round(slowdown, 3),
         "per_batch": per_batch,
-    }, args.json)
+    }, args, "onpolicy")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from common import add_target_args, finish  # noqa: E402
+
 
 def worker(port: int, rank: int, nbytes: int, chunk_bytes: int, repeats: int) -> None:
     import torch
@@ -45,6 +47,7 @@ def main() -> None:
                     help="one KV block of the embedded model is ~64 KiB")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--worker", nargs=2, type=int, metavar=("PORT", "RANK"), help=argparse.SUPPRESS)
+    add_target_args(ap)
     args = ap.parse_args()
     nbytes = args.bytes or ((8 << 20) if args.quick else (256 << 20))
     if args.worker:
@@ -72,7 +75,7 @@ def main() -> None:
         print(f"{nbytes / 2**20:.0f} MiB rank 0 -> rank 1 over gloo on 127.0.0.1")
         print(f"  one contiguous send : {r['raw']:.2f} GB/s")
         print(f"  {args.chunk_bytes // 1024} KiB chunks      : {r['chunked']:.2f} GB/s")
-    print(json.dumps({"bytes": nbytes, "raw_p2p_gbps": round(r["raw"], 3), "chunked_gbps": round(r["chunked"], 3)}))
+    finish({"bytes": nbytes, "raw_p2p_gbps": round(r["raw"], 3), "chunked_gbps": round(r["chunked"], 3)}, args, "p2p")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from common import add_target_args, finish  # noqa: E402
+
 from scheduler.contract.config import SchedulerConfig  # noqa: E402
 from scheduler.contract.protocol import Summary  # noqa: E402
 from scheduler.control.controller import Controller  # noqa: E402
@@ -354,6 +356,7 @@ def main() -> None:
     ap.add_argument("--api-cells", type=int, default=API_CELLS, help="cells registered for the REST loop")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-api", action="store_true", help="skip the REST measurement")
+    add_target_args(ap)
     args = ap.parse_args()
     ticks = 60 if args.quick else 300
     tick = bench_tick(args.cells, args.sessions, ticks, args.seed)
@@ -368,7 +371,7 @@ def main() -> None:
               "api_cells": args.api_cells if api else None,
               "api_rps_get": api["api_rps_get"] if api else None,
               "api_rps_flip": api["api_rps_flip"] if api else None}
-    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    finish(result, args, "scheduler_scale")
 
 
 if __name__ == "__main__":

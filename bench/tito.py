@@ -41,6 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from common import add_target_args, finish  # noqa: E402
+
 from scheduler.contract.tito.memory import InMemoryBackend, ReplayEngine, echo_assistant  # noqa: E402
 from scheduler.contract.tito.render import ChatRenderer, load_renderer  # noqa: E402
 from scheduler.contract.tito.tito import naive_rerender_drift  # noqa: E402
@@ -597,13 +599,14 @@ async def run_tokenizer(name: str, n_sessions: int, use_bridge: bool = True) -> 
     }
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help=f"{QUICK_SESSIONS} sessions per tokenizer")
     ap.add_argument("--json", action="store_true", help="print only the JSON line")
     ap.add_argument(
         "--write-corpus", action="store_true", help="regenerate bench/data/tito_corpus_*.jsonl"
     )
+    add_target_args(ap)
     args = ap.parse_args(argv)
     if args.write_corpus:
         write_corpus()
@@ -658,8 +661,7 @@ def main(argv: list[str] | None = None) -> dict:
         "quick": bool(args.quick),
         "wall_s": round(time.perf_counter() - t0, 2),
     }
-    print(json.dumps(result, ensure_ascii=False))
-    return result
+    finish(result, args, "tito", argv)
 
 
 if __name__ == "__main__":

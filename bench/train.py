@@ -37,7 +37,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import ROOT, emit, parse_args, set_threads
+from common import ROOT, finish, parse_args, set_threads
 
 from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import PRESETS
@@ -221,7 +221,7 @@ def main() -> None:
         "trainer_compute_s": sum(PROCESS_COMPUTE_S.values()),
         "train_cells": [m["train_cells"] for m in ma + [m4, m5, m6, m7] + mb],
     }
-    emit(result, args.json)
+    finish(result, args, "train")
 
 
 if __name__ == "__main__":

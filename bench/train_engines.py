@@ -26,7 +26,7 @@ import time
 import traceback
 
 import torch
-from common import ROOT, emit, parse_args, set_threads
+from common import ROOT, finish, parse_args, set_threads
 
 DENSE_OTHER = 4_000_000  # tiny: non-vocabulary parameters (4 layers of d=256)
 VOCAB, HIDDEN, ROWS = 151_936, 256, 2_000
@@ -149,7 +149,7 @@ def main() -> None:
         res["torchft_s"], res["torchft_note"] = None, f"not importable: {e}"
     fport = find_free_port()
     res["fsdp2"] = [r[2] for r in _run("fsdp2", lambda r: {"rank": r, "port": fport})]
-    emit(res, args.json)
+    finish(res, args, "train_engines")
 
 
 if __name__ == "__main__":

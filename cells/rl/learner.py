@@ -5,23 +5,18 @@ ids, temperature, tile)` -- the function the cells' batch-invariant engine score
 same row tile -- so at the first update on a version sampled and scored in batch-invariant
 mode lp_theta equals the cells' old log-probs bitwise (reported as `frac_bitwise_equal`).
 
-One `rl_step` is one RL update (one published version) over a batch of trajectories in the
-store's `to_api` format, run in this process by cells/rl/update.py -- the code the
-training cells run on their shares of the same plan (cells/rl/plan.py): group-relative
-advantages of the task reward per `group_id`, each segment of a session its own sequence,
-`minibatches` optimizer steps with lp_prox from one detached forward at the start of the
-update, the PPO-EWMA stand-in where old log-probs are missing or unscored, and KL to the
-reference when configured. Each minibatch's loss is normalised by its global token count.
+One `rl_step` is one RL update (one published version) run in this process by
+cells/rl/update.py -- the code the training cells run on their shares of the same plan
+(cells/rl/plan.py): group-relative advantages per `group_id`, `minibatches` optimizer steps
+with lp_prox from one detached forward at the start, the PPO-EWMA stand-in where old
+log-probs are missing, KL to the reference when configured.
 
 Why the forward runs on a compacted vocabulary when the output ids are restricted: the
 embedding (tied to the output layer) has 151,936 rows, and autograd through `index_select`
 materialises a dense gradient of the whole table per use -- on CPU most of a step's time.
 Each micro-batch therefore uses a leaf copy of only the rows its tokens and the output ids
-touch, ids remapped monotonically; the same rows in the same order enter the same kernels, so
-the log-probs are bitwise those of the full model (tested), and the rows' gradient is added
-back into the full table once (cells/rl/vocab_rows.py).
-
-The learnability check (warm-up, then RL vs an lr = 0 control): cells/trainer/learnability.py."""
+touch, ids remapped monotonically: the log-probs are bitwise the full model's (tested), and
+the rows' gradient is added back into the full table once (cells/rl/vocab_rows.py)."""
 
 from __future__ import annotations
 
