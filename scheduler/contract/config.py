@@ -250,9 +250,8 @@ class TrainerConfig(_Strict):
     """Optimizer steps over which the RL learning rate ramps up linearly (the optimizer's
     moments are reset when RL starts)."""
     train_timeout_s: float = Field(default=30.0, gt=0)
-    """Per-operation timeout of a training step on the cells: a dead or stalled training cell
-    fails the step's attempt after this, and the step is redone without it."""
     resume_wait_s: float = Field(default=10.0, ge=0)  # a restarted trainer's wait for cells to reconnect
+    """Per-operation timeout of a training step: a dead or stalled cell fails the attempt after it."""
     warmup_lr: float = Field(default=3e-3, ge=0)
     """Learning rate of the supervised warm-up (its optimizer moments are dropped when RL starts)."""
     warmup_steps: int | None = Field(default=None, ge=0)
