@@ -124,20 +124,25 @@ def _committed_worker(keep_memory: bool):
     unpack(w.learner, *pack(a), held="warm")
     crc = weights_checksum({k: p.detach() for k, p in a.params.items()})
     w.committed, w._rx, w.tag = {"version": 7, "checksum": crc}, (rx, torch.zeros(0, dtype=torch.long)), "run:3:7"
+    w.hyper = P.hyper(a)
     return a, w, crc
 
 
-def test_a_rank_leaving_training_keeps_only_its_committed_weights():
+def test_a_rank_leaving_training_parks_the_whole_state_in_host_memory():
     from cells.training.wire import weights_checksum
 
-    _, w, crc = _committed_worker(keep_memory=False)  # an engine that takes the memory back
+    a, w, crc = _committed_worker(keep_memory=False)  # an engine that takes the memory back
     assert w.weights_for(7) is not None and w.learner is not None  # while training: a copy
     w.leave()
-    assert w.learner is None and w._rx is None and not w.active.is_set()  # moments, copies, buffers: gone
+    assert w.learner is None and w._rx is None and not w.active.is_set()  # the learner's memory: gone
+    assert w.parked is not None and w.tag == "run:3:7"  # ... the committed state parked, packed
     assert w.weights_for(6) is None  # another version: fetch it
     got = w.weights_for(7)
     assert got is not None and weights_checksum(got) == crc
-    assert w.weights_for(7) is None  # handed over once
+    assert weights_checksum(w.weights_for(7)) == crc  # still held: the state's home until it changes
+    w.enter()
+    w.unparked()  # the next attempt unpacks it
+    assert w.parked is None and state_equal(a, w.learner)  # bitwise the state it parked
 
 
 def test_a_rank_keeping_its_memory_keeps_the_whole_state_and_hands_out_copies():
