@@ -20,9 +20,12 @@ shares 1:2, the same three batches.
 - publish_root: who sent the published version's bytes (`cell`: the cell that computed it).
 - trainer_state_bytes: tensor bytes this process sent or received through torch.distributed
   over the whole run; join_bytes_from_trainer: the same during the steps with joiners.
+- pretrained_start_ok, export_roundtrip_bitwise, export_negative_ok, resume_exact: the model
+  in and out (bench/train_checks.py).
 - trainer_bytes_per_step, trainer_max_rss_bytes: JSON bytes this process wrote and read at the
   store per step, and its peak resident memory, each measured in a fresh process at the `toy`
-  and `tiny` presets (4.3x apart); trainer_growth: the larger of the two ratios.
+  and `tiny` with toy's output ids (4.3x apart, identical batches); trainer_growth: the
+  larger of the two ratios.
 """
 
 from __future__ import annotations
@@ -35,8 +38,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
+import time
+from dataclasses import replace
 from pathlib import Path
 
+import train_checks
 from common import ROOT, finish, parse_args, set_threads
 
 from cells.engine.embedded.model import init_weights
@@ -91,13 +98,16 @@ def ask(store, cell: str, n: int, req: dict) -> dict:
     return got
 
 
-def coordinator(address, spec, lr: float = LR):
+def coordinator(address, spec, lr: float = LR, start: dict | None = None):
     from cells.rl.objectives import ObjectiveConfig
     from cells.training import protocol as P
 
-    hyper = P.hyper_of(spec, ObjectiveConfig(), lr=lr, minibatches=MINIBATCHES, tile=None, temperature=1.0)
-    return TrainingCoordinator(hyper, P.param_shapes(spec), address, start={"kind": "init", "seed": 0, "std": 0.02},
-                               timeout_s=120, ack_timeout_s=60)
+    # the trust-region guard off: this measures an update's parity, not the guard (a rejected
+    # update leaves θ at θ_0, and the parity figure would compare nothing)
+    hyper = P.hyper_of(spec, ObjectiveConfig(max_update_kl=None), lr=lr, minibatches=MINIBATCHES, tile=None,
+                       temperature=1.0)
+    return TrainingCoordinator(hyper, P.param_shapes(spec), address,
+                               start=start or {"kind": "init", "seed": 0, "std": 0.02}, timeout_s=120, ack_timeout_s=60)
 
 
 def run(address, spec, batches: list, cells: list[str], shares=None) -> tuple:
@@ -117,19 +127,37 @@ def state_of(coord, path: Path) -> dict:
     return {k: v.clone() for k, v in params_view(meta, flat).items()}
 
 
-def publish(coord, cell: str, receivers: list[str]) -> dict:
+def publish(coord, cell: str, receiver: str, n: int) -> tuple[dict, dict, float]:
+    """Version `coord.version` published by `cell` to `receiver` (a bare rank, asked to join
+    the broadcast): the publisher's answer, the receiver's, the wall time."""
     store = coord.store
     put = jobs.wait(store, jobs.post(store, cell, {"op": "put", "version": coord.version, "live": []}), 120)
     if not put.get("ok"):
         raise RuntimeError(f"put failed: {put}")
-    return jobs.wait(store, jobs.post(store, cell, {"op": "broadcast", "version": coord.version,
-                                                   "receivers": receivers}), 300)
+    t0, box = time.perf_counter(), {}
+    th = threading.Thread(target=lambda: box.setdefault("r", ask(store, receiver, n, {
+        "op": "broadcast", "version": coord.version, "namespace": put["namespace"]})))
+    th.start()
+    sent = jobs.wait(store, jobs.post(store, cell, {"op": "broadcast", "version": coord.version,
+                                                   "receivers": [receiver]}), 300)
+    th.join()
+    if not sent.get("ok") or receiver not in sent.get("delivered", []):
+        raise RuntimeError(f"publish failed: {sent}")
+    return sent, box["r"], time.perf_counter() - t0
+
+
+def size_spec(name: str):
+    """`toy` (9.8M parameters) and `tiny` with toy's output ids (42M): 4.3x apart, the same
+    vocabulary and output ids, so the batches are identical to the byte."""
+    if name == "toy":
+        return PRESETS["toy"]
+    return replace(PRESETS["tiny"], output_id_ranges=PRESETS["toy"].output_id_ranges)
 
 
 def size_probe(preset: str, quick: bool) -> dict:
     """In a fresh process: two steps at `preset` on one cell; this process's store bytes per
     step and peak memory."""
-    spec = PRESETS[preset]
+    spec = size_spec(preset)
     tmp = Path(tempfile.mkdtemp(prefix="cellflip-train-size-"))
     host = StoreHost("127.0.0.1", 0)
     procs = start_ranks(tmp, host.address, 1, first=9)
@@ -166,6 +194,9 @@ def main() -> None:
         print(json.dumps(size_probe(args.size_probe, args.quick)))
         return
     sizes = probe_sizes(args.quick)
+    checks = {"pretrained_start_ok": train_checks.pretrained_start(start_ranks, coordinator, batch),
+              **train_checks.export_roundtrip(start_ranks, coordinator, batch),
+              **train_checks.resume_exact(start_ranks, coordinator, batch)}
     spec = PRESETS["tiny"]
     batches = [batch(spec, 32 if args.quick else 64, s) for s in range(3)]
     tmp = Path(tempfile.mkdtemp(prefix="cellflip-train-"))
@@ -176,7 +207,8 @@ def main() -> None:
         coord_a, ma = run(host.address, spec, batches, ["cell-0"])
         theta_a = state_of(coord_a, tmp / "a")
         m4 = coord_a.update(batches[0], ["cell-0", "cell-1"], next_version=lambda: coord_a.version + 1)
-        pub = publish(coord_a, "cell-0", ["cell-2"])
+        coord_a_checksum = coord_a.commit["checksum"]
+        pub, got, pub_wall = publish(coord_a, "cell-0", "cell-2", 1)
         ask(store, "cell-1", 1, {"op": "flip"})  # cell 1, which trained u4, goes to rollout
         joins_before = sum(TENSOR_BYTES.values())
         m5 = coord_a.update(batches[1], ["cell-0"], next_version=lambda: coord_a.version + 1)
@@ -193,11 +225,14 @@ def main() -> None:
             p.kill()
         host.close()
     w0 = init_weights(spec, 0, 0.02)  # the start, for the relative difference (after the runs)
-    diff = 0.0
+    diff, moved = 0.0, 0
     for k in theta_a:
         den = float((theta_a[k] - w0[k]).norm())
         if den > 0:
+            moved += 1
             diff = max(diff, float((theta_a[k] - theta_b[k]).norm()) / den)
+    if not moved:  # negative control: the updates must have moved the parameters
+        raise RuntimeError("no parameter moved: the parity figure would compare nothing")
     s1 = statistics.median(m["train_wall_s"] for m in ma[1:])
     s2 = statistics.median(m["train_wall_s"] for m in mb[1:])
     bps = {k: v["bytes_per_step"] for k, v in sizes.items()}
@@ -209,16 +244,19 @@ def main() -> None:
         "speedup_2": round(s1 / s2, 3),
         "update_s": {"1": round(statistics.median(m["step_s"] for m in ma[1:]), 3),
                      "2": round(statistics.median(m["step_s"] for m in mb[1:]), 3)},
-        "param_max_rel_diff": diff,
+        "param_max_rel_diff": diff, "params_moved": moved,
+        "updates_rejected": int(sum(m.get("update_rejected", 0) for m in ma + mb)),
         "join_s": round(m6["join_s"], 3), "join_source_u6": m6["join_source"],
         "join_peer_s": round(m7["join_s"], 3), "join_source_u7": m7["join_source"],
-        "broadcast_s": round(pub.get("seconds", -1.0), 3),
+        "broadcast_s": round(got["seconds"], 3), "broadcast_wall_s": round(pub_wall, 3),
+        "broadcast_checksum_ok": got["checksum"] == coord_a_checksum,
         "publish_root": pub.get("root"),
         "trainer_state_bytes": sum(TENSOR_BYTES.values()),
         "join_bytes_from_trainer": join_bytes,
         "trainer_bytes_per_step": bps, "trainer_max_rss_bytes": rss,
         "trainer_growth": round(max(bps["tiny"] / bps["toy"], rss["tiny"] / rss["toy"]), 4),
         "trainer_compute_s": sum(PROCESS_COMPUTE_S.values()),
+        **checks,
         "train_cells": [m["train_cells"] for m in ma + [m4, m5, m6, m7] + mb],
     }
     finish(result, args, "train")

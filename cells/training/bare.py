@@ -32,7 +32,8 @@ def reply_key(cell_id: str, n: int) -> str:
 
 
 def serve_requests(w: TrainingWorker, address: StoreAddress, stop: threading.Event) -> None:
-    """Answer numbered requests: {"op": "broadcast"|"load", "version": v} or {"op": "flip"}."""
+    """Answer numbered requests: {"op": "broadcast"|"load", "version": v, "namespace": where the
+    publishing cell's host rendezvouses} or {"op": "flip"}."""
     store, n = connect(address, timeout_s=30.0), 1
     while not stop.is_set():
         if not store.check([request_key(w.cell_id, n)]):
@@ -47,12 +48,14 @@ def serve_requests(w: TrainingWorker, address: StoreAddress, stop: threading.Eve
             n += 1
             continue
         if req["op"] == "broadcast":
-            got = receive_broadcast(address, w.cell_id, int(req["version"]), timeout_s=60.0)
+            got = receive_broadcast(address, w.cell_id, int(req["version"]), timeout_s=60.0,
+                                    namespace=req.get("namespace", "versions"))
             tensors, mode = got.tensors, "broadcast"
         else:
             tensors, mode = w.weights_for(int(req["version"])), "local"
             if tensors is None:
-                tensors, mode = fetch_version(address, w.cell_id, int(req["version"]), timeout_s=60.0), "fetch"
+                tensors, mode = fetch_version(address, w.cell_id, int(req["version"]), timeout_s=60.0,
+                                              namespace=req.get("namespace", "versions")), "fetch"
         nbytes = 0 if mode == "local" or tensors is None else sum(t.numel() * t.element_size() for t in tensors.values())
         set_json(store, reply_key(w.cell_id, n), {
             "mode": mode, "bytes": nbytes, "seconds": time.perf_counter() - t0,

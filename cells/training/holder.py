@@ -10,6 +10,7 @@ answers the jobs the coordinator and peer ranks post (cells/training/jobs.py):
                 namespace of this cell), dropping the versions no longer live
     broadcast   broadcast a held version to the receivers the scheduler named; cells that
                 missed it catch up from the same host
+    export      the committed version as a Hugging Face directory
 
 So a version is published by a cell that computed it, and catch-ups are served by the cell
 that holds it: the trainer only names the receivers.
@@ -147,6 +148,23 @@ class Holder:
 
         threading.Thread(target=send, name="publish", daemon=True).start()
         return None
+
+    def _job_export(self, store, job: dict) -> dict:
+        """The committed version this cell holds as a Hugging Face directory (`path` already
+        checked by the caller against its export root), written in this thread."""
+        import torch
+
+        from cells.engine.embedded.checkpoint import save_checkpoint
+        from cells.training.protocol import spec_from_signature
+
+        version, w = int(job["version"]), self.w
+        weights = w.weights_for(version)
+        if weights is None or w.hyper is None:
+            return {"ok": False, "error": f"version {version} is not the state this cell holds"}
+        spec = spec_from_signature(w.hyper["model"])
+        save_checkpoint(job["path"], spec, weights, getattr(torch, job.get("dtype", "float32")),
+                        source=job.get("source"), version=version)
+        return {"ok": True, "path": job["path"]}
 
     def _job_drop(self, store, job: dict) -> dict:
         if self.host is not None:
