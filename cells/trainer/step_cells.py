@@ -18,8 +18,8 @@ coordinator computed it. So one side flips, chosen by the scheduler's answer to 
   `max_cells_per_step` of them, the ones the scheduler counts busy for a running step (the
   first by id), so the planner does not flip one back mid-step; after the step the planner
   returns the idle ones. If the planner put no cell there, one explicit flip overrides it
-  (pinned, flipped back by the trainer after the step): no step falls back to the
-  coordinator while a cell could train.
+  (pinned, flipped back by the trainer after the step): no step waits for want of a
+  training cell while one could flip.
 - the trainer (auto_flip off): it flips `train_cells` cells itself (`train_cell_choice`) and
   flips them back after the step.
 """

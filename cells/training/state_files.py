@@ -13,7 +13,7 @@ match the manifest's hash is refused.
 
 Sizes at Qwen3-32B (32.8e9 parameters, fp32 params + 2 Adam moments + EWMA + reference): 5 x 4 B
 x 32.8e9 = 656 GB per full state — one file per training rank's shard once state is sharded
-(the sharded-training work), here one file for the single host copy.
+(the sharded-training work), here one file per checkpoint, written by a cell holding the state.
 """
 
 from __future__ import annotations

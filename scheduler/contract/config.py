@@ -360,7 +360,7 @@ class CellflipConfig(_Strict):
             # rank 0 already holds in the same communicator: NCCL refuses two ranks on one device.
             raise ValueError("cells.engine.scoring 'cell_copy' cannot be combined with versions.update_backend "
                              "'nccl' on SGLang cells (the scoring rank and SGLang's tp rank 0 would share one GPU "
-                             "in one NCCL communicator); use scoring 'trainer_copy', or update_backend 'gloo'")
+                             "in one NCCL communicator); use scoring 'publisher_copy', or update_backend 'gloo'")
         return self
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from scheduler.contract.config_base import Strict as _Strict
 
@@ -81,9 +81,18 @@ class SGLangEngineConfig(_Strict):
     """Tensor-parallel degree."""
     mem_fraction_static: float = Field(default=0.85, gt=0, le=1)
     """Fraction of GPU memory SGLang reserves."""
-    scoring: Literal["cell_copy", "trainer_copy"] = "trainer_copy"
+    scoring: Literal["cell_copy", "publisher_copy"] = "publisher_copy"
     """Where old log-probs are computed: a scoring copy of the version on the cell (host
-    memory: 4 bytes per parameter), or the trainer's kept copy (no cell memory)."""
+    memory: 4 bytes per parameter), or on another cell that can score, from the copy the
+    publishing cell keeps of every unretired version (no memory on this cell)."""
+
+    @field_validator("scoring", mode="before")
+    @classmethod
+    def _no_trainer_copy(cls, v: Any) -> Any:
+        if v == "trainer_copy":
+            raise ValueError("scoring 'trainer_copy' is gone: the trainer holds no versions; use 'publisher_copy' "
+                             "(another cell scores, from the publishing cell's kept copy) or 'cell_copy'")
+        return v
     server_args: dict[str, Any] = {}
     """Extra `sglang.Engine` arguments (HiCache storage, page size, attention backend…); they
     override the adapter's, except that they cannot switch `deterministic` off."""

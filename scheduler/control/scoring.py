@@ -155,7 +155,7 @@ class Scoring:
             if any(v == version and now - t < ctx.ver_cfg.task_timeout_s for (_, v), t in self.fetch_sent.items()):
                 return  # a fetch is under way
             live = [c for c in ctx.store.fleet.list_cells() if c.id in ctx.registry.live]
-            scorers = [c for c in live if c.capabilities.get("scoring")]  # SGLang `trainer_copy` cells cannot
+            scorers = [c for c in live if c.capabilities.get("scoring")]  # SGLang `publisher_copy` cells cannot
             cands = [c.id for c in scorers if c.state == "rollout"]
             if cands:
                 cell = min(cands, key=self.load)

@@ -112,7 +112,7 @@ def version(seed: int) -> dict[str, torch.Tensor]:
 def start_engine(model_path: str, server_args: dict | None = None, **kw):
     from cells.engine.sglang.engine import SGLangEngine
 
-    cfg = SGLangEngineConfig(model_path=model_path, deterministic=True, scoring="trainer_copy")
+    cfg = SGLangEngineConfig(model_path=model_path, deterministic=True, scoring="publisher_copy")
     return SGLangEngine(cfg, server_args={**SERVER_ARGS, **(server_args or {})}, **kw)
 
 

@@ -149,7 +149,7 @@ def unprobed(tmp_path):
 
 
 def test_no_fetch_for_scoring_to_a_cell_that_cannot_score_then_missing_after_the_grace(unprobed):
-    """Cells whose engine has no scoring copy (SGLang with `trainer_copy`) are never sent a
+    """Cells whose engine has no scoring copy (SGLang with `publisher_copy`) are never sent a
     version to score; with no other cell, the tokens become `missing` after the grace."""
     harness = unprobed
     c = _cell(harness, scoring=False)

@@ -178,7 +178,7 @@ def test_flip_moves_a_request_by_reprefill_token_exact_and_hands_gpu_memory_over
     for c in cells.cells():
         caps = c["capabilities"]
         assert (caps["kv_export"], caps["weight_update"], caps["kv_store"], caps["update_ranks"]) == \
-            (False, "in_place", None, 1), c  # tp 1, no scoring copy (trainer_copy)
+            (False, "in_place", None, 1), c  # tp 1, no scoring copy (publisher_copy)
         assert (c["max_running"], c["kv_blocks_total"], c["version"]) == (256, 0, 0), c
 
     prompt, seed = [11, 12, 13, 14, 15], 7

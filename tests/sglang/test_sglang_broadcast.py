@@ -81,7 +81,7 @@ class SGLangCell:
 
     def __init__(self, cell_id: str, *, scorer: Scorer | None = None, run_loop: bool = True) -> None:
         mods, _ = fake_sglang.fake_modules()
-        cfg = SGLangEngineConfig(model_path="m", scoring="cell_copy" if scorer else "trainer_copy")
+        cfg = SGLangEngineConfig(model_path="m", scoring="cell_copy" if scorer else "publisher_copy")
         self.cell_id, self.scorer = cell_id, scorer
         self.engine = SGLangEngine(cfg, modules=mods, scorer=scorer, transfer_timeout_s=OP_TIMEOUT_S + SLACK_S)
         self.fake = self.engine.runtime.sglang

@@ -36,7 +36,7 @@ def test_engine_selector_errors_name_the_choices(engine, needle):
 
 def test_gpu_guide_covers_both_scoring_choices():
     text = (ROOT / "docs" / "GPU.md").read_text()
-    assert "cell_copy" in text and "trainer_copy" in text and "0.5.23" in text
+    assert "cell_copy" in text and "publisher_copy" in text and "0.5.23" in text
 
 
 def test_gpu_cluster_example_promises_exact_reprefill_and_starts_sglang_deterministic():

@@ -276,7 +276,7 @@ def record_adapter_usage() -> fake_sglang.Recorder:
                "enable_deterministic_inference": True}
     for incremental in (False, True):
         mods, _ = fake_sglang.fake_modules(rec, store)
-        cfg = SGLangEngineConfig(model_path="m", scoring="trainer_copy")
+        cfg = SGLangEngineConfig(model_path="m", scoring="publisher_copy")
         a = SGLangEngine(cfg, modules=mods, server_args={**hicache, "incremental_streaming_output": incremental})
         b = SGLangEngine(cfg, modules=mods, server_args=hicache)
         a.add_request("r1", [5, 6, 7], SamplingParams(max_tokens=40, top_p=0.9, seed=3))

@@ -43,7 +43,7 @@ def _close_engines():
         _ENGINES.pop().close()
 
 
-def make(model_path: str = "m", scoring: str = "trainer_copy", store=None, rec=None, **kw):
+def make(model_path: str = "m", scoring: str = "publisher_copy", store=None, rec=None, **kw):
     mods, rec = fake_sglang.fake_modules(rec, store)
     cfg = SGLangEngineConfig(model_path=model_path, scoring=scoring)
     eng = SGLangEngine(cfg, modules=mods, **kw)
@@ -76,7 +76,7 @@ def names(log) -> list[str]:
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")
 def test_missing_sglang_names_the_gpu_extra():
     with pytest.raises(sb.SGLangUnavailable) as err:
-        SGLangEngine(SGLangEngineConfig(model_path="m", scoring="trainer_copy"))
+        SGLangEngine(SGLangEngineConfig(model_path="m", scoring="publisher_copy"))
     assert "cellflip[gpu]" in str(err.value) and sb.PINNED_SGLANG_VERSION in str(err.value)
     assert isinstance(err.value, ImportError) and isinstance(err.value, EngineError)
 
@@ -87,7 +87,7 @@ def test_capabilities_follow_the_config():
     assert not eng.capabilities.batch_invariant
     with pytest.raises(EngineError, match="cell_copy"):  # no checkpoint for the default scoring copy
         make(scoring="cell_copy")
-    eng, _ = make(scoring="trainer_copy", scorer=object())
+    eng, _ = make(scoring="publisher_copy", scorer=object())
     assert eng.num_update_ranks == 1 and not eng.capabilities.scoring
     eng, fake = make(scoring="cell_copy", scorer=object(), server_args={"enable_deterministic_inference": True})
     assert eng.capabilities.scoring and eng.capabilities.batch_invariant and eng.num_update_ranks == 2
@@ -424,7 +424,7 @@ class Scorer:
 
 def test_scoring_choice():
     eng, _ = make()
-    with pytest.raises(EngineError, match="trainer"):
+    with pytest.raises(EngineError, match="publishing cell"):
         eng.score([1, 2, 3])
     scorer = Scorer()
     eng, _ = make(scoring="cell_copy", scorer=scorer)
@@ -615,10 +615,10 @@ def test_a_cpu_weight_backup_serves_the_same_version_after_a_flip():
     assert len(drain(eng)) == 2
 
 
-def test_trainer_copy_holds_nothing_for_scoring():
+def test_publisher_copy_holds_nothing_for_scoring():
     eng, _ = make()
     assert eng.versions_held == [] and eng.scorer(0) is None
-    with pytest.raises(EngineError, match="trainer"):
+    with pytest.raises(EngineError, match="publishing cell"):
         eng.install_prepared(1, {"w": torch.ones(2)}, activate=False)
     with pytest.raises(EngineError, match="served"):
         eng.drop_version(0)

@@ -38,7 +38,7 @@ def _close_engines():
         _ENGINES.pop().close()
 
 
-def make(model_path: str = "m", *, store=None, tp: int = 1, deterministic: bool = False, scoring="trainer_copy",
+def make(model_path: str = "m", *, store=None, tp: int = 1, deterministic: bool = False, scoring="publisher_copy",
          token_delay_s: float = 0.0, **kw) -> tuple[SGLangEngine, fake_sglang.FakeEngine]:
     mods, _ = fake_sglang.fake_modules(store=store, token_delay_s=token_delay_s)
     cfg = SGLangEngineConfig(model_path=model_path, tp=tp, deterministic=deterministic, scoring=scoring)
@@ -139,7 +139,7 @@ def test_cell_copy_with_nccl_updates_is_refused_at_config_load():
     with pytest.raises(ConfigError, match="cell_copy.*nccl"):
         parse_config({"cells": {"engine": engine}, "versions": {"update_backend": "nccl"}})
     parse_config({"cells": {"engine": engine}, "versions": {"update_backend": "gloo"}})
-    parse_config({"cells": {"engine": {**engine, "scoring": "trainer_copy"}}, "versions": {"update_backend": "nccl"}})
+    parse_config({"cells": {"engine": {**engine, "scoring": "publisher_copy"}}, "versions": {"update_backend": "nccl"}})
 
 
 class Scorer:

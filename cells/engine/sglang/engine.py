@@ -62,13 +62,13 @@ class SGLangEngine(Engine):
         """`server_args`: extra `sglang.Engine` arguments (HiCache, page size…) over the
         config's (deterministic inference comes from `config.deterministic`). `scorer`: the
         scoring copy for `scoring: cell_copy` (default: the embedded model on the CPU,
-        scoring.py); ignored with `trainer_copy`. `kv_store`: name of a shared HiCache store
+        scoring.py); ignored with `publisher_copy`. `kv_store`: name of a shared HiCache store
         when its backend config alone does not identify it (default: the config's).
         `max_running`: the request slots reported to the scheduler (default: the config's).
         `modules`: SGLang's entry points (None: import the installed package)."""
         sb.check_environment()
         modules = modules if modules is not None else sb.load_sglang()
-        if config.scoring == "trainer_copy":
+        if config.scoring == "publisher_copy":
             scorer = None
         elif scorer is None:
             scorer = default_scoring_copy(config.model_path, version)
@@ -83,7 +83,7 @@ class SGLangEngine(Engine):
                               "configured (enable_hierarchical_cache, hicache_storage_backend)")
         self._scorer = scorer
         self.scoring_versions = ScoringVersions(scorer, version) if scorer is not None else None
-        """The versions the scoring copy holds (None: `trainer_copy`)."""
+        """The versions the scoring copy holds (None: `publisher_copy`)."""
         self.max_running = max_running if max_running is not None else config.max_running
         self.manifest = read_checkpoint_manifest(config.model_path)
         self.runtime = SGLangRuntime(modules, self.server_args)
@@ -196,7 +196,7 @@ class SGLangEngine(Engine):
     @property
     def versions_held(self) -> list[int]:
         """Versions this cell can score: the scoring copy's (`cell_copy`); none with
-        `trainer_copy` (another cell scores them, from the trainer's kept copy)."""
+        `publisher_copy` (another cell scores them, from the publishing cell's kept copy)."""
         return self.scoring_versions.held if self.scoring_versions is not None else []
 
     def prepare_weights(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -221,8 +221,8 @@ class SGLangEngine(Engine):
     def hold_weights(self, version: int, tensors: dict[str, torch.Tensor]) -> None:
         """Keep `version` for scoring only, in the scoring copy (SGLang serves one version)."""
         if self.scoring_versions is None:
-            raise EngineError(f"scoring: trainer_copy keeps no weights on this cell: version {version} "
-                              "is scored by the trainer from its kept copy")
+            raise EngineError(f"scoring: publisher_copy keeps no weights on this cell: version {version} "
+                              "is scored on another cell, from the publishing cell's kept copy")
         self.scoring_versions.hold(version, tensors)
 
     def drop_version(self, version: int) -> None:
@@ -235,15 +235,15 @@ class SGLangEngine(Engine):
     # -- scoring ----------------------------------------------------------------------------
     def score(self, token_ids: list[int], *, temperature: float = 1.0) -> torch.Tensor:
         if self._scorer is None:
-            raise EngineError("this cell does not score (scoring: trainer_copy): a cell that can score "
-                              f"fetches version {self.serving.version} from the trainer's kept copy")
+            raise EngineError("this cell does not score (scoring: publisher_copy): a cell that can score "
+                              f"fetches version {self.serving.version} from the publishing cell's kept copy")
         if not self.serving.weights_valid:
             raise EngineError("no complete weight version on this cell to score with")
         return self._scorer.score(token_ids, temperature=temperature)
 
     def scorer(self, version: int) -> Scorer | None:
         """The scoring copy's `fn(token_ids, temperature)` for `version`, or None where the
-        cell does not hold it (always with `trainer_copy`)."""
+        cell does not hold it (always with `publisher_copy`)."""
         return self.scoring_versions.scorer(version) if self.scoring_versions is not None else None
 
     # -- collective updates and role hand-over ----------------------------------------------

@@ -7,7 +7,7 @@ version's group). The default copy is the embedded engine's Qwen3 model (the cod
 trainer uses), loaded from the cell's checkpoint into host memory (4 B × parameters, fp32)
 and run on the CPU: right for small models; a deployment with large ones passes its own
 GPU-resident copy as `scorer=` (anything with `score` and `load_weights`), or chooses
-`trainer_copy`.
+`publisher_copy`.
 
 `ScoringVersions` keeps the cell's scoring versions: the served one and, with a copy that
 holds several (the default one does), older ones until the scheduler drops them after their
@@ -115,7 +115,7 @@ def default_scoring_copy(model_path: str, version: int) -> ScoringCopy:
         return EmbeddedEngine(cfg, version=version)
     except (EngineError, OSError, ValueError, KeyError) as e:
         raise EngineError(f"scoring: cell_copy could not load {model_path} into the embedded model ({e}); "
-                          "pass a scoring copy (scorer=...) or configure scoring: trainer_copy") from e
+                          "pass a scoring copy (scorer=...) or configure scoring: publisher_copy") from e
 
 
 class ScoringReceiver:

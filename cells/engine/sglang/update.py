@@ -99,7 +99,7 @@ class WeightUpdate:
                               f"do not fit a group of {group.world_size}")
         if self.scoring is not None and group.backend == "nccl":
             raise EngineError("the scoring copy (cell_copy) cannot join an NCCL update group: its rank would "
-                              "share the cell's first GPU with SGLang's tp rank 0; use gloo or trainer_copy")
+                              "share the cell's first GPU with SGLang's tp rank 0; use gloo or publisher_copy")
 
     def _receive_buckets(self, group: UpdateGroup, buckets: list[BucketSpec], step: dict) -> None:
         """join group → begin → one `flattened_bucket` broadcast per bucket → end; `step`
