@@ -35,7 +35,7 @@ import render_readme  # noqa: E402
 from expr import ExprError, Many, Missing, evaluate, lookup  # noqa: E402
 
 BASELINES = judge.baselines()
-NOT_BENCHES = {"common.py", "expr.py", "judge.py", "render_readme.py"}
+NOT_BENCHES = {"common.py", "expr.py", "judge.py", "render_readme.py", "train_checks.py"}
 
 
 def bench_scripts() -> list[Path]:

@@ -7,8 +7,9 @@
                     the address Ray reports for the node. A restarted actor is a new
                     incarnation (the agent registers under a fresh id; the scheduler fences
                     the old one).
-    TrainerActor    the trainer coordinator (learner, version host, RL loop); resumes from
-                    its checkpoints when Ray restarts it.
+    TrainerActor    the trainer (coordinator metadata, its rendezvous store, RL loop; no model
+                    state); when Ray restarts it, it resumes at the newest commit the cells or
+                    its checkpoint hold.
 
 The real code runs in the actor process itself, so Ray's restart semantics apply directly: the
 actor's death is the process's death. Every method is a `json_boundary`: arguments and

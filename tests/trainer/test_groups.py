@@ -142,7 +142,7 @@ def test_step_collects_a_batch_of_whole_groups():
         raise StopIteration
 
     fake._complete_groups = lambda limit: Trainer._complete_groups(fake, limit)
-    fake._flip_to_training = lambda untrained=0: stop_after_batch(untrained)
+    fake.cells = SimpleNamespace(acquire=lambda untrained=0: stop_after_batch(untrained))
     with pytest.raises(StopIteration):
         Trainer._step(fake, threading.Event())
     assert fake.batch == [] and taken == [4]  # the step declares its 4 fetched, untrained sessions

@@ -73,16 +73,15 @@ def test_kl_in_the_reward_does_not_pass_through_the_group_std():
 def test_rl_begins_at_the_warmed_up_policy():
     """The trainer's start of RL: the KL reference and the EWMA copy are the warmed-up
     weights (not the initial ones), and the warm-up's moments are gone."""
-    from types import SimpleNamespace
 
-    from cells.trainer.trainer import Trainer
+    from cells.rl.sft import begin_rl
 
     learner = small_learner(objective=ObjectiveConfig(kl=KLInReward(coef=0.01)))
     initial = {k: v.detach().clone() for k, v in learner.params.items()}
     for _ in range(2):
         learner.sft_step([(PROMPT + GOOD, [0] * len(PROMPT) + [1] * len(GOOD))])
     assert any(not torch.equal(initial[k], learner.params[k].detach()) for k in initial)
-    Trainer._begin_rl(SimpleNamespace(learner=learner))
+    begin_rl(learner)  # what the warm-up's cell runs at its end
     for k, p in learner.params.items():
         assert torch.equal(learner.reference[k], p.detach()) and torch.equal(learner.ewma.params[k], p.detach())
     assert not learner.optimizer.state and learner.version == 1 and learner.rl_start_step == learner.step
