@@ -42,10 +42,11 @@ def weights_checksum(weights: dict[str, Tensor]) -> int:
     return crc
 
 
-def tensor_checksums(weights: dict[str, Tensor]) -> dict[str, int]:
-    """CRC32 of each parameter's bytes: a commit's per-tensor record (which tensor differs)."""
-    return {k: crc32(weights[k].detach().contiguous().view(torch.uint8).reshape(-1).numpy()
-                     if weights[k].numel() else b"") for k in sorted(weights)}
+def tensor_checksums(weights: dict[str, Tensor]) -> list[int]:
+    """CRC32 of each parameter's bytes in name order: a commit's per-tensor record (which
+    tensor differs), a list because both ends know the names (the skeleton)."""
+    return [crc32(weights[k].detach().contiguous().view(torch.uint8).reshape(-1).numpy()
+                  if weights[k].numel() else b"") for k in sorted(weights)]
 
 
 def _entries(learner: Any, reference: bool) -> list[tuple[str, str, Tensor, Tensor | None]]:
