@@ -125,6 +125,7 @@ class Trainer:
         free: training cells holding the state reconnect to it after a restart by themselves."""
         path = self.run_dir / "store.json"
         port = json.loads(path.read_text()).get("port", 0) if path.is_file() else 0
+        self.restarted = bool(port)  # an earlier incarnation had a store: cells may hold its state
         try:
             host = StoreHost(self.tc.host, port)
         except Exception:  # taken: a fresh port (cells learn it from the next commands)
@@ -132,9 +133,7 @@ class Trainer:
         path.write_text(json.dumps({"port": host.address.port}))
         return host
 
-    @property
-    def version(self) -> int:
-        return self.coordinator.version
+    version = property(lambda self: self.coordinator.version)
 
     # -- lifecycle ------------------------------------------------------------------------
     def run(self, stop: threading.Event | None = None) -> dict[str, Any]:
@@ -201,7 +200,7 @@ class Trainer:
     def _resume(self) -> bool:
         """At the newest commit any cell (reconnected to this store) or checkpoint holds."""
         found = find_committed(self.coordinator.store, [c["id"] for c in self.client.cells()], self._ckpt_path(),
-                               wait_s=self.tc.resume_wait_s)
+                               wait_s=self.tc.resume_wait_s if self.restarted else 0.0)
         if found is None:
             return False
         commit, holders, ckpt = found

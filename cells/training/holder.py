@@ -93,8 +93,8 @@ class Holder:
         w = self.w
         if w.tag != job["commit"]["tag"]:
             return {"ok": False, "error": f"holds {w.tag}, not {job['commit']['tag']}"}
-        meta, flat, idx = w.packed()
-        state = {"state": {"meta": meta, "values": flat.clone(), "rows": idx.clone()}, "commit": job["commit"]}
+        meta, flat, idx = w.packed()  # a copy already (packed now, or the parked buffers, never written)
+        state = {"state": {"meta": meta, "values": flat, "rows": idx}, "commit": job["commit"]}
 
         def write() -> None:
             try:

@@ -42,7 +42,7 @@ class StateFileError(ValueError):
 
 def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
-        tensors[path] = obj.detach().to("cpu").contiguous().clone()
+        tensors[path] = obj.detach().to("cpu").contiguous()  # not copied: nothing writes it meanwhile
         return {"__tensor__": path}
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj):
