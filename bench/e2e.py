@@ -69,7 +69,6 @@ HELDOUT = 32
 
 def make_cfg(tmp: Path, seed: int, steps: int, lr: float | None, quick: bool, bound: int | None = None) -> dict:
     trainer = {"enabled": True, "steps": steps, "seed": seed, "checkpoint_dir": None,
-               "export_dir": str(tmp / "exports"),
                "batch_episodes": 64, "agents": 16, "group_size": 8, "train_cells": 2,
                "train_cell_choice": "busiest", "long_fraction": 0.1}
     if lr is not None:
@@ -116,7 +115,7 @@ def run_one(seed: int, steps: int, lr: float | None, quick: bool, bound: int | N
         trainer.cells.hand_back = export_last
         t0 = time.monotonic()
         out = trainer.run()
-        out.update(_evaluation(trainer, tmp / "exports", first, c, seed))
+        out.update(_evaluation(trainer, tmp / "exports" / trainer.tc.export_dir, first, c, seed))
         out["wall_s"] = round(time.monotonic() - t0, 1)
         return out
     finally:

@@ -21,6 +21,7 @@ from scheduler.contract.engine_config import (
     ModelConfig,
     SGLangEngineConfig,
 )
+from scheduler.contract.exports import EXPORT_PATH_PATTERN
 
 SCHEDULER_CONFIG_ENV = "CELLFLIP_SCHEDULER_CONFIG"
 """A scheduler started by module path reads its whole config (JSON text) from this variable."""
@@ -250,8 +251,8 @@ class TrainerConfig(_Strict):
     """Optimizer steps over which the RL learning rate ramps up linearly (the optimizer's
     moments are reset when RL starts)."""
     train_timeout_s: float = Field(default=30.0, gt=0)
-    resume_wait_s: float = Field(default=10.0, ge=0)  # a restarted trainer's wait for cells to reconnect
     """Per-operation timeout of a training step: a dead or stalled cell fails the attempt after it."""
+    resume_wait_s: float = Field(default=10.0, ge=0)  # a restarted trainer's wait for cells to reconnect
     warmup_lr: float = Field(default=3e-3, ge=0)
     """Learning rate of the supervised warm-up (its optimizer moments are dropped when RL starts)."""
     warmup_steps: int | None = Field(default=None, ge=0)
@@ -278,9 +279,8 @@ class TrainerConfig(_Strict):
     checkpoint_dir: str | None = "runs/trainer"
     """Checkpoints (parameters, optimizer, RNG, data cursor, version); None: none."""
     checkpoint_every: int = Field(default=5, gt=0)
-    export_every: int = Field(default=0, ge=0)
-    """Export every N-th published version as a Hugging Face directory `export_dir`/vN; 0: never."""
-    export_dir: str = "runs/exports"
+    export_every: int = Field(default=0, ge=0)  # every N-th version written by a cell to `export_dir`/vN; 0: never
+    export_dir: str = Field(default="trainer", pattern=EXPORT_PATH_PATTERN)  # relative, below cells.export_root
     export_dtype: Literal["float32", "bfloat16"] = "float32"
     """float32 serves bitwise like the embedded cells; bfloat16 halves the files."""
     host: str = "127.0.0.1"
