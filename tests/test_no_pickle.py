@@ -243,6 +243,8 @@ def _messages() -> list[type]:
 
 
 def _sample(tp, depth: int = 0):
+    from scheduler.contract.records import Columns
+
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is typing.Any:
         return {"k": [1, "x", None]}
@@ -253,11 +255,16 @@ def _sample(tp, depth: int = 0):
     if origin is list:
         return [_sample(args[0], depth + 1)] if args else [1]
     if origin is tuple:
-        return tuple(_sample(a, depth + 1) for a in args)
+        return tuple(_sample(a, depth + 1) for a in args if a is not Ellipsis)
     if origin is dict or tp is dict:
         return {"k": _sample(args[1], depth + 1) if args else 1}
     if dataclasses.is_dataclass(tp):
         return _build(tp)
+    if isinstance(tp, type) and issubclass(tp, Columns):  # columns of named rows
+        return tp.of([_sample(tp.ROW, depth + 1)])
+    if isinstance(tp, type) and issubclass(tp, tuple):  # a NamedTuple
+        hints = typing.get_type_hints(tp)
+        return tp(*(_sample(hints[f], depth + 1) for f in tp._fields))
     return {str: "s-1", int: 7, float: -0.25, bool: True}[tp]
 
 

@@ -43,6 +43,7 @@ from scheduler.contract.protocol import (
     Summary,
     SyncRequest,
     TokenBatch,
+    TokenRecords,
 )
 
 log = logging.getLogger("cellflip.cell")
@@ -287,7 +288,7 @@ class CellAgent:
             for rid, o in self.owned.items():
                 if o.migrating or not (o.pending or o.finish_reason):
                     continue
-                batches.append(TokenBatch(rid, o.epoch, o.flushed, [tuple(r) for r in o.pending], o.finish_reason))
+                batches.append(TokenBatch(rid, o.epoch, o.flushed, TokenRecords.of(o.pending), o.finish_reason))
                 sent.append((rid, len(o.pending)))
             events, self.events = self.events, []
             summary = self.engine.summary()
@@ -360,7 +361,7 @@ class CellAgent:
             o = self.owned.get(ev.request_id)
             if o is None:
                 continue
-            o.pending.append(ev.record.to_list())
+            o.pending.append(ev.record)
             if ev.finish_reason:
                 o.finish_reason = ev.finish_reason
 

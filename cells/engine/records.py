@@ -12,6 +12,10 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from scheduler.contract.records import TokenRecord
+
+__all__ = ["EngineError", "FinishReason", "RequestSnapshot", "SamplingParams", "TokenEvent", "TokenRecord"]
+
 
 class EngineError(ValueError):
     """Bad input to an engine (invalid sampling params, unknown request, wrong model shape)."""
@@ -62,24 +66,6 @@ class SamplingParams:
         return cls(**{**d, "stop_token_ids": tuple(d.get("stop_token_ids", ()))})
 
 
-@dataclass(slots=True)
-class TokenRecord:
-    """One generated token as the sampler produced it.
-
-    `logprob` is under the temperature-scaled distribution before top-p/top-k truncation
-    (what the behaviour policy's density is, for the importance ratios); `truncated` says
-    whether truncation was active.
-    """
-
-    token_id: int
-    logprob: float
-    version: int
-    truncated: bool = False
-
-    def to_list(self) -> list:
-        return [self.token_id, self.logprob, self.version, int(self.truncated)]
-
-
 FinishReason = Literal["stop", "length", "abort"]
 
 
@@ -114,7 +100,7 @@ class RequestSnapshot:
     model_signature: dict
     block_size: int
     records_from: int = 0
-    records: list[list] = field(default_factory=list)
+    records: list[TokenRecord] = field(default_factory=list)
     token_ids_from: int = 0
     token_ids: list[int] = field(default_factory=list)
     """Token ids from `token_ids_from` on (prompt and generated)."""

@@ -29,7 +29,7 @@ from cells.transport.p2p import PairChannel, TransferError
 from cells.transport.store import StoreAddress, connect
 from scheduler.contract.config import MigrationConfig
 from scheduler.contract.failpoints import failpoint
-from scheduler.contract.protocol import CommitRequest, MigrateInCmd, Tail
+from scheduler.contract.protocol import CommitRequest, MigrateInCmd, Tail, TokenRecords
 
 log = logging.getLogger("cellflip.migration")
 
@@ -67,7 +67,7 @@ class MigrationReceiver(Cancellable):
             self.check_cancel()
             failpoint("migrate.before_commit")
             num_generated = snap.num_tokens - snap.prompt_len
-            tail = Tail(start=snap.records_from, records=[tuple(r) for r in snap.records])
+            tail = Tail(start=snap.records_from, records=TokenRecords.of(snap.records))
             epoch = self._commit(mid, CommitRequest(self.cell_id, self.incarnation, rid, self.cmd.epoch,
                                                     num_generated, tail, path="kv"))
         except (Refused, Cancelled) as e:

@@ -25,8 +25,9 @@ are committed before the sync returns, and only then released to the client's st
 refused for any reason puts its request id in `rejected`: the cell drops that request at once
 (if it was the owner, ownership was revoked and the request re-prefills from the store).
 
-Token record: `[token_id, logprob, version, truncated]` (behavior log-prob and version under
-which it was sampled; `truncated`: the log-prob is of the top-k/top-p truncated distribution).
+Token record (scheduler/contract/records.py): `[token_id, logprob, version, truncated]`
+(behavior log-prob and version under which it was sampled; `truncated`: the log-prob is of the
+top-k/top-p truncated distribution); a batch's records are columns in memory, arrays on the wire.
 Generated index `i` of a request is its i-th sampled token; `start` counts in that index.
 
 Long-poll: with nothing to send, the scheduler holds the sync up to `wait_s` (≤ 1 s) or until a
@@ -41,7 +42,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from scheduler.contract.protocol_base import MAX_WAIT_S, Message, ProtocolError, TokenRecord
+from scheduler.contract.protocol_base import MAX_WAIT_S, Message, ProtocolError
 from scheduler.contract.protocol_commands import (
     COMMANDS,
     EVENTS,
@@ -63,6 +64,7 @@ from scheduler.contract.protocol_commands import (
     StartCmd,
     SuspendCmd,
 )
+from scheduler.contract.records import TokenRecord, TokenRecords
 
 __all__ = [
     "COMMANDS", "EVENTS", "MAX_WAIT_S", "AbortCmd", "AbortMigrationRequest", "BroadcastEvent", "CancelMigrationCmd",
@@ -71,7 +73,7 @@ __all__ = [
     "MigrateInCmd", "MigrateOutCmd", "ScoreCmd",
     "MigrationEvent", "ProtocolError", "RegisterRequest", "RegisterResponse", "RoleFailedEvent", "ScoredEvent",
     "SetRoleCmd", "StartCmd", "Summary", "SuspendCmd", "SyncRequest", "SyncResponse", "Tail", "TokenBatch",
-    "TokenRecord", "decode_command", "decode_event", "dispatch",
+    "TokenRecord", "TokenRecords", "decode_command", "decode_event", "dispatch",
 ]
 
 
@@ -159,9 +161,13 @@ class TokenBatch(Message):
     request_id: str
     epoch: int
     start: int
-    records: list[TokenRecord] = field(default_factory=list)
+    records: TokenRecords = field(default_factory=TokenRecords)
     finish_reason: str | None = None
     """Set with the last batch of a request ("stop", "length", ...)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.records, TokenRecords):
+            self.records = TokenRecords.of(self.records)
 
 
 @dataclass
@@ -186,7 +192,11 @@ class SyncResponse(Message):
 @dataclass
 class Tail(Message):
     start: int = 0
-    records: list[TokenRecord] = field(default_factory=list)
+    records: TokenRecords = field(default_factory=TokenRecords)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.records, TokenRecords):
+            self.records = TokenRecords.of(self.records)
 
 
 @dataclass

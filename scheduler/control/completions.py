@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.errors import Conflict, Invalid, NoCapacity
+from scheduler.contract.records import StoredTokens
 from scheduler.control import idempotency
 from scheduler.planner.placement import choose_destination, sticky_destination
 from scheduler.planner.types import RequestSummary
@@ -161,7 +162,7 @@ class Completions:
         ctx.store.owners.put_request(req)
         return req
 
-    async def follow(self, request_id: str, live: bool = True) -> AsyncIterator[tuple[int, list[tuple], RequestRow]]:
+    async def follow(self, request_id: str, live: bool = True) -> AsyncIterator[tuple[int, StoredTokens, RequestRow]]:
         """Yield (start, committed token rows, request) until the request is finished or
         failed; `start` is the generated-token index the rows begin at, the last item carries
         the terminal request (possibly with no rows). `live`: the consumer shows each row as it
@@ -184,7 +185,7 @@ class Completions:
                     if keep < sent:
                         assert not live, f"{request_id} rewound to {keep} below the {sent} tokens a stream showed"
                         sent = keep
-                        yield keep, [], req
+                        yield keep, StoredTokens(), req
                 if req.num_generated > sent:
                     rows = ctx.store.sessions.read(req.session_id, req.base + sent, req.base + req.num_generated)
                     start, sent = sent, sent + len(rows)
@@ -193,7 +194,7 @@ class Completions:
                     yield start, rows, req
                     continue  # re-read before parking: a notify may have come while the client read
                 if req.state in ("finished", "failed"):
-                    yield sent, [], req
+                    yield sent, StoredTokens(), req
                     return
                 await ctx.notifier.wait(("req", request_id), FOLLOW_POLL_S)
                 if ctx.closing:  # shutdown: the client gets what was committed so far

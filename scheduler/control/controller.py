@@ -33,6 +33,7 @@ from scheduler.contract.protocol import (
     SyncRequest,
     SyncResponse,
 )
+from scheduler.contract.records import StoredTokens
 from scheduler.control.cellsync import Membership
 from scheduler.control.completions import Completions
 from scheduler.control.context import TICK_KEY, Context, Effects
@@ -256,7 +257,7 @@ class Controller:
                           idempotency_key: str | None = None, agent: str | None = None) -> RequestRow:
         return self.completions.submit(session_id, prompt_ids, params, idempotency_key, agent)
 
-    def follow_request(self, request_id: str, live: bool = True) -> AsyncIterator[tuple[int, list[tuple], RequestRow]]:
+    def follow_request(self, request_id: str, live: bool = True) -> AsyncIterator[tuple[int, StoredTokens, RequestRow]]:
         return self.completions.follow(request_id, live)
 
     def _rewind(self, fx: Effects, req: RequestRow, first: int, reason: str) -> int | None:

@@ -200,9 +200,9 @@ class Ownership:
     def _last_version(self, req: RequestRow) -> int | None:
         if req.num_generated:
             end = req.base + req.num_generated
-            rows = self.ctx.store.sessions.read(req.session_id, end - 1, end)
-            if rows:
-                return rows[0][3]
+            last = self.ctx.store.sessions.read(req.session_id, end - 1, end)
+            if last:
+                return last.versions[-1]
         return None
 
     # ------------------------------------------------------------------ the loop's side

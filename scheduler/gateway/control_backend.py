@@ -68,11 +68,11 @@ class ControlPlaneBackend:
                 if start < out:
                     out = start
                     yield Rewind(start)
-            for r in rows:
+            for token_id, logprob, version in zip(rows.token_ids, rows.logprobs, rows.versions):
                 if held is not None:
                     out += 1
                     yield held
-                held = TokenOut(int(r[0]), float(r[2]), int(r[3]))
+                held = TokenOut(token_id, logprob, version)
             if cur.state in ("finished", "failed"):
                 if held is not None:
                     yield TokenOut(held.token_id, held.logprob, held.version, cur.reason or "stop")
@@ -86,11 +86,11 @@ class ControlPlaneBackend:
         if row is None:
             return None
         seg_start = row.segment_starts[-1]
-        rows = sessions.read(session_id, seg_start + start, None)
+        t = sessions.read(session_id, seg_start + start, None)
         return SessionTokens(
-            token_ids=[r[0] for r in rows], loss_mask=[r[1] for r in rows], segment=len(row.segment_starts) - 1,
+            token_ids=list(t.token_ids), loss_mask=list(t.loss_mask), segment=len(row.segment_starts) - 1,
             length=row.length - seg_start, finished=row.state == "finished",
-            logprobs=[r[2] for r in rows], versions=[r[3] for r in rows])
+            logprobs=list(t.logprobs), versions=list(t.versions))
 
     async def append_prompt_tokens(self, session_id: str, ids: list[int], loss_mask: int = 0) -> None:
         if loss_mask != 0:

@@ -19,14 +19,16 @@ batches, a migration commit's tail).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.errors import Conflict, NotFound
+from scheduler.contract.records import StoredTokens, TokenRecords
 from scheduler.store.codec import dumps, loads
 
 if TYPE_CHECKING:
-    from scheduler.contract.protocol import TokenRecord
     from scheduler.store.db import Store
 
 SCHEMA = """
@@ -124,34 +126,40 @@ class SessionStore:
                            (session_id, dumps(state)))
 
     # -- token buffer
-    def read(self, session_id: str, start: int = 0, end: int | None = None) -> list[tuple]:
-        """Token rows `(token_id, loss_mask, logprob, version, truncated, old_logprob, provenance)`."""
+    def read(self, session_id: str, start: int = 0, end: int | None = None) -> StoredTokens:
+        """The buffer's tokens [start, end) as columns (scheduler/contract/records.py)."""
         stop = end if end is not None else 1 << 62
         q = f"SELECT {_TOK_COLS} FROM tokens WHERE session_id=? AND idx>=? AND idx<? ORDER BY idx"
-        return self.s.execute(q, (session_id, start, stop)).fetchall()
+        return StoredTokens.of(self.s.execute(q, (session_id, start, stop)).fetchall())
 
     def token_ids(self, session_id: str, start: int = 0, end: int | None = None) -> list[int]:
-        return [r[0] for r in self.read(session_id, start, end)]
+        return list(self.read(session_id, start, end).token_ids)
 
     def current_segment(self, session_id: str) -> tuple[int, list[int]]:
         row = self.require(session_id)
         start = row.segment_starts[-1]
         return start, self.token_ids(session_id, start)
 
-    def _append_rows(self, row: SessionRow, rows: list[tuple], epoch: int | None = None,
-                     cell: str | None = None) -> None:
+    def _append_rows(self, row: SessionRow, token_ids: Sequence[int], loss_mask: int,
+                     logprobs: Sequence[float | None] | None = None, versions: Sequence[int | None] | None = None,
+                     truncated: Sequence[bool] | None = None, epoch: int | None = None, cell: str | None = None) -> None:
+        """Append tokens given as columns (a column left None is null, or 0 for `truncated`)."""
+        n = len(token_ids)
         self.s.executemany(
             f"INSERT INTO tokens(session_id, idx, {_TOK_COLS}, epoch, cell) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-            [(row.id, row.length + i, *r, epoch, cell) for i, r in enumerate(rows)],
+            zip(repeat(row.id, n), range(row.length, row.length + n), token_ids, repeat(loss_mask),
+                repeat(None) if logprobs is None else logprobs, repeat(None) if versions is None else versions,
+                repeat(0) if truncated is None else truncated, repeat(None), repeat(None), repeat(epoch),
+                repeat(cell)),
         )
-        row.length += len(rows)
+        row.length += n
         self.s.execute("UPDATE sessions SET length=? WHERE id=?", (row.length, row.id))
 
     def append_prompt(self, session_id: str, token_ids: list[int], agent: str | None = None) -> int:
         """Append prompt/tool tokens (loss mask 0) to the open session; returns the new length."""
         with self.s.tx(durable=False):
             row = self.ensure(session_id, agent)
-            self._append_rows(row, [(int(t), 0, None, None, 0, None, None) for t in token_ids])
+            self._append_rows(row, [int(t) for t in token_ids], 0)
         return row.length
 
     def new_segment(self, session_id: str, agent: str | None = None) -> int:
@@ -163,7 +171,7 @@ class SessionStore:
                 self.put(row)
         return row.length
 
-    def append_sampled(self, session_id: str, at: int, records: list[TokenRecord], epoch: int,
+    def append_sampled(self, session_id: str, at: int, records: TokenRecords, epoch: int,
                        cell: str | None = None) -> None:
         """Append sampled tokens (loss mask 1) at buffer index `at` == the current length,
         accepted under ownership `epoch`, sampled by `cell`. The caller checked `at` (a
@@ -171,8 +179,7 @@ class SessionStore:
         row = self.require(session_id)
         if at != row.length:
             raise Conflict(f"sampled tokens at {at} but session {session_id} has {row.length}", code="misaligned")
-        self._append_rows(row, [(int(t), 1, float(lp), int(v), int(bool(tr)), None, None) for t, lp, v, tr in records],
-                          epoch, cell)
+        self._append_rows(row, records.token_ids, 1, records.logprobs, records.versions, records.truncated, epoch, cell)
 
     def truncate(self, session_id: str, at: int) -> int:
         """Remove the tokens from buffer index `at` on (sampled tokens no client was shown,
@@ -263,13 +270,13 @@ class SessionStore:
 
     def to_api(self, session_id: str, agent: str | None = None) -> dict[str, Any]:
         row = self.require(session_id, agent)
-        rows = self.read(session_id)
+        t = self.read(session_id)
         return {
             "id": row.id, "state": row.state, "reward": row.reward, "group_id": row.group_id,
             "segment_starts": row.segment_starts,
-            "token_ids": [r[0] for r in rows], "loss_mask": [r[1] for r in rows],
-            "logprobs": [r[2] for r in rows], "versions": [r[3] for r in rows],
-            "old_logprobs": [r[5] for r in rows], "provenance": [r[6] for r in rows],
+            "token_ids": list(t.token_ids), "loss_mask": list(t.loss_mask),
+            "logprobs": list(t.logprobs), "versions": list(t.versions),
+            "old_logprobs": list(t.old_logprobs), "provenance": list(t.provenance),
         }
 
     def trajectories(self, cursor: int, limit: int) -> tuple[list[dict[str, Any]], int]:

@@ -15,6 +15,7 @@ from scheduler.contract.protocol import (
     decode_event,
     dispatch,
 )
+from scheduler.contract.records import StoredTokens
 from scheduler.contract.states import (
     CELL,
     FLIP,
@@ -88,7 +89,7 @@ def _batch(start: int, records: list, epoch: int = 3) -> TokenBatch:
     return TokenBatch("r", epoch, start, [tuple(x) for x in records])
 
 
-STORED = [(10, 1, -0.5, 0, 0, None, None), (11, 1, -0.25, 0, 0, None, None)]
+STORED = StoredTokens.of([(10, 1, -0.5, 0, 0, None, None), (11, 1, -0.25, 0, 0, None, None)])
 
 
 @pytest.mark.parametrize("batch,cell,req,expect", [
@@ -103,7 +104,7 @@ STORED = [(10, 1, -0.5, 0, 0, None, None), (11, 1, -0.25, 0, 0, None, None)]
     (_batch(2, [[12, -0.1, 0, False]]), "A", _req(state="finished"), ("reject", 0, "not_running")),
 ])
 def test_judge(batch, cell, req, expect):
-    stored = STORED[batch.start: min(2, batch.start + len(batch.records))] if req else []
+    stored = STORED[batch.start: min(2, batch.start + len(batch.records))] if req else StoredTokens()
     v = judge(req, cell, batch, stored)
     kind, n_new, reason = expect
     assert v.accept == (kind == "accept")

@@ -156,7 +156,7 @@ class EmbeddedHandover:
             model_signature=self.spec.signature(),
             block_size=self.pool.block_size,
             records_from=req.records_base + rel,
-            records=[r.to_list() for r in req.records[rel:]],
+            records=req.records[rel:],
             token_ids_from=token_ids_from,
             token_ids=req.token_ids[token_ids_from:],
             kv_version=req.kv_version if req.kv_version is not None and req.kv_version >= 0 else None,
