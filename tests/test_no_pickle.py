@@ -243,6 +243,8 @@ def _messages() -> list[type]:
 
 
 def _sample(tp, depth: int = 0):
+    import pydantic
+
     from scheduler.contract.records import Columns
 
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -262,6 +264,8 @@ def _sample(tp, depth: int = 0):
         return _build(tp)
     if isinstance(tp, type) and issubclass(tp, Columns):  # columns of named rows
         return tp.of([_sample(tp.ROW, depth + 1)])
+    if isinstance(tp, type) and issubclass(tp, pydantic.BaseModel):  # sampling params (their rules hold)
+        return tp()
     if isinstance(tp, type) and issubclass(tp, tuple):  # a NamedTuple
         hints = typing.get_type_hints(tp)
         return tp(*(_sample(hints[f], depth + 1) for f in tp._fields))

@@ -258,3 +258,26 @@ def collect(ev, o):
     found = list(_positional_token_reads(ast.parse(src)))
     assert len(found) == 7, found
     assert not list(_positional_token_reads(ast.parse("def f(rows, t):\n    return rows[0][1], t.versions[-1]\n")))
+
+
+# ---------------------------------------------------------------- sampling params, keyed once
+SAMPLING_MODULE = "scheduler/contract/sampling.py"
+SAMPLING_KEYS = {"temperature", "top_p", "max_tokens"}
+"""Three of `SamplingParams`' keys: a module holding all three as strings writes the key list."""
+
+
+def _code_strings(tree: ast.Module) -> set[str]:
+    """String constants of the code (docstrings and other bare string statements aside)."""
+    bare = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and id(n) not in bare}
+
+
+def test_the_sampling_keys_are_written_only_in_the_contract():
+    found = [_rel(p) for p in _modules(*PRODUCT) if _rel(p) != SAMPLING_MODULE and SAMPLING_KEYS <= _code_strings(_tree(p))]
+    assert not found, f"read SamplingParams ({SAMPLING_MODULE}) by field, not by a key list of its own: {found}"
+
+
+def test_the_sampling_key_check_can_fail():
+    assert SAMPLING_KEYS <= _code_strings(ast.parse('KEYS = ("temperature", "top_p", "top_k", "max_tokens")\n'))
+    assert not SAMPLING_KEYS & _code_strings(ast.parse('"""temperature, top_p and max_tokens"""\n'))

@@ -20,7 +20,7 @@ from cells.agent.owned import Owned
 from cells.engine.base import kv_handover, role_handover, scoring, versioned_weights
 from cells.engine.embedded.checkpoint import save_checkpoint
 from cells.engine.embedded.model_spec import resolve_spec
-from cells.engine.records import EngineError, SamplingParams
+from cells.engine.records import EngineError
 from cells.transport.store import StoreAddress
 from scheduler.contract.exports import resolve_export_path
 from scheduler.contract.protocol import (
@@ -76,7 +76,7 @@ class Commands:
         a = self.agent
         try:
             # resume point, KV reuse across the session's turns, and how a moved request came
-            a.engine.add_request(cmd.request_id, cmd.token_ids, SamplingParams.from_dict(cmd.params),
+            a.engine.add_request(cmd.request_id, cmd.token_ids, cmd.params,
                                  prompt_len=cmd.prompt_len, cache_key=cmd.session_id, path=cmd.path)
         except EngineError as e:
             log.warning("start %s refused: %s", cmd.request_id, e)

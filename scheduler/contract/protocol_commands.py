@@ -8,9 +8,10 @@ type → class tables; see `scheduler.contract.protocol` for the rules around th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from scheduler.contract.protocol_base import Message
+from scheduler.contract.sampling import SamplingParams
 
 # ---------------------------------------------------------------- commands (scheduler → cell)
 
@@ -24,9 +25,8 @@ class Command(Message):
 class StartCmd(Command):
     """Start a request, or resume one by re-prefill: continue at generated index num_generated.
 
-    token_ids = prompt + tokens generated so far; prompt_len = len(prompt); params is a
-    SamplingParams dict (max_tokens counts every generated token, including the first
-    num_generated)."""
+    token_ids = prompt + tokens generated so far; prompt_len = len(prompt); params: max_tokens
+    counts every generated token, including the first num_generated."""
 
     TYPE: ClassVar[str] = "start"
     request_id: str
@@ -35,10 +35,14 @@ class StartCmd(Command):
     token_ids: list[int]
     prompt_len: int
     num_generated: int
-    params: dict[str, Any]
+    params: SamplingParams
     path: str | None = None
     """How a moved request came here: "reprefill" or "kv_store" (the destination's prefix
     match may load the shared store's blocks); None for a request placed afresh."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.params, SamplingParams):  # its JSON form, as a request row keeps it
+            self.params = SamplingParams.model_validate(self.params)
 
 
 @dataclass

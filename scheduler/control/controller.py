@@ -34,6 +34,7 @@ from scheduler.contract.protocol import (
     SyncResponse,
 )
 from scheduler.contract.records import StoredTokens
+from scheduler.contract.sampling import SamplingParams
 from scheduler.control.cellsync import Membership
 from scheduler.control.completions import Completions
 from scheduler.control.context import TICK_KEY, Context, Effects
@@ -253,7 +254,7 @@ class Controller:
                 "tokens_per_step": r.tokens_per_step, "auto_flip": self.cfg.auto_flip}
 
     # ------------------------------------------------------------------ thin API: sessions
-    def submit_completion(self, session_id: str | None, prompt_ids: list[int], params: dict[str, Any],
+    def submit_completion(self, session_id: str | None, prompt_ids: list[int], params: SamplingParams,
                           idempotency_key: str | None = None, agent: str | None = None) -> RequestRow:
         return self.completions.submit(session_id, prompt_ids, params, idempotency_key, agent)
 

@@ -18,7 +18,6 @@ version (the owner first) → `scored` event → old log-probs written with prov
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 import zlib
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.protocol import DropVersionCmd, LoadVersionCmd, ScoreCmd, ScoredEvent
+from scheduler.contract.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from scheduler.control.context import Context, Effects
@@ -138,9 +138,9 @@ class Scoring:
                     self._send_task(fx, cell, rid, sid, v, prompt_start, lo, hi + 1, params, now)
 
     def _send_task(self, fx: Effects, cell: str, rid: str, sid: str, v: int, prompt_start: int, start: int, end: int,
-                   params: Any, now: float) -> None:
+                   params: str, now: float) -> None:
         urgent = self._serving(cell) != v  # the final pass of a version this cell switched off
-        temperature = float((json.loads(params) if isinstance(params, str) else params).get("temperature", 1.0))
+        temperature = SamplingParams.model_validate_json(params).temperature
         ids = self.ctx.store.sessions.token_ids(sid, prompt_start, end)
         tid = uuid.uuid4().hex[:16]
         self.tasks[tid] = Task(cell, rid, sid, v, start, end, now)

@@ -43,6 +43,7 @@ from scheduler.contract.probe import agree, well_formed
 if TYPE_CHECKING:
     from scheduler.contract.protocol import Capabilities, RegisterRequest
     from scheduler.contract.records import TokenRecords
+    from scheduler.contract.sampling import SamplingParams
     from scheduler.control.context import Context, Effects
     from scheduler.store.fleet import CellRow
 
@@ -228,25 +229,21 @@ class Trust:
         return row is not None and trusted(row.trust, row.probe is not None, self.ctx.cfg.trust_unprobed_cells)
 
     # ------------------------------------------------------------------ requests
-    def check_request(self, new_ids: list[int], context_len: int, params: dict[str, Any]) -> None:
+    def check_request(self, new_ids: list[int], context_len: int, params: SamplingParams) -> None:
         """What a cell would refuse, refused here first (422), before anything is recorded:
-        ids outside the vocabulary, a context plus max_tokens past the model's length, a
-        negative seed."""
-        seed = params.get("seed")
-        if seed is not None and (not isinstance(seed, int) or seed < 0):
-            raise Invalid(f"seed must be an integer >= 0, got {seed!r}", code="invalid_seed")
+        ids outside the vocabulary, a context plus max_tokens past the model's length."""
         lim = self.limits
         if lim is None:
             return
         bad = next((t for t in new_ids if not 0 <= t < lim.vocab_size), None)
         if bad is not None:
             raise Invalid(f"token id {bad} is outside the model's vocabulary [0, {lim.vocab_size})", code="bad_token")
-        stop_bad = next((t for t in params.get("stop_token_ids") or () if not 0 <= t < lim.vocab_size), None)
+        stop_bad = next((t for t in params.stop_token_ids if not 0 <= t < lim.vocab_size), None)
         if stop_bad is not None:
             raise Invalid(f"stop token id {stop_bad} is outside the vocabulary [0, {lim.vocab_size})", code="bad_token")
-        need = context_len + int(params.get("max_tokens") or 0)
+        need = context_len + params.max_tokens
         if lim.max_context and need > lim.max_context:
-            raise Invalid(f"the context ({context_len} tokens) plus max_tokens ({params.get('max_tokens')}) is "
+            raise Invalid(f"the context ({context_len} tokens) plus max_tokens ({params.max_tokens}) is "
                           f"{need}, past the model's {lim.max_context}", code="context_length_exceeded")
 
     # ------------------------------------------------------------------ ingest

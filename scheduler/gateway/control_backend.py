@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from scheduler.api.principal import current_agent
 from scheduler.contract.errors import Conflict
+from scheduler.contract.sampling import SamplingParams
 from scheduler.contract.tito.backend import (
     Rewind,
     SessionFinished,
@@ -30,9 +31,6 @@ if TYPE_CHECKING:
     from scheduler.control.controller import Controller
     from scheduler.store.sessions import SessionRow
 
-_PARAMS = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed")
-
-
 class ControlPlaneBackend:
     def __init__(self, app: FastAPI) -> None:
         self.app = app
@@ -46,20 +44,19 @@ class ControlPlaneBackend:
         limits = self.ctl.trust.limits
         return limits.max_context if limits is not None and limits.max_context else None
 
-    async def admit(self, session_id: str, prompt_ids: list[int], params: dict[str, Any]) -> None:
+    async def admit(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Every refusal a turn can get, before the gateway records anything of it: another
         agent's session, a turn in flight, what a cell would refuse, the staleness bound's
         admission and rollout capacity (scheduler/control/completions.py)."""
         ctl = self.ctl
-        ctl.completions.check(session_id, list(prompt_ids), _sampling(params), current_agent())
+        ctl.completions.check(session_id, list(prompt_ids), params, current_agent())
         ctl.completions.admissible(session_id, len(prompt_ids))
 
-    async def complete(self, session_id: str, prompt_ids: list[int], params: dict[str, Any],
+    async def complete(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                        live: bool = True) -> AsyncIterator[TokenOut | Rewind]:
         ctl = self.ctl
-        sp = _sampling(params)
         # its refusals are BackendErrors
-        req = ctl.submit_completion(session_id, list(prompt_ids), sp, agent=current_agent())
+        req = ctl.submit_completion(session_id, list(prompt_ids), params, agent=current_agent())
         held = None  # one token held back so the last one can carry the finish reason
         out = 0  # tokens yielded
         async for start, rows, cur in ctl.follow_request(req.id, live):
@@ -138,11 +135,3 @@ class ControlPlaneBackend:
         if row is not None and row.state == "finished":
             raise SessionFinished(f"session {session_id!r} is finished")
 
-
-def _sampling(params: dict[str, Any]) -> dict[str, Any]:
-    """The gateway's sampling parameters as the control plane takes them."""
-    sp = {k: params[k] for k in _PARAMS if params.get(k) is not None}
-    sp["stop_token_ids"] = list(sp.get("stop_token_ids", []))
-    if sp.get("top_k", 0) < 0:  # OpenAI-style "off"
-        sp["top_k"] = 0
-    return sp
