@@ -254,6 +254,8 @@ def _sample(tp, depth: int = 0):
         return None
     if origin in (typing.Union, types.UnionType):
         return _sample(next(a for a in args if a is not type(None)), depth)
+    if origin is typing.Literal:
+        return args[0]
     if origin is list:
         return [_sample(args[0], depth + 1)] if args else [1]
     if origin is tuple:

@@ -38,6 +38,7 @@ from scheduler.contract.config import CellflipConfig
 from scheduler.contract.gcpolicy import GcPolicy, log_long_pauses
 from scheduler.contract.probe import probe_tokens
 from scheduler.contract.protocol import (
+    AnyEvent,
     Capabilities,
     RegisterRequest,
     Summary,
@@ -76,7 +77,7 @@ class CellAgent:
         self.incarnation = ""
         self.role = CellRole()
         self.owned: dict[str, Owned] = {}
-        self.events: list[dict] = []
+        self.events: list[AnyEvent] = []
         self._engine_lock = threading.RLock()
         self._num_waiting = 0  # threads other than the engine loop waiting for the lock
         self._waiting_lock = threading.Lock()
@@ -110,7 +111,7 @@ class CellAgent:
         self.gc_policy: GcPolicy | None = None
         """Set by `manage_gc` where the cell owns its process."""
 
-    def events_append(self, event: dict) -> None:
+    def events_append(self, event: AnyEvent) -> None:
         """Queue an event for the next sync (any thread)."""
         self.events.append(event)
         self.wake()
@@ -321,8 +322,8 @@ class CellAgent:
                     del self.owned[rid]
             for rid in resp.rejected:
                 self.forget(rid, abort_engine=not self.owned.get(rid, Owned(0, 0)).migrating)
-            for raw in resp.commands:
-                self.commands.handle(raw)
+            for cmd in resp.commands:
+                self.commands.handle(cmd)
         if resp.commands:
             self.wake()
         self._check_progress()

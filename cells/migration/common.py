@@ -115,5 +115,5 @@ def kv_header(start: int, data: torch.Tensor, ids_from: int, ids: list[int]) -> 
     return {"kind": "kv", "start": start, "shape": list(data.shape), "token_ids_from": ids_from, "token_ids": ids}
 
 
-def migration_event(o: Outcome) -> dict:
-    return MigrationEvent(migration_id=o.migration_id, outcome=o.result, path="kv", bytes=o.bytes).to_dict()
+def migration_event(o: Outcome) -> MigrationEvent:
+    return MigrationEvent(migration_id=o.migration_id, outcome=o.result, path="kv", bytes=o.bytes)

@@ -42,11 +42,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from scheduler.contract.protocol_base import MAX_WAIT_S, Message, ProtocolError
 from scheduler.contract.protocol_commands import (
     COMMANDS,
     EVENTS,
     AbortCmd,
+    AnyCommand,
+    AnyEvent,
     BroadcastEvent,
     CancelMigrationCmd,
     Command,
@@ -67,7 +71,7 @@ from scheduler.contract.protocol_commands import (
 from scheduler.contract.records import TokenRecord, TokenRecords
 
 __all__ = [
-    "COMMANDS", "EVENTS", "MAX_WAIT_S", "AbortCmd", "AbortMigrationRequest", "BroadcastEvent", "CancelMigrationCmd",
+    "COMMANDS", "EVENTS", "MAX_WAIT_S", "AbortCmd", "AbortMigrationRequest", "AnyCommand", "AnyEvent", "BroadcastEvent", "CancelMigrationCmd",
     "Capabilities", "Command", "CommitRequest", "CommitResponse", "DropVersionCmd", "ExportCmd", "ExportedEvent",
     "LoadVersionCmd", "Message",
     "MigrateInCmd", "MigrateOutCmd", "ScoreCmd",
@@ -175,14 +179,13 @@ class SyncRequest(Message):
     incarnation: str
     summary: Summary = field(default_factory=Summary)
     tokens: list[TokenBatch] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    """Encoded `Event`s (see EVENTS)."""
+    events: list[AnyEvent] = field(default_factory=list)
     wait_s: float = 0.0
 
 
 @dataclass
 class SyncResponse(Message):
-    commands: list[dict[str, Any]] = field(default_factory=list)
+    commands: list[AnyCommand] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
 
 
@@ -228,24 +231,27 @@ class AbortMigrationRequest(Message):
     reason: str = ""
 
 
-def _decode(table: Mapping[str, type[Message]], d: Mapping[str, Any], what: str) -> Message:
-    if not isinstance(d, Mapping):
-        raise ProtocolError(f"{what} must be an object, got {type(d).__name__}")
-    kind = d.get("type")
-    cls = table.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise ProtocolError(f"unknown {what} type {d.get('type')!r} (known: {sorted(table)})")
-    return cls.from_dict(d)
+_COMMAND = TypeAdapter(AnyCommand)
+_EVENT = TypeAdapter(AnyEvent)
+
+
+def _decode(adapter: TypeAdapter, d: Any, what: str) -> Any:
+    try:
+        return adapter.validate_python(d)
+    except ValidationError as e:
+        raise ProtocolError(f"bad {what}: {e.errors(include_url=False, include_input=False)}") from None
 
 
 def decode_command(d: Mapping[str, Any]) -> Command:
-    return _decode(COMMANDS, d, "command")  # type: ignore[return-value]
+    """One command from its JSON form (a sync response decodes its commands itself)."""
+    return _decode(_COMMAND, d, "command")
 
 
 def decode_event(d: Mapping[str, Any]) -> Message:
-    return _decode(EVENTS, d, "event")
+    """One event from its JSON form (a sync request decodes its events itself)."""
+    return _decode(_EVENT, d, "event")
 
 
-def dispatch(handlers: Mapping[str, Callable[[Any], Any]], msg: Message) -> Any:
-    """Route a decoded command or event to `handlers[msg.TYPE]` (the type→handler table)."""
-    return handlers[msg.TYPE](msg)
+def dispatch(handlers: Mapping[str, Callable[[Any], Any]], msg: Any) -> Any:
+    """Route a decoded command or event to `handlers[msg.type]` (the type→handler table)."""
+    return handlers[msg.type](msg)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from functools import cache
-from typing import Any, ClassVar
+from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -24,13 +24,8 @@ def _adapter(cls: type) -> TypeAdapter:
 class Message:
     """Mixin: `to_dict` gives JSON-able dicts; `from_dict` validates (extra keys ignored)."""
 
-    TYPE: ClassVar[str] = ""
-
     def to_dict(self) -> dict[str, Any]:
-        d = _adapter(type(self)).dump_python(self)
-        if self.TYPE:
-            d["type"] = self.TYPE
-        return d
+        return _adapter(type(self)).dump_python(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]):

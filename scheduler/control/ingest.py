@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scheduler.contract.errors import Invalid
 from scheduler.contract.failpoints import CANARY_NO_FENCING
 from scheduler.contract.protocol import (
     BroadcastEvent,
@@ -74,15 +73,6 @@ def judge(req: RequestRow | None, cell_id: str, batch: TokenBatch, stored: Store
     if not req.is_owned and new and not CANARY_NO_FENCING:  # the canary also stores a fenced owner's tokens
         return Verdict(False, reason="not_running")
     return Verdict(True, new=new)
-
-
-def check_events(events: list[Message]) -> None:
-    """Rules pydantic cannot express; raises Invalid (422) before anything is committed."""
-    for e in events:
-        if isinstance(e, ScoredEvent) and e.provenance not in ("exact", "missing"):
-            raise Invalid(f"scored provenance must be exact or missing, got {e.provenance!r}")
-        if isinstance(e, ScoredEvent) and e.start < 0:
-            raise Invalid("scored start must be >= 0")
 
 
 Outcomes = tuple[list[str], list[tuple[str, str]], list[tuple[str, str]], str | None]
@@ -177,11 +167,11 @@ class Ingest:
 
     def apply_events(self, fx: Effects, cell_id: str, events: list[Message]) -> None:
         handlers = {
-            MigrationEvent.TYPE: lambda e: self._on_migration(fx, e),
-            ScoredEvent.TYPE: lambda e: self.scoring.on_scored(fx, cell_id, e),
-            BroadcastEvent.TYPE: lambda e: self._on_broadcast(fx, e),
-            RoleFailedEvent.TYPE: lambda e: self.flips.role_failed(fx, cell_id, e.flip_id, e.reason),
-            ExportedEvent.TYPE: lambda e: self.exports.on_exported(fx, cell_id, e),
+            MigrationEvent.type: lambda e: self._on_migration(fx, e),
+            ScoredEvent.type: lambda e: self.scoring.on_scored(fx, cell_id, e),
+            BroadcastEvent.type: lambda e: self._on_broadcast(fx, e),
+            RoleFailedEvent.type: lambda e: self.flips.role_failed(fx, cell_id, e.flip_id, e.reason),
+            ExportedEvent.type: lambda e: self.exports.on_exported(fx, cell_id, e),
         }
         for e in events:
             dispatch(handlers, e)
