@@ -297,6 +297,21 @@ def test_every_protocol_message_round_trips_through_json_text(no_pickle):
         assert type(back) is cls and back == msg, cls.__name__
 
 
+def test_every_migration_message_round_trips_through_json_text(no_pickle):
+    """The handshake of a live migration (cells/migration/messages.py): JSON text both ways."""
+    from cells.migration import messages
+
+    classes = [c for c in vars(messages).values() if isinstance(c, type) and dataclasses.is_dataclass(c)
+               and c.__module__ == messages.__name__]
+    assert {c.__name__ for c in classes} == {"Hello", "Reservation", "KVRound", "Final", "Abort", "Ready", "Verdict"}
+    for cls in classes:
+        msg = _build(cls)
+        back = cls.from_dict(json.loads(json.dumps(msg.to_dict(), allow_nan=False)))
+        assert type(back) is cls and back == msg, cls.__name__
+    final = _build(messages.Final)
+    assert type(messages._ROUND.validate_python(json.loads(json.dumps(final.to_dict())))) is messages.Final
+
+
 def test_a_session_through_the_api_and_the_store_without_pickle(tmp_path, no_pickle):
     from tests.scheduler.sched_fakes import FakeCell, Harness, pump
 
