@@ -281,3 +281,17 @@ def test_the_sampling_keys_are_written_only_in_the_contract():
 def test_the_sampling_key_check_can_fail():
     assert SAMPLING_KEYS <= _code_strings(ast.parse('KEYS = ("temperature", "top_p", "top_k", "max_tokens")\n'))
     assert not SAMPLING_KEYS & _code_strings(ast.parse('"""temperature, top_p and max_tokens"""\n'))
+
+
+# ---------------------------------------------------------------- each concept once
+def _classes_named(name: str) -> list[str]:
+    return [f"{_rel(p)}:{n.lineno}" for p in _modules(*PRODUCT) for n in ast.walk(_tree(p))
+            if isinstance(n, ast.ClassDef) and n.name == name]
+
+
+@pytest.mark.parametrize("name", ["Capabilities", "Summary", "SamplingParams", "TokenRecord", "Machine"])
+def test_one_class_of_each_name(name):
+    """What an engine can do, what it reports, how it samples, a sampled token, a state
+    machine: one definition each, the cells and the scheduler alike."""
+    found = _classes_named(name)
+    assert len(found) == 1, f"one class named {name}, found: {found}"

@@ -19,6 +19,7 @@ registers again as a new incarnation: it never resumes the old one's work.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -39,9 +40,7 @@ from scheduler.contract.gcpolicy import GcPolicy, log_long_pauses
 from scheduler.contract.probe import probe_tokens
 from scheduler.contract.protocol import (
     AnyEvent,
-    Capabilities,
     RegisterRequest,
-    Summary,
     SyncRequest,
     TokenBatch,
     TokenRecords,
@@ -124,9 +123,9 @@ class CellAgent:
         summary = self.engine.summary()
         req = RegisterRequest(
             cell_id=self.cell_id, incarnation=self.incarnation, address=f"{self.host}:0",
-            store_port=self.store_host.address.port, capabilities=engine_capabilities(self.engine),
-            kv_blocks_total=summary["kv_blocks_total"], max_running=summary.get("max_running", 1),
-            version=summary["version"], probe=probe_answer(self.engine, summary["version"]))
+            store_port=self.store_host.address.port, capabilities=self.engine.capabilities,
+            kv_blocks_total=summary.kv_blocks_total, max_running=summary.max_running,
+            version=summary.version, probe=probe_answer(self.engine, summary.version))
         deadline = time.monotonic() + REGISTER_RETRY_S
         while True:
             try:
@@ -294,12 +293,8 @@ class CellAgent:
             events, self.events = self.events, []
             summary = self.engine.summary()
             self._sync_collects += 1
-        req = SyncRequest(self.incarnation, Summary(
-            inflight=summary["inflight"], kv_blocks_used=summary["kv_blocks_used"],
-            kv_blocks_total=summary["kv_blocks_total"], version=summary["version"],
-            request_ids=summary["request_ids"], role=self.role.ready_role(),
-            versions_held=summary.get("versions_held", [summary["version"]]),
-            loading=sorted(self.versions.loading), parked=summary.get("parked", [])), batches, events, wait_s)
+        summary = dataclasses.replace(summary, role=self.role.ready_role(), loading=sorted(self.versions.loading))
+        req = SyncRequest(self.incarnation, summary, batches, events, wait_s)
         try:
             resp = self.client.sync(self.cell_id, req)
         except Fenced:
@@ -388,13 +383,3 @@ def probe_answer(engine: Engine, version: int | None) -> list[float] | None:
     tokens = probe_tokens(version, caps.vocab_size, caps.output_ranges)
     return [float(x) for x in scoring(engine).score(tokens, temperature=1.0)]
 
-
-def engine_capabilities(engine: Engine) -> Capabilities:
-    """What the cell reports at registration: its engine's capabilities, as the protocol
-    carries them."""
-    caps = engine.capabilities
-    return Capabilities(kv_export=caps.kv_export, scoring=caps.scoring, weight_update=caps.weight_update,
-                        batch_invariant=caps.batch_invariant, block_size=caps.block_size,
-                        kv_store=caps.kv_store, update_ranks=caps.update_ranks, vocab_size=caps.vocab_size,
-                        max_context=caps.max_context,
-                        output_ranges=[list(r) for r in caps.output_ranges] if caps.output_ranges else None)

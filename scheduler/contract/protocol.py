@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -54,6 +54,7 @@ from scheduler.contract.protocol_commands import (
     BroadcastEvent,
     CancelMigrationCmd,
     Command,
+    Count,
     DropVersionCmd,
     ExportCmd,
     ExportedEvent,
@@ -84,29 +85,43 @@ __all__ = [
 # ---------------------------------------------------------------- register
 
 
-@dataclass
+@dataclass(frozen=True)
 class Capabilities(Message):
-    """What a cell's engine supports; the planner and the flip logic branch on these."""
+    """What a cell's engine supports, fixed for its life: the engine reports it
+    (`Engine.capabilities`, cells/engine/base.py), the cell registers with it, and the agent,
+    version loading, the planner and the flip logic branch on it, never on types or attributes."""
 
     kv_export: bool = False
+    """`KVHandover`: per-request KV export/import (live migration, path `kv`) and parking a
+    request's KV in host memory; otherwise a moved request re-prefills."""
     scoring: bool = False
-    weight_update: str | bool = "staged"
+    """`Scoring`: log-probs by a full forward with training numerics (the log-prob service)."""
+    weight_update: Literal["staged", "in_place"] = "staged"
+    """`staged`: receive into a second copy, swap between steps; `in_place`: pause, update, resume."""
     batch_invariant: bool = False
-    block_size: int = 16
-    """Tokens per KV block (sizes `reserve_tokens` headroom)."""
+    """A token's numbers do not depend on its batch; decode and scoring agree bitwise."""
+    versioned_weights: bool = False
+    """`VersionedWeights`: prepare a version off the engine loop, install it by a swap, hold
+    older versions for scoring until they are dropped."""
+    role_handover: bool = False
+    """`RoleHandover`: the engine hands its accelerator memory to the training role at a flip
+    and takes it back; otherwise a flip leaves the engine as it is."""
+    update_ranks: Count = 0
+    """`CollectiveUpdate` when > 0: the ranks the cell adds to a version's update group when it
+    receives versions through its engine's own collective (SGLang: tp ranks, plus the scoring
+    copy). 0: the cell receives the trainer's bucketed broadcast itself (embedded engine)."""
     kv_store: str | None = None
     """Identity of a shared hierarchical KV store the engine reads and writes (SGLang HiCache
     with a storage backend); two cells with the same identity can move a request by the
     `kv_store` path. None: no shared store."""
-    update_ranks: int = 0
-    """Ranks the cell adds to a version's update group when it receives versions through its
-    engine's own collective (SGLang: tp ranks, plus the scoring copy). 0: the cell receives
-    the trainer's bucketed broadcast itself (embedded engine)."""
+    block_size: int = 16
+    """Tokens per KV block or page (sizes `reserve_tokens` headroom)."""
     vocab_size: int = 0
-    """Ids the model takes (0: unknown). Every cell of a fleet reports the same model limits."""
+    """Ids the model takes (0: unknown); a token id at or past it is refused before placement.
+    Every cell of a fleet reports the same model limits."""
     max_context: int = 0
     """Most tokens (prompt plus generation) one request may hold (0: unknown)."""
-    output_ranges: list[list[int]] | None = None
+    output_ranges: tuple[tuple[int, int], ...] | None = None
     """Half-open id ranges the model samples from (None: the whole vocabulary)."""
 
 
@@ -144,20 +159,31 @@ class RegisterResponse(Message):
 
 @dataclass
 class Summary(Message):
+    """A cell's heartbeat view: its engine's `summary()`, with the role and the loads the
+    agent adds."""
+
     inflight: int = 0
     kv_blocks_used: int = 0
+    """Blocks held by requests (an engine without KV accounting: 0, with a total of 0)."""
     kv_blocks_total: int = 0
     version: int | None = None
+    """The version served (None: no complete version)."""
     request_ids: list[str] = field(default_factory=list)
     """Every request the cell holds (decoding, stopped for migration, or imported)."""
-    role: str | None = None
-    """"rollout" or "training": the role the cell is ready for (after set_role completes)."""
+    role: Literal["rollout", "training"] | None = None
+    """The role the cell is ready for (after set_role completes); set by the agent."""
     versions_held: list[int] = field(default_factory=list)
     """Weight versions in memory (the served one and older ones kept for scoring)."""
     loading: list[int] = field(default_factory=list)
-    """Versions being received now."""
+    """Versions being received now; set by the agent."""
     parked: list[str] = field(default_factory=list)
     """Requests suspended here with their KV in host memory."""
+    kv_blocks_cached: int = 0
+    """Blocks held by cached prefixes (reclaimable; not in `kv_blocks_used`)."""
+    max_running: int = 1
+    """Most requests the engine decodes at once."""
+    block_size: int = 16
+    """Tokens per KV block or page."""
 
 
 @dataclass
