@@ -270,6 +270,7 @@ class CellAgent:
                     log.warning("cell %s fenced (%s): dropping %d requests, registering anew",
                                 self.cell_id, e, len(self.owned))
                     self.drop_all()
+                    self.role.set("down", f"fenced: {e}"[:200])
                     self.register()
 
     def _has_outgoing(self) -> bool:

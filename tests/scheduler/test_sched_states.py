@@ -52,6 +52,25 @@ def test_cell_cycle_and_illegal_edge():
     assert r.state == "joining" and len(r.history) == 7
 
 
+def test_the_cell_machine_is_the_one_role_machine():
+    """The planner's roles and the cell's own record of its role are the cell machine's states."""
+    from typing import get_args
+
+    from cells.roles import CellRole
+    from scheduler.contract.states import ROLLOUT_SIDE, TRAINING_SIDE, CellState
+
+    assert set(get_args(CellState)) == set(CELL.transitions) == ROLLOUT_SIDE | TRAINING_SIDE | {"down"}
+    role = CellRole()
+    for s, want in (("rollout", "rollout"), ("training", "training"), ("training", "training"),
+                    ("loading", None), ("rollout", "rollout"), ("down", None), ("rollout", "rollout")):
+        role.set(s, "why")
+        assert role.ready_role() == want
+    assert [h[0] for h in role.history] == ["joining", "rollout", "draining", "training", "loading", "rollout", "down",
+                                            "joining", "rollout"]
+    with pytest.raises(IllegalTransition):
+        role.set("retired")  # not a state of the machine
+
+
 def test_terminal_states():
     assert FLIP.terminal_states() == {"done", "failed", "rolled_back"}
     assert MIGRATION.terminal_states() == {"committed", "aborted"}
