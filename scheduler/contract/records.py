@@ -14,6 +14,7 @@ Fields are read by name; this module alone knows their positions (tests/test_sha
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from operator import itemgetter
 from typing import Any, ClassVar, Generic, NamedTuple, TypeVar, overload
 
 from pydantic_core import core_schema
@@ -68,10 +69,22 @@ class Columns(Sequence[Row], Generic[Row]):
         self.columns: tuple[tuple[Any, ...], ...] = cols
 
     @classmethod
+    def _wrap(cls, columns: tuple[tuple[Any, ...], ...]):
+        """Columns known to be well formed (a transpose, a slice), without checking them again."""
+        new = object.__new__(cls)
+        new.columns = columns
+        return new
+
+    @classmethod
     def of(cls, rows: Iterable[Sequence[Any]]):
         """From rows (named or plain tuples, lists), transposed at C speed."""
         rows = rows if isinstance(rows, list) else list(rows)
-        return cls(*zip(*rows, strict=True)) if rows else cls()
+        if not rows:
+            return cls()
+        columns = tuple(zip(*rows, strict=True))
+        if len(columns) != len(cls.ROW._fields):
+            raise ValueError(f"{cls.__name__} takes rows of {len(cls.ROW._fields)} fields, not {len(columns)}")
+        return cls._wrap(columns)
 
     def __len__(self) -> int:
         return len(self.columns[0])
@@ -81,9 +94,10 @@ class Columns(Sequence[Row], Generic[Row]):
     @overload
     def __getitem__(self, i: slice) -> Columns[Row]: ...
     def __getitem__(self, i: int | slice) -> Row | Columns[Row]:
+        pick = itemgetter(i)
         if isinstance(i, slice):
-            return type(self)(*(c[i] for c in self.columns))
-        return self.ROW._make(c[i] for c in self.columns)
+            return self._wrap(tuple(map(pick, self.columns)))
+        return self.ROW._make(map(pick, self.columns))
 
     def __iter__(self) -> Iterator[Row]:
         return map(self.ROW, *self.columns)
@@ -143,5 +157,7 @@ def same_tokens(stored: StoredTokens, records: TokenRecords) -> bool:
     """The stored tokens and the records name the same token, log-prob and version at every
     index both hold (compared column by column, at C speed)."""
     n = min(len(stored), len(records))
+    if not n:
+        return True
     return (stored.token_ids[:n] == records.token_ids[:n] and stored.versions[:n] == records.versions[:n]
             and stored.logprobs[:n] == records.logprobs[:n])
