@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from scheduler.contract.errors import Conflict, NotFound
 from scheduler.contract.records import StoredTokens, TokenRecords
@@ -65,6 +65,25 @@ class SessionRow:
     None for a session opened by a trainer or admin token (no agent token may use it)."""
     tainted: int = 0
     """1: a quarantined cell sampled some of its tokens; never handed out for training."""
+
+
+class UnscoredRange(NamedTuple):
+    """A request's sampled tokens of one version still without an old log-prob."""
+
+    request_id: str
+    session_id: str
+    prompt_start: int
+    base: int
+    num_generated: int
+    params: str
+    """The request's sampling params (JSON text)."""
+    state: str
+    owner: str | None
+    version: int
+    first: int
+    """Buffer index of the first unscored token."""
+    last: int
+    count: int
 
 
 _SESSION_COLS = ("id, state, length, segment_starts, reward, group_id, finish_seq, created_at, finished_at, agent, "
@@ -243,16 +262,14 @@ class SessionStore:
             "AND idx<? AND loss_mask=1 AND provenance IS NULL", (session_id, version, start, end))
         return cur.rowcount
 
-    def unscored_ranges(self, limit: int = 256) -> list[tuple]:
-        """Per (request, version) with unscored sampled tokens: (request id, session id,
-        prompt_start, base, num_generated, params, state, owner cell, version, first index,
-        last index, count), oldest requests first."""
+    def unscored_ranges(self, limit: int = 256) -> list[UnscoredRange]:
+        """Per (request, version) with unscored sampled tokens, oldest requests first."""
         q = ("SELECT r.id, r.session_id, r.prompt_start, r.base, r.num_generated, r.params, r.state, r.cell_id,"
              " t.version, MIN(t.idx), MAX(t.idx), COUNT(*) FROM tokens t JOIN requests r"
              " ON t.session_id = r.session_id AND t.idx >= r.base AND t.idx < r.base + r.num_generated"
              " WHERE t.loss_mask = 1 AND t.provenance IS NULL"
              " GROUP BY r.id, t.version ORDER BY r.created_at LIMIT ?")
-        return self.s.execute(q, (limit,)).fetchall()
+        return [UnscoredRange._make(r) for r in self.s.execute(q, (limit,))]
 
     # -- trajectories
     def finish(self, session_id: str, reward: float, group_id: str | None) -> SessionRow:
