@@ -45,7 +45,13 @@ from cells.transport.receive import (
 from cells.transport.staging import StagingBuffers
 from cells.transport.store import StoreAddress
 from scheduler.contract.failpoints import failpoint
-from scheduler.contract.protocol import BroadcastEvent, LoadVersionCmd, ScoreCmd, ScoredEvent
+from scheduler.contract.protocol import (
+    AnyEvent,
+    BroadcastEvent,
+    LoadVersionCmd,
+    ScoreCmd,
+    ScoredEvent,
+)
 
 log = logging.getLogger("cellflip.versions")
 
@@ -96,10 +102,10 @@ def _source(cmd: LoadVersionCmd) -> tuple[StoreAddress, str]:
 
 
 class CellVersions:
-    """Owned by the agent. `emit(event_dict)` queues an event for the next sync; `wake()`
+    """Owned by the agent. `emit(event)` queues an event for the next sync; `wake()`
     nudges the engine loop to activate a staged version."""
 
-    def __init__(self, cell_id: str, emit: Callable[[dict], None], wake: Callable[[], None],
+    def __init__(self, cell_id: str, emit: Callable[[AnyEvent], None], wake: Callable[[], None],
                  timeout_s: float = 30.0, prepare: Callable | None = None, *,
                  engine: Engine | None = None, join_timeout_s: float = 60.0,
                  local: Callable[[int], dict | None] | None = None) -> None:
@@ -161,7 +167,7 @@ class CellVersions:
                 if tensors is None:
                     log.warning("version %d: broadcast failed here (%s); catching up point-to-point", cmd.version, why)
                     self.emit(BroadcastEvent(cmd.version, time.perf_counter() - t0, ok=False, reason=why[:500],
-                                             mode="broadcast", activate=cmd.activate).to_dict())
+                                             mode="broadcast", activate=cmd.activate))
                     mode = "fetch"
             if tensors is None:
                 tensors, why = self._fetch(address, ns, cmd.version)
@@ -188,7 +194,7 @@ class CellVersions:
         seconds = time.perf_counter() - t0
         if tensors is None:
             self.emit(BroadcastEvent(cmd.version, seconds, ok=False, reason=why[:500], mode=mode,
-                                     activate=cmd.activate).to_dict())
+                                     activate=cmd.activate))
             return
         with self._lock:
             self._staged.append(Staged(cmd.version, tensors, prepared, cmd.activate, cmd.inflight_policy, mode,
@@ -215,7 +221,7 @@ class CellVersions:
         catch up point-to-point (installed in place by `activate_staged`)."""
         log.warning("version %d: update group failed here (%s); catching up point-to-point", cmd.version, why)
         self.emit(BroadcastEvent(cmd.version, time.perf_counter() - t0, ok=False, reason=why[:500],
-                                 mode="broadcast", activate=cmd.activate).to_dict())
+                                 mode="broadcast", activate=cmd.activate))
         address, ns = _source(cmd)
         tensors = None
         try:
@@ -238,7 +244,7 @@ class CellVersions:
                 self.loading.discard(s.version)
             ok = s.version == engine.version
             self.emit(BroadcastEvent(s.version, s.seconds, ok=ok, reason="" if ok else f"serving version {engine.version}",
-                                     mode="broadcast", activate=s.activate).to_dict())
+                                     mode="broadcast", activate=s.activate))
             return
         try:
             collective_update(engine).receive_version(s.version, a.group, list(a.buckets), keep_previous=True)
@@ -257,7 +263,7 @@ class CellVersions:
         log.info("version %d active in %.2fs (update group, attempt %d), installed in %.3fs",
                  s.version, s.seconds + pause, a.attempt, pause)
         self.emit(BroadcastEvent(s.version, s.seconds + pause, ok=True, mode="broadcast", activate=s.activate,
-                                 pause_s=pause).to_dict())
+                                 pause_s=pause))
 
     def _after_failed_update(self, s: Staged, why: str) -> None:
         """Off the engine loop: ask for a fresh group (at most `GROUP_RETRIES` times), else
@@ -316,7 +322,7 @@ class CellVersions:
             except Exception as e:  # a bad version (shapes): keep serving the old one, say so
                 log.error("version %d not installed: %s", s.version, e)
                 self.emit(BroadcastEvent(s.version, s.seconds, ok=False, reason=f"install: {e}"[:500], mode=s.mode,
-                                         activate=s.activate).to_dict())
+                                         activate=s.activate))
                 continue
             finally:
                 with self._lock:
@@ -326,7 +332,7 @@ class CellVersions:
             log.info("version %d %s in %.2fs (%s), installed in %.3fs", s.version,
                      "active" if s.activate else "held for scoring", s.seconds, s.mode, pause)
             self.emit(BroadcastEvent(s.version, s.seconds, ok=True, mode=s.mode, activate=s.activate,
-                                     pause_s=pause).to_dict())
+                                     pause_s=pause))
         return bool(staged)
 
     def has_staged(self) -> bool:
@@ -366,7 +372,7 @@ class CellVersions:
             off = cmd.context_start + 1
             values = [float(lp[i - off]) for i in range(cmd.start, cmd.end)]
             self.emit(ScoredEvent(cmd.session_id, cmd.start, values, "exact", version=cmd.version,
-                                  task_id=cmd.task_id, seconds=time.perf_counter() - t0).to_dict())
+                                  task_id=cmd.task_id, seconds=time.perf_counter() - t0))
 
     def close(self) -> None:
         for q in self._tasks.values():

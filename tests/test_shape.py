@@ -5,6 +5,7 @@ count as code."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,175 @@ def test_every_product_package_is_listed_in_the_architecture_doc(root):
     packages = sorted({_rel(p.parent) for p in _modules(root) if p.name == "__init__.py"})
     missing = [pkg for pkg in packages if f"`{pkg}/`" not in doc]
     assert not missing, f"docs/ARCHITECTURE.md does not cover: {missing}"
+
+
+# ---------------------------------------------------------------- token records by name
+RECORD_MODULE = "scheduler/contract/records.py"
+BULK_NAMES = {"records", "pending", "stored", "overlap"}
+"""Names (and attributes) that hold many token records: a batch's, a request's unsynced ones,
+stored rows, an overlap."""
+RECORD_ARITIES = {4, 7}
+"""Fields of a `TokenRecord` and of a `StoredToken` (a pair unpacked from `pending` is no record)."""
+RECORD_TYPES = re.compile(r"\b(TokenRecords?|StoredTokens?)\b")
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+
+
+def _scope_nodes(scope: ast.AST):
+    """The nodes of one scope, not descending into nested functions or classes."""
+    stack = list(ast.iter_child_nodes(scope))
+    while stack:
+        n = stack.pop()
+        yield n
+        if not isinstance(n, _SCOPES):
+            stack.extend(ast.iter_child_nodes(n))
+
+
+def _int_index(s: ast.AST) -> bool:
+    if isinstance(s, ast.UnaryOp) and isinstance(s.op, ast.USub):
+        s = s.operand
+    return isinstance(s, ast.Constant) and type(s.value) is int
+
+
+class _RecordScope:
+    """Which names of one scope hold token records: many (`bulk`) or one (`rows`)."""
+
+    def __init__(self, scope: ast.AST) -> None:
+        self.bulk: set[str] = set()
+        self.rows: set[str] = set()
+        args = scope.args.args + scope.args.kwonlyargs if isinstance(scope, ast.FunctionDef | ast.AsyncFunctionDef) else []
+        for a in args:
+            hint = ast.unparse(a.annotation) if a.annotation is not None else ""
+            if RECORD_TYPES.search(hint):
+                (self.bulk if re.search(r"TokenRecords|StoredTokens|list\[", hint) else self.rows).add(a.arg)
+
+    def is_bulk(self, n: ast.AST) -> bool:
+        if isinstance(n, ast.Name):
+            return n.id in BULK_NAMES or n.id in self.bulk
+        if isinstance(n, ast.Attribute):
+            return n.attr in BULK_NAMES
+        if isinstance(n, ast.Subscript) and isinstance(n.slice, ast.Slice):
+            return self.is_bulk(n.value)
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute):
+            recv = ast.unparse(n.func.value)
+            return (n.func.attr == "read" and (recv == "self" or recv.endswith("sessions"))
+                    or n.func.attr == "of" and bool(RECORD_TYPES.fullmatch(recv)))
+        return False
+
+    def is_row(self, n: ast.AST) -> bool:
+        if isinstance(n, ast.Name):
+            return n.id in self.rows
+        if isinstance(n, ast.Attribute):
+            return n.attr == "record"
+        return isinstance(n, ast.Subscript) and not isinstance(n.slice, ast.Slice) and self.is_bulk(n.value)
+
+    def bind(self, target: ast.AST, value: ast.AST, iterated: bool):
+        """Record what `target` holds after `target = value` (or `for target in value`); yields
+        positional unpackings of token records."""
+        row = self.is_bulk(value) if iterated else self.is_row(value)
+        if iterated and isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in ("zip", "enumerate"):
+            parts = value.args if value.func.id == "zip" else [ast.Constant(0), *value.args]
+            if isinstance(target, ast.Tuple | ast.List) and len(target.elts) == len(parts):
+                for t, p in zip(target.elts, parts):
+                    yield from self.bind(t, p, iterated=True)
+                return
+        if isinstance(target, ast.Name):
+            if row:
+                self.rows.add(target.id)
+            elif not iterated and self.is_bulk(value):
+                self.bulk.add(target.id)
+        elif row and isinstance(target, ast.Tuple | ast.List) and len(target.elts) in RECORD_ARITIES:
+            yield target.lineno, f"{ast.unparse(target)} unpacks a token record by position"
+
+
+def _position(n: ast.AST) -> tuple[int, int]:
+    at = n.target if isinstance(n, ast.comprehension) else n  # a comprehension has no position of its own
+    return getattr(at, "lineno", 0), getattr(at, "col_offset", 0)
+
+
+def _positional_token_reads(tree: ast.Module):
+    """Token-record fields read by position: `r[1]` where `r` was bound by iterating over
+    (or indexing into) token records (a batch's `records`, a request's `pending`, a store
+    read, `StoredTokens`/`TokenRecords` values, parameters typed so), `ev.record[0]`, and
+    tuple-unpacking such a record."""
+    for scope in [tree, *(n for n in ast.walk(tree) if isinstance(n, _SCOPES))]:
+        names = _RecordScope(scope)
+        nodes = sorted(_scope_nodes(scope), key=_position)
+        for n in nodes:
+            if isinstance(n, ast.For | ast.AsyncFor | ast.comprehension):
+                yield from names.bind(n.target, n.iter, iterated=True)
+            elif isinstance(n, ast.Assign):
+                for t in n.targets:
+                    if isinstance(t, ast.Tuple) and isinstance(n.value, ast.Tuple) and len(t.elts) == len(n.value.elts):
+                        for te, ve in zip(t.elts, n.value.elts):  # a, b = x, y
+                            yield from names.bind(te, ve, iterated=False)
+                    else:
+                        yield from names.bind(t, n.value, iterated=False)
+        for n in nodes:
+            if isinstance(n, ast.Subscript) and _int_index(n.slice) and names.is_row(n.value):
+                yield n.lineno, f"{ast.unparse(n)} reads a token record's field by position"
+
+
+def test_no_token_record_field_is_read_by_position():
+    found = [f"{_rel(p)}:{ln} {what}" for p in _modules(*PRODUCT) if _rel(p) != RECORD_MODULE
+             for ln, what in _positional_token_reads(_tree(p))]
+    assert not found, f"read token records by name ({RECORD_MODULE}):\n" + "\n".join(found)
+
+
+def test_the_positional_read_check_can_fail():
+    src = '''
+def judge(batch, stored, overlap):
+    if not all(r[1] <= 0 for r in batch.records):
+        return None
+    for s, r in zip(stored, overlap):
+        if s[0] != r[0]:
+            return None
+def rows_of(rows: StoredTokens):
+    return [r[2] for r in rows]
+def append(records):
+    return [(t, lp) for t, lp, v, tr in records]
+def last(sessions):
+    rows = sessions.read("s", 0, 2)
+    return rows[0][3]
+def collect(ev, o):
+    o.pending.append(ev.record[0])
+'''
+    found = list(_positional_token_reads(ast.parse(src)))
+    assert len(found) == 7, found
+    assert not list(_positional_token_reads(ast.parse("def f(rows, t):\n    return rows[0][1], t.versions[-1]\n")))
+
+
+# ---------------------------------------------------------------- sampling params, keyed once
+SAMPLING_MODULE = "scheduler/contract/sampling.py"
+SAMPLING_KEYS = {"temperature", "top_p", "max_tokens"}
+"""Three of `SamplingParams`' keys: a module holding all three as strings writes the key list."""
+
+
+def _code_strings(tree: ast.Module) -> set[str]:
+    """String constants of the code (docstrings and other bare string statements aside)."""
+    bare = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            and id(n) not in bare}
+
+
+def test_the_sampling_keys_are_written_only_in_the_contract():
+    found = [_rel(p) for p in _modules(*PRODUCT) if _rel(p) != SAMPLING_MODULE and SAMPLING_KEYS <= _code_strings(_tree(p))]
+    assert not found, f"read SamplingParams ({SAMPLING_MODULE}) by field, not by a key list of its own: {found}"
+
+
+def test_the_sampling_key_check_can_fail():
+    assert SAMPLING_KEYS <= _code_strings(ast.parse('KEYS = ("temperature", "top_p", "top_k", "max_tokens")\n'))
+    assert not SAMPLING_KEYS & _code_strings(ast.parse('"""temperature, top_p and max_tokens"""\n'))
+
+
+# ---------------------------------------------------------------- each concept once
+def _classes_named(name: str) -> list[str]:
+    return [f"{_rel(p)}:{n.lineno}" for p in _modules(*PRODUCT) for n in ast.walk(_tree(p))
+            if isinstance(n, ast.ClassDef) and n.name == name]
+
+
+@pytest.mark.parametrize("name", ["Capabilities", "Summary", "SamplingParams", "TokenRecord", "Machine"])
+def test_one_class_of_each_name(name):
+    """What an engine can do, what it reports, how it samples, a sampled token, a state
+    machine: one definition each, the cells and the scheduler alike."""
+    found = _classes_named(name)
+    assert len(found) == 1, f"one class named {name}, found: {found}"

@@ -7,7 +7,7 @@
 - owned.py: per-request bookkeeping.
 """
 
-from cells.agent.cell import HANDOFF_S, IDLE_WAIT_S, STALL_LOG_S, CellAgent, engine_capabilities
+from cells.agent.cell import HANDOFF_S, IDLE_WAIT_S, STALL_LOG_S, CellAgent
 from cells.agent.owned import Owned
 
-__all__ = ["HANDOFF_S", "IDLE_WAIT_S", "STALL_LOG_S", "CellAgent", "Owned", "engine_capabilities"]
+__all__ = ["HANDOFF_S", "IDLE_WAIT_S", "STALL_LOG_S", "CellAgent", "Owned"]

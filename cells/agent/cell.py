@@ -19,6 +19,7 @@ registers again as a new incarnation: it never resumes the old one's work.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -38,11 +39,11 @@ from scheduler.contract.config import CellflipConfig
 from scheduler.contract.gcpolicy import GcPolicy, log_long_pauses
 from scheduler.contract.probe import probe_tokens
 from scheduler.contract.protocol import (
-    Capabilities,
+    AnyEvent,
     RegisterRequest,
-    Summary,
     SyncRequest,
     TokenBatch,
+    TokenRecords,
 )
 
 log = logging.getLogger("cellflip.cell")
@@ -75,7 +76,7 @@ class CellAgent:
         self.incarnation = ""
         self.role = CellRole()
         self.owned: dict[str, Owned] = {}
-        self.events: list[dict] = []
+        self.events: list[AnyEvent] = []
         self._engine_lock = threading.RLock()
         self._num_waiting = 0  # threads other than the engine loop waiting for the lock
         self._waiting_lock = threading.Lock()
@@ -109,7 +110,7 @@ class CellAgent:
         self.gc_policy: GcPolicy | None = None
         """Set by `manage_gc` where the cell owns its process."""
 
-    def events_append(self, event: dict) -> None:
+    def events_append(self, event: AnyEvent) -> None:
         """Queue an event for the next sync (any thread)."""
         self.events.append(event)
         self.wake()
@@ -122,9 +123,9 @@ class CellAgent:
         summary = self.engine.summary()
         req = RegisterRequest(
             cell_id=self.cell_id, incarnation=self.incarnation, address=f"{self.host}:0",
-            store_port=self.store_host.address.port, capabilities=engine_capabilities(self.engine),
-            kv_blocks_total=summary["kv_blocks_total"], max_running=summary.get("max_running", 1),
-            version=summary["version"], probe=probe_answer(self.engine, summary["version"]))
+            store_port=self.store_host.address.port, capabilities=self.engine.capabilities,
+            kv_blocks_total=summary.kv_blocks_total, max_running=summary.max_running,
+            version=summary.version, probe=probe_answer(self.engine, summary.version))
         deadline = time.monotonic() + REGISTER_RETRY_S
         while True:
             try:
@@ -269,6 +270,7 @@ class CellAgent:
                     log.warning("cell %s fenced (%s): dropping %d requests, registering anew",
                                 self.cell_id, e, len(self.owned))
                     self.drop_all()
+                    self.role.set("down", f"fenced: {e}"[:200])
                     self.register()
 
     def _has_outgoing(self) -> bool:
@@ -287,17 +289,13 @@ class CellAgent:
             for rid, o in self.owned.items():
                 if o.migrating or not (o.pending or o.finish_reason):
                     continue
-                batches.append(TokenBatch(rid, o.epoch, o.flushed, [tuple(r) for r in o.pending], o.finish_reason))
+                batches.append(TokenBatch(rid, o.epoch, o.flushed, TokenRecords.of(o.pending), o.finish_reason))
                 sent.append((rid, len(o.pending)))
             events, self.events = self.events, []
             summary = self.engine.summary()
             self._sync_collects += 1
-        req = SyncRequest(self.incarnation, Summary(
-            inflight=summary["inflight"], kv_blocks_used=summary["kv_blocks_used"],
-            kv_blocks_total=summary["kv_blocks_total"], version=summary["version"],
-            request_ids=summary["request_ids"], role=self.role.ready_role(),
-            versions_held=summary.get("versions_held", [summary["version"]]),
-            loading=sorted(self.versions.loading), parked=summary.get("parked", [])), batches, events, wait_s)
+        summary = dataclasses.replace(summary, role=self.role.ready_role(), loading=sorted(self.versions.loading))
+        req = SyncRequest(self.incarnation, summary, batches, events, wait_s)
         try:
             resp = self.client.sync(self.cell_id, req)
         except Fenced:
@@ -320,8 +318,8 @@ class CellAgent:
                     del self.owned[rid]
             for rid in resp.rejected:
                 self.forget(rid, abort_engine=not self.owned.get(rid, Owned(0, 0)).migrating)
-            for raw in resp.commands:
-                self.commands.handle(raw)
+            for cmd in resp.commands:
+                self.commands.handle(cmd)
         if resp.commands:
             self.wake()
         self._check_progress()
@@ -360,7 +358,7 @@ class CellAgent:
             o = self.owned.get(ev.request_id)
             if o is None:
                 continue
-            o.pending.append(ev.record.to_list())
+            o.pending.append(ev.record)
             if ev.finish_reason:
                 o.finish_reason = ev.finish_reason
 
@@ -386,13 +384,3 @@ def probe_answer(engine: Engine, version: int | None) -> list[float] | None:
     tokens = probe_tokens(version, caps.vocab_size, caps.output_ranges)
     return [float(x) for x in scoring(engine).score(tokens, temperature=1.0)]
 
-
-def engine_capabilities(engine: Engine) -> Capabilities:
-    """What the cell reports at registration: its engine's capabilities, as the protocol
-    carries them."""
-    caps = engine.capabilities
-    return Capabilities(kv_export=caps.kv_export, scoring=caps.scoring, weight_update=caps.weight_update,
-                        batch_invariant=caps.batch_invariant, block_size=caps.block_size,
-                        kv_store=caps.kv_store, update_ranks=caps.update_ranks, vocab_size=caps.vocab_size,
-                        max_context=caps.max_context,
-                        output_ranges=[list(r) for r in caps.output_ranges] if caps.output_ranges else None)

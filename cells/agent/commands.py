@@ -20,12 +20,13 @@ from cells.agent.owned import Owned
 from cells.engine.base import kv_handover, role_handover, scoring, versioned_weights
 from cells.engine.embedded.checkpoint import save_checkpoint
 from cells.engine.embedded.model_spec import resolve_spec
-from cells.engine.records import EngineError, SamplingParams
+from cells.engine.records import EngineError
 from cells.transport.store import StoreAddress
 from scheduler.contract.exports import resolve_export_path
 from scheduler.contract.protocol import (
     AbortCmd,
     CancelMigrationCmd,
+    Command,
     DropVersionCmd,
     ExportCmd,
     ExportedEvent,
@@ -37,7 +38,6 @@ from scheduler.contract.protocol import (
     SetRoleCmd,
     StartCmd,
     SuspendCmd,
-    decode_command,
     dispatch,
 )
 
@@ -54,29 +54,29 @@ class Commands:
         self.agent = agent
         moves = agent.moves
         self.table: dict[str, Callable[[Any], None]] = {
-            StartCmd.TYPE: self.start,
-            MigrateOutCmd.TYPE: moves.migrate_out,
-            MigrateInCmd.TYPE: moves.migrate_in,
-            CancelMigrationCmd.TYPE: moves.cancel,
-            AbortCmd.TYPE: self.abort,
-            SuspendCmd.TYPE: self.suspend,
-            SetRoleCmd.TYPE: self.set_role,
-            LoadVersionCmd.TYPE: self.load_version,
-            ScoreCmd.TYPE: self.score,
-            DropVersionCmd.TYPE: self.drop_version,
-            ExportCmd.TYPE: self.export,
+            StartCmd.type: self.start,
+            MigrateOutCmd.type: moves.migrate_out,
+            MigrateInCmd.type: moves.migrate_in,
+            CancelMigrationCmd.type: moves.cancel,
+            AbortCmd.type: self.abort,
+            SuspendCmd.type: self.suspend,
+            SetRoleCmd.type: self.set_role,
+            LoadVersionCmd.type: self.load_version,
+            ScoreCmd.type: self.score,
+            DropVersionCmd.type: self.drop_version,
+            ExportCmd.type: self.export,
         }
 
-    def handle(self, raw: dict) -> None:
-        """Decode one command from a sync response and run its handler."""
-        dispatch(self.table, decode_command(raw))
+    def handle(self, cmd: Command) -> None:
+        """Run one command's handler (decoded with its sync response)."""
+        dispatch(self.table, cmd)
 
     # -- requests ---------------------------------------------------------------------------
     def start(self, cmd: StartCmd) -> None:
         a = self.agent
         try:
             # resume point, KV reuse across the session's turns, and how a moved request came
-            a.engine.add_request(cmd.request_id, cmd.token_ids, SamplingParams.from_dict(cmd.params),
+            a.engine.add_request(cmd.request_id, cmd.token_ids, cmd.params,
                                  prompt_len=cmd.prompt_len, cache_key=cmd.session_id, path=cmd.path)
         except EngineError as e:
             log.warning("start %s refused: %s", cmd.request_id, e)
@@ -144,7 +144,7 @@ class Commands:
             role_handover(a.engine).enter_role(role)
         except EngineError as e:
             log.warning("cell %s cannot take the %s role: %s", a.cell_id, role, e)
-            a.events_append(RoleFailedEvent(flip_id, f"{role}: {e}"[:500]).to_dict())
+            a.events_append(RoleFailedEvent(flip_id, f"{role}: {e}"[:500]))
             return False
         return True
 
@@ -175,7 +175,7 @@ class Commands:
 
         def refuse(reason: str) -> None:
             log.warning("export %s of version %d refused: %s", cmd.export_id, cmd.version, reason)
-            a.events_append(ExportedEvent(cmd.export_id, cmd.version, ok=False, reason=reason).to_dict())
+            a.events_append(ExportedEvent(cmd.export_id, cmd.version, ok=False, reason=reason))
 
         if not engine.capabilities.versioned_weights:
             return refuse("this cell's engine keeps no weights it can export")
@@ -198,7 +198,7 @@ class Commands:
             size = sum(f.stat().st_size for f in out.iterdir())
             log.info("exported version %d to %s (%d bytes)", cmd.version, out, size)
             a.events_append(ExportedEvent(cmd.export_id, cmd.version, ok=True, path=str(out),
-                                          seconds=round(time.monotonic() - t0, 3), bytes=size).to_dict())
+                                          seconds=round(time.monotonic() - t0, 3), bytes=size))
 
         threading.Thread(target=write, name=f"export-{cmd.export_id}", daemon=True).start()
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler.contract.records import TokenRecord
+
 
 @dataclass
 class Owned:
@@ -12,7 +14,7 @@ class Owned:
 
     epoch: int
     flushed: int
-    pending: list[list] = field(default_factory=list)
+    pending: list[TokenRecord] = field(default_factory=list)
     finish_reason: str | None = None
     migrating: bool = False
     parked: bool = False

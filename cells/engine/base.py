@@ -6,8 +6,9 @@ hand-over, scoring with training numerics, staged weight versions) and SGLang on
 to the training role, no per-request KV export).
 
 `Engine` is what the cell agent calls on every engine. Each optional ability is a small
-protocol below, and `Capabilities` (the engine's `capabilities`) says which ones the engine
-implements. Callers branch on `Capabilities` and reach an ability through its accessor
+protocol below, and `Capabilities` (the engine's `capabilities`: the cell protocol's own,
+scheduler/contract/protocol.py, which the cell registers with as it is) says which ones the
+engine implements. Callers branch on `Capabilities` and reach an ability through its accessor
 (`kv_handover(engine)`, ...), which returns the engine typed as that ability or raises
 EngineError: nothing outside cells/engine/ probes an engine's attributes.
 
@@ -19,50 +20,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import torch
 
 from cells.engine.records import EngineError, RequestSnapshot, SamplingParams, TokenEvent
+from scheduler.contract.protocol import Capabilities, Summary
 
 if TYPE_CHECKING:
     from cells.engine.sglang.weights import BucketSpec, UpdateGroup
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What an engine supports; the agent, version loading and the planner branch on these,
-    never on types or attributes. Fixed for the engine's life."""
-
-    kv_export: bool
-    """`KVHandover`: per-request KV export/import (live migration, path `kv`) and parking a
-    request's KV in host memory; otherwise a moved request re-prefills."""
-    scoring: bool
-    """`Scoring`: log-probs by a full forward with training numerics (the log-prob service)."""
-    weight_update: Literal["staged", "in_place"]
-    """`staged`: receive into a second copy, swap between steps; `in_place`: pause, update, resume."""
-    batch_invariant: bool
-    """A token's numbers do not depend on its batch; decode and scoring agree bitwise."""
-    versioned_weights: bool = False
-    """`VersionedWeights`: prepare a version off the engine loop, install it by a swap, hold
-    older versions for scoring until they are dropped."""
-    role_handover: bool = False
-    """`RoleHandover`: the engine hands its accelerator memory to the training role at a flip
-    and takes it back; otherwise a flip leaves the engine as it is."""
-    update_ranks: int = 0
-    """`CollectiveUpdate` when > 0: the ranks the engine adds to a version's update group (it
-    receives versions through its own collective). 0: it takes tensors."""
-    kv_store: str | None = None
-    """Identity of a shared KV store the engine reads and writes (path `kv_store`); None: none."""
-    block_size: int = 16
-    """Tokens per KV block (or page)."""
-    vocab_size: int = 0
-    """Ids the model takes (0: unknown); a token id at or past it is refused before placement."""
-    max_context: int = 0
-    """Most tokens (prompt plus generation) one request may hold (0: unknown)."""
-    output_ranges: tuple[tuple[int, int], ...] | None = None
-    """Half-open id ranges the model samples from (None: the whole vocabulary)."""
 
 
 class Engine(ABC):
@@ -108,10 +74,9 @@ class Engine(ABC):
         name/shape mismatch."""
 
     @abstractmethod
-    def summary(self) -> dict:
-        """The heartbeat view: `inflight`, `kv_blocks_used`, `kv_blocks_total`, `version`
-        (None: no complete version), `versions_held`, `request_ids`, `parked`,
-        `max_running`, `block_size`."""
+    def summary(self) -> Summary:
+        """The heartbeat view (the cell protocol's `Summary`; the agent adds the role and the
+        versions loading)."""
 
     def recompute_all(self) -> int:
         """The `recompute` policy after a version change: re-prefill every running request
@@ -120,7 +85,7 @@ class Engine(ABC):
 
     def debug_state(self) -> dict:
         """The engine's state for stall reports (read-only, without the engine lock)."""
-        return self.summary()
+        return self.summary().to_dict()
 
 
 class KVHandover(Protocol):

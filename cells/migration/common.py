@@ -1,5 +1,5 @@
-"""What both sides of a migration share: outcomes, cancellation, warm receive buffers, the
-header of a KV message."""
+"""What both sides of a migration share: outcomes, cancellation, warm receive buffers (the
+messages they exchange: messages.py)."""
 
 from __future__ import annotations
 
@@ -111,9 +111,5 @@ class Outcome:
     two give each message's time on the link to the point where the receiver has the bytes."""
 
 
-def kv_header(start: int, data: torch.Tensor, ids_from: int, ids: list[int]) -> dict:
-    return {"kind": "kv", "start": start, "shape": list(data.shape), "token_ids_from": ids_from, "token_ids": ids}
-
-
-def migration_event(o: Outcome) -> dict:
-    return MigrationEvent(migration_id=o.migration_id, outcome=o.result, path="kv", bytes=o.bytes).to_dict()
+def migration_event(o: Outcome) -> MigrationEvent:
+    return MigrationEvent(migration_id=o.migration_id, outcome=o.result, path="kv", bytes=o.bytes)

@@ -25,11 +25,22 @@ from cells.migration.common import (
     Quiesce,
     StagingBuffers,
 )
+from cells.migration.messages import (
+    Abort,
+    Final,
+    Hello,
+    Ready,
+    Reservation,
+    Verdict,
+    receive,
+    receive_round,
+    send,
+)
 from cells.transport.p2p import PairChannel, TransferError
 from cells.transport.store import StoreAddress, connect
 from scheduler.contract.config import MigrationConfig
 from scheduler.contract.failpoints import failpoint
-from scheduler.contract.protocol import CommitRequest, MigrateInCmd, Tail
+from scheduler.contract.protocol import CommitRequest, MigrateInCmd, Tail, TokenRecords
 
 log = logging.getLogger("cellflip.migration")
 
@@ -67,7 +78,7 @@ class MigrationReceiver(Cancellable):
             self.check_cancel()
             failpoint("migrate.before_commit")
             num_generated = snap.num_tokens - snap.prompt_len
-            tail = Tail(start=snap.records_from, records=[tuple(r) for r in snap.records])
+            tail = Tail(start=snap.records_from, records=TokenRecords.of(snap.records))
             epoch = self._commit(mid, CommitRequest(self.cell_id, self.incarnation, rid, self.cmd.epoch,
                                                     num_generated, tail, path="kv"))
         except (Refused, Cancelled) as e:
@@ -86,11 +97,10 @@ class MigrationReceiver(Cancellable):
         return PairChannel(store, f"mig/{cmd.migration_id}", 1, timeout_s=timeout_s, connect_timeout_s=timeout_s)
 
     def _reserve(self, ch: PairChannel, rid: str) -> bool:
-        hello = ch.recv_json()
+        hello = receive(ch, Hello)
         self.check_cancel()
-        self._reserved = bool(self.on_engine(lambda e: e.reserve(rid, int(hello["num_tokens"]),
-                                                                  self.cfg.headroom_blocks)))
-        ch.send_json({"reserved": self._reserved})
+        self._reserved = bool(self.on_engine(lambda e: e.reserve(rid, hello.num_tokens, self.cfg.headroom_blocks)))
+        send(ch, Reservation(self._reserved))
         return self._reserved
 
     def _receive(self, ch: PairChannel, rid: str) -> RequestSnapshot:
@@ -98,28 +108,29 @@ class MigrationReceiver(Cancellable):
         decodes it before the commit). Returns its snapshot with every token id."""
         ids: list[int] = []
         while True:
-            msg = ch.recv_json()
-            if msg["kind"] == "abort":
+            msg = receive_round(ch)
+            if isinstance(msg, Abort):
                 raise TransferError("source aborted the migration")
-            if msg["kind"] != "final":  # the source waits for "ready": answer "aborted" instead
+            final = isinstance(msg, Final)
+            if not final:  # the source waits for "ready": answer "aborted" instead
                 self.check_cancel()
             failpoint("migrate.transfer")
-            if msg["token_ids_from"] != len(ids):
-                raise TransferError(f"token ids out of order: {msg['token_ids_from']} != {len(ids)}")
-            ids.extend(msg["token_ids"])
-            data, backing = self.staging.take(msg["shape"])
+            if msg.token_ids_from != len(ids):
+                raise TransferError(f"token ids out of order: {msg.token_ids_from} != {len(ids)}")
+            ids.extend(msg.token_ids)
+            data, backing = self.staging.take(msg.shape)
             if data.numel():
-                self._receive_kv(ch, data, final=msg["kind"] == "final")
-            if msg["kind"] == "final":
+                self._receive_kv(ch, data, final=final)
+            if isinstance(msg, Final):
                 break
-            self.on_engine(lambda e, m=msg, d=data: e.import_kv(rid, m["start"], d))
+            self.on_engine(lambda e, m=msg, d=data: e.import_kv(rid, m.start, d))
             self.staging.give(backing)  # import_kv copied it into the pool
         self.marks["final_received"] = time.time()
         self.check_cancel()
-        snap = RequestSnapshot.from_dict(msg["snapshot"])
+        snap = msg.snapshot
         snap.token_ids, snap.token_ids_from = ids, 0
 
-        def install(e, start=msg["start"], d=data):
+        def install(e, start=msg.start, d=data):
             if d.numel():
                 e.import_kv(rid, start, d)
             e.import_request(snap)
@@ -135,7 +146,7 @@ class MigrationReceiver(Cancellable):
         else:  # a copy round: post the receive, then tell the sender to go
             with self.quiesce():
                 pending = ch.irecv(data)
-                ch.send_json({"ready": True})
+                send(ch, Ready(True))
                 pending.wait()
         nbytes = data.numel() * data.element_size()
         self.sends.append([time.time(), nbytes])
@@ -148,7 +159,7 @@ class MigrationReceiver(Cancellable):
             failpoint("migrate.after_commit")
             self.on_engine(lambda e: (self.on_commit(rid, epoch, num_generated), e.resume_request(rid)))
             self.marks["resumed"] = time.time()
-            self._tell(ch, {"committed": epoch})
+            self._tell(ch, Verdict(committed=epoch))
         finally:
             ch.close()
         return Outcome(rid, mid, "destination", "committed", epoch=epoch, num_generated=num_generated,
@@ -170,12 +181,12 @@ class MigrationReceiver(Cancellable):
         if self._reserved:
             self.on_engine(lambda e: e.release(rid))
         if ch is not None:
-            self._tell(ch, {"aborted": reason})
+            self._tell(ch, Verdict(aborted=reason))
             ch.close()
 
     @staticmethod
-    def _tell(ch: PairChannel, obj: dict) -> None:
+    def _tell(ch: PairChannel, verdict: Verdict) -> None:
         try:
-            ch.send_json(obj)
+            send(ch, verdict)
         except TransferError:
             pass  # the source decides through the scheduler, not through us

@@ -25,7 +25,17 @@ from cells.migration.common import (
     OnEngine,
     Outcome,
     Quiesce,
-    kv_header,
+)
+from cells.migration.messages import (
+    Abort,
+    Final,
+    Hello,
+    KVRound,
+    Ready,
+    Reservation,
+    Verdict,
+    receive,
+    send,
 )
 from cells.transport.p2p import PairChannel, TransferError
 from scheduler.contract.config import MigrationConfig
@@ -40,7 +50,7 @@ def _tell_abort(ch: PairChannel | None) -> None:
     if ch is None:
         return
     try:
-        ch.send_json({"kind": "abort"})
+        send(ch, Abort())
     except TransferError:
         pass  # it finds out through the scheduler
 
@@ -87,14 +97,14 @@ class MigrationSender(Cancellable):
                 return self._abort_at_scheduler(rid, mid, "destination refused the reservation")
             sent = self._copy_rounds(ch, rid)
             if sent is None:
-                ch.send_json({"kind": "abort"})
+                send(ch, Abort())
                 return self._abort_at_scheduler(rid, mid, "round limit")
-            result = self._stop_and_copy(ch, rid, *sent)
-            if result.get("committed") is not None:
+            verdict = self._stop_and_copy(ch, rid, *sent)
+            if verdict.committed is not None:
                 failpoint("migrate.before_source_free")
                 self.on_engine(lambda e: e.release(rid))
-                return Outcome(rid, mid, "source", "committed", epoch=int(result["committed"]), bytes=self.bytes)
-            return self._abort_at_scheduler(rid, mid, str(result.get("aborted", "destination aborted")))
+                return Outcome(rid, mid, "source", "committed", epoch=verdict.committed, bytes=self.bytes)
+            return self._abort_at_scheduler(rid, mid, verdict.aborted or "destination aborted")
         except Cancelled:
             _tell_abort(ch)
             return self._abort_at_scheduler(rid, mid, CANCELLED)
@@ -108,11 +118,11 @@ class MigrationSender(Cancellable):
 
     def _reserve(self, ch: PairChannel, rid: str) -> bool:
         num_tokens = self.peek(lambda e: e.request_length(rid)[0])  # the destination grows past it
-        ch.send_json({"request_id": rid, "num_tokens": num_tokens})
-        reply = ch.recv_json()
-        if reply.get("reserved"):
+        send(ch, Hello(rid, num_tokens))
+        reserved = receive(ch, Reservation).reserved
+        if reserved:
             self.marks["reserved"] = time.time()
-        return bool(reply.get("reserved"))
+        return reserved
 
     def _copy_rounds(self, ch: PairChannel, rid: str) -> tuple[int, int] | None:
         """Each round sends the blocks completed since the last one, while decoding goes on;
@@ -131,7 +141,7 @@ class MigrationSender(Cancellable):
         self.marks["copied"] = time.time()
         return sent_blocks, sent_ids
 
-    def _stop_and_copy(self, ch: PairChannel, rid: str, sent_blocks: int, sent_ids: int) -> dict:
+    def _stop_and_copy(self, ch: PairChannel, rid: str, sent_blocks: int, sent_ids: int) -> Verdict:
         """Stop the request and send what was added since the last round: one message and one
         tensor (the tail blocks, the ids and records added since the last round, and the
         request's state — nothing that grows with the context). Returns the destination's
@@ -145,15 +155,14 @@ class MigrationSender(Cancellable):
         failpoint("migrate.before_stop_copy")
         self.check_cancel()
         ids_tail, snap.token_ids, snap.token_ids_from = snap.token_ids, [], 0
-        ch.send_json({**kv_header(sent_blocks, data, sent_ids, ids_tail), "kind": "final",
-                      "snapshot": snap.to_dict()})
+        send(ch, Final(sent_blocks, list(data.shape), sent_ids, ids_tail, snap))
         if data.numel():
             self._send_tensor(ch, data)
         self.marks["tail_sent"] = time.time()
         failpoint("migrate.after_stop_copy")
-        result = ch.recv_json()
+        verdict = receive(ch, Verdict)
         self.marks["result"] = time.time()
-        return result
+        return verdict
 
     def _copy_round(self, ch: PairChannel, rid: str, sent_blocks: int, sent_ids: int) -> tuple[int, int] | None:
         """Send the blocks completed since the last round, in messages of at most CHUNK_BYTES;
@@ -197,14 +206,13 @@ class MigrationSender(Cancellable):
             time.sleep(0.001)
 
     def _send_kv(self, ch: PairChannel, start: int, data: torch.Tensor, ids_from: int, ids: list[int]) -> None:
-        ch.send_json(kv_header(start, data, ids_from, ids))
+        send(ch, KVRound(start, list(data.shape), ids_from, ids))
         if data.numel():
             # The receiver says when its buffer is posted, so the timed part is the link alone.
             # JSON, like every control message: an abort sent instead parses as one (a raw
             # 1-byte flag met by a JSON header is a size mismatch that gloo aborts the process on).
-            reply = ch.recv_json()
-            if not isinstance(reply, dict) or not reply.get("ready"):
-                raise TransferError(f"destination did not take the round: {str(reply)[:200]}")
+            if not receive(ch, Ready).ready:
+                raise TransferError("destination did not take the round (it aborted)")
             self._send_tensor(ch, data)
 
     def _send_tensor(self, ch: PairChannel, data: torch.Tensor) -> None:

@@ -22,6 +22,7 @@ from scheduler.api.principal import current_agent
 from scheduler.api.schemas import CompletionCreate, errors
 from scheduler.contract.errors import TooLarge
 from scheduler.contract.ids import SESSION_ID_PATTERN, SESSION_ID_RULE
+from scheduler.contract.records import StoredTokens
 
 router = APIRouter(tags=["completions"], route_class=ApiRoute, responses=errors(401, 403))
 
@@ -29,9 +30,9 @@ SessionId = Annotated[str | None, Header(alias="X-Session-Id", pattern=SESSION_I
                                         description=f"The session ({SESSION_ID_RULE}); a new one when absent")]
 
 
-def _chunk(rid: str, rows: list[tuple]) -> dict:
-    return {"id": rid, "token_ids": [r[0] for r in rows], "logprobs": [r[2] for r in rows],
-            "versions": [r[3] for r in rows], "finish_reason": None}
+def _chunk(rid: str, rows: StoredTokens) -> dict:
+    return {"id": rid, "token_ids": list(rows.token_ids), "logprobs": list(rows.logprobs),
+            "versions": list(rows.versions), "finish_reason": None}
 
 
 _ANSWER = {200: {"description": "The completion (JSON), or with `stream: true` a server-sent event stream: "

@@ -16,6 +16,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from scheduler.contract.errors import Invalid
+from scheduler.contract.records import Columns
 from scheduler.control.controller import Controller
 
 
@@ -90,5 +91,7 @@ def check_int64(msg: Any) -> None:
             stack.extend(getattr(v, f.name) for f in dataclasses.fields(v))
         elif isinstance(v, list | tuple):
             stack.extend(v)
+        elif isinstance(v, Columns):
+            stack.extend(v.columns)
         elif isinstance(v, dict):
             stack.extend(v.values())

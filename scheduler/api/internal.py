@@ -1,8 +1,16 @@
-"""Cell protocol routes (see scheduler.contract.protocol for every message and rule)."""
+"""Cell protocol routes (see scheduler.contract.protocol for every message and rule).
+
+Each body is validated once, here, into its typed message (commands and events included): a
+malformed one is a 422 with reason `invalid`, before anything is committed.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.exceptions import RequestValidationError
 
 from scheduler.api.deps import ApiRoute, Ctl, check_int64
 from scheduler.api.principal import CURRENT
@@ -10,11 +18,33 @@ from scheduler.api.schemas import errors
 from scheduler.contract.protocol import (
     AbortMigrationRequest,
     CommitRequest,
+    ProtocolError,
     RegisterRequest,
     SyncRequest,
 )
 
-router = APIRouter(prefix="/internal/v1", tags=["internal"], route_class=ApiRoute, responses=errors(401, 403))
+MAX_LISTED_ERRORS = 8
+
+
+class ProtocolRoute(ApiRoute):
+    """A cell message that does not validate is the cell protocol's `invalid` (422)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except RequestValidationError as e:
+                found = list(e.errors())
+                where = "; ".join(f"{'.'.join(str(x) for x in err.get('loc', ()))}: {err.get('msg', '')}"
+                                  for err in found[:MAX_LISTED_ERRORS])
+                raise ProtocolError(f"malformed message ({len(found)} errors): {where}") from None
+
+        return route
+
+
+router = APIRouter(prefix="/internal/v1", tags=["internal"], route_class=ProtocolRoute, responses=errors(401, 403))
 
 
 @router.post("/cells/register", responses=errors(409, 413, 422))

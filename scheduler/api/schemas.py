@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from scheduler.contract.exports import EXPORT_PATH_PATTERN, EXPORT_PATH_RULE
+from scheduler.contract.sampling import SamplingParams, TokenId
 
-TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 MAX_PROMPT_TOKENS = 1 << 20
 
 
@@ -95,19 +95,17 @@ class SessionFinish(_Body):
         return v
 
 
-class CompletionCreate(_Body):
+class CompletionCreate(_Body, SamplingParams):
+    """The prompt and the sampling params (scheduler/contract/sampling.py), flat in one body."""
+
+    model_config = ConfigDict(**_Body.model_config, frozen=True)
+
     prompt_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_PROMPT_TOKENS)
     """Token ids of the prompt (with X-Session-Id: the whole context; the session's buffer
     must be a prefix of it, or a new segment starts). Empty: continue the session's buffer."""
-    temperature: float = Field(default=1.0, ge=0, le=100)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)
-    max_tokens: int = Field(default=64, ge=1, le=1 << 20)
-    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)
-    seed: int = Field(default=0, ge=0, lt=1 << 63)
     stream: bool = False
     model: str | None = None
     """Accepted for client compatibility; the fleet serves one model."""
 
-    def params(self) -> dict:
-        return self.model_dump(include={"temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed"})
+    def params(self) -> SamplingParams:
+        return SamplingParams.of(self)

@@ -82,3 +82,9 @@ class Unavailable(CellflipError):
 
     status = 503
     code = "unavailable"
+
+
+class EngineError(ValueError):
+    """Bad input to an engine: sampling params out of range, an unknown request, a model of
+    another shape. Raised inside a cell (the engines, `SamplingParams` built there); no HTTP
+    answer of its own."""

@@ -25,8 +25,9 @@ are committed before the sync returns, and only then released to the client's st
 refused for any reason puts its request id in `rejected`: the cell drops that request at once
 (if it was the owner, ownership was revoked and the request re-prefills from the store).
 
-Token record: `[token_id, logprob, version, truncated]` (behavior log-prob and version under
-which it was sampled; `truncated`: the log-prob is of the top-k/top-p truncated distribution).
+Token record (scheduler/contract/records.py): `[token_id, logprob, version, truncated]`
+(behavior log-prob and version under which it was sampled; `truncated`: the log-prob is of the
+top-k/top-p truncated distribution); a batch's records are columns in memory, arrays on the wire.
 Generated index `i` of a request is its i-th sampled token; `start` counts in that index.
 
 Long-poll: with nothing to send, the scheduler holds the sync up to `wait_s` (≤ 1 s) or until a
@@ -39,16 +40,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from scheduler.contract.protocol_base import MAX_WAIT_S, Message, ProtocolError, TokenRecord
+from pydantic import TypeAdapter, ValidationError
+
+from scheduler.contract.protocol_base import MAX_WAIT_S, Message, ProtocolError
 from scheduler.contract.protocol_commands import (
     COMMANDS,
     EVENTS,
     AbortCmd,
+    AnyCommand,
+    AnyEvent,
     BroadcastEvent,
     CancelMigrationCmd,
     Command,
+    Count,
     DropVersionCmd,
     ExportCmd,
     ExportedEvent,
@@ -63,44 +69,59 @@ from scheduler.contract.protocol_commands import (
     StartCmd,
     SuspendCmd,
 )
+from scheduler.contract.records import TokenRecord, TokenRecords
 
 __all__ = [
-    "COMMANDS", "EVENTS", "MAX_WAIT_S", "AbortCmd", "AbortMigrationRequest", "BroadcastEvent", "CancelMigrationCmd",
+    "COMMANDS", "EVENTS", "MAX_WAIT_S", "AbortCmd", "AbortMigrationRequest", "AnyCommand", "AnyEvent", "BroadcastEvent", "CancelMigrationCmd",
     "Capabilities", "Command", "CommitRequest", "CommitResponse", "DropVersionCmd", "ExportCmd", "ExportedEvent",
     "LoadVersionCmd", "Message",
     "MigrateInCmd", "MigrateOutCmd", "ScoreCmd",
     "MigrationEvent", "ProtocolError", "RegisterRequest", "RegisterResponse", "RoleFailedEvent", "ScoredEvent",
     "SetRoleCmd", "StartCmd", "Summary", "SuspendCmd", "SyncRequest", "SyncResponse", "Tail", "TokenBatch",
-    "TokenRecord", "decode_command", "decode_event", "dispatch",
+    "TokenRecord", "TokenRecords", "decode_command", "decode_event", "dispatch",
 ]
 
 
 # ---------------------------------------------------------------- register
 
 
-@dataclass
+@dataclass(frozen=True)
 class Capabilities(Message):
-    """What a cell's engine supports; the planner and the flip logic branch on these."""
+    """What a cell's engine supports, fixed for its life: the engine reports it
+    (`Engine.capabilities`, cells/engine/base.py), the cell registers with it, and the agent,
+    version loading, the planner and the flip logic branch on it, never on types or attributes."""
 
     kv_export: bool = False
+    """`KVHandover`: per-request KV export/import (live migration, path `kv`) and parking a
+    request's KV in host memory; otherwise a moved request re-prefills."""
     scoring: bool = False
-    weight_update: str | bool = "staged"
+    """`Scoring`: log-probs by a full forward with training numerics (the log-prob service)."""
+    weight_update: Literal["staged", "in_place"] = "staged"
+    """`staged`: receive into a second copy, swap between steps; `in_place`: pause, update, resume."""
     batch_invariant: bool = False
-    block_size: int = 16
-    """Tokens per KV block (sizes `reserve_tokens` headroom)."""
+    """A token's numbers do not depend on its batch; decode and scoring agree bitwise."""
+    versioned_weights: bool = False
+    """`VersionedWeights`: prepare a version off the engine loop, install it by a swap, hold
+    older versions for scoring until they are dropped."""
+    role_handover: bool = False
+    """`RoleHandover`: the engine hands its accelerator memory to the training role at a flip
+    and takes it back; otherwise a flip leaves the engine as it is."""
+    update_ranks: Count = 0
+    """`CollectiveUpdate` when > 0: the ranks the cell adds to a version's update group when it
+    receives versions through its engine's own collective (SGLang: tp ranks, plus the scoring
+    copy). 0: the cell receives the trainer's bucketed broadcast itself (embedded engine)."""
     kv_store: str | None = None
     """Identity of a shared hierarchical KV store the engine reads and writes (SGLang HiCache
     with a storage backend); two cells with the same identity can move a request by the
     `kv_store` path. None: no shared store."""
-    update_ranks: int = 0
-    """Ranks the cell adds to a version's update group when it receives versions through its
-    engine's own collective (SGLang: tp ranks, plus the scoring copy). 0: the cell receives
-    the trainer's bucketed broadcast itself (embedded engine)."""
+    block_size: int = 16
+    """Tokens per KV block or page (sizes `reserve_tokens` headroom)."""
     vocab_size: int = 0
-    """Ids the model takes (0: unknown). Every cell of a fleet reports the same model limits."""
+    """Ids the model takes (0: unknown); a token id at or past it is refused before placement.
+    Every cell of a fleet reports the same model limits."""
     max_context: int = 0
     """Most tokens (prompt plus generation) one request may hold (0: unknown)."""
-    output_ranges: list[list[int]] | None = None
+    output_ranges: tuple[tuple[int, int], ...] | None = None
     """Half-open id ranges the model samples from (None: the whole vocabulary)."""
 
 
@@ -138,20 +159,31 @@ class RegisterResponse(Message):
 
 @dataclass
 class Summary(Message):
+    """A cell's heartbeat view: its engine's `summary()`, with the role and the loads the
+    agent adds."""
+
     inflight: int = 0
     kv_blocks_used: int = 0
+    """Blocks held by requests (an engine without KV accounting: 0, with a total of 0)."""
     kv_blocks_total: int = 0
     version: int | None = None
+    """The version served (None: no complete version)."""
     request_ids: list[str] = field(default_factory=list)
     """Every request the cell holds (decoding, stopped for migration, or imported)."""
-    role: str | None = None
-    """"rollout" or "training": the role the cell is ready for (after set_role completes)."""
+    role: Literal["rollout", "training"] | None = None
+    """The role the cell is ready for (after set_role completes); set by the agent."""
     versions_held: list[int] = field(default_factory=list)
     """Weight versions in memory (the served one and older ones kept for scoring)."""
     loading: list[int] = field(default_factory=list)
-    """Versions being received now."""
+    """Versions being received now; set by the agent."""
     parked: list[str] = field(default_factory=list)
     """Requests suspended here with their KV in host memory."""
+    kv_blocks_cached: int = 0
+    """Blocks held by cached prefixes (reclaimable; not in `kv_blocks_used`)."""
+    max_running: int = 1
+    """Most requests the engine decodes at once."""
+    block_size: int = 16
+    """Tokens per KV block or page."""
 
 
 @dataclass
@@ -159,9 +191,13 @@ class TokenBatch(Message):
     request_id: str
     epoch: int
     start: int
-    records: list[TokenRecord] = field(default_factory=list)
+    records: TokenRecords = field(default_factory=TokenRecords)
     finish_reason: str | None = None
     """Set with the last batch of a request ("stop", "length", ...)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.records, TokenRecords):
+            self.records = TokenRecords.of(self.records)
 
 
 @dataclass
@@ -169,14 +205,13 @@ class SyncRequest(Message):
     incarnation: str
     summary: Summary = field(default_factory=Summary)
     tokens: list[TokenBatch] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
-    """Encoded `Event`s (see EVENTS)."""
+    events: list[AnyEvent] = field(default_factory=list)
     wait_s: float = 0.0
 
 
 @dataclass
 class SyncResponse(Message):
-    commands: list[dict[str, Any]] = field(default_factory=list)
+    commands: list[AnyCommand] = field(default_factory=list)
     rejected: list[str] = field(default_factory=list)
 
 
@@ -186,7 +221,11 @@ class SyncResponse(Message):
 @dataclass
 class Tail(Message):
     start: int = 0
-    records: list[TokenRecord] = field(default_factory=list)
+    records: TokenRecords = field(default_factory=TokenRecords)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.records, TokenRecords):
+            self.records = TokenRecords.of(self.records)
 
 
 @dataclass
@@ -218,24 +257,27 @@ class AbortMigrationRequest(Message):
     reason: str = ""
 
 
-def _decode(table: Mapping[str, type[Message]], d: Mapping[str, Any], what: str) -> Message:
-    if not isinstance(d, Mapping):
-        raise ProtocolError(f"{what} must be an object, got {type(d).__name__}")
-    kind = d.get("type")
-    cls = table.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise ProtocolError(f"unknown {what} type {d.get('type')!r} (known: {sorted(table)})")
-    return cls.from_dict(d)
+_COMMAND = TypeAdapter(AnyCommand)
+_EVENT = TypeAdapter(AnyEvent)
+
+
+def _decode(adapter: TypeAdapter, d: Any, what: str) -> Any:
+    try:
+        return adapter.validate_python(d)
+    except ValidationError as e:
+        raise ProtocolError(f"bad {what}: {e.errors(include_url=False, include_input=False)}") from None
 
 
 def decode_command(d: Mapping[str, Any]) -> Command:
-    return _decode(COMMANDS, d, "command")  # type: ignore[return-value]
+    """One command from its JSON form (a sync response decodes its commands itself)."""
+    return _decode(_COMMAND, d, "command")
 
 
 def decode_event(d: Mapping[str, Any]) -> Message:
-    return _decode(EVENTS, d, "event")
+    """One event from its JSON form (a sync request decodes its events itself)."""
+    return _decode(_EVENT, d, "event")
 
 
-def dispatch(handlers: Mapping[str, Callable[[Any], Any]], msg: Message) -> Any:
-    """Route a decoded command or event to `handlers[msg.TYPE]` (the type→handler table)."""
-    return handlers[msg.TYPE](msg)
+def dispatch(handlers: Mapping[str, Callable[[Any], Any]], msg: Any) -> Any:
+    """Route a decoded command or event to `handlers[msg.type]` (the type→handler table)."""
+    return handlers[msg.type](msg)

@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict
 from functools import cache
-from typing import Any, ClassVar
+from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
-
-TokenRecord = tuple[int, float, int, bool]
-"""(token_id, behavior logprob, behavior version, truncated)."""
 
 MAX_WAIT_S = 1.0
 """Longest a sync is held open when there is nothing to send."""
@@ -28,13 +24,8 @@ def _adapter(cls: type) -> TypeAdapter:
 class Message:
     """Mixin: `to_dict` gives JSON-able dicts; `from_dict` validates (extra keys ignored)."""
 
-    TYPE: ClassVar[str] = ""
-
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)  # type: ignore[call-overload]
-        if self.TYPE:
-            d["type"] = self.TYPE
-        return d
+        return _adapter(type(self)).dump_python(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]):

@@ -4,13 +4,18 @@ Each machine is a dict from a state to its allowed next states, every edge with 
 exists (the comment doubles as the default history detail). `set_state` refuses an illegal
 edge with `IllegalTransition` (a 409) and appends `(state, t, detail)` to the record's
 history, so `GET /v1/flips/{id}` and `GET /v1/cells/{id}` show how they got where they are.
+
+The cell machine (`CELL`) is the one role machine: the scheduler's record of each cell, the
+cell's own record of its role (cells/roles.py) and the planner's `Role` (scheduler/planner/)
+are all its states.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from scheduler.contract.errors import Conflict
 
@@ -20,6 +25,10 @@ class IllegalTransition(Conflict):
 
     code = "illegal_transition"
 
+
+CellState = Literal["joining", "rollout", "draining", "training", "loading", "down"]
+"""A cell's state (`CELL`'s states): joining -> rollout <-> draining -> training <-> loading
+-> rollout, plus down."""
 
 CELL_TRANSITIONS: dict[str, dict[str, str]] = {
     "joining": {
@@ -151,6 +160,25 @@ class Machine:
     def can(self, current: str, new: str) -> bool:
         return new in self.transitions.get(current, {})
 
+    def path(self, current: str, new: str) -> list[str]:
+        """The states from `current` to `new` along the fewest edges (`new` last, `current`
+        not included; empty when they are equal). Raises `IllegalTransition` when none leads there."""
+        came: dict[str, str] = {current: current}
+        todo = deque([current])
+        while todo and new not in came:
+            s = todo.popleft()
+            for nxt in self.transitions.get(s, ()):
+                if nxt not in came:
+                    came[nxt] = s
+                    todo.append(nxt)
+        if new not in came:
+            raise IllegalTransition(f"{self.name} cannot get from {current} to {new}")
+        out = []
+        while new != current:
+            out.append(new)
+            new = came[new]
+        return out[::-1]
+
     def is_terminal(self, state: str) -> bool:
         return not self.transitions[state]
 
@@ -170,6 +198,12 @@ def set_state(machine: Machine, record: Stateful, new: str, detail: str = "", t:
     reason = machine.check(record.state, new)
     record.state = new
     record.history.append((new, time.time() if t is None else t, detail or reason))
+
+
+ROLLOUT_SIDE: frozenset[str] = frozenset({"joining", "rollout", "loading"})
+"""Cell states that serve (or are about to serve) rollouts: the planner's rollout side."""
+TRAINING_SIDE: frozenset[str] = frozenset({"draining", "training"})
+"""Cell states committed to training (draining cells are on their way there)."""
 
 
 def role_of(cell_state: str) -> str | None:

@@ -14,9 +14,11 @@ from __future__ import annotations
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from scheduler.contract.errors import Conflict, Invalid, NoCapacity
+from scheduler.contract.records import StoredTokens
+from scheduler.contract.sampling import SamplingParams
 from scheduler.control import idempotency
 from scheduler.planner.placement import choose_destination, sticky_destination
 from scheduler.planner.types import RequestSummary
@@ -62,7 +64,7 @@ class Completions:
         """request id → the generated-token counts it was rewound to, in order (rare: only a
         quarantine rewinds)."""
 
-    def submit(self, session_id: str | None, prompt_ids: list[int], params: dict[str, Any],
+    def submit(self, session_id: str | None, prompt_ids: list[int], params: SamplingParams,
                idempotency_key: str | None = None, agent: str | None = None) -> RequestRow:
         """Admit and start one completion; returns the request (already owned by a cell).
         Under an Idempotency-Key, a replay returns the request the first call started (the
@@ -73,7 +75,7 @@ class Completions:
         one); its Idempotency-Keys are its own."""
         ctx = self.ctx
         scope = IDEMPOTENCY_SCOPE if agent is None else f"{IDEMPOTENCY_SCOPE}:{agent}"
-        fp = idempotency.fingerprint([session_id, list(prompt_ids), params])
+        fp = idempotency.fingerprint([session_id, list(prompt_ids), params.model_dump(mode="json")])
         hit = idempotency.replay(ctx.store, scope, idempotency_key, fp)
         if hit is not None:
             first = ctx.store.owners.get_request(hit["request_id"])
@@ -107,7 +109,7 @@ class Completions:
         if req.id in self.shown and self.shown[req.id] < upto:
             self.shown[req.id] = upto
 
-    def check(self, session_id: str | None, prompt_ids: list[int], params: dict[str, Any],
+    def check(self, session_id: str | None, prompt_ids: list[int], params: SamplingParams,
               agent: str | None = None) -> None:
         """Everything that refuses a turn before it records anything: another agent's session
         (404), a turn already in flight (409), what a cell would refuse (422: ids outside the
@@ -139,7 +141,7 @@ class Completions:
             raise NoCapacity("no rollout cell has room", retry_after_s=max(1.0, self.ctx.cfg.heartbeat_s * 2))
         return dst
 
-    def _record(self, fx: Effects, rid: str, sid: str, prompt_ids: list[int], params: dict[str, Any],
+    def _record(self, fx: Effects, rid: str, sid: str, prompt_ids: list[int], params: SamplingParams,
                 agent: str | None) -> RequestRow:
         """Align the prompt with the session's buffer and record the request (queued)."""
         ctx = self.ctx
@@ -156,12 +158,12 @@ class Completions:
         length = sessions.append_prompt(sid, new, agent) if new else sessions.require(sid, agent).length
         if length == start:
             raise Invalid("empty prompt: send prompt_ids (the session has no tokens to continue)")
-        req = RequestRow(rid, sid, base=length, prompt_start=start, num_generated=0, params=params,
+        req = RequestRow(rid, sid, base=length, prompt_start=start, num_generated=0, params=params.model_dump(mode="json"),
                          cell_id=None, epoch=1, state="queued")
         ctx.store.owners.put_request(req)
         return req
 
-    async def follow(self, request_id: str, live: bool = True) -> AsyncIterator[tuple[int, list[tuple], RequestRow]]:
+    async def follow(self, request_id: str, live: bool = True) -> AsyncIterator[tuple[int, StoredTokens, RequestRow]]:
         """Yield (start, committed token rows, request) until the request is finished or
         failed; `start` is the generated-token index the rows begin at, the last item carries
         the terminal request (possibly with no rows). `live`: the consumer shows each row as it
@@ -184,7 +186,7 @@ class Completions:
                     if keep < sent:
                         assert not live, f"{request_id} rewound to {keep} below the {sent} tokens a stream showed"
                         sent = keep
-                        yield keep, [], req
+                        yield keep, StoredTokens(), req
                 if req.num_generated > sent:
                     rows = ctx.store.sessions.read(req.session_id, req.base + sent, req.base + req.num_generated)
                     start, sent = sent, sent + len(rows)
@@ -193,7 +195,7 @@ class Completions:
                     yield start, rows, req
                     continue  # re-read before parking: a notify may have come while the client read
                 if req.state in ("finished", "failed"):
-                    yield sent, [], req
+                    yield sent, StoredTokens(), req
                     return
                 await ctx.notifier.wait(("req", request_id), FOLLOW_POLL_S)
                 if ctx.closing:  # shutdown: the client gets what was committed so far

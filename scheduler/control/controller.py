@@ -33,6 +33,8 @@ from scheduler.contract.protocol import (
     SyncRequest,
     SyncResponse,
 )
+from scheduler.contract.records import StoredTokens
+from scheduler.contract.sampling import SamplingParams
 from scheduler.control.cellsync import Membership
 from scheduler.control.completions import Completions
 from scheduler.control.context import TICK_KEY, Context, Effects
@@ -252,11 +254,11 @@ class Controller:
                 "tokens_per_step": r.tokens_per_step, "auto_flip": self.cfg.auto_flip}
 
     # ------------------------------------------------------------------ thin API: sessions
-    def submit_completion(self, session_id: str | None, prompt_ids: list[int], params: dict[str, Any],
+    def submit_completion(self, session_id: str | None, prompt_ids: list[int], params: SamplingParams,
                           idempotency_key: str | None = None, agent: str | None = None) -> RequestRow:
         return self.completions.submit(session_id, prompt_ids, params, idempotency_key, agent)
 
-    def follow_request(self, request_id: str, live: bool = True) -> AsyncIterator[tuple[int, list[tuple], RequestRow]]:
+    def follow_request(self, request_id: str, live: bool = True) -> AsyncIterator[tuple[int, StoredTokens, RequestRow]]:
         return self.completions.follow(request_id, live)
 
     def _rewind(self, fx: Effects, req: RequestRow, first: int, reason: str) -> int | None:

@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scheduler.contract.errors import Invalid
 from scheduler.contract.failpoints import CANARY_NO_FENCING
 from scheduler.contract.protocol import (
     BroadcastEvent,
@@ -24,9 +23,9 @@ from scheduler.contract.protocol import (
     RoleFailedEvent,
     ScoredEvent,
     TokenBatch,
-    TokenRecord,
     dispatch,
 )
+from scheduler.contract.records import StoredTokens, TokenRecords, same_tokens
 
 if TYPE_CHECKING:
     from scheduler.control.context import Context, Effects
@@ -44,7 +43,7 @@ log = logging.getLogger("cellflip.scheduler")
 @dataclass(frozen=True, slots=True)
 class Verdict:
     accept: bool
-    new: list[TokenRecord] = field(default_factory=list)
+    new: TokenRecords = field(default_factory=TokenRecords)
     """Records past the stored end, to append (empty for an exact duplicate)."""
     reason: str = ""
     revoke: bool = False
@@ -53,8 +52,8 @@ class Verdict:
     """A token differs from the one stored at its index."""
 
 
-def judge(req: RequestRow | None, cell_id: str, batch: TokenBatch, stored: list[tuple]) -> Verdict:
-    """Pure decision for one batch; `stored` holds the stored token rows overlapping it.
+def judge(req: RequestRow | None, cell_id: str, batch: TokenBatch, stored: StoredTokens) -> Verdict:
+    """Pure decision for one batch; `stored` holds the stored tokens overlapping it.
     Mutates nothing."""
     if req is None:
         return Verdict(False, reason="unknown_request")
@@ -63,28 +62,17 @@ def judge(req: RequestRow | None, cell_id: str, batch: TokenBatch, stored: list[
             return Verdict(False, reason="not_owner")
         if req.epoch != batch.epoch:
             return Verdict(False, reason="stale_epoch")
-    if not all(math.isfinite(float(r[1])) and r[1] <= 0 for r in batch.records):
+    if not all(math.isfinite(lp) and lp <= 0 for lp in batch.records.logprobs):
         return Verdict(False, reason="invalid", revoke=req.is_owned)  # a log-prob must be finite and <= 0
     n = req.num_generated
     if batch.start > n:
         return Verdict(False, reason="gap", revoke=req.is_owned)
-    overlap = batch.records[: n - batch.start]
-    for s, r in zip(stored, overlap, strict=False):
-        if (s[0], s[2], s[3]) != (r[0], float(r[1]), r[2]):
-            return Verdict(False, reason="mismatch", revoke=req.is_owned, drift=True)
-    new = list(batch.records[n - batch.start:])
+    if not same_tokens(stored, batch.records[: n - batch.start]):
+        return Verdict(False, reason="mismatch", revoke=req.is_owned, drift=True)
+    new = batch.records[n - batch.start:]
     if not req.is_owned and new and not CANARY_NO_FENCING:  # the canary also stores a fenced owner's tokens
         return Verdict(False, reason="not_running")
     return Verdict(True, new=new)
-
-
-def check_events(events: list[Message]) -> None:
-    """Rules pydantic cannot express; raises Invalid (422) before anything is committed."""
-    for e in events:
-        if isinstance(e, ScoredEvent) and e.provenance not in ("exact", "missing"):
-            raise Invalid(f"scored provenance must be exact or missing, got {e.provenance!r}")
-        if isinstance(e, ScoredEvent) and e.start < 0:
-            raise Invalid("scored start must be >= 0")
 
 
 Outcomes = tuple[list[str], list[tuple[str, str]], list[tuple[str, str]], str | None]
@@ -123,7 +111,7 @@ class Ingest:
                 fx.later(lambda: ctx.metrics.tokens_rejected.labels("untrue").inc())
                 return [x.request_id for x in batches], [], [], f"request {b.request_id}: {why}"
             req = ctx.store.owners.get_request(b.request_id)
-            stored = []
+            stored = StoredTokens()
             if req is not None and b.start < req.num_generated:
                 end = min(req.num_generated, b.start + len(b.records))
                 stored = ctx.store.sessions.read(req.session_id, req.base + b.start, req.base + end)
@@ -152,7 +140,7 @@ class Ingest:
                 finishes.append((req.id, b.finish_reason))
         return rejected, revokes, finishes, None
 
-    def _append(self, fx: Effects, req: RequestRow, new: list[TokenRecord], epoch: int, cell_id: str) -> None:
+    def _append(self, fx: Effects, req: RequestRow, new: TokenRecords, epoch: int, cell_id: str) -> None:
         ctx = self.ctx
         ctx.store.sessions.append_sampled(req.session_id, req.base + req.num_generated, new, epoch, cell_id)
         req.num_generated += len(new)
@@ -179,11 +167,11 @@ class Ingest:
 
     def apply_events(self, fx: Effects, cell_id: str, events: list[Message]) -> None:
         handlers = {
-            MigrationEvent.TYPE: lambda e: self._on_migration(fx, e),
-            ScoredEvent.TYPE: lambda e: self.scoring.on_scored(fx, cell_id, e),
-            BroadcastEvent.TYPE: lambda e: self._on_broadcast(fx, e),
-            RoleFailedEvent.TYPE: lambda e: self.flips.role_failed(fx, cell_id, e.flip_id, e.reason),
-            ExportedEvent.TYPE: lambda e: self.exports.on_exported(fx, cell_id, e),
+            MigrationEvent.type: lambda e: self._on_migration(fx, e),
+            ScoredEvent.type: lambda e: self.scoring.on_scored(fx, cell_id, e),
+            BroadcastEvent.type: lambda e: self._on_broadcast(fx, e),
+            RoleFailedEvent.type: lambda e: self.flips.role_failed(fx, cell_id, e.flip_id, e.reason),
+            ExportedEvent.type: lambda e: self.exports.on_exported(fx, cell_id, e),
         }
         for e in events:
             dispatch(handlers, e)

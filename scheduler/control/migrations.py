@@ -34,6 +34,7 @@ from scheduler.contract.protocol import (
     MigrateInCmd,
     MigrateOutCmd,
 )
+from scheduler.contract.records import same_tokens
 from scheduler.contract.states import MIGRATION, REQUEST, set_state
 from scheduler.control.stallmeter import StallMeter
 from scheduler.store.owners import MigrationRow
@@ -235,8 +236,7 @@ class Migrations:
         if tail.start > n:
             return Conflict(f"tail starts at {tail.start} but {n} tokens are stored", code="gap")
         stored = ctx.store.sessions.read(req.session_id, req.base + tail.start, req.base + n)
-        overlap = tail.records[: n - tail.start]
-        if any((s[0], s[2], s[3]) != (r[0], float(r[1]), r[2]) for s, r in zip(stored, overlap, strict=False)):
+        if not same_tokens(stored, tail.records[: n - tail.start]):
             fx.later(ctx.metrics.drift.inc)
             self.abort(fx, mig, "tail differs from stored tokens", tell=(mig.src,))
             return Conflict("tail differs from the stored tokens", code="mismatch")

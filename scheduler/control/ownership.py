@@ -90,7 +90,7 @@ class Ownership:
         self.migrations.trust.placed(req.id, cell_id, fresh_kv=path in (None, "reprefill"))
         token_ids = store.sessions.token_ids(req.session_id, req.prompt_start, req.base + req.num_generated)
         prompt_len = req.base - req.prompt_start
-        rid, epoch, sid, n, params = req.id, req.epoch, req.session_id, req.num_generated, dict(req.params)
+        rid, epoch, sid, n, params = req.id, req.epoch, req.session_id, req.num_generated, req.sampling()
         fx.send(cell_id, lambda i: StartCmd(i, rid, epoch, sid, token_ids, prompt_len, n, params, path))
         self.advanced(req.id)
 
@@ -200,9 +200,9 @@ class Ownership:
     def _last_version(self, req: RequestRow) -> int | None:
         if req.num_generated:
             end = req.base + req.num_generated
-            rows = self.ctx.store.sessions.read(req.session_id, end - 1, end)
-            if rows:
-                return rows[0][3]
+            last = self.ctx.store.sessions.read(req.session_id, end - 1, end)
+            if last:
+                return last.versions[-1]
         return None
 
     # ------------------------------------------------------------------ the loop's side

@@ -141,11 +141,11 @@ class Registry:
         self.notifier.notify(("cell", cell_id))
         return cmd
 
-    def take(self, cell_id: str) -> list[dict]:
+    def take(self, cell_id: str) -> list[Command]:
         entry = self.live.get(cell_id)
         if entry is None:
             return []
-        out = [c.to_dict() for c in entry.commands]
+        out = list(entry.commands)
         entry.commands.clear()
         return out
 

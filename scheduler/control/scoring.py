@@ -18,7 +18,6 @@ version (the owner first) → `scored` event → old log-probs written with prov
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 import zlib
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.protocol import DropVersionCmd, LoadVersionCmd, ScoreCmd, ScoredEvent
+from scheduler.contract.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from scheduler.control.context import Context, Effects
@@ -111,12 +111,12 @@ class Scoring:
         verified = {c.id for c in ctx.store.fleet.list_cells() if c.trust == "verified"}
         with ctx.txn(durable=False) as fx:
             for row in ctx.store.sessions.unscored_ranges(limit=cfg.max_ranges_per_pass):
-                rid, sid, prompt_start, base, num_gen, params, state, owner, v, lo, hi, n = row
+                rid, sid, owner, v, lo, hi = row.request_id, row.session_id, row.owner, row.version, row.first, row.last
                 if self.busy((rid, v)):
                     continue
                 switched = owner is not None and self._serving(owner) != v
-                frozen = state not in ("running", "migrating", "parked") or switched
-                if not frozen and n < cfg.score_batch_tokens:
+                frozen = row.state not in ("running", "migrating", "parked") or switched
+                if not frozen and row.count < cfg.score_batch_tokens:
                     continue
                 if v not in holders:
                     holders[v] = self._holders(v)
@@ -135,12 +135,12 @@ class Scoring:
                     spread = lambda c, rid=rid: (self.load(c), zlib.crc32(f"{rid}/{c}".encode()))  # noqa: E731
                     cell = min(others, key=spread) if others else owner if owner in cells else min(
                         cells, key=spread)
-                    self._send_task(fx, cell, rid, sid, v, prompt_start, lo, hi + 1, params, now)
+                    self._send_task(fx, cell, rid, sid, v, row.prompt_start, lo, hi + 1, row.params, now)
 
     def _send_task(self, fx: Effects, cell: str, rid: str, sid: str, v: int, prompt_start: int, start: int, end: int,
-                   params: Any, now: float) -> None:
+                   params: str, now: float) -> None:
         urgent = self._serving(cell) != v  # the final pass of a version this cell switched off
-        temperature = float((json.loads(params) if isinstance(params, str) else params).get("temperature", 1.0))
+        temperature = SamplingParams.model_validate_json(params).temperature
         ids = self.ctx.store.sessions.token_ids(sid, prompt_start, end)
         tid = uuid.uuid4().hex[:16]
         self.tasks[tid] = Task(cell, rid, sid, v, start, end, now)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from scheduler.contract.protocol import Summary
     from scheduler.control.context import Context
     from scheduler.control.rates import Rates, TrainerDemand
+    from scheduler.store.fleet import PlanningRow
 
 UNKNOWN_VERSION = -1
 """Stands for "no version yet" in the planner's integer version fields."""
@@ -86,10 +87,10 @@ class CellSummaries:
         live = ctx.registry.live
         unprobed_ok = ctx.cfg.trust_unprobed_cells
         for row in ctx.store.fleet.planning_rows(touched):
-            entry = live.get(row[0])
+            entry = live.get(row.cell_id)
             # a cell that has not shown it runs the model gets no request (scheduler/control/trust.py)
-            if entry is not None and entry.seen and trusted(row[12], bool(row[13]), unprobed_ok):
-                c = by_id[row[0]] = _summary(row, entry.summary)
+            if entry is not None and entry.seen and trusted(row.trust, bool(row.probed), unprobed_ok):
+                c = by_id[row.cell_id] = _summary(row, entry.summary)
                 if c.role == "training":
                     training.add(c.cell_id)
         if touched is None or was != {cid for cid in touched if cid in by_id}:  # cells came or went
@@ -126,19 +127,19 @@ def build_snapshot(ctx: Context, rates: Rates, cells: CellSummaries, *, pinned: 
         max_concurrent_steps=demand.max_concurrent_steps if demand else 1, placement=cells.placement)
 
 
-def _summary(row: tuple, s: Summary | None) -> CellSummary:
+def _summary(row: PlanningRow, s: Summary | None) -> CellSummary:
     """One cell's summary from its `planning_rows` row and its last reported load."""
-    cid, state, generation, c_version, address, caps, c_total, c_used, max_running, n, tokens, incoming = row[:12]
+    caps = row.capabilities
     bs = int(caps.get("block_size") or 16)
-    total = s.kv_blocks_total if s and s.kv_blocks_total else c_total
-    used = s.kv_blocks_used if s else c_used
-    version = s.version if s else c_version
+    total = s.kv_blocks_total if s and s.kv_blocks_total else row.kv_blocks_total
+    used = s.kv_blocks_used if s else row.kv_blocks_used
+    version = s.version if s else row.version
     return CellSummary(
-        cell_id=cid, node=address.rsplit(":", 1)[0], role=state,
+        cell_id=row.cell_id, node=row.address.rsplit(":", 1)[0], role=row.state,
         version=UNKNOWN_VERSION if version is None else version,
-        inflight=n + incoming, capacity=max_running,
+        inflight=row.live + row.incoming, capacity=row.max_running,
         # in the planner's 16-token blocks; a cell without a block pool has no KV limit
         kv_blocks_free=max(0, total - used) * bs // 16 if total > 0 else 1 << 40,
-        kv_blocks_total=total * bs // 16, generation=generation,
-        can_export_kv=bool(caps.get("kv_export")), inflight_tokens=tokens,
+        kv_blocks_total=total * bs // 16, generation=row.generation,
+        can_export_kv=bool(caps.get("kv_export")), inflight_tokens=row.tokens,
         kv_store=caps.get("kv_store") or None)

@@ -69,12 +69,12 @@ class FleetTally:
             self.rollbacks, touched = self.changes.rollbacks, None
         elif not touched:
             return
-        rows = {r[0]: r for r in self.ctx.store.fleet.planning_rows(touched)}
+        rows = {r.cell_id: r for r in self.ctx.store.fleet.planning_rows(touched)}
         ids = set(self.cells) | set(rows) if touched is None else touched
         live = self.ctx.registry.live
         for cid in ids:
             r = rows.get(cid)
-            new = _Cell(r[1], cid in live, r[8], r[9]) if r is not None else _Cell(None, False, 0, 0)
+            new = _Cell(r.state, cid in live, r.max_running, r.live) if r is not None else _Cell(None, False, 0, 0)
             old = self.cells.get(cid)
             if old is not None:
                 o, c = old.slots()

@@ -41,7 +41,9 @@ from scheduler.contract.errors import Conflict, Invalid
 from scheduler.contract.probe import agree, well_formed
 
 if TYPE_CHECKING:
-    from scheduler.contract.protocol import Capabilities, RegisterRequest, TokenRecord
+    from scheduler.contract.protocol import Capabilities, RegisterRequest
+    from scheduler.contract.records import TokenRecords
+    from scheduler.contract.sampling import SamplingParams
     from scheduler.control.context import Context, Effects
     from scheduler.store.fleet import CellRow
 
@@ -227,32 +229,28 @@ class Trust:
         return row is not None and trusted(row.trust, row.probe is not None, self.ctx.cfg.trust_unprobed_cells)
 
     # ------------------------------------------------------------------ requests
-    def check_request(self, new_ids: list[int], context_len: int, params: dict[str, Any]) -> None:
+    def check_request(self, new_ids: list[int], context_len: int, params: SamplingParams) -> None:
         """What a cell would refuse, refused here first (422), before anything is recorded:
-        ids outside the vocabulary, a context plus max_tokens past the model's length, a
-        negative seed."""
-        seed = params.get("seed")
-        if seed is not None and (not isinstance(seed, int) or seed < 0):
-            raise Invalid(f"seed must be an integer >= 0, got {seed!r}", code="invalid_seed")
+        ids outside the vocabulary, a context plus max_tokens past the model's length."""
         lim = self.limits
         if lim is None:
             return
         bad = next((t for t in new_ids if not 0 <= t < lim.vocab_size), None)
         if bad is not None:
             raise Invalid(f"token id {bad} is outside the model's vocabulary [0, {lim.vocab_size})", code="bad_token")
-        stop_bad = next((t for t in params.get("stop_token_ids") or () if not 0 <= t < lim.vocab_size), None)
+        stop_bad = next((t for t in params.stop_token_ids if not 0 <= t < lim.vocab_size), None)
         if stop_bad is not None:
             raise Invalid(f"stop token id {stop_bad} is outside the vocabulary [0, {lim.vocab_size})", code="bad_token")
-        need = context_len + int(params.get("max_tokens") or 0)
+        need = context_len + params.max_tokens
         if lim.max_context and need > lim.max_context:
-            raise Invalid(f"the context ({context_len} tokens) plus max_tokens ({params.get('max_tokens')}) is "
+            raise Invalid(f"the context ({context_len} tokens) plus max_tokens ({params.max_tokens}) is "
                           f"{need}, past the model's {lim.max_context}", code="context_length_exceeded")
 
     # ------------------------------------------------------------------ ingest
-    def invalid_records(self, cell_id: str, records: list[TokenRecord]) -> str | None:
+    def invalid_records(self, cell_id: str, records: TokenRecords) -> str | None:
         """Why a cell's sampled records cannot be true (None when they can)."""
         allowed = None
-        for tok, lp, version, _ in records:
+        for tok, lp, version in zip(records.token_ids, records.logprobs, records.versions):
             if not (isinstance(lp, int | float) and math.isfinite(lp) and lp <= 0):
                 return f"log-prob {lp!r} is not a finite number <= 0"
             if self.limits is not None and not self.limits.sampleable(int(tok)):
@@ -282,29 +280,30 @@ class Trust:
         srow = ctx.store.fleet.get_cell(scorer)
         if srow is None or srow.trust != "verified":
             return clean
-        rows = ctx.store.sessions.read(session_id, base, start + len(old))
+        t = ctx.store.sessions.read(session_id, base, start + len(old))
         cells = ctx.store.sessions.samplers(session_id, base, start + len(old))
-        if any(r[1] == 1 and r[3] != version for r in rows):
+        if any(m == 1 and v != version for m, v in zip(t.loss_mask, t.versions)):
             return clean  # the request changed version: its earlier KV was not this version's
         culprits: dict[str, str] = {}
         offset = start - base
         for i, x in enumerate(old):
-            r, sampler = rows[offset + i], cells[offset + i]
-            if r[1] != 1 or sampler is None or sampler == scorer or sampler in culprits:
+            j = offset + i
+            sampler = cells[j]
+            if t.loss_mask[j] != 1 or sampler is None or sampler == scorer or sampler in culprits:
                 continue
             if x is None:
                 continue
             if not math.isfinite(x):
-                culprits[sampler] = f"sampled token {r[0]} that {scorer}'s exact scoring finds impossible"
+                culprits[sampler] = f"sampled token {t.token_ids[j]} that {scorer}'s exact scoring finds impossible"
                 continue
-            if r[4]:  # truncated (top-k/top-p): its behaviour log-prob is of another distribution
+            if t.truncated[j]:  # truncated (top-k/top-p): its behaviour log-prob is of another distribution
                 continue
             if self.kv_version.get(request_id or "", {}).get(sampler) != version:
                 continue  # its context's KV may be another version's (see the module's notes)
             srow2 = ctx.store.fleet.get_cell(sampler)
             exact = bool(srow2 and srow2.capabilities.get("batch_invariant") and srow.capabilities.get("batch_invariant"))
-            if not agree([r[2]], [x], exact, ctx.cfg.verify_tolerance):
-                culprits[sampler] = (f"reported log-prob {r[2]!r} where {scorer}'s exact scoring gives {x!r} "
+            if not agree([t.logprobs[j]], [x], exact, ctx.cfg.verify_tolerance):
+                culprits[sampler] = (f"reported log-prob {t.logprobs[j]!r} where {scorer}'s exact scoring gives {x!r} "
                                      f"(session {session_id}, token {offset + i + base})")
         for sampler, why in culprits.items():
             row = ctx.store.fleet.get_cell(sampler)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from scheduler.api.principal import current_agent
 from scheduler.contract.errors import Conflict
+from scheduler.contract.sampling import SamplingParams
 from scheduler.contract.tito.backend import (
     Rewind,
     SessionFinished,
@@ -30,9 +31,6 @@ if TYPE_CHECKING:
     from scheduler.control.controller import Controller
     from scheduler.store.sessions import SessionRow
 
-_PARAMS = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed")
-
-
 class ControlPlaneBackend:
     def __init__(self, app: FastAPI) -> None:
         self.app = app
@@ -46,20 +44,19 @@ class ControlPlaneBackend:
         limits = self.ctl.trust.limits
         return limits.max_context if limits is not None and limits.max_context else None
 
-    async def admit(self, session_id: str, prompt_ids: list[int], params: dict[str, Any]) -> None:
+    async def admit(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Every refusal a turn can get, before the gateway records anything of it: another
         agent's session, a turn in flight, what a cell would refuse, the staleness bound's
         admission and rollout capacity (scheduler/control/completions.py)."""
         ctl = self.ctl
-        ctl.completions.check(session_id, list(prompt_ids), _sampling(params), current_agent())
+        ctl.completions.check(session_id, list(prompt_ids), params, current_agent())
         ctl.completions.admissible(session_id, len(prompt_ids))
 
-    async def complete(self, session_id: str, prompt_ids: list[int], params: dict[str, Any],
+    async def complete(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                        live: bool = True) -> AsyncIterator[TokenOut | Rewind]:
         ctl = self.ctl
-        sp = _sampling(params)
         # its refusals are BackendErrors
-        req = ctl.submit_completion(session_id, list(prompt_ids), sp, agent=current_agent())
+        req = ctl.submit_completion(session_id, list(prompt_ids), params, agent=current_agent())
         held = None  # one token held back so the last one can carry the finish reason
         out = 0  # tokens yielded
         async for start, rows, cur in ctl.follow_request(req.id, live):
@@ -68,11 +65,11 @@ class ControlPlaneBackend:
                 if start < out:
                     out = start
                     yield Rewind(start)
-            for r in rows:
+            for token_id, logprob, version in zip(rows.token_ids, rows.logprobs, rows.versions):
                 if held is not None:
                     out += 1
                     yield held
-                held = TokenOut(int(r[0]), float(r[2]), int(r[3]))
+                held = TokenOut(token_id, logprob, version)
             if cur.state in ("finished", "failed"):
                 if held is not None:
                     yield TokenOut(held.token_id, held.logprob, held.version, cur.reason or "stop")
@@ -86,11 +83,11 @@ class ControlPlaneBackend:
         if row is None:
             return None
         seg_start = row.segment_starts[-1]
-        rows = sessions.read(session_id, seg_start + start, None)
+        t = sessions.read(session_id, seg_start + start, None)
         return SessionTokens(
-            token_ids=[r[0] for r in rows], loss_mask=[r[1] for r in rows], segment=len(row.segment_starts) - 1,
+            token_ids=list(t.token_ids), loss_mask=list(t.loss_mask), segment=len(row.segment_starts) - 1,
             length=row.length - seg_start, finished=row.state == "finished",
-            logprobs=[r[2] for r in rows], versions=[r[3] for r in rows])
+            logprobs=list(t.logprobs), versions=list(t.versions))
 
     async def append_prompt_tokens(self, session_id: str, ids: list[int], loss_mask: int = 0) -> None:
         if loss_mask != 0:
@@ -138,11 +135,3 @@ class ControlPlaneBackend:
         if row is not None and row.state == "finished":
             raise SessionFinished(f"session {session_id!r} is finished")
 
-
-def _sampling(params: dict[str, Any]) -> dict[str, Any]:
-    """The gateway's sampling parameters as the control plane takes them."""
-    sp = {k: params[k] for k in _PARAMS if params.get(k) is not None}
-    sp["stop_token_ids"] = list(sp.get("stop_token_ids", []))
-    if sp.get("top_k", 0) < 0:  # OpenAI-style "off"
-        sp["top_k"] = 0
-    return sp

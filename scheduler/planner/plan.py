@@ -38,10 +38,9 @@ import math
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
+from scheduler.contract.states import ROLLOUT_SIDE, TRAINING_SIDE
 from scheduler.planner.destinations import placement_of
 from scheduler.planner.types import (
-    ROLLOUT_SIDE,
-    TRAINING_SIDE,
     CellId,
     CellSummary,
     FlipDecision,

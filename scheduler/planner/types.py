@@ -12,18 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Role = Literal["joining", "rollout", "draining", "training", "loading", "down"]
-"""Cell roles: joining -> rollout <-> draining -> training <-> loading -> rollout, plus down."""
+from scheduler.contract.states import CellState as Role
 
 FlipTarget = Literal["training", "rollout"]
 Path = Literal["kv", "kv_store", "reprefill", "suspend"]
 CellId = int | str
 """Opaque, hashable cell id (the controller uses strings, the simulator ints)."""
-
-ROLLOUT_SIDE: frozenset[str] = frozenset({"joining", "rollout", "loading"})
-"""Roles that serve (or are about to serve) rollouts."""
-TRAINING_SIDE: frozenset[str] = frozenset({"draining", "training"})
-"""Roles committed to training (draining cells are on their way there)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from scheduler.contract.states import role_of
 from scheduler.store.codec import dumps, loads
@@ -40,6 +40,34 @@ CREATE TABLE IF NOT EXISTS settings(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 ACTIVE_FLIP_STATES = ("pending", "draining", "loading")
+
+
+class PlanningRow(NamedTuple):
+    """A cell as the planner's snapshot and the fleet's tally read it (`planning_rows`)."""
+
+    cell_id: str
+    state: str
+    generation: int
+    version: int | None
+    address: str
+    capabilities: dict[str, Any]
+    """A shared decoded copy: read it, never change it."""
+    kv_blocks_total: int
+    kv_blocks_used: int
+    max_running: int
+    live: int
+    """Requests the cell owns (store/counters.py)."""
+    tokens: int
+    """Context tokens of those requests."""
+    incoming: int
+    """Requests migrating in."""
+    trust: str
+    probed: int
+    """1: it registered with a probe answer."""
+
+
+_row = tuple.__new__
+"""Builds a `PlanningRow` from a tuple without the Python-level constructor (a hot loop)."""
 
 
 @dataclass(slots=True)
@@ -174,11 +202,10 @@ class FleetStore:
         q = f"SELECT {_CELL_COLS} FROM cells WHERE id > ? ORDER BY id LIMIT ?"
         return [_cell(r) for r in self.s.execute(q, ("" if after is None else after, limit))]
 
-    def planning_rows(self, ids: Collection[str] | None = None) -> list[tuple]:
+    def planning_rows(self, ids: Collection[str] | None = None) -> list[PlanningRow]:
         """The cells `ids` (None: all) that are not down, with their kept load (store/counters.py),
-        for the planner's snapshot: (id, state, generation, version, address, capabilities,
-        kv_blocks_total, kv_blocks_used, max_running, live, tokens, incoming, trust, probed). No history;
-        `capabilities` are shared decoded copies: read them, never change them."""
+        for the planner's snapshot. No history; `capabilities` are shared decoded copies: read
+        them, never change them."""
         q = ("SELECT c.id, c.state, c.generation, c.version, c.address, c.capabilities, c.kv_blocks_total, "
              "c.kv_blocks_used, c.max_running, COALESCE(l.live, 0), COALESCE(l.tokens, 0), "
              "COALESCE(l.incoming, 0), c.trust, c.probe IS NOT NULL FROM cells c "
@@ -194,11 +221,11 @@ class FleetStore:
         memo = self._caps
         if len(memo) > 65536:  # texts of cells that changed or left
             memo.clear()
-        for i, r in enumerate(rows):
-            caps = memo.get(r[5])
+        for i, (cid, state, generation, version, address, text, *rest) in enumerate(rows):
+            caps = memo.get(text)
             if caps is None:
-                caps = memo[r[5]] = loads(r[5])
-            rows[i] = (*r[:5], caps, *r[6:])
+                caps = memo[text] = loads(text)
+            rows[i] = _row(PlanningRow, (cid, state, generation, version, address, caps, *rest))
         return rows
 
     def cell_states(self, ids: Collection[str] | None = None) -> dict[str, str]:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from scheduler.contract.sampling import SamplingParams
 from scheduler.store import counters
 from scheduler.store.codec import dumps, loads
 
@@ -52,12 +53,16 @@ class RequestRow:
     prompt_start: int
     num_generated: int
     params: dict[str, Any]
+    """The request's `SamplingParams` as its JSON column holds them (`sampling()` reads them)."""
     cell_id: str | None
     epoch: int
     state: str
     reason: str | None = None
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams.model_validate(self.params)
 
     @property
     def is_owned(self) -> bool:

@@ -19,14 +19,16 @@ batches, a migration commit's tail).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from itertools import repeat
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from scheduler.contract.errors import Conflict, NotFound
+from scheduler.contract.records import StoredTokens, TokenRecords
 from scheduler.store.codec import dumps, loads
 
 if TYPE_CHECKING:
-    from scheduler.contract.protocol import TokenRecord
     from scheduler.store.db import Store
 
 SCHEMA = """
@@ -63,6 +65,25 @@ class SessionRow:
     None for a session opened by a trainer or admin token (no agent token may use it)."""
     tainted: int = 0
     """1: a quarantined cell sampled some of its tokens; never handed out for training."""
+
+
+class UnscoredRange(NamedTuple):
+    """A request's sampled tokens of one version still without an old log-prob."""
+
+    request_id: str
+    session_id: str
+    prompt_start: int
+    base: int
+    num_generated: int
+    params: str
+    """The request's sampling params (JSON text)."""
+    state: str
+    owner: str | None
+    version: int
+    first: int
+    """Buffer index of the first unscored token."""
+    last: int
+    count: int
 
 
 _SESSION_COLS = ("id, state, length, segment_starts, reward, group_id, finish_seq, created_at, finished_at, agent, "
@@ -124,34 +145,40 @@ class SessionStore:
                            (session_id, dumps(state)))
 
     # -- token buffer
-    def read(self, session_id: str, start: int = 0, end: int | None = None) -> list[tuple]:
-        """Token rows `(token_id, loss_mask, logprob, version, truncated, old_logprob, provenance)`."""
+    def read(self, session_id: str, start: int = 0, end: int | None = None) -> StoredTokens:
+        """The buffer's tokens [start, end) as columns (scheduler/contract/records.py)."""
         stop = end if end is not None else 1 << 62
         q = f"SELECT {_TOK_COLS} FROM tokens WHERE session_id=? AND idx>=? AND idx<? ORDER BY idx"
-        return self.s.execute(q, (session_id, start, stop)).fetchall()
+        return StoredTokens.of(self.s.execute(q, (session_id, start, stop)).fetchall())
 
     def token_ids(self, session_id: str, start: int = 0, end: int | None = None) -> list[int]:
-        return [r[0] for r in self.read(session_id, start, end)]
+        return list(self.read(session_id, start, end).token_ids)
 
     def current_segment(self, session_id: str) -> tuple[int, list[int]]:
         row = self.require(session_id)
         start = row.segment_starts[-1]
         return start, self.token_ids(session_id, start)
 
-    def _append_rows(self, row: SessionRow, rows: list[tuple], epoch: int | None = None,
-                     cell: str | None = None) -> None:
+    def _append_rows(self, row: SessionRow, token_ids: Sequence[int], loss_mask: int,
+                     logprobs: Sequence[float | None] | None = None, versions: Sequence[int | None] | None = None,
+                     truncated: Sequence[bool] | None = None, epoch: int | None = None, cell: str | None = None) -> None:
+        """Append tokens given as columns (a column left None is null, or 0 for `truncated`)."""
+        n = len(token_ids)
         self.s.executemany(
             f"INSERT INTO tokens(session_id, idx, {_TOK_COLS}, epoch, cell) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-            [(row.id, row.length + i, *r, epoch, cell) for i, r in enumerate(rows)],
+            zip(repeat(row.id, n), range(row.length, row.length + n), token_ids, repeat(loss_mask),
+                repeat(None) if logprobs is None else logprobs, repeat(None) if versions is None else versions,
+                repeat(0) if truncated is None else truncated, repeat(None), repeat(None), repeat(epoch),
+                repeat(cell)),
         )
-        row.length += len(rows)
+        row.length += n
         self.s.execute("UPDATE sessions SET length=? WHERE id=?", (row.length, row.id))
 
     def append_prompt(self, session_id: str, token_ids: list[int], agent: str | None = None) -> int:
         """Append prompt/tool tokens (loss mask 0) to the open session; returns the new length."""
         with self.s.tx(durable=False):
             row = self.ensure(session_id, agent)
-            self._append_rows(row, [(int(t), 0, None, None, 0, None, None) for t in token_ids])
+            self._append_rows(row, [int(t) for t in token_ids], 0)
         return row.length
 
     def new_segment(self, session_id: str, agent: str | None = None) -> int:
@@ -163,7 +190,7 @@ class SessionStore:
                 self.put(row)
         return row.length
 
-    def append_sampled(self, session_id: str, at: int, records: list[TokenRecord], epoch: int,
+    def append_sampled(self, session_id: str, at: int, records: TokenRecords, epoch: int,
                        cell: str | None = None) -> None:
         """Append sampled tokens (loss mask 1) at buffer index `at` == the current length,
         accepted under ownership `epoch`, sampled by `cell`. The caller checked `at` (a
@@ -171,8 +198,7 @@ class SessionStore:
         row = self.require(session_id)
         if at != row.length:
             raise Conflict(f"sampled tokens at {at} but session {session_id} has {row.length}", code="misaligned")
-        self._append_rows(row, [(int(t), 1, float(lp), int(v), int(bool(tr)), None, None) for t, lp, v, tr in records],
-                          epoch, cell)
+        self._append_rows(row, records.token_ids, 1, records.logprobs, records.versions, records.truncated, epoch, cell)
 
     def truncate(self, session_id: str, at: int) -> int:
         """Remove the tokens from buffer index `at` on (sampled tokens no client was shown,
@@ -236,16 +262,14 @@ class SessionStore:
             "AND idx<? AND loss_mask=1 AND provenance IS NULL", (session_id, version, start, end))
         return cur.rowcount
 
-    def unscored_ranges(self, limit: int = 256) -> list[tuple]:
-        """Per (request, version) with unscored sampled tokens: (request id, session id,
-        prompt_start, base, num_generated, params, state, owner cell, version, first index,
-        last index, count), oldest requests first."""
+    def unscored_ranges(self, limit: int = 256) -> list[UnscoredRange]:
+        """Per (request, version) with unscored sampled tokens, oldest requests first."""
         q = ("SELECT r.id, r.session_id, r.prompt_start, r.base, r.num_generated, r.params, r.state, r.cell_id,"
              " t.version, MIN(t.idx), MAX(t.idx), COUNT(*) FROM tokens t JOIN requests r"
              " ON t.session_id = r.session_id AND t.idx >= r.base AND t.idx < r.base + r.num_generated"
              " WHERE t.loss_mask = 1 AND t.provenance IS NULL"
              " GROUP BY r.id, t.version ORDER BY r.created_at LIMIT ?")
-        return self.s.execute(q, (limit,)).fetchall()
+        return [UnscoredRange._make(r) for r in self.s.execute(q, (limit,))]
 
     # -- trajectories
     def finish(self, session_id: str, reward: float, group_id: str | None) -> SessionRow:
@@ -263,13 +287,13 @@ class SessionStore:
 
     def to_api(self, session_id: str, agent: str | None = None) -> dict[str, Any]:
         row = self.require(session_id, agent)
-        rows = self.read(session_id)
+        t = self.read(session_id)
         return {
             "id": row.id, "state": row.state, "reward": row.reward, "group_id": row.group_id,
             "segment_starts": row.segment_starts,
-            "token_ids": [r[0] for r in rows], "loss_mask": [r[1] for r in rows],
-            "logprobs": [r[2] for r in rows], "versions": [r[3] for r in rows],
-            "old_logprobs": [r[5] for r in rows], "provenance": [r[6] for r in rows],
+            "token_ids": list(t.token_ids), "loss_mask": list(t.loss_mask),
+            "logprobs": list(t.logprobs), "versions": list(t.versions),
+            "old_logprobs": list(t.old_logprobs), "provenance": list(t.provenance),
         }
 
     def trajectories(self, cursor: int, limit: int) -> tuple[list[dict[str, Any]], int]:

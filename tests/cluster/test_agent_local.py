@@ -246,8 +246,8 @@ def test_cancel_migration_without_a_thread_resumes_the_source_and_frees_the_dest
     assert eng.handover.reserve("d", 40)  # a destination's reservation, its thread gone
     free = eng.pool.num_free
     with agent.access():
-        agent.commands.handle(CancelMigrationCmd(7, "s", "m-s").to_dict())
-        agent.commands.handle(CancelMigrationCmd(8, "d", "m-d").to_dict())
+        agent.commands.handle(CancelMigrationCmd(7, "s", "m-s"))
+        agent.commands.handle(CancelMigrationCmd(8, "d", "m-d"))
     assert not eng.handover.is_paused("s") and "s" in agent.owned
     assert eng.pool.num_free > free and "d" not in eng.pool.tables
 

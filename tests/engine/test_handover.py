@@ -146,7 +146,7 @@ def test_parked_request_frees_its_blocks_and_moves_on_token_identical():
     assert src.handover.park("r2") == nbytes  # idempotent
     assert src.pool.num_used == used - before.shape[2]
     assert src.handover.parked() == ["r2"] and src.num_inflight() == 2
-    assert src.summary()["parked"] == ["r2"] and "r2" in src.summary()["request_ids"]
+    assert src.summary().parked == ["r2"] and "r2" in src.summary().request_ids
     for k, evs in run_all(src).items():  # the others finish; the parked one never decodes
         got.setdefault(k, []).extend(e.record.token_id for e in evs)
     assert "r2" in src.requests and src.pool.num_used == 0

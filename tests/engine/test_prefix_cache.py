@@ -27,7 +27,7 @@ def test_second_turn_reuses_the_cached_prefix_and_matches_a_cold_run_bitwise():
     assert warm.num_cached_tokens > 50 and cold.num_cached_tokens == 0
     assert [(r.token_id, r.logprob) for r in second_w] == [(r.token_id, r.logprob) for r in second_c]
     warm.pool.check_integrity()
-    assert warm.summary()["kv_blocks_cached"] > 0
+    assert warm.summary().kv_blocks_cached > 0
 
 
 def test_cache_is_evicted_instead_of_preempting_and_never_reused_across_versions():

@@ -94,7 +94,7 @@ def _agent(tmp_path, engine):
                                   "engine": {"type": "embedded", "model": {"preset": "toy"}}}})
     events: list[dict] = []
     moves = SimpleNamespace(migrate_out=None, migrate_in=None, cancel=None)
-    return SimpleNamespace(engine=engine, cfg=cfg, moves=moves, events_append=events.append), events
+    return SimpleNamespace(engine=engine, cfg=cfg, moves=moves, events_append=lambda e: events.append(e.to_dict())), events
 
 
 def _wait(events: list[dict], n: int) -> None:

@@ -15,6 +15,7 @@ from scheduler.contract.protocol import (
     decode_event,
     dispatch,
 )
+from scheduler.contract.records import StoredTokens
 from scheduler.contract.states import (
     CELL,
     FLIP,
@@ -49,6 +50,25 @@ def test_cell_cycle_and_illegal_edge():
     with pytest.raises(IllegalTransition):
         set_state(CELL, r, "training")
     assert r.state == "joining" and len(r.history) == 7
+
+
+def test_the_cell_machine_is_the_one_role_machine():
+    """The planner's roles and the cell's own record of its role are the cell machine's states."""
+    from typing import get_args
+
+    from cells.roles import CellRole
+    from scheduler.contract.states import ROLLOUT_SIDE, TRAINING_SIDE, CellState
+
+    assert set(get_args(CellState)) == set(CELL.transitions) == ROLLOUT_SIDE | TRAINING_SIDE | {"down"}
+    role = CellRole()
+    for s, want in (("rollout", "rollout"), ("training", "training"), ("training", "training"),
+                    ("loading", None), ("rollout", "rollout"), ("down", None), ("rollout", "rollout")):
+        role.set(s, "why")
+        assert role.ready_role() == want
+    assert [h[0] for h in role.history] == ["joining", "rollout", "draining", "training", "loading", "rollout", "down",
+                                            "joining", "rollout"]
+    with pytest.raises(IllegalTransition):
+        role.set("retired")  # not a state of the machine
 
 
 def test_terminal_states():
@@ -88,7 +108,7 @@ def _batch(start: int, records: list, epoch: int = 3) -> TokenBatch:
     return TokenBatch("r", epoch, start, [tuple(x) for x in records])
 
 
-STORED = [(10, 1, -0.5, 0, 0, None, None), (11, 1, -0.25, 0, 0, None, None)]
+STORED = StoredTokens.of([(10, 1, -0.5, 0, 0, None, None), (11, 1, -0.25, 0, 0, None, None)])
 
 
 @pytest.mark.parametrize("batch,cell,req,expect", [
@@ -103,7 +123,7 @@ STORED = [(10, 1, -0.5, 0, 0, None, None), (11, 1, -0.25, 0, 0, None, None)]
     (_batch(2, [[12, -0.1, 0, False]]), "A", _req(state="finished"), ("reject", 0, "not_running")),
 ])
 def test_judge(batch, cell, req, expect):
-    stored = STORED[batch.start: min(2, batch.start + len(batch.records))] if req else []
+    stored = STORED[batch.start: min(2, batch.start + len(batch.records))] if req else StoredTokens()
     v = judge(req, cell, batch, stored)
     kind, n_new, reason = expect
     assert v.accept == (kind == "accept")

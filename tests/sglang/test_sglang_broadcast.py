@@ -92,7 +92,7 @@ class SGLangCell:
         self.steps_left = float("inf")
         """Engine steps the loop may still take (it installs versions regardless): the fake
         decodes only when stepped, so a test can hold requests in flight across an update."""
-        self.versions = CellVersions(cell_id, emit=self.events.append, wake=self._wake.set,
+        self.versions = CellVersions(cell_id, emit=lambda e: self.events.append(e.to_dict()), wake=self._wake.set,
                                      timeout_s=OP_TIMEOUT_S, engine=self.engine,
                                      join_timeout_s=JOIN_TIMEOUT_S + SLACK_S)
         self.thread = threading.Thread(target=self._loop, name=f"engine-{cell_id}", daemon=True)

@@ -25,6 +25,7 @@ from cells.engine.sglang.weights import (
     plan_buckets,
 )
 from scheduler.contract.config import SGLangEngineConfig
+from scheduler.contract.protocol import Summary
 
 W = BucketSpec(("w",), ("bfloat16",), ((2, 2),))
 
@@ -542,12 +543,12 @@ def test_default_scoring_copy_is_the_embedded_model_fed_by_the_broadcast(tmp_pat
 def test_summary_for_the_cell_agent():
     eng, _ = make(max_running=4, server_args={"page_size": 16})
     eng.add_request("a", [1], SamplingParams(max_tokens=50))
-    assert eng.summary() == {"inflight": 1, "kv_blocks_used": 0, "kv_blocks_total": 0, "version": 0,
-                             "versions_held": [], "request_ids": ["a"], "parked": [], "max_running": 4,
-                             "block_size": 16}
+    assert eng.summary() == Summary(inflight=1, kv_blocks_used=0, kv_blocks_total=0, version=0,
+                                    versions_held=[], request_ids=["a"], parked=[], max_running=4,
+                                    block_size=16)
     assert list(eng.requests) == ["a"]
     eng, _ = make(scoring="cell_copy", scorer=Scorer())
-    assert eng.summary()["versions_held"] == [0] and eng.summary()["max_running"] == 256  # the config's
+    assert eng.summary().versions_held == [0] and eng.summary().max_running == 256  # the config's
 
 
 # -- what the cell agent calls: moved requests, versions, roles (engine.py, memory.py) --------
@@ -581,7 +582,7 @@ def test_role_flips_hand_gpu_memory_over_and_install_what_arrived_meanwhile(chec
     eng.abort("a")
     eng.enter_role("training")
     assert fake.released == {"weights", "kv_cache"} and eng.state == "paused"
-    assert eng.summary()["version"] is None  # released without a CPU backup: the weights come back empty
+    assert eng.summary().version is None  # released without a CPU backup: the weights come back empty
     with pytest.raises(EngineError, match="no complete weight version"):
         eng.enter_role("rollout")
     assert fake.released == {"weights", "kv_cache"}  # refused: the memory stays with training
@@ -590,7 +591,7 @@ def test_role_flips_hand_gpu_memory_over_and_install_what_arrived_meanwhile(chec
         eng.install_prepared(1, eng.prepare_weights({"w": full["w"]}))
     fake.log.clear()
     eng.install_prepared(1, eng.prepare_weights(full))
-    assert eng.version == 1 and eng.summary()["version"] == 1 and fake.log == []  # kept until the flip back
+    assert eng.version == 1 and eng.summary().version == 1 and fake.log == []  # kept until the flip back
     eng.enter_role("rollout")
     order = names(fake.log)
     assert order.index("resume_memory_occupation") < order.index("update_weights_from_tensor") \
@@ -608,7 +609,7 @@ def test_a_cpu_weight_backup_serves_the_same_version_after_a_flip():
     eng.enter_role("training")
     eng.enter_role("training")  # idempotent: nothing released twice
     assert sum(e == ("release_memory_occupation",) for e in fake.log) == 1
-    assert eng.summary()["version"] == 0
+    assert eng.summary().version == 0
     eng.enter_role("rollout")
     assert fake.released == set() and eng.state == "serving"
     eng.add_request("a", [1], SamplingParams(max_tokens=2))
@@ -653,7 +654,7 @@ def test_the_default_scoring_copy_keeps_old_versions_until_dropped(tmp_path):
     before = eng.scorer(0)(ids, 1.0)
     eng.install_prepared(1, eng.prepare_weights(v1))
     assert eng.version == 1 and ("update_weights_from_tensor",) in fake.log
-    assert eng.versions_held == [0, 1] and eng.summary()["versions_held"] == [0, 1]
+    assert eng.versions_held == [0, 1] and eng.summary().versions_held == [0, 1]
     assert torch.equal(eng.scorer(0)(ids, 1.0), before) and not torch.equal(eng.scorer(1)(ids, 1.0), before)
     eng.install_prepared(2, v1, activate=False)  # held for scoring only: SGLang is not touched
     assert eng.versions_held == [0, 1, 2] and eng.version == 1
@@ -665,4 +666,4 @@ def test_the_default_scoring_copy_keeps_old_versions_until_dropped(tmp_path):
     eng.drop_version(1)  # the copy still serves 1 until 3 is installed: kept
     assert eng.version == 3 and eng.versions_held == [1]
     eng.enter_role("rollout")
-    assert eng.versions_held == [1, 3] and eng.summary()["version"] == 3
+    assert eng.versions_held == [1, 3] and eng.summary().version == 3

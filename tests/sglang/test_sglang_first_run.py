@@ -262,7 +262,7 @@ def test_a_failure_after_joining_restarts_the_engine(sender_store, free_port):
                                                              barrier_s=5.0), [W])
     new = eng.runtime.sglang
     assert new is not old and old.shut_down and eng.engine_restarts == 1
-    assert eng.state == "broken" and eng.summary()["version"] is None and "a" in eng.requests
+    assert eng.state == "broken" and eng.summary().version is None and "a" in eng.requests
     with pytest.raises(EngineError, match="no complete weight version"):
         eng.add_request("b", [1], SamplingParams())
     on_engine_thread(eng.receive_version, 1, UpdateGroup("127.0.0.1", 1, 1, 2, "v1b", "nccl"), [W])

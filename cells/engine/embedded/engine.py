@@ -31,6 +31,7 @@ from cells.engine.embedded.model_spec import ModelSpec, resolve_spec
 from cells.engine.embedded.sampling import sample
 from cells.engine.records import EngineError, SamplingParams, TokenEvent, TokenRecord
 from scheduler.contract.config import EmbeddedEngineConfig
+from scheduler.contract.protocol import Summary
 
 
 @dataclass(slots=True)
@@ -321,17 +322,11 @@ class EmbeddedEngine(Engine):
             "version": self._version, "steps": self.num_steps,
         }
 
-    def summary(self) -> dict:
+    def summary(self) -> Summary:
         cached = sum(len(self.pool.tables.get(h.owner, ())) for h in self.prefix_cache.values())
-        return {
-            "inflight": self.num_inflight(),
-            "parked": self.handover.parked(),
-            "kv_blocks_used": self.pool.num_used - cached,  # cached prefixes are reclaimable
-            "kv_blocks_cached": cached,
-            "kv_blocks_total": self.pool.num_blocks,
-            "version": self._version,
-            "versions_held": self.versions_held,
-            "request_ids": sorted(self.requests),
-            "max_running": self.cfg.max_running,
-            "block_size": self.pool.block_size,
-        }
+        return Summary(
+            inflight=self.num_inflight(), parked=self.handover.parked(),
+            kv_blocks_used=self.pool.num_used - cached,  # cached prefixes are reclaimable
+            kv_blocks_cached=cached, kv_blocks_total=self.pool.num_blocks, version=self._version,
+            versions_held=self.versions_held, request_ids=sorted(self.requests),
+            max_running=self.cfg.max_running, block_size=self.pool.block_size)

@@ -27,7 +27,7 @@ import torch
 from cells.engine.embedded.batcher import MIXED_KV, Batcher, Request
 from cells.engine.embedded.kv_cache import BlockPool
 from cells.engine.embedded.model_spec import ModelSpec
-from cells.engine.records import EngineError, RequestSnapshot, SamplingParams
+from cells.engine.records import EngineError, RequestSnapshot
 
 
 class EmbeddedHandover:
@@ -151,12 +151,12 @@ class EmbeddedHandover:
             prompt_len=req.prompt_len,
             num_tokens=len(req.token_ids),
             num_computed=req.num_computed,
-            params=req.params.to_dict(),
+            params=req.params,
             version=self._version(),
             model_signature=self.spec.signature(),
             block_size=self.pool.block_size,
             records_from=req.records_base + rel,
-            records=[r.to_list() for r in req.records[rel:]],
+            records=req.records[rel:],
             token_ids_from=token_ids_from,
             token_ids=req.token_ids[token_ids_from:],
             kv_version=req.kv_version if req.kv_version is not None and req.kv_version >= 0 else None,
@@ -222,7 +222,7 @@ class EmbeddedHandover:
         table = self.pool.tables.get(snap.request_id, [])
         if self.pool.blocks_for(snap.num_computed) > len(table):
             raise EngineError(f"{snap.request_id}: KV for {snap.num_computed} tokens not imported")
-        params = SamplingParams.from_dict(snap.params)
+        params = snap.params
         ids = snap.token_ids
         if min(ids) < 0 or max(ids) >= self.spec.vocab_size:  # C-speed check: no per-id loop here
             raise EngineError(f"token ids outside [0, {self.spec.vocab_size})")

@@ -50,6 +50,7 @@ from cells.engine.sglang.weights import (
     read_checkpoint_manifest,
 )
 from scheduler.contract.config import SGLangEngineConfig
+from scheduler.contract.protocol import Summary
 
 
 class SGLangEngine(Engine):
@@ -166,17 +167,17 @@ class SGLangEngine(Engine):
         recomputed by SGLang). Returns the requests re-prefilled by this call: 0."""
         return 0
 
-    def summary(self) -> dict:
+    def summary(self) -> Summary:
         """The cell agent's heartbeat view. SGLang's KV pool is not visible per request: the
         block counts are 0, which the scheduler reads as "no KV accounting", so placement is
         bounded by `max_running` request slots alone. `version` is None while no complete
         version is loaded; `versions_held` are the versions this cell can score; nothing is
         ever parked (no KV export)."""
         version = self.version
-        return {"inflight": len(self.streams.reqs), "kv_blocks_used": 0, "kv_blocks_total": 0,
-                "version": None if version == NO_VERSION else version, "versions_held": self.versions_held,
-                "request_ids": sorted(self.streams.reqs), "parked": [],
-                "max_running": self.max_running, "block_size": self.block_size}
+        return Summary(inflight=len(self.streams.reqs), kv_blocks_used=0, kv_blocks_total=0,
+                       version=None if version == NO_VERSION else version, versions_held=self.versions_held,
+                       request_ids=sorted(self.streams.reqs), parked=[], max_running=self.max_running,
+                       block_size=self.block_size)
 
     # -- engine-wide pause ------------------------------------------------------------------
     @property

@@ -32,20 +32,13 @@ class EngineDriver:
         self._turns: dict[str, int] = {}
         self.sampled_tokens = 0
 
-    def sampling_params(self, params: dict[str, Any]) -> Any:
-        from cells.engine.records import SamplingParams
+    def sampling_params(self, params: Any) -> Any:
+        """The gateway's `SamplingParams`, capped at this driver's `max_tokens` (its limit
+        where the request set none)."""
+        limit = params.max_tokens if "max_tokens" in params.model_fields_set else self.max_tokens
+        return params.model_copy(update={"max_tokens": min(self.max_tokens, limit)})
 
-        limit = params.get("max_tokens")
-        return SamplingParams(
-            temperature=float(params.get("temperature", 1.0)),
-            top_p=float(params.get("top_p", 1.0)),
-            top_k=max(0, int(params.get("top_k") or 0)),
-            max_tokens=min(self.max_tokens, limit) if limit else self.max_tokens,
-            stop_token_ids=tuple(params.get("stop_token_ids") or ()),
-            seed=int(params.get("seed") or 0),
-        )
-
-    async def generate(self, session_id: str, prompt_ids: list[int], params: dict[str, Any],
+    async def generate(self, session_id: str, prompt_ids: list[int], params: Any,
                        request_id: str):
         # The engine's request id (and so the sampling noise) is the session's n-th turn,
         # not the backend's global counter, which depends on how sessions interleave.

@@ -18,9 +18,8 @@ Contract of :class:`CompletionBackend`:
   :class:`BackendError`, with its own status and code) before the first token only.
   Closing the iterator early (a stop string, a client disconnect) stops decoding; what was
   yielded stays recorded.
-- ``params`` holds ``max_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed`` and
-  ``stop_token_ids`` (the chat format's turn-closing ids are always included), plus
-  ``logprobs`` / ``top_logprobs``.
+- ``params`` are the turn's :class:`~scheduler.contract.sampling.SamplingParams` (their
+  ``stop_token_ids`` always include the chat format's turn-closing ids).
 - Gateway state is a small JSON-serialisable dict the gateway stores per session (message
   fingerprints and turn boundaries, never token ids); store it alongside the buffer.
 """
@@ -32,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from scheduler.contract.errors import CellflipError, Conflict, NoCapacity, NotFound, Unavailable
+from scheduler.contract.sampling import SamplingParams
 
 __all__ = [
     "BackendBusy",
@@ -115,7 +115,7 @@ class CompletionBackend(Protocol):
     """Session store + cell routing, as the gateway uses them (see the module docstring)."""
 
     def complete(
-        self, session_id: str, prompt_ids: list[int], params: dict[str, Any], live: bool = True
+        self, session_id: str, prompt_ids: list[int], params: SamplingParams, live: bool = True
     ) -> AsyncIterator[TokenOut | Rewind]:
         """Decode a completion for ``prompt_ids`` on the session's cell, recording each token.
         ``live``: each token is shown as it is yielded (a stream); else the whole completion is

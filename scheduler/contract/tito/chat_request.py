@@ -9,6 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import ValidationError
+
+from scheduler.contract.sampling import SamplingParams, describe
 from scheduler.contract.tito.errors import GatewayError
 from scheduler.contract.tito.openai_schema import ChatCompletionRequest
 
@@ -142,8 +145,10 @@ def sampling_params(
     stop_token_ids: Sequence[int],
     vocab_size: int,
     default_max_tokens: int | None,
-) -> dict[str, Any]:
-    """The backend's sampling params: the renderer's stop tokens plus the request's."""
+) -> SamplingParams:
+    """The backend's sampling params: the request's fields of `SamplingParams` that it set (a
+    `top_k` of -1 is OpenAI's "off"), `max_completion_tokens` before `max_tokens` before the
+    gateway's default, and the renderer's stop tokens plus the request's."""
     if req.n not in (None, 1):
         raise GatewayError(400, "only n=1 is supported", param="n", code="unsupported_value")
     stop_ids = list(stop_token_ids)
@@ -156,14 +161,13 @@ def sampling_params(
             )
         if t not in stop_ids:
             stop_ids.append(t)
-    max_tokens = req.max_completion_tokens or req.max_tokens or default_max_tokens
-    return {
-        "max_tokens": max_tokens,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "top_k": -1 if req.top_k is None else req.top_k,
-        "seed": req.seed,
-        "stop_token_ids": stop_ids,
-        "logprobs": bool(req.logprobs),
-        "top_logprobs": req.top_logprobs or 0,
-    }
+    given = {k: v for k in SamplingParams.model_fields if (v := getattr(req, k, None)) is not None}
+    given.update(stop_token_ids=stop_ids, max_tokens=req.max_completion_tokens or req.max_tokens or default_max_tokens)
+    if given.get("top_k") == -1:
+        del given["top_k"]
+    try:
+        return SamplingParams.model_validate({k: v for k, v in given.items() if v is not None})
+    except ValidationError as e:
+        field = str(e.errors()[0]["loc"][0])
+        status, code = (422, "invalid_seed") if field == "seed" else (400, "invalid_value")
+        raise GatewayError(status, f"invalid sampling params: {describe(e)}", param=field, code=code) from None

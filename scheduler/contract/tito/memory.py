@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.contract.sampling import SamplingParams
 from scheduler.contract.tito.backend import (
     BackendBusy,
     SessionFinished,
@@ -61,14 +62,14 @@ class ReplayEngine:
         return q.popleft() if q else list(self.default_reply)
 
     async def generate(
-        self, session_id: str, prompt_ids: list[int], params: dict[str, Any], request_id: str
+        self, session_id: str, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[TokenOut]:
         """Yield the session's next scripted completion, cut by max_tokens / stop ids."""
         self.requests += 1
         ids = self.next_completion(session_id)
-        stop = set(params.get("stop_token_ids") or ())
-        max_tokens = params.get("max_tokens")
-        seed = int(params.get("seed") or 0)
+        stop = set(params.stop_token_ids)
+        max_tokens = params.max_tokens if "max_tokens" in params.model_fields_set else None  # unset: no cut
+        seed = params.seed
         record: list[int] = []
         self.sampled[session_id].append(record)
         n = len(ids)
@@ -167,7 +168,7 @@ class InMemoryBackend:
         return sess
 
     async def complete(
-        self, session_id: str, prompt_ids: list[int], params: dict[str, Any], live: bool = True
+        self, session_id: str, prompt_ids: list[int], params: SamplingParams, live: bool = True
     ) -> AsyncIterator[TokenOut]:
         sess = self._get(session_id)
         if sess.finished:

@@ -12,6 +12,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler.contract.sampling import SamplingParams
 from scheduler.contract.tito.backend import CompletionBackend, SessionTokens
 from scheduler.contract.tito.chat_request import convert_messages, request_tools, sampling_params
 from scheduler.contract.tito.errors import GatewayError
@@ -48,7 +49,7 @@ class TurnPlan:
     tools: list[dict[str, Any]] | None
     tools_key: str
     turn: int
-    params: dict[str, Any]
+    params: SamplingParams
     stop: list[str]
     tool_choice: Any
     prev_len: int
