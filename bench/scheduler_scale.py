@@ -105,7 +105,9 @@ class StoreFleet:
                 "VALUES (?, 'finished', ?, '[0]', ?, ?)",
                 [(f"f{j}", TOKENS_PER_SESSION, j + 1, now) for j in range(FINISHED)])
             self.store.executemany(
-                "INSERT INTO cells VALUES (?,?,?,1,0,?,1,?,?,0,?,'[]')",
+                "INSERT INTO cells(id, incarnation, state, generation, version, address, store_port, capabilities, "
+                "kv_blocks_total, kv_blocks_used, max_running, history, trust) "
+                "VALUES (?,?,?,1,0,?,1,?,?,0,?,'[]','verified')",
                 [(c, f"inc-{c}", "training" if i < n_train else "rollout", f"node{i // 8}:{20000 + i}", CAPS,
                   KV_BLOCKS, CAPACITY) for i, c in enumerate(self.ids)])
             for c, n in inflight.items():
