@@ -39,15 +39,26 @@ def publish(t: Any) -> None:
     if t.tc.export_every and version % t.tc.export_every == 0:
         export(t, version)
 
-def export(t: Any, version: int) -> None:
-    """Ask a cell holding `version` to write it as a Hugging Face directory (off its loop)."""
+
+def export(t: Any, version: int, wait_s: float = 30.0) -> None:
+    """Ask a cell holding `version` to write it as a Hugging Face directory (off its loop). Just
+    published, no cell may report holding it yet: asked again until one does (`wait_s`)."""
     path = str(Path(t.tc.export_dir) / f"v{version}")
+    deadline = time.monotonic() + wait_s
     try:
-        ex = t.client.export(version, path, t.tc.export_dtype)
+        while True:
+            try:
+                ex = t.client.export(version, path, t.tc.export_dtype)
+                break
+            except Exception as e:
+                if getattr(e, "reason", None) != "version_not_held" or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.25)
         t._exports.append(ex["id"])
         t._emit({"event": "export", "version": version, "path": path, "id": ex["id"], "cell": ex.get("cell")})
     except Exception as e:
         t._emit({"event": "export_failed", "version": version, "path": path, "reason": str(e)[:300]})
+
 
 def finish_exports(t: Any, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
@@ -59,6 +70,7 @@ def finish_exports(t: Any, timeout_s: float = 300.0) -> None:
                 break
             time.sleep(0.2)
     t._exports = []
+
 
 def drop_retired(t: Any) -> None:
     """The publishing cells drop the versions the scheduler retired."""
