@@ -70,6 +70,11 @@ Fields of the JSON line:
   cell stopped past its lease, each waking to sync what it decoded), and the store's history
   alone must show it. Whether a zombie wakes inside that window depends on timing: after the
   canary's rounds, its scenarios run once more at most, one by one, until the store shows one.
+- client_violations / canary_client_violations: violations found by comparing the tokens each
+  client received with the session the trainer is handed (GET /v1/sessions/{id}: the prompt,
+  then exactly the client's tokens, each sampled): a gap, a duplicate or a foreign token; this
+  check reads nothing of the store's own bookkeeping (rows, epochs, its token history). 0 in
+  the main runs, > 0 in the canary's.
 - canary_runs: canary runs made (rounds, plus the ones run until the store showed a split).
 
 Exit status (the targets of bench/targets.yaml, judged by `finish`): 1 on any violation, lost

@@ -611,6 +611,11 @@ class Campaign:
             client = {"request_id": s.request_id, "session_id": s.session_id, "max_tokens": s.max_tokens,
                       "tokens": list(s.tokens), "finish_reason": s.finish_reason, "error": s.error}
             vio, lost = checker.check_request(client, r, rows, expect)
+            if s.session_id:  # what the client received against what the trainer is handed
+                resp = self.http.get(f"/v1/sessions/{s.session_id}")
+                vio += checker.check_client_vs_trainer(list(s.prompt), list(s.tokens), bool(s.finish_reason),
+                                                       resp.json() if resp.status_code == 200 else None,
+                                                       s.request_id or s.session_id)
             if s.replay_mismatch:
                 vio.append(f"I1: the client of {s.request_id} was replayed other tokens than it first got "
                            f"({s.replay_mismatch})")
@@ -804,6 +809,8 @@ def summarize(runs: list[Run], canary_runs: list[Run]) -> dict:
         "checker_errors": sum(len(r.checker_errors) for r in runs + canary_runs),
         "canary_violations": len(canary_vio),
         "canary_store_violations": sum(checker.STORE_HISTORY in v for v in canary_vio),
+        "client_violations": sum(v.startswith(checker.CLIENT_VS_TRAINER) for r in runs for v in r.violations),
+        "canary_client_violations": sum(v.startswith(checker.CLIENT_VS_TRAINER) for v in canary_vio),
         "canary_runs": len(canary_runs),
         "canary_faults_fired": sum(len(r.faults) for r in canary_runs),
         "canary_examples": sorted(set(canary_vio))[:5],

@@ -289,6 +289,38 @@ def check_request(client: dict, final: dict | None, rows: list[tuple] | None,
     return out, False
 
 
+CLIENT_VS_TRAINER = "I6:"
+"""The prefix of violations found by comparing what clients received with what the trainer
+is handed: independent of the store's own bookkeeping (its rows, its epochs, its history)."""
+
+
+def check_client_vs_trainer(prompt: list[int], got: list[int], finished: bool, session: dict | None,
+                            rid: str) -> list[str]:
+    """The tokens one client received against the session the trainer reads
+    (`GET /v1/sessions/{id}`: token ids and loss mask): the prompt, then exactly the client's
+    tokens, each sampled (mask 1). A token the client got that the trainer does not (a gap or
+    a changed token), one the trainer gets that the client never saw after it finished (a
+    duplicate or a foreign token), or a prompt that is not the client's is a violation."""
+    if session is None:
+        return [f"{CLIENT_VS_TRAINER} the trainer is not handed {rid}'s session"] if got else []
+    ids, mask = session["token_ids"], session["loss_mask"]
+    out = []
+    if ids[: len(prompt)] != prompt:
+        out.append(f"{CLIENT_VS_TRAINER} {rid}: the trainer's session does not start with the client's prompt")
+        return out
+    gen, gen_mask = ids[len(prompt):], mask[len(prompt):]
+    if gen[: len(got)] != got:
+        k = next((i for i, (a, b) in enumerate(zip(got, gen, strict=False)) if a != b), min(len(got), len(gen)))
+        out.append(f"{CLIENT_VS_TRAINER} {rid}: token {k} the client received is not the trainer's "
+                   f"({len(got)} received, {len(gen)} handed to the trainer)")
+    elif finished and len(gen) != len(got):
+        out.append(f"{CLIENT_VS_TRAINER} {rid}: the trainer is handed {len(gen) - len(got)} tokens the client "
+                   "never received (duplicated or foreign)")
+    if any(m != 1 for m in gen_mask):
+        out.append(f"{CLIENT_VS_TRAINER} {rid}: the trainer would train on tokens no client was sampled")
+    return out
+
+
 def single_version(rows: list[tuple]) -> int | None:
     """The one version every generated token carries, or None (none, or a mix)."""
     vs = {r[2] for r in rows}

@@ -347,3 +347,25 @@ def test_recovery_is_what_each_affected_client_felt_and_none_in_flight_says_so()
     assert out["by_scenario"]["s"]["recovery_max_s"] == 2.5
     q = out["by_scenario"]["q"]
     assert q["recovery_max_s"] is None and q["recovery"] == "no request in flight at any fault"
+
+
+def test_client_tokens_against_what_the_trainer_is_handed():
+    from faultkit.checker import CLIENT_VS_TRAINER, check_client_vs_trainer
+
+    def session(ids, gen_mask=None):
+        prompt = [1, 2, 3]
+        gen = ids[len(prompt):]
+        return {"token_ids": ids, "loss_mask": [0] * len(prompt) + (gen_mask or [1] * len(gen))}
+
+    prompt = [1, 2, 3]
+    assert check_client_vs_trainer(prompt, [7, 8], True, session([1, 2, 3, 7, 8]), "r") == []
+    assert check_client_vs_trainer(prompt, [7], False, session([1, 2, 3, 7, 8]), "r") == []  # stream cut: more is fine
+    bad = {
+        "gap": check_client_vs_trainer(prompt, [7, 8], True, session([1, 2, 3, 7]), "r"),
+        "changed": check_client_vs_trainer(prompt, [7, 8], True, session([1, 2, 3, 7, 9]), "r"),
+        "duplicate": check_client_vs_trainer(prompt, [7, 8], True, session([1, 2, 3, 7, 8, 8]), "r"),
+        "foreign prompt": check_client_vs_trainer(prompt, [7], True, session([1, 2, 4, 7]), "r"),
+        "unsampled": check_client_vs_trainer(prompt, [7], True, session([1, 2, 3, 7], [0]), "r"),
+        "missing session": check_client_vs_trainer(prompt, [7], True, None, "r"),
+    }
+    assert all(v and all(x.startswith(CLIENT_VS_TRAINER) for x in v) for v in bad.values()), bad
