@@ -177,7 +177,7 @@ class Trainer:
                     "cell": cells[0]})
         self._emit({"event": "warmup_done", "loss": m.get("final_loss"), "wall_s": round(m.get("wall_s", 0.0), 1)})
         self._publish()
-        self.cells.release(cells)
+        self.cells.hand_back()  # every cell serves again before the agents start (no step runs)
 
     def _warmup_progress(self) -> Callable[[dict], None]:
         """Status lines while the warm-up runs on its cell (about every 5%), with an estimate
