@@ -43,6 +43,7 @@ if str(ROOT) not in sys.path:
 
 from common import add_target_args, finish  # noqa: E402
 
+from scheduler.contract.sampling import SamplingParams  # noqa: E402
 from scheduler.contract.tito.memory import InMemoryBackend, ReplayEngine, echo_assistant  # noqa: E402
 from scheduler.contract.tito.render import ChatRenderer, load_renderer  # noqa: E402
 from scheduler.contract.tito.tito import naive_rerender_drift  # noqa: E402
@@ -529,7 +530,7 @@ async def run_tokenizer(name: str, n_sessions: int, use_bridge: bool = True) -> 
             direct_engine.script("direct", [turn["completion_ids"]])
             t2 = time.perf_counter()
             async for _ in direct_engine.generate(
-                "direct", [], {"stop_token_ids": list(renderer.stop_token_ids)}, "d"
+                "direct", [], SamplingParams(stop_token_ids=list(renderer.stop_token_ids)), "d"
             ):
                 pass
             t3 = time.perf_counter()
