@@ -115,7 +115,7 @@ class _Cell:
         self.engine = EmbeddedEngine(_engine_cfg())
         self.events: list[dict] = []
         # as the cell agent does: weights are prepared on the loader thread, installed by a swap
-        self.versions = CellVersions(self.cell_id, emit=self.events.append, wake=lambda: None, timeout_s=TIMEOUT_S,
+        self.versions = CellVersions(self.cell_id, emit=lambda e: self.events.append(e.to_dict()), wake=lambda: None, timeout_s=TIMEOUT_S,
                                      prepare=self.engine.prepare_weights)
         self.lock = threading.Lock()
         self.num_waiting = 0
