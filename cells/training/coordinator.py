@@ -173,6 +173,9 @@ class TrainingCoordinator:
             join_s = time.perf_counter() - t0 if source["to"] else 0.0
             result = self._result(prefix, cells)
             self._check_ranks(prefix, cells, result["checksum"])
+        except StateLost as e:  # no retry can bring the state back: the trainer resumes or stops
+            set_json(self.store, f"{prefix}/abort", {"reason": str(e)[:300]})
+            raise
         except (StepFailed, RuntimeError) as e:
             set_json(self.store, f"{prefix}/abort", {"reason": str(e)[:300]})
             raise e if isinstance(e, StepFailed) else StepFailed(str(e), self._failed(prefix, cells)) from e
@@ -324,7 +327,7 @@ class TrainingCoordinator:
         return out
 
     # -- the committed state's other uses ---------------------------------------------------
-    def checkpoint(self, path: str, timeout_s: float = 600.0) -> str:
+    def checkpoint(self, path: str) -> str:
         """Ask a cell holding the committed state to write it to `path` (safetensors plus a JSON
         manifest, off its step); returns the job id `checkpoint_done` waits for."""
         if self.commit is None or not self.holders:

@@ -89,7 +89,7 @@ class Holder:
         serve(self.w, store, job)
         return {"ok": True}
 
-    def _job_checkpoint(self, store, job: dict) -> None:
+    def _job_checkpoint(self, store, job: dict) -> dict:
         w = self.w
         if w.tag != job["commit"]["tag"]:
             return {"ok": False, "error": f"holds {w.tag}, not {job['commit']['tag']}"}
@@ -131,7 +131,7 @@ class Holder:
         host.put(version, weights)
         return {"ok": True, "namespace": namespace(self.w.cell_id)}
 
-    def _job_broadcast(self, store, job: dict) -> None:
+    def _job_broadcast(self, store, job: dict) -> dict:
         host = self.host
         if host is None:
             return {"ok": False, "error": "no version host"}
