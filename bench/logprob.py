@@ -139,11 +139,15 @@ def main() -> None:
         ecfg = parse_config(cfg).cells.engine
         engines = {v: EmbeddedEngine(ecfg, weights=w, version=v) for v, w in weights.items()}
         pick = random.Random(1).sample(sampled, max(1, len(sampled) // 50))
-        mismatches = 0
+        mismatches = wrong_caught = 0
         for sid, i in pick:
             s = sessions[sid]
-            lp = engines[s["versions"][i]].score(s["token_ids"][: i + 1])
+            v = s["versions"][i]
+            lp = engines[v].score(s["token_ids"][: i + 1])
             mismatches += float(lp[i - 1]) != s["old_logprobs"][i]
+            # the negative control: the same check against another version's weights must fail
+            wrong = engines[v % n_versions + 1].score(s["token_ids"][: i + 1])
+            wrong_caught += float(wrong[i - 1]) != s["old_logprobs"][i]
         match, compared = decode_matches(streams, sessions, args.inflight_policy)
         vers = listing["versions"]
         lifetimes = [v["lifetime_s"] for v in vers if v["lifetime_s"] is not None]
@@ -157,6 +161,7 @@ def main() -> None:
             "versions": n_versions, "inflight_policy": args.inflight_policy, "tokens": len(sampled),
             "exact_frac": round(exact / len(sampled), 6), "verified_tokens": len(pick),
             "verified_mismatches": mismatches,
+            "wrong_weights_caught_frac": round(wrong_caught / len(pick), 4),
             "decode_match_frac": round(match / compared, 6) if compared else None,
             "decode_match_tokens": compared,
             "decode_compared_frac": round(compared / exact, 4) if exact else None,

@@ -337,7 +337,7 @@ def main() -> None:
             print(json.dumps(points[-1]), flush=True)
     finally:
         c.stop()
-    exact = True
+    exact = negative_ok = True
     for (s, prompt, k), p in zip(runs, points):
         times, ref = recompute_and_reference(cfg, s.request_id, prompt, k, len(s.tokens), WARM_RECOMPUTES)
         p["recompute_ms"] = round(med(times) * 1e3, 1)
@@ -348,10 +348,14 @@ def main() -> None:
         p["recompute_fast_ms"] = round(med(fast_times) * 1e3, 1)
         p["token_exact"] = ref == s.tokens
         exact &= p["token_exact"]
+        # the negative control: the same comparison with one moved token altered must fail
+        altered = list(s.tokens)
+        altered[len(altered) // 2] += 1
+        negative_ok &= ref != altered
         print(json.dumps({"context_tokens": p["context_tokens"], "recompute_ms": p["recompute_ms"],
                           "token_exact": p["token_exact"]}), flush=True)
     first, last = points[0], points[-1]
-    result = {"points": points, "token_exact": exact, "moves": moves,
+    result = {"points": points, "token_exact": exact, "token_exact_negative_ok": negative_ok, "moves": moves,
               "stall_flatness_ms": round(last["stall_max_ms"] - first["stall_max_ms"], 2),
               "gbps_over_raw_largest": round(last["gbps"] / last["raw_p2p_gbps"], 3)}
     p8 = next((p for p in points if p["context_tokens"] == 8192), None)
