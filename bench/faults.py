@@ -4,7 +4,7 @@ cluster, a history of every operation, invariants I1–I5 checked over it, then 
 One started cluster (a scheduler with its SQLite store, 3 cells of the tiny preset in
 batch-invariant mode, a trainer-side version host) serves every run; a process a fault kills
 is restarted (a cell as a new incarnation, the scheduler on the same store, the trainer as the
-next version). Scenarios, their runs round-robin in a seeded order (faultkit/campaign.py):
+next version). Scenarios, their runs round-robin in a seeded order (faultkit/scenarios/):
   mig_kill_source / mig_kill_destination  SIGKILL of the migration's source (after a copy round,
       before / after the stop-and-copy, before it frees) or destination (inside the transfer,
       before / after its commit); restarted at once or after its lease
@@ -74,7 +74,17 @@ Fields of the JSON line:
   client received with the session the trainer is handed (GET /v1/sessions/{id}: the prompt,
   then exactly the client's tokens, each sampled): a gap, a duplicate or a foreign token; this
   check reads nothing of the store's own bookkeeping (rows, epochs, its token history). 0 in
-  the main runs, > 0 in the canary's.
+  the main runs. In the canary it finds nothing as a rule, and that is a finding: sampling is
+  seeded and batch-invariant, so a zombie's tokens equal its successor's, and the store takes no
+  token that differs from the one already at its index — the clients and the trainer see the
+  same tokens even with the fence off.
+- cell_log_violations / canary_cell_log_violations: ownership as the cells saw it: each cell
+  logs the batches the scheduler took from it (CELLFLIP_SYNC_LOG) with their send time; a
+  batch of an older epoch taken though sent after one of a newer epoch, or two cells taken at
+  one epoch, is split ownership (faultkit/celllogs.py); so is a migration whose source resumed
+  while its destination committed, by the two cells' migration logs alone (checker.py).
+  canary_independent_violations: the canary's catches by the checks independent of the store's
+  bookkeeping (the cells' own logs, the clients against the trainer; the target: >= 1).
 - canary_runs: canary runs made (rounds, plus the ones run until the store showed a split).
 
 Exit status (the targets of bench/targets.yaml, judged by `finish`): 1 on any violation, lost
@@ -92,8 +102,10 @@ from pathlib import Path
 
 from common import finish, parse_args, set_threads
 
-from faultkit.campaign import CANARY_PLAN, Campaign, summarize
+from faultkit.campaign import Campaign
 from faultkit.checker import STORE_HISTORY
+from faultkit.runs import summarize
+from faultkit.scenarios import CANARY_PLAN
 
 
 def _extra(ap) -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from faultkit.celllogs import CELL_LOGS
 from scheduler.contract.states import FLIP, MIGRATION, REQUEST, VERSION, Machine
 
 STORE_HISTORY = "in the store's token history"
@@ -237,8 +238,8 @@ def check_migration_outcomes(outcomes: Iterable[dict], migrations: dict[str, dic
         state = migrations.get(mid, {}).get("state")
         rid = migrations.get(mid, {}).get("request", "?")
         if "aborted" in src and "committed" in dst:
-            out.append(f"I2: split ownership of {rid}: the source of {mid} resumed it and the destination "
-                       "committed it")
+            out.append(f"I2: {CELL_LOGS}, split ownership of {rid}: the source of {mid} resumed it and the "
+                       "destination committed it")
         elif "aborted" in src and state == "committed":
             out.append(f"I2: the source of {mid} resumed {rid} after the commit won")
         elif "committed" in dst and state == "aborted":

@@ -28,7 +28,7 @@ import uuid
 
 from cells.agent.commands import Commands
 from cells.agent.moves import Moves
-from cells.agent.owned import Owned
+from cells.agent.owned import Owned, log_accepted
 from cells.client import Fenced, Refused, SchedulerClient
 from cells.engine.base import Engine, kv_handover, scoring, versioned_weights
 from cells.roles import CellRole
@@ -296,6 +296,7 @@ class CellAgent:
             self._sync_collects += 1
         summary = dataclasses.replace(summary, role=self.role.ready_role(), loading=sorted(self.versions.loading))
         req = SyncRequest(self.incarnation, summary, batches, events, wait_s)
+        sent_at = time.time()
         try:
             resp = self.client.sync(self.cell_id, req)
         except Fenced:
@@ -306,8 +307,9 @@ class CellAgent:
                 self.events = events + self.events
             time.sleep(min(self.heartbeat_s, 0.5))
             return
+        rejected = set(resp.rejected)
+        log_accepted(self.cell_id, sent_at, batches, rejected)
         with self.access():
-            rejected = set(resp.rejected)
             for rid, n in sent:
                 o = self.owned.get(rid)
                 if o is None or rid in rejected:

@@ -4,8 +4,10 @@ fencing switched off must be caught by the same checkers."""
 
 import pytest
 
-from faultkit.campaign import CANARY_PLAN, SCENARIOS, Campaign
-from faultkit.checker import STORE_HISTORY
+from faultkit.campaign import Campaign
+from faultkit.celllogs import CELL_LOGS
+from faultkit.checker import CLIENT_VS_TRAINER, STORE_HISTORY
+from faultkit.scenarios import CANARY_PLAN, SCENARIOS
 
 pytestmark = pytest.mark.slow
 
@@ -45,16 +47,30 @@ def test_every_rogue_cell_is_quarantined_and_nothing_it_sampled_is_trained(campa
         assert not run.hangs and run.lost == 0 and run.violations == [], _why(campaign, run)
 
 
-def test_canary_without_fencing_is_caught_by_the_store(campaign):
+def test_canary_without_fencing_is_caught_by_the_store_and_the_clients(campaign):
     # Split ownership needs the zombie to wake inside a window that depends on timing: the
     # canary scenarios are tried in turn (twice over) until the store's own token history
-    # shows one (not only the cells' migration logs).
+    # shows one (not only the cells' migration logs), and a check independent of the store's
+    # bookkeeping has caught one too: the cells' own logs of what the scheduler took from them,
+    # or the tokens each client received against the session the trainer is handed. (With
+    # seeded, batch-invariant sampling a zombie's tokens equal its successor's, and the store
+    # takes no token that differs from the one at its index: the clients see no difference.)
     runs = []
+
+    def caught(mark) -> bool:
+        return any(mark(v) for r in runs for v in r.violations)
+
+    def by_store(v: str) -> bool:
+        return v.startswith("I2:") and STORE_HISTORY in v
+
+    def independently(v: str) -> bool:
+        return v.startswith(CLIENT_VS_TRAINER) or CELL_LOGS in v
+
     for entry in CANARY_PLAN * 2:
         runs += campaign.execute([entry], canary=True)
-        if any(STORE_HISTORY in v for v in runs[-1].violations):
+        if caught(by_store) and caught(independently):
             break
     assert all(r.faults for r in runs), [_why(campaign, r) for r in runs]
-    assert any(v.startswith("I2:") and STORE_HISTORY in v for r in runs for v in r.violations), \
-        [_why(campaign, r) for r in runs]
+    assert caught(by_store), [_why(campaign, r) for r in runs]
+    assert caught(independently), [_why(campaign, r) for r in runs]
     assert not campaign.nem.scheduler_env  # the switch is off again for whatever runs next

@@ -329,7 +329,7 @@ def test_token_epochs_past_a_commit_point_must_be_newer():
 def test_recovery_is_what_each_affected_client_felt_and_none_in_flight_says_so():
     from types import SimpleNamespace
 
-    from faultkit.campaign import Run, client_recoveries, summarize
+    from faultkit.runs import Run, client_recoveries, summarize
 
     def client(times, finished_at=None):
         return SimpleNamespace(stream=SimpleNamespace(request_id="r", times=times, finished_at=finished_at))
