@@ -117,6 +117,14 @@ def test_the_product_does_not_import_the_fault_machinery():
     assert not found, "\n".join(found)
 
 
+def test_the_architecture_doc_is_an_overview():
+    """One page: at most 1,500 words, one mermaid diagram (the module detail is in
+    docs/MODULES.md, the lifecycles in docs/LIFECYCLES.md)."""
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    assert len(doc.split()) <= 1500
+    assert doc.count("```mermaid") == 1
+
+
 @pytest.mark.parametrize("root", PRODUCT)
 def test_every_product_package_is_listed_in_the_architecture_doc(root):
     doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
