@@ -15,35 +15,13 @@ import signal
 import sys
 import threading
 
-
-def _load(path: str | None):
-    from scheduler.contract.config import CellflipConfig, load_config
-
-    return load_config(path) if path else CellflipConfig()
-
-
-def _token(cfg, token_file: str | None = None, scope: str = "admin") -> str | None:
-    """The token a client of `scope` sends (scheduler/contract/tokens.py: an explicit file, the
-    config's file for the scope, its environment variable, or the file the scheduler generated);
-    a bad file exits with one line."""
-    from scheduler.contract.config import ConfigError
-    from scheduler.contract.tokens import client_token
-
-    try:
-        return client_token(cfg.scheduler, token_file, scope=scope)
-    except ConfigError as e:
-        raise SystemExit(f"cellflip: {e}") from None
-
-
-def _stop_on_signals(handler) -> None:
-    """SIGINT and SIGTERM call `handler` whatever disposition this process inherited (a shell
-    that starts a job in the background sets SIGINT to ignored)."""
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-
-
-def _interrupt(*_):
-    raise KeyboardInterrupt
+from cells.entry import (
+    build_engine,
+    cell_config,
+    client_token_for,
+    load,
+    stop_on_signals,
+)
 
 
 def cmd_scheduler(args) -> int:
@@ -56,7 +34,7 @@ def cmd_scheduler(args) -> int:
     from scheduler.contract.config import ConfigError
     from scheduler.contract.tokens import server_token
 
-    cfg = _load(args.config)
+    cfg = load(args.config)
     db = args.db or cfg.scheduler.db_path
     os.makedirs(os.path.dirname(os.path.abspath(db)), exist_ok=True)
     sched = cfg.scheduler.model_copy(update={"db_path": db, "host": args.host or cfg.scheduler.host})
@@ -79,66 +57,10 @@ def cmd_scheduler(args) -> int:
     return 0
 
 
-def cell_config(args, cfg):
-    """`cfg` with the cell's engine overridden by `--engine`, `--model-path` and `--tp`.
-    `--engine sglang` keeps the config's SGLang settings (scoring, server args…) where the
-    config already selects SGLang; `--model-path` is the embedded model's checkpoint path
-    or SGLang's model path. Raises SystemExit naming the flag on a bad combination."""
-    from pydantic import ValidationError
-
-    from scheduler.contract.config import EmbeddedEngineConfig, SGLangEngineConfig
-
-    base = cfg.cells.engine
-    kind = args.engine or base.type
-    if kind == "sglang":
-        fields = base.model_dump() if isinstance(base, SGLangEngineConfig) else {}
-        if args.model_path is not None:
-            fields["model_path"] = args.model_path
-        if args.tp is not None:
-            fields["tp"] = args.tp
-        if "model_path" not in fields:
-            raise SystemExit("cellflip cell: --engine sglang needs --model-path (or cells.engine.model_path "
-                             "in the config)")
-        make = lambda: SGLangEngineConfig(**fields)  # noqa: E731
-    else:
-        if args.tp is not None:
-            raise SystemExit("cellflip cell: --tp applies to --engine sglang only")
-        fields = base.model_dump() if isinstance(base, EmbeddedEngineConfig) else {}
-        if args.model_path is not None:
-            fields["model"] = {**fields.get("model", {}), "path": args.model_path}
-        make = lambda: EmbeddedEngineConfig(**fields)  # noqa: E731
-    try:
-        eng_cfg = make()
-    except ValidationError as e:
-        raise SystemExit(f"cellflip cell: bad engine settings: {e}") from None
-    return cfg.model_copy(update={"cells": cfg.cells.model_copy(update={"engine": eng_cfg})})
-
-
-def build_engine(eng_cfg):
-    """The cell's engine. SGLang that cannot run here (not installed, a wrong version, a
-    setting that changes what log-probs mean) exits with the adapter's message."""
-    from scheduler.contract.config import EmbeddedEngineConfig
-
-    if isinstance(eng_cfg, EmbeddedEngineConfig):
-        import torch
-
-        from cells.engine.embedded import EmbeddedEngine
-
-        torch.set_num_threads(eng_cfg.threads)
-        return EmbeddedEngine(eng_cfg)
-    from cells.engine.records import EngineError
-    from cells.engine.sglang.engine import SGLangEngine  # SGLang itself is imported lazily
-
-    try:
-        return SGLangEngine(eng_cfg)
-    except EngineError as e:
-        raise SystemExit(f"cellflip cell: {e}") from None
-
-
 def cmd_cell(args) -> int:
     from cells.agent import CellAgent
 
-    cfg = cell_config(args, _load(args.config))
+    cfg = cell_config(args, load(args.config))
     probe = None
     if args.p2p_probe:  # both cells join before either serves
         from cells.transport.probe import LinkProbe
@@ -148,12 +70,12 @@ def cmd_cell(args) -> int:
     # Short GIL hand-offs: transfer threads wake promptly while the engine loop computes.
     sys.setswitchinterval(0.0005)
     agent = CellAgent(cfg, cell_id=args.cell_id, scheduler_url=args.scheduler, engine=engine, host=args.host,
-                      token=_token(cfg, scope="cell"))
+                      token=client_token_for(cfg, scope="cell"))
     agent.manage_gc()  # the process is the cell's
     stop = threading.Event()
     if probe is not None:
         probe.start(agent.quiesce, stop)
-    _stop_on_signals(lambda *_: stop.set())
+    stop_on_signals(lambda *_: stop.set())
     # `kill -USR1 <pid>`: the agent's and engine's state in the cell's log, for post-mortems
     signal.signal(signal.SIGUSR1, lambda *_: logging.getLogger("cellflip.cell").warning(
         "cell %s state: %s", args.cell_id, agent.dump_state()))
@@ -170,44 +92,17 @@ def cmd_up(args) -> int:
     return up(args)
 
 
-def _launcher(cfg, ray_address: str | None):
-    """The config's launcher; `--ray [ADDRESS]` selects Ray (keeping the config's Ray settings)."""
-    from scheduler.contract.config import RayLauncherConfig
-
-    if ray_address is None:
-        return cfg.launcher
-    base = cfg.launcher.model_dump() if isinstance(cfg.launcher, RayLauncherConfig) else {}
-    return RayLauncherConfig(**{**base, "address": ray_address})
-
-
-def _prepare_toy(raw: dict) -> None:
-    """The toy task's chat format and output vocabulary, unless the config sets them: the
-    cells sample, and the trainer trains, over exactly the ids the task can use."""
-    from cells.trainer.toy_task import TOY_RENDERER, output_token_ids
-
-    model = raw.setdefault("cells", {}).setdefault("engine", {}).setdefault("model", {})
-    if model.get("output_id_ranges") is None:
-        ids = sorted(set(output_token_ids()))
-        ranges, start = [], ids[0]
-        for a, b in zip(ids, ids[1:] + [None]):
-            if b != a + 1:
-                ranges.append([start, a + 1])
-                start = b
-        model["output_id_ranges"] = ranges
-    raw.setdefault("gateway", {}).setdefault("renderer", TOY_RENDERER)
-
-
 def cmd_trainer(args) -> int:
     import torch
 
     from cells.trainer.trainer import Trainer
 
     torch.set_num_threads(1)
-    cfg = _load(args.config)
-    trainer = Trainer(cfg, args.scheduler, run_dir=args.run_dir, token=_token(cfg, scope="trainer"),
-                      agent_token=_token(cfg, scope="agent"), tag=args.tag)
+    cfg = load(args.config)
+    trainer = Trainer(cfg, args.scheduler, run_dir=args.run_dir, token=client_token_for(cfg, scope="trainer"),
+                      agent_token=client_token_for(cfg, scope="agent"), tag=args.tag)
     stop = threading.Event()
-    _stop_on_signals(lambda *_: stop.set())
+    stop_on_signals(lambda *_: stop.set())
     try:
         summary = trainer.run(stop)
     except KeyboardInterrupt:
@@ -219,7 +114,7 @@ def cmd_trainer(args) -> int:
 def cmd_status(args) -> int:
     import httpx
 
-    token = _token(_load(args.config), args.token_file, scope="trainer")
+    token = client_token_for(load(args.config), args.token_file, scope="trainer")
     try:
         r = httpx.get(f"{args.scheduler}/v1/cells", timeout=5.0,
                       headers={"Authorization": f"Bearer {token}"} if token else {})
@@ -256,7 +151,7 @@ def cmd_token(args) -> int:
     (the scheduler keeps only its hash); a revoked one is refused from the next request on."""
     import httpx
 
-    token = _token(_load(args.config), args.token_file, scope="admin")
+    token = client_token_for(load(args.config), args.token_file, scope="admin")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     url = f"{args.scheduler}/v1/tokens"
     try:
@@ -296,7 +191,7 @@ def cmd_export_weights(args) -> int:
 
     import httpx
 
-    token = _token(_load(args.config), args.token_file, scope="trainer")
+    token = client_token_for(load(args.config), args.token_file, scope="trainer")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         with httpx.Client(base_url=args.scheduler, headers=headers, timeout=10.0) as http:

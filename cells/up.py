@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from cells.cli import _interrupt, _launcher, _load, _prepare_toy, _stop_on_signals
+from cells.entry import interrupt, launcher_for, load, prepare_toy, stop_on_signals
 
 QUICK = {"steps": 1, "warmup_steps": 40, "batch_episodes": 8, "agents": 8, "group_size": 4}
 """`cellflip up --quick`: one full cycle (warm-up, flip with live migration, train, publish,
@@ -23,8 +23,8 @@ def cmd_up(args) -> int:
 
     from cells.localcluster import Cluster
 
-    _stop_on_signals(_interrupt)  # Ctrl-C and a plain kill stop the children too
-    cfg = _load(args.config)  # validate before starting anything
+    stop_on_signals(interrupt)  # Ctrl-C and a plain kill stop the children too
+    cfg = load(args.config)  # validate before starting anything
     with open(args.config) as f:
         raw = yaml.safe_load(f) or {}
     sched = raw.setdefault("scheduler", {})
@@ -40,10 +40,10 @@ def cmd_up(args) -> int:
     if args.steps is not None:
         trainer["steps"] = args.steps
     if train:
-        _prepare_toy(raw)
+        prepare_toy(raw)
     token_note = _ensure_token(cfg)
     say = lambda msg: print(f"cellflip up: {msg}", flush=True)  # noqa: E731
-    launcher = _launcher(cfg, args.ray)
+    launcher = launcher_for(cfg, args.ray)
     if launcher.type == "ray":  # the same deployment as actors on a Ray cluster (docs/RAY.md)
         from cells.launch.ray_launcher import up as up_on_ray
 

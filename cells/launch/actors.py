@@ -208,7 +208,7 @@ class CellActor(_LoopActor):
 
     def __init__(self, config_json: str, cell_id: str, namespace: str) -> None:
         from cells.agent import CellAgent
-        from cells.cli import build_engine
+        from cells.entry import build_engine
         from scheduler.contract.tokens import client_token
 
         cfg = _load(config_json)

@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from cells.cli import _prepare_toy
+from cells.entry import prepare_toy as _prepare_toy
 from cells.localcluster import ROOT, Cluster, find_free_port
 from scheduler.contract.tokens import SCOPE_ENV, TOKEN_ENV
 

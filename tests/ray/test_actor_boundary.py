@@ -73,7 +73,7 @@ def test_launcher_is_a_discriminated_union():
 
 
 def test_cli_ray_flag_keeps_the_configs_ray_settings():
-    from cells.cli import _launcher
+    from cells.entry import launcher_for as _launcher
 
     cfg = parse_config({"launcher": {"type": "ray", "namespace": "team-a", "max_restarts": 1}})
     got = _launcher(cfg, "auto")

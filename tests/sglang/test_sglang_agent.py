@@ -23,10 +23,10 @@ import pytest
 import torch
 
 from cells.agent import CellAgent
-from cells.cli import cell_config
 from cells.engine.records import SamplingParams
 from cells.engine.sglang.engine import SGLangEngine
 from cells.engine.sglang.migration import kv_store_identity
+from cells.entry import cell_config
 from cells.localcluster import ROOT, Cluster, Streamer, cluster_config
 from scheduler.contract.config import (
     CellflipConfig,
