@@ -26,6 +26,7 @@ from cells.rl.objectives import (
     tree_ppo_loss,
     update_kl_terms,
 )
+from cells.rl.objectives.ppo import agg_scale
 from cells.rl.trees import TreeUnit
 
 
@@ -76,8 +77,6 @@ def tree_loss(learner: Any, u: TreeUnit, s: TreeStart, lp_theta: Tensor, n0: Ten
     """The tree's share of its minibatch's loss (normalised by the global N0, or under a
     sequence-level aggregation by S and each branch's tokens) and its metrics (counting
     (branch, token) pairs). Its sequences are its branches."""
-    from cells.rl.update import agg_scale
-
     scale = agg_scale(learner.objective, u.mask.sum(1).to(torch.float32), s0)
     return tree_ppo_loss(u.ser, lp_theta, s.lp_prox, u.behav, s.adv, learner.objective, lp_old=u.old,
                          provenance=u.missing, lp_stand=s.lp_stand, lp_ref=s.lp_ref, num_pairs=n0,

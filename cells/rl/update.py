@@ -34,6 +34,7 @@ from cells.rl.objectives import (
     update_kl_terms,
 )
 from cells.rl.objectives.custom import loss_metric_names
+from cells.rl.objectives.ppo import agg_scale
 from cells.rl.plan import Share, mask_stale
 from cells.rl.reduce import Reducer, sum_gradients
 from cells.rl.tree_loss import (
@@ -158,17 +159,6 @@ def _start_of_update(learner: Any, b: Batch | None, share: Share) -> dict[str, A
 
 def _rows(b: Batch | None, pre: dict, j: int) -> list[int]:
     return [] if b is None else torch.nonzero(pre["mb"] == j).flatten().tolist()
-
-
-def agg_scale(cfg: Any, seq_len: Tensor, s0: int) -> Tensor | None:
-    """Each row's coefficient (rows, 1) under a sequence-level `loss_agg` (None: `token_mean`,
-    1/N0): 1/(S·|seq|) or 1/(S·constant), S counted over all ranks by the plan."""
-    if cfg.loss_agg == "token_mean":
-        return None
-    s = float(max(s0, 1))
-    if cfg.loss_agg == "seq_mean_token_mean":
-        return (1.0 / (s * seq_len.clamp(min=1.0))).unsqueeze(1)
-    return torch.full((seq_len.shape[0], 1), 1.0 / (s * cfg.loss_agg_constant))
 
 
 def _chunks(rows: list[int], b: Batch, size: int, whole: bool) -> list[list[int]]:

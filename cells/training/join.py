@@ -21,6 +21,8 @@ import logging
 import time
 from typing import Any
 
+import torch
+
 from cells.training import protocol as P
 from cells.training import state_files
 from cells.training.jobs import post
@@ -64,15 +66,13 @@ def _build(w: Any, spec: dict) -> None:
 def _install(w: Any, spec: dict, meta: dict, flat, idx) -> None:
     """A packed state into this rank's learner (in place where it holds one of the same
     hyper-parameters), with its generator and cursor."""
-    from cells.training.worker import _set_extras
-
     h = spec["hyper"]
     with w._lock:
         warm = w.learner is not None and w.hyper is not None and P.same_learner(w.hyper, h)
         if not warm:
             w.learner, w.hyper = P.build_learner(h, meta, flat, param_storage=flat, local_loss=w.local_loss), h
         unpack(w.learner, meta, flat, idx, held="warm" if warm else "fresh", zero_moments=warm and w._zeroed)
-        _set_extras(w.learner, meta)
+        set_extras(w.learner, meta)
         w._zeroed, w.tag, w.committed = False, spec["tag"], None
         if not warm:  # the learner's parameters live at the front of `flat`: the next join's buffers
             w._rx = (flat, idx)
@@ -147,3 +147,10 @@ def serve(w: Any, store, job: dict) -> None:
     finally:
         discard(group, [], broken=False)
         group = None
+
+
+def set_extras(learner: Any, meta: dict[str, Any]) -> None:
+    """The learner's sampling generator and trajectory cursor, from a state's metadata."""
+    if "rng" in meta:
+        learner.generator.set_state(torch.tensor(meta["rng"], dtype=torch.uint8))
+    learner.cursor = int(meta.get("cursor") or 0)

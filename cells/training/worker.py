@@ -33,7 +33,7 @@ from cells.rl.sft import begin_rl, sft_steps
 from cells.rl.update import run_update
 from cells.training import protocol as P
 from cells.training.holder import Holder
-from cells.training.join import take_state
+from cells.training.join import set_extras, take_state
 from cells.training.wire import pack, params_view, tensor_checksums, unpack, weights_checksum
 from cells.transport.p2p import TransferError, discard, join_group
 from cells.transport.store import StoreAddress, connect, get_json, set_json, wait_any, wait_json
@@ -139,7 +139,7 @@ class TrainingWorker:
             meta, flat, idx = self.parked
             self.learner = P.build_learner(self.hyper, meta, local_loss=self.local_loss)
             unpack(self.learner, meta, flat, idx)
-            _set_extras(self.learner, meta)
+            set_extras(self.learner, meta)
             self.parked = None
 
     def packed(self) -> tuple[dict, torch.Tensor, torch.Tensor]:
@@ -371,9 +371,3 @@ def _extras(learner: Any) -> dict[str, Any]:
     """What travels with a packed state besides the tensors: the sampling generator and the
     data cursor (a resumed or joining learner continues bitwise)."""
     return {"rng": learner.generator.get_state().tolist(), "cursor": learner.cursor}
-
-
-def _set_extras(learner: Any, meta: dict[str, Any]) -> None:
-    if "rng" in meta:
-        learner.generator.set_state(torch.tensor(meta["rng"], dtype=torch.uint8))
-    learner.cursor = int(meta.get("cursor") or 0)

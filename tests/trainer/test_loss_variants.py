@@ -16,8 +16,7 @@ from cells.engine.embedded.model import prepare, token_logprobs
 from cells.rl.objectives import ObjectiveConfig, decoupled_ppo_loss, member_advantages
 from cells.rl.objectives.advantages import compute_advantages
 from cells.rl.objectives.config import GRPOAdvantage
-from cells.rl.objectives.ppo import sequence_log_ratio
-from cells.rl.update import agg_scale
+from cells.rl.objectives.ppo import agg_scale, sequence_log_ratio
 from tests.trainer.test_learner import PROMPT, small_learner, trajectory
 
 torch.set_num_threads(1)

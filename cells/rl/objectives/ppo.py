@@ -328,3 +328,14 @@ def _metrics(
         out["num_missing_in_band"] / out["num_missing"] if out["num_missing"] else 1.0
     )
     return out
+
+
+def agg_scale(cfg: ObjectiveConfig, seq_len: Tensor, s0: int) -> Tensor | None:
+    """Each row's coefficient (rows, 1) under a sequence-level `loss_agg` (None: `token_mean`,
+    1/N0): 1/(S·|seq|) or 1/(S·constant), S counted over all ranks by the plan."""
+    if cfg.loss_agg == "token_mean":
+        return None
+    s = float(max(s0, 1))
+    if cfg.loss_agg == "seq_mean_token_mean":
+        return (1.0 / (s * seq_len.clamp(min=1.0))).unsqueeze(1)
+    return torch.full((seq_len.shape[0], 1), 1.0 / (s * cfg.loss_agg_constant))
