@@ -1,6 +1,6 @@
 """One side of a live KV migration between two cell processes, through the cells' own
 `MigrationSender` / `MigrationReceiver` over a gloo pair channel (the scheduler replaced by a
-stub that commits): `python bench/gpu_migrate.py ARGS_JSON`.
+stub that commits), each side a process that bench/gpu_check.py starts (`--migrate-role`).
 
 The engines may sit on a GPU: the KV leaves the source as a pinned host copy of its blocks
 (`export_kv`), crosses gloo, lands in a host staging buffer and is copied into the
@@ -150,15 +150,41 @@ def token_exact(got: list, ref: list) -> bool:
     return [list(x) for x in got] == [list(x) for x in ref]
 
 
+def spawn(args: dict, workdir: Path) -> subprocess.Popen:
+    """A process running one role (`src`, `dst`, `send_version`) with `args`."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--out", str(workdir), "--migrate-role",
+           json.dumps(args)]
+    return subprocess.Popen(cmd, env=env)
+
+
+def send_version(args: dict) -> None:
+    """The sender of bench/gpu_parts.py's part (d): version 1 of the same engine's weights."""
+    import gpu_parts
+
+    from cells.transport.catchup import send_version_p2p
+    from cells.transport.p2p import PairChannel
+    from cells.transport.store import StoreAddress, connect
+
+    eng = _engine(args)
+    new = gpu_parts.new_version({k: eng.weights()[k] for k in args["names"]})
+    store = connect(StoreAddress("127.0.0.1", args["port"]), timeout_s=60)
+    from cells.transport.buckets import ChecksumError
+
+    with PairChannel(store, args["name"], 0, timeout_s=120, connect_timeout_s=120) as ch:
+        try:
+            send_version_p2p(ch, 1, new, bucket_bytes=args["bucket_bytes"])
+        except ChecksumError as e:  # the receiver refused a bucket: its side reports it
+            print(f"sender: {e}", file=sys.stderr)
+
+
 def run_pair(args: dict, workdir: Path, timeout_s: float = 240) -> dict:
     """Both sides as processes; the merged token stream against the unmoved twin."""
     args = {**args, "port": free_port()}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     procs, outs = {}, {}
     for role in ("src", "dst"):
         outs[role] = workdir / f"migrate_{role}.json"
-        a = json.dumps({**args, "role": role, "out": str(outs[role])})
-        procs[role] = subprocess.Popen([sys.executable, str(ROOT / "bench" / "gpu_migrate.py"), a], env=env)
+        procs[role] = spawn({**args, "role": role, "out": str(outs[role])}, workdir)
     try:
         codes = {r: p.wait(timeout=timeout_s) for r, p in procs.items()}
     finally:
@@ -183,14 +209,14 @@ def run_pair(args: dict, workdir: Path, timeout_s: float = 240) -> dict:
             "device": sides["dst"]["device"], "dtype": sides["dst"]["dtype"]}
 
 
-def main() -> None:
-    args = json.loads(sys.argv[1])
+def main(arg_json: str) -> None:
+    """One side, as `python bench/gpu_check.py --out DIR --migrate-role ARGS_JSON` runs it."""
+    args = json.loads(arg_json)
     import torch
 
     torch.set_num_threads(1)
+    if args["role"] == "send_version":
+        send_version(args)
+        return
     out = source(args) if args["role"] == "src" else destination(args)
     Path(args["out"]).write_text(json.dumps(out))
-
-
-if __name__ == "__main__":
-    main()
