@@ -65,6 +65,9 @@ def bootstrap(wheels: str | None) -> None:
         use_wheels(Path(wheels))
     elif importlib.util.find_spec("pydantic") is None:
         use_wheels(HERE / "out" / "wheels")
+    if importlib.util.find_spec("pydantic") is None:
+        sys.exit("gpu_check: pydantic is not importable and no wheels were found (--wheels DIR, or "
+                 "bench/out/wheels): fetch them as this script's docstring says and carry the folder")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

@@ -80,11 +80,6 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def host_buffer(shape: list[int] | tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-    """An empty host tensor to receive into (pinned for a GPU engine)."""
-    return torch.empty(tuple(shape), dtype=dtype, pin_memory=pinned and torch.cuda.is_available())
-
-
 def engine_tensors(engine) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of an embedded engine's state, by a readable name (device checks)."""
     yield "kv.k", engine.pool.k
