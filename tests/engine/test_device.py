@@ -100,3 +100,19 @@ def test_bf16_batch_invariant_decode_equals_scoring_and_batch_one(dtype):
     evs = out["r0"]
     other = eng.score(ps[0] + [e.record.token_id for e in evs], version=9)[len(ps[0]) - 1 :]
     assert not torch.equal(torch.tensor([e.record.logprob for e in evs]), other)
+
+
+def test_padded_row_reduction_gives_the_rows_own_values():
+    from cells.engine.embedded.layers import MIN_REDUCE_ROWS, mean_sq
+
+    x = torch.randn(3, 5, 64)  # fewer rows than MIN_REDUCE_ROWS: padded with zero rows, then cut
+    got = mean_sq(x, pad_rows=True)
+    assert got.shape == (3, 5, 1) and torch.allclose(got, x.pow(2).mean(-1, keepdim=True))
+    big = torch.randn(MIN_REDUCE_ROWS + 2, 64)
+    assert torch.equal(mean_sq(big, pad_rows=True), big.pow(2).mean(-1, keepdim=True))
+
+
+def test_the_attention_batch_probe_runs_and_accepts_cpu_bmm():
+    from cells.engine.embedded.layers import probe_bmm_batch
+
+    assert probe_bmm_batch(8, 16, 64, (2, 7), torch.device("cpu"), torch.float32)

@@ -16,12 +16,31 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+MIN_REDUCE_ROWS = 16
+"""On CUDA a row reduction runs over at least this many rows (zero rows padded). torch's
+reduce kernel (ATen's Reduce.cuh) sizes its thread block from the number of rows while they
+are fewer than 16 (one row: its lanes span the row; 16 or more: 32 lanes per row), which
+would make a row's sum depend on its batch; from 16 rows on the block shape depends on the
+row length alone. Read from the kernel's source, not yet measured on a GPU: bench/gpu_check.py
+part (c) is the check. CPU reductions are row-invariant as they are and stay untouched."""
+
+
+def mean_sq(xf: torch.Tensor, pad_rows: bool | None = None) -> torch.Tensor:
+    """Mean of squares over the last dimension, keepdim, row-invariant on every device
+    (`pad_rows`: pad to MIN_REDUCE_ROWS rows; default: off the CPU)."""
+    if not (xf.device.type != "cpu" if pad_rows is None else pad_rows):
+        return xf.pow(2).mean(-1, keepdim=True)
+    rows = xf.reshape(-1, xf.shape[-1])
+    n = rows.shape[0]
+    if n < MIN_REDUCE_ROWS:
+        rows = torch.cat([rows, rows.new_zeros(MIN_REDUCE_ROWS - n, rows.shape[1])])
+    return rows.pow(2).mean(-1, keepdim=True)[:n].view(*xf.shape[:-1], 1)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """In float32 whatever `x`'s dtype (a no-op cast in float32), scaled by `weight` in x's dtype."""
     xf = x.float()
-    var = xf.pow(2).mean(-1, keepdim=True)
-    return (xf * torch.rsqrt(var + eps)).to(x.dtype) * weight
+    return (xf * torch.rsqrt(mean_sq(xf) + eps)).to(x.dtype) * weight
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, tile: int | None) -> torch.Tensor:
@@ -154,5 +173,22 @@ def probe_tiles(spec, cfg, device: torch.device, dtype: torch.dtype) -> bool:
               (d, 2 * spec.intermediate_size), (spec.intermediate_size, d)}
     counts = (16, 64, 128, 256, 1024)
     out_rows = len(spec.output_ids() or range(spec.vocab_size))
+    g = spec.num_heads // spec.num_kv_heads
+    attn = [(g * cfg.row_tile, hd, lk) for lk in (64, 1024)] + [(g * cfg.row_tile, lk, hd) for lk in (64, 1024)]
     return (all(probe_row_invariance(k, n, cfg.row_tile, 4, device, dtype, counts) for k, n in sorted(shapes))
-            and probe_row_invariance(d, out_rows, cfg.row_tile, 4, device, dtype, (16, 64, 256)))
+            and probe_row_invariance(d, out_rows, cfg.row_tile, 4, device, dtype, (16, 64, 256))
+            and all(probe_bmm_batch(m, k, n, (2, 7, 64, 256), device, dtype) for m, k, n in attn))
+
+
+def probe_bmm_batch(m: int, k: int, n: int, counts: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> bool:
+    """True when each matrix of a batched [m, k] @ [k, n] product does not depend on how many
+    share the call (the attention tiles' matmuls, whose batch is the number of query tiles)."""
+    g = torch.Generator().manual_seed(4321)
+    for c in counts:
+        a = torch.randn(c, m, k, generator=g).to(device=device, dtype=dtype)
+        b = torch.randn(c, k, n, generator=g).to(device=device, dtype=dtype)
+        whole = torch.bmm(a, b)
+        j = (c * 5) // 7
+        if not torch.equal(whole[j], torch.bmm(a[j : j + 1], b[j : j + 1])[0]):
+            return False
+    return True
