@@ -23,6 +23,7 @@ typing-inspection==0.4.5` and carried with the tree.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -98,6 +99,9 @@ def run_parts(args: argparse.Namespace, result: dict) -> dict:
             out = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]}
         out["seconds"] = round(time.perf_counter() - t, 2)
         result["parts"][name] = out
+        gc.collect()  # the part's engines go: the next part and its cell processes get the memory
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         print(f"part {name}: ok={out.get('ok')} in {out['seconds']} s", file=sys.stderr, flush=True)
     return result
 

@@ -159,23 +159,24 @@ def spawn(args: dict, workdir: Path) -> subprocess.Popen:
 
 
 def send_version(args: dict) -> None:
-    """The sender of bench/gpu_parts.py's part (d): version 1 of the same engine's weights."""
+    """The sender of bench/gpu_parts.py's part (d): version 1 of the same engine's weights,
+    the tensors of each name list in turn over one channel."""
     import gpu_parts
 
+    from cells.transport.buckets import ChecksumError
     from cells.transport.catchup import send_version_p2p
     from cells.transport.p2p import PairChannel
     from cells.transport.store import StoreAddress, connect
 
     eng = _engine(args)
-    new = gpu_parts.new_version({k: eng.weights()[k] for k in args["names"]})
     store = connect(StoreAddress("127.0.0.1", args["port"]), timeout_s=60)
-    from cells.transport.buckets import ChecksumError
-
     with PairChannel(store, args["name"], 0, timeout_s=120, connect_timeout_s=120) as ch:
-        try:
-            send_version_p2p(ch, 1, new, bucket_bytes=args["bucket_bytes"])
-        except ChecksumError as e:  # the receiver refused a bucket: its side reports it
-            print(f"sender: {e}", file=sys.stderr)
+        for names in args["names"]:
+            new = gpu_parts.new_version({k: eng.weights()[k] for k in names})
+            try:
+                send_version_p2p(ch, 1, new, bucket_bytes=args["bucket_bytes"])
+            except ChecksumError as e:  # the receiver refused a bucket: its side reports it
+                print(f"sender: {e}", file=sys.stderr)
 
 
 def run_pair(args: dict, workdir: Path, timeout_s: float = 240) -> dict:
