@@ -58,11 +58,12 @@ class StagingBuffers:
     (loopback gloo: about 4 GB/s into a warm buffer, 2 into a fresh one). At most `keep`
     buffers are kept; `prealloc_numel` floats are faulted in up front. Buffers are float32
     storage that a round of another dtype (a bf16 KV pool's) is received into as a view.
-    `pinned` (default: when CUDA is there) makes fresh buffers page-locked: the host staging a
-    GPU destination copies from at the link's rate."""
+    `pinned` (default: when this process has initialised CUDA, i.e. its engine is on a GPU;
+    a CPU cell never creates a CUDA context for it) makes fresh buffers page-locked: the host
+    staging a GPU destination copies from at the link's rate."""
 
     def __init__(self, prealloc_numel: int = 0, keep: int = 4, pinned: bool | None = None) -> None:
-        self.pinned = torch.cuda.is_available() if pinned is None else pinned
+        self.pinned = torch.cuda.is_initialized() if pinned is None else pinned
         self._free: list[torch.Tensor] = [self._new(prealloc_numel).zero_()] if prealloc_numel > 0 else []
         self._lock = threading.Lock()
         self.keep = keep
