@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 IMAGE = {
@@ -45,6 +47,7 @@ print(json.dumps({"third_party": third, "refused": sorted(set(refused))}))
 """
 
 
+@pytest.mark.slow
 def test_gpu_check_runs_every_part_on_cpu_within_the_gpu_images_packages(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     try:
