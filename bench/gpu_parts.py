@@ -94,7 +94,7 @@ def part_b(device: str, size: dict, work: Path) -> dict:
 def _run_batch(eng: EmbeddedEngine, size: dict, batch: int) -> tuple[dict, list]:
     """`batch` requests, a third queued at first and the rest added two by two between steps
     (so prefill chunks share batches with decode steps). r0 is the same request every time."""
-    reqs = [(f"r{i}", prompt(size, 40 + (37 * i) % 200, 1000 + i)) for i in range(batch)]
+    reqs = [(f"r{i}", prompt(size, 40 + (37 * i) % 120, 1000 + i)) for i in range(batch)]
     out: dict[str, list] = {}
     first = max(1, batch // 3)
     for rid, p in reqs[:first]:
