@@ -1,4 +1,4 @@
-"""The embedded engine on one GPU, in one command of at most five minutes:
+"""The embedded engine on one GPU, in one command sized for five minutes (not yet timed on one):
 
     python bench/gpu_check.py --out DIR [--part X ...] [--device cuda] [--tiny] [--wheels DIR]
 
