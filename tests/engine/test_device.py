@@ -116,3 +116,16 @@ def test_the_attention_batch_probe_runs_and_accepts_cpu_bmm():
     from cells.engine.embedded.layers import probe_bmm_batch
 
     assert probe_bmm_batch(8, 16, 64, (2, 7), torch.device("cpu"), torch.float32)
+
+
+def test_cuda_means_the_cells_local_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert resolve_device("cuda") == torch.device("cuda", 1)  # LOCAL_RANK modulo the GPUs it sees
+    monkeypatch.delenv("LOCAL_RANK")
+    assert resolve_device("cuda") == torch.device("cuda", 0)  # else the current device
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(EngineError, match="sees 2 GPU"):
+        resolve_device("cuda:5")
