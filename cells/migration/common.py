@@ -56,22 +56,32 @@ class StagingBuffers:
     """Receive buffers for KV copy rounds, kept for the next round. A fresh buffer is
     page-faulted in while the bytes arrive, which halves a receive's rate on a CPU cell
     (loopback gloo: about 4 GB/s into a warm buffer, 2 into a fresh one). At most `keep`
-    buffers are kept; `prealloc_numel` floats are faulted in up front."""
+    buffers are kept; `prealloc_numel` floats are faulted in up front. Buffers are float32
+    storage that a round of another dtype (a bf16 KV pool's) is received into as a view.
+    `pinned` (default: when this process has initialised CUDA, i.e. its engine is on a GPU;
+    a CPU cell never creates a CUDA context for it) makes fresh buffers page-locked: the host
+    staging a GPU destination copies from at the link's rate."""
 
-    def __init__(self, prealloc_numel: int = 0, keep: int = 4) -> None:
-        self._free: list[torch.Tensor] = [torch.zeros(prealloc_numel)] if prealloc_numel > 0 else []
+    def __init__(self, prealloc_numel: int = 0, keep: int = 4, pinned: bool | None = None) -> None:
+        self.pinned = torch.cuda.is_initialized() if pinned is None else pinned
+        self._free: list[torch.Tensor] = [self._new(prealloc_numel).zero_()] if prealloc_numel > 0 else []
         self._lock = threading.Lock()
         self.keep = keep
 
-    def take(self, shape: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(a float32 tensor of `shape` to receive into, its backing buffer for `give`)."""
-        n = math.prod(shape)
+    def _new(self, n: int) -> torch.Tensor:
+        return torch.empty(n, pin_memory=self.pinned)
+
+    def take(self, shape: list[int], dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a tensor of `shape` and `dtype` to receive into, its backing buffer for `give`)."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * elem
+        n = -(-nbytes // 4)  # float32 elements of backing
         with self._lock:  # by position: `==` on tensors compares elements
             fits = [i for i, b in enumerate(self._free) if b.numel() >= n]
             buf = self._free.pop(min(fits, key=lambda i: self._free[i].numel())) if fits else None
         if buf is None:
-            buf = torch.empty(n)
-        return buf[:n].view(shape), buf
+            buf = self._new(n)
+        return buf[:n].view(torch.uint8)[:nbytes].view(dtype).view(shape), buf
 
     def give(self, buf: torch.Tensor) -> None:
         with self._lock:

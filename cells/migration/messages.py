@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
+import torch
 from pydantic import Field, TypeAdapter, ValidationError
 
 from cells.engine.records import RequestSnapshot
@@ -26,6 +27,8 @@ from cells.transport.p2p import PairChannel, TransferError
 from scheduler.contract.protocol_base import Message, ProtocolError
 
 Count = Annotated[int, Field(ge=0)]
+KVDtype = Literal["float32", "bfloat16"]
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -48,6 +51,8 @@ class KVRound(Message):
     token_ids_from: Count
     token_ids: list[int]
     """The request's token ids from `token_ids_from` on, added since the last round."""
+    dtype: KVDtype = "float32"
+    """Element type of the tensor that follows (the source's KV pool's)."""
     kind: Literal["kv"] = field(default="kv", init=False)
 
 
@@ -59,6 +64,7 @@ class Final(Message):
     token_ids: list[int]
     snapshot: RequestSnapshot
     """The request's state, with its unsynced records (its token ids travel above)."""
+    dtype: KVDtype = "float32"
     kind: Literal["final"] = field(default="final", init=False)
 
 

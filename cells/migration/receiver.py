@@ -26,6 +26,7 @@ from cells.migration.common import (
     StagingBuffers,
 )
 from cells.migration.messages import (
+    KV_DTYPES,
     Abort,
     Final,
     Hello,
@@ -118,7 +119,7 @@ class MigrationReceiver(Cancellable):
             if msg.token_ids_from != len(ids):
                 raise TransferError(f"token ids out of order: {msg.token_ids_from} != {len(ids)}")
             ids.extend(msg.token_ids)
-            data, backing = self.staging.take(msg.shape)
+            data, backing = self.staging.take(msg.shape, KV_DTYPES[msg.dtype])
             if data.numel():
                 self._receive_kv(ch, data, final=final)
             if isinstance(msg, Final):

@@ -45,6 +45,12 @@ from scheduler.contract.protocol import AbortMigrationRequest, MigrateOutCmd
 log = logging.getLogger("cellflip.migration")
 
 
+def _dtype(data: torch.Tensor) -> str:
+    """The wire name of a KV export's dtype (the engine's export is a host tensor: a GPU
+    engine's comes as a pinned host copy, which gloo sends as it is)."""
+    return str(data.dtype).removeprefix("torch.")
+
+
 def _tell_abort(ch: PairChannel | None) -> None:
     """Tell a destination waiting for the next message that the migration is off (best effort)."""
     if ch is None:
@@ -155,7 +161,7 @@ class MigrationSender(Cancellable):
         failpoint("migrate.before_stop_copy")
         self.check_cancel()
         ids_tail, snap.token_ids, snap.token_ids_from = snap.token_ids, [], 0
-        send(ch, Final(sent_blocks, list(data.shape), sent_ids, ids_tail, snap))
+        send(ch, Final(sent_blocks, list(data.shape), sent_ids, ids_tail, snap, dtype=_dtype(data)))
         if data.numel():
             self._send_tensor(ch, data)
         self.marks["tail_sent"] = time.time()
@@ -206,7 +212,7 @@ class MigrationSender(Cancellable):
             time.sleep(0.001)
 
     def _send_kv(self, ch: PairChannel, start: int, data: torch.Tensor, ids_from: int, ids: list[int]) -> None:
-        send(ch, KVRound(start, list(data.shape), ids_from, ids))
+        send(ch, KVRound(start, list(data.shape), ids_from, ids, dtype=_dtype(data)))
         if data.numel():
             # The receiver says when its buffer is posted, so the timed part is the link alone.
             # JSON, like every control message: an abort sent instead parses as one (a raw

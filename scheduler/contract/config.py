@@ -353,7 +353,7 @@ class CellflipConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> CellflipConfig:
         eng = self.cells.engine
-        if isinstance(eng, EmbeddedEngineConfig) and eng.max_running > eng.num_blocks:
+        if isinstance(eng, EmbeddedEngineConfig) and eng.num_blocks is not None and eng.max_running > eng.num_blocks:
             raise ValueError("cells.engine.max_running exceeds cells.engine.num_blocks")
         if isinstance(eng, SGLangEngineConfig) and eng.scoring == "cell_copy" and self.versions.update_backend == "nccl":
             # The scoring copy's rank would receive on the cell's first GPU, which SGLang's tp

@@ -55,8 +55,12 @@ class EmbeddedEngineConfig(_Strict):
     """Model to serve."""
     block_size: int = Field(default=16, gt=0)
     """Tokens per KV block."""
-    num_blocks: int = Field(default=2048, gt=0)
-    """KV blocks in the pool (per cell)."""
+    num_blocks: int | None = Field(default=None, gt=0)
+    """KV blocks in the pool (per cell). Unset: 2048 on `cpu`; on a GPU, as many as
+    `kv_memory_fraction` of the device's free memory holds once the weights are loaded."""
+    kv_memory_fraction: float = Field(default=0.8, gt=0, le=1)
+    """Share of the device's free memory (after the weights) the KV pool takes when
+    `num_blocks` is unset (GPU only)."""
     max_running: int = Field(default=32, gt=0)
     """Most requests decoding at once."""
     prefill_chunk: int = Field(default=512, gt=0)
@@ -68,6 +72,11 @@ class EmbeddedEngineConfig(_Strict):
     """Rows per fixed-shape matmul tile in batch-invariant mode."""
     threads: int = Field(default=1, gt=0)
     """torch intra-op threads in the cell process."""
+    device: str = Field(default="cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$")
+    """Where weights, the KV pool, sampling and scoring live: `cpu`, `cuda` (the cell's local
+    GPU: `LOCAL_RANK`, else the current device) or `cuda:N`."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights, activations and KV cache dtype (log-softmax and sampling run in float32)."""
 
 
 class SGLangEngineConfig(_Strict):

@@ -14,9 +14,10 @@ import torch
 from cells.engine.base import Capabilities, Engine
 from cells.engine.embedded.batcher import MIXED_KV, Batcher, Request, WorkItem
 from cells.engine.embedded.checkpoint import load_checkpoint
+from cells.engine.embedded.device import pool_blocks, resolve_device, resolve_dtype
 from cells.engine.embedded.handover import EmbeddedHandover
 from cells.engine.embedded.kv_cache import BlockPool, PagedSink
-from cells.engine.embedded.layers import probe_row_invariance, rope_tables
+from cells.engine.embedded.layers import probe_tiles, rope_tables
 from cells.engine.embedded.model import (
     Prepared,
     Segment,
@@ -47,18 +48,23 @@ class EmbeddedEngine(Engine):
         cfg = cfg or EmbeddedEngineConfig()
         self.cfg = cfg
         self.spec = spec or resolve_spec(cfg.model)
-        if weights is None:
-            weights = load_checkpoint(cfg.model.path, self.spec) if cfg.model.path else init_weights(self.spec, cfg.model.seed)
+        self.device, self.dtype = resolve_device(cfg.device), resolve_dtype(cfg.dtype)
+        if weights is None:  # made tensor by tensor on the device, in the dtype
+            weights = (load_checkpoint(cfg.model.path, self.spec, self.dtype, self.device) if cfg.model.path
+                       else init_weights(self.spec, cfg.model.seed, device=self.device, dtype=self.dtype))
         check_weights(self.spec, weights)
         self.tile: int | None = None
         if cfg.batch_invariant:
             # The tiles fix every kernel's shape; the probe checks that a row does not depend
             # on its neighbours. Single rows are the fallback that needs no such assumption.
-            self.tile = cfg.row_tile if probe_row_invariance(tile=cfg.row_tile) else 1
-        self._rope = rope_tables(self.spec.head_dim, self.spec.max_position, self.spec.rope_theta)
-        self._versions: dict[int, Prepared] = {version: prepare(self.spec, weights, self._rope)}
+            self.tile = cfg.row_tile if probe_tiles(self.spec, cfg, self.device, self.dtype) else 1
+        self._rope = tuple(t.to(device=self.device, dtype=self.dtype) for t in
+                           rope_tables(self.spec.head_dim, self.spec.max_position, self.spec.rope_theta))
+        self._versions: dict[int, Prepared] = {version: prepare(self.spec, self._place(weights), self._rope)}
         self._version = version
-        self.pool = BlockPool(self.spec, cfg.num_blocks, cfg.block_size)
+        num_blocks = pool_blocks(cfg.num_blocks, self.device, BlockPool.block_bytes(self.spec, cfg.block_size, self.dtype),
+                                 cfg.kv_memory_fraction)
+        self.pool = BlockPool(self.spec, num_blocks, cfg.block_size, self.dtype, self.device)
         self.batcher = Batcher(self.pool, cfg.max_running, cfg.prefill_chunk)
         self.requests: dict[str, Request] = {}
         # Prefix cache: a finished request's KV stays, keyed by its session, until a later turn
@@ -73,7 +79,7 @@ class EmbeddedEngine(Engine):
         self.capabilities = Capabilities(kv_export=True, scoring=True, weight_update="staged",
                                          batch_invariant=cfg.batch_invariant, versioned_weights=True,
                                          block_size=cfg.block_size, vocab_size=self.spec.vocab_size,
-                                         max_context=min(self.spec.max_position, cfg.num_blocks * cfg.block_size),
+                                         max_context=min(self.spec.max_position, num_blocks * cfg.block_size),
                                          output_ranges=tuple(tuple(r) for r in ranges) if ranges else None)
         self.num_steps = 0
 
@@ -93,7 +99,7 @@ class EmbeddedEngine(Engine):
         """Activate `version` (call between steps). The previous version stays available for
         scoring when `keep_previous` until `drop_version`."""
         check_weights(self.spec, tensors)
-        prep = prepare(self.spec, {k: t.detach().to(torch.float32).contiguous() for k, t in tensors.items()}, self._rope)
+        prep = prepare(self.spec, self._place(tensors), self._rope)
         if not keep_previous:
             self._versions.clear()
         self._versions[version] = prep
@@ -103,7 +109,7 @@ class EmbeddedEngine(Engine):
         """Check and prepare a version's weights without touching the engine's state, so a
         loader thread can do it beside decoding; `install_prepared` then only swaps it in."""
         check_weights(self.spec, tensors)
-        return prepare(self.spec, {k: t.detach().to(torch.float32).contiguous() for k, t in tensors.items()}, self._rope)
+        return prepare(self.spec, self._place(tensors), self._rope)
 
     def install_prepared(self, version: int, prep: Prepared, *, activate: bool = True) -> None:
         """Between steps: serve `prep` as `version` (older versions stay for scoring until
@@ -116,8 +122,15 @@ class EmbeddedEngine(Engine):
         """Keep `version` for scoring only (the served version does not change)."""
         check_weights(self.spec, tensors)
         if version not in self._versions:
-            self._versions[version] = prepare(
-                self.spec, {k: t.detach().to(torch.float32).contiguous() for k, t in tensors.items()}, self._rope)
+            self._versions[version] = prepare(self.spec, self._place(tensors), self._rope)
+
+    def _place(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A version's tensors on the engine's device in its dtype, one at a time (tensors
+        already there, contiguous, are used as they are: no copy)."""
+        return {k: t.detach().to(device=self.device, dtype=self.dtype).contiguous() for k, t in tensors.items()}
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def scorer(self, version: int):
         """`fn(token_ids, temperature) -> log-probs of tokens 1..L-1` with `version`'s weights,
@@ -126,7 +139,7 @@ class EmbeddedEngine(Engine):
         prep, tile = self._prepared(version), self.tile
 
         def run(token_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
-            ids = torch.tensor(self._check_ids(token_ids))
+            ids = self._ids(self._check_ids(token_ids))
             with torch.no_grad():
                 return token_logprobs(prep, ids, temperature, tile)
         return run
@@ -216,14 +229,15 @@ class EmbeddedEngine(Engine):
                 rows.append(offset - 1)
                 temps.append(it.req.params.temperature)
         with torch.no_grad():
-            hidden = forward(prep, torch.tensor(ids), torch.tensor(pos), segs, self.tile)
+            hidden = forward(prep, self._ids(ids), self._ids(pos), segs, self.tile)
             for it in items:
                 it.req.num_computed = it.end
                 kv = it.req.kv_version  # the version change mid-request (`continue`): mixed KV
                 it.req.kv_version = self._version if kv is None or kv == self._version else MIXED_KV
             if not rows:
                 return torch.empty(0)
-            return output_logprobs(prep, hidden[torch.tensor(rows)], torch.tensor(temps), self.tile)
+            temps_t = torch.tensor(temps, dtype=torch.float32, device=self.device)
+            return output_logprobs(prep, hidden[self._ids(rows)], temps_t, self.tile)
 
     def _postprocess(self, items: list[WorkItem], logprobs: torch.Tensor) -> list[TokenEvent]:
         prep = self._versions[self._version]
@@ -306,7 +320,7 @@ class EmbeddedEngine(Engine):
 
     # -- scoring ----------------------------------------------------------------------------
     def score(self, token_ids: list[int], *, temperature: float = 1.0, version: int | None = None) -> torch.Tensor:
-        ids = torch.tensor(self._check_ids(token_ids))
+        ids = self._ids(self._check_ids(token_ids))
         with torch.no_grad():
             return token_logprobs(self._prepared(version), ids, temperature, self.tile)
 

@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from cells.engine.embedded.batcher import MIXED_KV, Batcher, Request
+from cells.engine.embedded.device import to_host
 from cells.engine.embedded.kv_cache import BlockPool
 from cells.engine.embedded.model_spec import ModelSpec
 from cells.engine.records import EngineError, RequestSnapshot
@@ -74,14 +75,19 @@ class EmbeddedHandover:
         """The KV pool is in host memory (a CPU cell: copies share the cores with decoding)."""
         return self.pool.k.device.type == "cpu"
 
+    def kv_dtype(self) -> torch.dtype:
+        return self.pool.k.dtype
+
     def export_kv(self, request_id: str, start: int, end: int) -> torch.Tensor:
-        """KV of table blocks [start, end): [2, layers, n, block_size, kv_heads, head_dim]."""
+        """KV of table blocks [start, end): [2, layers, n, block_size, kv_heads, head_dim], in
+        host memory (a GPU pool's blocks come as a pinned host copy: the staging every
+        transport can send, gloo included)."""
         req = self._req(request_id)
         if not (0 <= start <= end <= self.pool.blocks_for(req.num_computed)):
             raise EngineError(f"block range [{start}, {end}) outside computed blocks of {request_id}")
         if req.status == "parked":
             return req.parked_kv[:, :, start:end]
-        return self.pool.export_blocks(request_id, start, end)
+        return to_host(self.pool.export_blocks(request_id, start, end))
 
     def park(self, request_id: str) -> int:
         """Suspend a request with its KV kept in host memory and its blocks returned to the
@@ -207,7 +213,8 @@ class EmbeddedHandover:
             if not self.pool.can_allocate(need - have):
                 raise EngineError(f"{request_id}: out of KV blocks while importing")
             self.pool.allocate(request_id, need - have)
-        self.pool.import_blocks(request_id, start, data.to(self.pool.k.dtype))
+        # A host (staging) tensor is copied to the pool's device here, in the pool's dtype.
+        self.pool.import_blocks(request_id, start, data.to(device=self.pool.k.device, dtype=self.pool.k.dtype))
 
     def import_request(self, snap: RequestSnapshot) -> None:
         """Install a request whose KV has been imported, paused until `resume_request`."""

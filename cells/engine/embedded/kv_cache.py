@@ -15,11 +15,13 @@ from cells.engine.embedded.model_spec import ModelSpec
 class BlockPool:
     """Fixed pool of KV blocks: k/v tensors [layers, num_blocks, block_size, kv_heads, head_dim]."""
 
-    def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, spec: ModelSpec, num_blocks: int, block_size: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype)
-        self.v = torch.zeros(shape, dtype=dtype)
+        self.device = torch.device(device)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.tables: dict[str, list[int]] = {}
 
@@ -33,6 +35,15 @@ class BlockPool:
 
     def bytes_per_block(self) -> int:
         return 2 * self.k[:, 0].numel() * self.k.element_size()
+
+    @staticmethod
+    def block_bytes(spec: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of one block (keys and values, every layer) before a pool exists."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * elem
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -67,8 +78,8 @@ class BlockPool:
 
     # -- data -------------------------------------------------------------------------------
     def slots(self, owner: str, start: int, end: int) -> torch.Tensor:
-        table = torch.tensor(self.tables[owner], dtype=torch.long)
-        pos = torch.arange(start, end)
+        table = self._ids(self.tables[owner])
+        pos = torch.arange(start, end, device=self.device)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -80,7 +91,7 @@ class BlockPool:
     def read(self, layer: int, owner: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values of positions [0, length) of `owner`, contiguous [length, kv_heads, dim]."""
         nb = self.blocks_for(length)
-        ids = torch.tensor(self.tables[owner][:nb], dtype=torch.long)
+        ids = self._ids(self.tables[owner][:nb])
         k = self.k[layer].index_select(0, ids).flatten(0, 1)[:length]
         v = self.v[layer].index_select(0, ids).flatten(0, 1)[:length]
         return k, v
@@ -88,7 +99,7 @@ class BlockPool:
     def export_blocks(self, owner: str, start: int, end: int) -> torch.Tensor:
         """Copy of blocks [start, end) of `owner`'s table: [2, layers, n, block, kv_heads, dim].
         Does not modify the cache."""
-        ids = torch.tensor(self.tables[owner][start:end], dtype=torch.long)
+        ids = self._ids(self.tables[owner][start:end])
         out = torch.empty((2, self.k.shape[0], len(ids), *self.k.shape[2:]), dtype=self.k.dtype, device=self.k.device)
         torch.index_select(self.k, 1, ids, out=out[0])  # one copy each, straight into place
         torch.index_select(self.v, 1, ids, out=out[1])
@@ -97,7 +108,7 @@ class BlockPool:
     def import_blocks(self, owner: str, start: int, data: torch.Tensor) -> None:
         """Write exported blocks into table positions [start, start+n) of `owner`."""
         n = data.shape[2]
-        ids = torch.tensor(self.tables[owner][start : start + n], dtype=torch.long)
+        ids = self._ids(self.tables[owner][start : start + n])
         if ids.numel() != n:
             raise ValueError(f"{owner}: table holds {len(self.tables[owner])} blocks, import needs {start + n}")
         self.k.index_copy_(1, ids, data[0])

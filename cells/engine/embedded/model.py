@@ -47,11 +47,21 @@ def weight_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def init_weights(spec: ModelSpec, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
+def init_weights(spec: ModelSpec, seed: int = 0, std: float = 0.02, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Random weights made tensor by tensor on `device` in `dtype` (no float32 copy of the
+    whole model anywhere). On CPU drawn in float32 and cast; on a GPU drawn there with a
+    generator of that device (same seed, same weights on every GPU; not the CPU's)."""
+    dev = torch.device(device)
+    g = torch.Generator(device=dev).manual_seed(seed)
     out = {}
     for name, shape in weight_shapes(spec).items():
-        out[name] = torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=g) * std
+        if name.endswith("norm.weight"):
+            out[name] = torch.ones(shape, device=dev, dtype=dtype)
+        elif dev.type == "cpu":
+            out[name] = (torch.randn(shape, generator=g) * std).to(dtype)
+        else:
+            out[name] = torch.randn(shape, generator=g, device=dev, dtype=dtype).mul_(std)
     return out
 
 
@@ -99,10 +109,11 @@ def prepare(spec: ModelSpec, weights: dict[str, torch.Tensor], rope: tuple[torch
     out_ids = spec.output_ids()
     id_to_out = None
     if out_ids is not None:
-        ids = torch.tensor(out_ids, dtype=torch.long)
+        dev = head.device
+        ids = torch.tensor(out_ids, dtype=torch.long, device=dev)
         head = head.index_select(0, ids)
-        id_to_out = torch.full((spec.vocab_size,), -1, dtype=torch.long)
-        id_to_out[ids] = torch.arange(len(out_ids))
+        id_to_out = torch.full((spec.vocab_size,), -1, dtype=torch.long, device=dev)
+        id_to_out[ids] = torch.arange(len(out_ids), device=dev)
         out_ids_t = ids
     else:
         out_ids_t = None
@@ -168,7 +179,7 @@ def output_logprobs(prep: Prepared, hidden: torch.Tensor, temperature: float | t
 
     `temperature` is one float or one per row; 0 (greedy) scores at temperature 1.
     """
-    logits = linear(hidden, prep.lm_head, tile)
+    logits = linear(hidden, prep.lm_head, tile).float()  # log-softmax in float32 (a no-op cast there)
     if isinstance(temperature, torch.Tensor):
         t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
         logits = logits / t[:, None]
@@ -195,8 +206,8 @@ def token_logprobs(prep: Prepared, token_ids: torch.Tensor, temperature: float =
     """
     n = token_ids.shape[0]
     if n < 2:
-        return torch.empty(0)
-    positions = torch.arange(n)
+        return torch.empty(0, device=token_ids.device)
+    positions = torch.arange(n, device=token_ids.device)
     hidden = forward(prep, token_ids, positions, [Segment(0, n, 0)], tile)
     lp = output_logprobs(prep, hidden[:-1], temperature, tile)
     if entropy is not None:

@@ -38,7 +38,7 @@ def truncation_mask(logprobs: torch.Tensor, top_k: int, top_p: float) -> torch.T
         cum = torch.cumsum(sorted_p, 0)
         # keep the smallest prefix whose mass reaches top_p (the token crossing it included)
         keep_sorted = (cum - sorted_p) < top_p
-        kp = torch.zeros(n, dtype=torch.bool)
+        kp = torch.zeros(n, dtype=torch.bool, device=logprobs.device)
         kp[order[keep_sorted]] = True
         keep = kp if keep is None else keep & kp
     return keep
@@ -53,7 +53,9 @@ def sample(logprobs: torch.Tensor, params: SamplingParams, request_id: str, inde
         i = int(torch.argmax(logprobs))
         return i, float(logprobs[i]), False
     keep = truncation_mask(logprobs, params.top_k, params.top_p)
-    scores = logprobs + gumbel(params.seed, request_id, index, logprobs.shape[0])
+    # The noise is drawn on the host on every device: a request continues identically
+    # whichever device it moves to.
+    scores = logprobs + gumbel(params.seed, request_id, index, logprobs.shape[0]).to(logprobs.device)
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
     i = int(torch.argmax(scores))
