@@ -5,6 +5,9 @@ scheduler/api/scopes.py).
 Scopes, least privilege first:
 - `scrape`: `GET /metrics` only (Prometheus);
 - `agent`: the OpenAI-compatible gateway and `/v1/generate`, and reading its own sessions;
+- `reader`: the trajectory export's reads (`/v1/export/...`: finished trajectories with their
+  provenance, the versions that made them) and its acknowledgements; it changes no state any
+  other reader or the trainer sees (`cellflip export`);
 - `cell`: the cell protocol (`/internal/v1/...`) only;
 - `trainer`: flips, versions, trajectories, trainer reports, finishing sessions, cells;
 - `admin`: everything, and the only scope that creates or revokes tokens.
@@ -34,18 +37,19 @@ from pathlib import Path
 
 from scheduler.contract.config import ConfigError, SchedulerConfig
 
-SCOPES = ("admin", "trainer", "cell", "agent", "scrape")
+SCOPES = ("admin", "trainer", "cell", "agent", "scrape", "reader")
 """Every scope a token can have."""
 
 TOKEN_ENV = "CELLFLIP_API_TOKEN"
 """Environment variable holding the admin token (clients and, when no file is configured, the scheduler)."""
 
 SCOPE_ENV = {"admin": TOKEN_ENV, "trainer": "CELLFLIP_TRAINER_TOKEN", "cell": "CELLFLIP_CELL_TOKEN",
-             "agent": "CELLFLIP_AGENT_TOKEN", "scrape": "CELLFLIP_SCRAPE_TOKEN"}
+             "agent": "CELLFLIP_AGENT_TOKEN", "scrape": "CELLFLIP_SCRAPE_TOKEN",
+             "reader": "CELLFLIP_READER_TOKEN"}
 """Each scope's environment variable."""
 
 SCOPE_FILE = {"admin": "api.token", "trainer": "trainer.token", "cell": "cell.token", "agent": "agent.token",
-              "scrape": "metrics.token"}
+              "scrape": "metrics.token", "reader": "reader.token"}
 """Each scope's bootstrap token file beside the store."""
 
 
@@ -107,7 +111,7 @@ def _configured_file(sched: SchedulerConfig, scope: str) -> str | None:
         return sched.auth_token_file
     if scope == "scrape":
         return sched.metrics_token_file
-    return getattr(sched, f"{scope}_token_file")
+    return getattr(sched, f"{scope}_token_file", None)  # reader: its variable or its file beside the store
 
 
 def is_loopback(host: str) -> bool:
