@@ -40,11 +40,12 @@ from typing import Any
 from cells.engine.embedded.layers import probe_row_invariance
 from cells.engine.embedded.model_spec import resolve_spec
 from cells.rl.objectives.config import ObjectiveConfig, ewma_window
+from cells.trainer import outcomes
 from cells.trainer.agents import AgentPool
 from cells.trainer.client import TrainerClient
 from cells.trainer.figures import trainer_compute_s, trainer_state_bytes, update_figures
 from cells.trainer.groups import GroupGate, num_members
-from cells.trainer.publish import drop_retired, export, finish_exports, publish
+from cells.trainer.publish import drop_retired, finish_exports, publish
 from cells.trainer.step_cells import StepCells, StepFigures
 from cells.trainer.warmup import toy_demos
 from cells.training import protocol as P
@@ -296,6 +297,7 @@ class Trainer:
         if self.rl_step % self.tc.checkpoint_every == 0:
             self._checkpoint()
         self._record(batch, metrics, prov, t0, [t_batch, t_flip, t_scored, t_train])
+        outcomes.trained(self, batch, metrics, start_version, bound)  # the export's train_* columns
 
     def _update(self, batch: list[dict], cells: list[str], bound: int | None) -> dict[str, Any]:
         """The update on the step's cells, committed with the counters it leads to."""
@@ -345,6 +347,7 @@ class Trainer:
                 self.client.report_dropped(reason, groups, n)
             except Exception as e:  # the count stays in groups_dropped and the log
                 log.warning("could not report dropped groups: %s", e)
+        outcomes.dropped(self, sel.dropped)
         return sel.ready
 
     def _staleness_bound(self) -> int | None:
@@ -366,9 +369,6 @@ class Trainer:
 
     def _publish(self) -> None:
         publish(self)
-
-    def _export(self, version: int) -> None:
-        export(self, version)
 
     def _finish_exports(self, timeout_s: float = 300.0) -> None:
         finish_exports(self, timeout_s)
