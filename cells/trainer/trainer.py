@@ -45,7 +45,7 @@ from cells.trainer.agents import AgentPool
 from cells.trainer.client import TrainerClient
 from cells.trainer.figures import trainer_compute_s, trainer_state_bytes, update_figures
 from cells.trainer.groups import GroupGate, num_members
-from cells.trainer.publish import drop_retired, finish_exports, publish
+from cells.trainer.publish import drop_retired, export, finish_exports, publish
 from cells.trainer.step_cells import StepCells, StepFigures
 from cells.trainer.warmup import toy_demos
 from cells.training import protocol as P
@@ -332,11 +332,9 @@ class Trainer:
         self._emit(rec)
 
     def _complete_groups(self, limit: int) -> list[dict]:
-        """Whole groups (all `group_size` members finished), oldest first, up to about `limit`
-        trajectories, taken out of `self.batch`. Groups that cannot be trained (past the
-        deadline, a member dropped by the scheduler as stale, equal rewards under dynamic
-        sampling) leave it too, counted here and in the scheduler's
-        `cellflip_groups_dropped_total` (cells/trainer/groups.py)."""
+        """Whole groups (all `group_size` members), oldest first, up to about `limit` trajectories,
+        taken out of `self.batch`; groups that cannot be trained leave it too, counted here, in
+        `cellflip_groups_dropped_total` and in their outcomes (cells/trainer/groups.py)."""
         sel = self.groups.select(self.batch, limit)
         gone = {id(t) for t in sel.ready} | {id(t) for t in sel.dropped_trajectories()}
         self.batch = [t for t in self.batch if id(t) not in gone]
@@ -369,6 +367,9 @@ class Trainer:
 
     def _publish(self) -> None:
         publish(self)
+
+    def _export(self, version: int) -> None:
+        export(self, version)
 
     def _finish_exports(self, timeout_s: float = 300.0) -> None:
         finish_exports(self, timeout_s)
