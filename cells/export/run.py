@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from cells.export import table
 from cells.export.source import ExportError, ExportSource
 from cells.export.writer import ExportDir
 
@@ -43,7 +44,7 @@ def export_once(src: ExportSource, out: ExportDir, stats: ExportStats, job: str 
             nxt = int(item["next"])
             break
         batch.rows.append(item)
-        batch.tokens += len(item["token_ids"])
+        batch.tokens += table.num_tokens(item)
         if len(batch.rows) >= part_rows or batch.tokens >= part_tokens:
             _flush(src, out, stats, batch, ack)
             batch = _Batch(out.cursor)

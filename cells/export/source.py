@@ -37,10 +37,12 @@ class ExportSource:
     def versions(self) -> list[dict]:
         return self._get("/v1/export/versions")["versions"]
 
-    def stream(self, after: int, job: str | None = None, until: int | None = None
+    def stream(self, after: int, job: str | None = None, until: int | None = None, packed: bool = True
                ) -> Iterator[dict[str, Any]]:
-        """Rows past `after` (oldest first), then a last `{"next": cursor}` item."""
-        params = {k: v for k, v in {"after": after, "job": job, "until": until}.items() if v is not None}
+        """Rows past `after` (oldest first), then a last `{"next": cursor}` item; `packed`: the
+        per-token columns as base64 arrays (cells/export/table.py reads either form)."""
+        params: dict[str, Any] = {k: v for k, v in {"after": after, "job": job, "until": until}.items() if v is not None}
+        params["packed"] = "true" if packed else "false"
         try:
             with self.http.stream("GET", "/v1/export/stream", params=params) as r:
                 if r.status_code != 200:

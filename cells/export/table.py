@@ -19,9 +19,56 @@ TOKEN_COLUMNS = ("token_ids", "loss_mask", "logprob", "version", "old_logprob", 
                  "truncated")
 
 
-def flat_row(row: dict[str, Any]) -> dict[str, Any]:
-    """The scheduler's export row with `training` spread into `train_*` columns."""
-    out = {k: v for k, v in row.items() if k != "training"}
+_DTYPES = {"token_ids": "<i4", "loss_mask": "i1", "logprob": "<f4", "version": "<i4", "old_logprob": "<f4",
+           "old_provenance": "i1", "cell_idx": "<i2", "truncated": "i1"}
+"""The packed wire types (scheduler/store/exportread.py `PACKED`)."""
+
+
+def token_arrays(row: dict[str, Any]) -> dict[str, Any]:
+    """A row's per-token columns as numpy arrays (from the packed wire form or from lists;
+    nulls as NaN in the float columns and -1 in `version`)."""
+    import base64
+
+    import numpy as np
+
+    if "packed" in row:
+        return {k: np.frombuffer(base64.b64decode(row["packed"][k]), dtype=dt) for k, dt in _DTYPES.items()}
+    out = {}
+    for k, dt in _DTYPES.items():
+        vals = row[k]
+        if dt == "<f4":
+            vals = [np.nan if x is None else x for x in vals]
+        elif k == "version":
+            vals = [-1 if x is None else x for x in vals]
+        out[k] = np.asarray(vals, dtype=dt)
+    return out
+
+
+def num_tokens(row: dict[str, Any]) -> int:
+    return len(row["token_ids"]) if "token_ids" in row else len(row["packed"]["token_ids"]) * 3 // 4 // 4
+
+
+def row_versions(row: dict[str, Any]) -> set[int]:
+    v = token_arrays(row)["version"] if "packed" in row else [x for x in row["version"] if x is not None]
+    return {int(x) for x in set(v) if x >= 0}
+
+
+def flat_row(row: dict[str, Any], lists: bool = True) -> dict[str, Any]:
+    """The scheduler's export row with `training` spread into `train_*` columns; with `lists`
+    the per-token columns as lists (nulls as None), else as numpy arrays."""
+    out = {k: v for k, v in row.items() if k not in ("training", "packed", "f32_inexact")}
+    if "packed" in row or not lists:
+        arrays = token_arrays(row)
+        if not lists:
+            out.update(arrays)
+        else:
+            for k, a in arrays.items():
+                vals = a.tolist()
+                if a.dtype.kind == "f":
+                    vals = [None if x != x else x for x in vals]
+                elif k == "version":
+                    vals = [None if x < 0 else x for x in vals]
+                out[k] = vals
     t = row.get("training") or {}
     for k in TRAIN_KEYS:
         v = t.get(k)
@@ -61,30 +108,42 @@ def schema():
 
 
 def _list_column(rows: list[dict[str, Any]], key: str, typ):
-    """One per-token column as a list array built from one flat array and its offsets."""
+    """One per-token column as a list array over one flat array and its offsets (numpy rows)."""
     import numpy as np
     import pyarrow as pa
 
-    lens = np.fromiter((len(r[key]) for r in rows), dtype=np.int32, count=len(rows))
+    parts = [r[key] for r in rows]
     offsets = np.zeros(len(rows) + 1, dtype=np.int32)
-    np.cumsum(lens, out=offsets[1:])
-    flat = [x for r in rows for x in r[key]]
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, type=typ))
+    np.cumsum([len(p) for p in parts], out=offsets[1:])
+    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=_DTYPES[key])
+    if flat.dtype.kind == "f":
+        values = pa.array(flat, type=typ, mask=np.isnan(flat))
+    elif key == "version":
+        values = pa.array(flat, type=typ, mask=flat < 0)
+    else:
+        values = pa.array(flat, type=typ)
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values)
 
 
 def float32_inexact(rows: list[dict[str, Any]]) -> int:
-    """Log-prob values that float32 does not hold exactly (counted in the manifest)."""
+    """Log-prob values that float32 does not hold exactly (counted in the manifest): the
+    scheduler's count for packed rows, else counted here."""
     import numpy as np
 
     n = 0
-    for key in ("logprob", "old_logprob"):
-        a = np.array([x for r in rows for x in r[key] if x is not None], dtype=np.float64)
-        n += int(np.count_nonzero(a.astype(np.float32).astype(np.float64) != a))
+    for r in rows:
+        if "packed" in r:
+            n += int(r.get("f32_inexact", 0))
+            continue
+        for key in ("logprob", "old_logprob"):
+            a = np.array([x for x in r[key] if x is not None], dtype=np.float64)
+            n += int(np.count_nonzero(a.astype(np.float32).astype(np.float64) != a))
     return n
 
 
 def arrow_table(rows: list[dict[str, Any]]):
-    """A page of flat rows as a pyarrow Table of `schema()`."""
+    """A page of flat rows (per-token columns as numpy arrays: `flat_row(lists=False)`) as a
+    pyarrow Table of `schema()`."""
     import pyarrow as pa
 
     sch = schema()

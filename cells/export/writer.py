@@ -94,18 +94,17 @@ class ExportDir:
 
     def write_part(self, after: int, rows: list[dict[str, Any]]) -> str:
         """Write the rows (finish numbers in (`after`, last row's]) as one part; returns its name."""
-        flat = [table.flat_row(r) for r in rows]
         last = rows[-1]["finish_seq"]
         ext = "parquet" if self.fmt == "parquet" else "jsonl"
         name = f"part-{after + 1:012d}-{last:012d}.{ext}"
         if self.fmt == "parquet":
-            data = table.parquet_bytes(flat)
-            self.manifest["float32_inexact"] += table.float32_inexact(flat)
+            data = table.parquet_bytes([table.flat_row(r, lists=False) for r in rows])
         else:
-            data = table.jsonl_bytes(flat)
+            data = table.jsonl_bytes([table.flat_row(r) for r in rows])
+        self.manifest["float32_inexact"] += table.float32_inexact(rows)
         _write_whole(self.data / name, data)
-        self._list(f"data/{name}", after, last, (len(rows), sum(len(r["token_ids"]) for r in rows)), data,
-                   versions={v for r in rows for v in r["version"] if v is not None})
+        self._list(f"data/{name}", after, last, (len(rows), sum(table.num_tokens(r) for r in rows)), data,
+                   versions=set().union(*(table.row_versions(r) for r in rows)))
         self._save()
         return f"data/{name}"
 

@@ -39,9 +39,9 @@ from scheduler.contract.trajexport import (
 
 log = logging.getLogger("cellflip.export")
 
-STREAM_PAGE_SESSIONS = 64
+STREAM_PAGE_SESSIONS = 4
 """Sessions one page of the stream reads before the event loop runs again."""
-STREAM_PAGE_TOKENS = 1 << 17
+STREAM_PAGE_TOKENS = 1 << 12
 """Tokens one page of the stream reads before the event loop runs again (at least one session)."""
 
 router = APIRouter(tags=["export"], route_class=ApiRoute, responses=errors(401, 403))
@@ -62,17 +62,18 @@ async def export_page(ctl: Ctl, after: Cursor = 0, limit: Annotated[int, Query(g
 
 @router.get("/v1/export/stream", responses=errors(422))
 async def export_stream(ctl: Ctl, after: Cursor = 0, until: Annotated[int | None, Query(ge=0, lt=1 << 62)] = None,
-                        job: Job = None) -> StreamingResponse:
+                        job: Job = None, packed: bool = False) -> StreamingResponse:
     """Newline-delimited JSON: one finished trajectory a line past `after` (up to `until`, else
-    up to the newest when the stream started), then `{"next": cursor}`."""
+    up to the newest when the stream started), then `{"next": cursor}`. `packed`: per-token
+    columns as base64 little-endian arrays under `packed` (docs/EXPORT.md; the exporter's)."""
     stop = ctl.store.export.latest() if until is None else until
-    return StreamingResponse(_stream(ctl, after, stop, job), media_type="application/x-ndjson")
+    return StreamingResponse(_stream(ctl, after, stop, job, packed), media_type="application/x-ndjson")
 
 
-async def _stream(ctl: Any, after: int, stop: int, job: str | None) -> AsyncIterator[bytes]:
+async def _stream(ctl: Any, after: int, stop: int, job: str | None, packed: bool) -> AsyncIterator[bytes]:
     cursor = after
     while cursor < stop:
-        items, nxt = ctl.store.export.page(cursor, STREAM_PAGE_SESSIONS, STREAM_PAGE_TOKENS, job)
+        items, nxt = ctl.store.export.page(cursor, STREAM_PAGE_SESSIONS, STREAM_PAGE_TOKENS, job, packed)
         items = [r for r in items if r["finish_seq"] <= stop]
         if nxt == cursor:
             break

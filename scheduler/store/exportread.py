@@ -11,6 +11,9 @@ into the row's `cells`. Reads only; the tables are the other modules'.
 
 from __future__ import annotations
 
+import base64
+import sys
+from array import array
 from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.trajexport import PROVENANCE_CODES, branch_of, job_of
@@ -32,6 +35,34 @@ _MIG_KEYS = ("request_id", "src", "dst", "path", "epoch", "state", "reason", "cr
              "commit_tokens")
 
 
+PACKED = {"token_ids": "i", "loss_mask": "b", "logprob": "f", "version": "i", "old_logprob": "f",
+          "old_provenance": "b", "cell_idx": "h", "truncated": "b"}
+"""The per-token columns' types when packed (`array` typecodes, little-endian on the wire:
+int32, int8, float32, int32, float32, int8, int16, int8); a null is NaN in a float column and
+-1 in `version`."""
+_NAN = float("nan")
+
+
+def pack(cols: dict[str, Any]) -> dict[str, Any]:
+    """The row's per-token columns as base64 of little-endian arrays (`packed`), with the count
+    of log-probs float32 does not hold exactly (`f32_inexact`)."""
+    out, inexact = {}, 0
+    for key, code in PACKED.items():
+        vals = cols.pop(key)
+        if code == "f":
+            vals = [_NAN if x is None else x for x in vals]
+            a = array("f", vals)
+            if array("d", a) != array("d", vals):
+                inexact += sum(1 for x, y in zip(a, vals) if x != y and x == x)
+        else:
+            a = array(code, [-1 if x is None else x for x in vals] if key == "version" else vals)
+        if sys.byteorder != "little":
+            a.byteswap()
+        out[key] = base64.b64encode(a.tobytes()).decode()
+    cols["packed"], cols["f32_inexact"] = out, inexact
+    return cols
+
+
 def _token_columns(rows: list[tuple]) -> dict[str, Any]:
     """A session's token rows as the row's per-token columns (one pass at C speed per column)."""
     if not rows:
@@ -51,12 +82,12 @@ class ExportReader:
     def __init__(self, store: Store) -> None:
         self.s = store
 
-    def page(self, after: int, limit: int, max_tokens: int, job: str | None = None
+    def page(self, after: int, limit: int, max_tokens: int, job: str | None = None, packed: bool = False
              ) -> tuple[list[dict[str, Any]], int]:
         """Finished sessions with finish_seq > `after`, oldest first: at most `limit`, and no
         more once `max_tokens` tokens are in (always at least one). Returns (rows, the cursor
         after the last row read); a `job` filter skips the others' sessions (the cursor still
-        moves past them)."""
+        moves past them). `packed`: per-token columns as `pack` gives them."""
         q = ("SELECT id, finish_seq, length, reward, group_id, created_at, finished_at, segment_starts, tainted"
              " FROM sessions WHERE finish_seq > ? ORDER BY finish_seq LIMIT ?")
         out: list[dict[str, Any]] = []
@@ -68,7 +99,8 @@ class ExportReader:
             if job is not None and job_of(sid) != job:
                 continue
             tokens += length
-            out.append(self._row(sid, seq, reward, group, created, finished, loads(segs), tainted))
+            row = self._row(sid, seq, reward, group, created, finished, loads(segs), tainted)
+            out.append(pack(row) if packed else row)
         return out, cursor
 
     def _row(self, sid: str, seq: int, reward: float | None, group: str | None, created: float,

@@ -147,3 +147,16 @@ def test_refusals_lose_nothing(h, tmp_path):
     assert d.cursor == 0 and d.manifest["rows"] == 0
     with pytest.raises(ValueError, match="jsonl export"):
         ExportDir(tmp_path / "o", "parquet", {})
+
+
+def test_packed_rows_are_the_same_rows(h):
+    from cells.export.table import flat_row
+
+    _seed(h, 3)
+    get = lambda packed: [json.loads(x) for x in h.client.get(  # noqa: E731
+        "/v1/export/stream", params={"packed": packed}, headers=h.auth("reader")).text.splitlines()[:-1]]
+    plain, packed = get("false"), get("true")
+    assert "packed" in packed[0] and "token_ids" not in packed[0]
+    assert [flat_row(r) for r in packed] == [flat_row(r) for r in plain]
+    packed[0]["packed"]["logprob"] = plain[1]["token_ids"] and packed[1]["packed"]["logprob"]  # another row's
+    assert flat_row(packed[0]) != flat_row(plain[0])

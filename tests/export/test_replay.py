@@ -120,3 +120,18 @@ def test_cli_replay_in_a_fresh_process(export_dir):
                        timeout=120)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout.strip().splitlines()[-1])["replay_exact_frac"] == 1.0
+
+
+def test_weights_are_copied_beside_the_rows_or_named(export_dir, tmp_path):
+    from types import SimpleNamespace
+
+    from cells.export.weights import collect
+
+    d = ExportDir(tmp_path / "w", "jsonl", {})
+    d.note("versions", [1, 2, 3])
+    src = SimpleNamespace(versions=lambda: [{"version": 3, "state": "retired", "source": {"kind": "cell"}}])
+    found = collect(src, d, [str(export_dir / "weights")], ask_cells=False)
+    assert found["1"]["state"] == found["2"]["state"] == "copied"
+    assert (tmp_path / "w" / "weights" / "v2" / "config.json").is_file()
+    assert found["3"] == {"state": "named", "version_state": "retired", "source": {"kind": "cell"}}
+    assert collect(src, d, [], ask_cells=False)["1"]["state"] == "present"
