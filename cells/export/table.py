@@ -170,7 +170,7 @@ def parquet_bytes(rows: list[dict[str, Any]]) -> bytes:
 
     sink = pa.BufferOutputStream()
     split = ["logprob.list.element", "old_logprob.list.element"]
-    pq.write_table(arrow_table(rows), sink, compression="zstd", compression_level=3,
+    pq.write_table(arrow_table(rows), sink, compression="zstd", compression_level=1,
                    use_byte_stream_split=split, use_dictionary=[c for c in schema().names if c not in
                                                                 ("logprob", "old_logprob", "token_ids")])
     return sink.getvalue().to_pybytes()

@@ -22,9 +22,9 @@ version), 2 = missing (exact scoring became impossible)."""
 BRANCH_RE = re.compile(r"^(?P<parent>.+)\.b(?P<branch>[0-9]+)$")
 """A branch session's id: `{trunk}.b{k}` (cells/trainer/toy_task/branches.py)."""
 
-MAX_PAGE_SESSIONS = 1000
+MAX_PAGE_SESSIONS = 256
 """Most sessions one export page carries."""
-MAX_PAGE_TOKENS = 1 << 20
+MAX_PAGE_TOKENS = 1 << 15
 """Most tokens one export page carries (at least one session, whatever its length): the bound
 on the store work one page costs the scheduler's event loop."""
 
