@@ -5,8 +5,8 @@ replicating that run's rows exported through the scheduler's REST API by a separ
    its agents for `STEPS` RL steps, every version exported by a cell holding it
    (`trainer.export_every: 1`). Then, in fresh processes: `cellflip export --weights-from`
    (reader token) and `cellflip replay --serve`.
-2. A store of `sessions` finished sessions replicating the run's exported rows
-   (scheduler/store/replicate.py), served by the real app under uvicorn in this process (its
+2. A store of `sessions` finished sessions replicating the run's exported rows whose every
+   sampled token was scored (scheduler/store/replicate.py), served by the real app under uvicorn in this process (its
    control loop ticking every 0.2 s), exported to parquet by `cellflip export` in a subprocess.
 
 Fields:
@@ -197,7 +197,11 @@ def main() -> None:
     real = real_run(tmp / "real")
     from cells.export.writer import read_rows
 
-    templates = read_rows(real.pop("dir"))
+    rows = read_rows(real.pop("dir"))
+    # a store of trained trajectories: every sampled token scored (the run's last sessions, not
+    # scored yet when it stopped, would leave the log-prob service a backlog no store of trained
+    # trajectories has, and the tick would measure that)
+    templates = [r for r in rows if all(p for p, m in zip(r["old_provenance"], r["loss_mask"]) if m)] or rows
     sessions = 10_000 if args.quick else 100_000
     real.pop("sessions")  # the real run's rows: real_sessions
     result = {**big_export(tmp, templates, sessions, idle_s=10.0 if args.quick else 30.0), **real}
