@@ -160,3 +160,36 @@ def test_packed_rows_are_the_same_rows(h):
     assert [flat_row(r) for r in packed] == [flat_row(r) for r in plain]
     packed[0]["packed"]["logprob"] = plain[1]["token_ids"] and packed[1]["packed"]["logprob"]  # another row's
     assert flat_row(packed[0]) != flat_row(plain[0])
+
+
+def test_follow_writes_sessions_as_they_finish_until_stopped(h, tmp_path):
+    import threading
+    import time
+
+    _seed(h, 2)
+    d = ExportDir(tmp_path / "f", "jsonl", {})
+    stop = threading.Event()
+    t = threading.Thread(target=run_export, args=(_source(h), d), kwargs={"follow": True, "poll_s": 0.05, "stop": stop})
+    t.start()
+    try:
+        deadline = time.monotonic() + 20
+        while d.manifest["rows"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        _seed(h, 2, start=2)
+        while d.manifest["rows"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        t.join(timeout=20)
+    assert not t.is_alive()
+    assert [r["session_id"] for r in read_rows(tmp_path / "f")] == [f"run-e{i}" for i in range(4)]
+    st = h.client.get("/v1/export/status", headers=h.auth("reader")).json()
+    assert st["acks"] == {d.manifest["exporter"]: 4}  # acknowledged as written
+
+
+def test_cli_refuses_a_directory_of_another_format(tmp_path):
+    from cells.cli import main
+
+    ExportDir(tmp_path / "o", "jsonl", {})
+    with pytest.raises(SystemExit, match="holds a jsonl export"):
+        main(["export", "--out", str(tmp_path / "o"), "--format", "parquet", "--scheduler", "http://127.0.0.1:9"])
