@@ -10,9 +10,10 @@ Negative control: the same tokens scored with the weights of another version (or
 version only, a copy with one weight nudged) must not match. `serve`: each turn's prompt is
 sampled again on an embedded engine holding the turn's version, with the request's own id and
 seed (sampling noise is a function of seed, request id and position), and the session counts
-as identical when every turn's tokens are. Sessions moved by re-prefill, and turns whose tokens
-span versions (an update in flight), are reported apart: their behaviour log-probs were
-computed on a KV the forward does not rebuild.
+as identical when every turn's tokens are. Turns `apart` says a forward cannot rebuild (moved
+by re-prefill, tokens spanning versions, a context sampled under an older version whose KV an
+update in flight kept) are reported apart (`moved_*`); their old log-probs are compared all the
+same.
 """
 
 from __future__ import annotations
@@ -94,6 +95,17 @@ def _moved_by_reprefill(row: dict[str, Any]) -> bool:
     return any(m["path"] == "reprefill" and m["state"] == "committed" for m in row.get("migrations") or [])
 
 
+def apart(row: dict[str, Any], lo: int, base: int, versions: set) -> bool:
+    """A turn whose behaviour log-probs a forward at one version cannot rebuild: its session was
+    moved by re-prefill, its tokens span versions, or its context holds tokens sampled under an
+    older version (an update in flight keeps the KV: `versions.inflight_policy: keep_kv`)."""
+    sampled = {v for v in versions if v is not None}
+    if _moved_by_reprefill(row) or len(sampled) > 1:
+        return True
+    older = [v for v in row["version"][lo:base] if v is not None]
+    return bool(sampled and older and min(older) < min(sampled))
+
+
 def replay_scores(root: Path, rows: list[dict[str, Any]], tile: int | None) -> dict[str, Any]:
     """Per version: sampled tokens compared, behaviour and old log-probs equal bit for bit, and
     the negative control's matches (which must be none)."""
@@ -101,10 +113,9 @@ def replay_scores(root: Path, rows: list[dict[str, Any]], tile: int | None) -> d
     have = vers.available()
     per: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for row in rows:
-        moved = _moved_by_reprefill(row)
         for lo, base, end, temp in _turns(row):
             vs = {row["version"][i] for i in range(base, end) if row["loss_mask"][i]}
-            mixed = len(vs) > 1
+            moved = apart(row, lo, base, vs)
             for v in sorted(x for x in vs if x is not None):
                 if v not in have:
                     per[v]["no_weights"] += end - base
@@ -113,7 +124,7 @@ def replay_scores(root: Path, rows: list[dict[str, Any]], tile: int | None) -> d
                 wrong = [x for x in have if x != v]
                 ctl = score_turn(vers.prepared(wrong[0]) if wrong else vers.prepared(v, nudge=True),
                                  row["token_ids"], lo, base, end, temp, tile)
-                _tally(per[v], row, base, end, v, lp, ctl, moved or mixed)
+                _tally(per[v], row, base, end, v, lp, ctl, moved)
     return {str(v): _fractions(d) for v, d in sorted(per.items())}
 
 

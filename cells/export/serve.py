@@ -2,7 +2,7 @@
 batch-invariant mode holding the turn's version, under the request's own id and sampling
 params (its seed among them: the noise of token t is a function of seed, request id and t), and
 compared token for token with the recorded completion. A session is identical when all its
-turns are; sessions moved by re-prefill or with a turn spanning versions are counted apart."""
+turns are; sessions with a turn `replay.apart` names are counted apart."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cells.export.replay import Versions, _moved_by_reprefill
+from cells.export.replay import Versions, _moved_by_reprefill, apart
 
 
 def _engine(vers: Versions, v: int, tile: int | None, blocks: int):
@@ -41,13 +41,13 @@ def replay_serve(root: Path, rows: list[dict[str, Any]], tile: int | None) -> di
     engines: dict[int, Any] = {}
     tally = {"kept": [0, 0], "moved": [0, 0], "no_weights": 0}
     for row in rows:
-        ok, apart, skipped = True, _moved_by_reprefill(row), False
+        ok, moved, skipped = True, _moved_by_reprefill(row), False
         for t in row.get("turns") or []:
             base, n = t["base"], t["num_generated"]
             if not n:
                 continue
             vs = {row["version"][i] for i in range(base, base + n) if row["loss_mask"][i]}
-            apart = apart or len(vs) > 1
+            moved = moved or apart(row, t["prompt_start"], base, vs)
             v = min(x for x in vs if x is not None) if vs - {None} else None
             if v is None or v not in have:
                 skipped = True
@@ -61,7 +61,7 @@ def replay_serve(root: Path, rows: list[dict[str, Any]], tile: int | None) -> di
         if skipped:
             tally["no_weights"] += 1
             continue
-        key = "moved" if apart else "kept"
+        key = "moved" if moved else "kept"
         tally[key][0] += 1
         tally[key][1] += ok
     k, m = tally["kept"], tally["moved"]

@@ -135,3 +135,13 @@ def test_weights_are_copied_beside_the_rows_or_named(export_dir, tmp_path):
     assert (tmp_path / "w" / "weights" / "v2" / "config.json").is_file()
     assert found["3"] == {"state": "named", "version_state": "retired", "source": {"kind": "cell"}}
     assert collect(src, d, [], ask_cells=False)["1"]["state"] == "present"
+
+
+def test_turns_a_forward_cannot_rebuild_are_set_apart():
+    from cells.export.replay import apart
+
+    row = {"version": [None, 1, 1, None, 2, 2], "migrations": []}
+    assert apart(row, 0, 4, {2})  # its context was sampled under version 1 (an in-flight KV)
+    assert not apart(row, 0, 1, {1}) and not apart({**row, "version": [None, 2, 2, None, 2, 2]}, 0, 4, {2})
+    assert apart(row, 0, 1, {1, 2})  # its tokens span versions
+    assert apart({**row, "migrations": [{"path": "reprefill", "state": "committed"}]}, 0, 1, {1})
