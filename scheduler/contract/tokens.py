@@ -14,12 +14,13 @@ Scopes, least privilege first:
 
 Each scope has a bootstrap token, found in this order (the scheduler and every client agree):
 1. the config's file for the scope (`scheduler.auth_token_file` for admin,
-   `scheduler.metrics_token_file` for scrape, `scheduler.<scope>_token_file` for the others);
+   `scheduler.metrics_token_file` for scrape, `scheduler.<scope>_token_file` for the others but
+   reader, which has no config file);
    it must exist and be non-empty;
 2. the scope's environment variable (`CELLFLIP_API_TOKEN` for admin, `CELLFLIP_<SCOPE>_TOKEN`
    for the others);
 3. `<file>` beside the store (`scheduler.db_path`): `api.token` (admin), `trainer.token`,
-   `cell.token`, `agent.token`, `metrics.token`, generated on first start (mode 0600,
+   `cell.token`, `agent.token`, `metrics.token`, `reader.token`, generated on first start (mode 0600,
    created atomically, never overwritten, so stable across restarts).
 A client of a scope other than admin that finds none of these uses `CELLFLIP_API_TOKEN` when
 set (a user who exported the admin token). More tokens of any scope are created and revoked
