@@ -64,7 +64,11 @@ async def export_page(ctl: Ctl, after: Cursor = 0, limit: Annotated[int, Query(g
     return {"schema_version": SCHEMA_VERSION, "items": items, "next": nxt, "latest": ctl.store.export.latest()}
 
 
-@router.get("/v1/export/stream", responses=errors(422))
+_NDJSON = {200: {"description": "one JSON object a line, then `{\"next\": cursor}`",
+                 "content": {"application/x-ndjson": {"schema": {"type": "string"}}}}}
+
+
+@router.get("/v1/export/stream", response_class=StreamingResponse, responses={**_NDJSON, **errors(422)})
 async def export_stream(ctl: Ctl, after: Cursor = 0, until: Annotated[int | None, Query(ge=0, lt=1 << 62)] = None,
                         job: Job = None, packed: bool = False) -> StreamingResponse:
     """Newline-delimited JSON: one finished trajectory a line past `after` (up to `until`, else
