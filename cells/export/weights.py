@@ -57,7 +57,7 @@ def collect(src: ExportSource, out: ExportDir, roots: list[str], ask_cells: bool
         if (target / "config.json").is_file():
             found[str(v)] = {"state": "present", "path": str(target)}
             continue
-        hit = _find(v, [Path(r) for r in roots])
+        hit, ex = _find(v, [Path(r) for r in roots]), {}
         if hit is None and ask_cells:
             ex = _ask_cell(src, v, out.manifest["exporter"], timeout_s)
             written = ex.get("written_to")
@@ -73,6 +73,6 @@ def collect(src: ExportSource, out: ExportDir, roots: list[str], ask_cells: bool
             continue
         info = listed.get(v) or {}
         found[str(v)] = {"state": "named" if info else "unavailable", "version_state": info.get("state"),
-                         "source": info.get("source")}
+                         "source": info.get("source"), **({"asked": ex} if ex else {})}
     out.note("weights", found)
     return found
