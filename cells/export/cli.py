@@ -37,8 +37,7 @@ def cmd_export(args) -> int:
         raise SystemExit(f"cellflip export: {e}") from None
     src = ExportSource(args.scheduler, _token(args, "reader"))
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    saved = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         stats = run_export(src, out, since=args.since, job=args.job, follow=args.follow, part_rows=args.part_rows,
                            poll_s=args.poll_s, stop=stop)
@@ -51,6 +50,8 @@ def cmd_export(args) -> int:
         raise SystemExit(f"cellflip export: {e}") from None
     finally:
         src.close()
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
     print(json.dumps(result))
     return 0
 
