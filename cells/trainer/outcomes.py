@@ -5,7 +5,7 @@
               the update published, the RL step, the version it started from, the session's
               advantage (recomputed by the same pure plan the coordinator split the update
               with: cells/rl/plan.py) and its staleness (versions between its oldest sampled
-              token and the update's start)
+              token and the update's start), and its train/inference ratios (`correction`)
     dropped   status `dropped` and the reason the group gate gave (cells/trainer/groups.py)
 
 A write-back that fails is logged and training goes on (the rows then have no outcome, and
@@ -44,6 +44,23 @@ def advantages(t: Any, batch: list[dict], start_version: int, bound: int | None)
     return {tr["id"]: a for s in plan.shares for tr, a in zip(s.trajectories, s.advantages)}
 
 
+def correction(tr: dict) -> dict[str, Any] | None:
+    """The session's train/inference ratios r_d = exp(lp_old − lp_behav) over its sampled tokens
+    with an exact old log-prob (min, mean, max; before the objective's correction and the
+    staleness weight, which the training cells compute per token), and its missing count."""
+    import math
+
+    r, missing = [], 0
+    for m, lp, old, prov in zip(tr["loss_mask"], tr["logprobs"], tr["old_logprobs"], tr["provenance"]):
+        if m and prov == "exact" and lp is not None and old is not None:
+            r.append(math.exp(max(-20.0, min(20.0, old - lp))))
+        elif m:
+            missing += 1
+    if not r:
+        return None
+    return {"r_d_min": min(r), "r_d_mean": sum(r) / len(r), "r_d_max": max(r), "tokens": len(r), "missing": missing}
+
+
 def trained(t: Any, batch: list[dict], metrics: dict[str, Any], start_version: int, bound: int | None) -> None:
     adv = advantages(t, batch, start_version, bound)
     rejected = bool(metrics.get("update_rejected"))
@@ -53,7 +70,7 @@ def trained(t: Any, batch: list[dict], metrics: dict[str, Any], start_version: i
         out[tr["id"]] = {"status": "rejected" if rejected else "trained",
                          "update_version": None if rejected else t.version, "rl_step": t.rl_step,
                          "start_version": start_version, "advantage": adv.get(tr["id"]),
-                         "staleness": start_version - min(sampled) if sampled else 0}
+                         "staleness": start_version - min(sampled) if sampled else 0, "correction": correction(tr)}
     _post(t, out)
 
 

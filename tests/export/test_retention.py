@@ -110,9 +110,13 @@ def test_trainer_write_back_records():
               "token_ids": [1, 2, 3], "logprobs": [None, -1.0, -1.0], "old_logprobs": [None, -1.0, -1.0],
               "provenance": [None, "exact", "exact"], "segment_starts": [0]} for i in range(2)]
     outcomes.trained(t, batch, {}, 4, None)
-    (path, body), = posted
+    (path, body), = posted[:1]
     o = body["outcomes"]
     assert path == "/v1/trajectories/outcomes" and o["s0"]["status"] == "trained" and o["s0"]["update_version"] == 5
     assert o["s0"]["staleness"] == 1 and o["s0"]["advantage"] < 0 < o["s1"]["advantage"]
+    assert o["s0"]["correction"] == {"r_d_min": 1.0, "r_d_mean": 1.0, "r_d_max": 1.0, "tokens": 2, "missing": 0}
+    batch[0]["old_logprobs"] = [None, -0.5, -1.0]  # the train/inference discrepancy shows
+    outcomes.trained(t, batch, {}, 4, None)
+    assert posted[-1][1]["outcomes"]["s0"]["correction"]["r_d_max"] > 1.0
     outcomes.dropped(t, {"deadline": [batch[0]]})
     assert posted[-1][1]["outcomes"] == {"s0": {"status": "dropped", "drop_reason": "deadline"}}
