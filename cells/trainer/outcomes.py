@@ -51,7 +51,9 @@ def correction(tr: dict) -> dict[str, Any] | None:
     import math
 
     r, missing = [], 0
-    for m, lp, old, prov in zip(tr["loss_mask"], tr["logprobs"], tr["old_logprobs"], tr["provenance"]):
+    n = len(tr["loss_mask"])
+    for m, lp, old, prov in zip(tr["loss_mask"], tr.get("logprobs") or [None] * n, tr.get("old_logprobs") or [None] * n,
+                                tr.get("provenance") or [None] * n):
         if m and prov == "exact" and lp is not None and old is not None:
             r.append(math.exp(max(-20.0, min(20.0, old - lp))))
         elif m:
@@ -62,6 +64,16 @@ def correction(tr: dict) -> dict[str, Any] | None:
 
 
 def trained(t: Any, batch: list[dict], metrics: dict[str, Any], start_version: int, bound: int | None) -> None:
+    try:
+        out = _trained(t, batch, metrics, start_version, bound)
+    except Exception as e:  # a record it cannot read: training goes on, the rows keep no outcome
+        log.warning("could not build trajectory outcomes: %s", e)
+        return
+    _post(t, out)
+
+
+def _trained(t: Any, batch: list[dict], metrics: dict[str, Any], start_version: int, bound: int | None
+             ) -> dict[str, dict[str, Any]]:
     adv = advantages(t, batch, start_version, bound)
     rejected = bool(metrics.get("update_rejected"))
     out = {}
@@ -71,11 +83,11 @@ def trained(t: Any, batch: list[dict], metrics: dict[str, Any], start_version: i
                          "update_version": None if rejected else t.version, "rl_step": t.rl_step,
                          "start_version": start_version, "advantage": adv.get(tr["id"]),
                          "staleness": start_version - min(sampled) if sampled else 0, "correction": correction(tr)}
-    _post(t, out)
+    return out
 
 
 def dropped(t: Any, by_reason: dict[str, list[dict]]) -> None:
     out = {tr["id"]: {"status": "dropped", "drop_reason": reason}
-           for reason, trs in by_reason.items() for tr in trs if tr.get("id")}
+           for reason, trs in by_reason.items() for tr in trs if isinstance(tr, dict) and tr.get("id")}
     if out:
         _post(t, out)

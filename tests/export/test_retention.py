@@ -120,3 +120,14 @@ def test_trainer_write_back_records():
     assert posted[-1][1]["outcomes"]["s0"]["correction"]["r_d_max"] > 1.0
     outcomes.dropped(t, {"deadline": [batch[0]]})
     assert posted[-1][1]["outcomes"] == {"s0": {"status": "dropped", "drop_reason": "deadline"}}
+
+
+def test_a_write_back_that_cannot_be_built_never_stops_training():
+    posted = []
+    t = SimpleNamespace(client=SimpleNamespace(_call=lambda m, p, json: posted.append(json)), version=1, rl_step=1,
+                        cfg=CellflipConfig())
+    outcomes.trained(t, [{"id": "x"}], {}, 1, None)  # no token columns: logged, nothing posted
+    outcomes.dropped(t, {"stale": [{"dropped": "stale"}]})  # no id: nothing to record
+    assert posted == []
+    broken = SimpleNamespace(_call=lambda *a, **k: (_ for _ in ()).throw(RuntimeError("down")))
+    outcomes.dropped(SimpleNamespace(client=broken), {"deadline": [{"id": "s"}]})  # the scheduler down: logged
