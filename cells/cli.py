@@ -1,4 +1,5 @@
-"""`cellflip` command line: up | scheduler | cell | trainer | status | token.
+"""`cellflip` command line: up | scheduler | cell | trainer | status | token | export | replay |
+export-weights (the last three: cells/export/cli.py).
 
 `up` is cells/up.py; `scheduler` runs `python -m scheduler` by module path (the cells import
 only the scheduler's config, auth and contract helpers, never its app). Imports are lazy so
@@ -184,48 +185,20 @@ def cmd_token(args) -> int:
     return 0
 
 
-def cmd_export_weights(args) -> int:
-    """`cellflip export-weights VERSION DIR`: a cell holding the version writes it as a Hugging
-    Face directory at DIR below its `cells.export_root`; waits for its answer."""
-    import time
-
-    import httpx
-
-    token = client_token_for(load(args.config), args.token_file, scope="trainer")
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    try:
-        with httpx.Client(base_url=args.scheduler, headers=headers, timeout=10.0) as http:
-            r = http.post(f"/v1/versions/{args.version}/exports", json={"path": args.dir, "dtype": args.dtype})
-            if r.status_code != 202:
-                try:
-                    detail = r.json().get("detail")
-                except ValueError:
-                    detail = r.text[:200]
-                raise SystemExit(f"cellflip export-weights: {args.scheduler} answered {r.status_code}: {detail}")
-            ex = r.json()
-            print(f"export {ex['id']}: version {args.version} from {ex['cell']}", file=sys.stderr)
-            deadline = time.monotonic() + args.timeout
-            while ex["state"] == "pending" and time.monotonic() < deadline:
-                time.sleep(0.5)
-                ex = http.get(f"/v1/exports/{ex['id']}").json()
-    except httpx.HTTPError as e:
-        raise SystemExit(f"cellflip export-weights: cannot reach {args.scheduler}: {e}") from None
-    if ex["state"] != "done":
-        raise SystemExit(f"cellflip export-weights: {ex['state']}: {ex.get('reason') or 'no answer in time'}")
-    print(ex["written_to"])
-    return 0
-
-
-def _export_parser(sub) -> None:
-    ex = sub.add_parser("export-weights", help="write a weight version as a Hugging Face directory (a cell "
-                                               "holding it writes it below its cells.export_root)")
-    ex.add_argument("version", type=int)
-    ex.add_argument("dir", help="relative to the cells' export root (runs/exports by default)")
-    ex.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    ex.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the cell's answer")
-    ex.add_argument("--scheduler", default="http://127.0.0.1:8700")
-    ex.add_argument("--config", help="the scheduler's config (where its token file is)")
-    ex.add_argument("--token-file", help="file holding a trainer or admin token")
+def _token_parser(sub) -> None:
+    tk = sub.add_parser("token", help="create, revoke or list API tokens (admin token)")
+    tk_sub = tk.add_subparsers(dest="action", required=True)
+    tk_create = tk_sub.add_parser("create", help="print a new token of a scope")
+    tk_create.add_argument("--scope", required=True, choices=("admin", "trainer", "cell", "agent", "scrape", "reader"))
+    tk_create.add_argument("--name", default="", help="a label: who or what holds it")
+    tk_revoke = tk_sub.add_parser("revoke", help="revoke a token by id (refused from the next request on)")
+    tk_revoke.add_argument("id")
+    tk_sub.add_parser("list", help="every token's id, scope, origin and state (never the token)")
+    for p in tk_sub.choices.values():
+        p.add_argument("--scheduler", default="http://127.0.0.1:8700")
+        p.add_argument("--config", help="the scheduler's config (where its token file is)")
+        p.add_argument("--token-file", help="file holding the admin token (default: $CELLFLIP_API_TOKEN, "
+                                            "else the scheduler's generated runs/api.token)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,25 +242,17 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--config", help="the scheduler's config (where its token file is)")
     st.add_argument("--token-file", help="file holding a trainer or admin token (default: "
                                          "$CELLFLIP_TRAINER_TOKEN, else the scheduler's generated runs/trainer.token)")
-    tk = sub.add_parser("token", help="create, revoke or list API tokens (admin token)")
-    tk_sub = tk.add_subparsers(dest="action", required=True)
-    tk_create = tk_sub.add_parser("create", help="print a new token of a scope")
-    tk_create.add_argument("--scope", required=True, choices=("admin", "trainer", "cell", "agent", "scrape"))
-    tk_create.add_argument("--name", default="", help="a label: who or what holds it")
-    tk_revoke = tk_sub.add_parser("revoke", help="revoke a token by id (refused from the next request on)")
-    tk_revoke.add_argument("id")
-    tk_sub.add_parser("list", help="every token's id, scope, origin and state (never the token)")
-    for p in tk_sub.choices.values():
-        p.add_argument("--scheduler", default="http://127.0.0.1:8700")
-        p.add_argument("--config", help="the scheduler's config (where its token file is)")
-        p.add_argument("--token-file", help="file holding the admin token (default: $CELLFLIP_API_TOKEN, "
-                                            "else the scheduler's generated runs/api.token)")
-    _export_parser(sub)
+    _token_parser(sub)
+    from cells.export.cli import add_parsers
+
+    add_parsers(sub)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if hasattr(args, "func"):  # export, replay, export-weights (cells/export/cli.py)
+        return args.func(args)
     return {"up": cmd_up, "scheduler": cmd_scheduler, "cell": cmd_cell, "trainer": cmd_trainer,
-            "status": cmd_status, "token": cmd_token, "export-weights": cmd_export_weights}[args.cmd](args)
+            "status": cmd_status, "token": cmd_token}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from typing import Any
 from cells.engine.embedded.layers import probe_row_invariance
 from cells.engine.embedded.model_spec import resolve_spec
 from cells.rl.objectives.config import ObjectiveConfig, ewma_window
+from cells.trainer import outcomes
 from cells.trainer.agents import AgentPool
 from cells.trainer.client import TrainerClient
 from cells.trainer.figures import trainer_compute_s, trainer_state_bytes, update_figures
@@ -296,6 +297,7 @@ class Trainer:
         if self.rl_step % self.tc.checkpoint_every == 0:
             self._checkpoint()
         self._record(batch, metrics, prov, t0, [t_batch, t_flip, t_scored, t_train])
+        outcomes.trained(self, batch, metrics, start_version, bound)  # the export's train_* columns
 
     def _update(self, batch: list[dict], cells: list[str], bound: int | None) -> dict[str, Any]:
         """The update on the step's cells, committed with the counters it leads to."""
@@ -330,11 +332,9 @@ class Trainer:
         self._emit(rec)
 
     def _complete_groups(self, limit: int) -> list[dict]:
-        """Whole groups (all `group_size` members finished), oldest first, up to about `limit`
-        trajectories, taken out of `self.batch`. Groups that cannot be trained (past the
-        deadline, a member dropped by the scheduler as stale, equal rewards under dynamic
-        sampling) leave it too, counted here and in the scheduler's
-        `cellflip_groups_dropped_total` (cells/trainer/groups.py)."""
+        """Whole groups (all `group_size` members), oldest first, up to about `limit` trajectories,
+        taken out of `self.batch`; groups that cannot be trained leave it too, counted here, in
+        `cellflip_groups_dropped_total` and in their outcomes (cells/trainer/groups.py)."""
         sel = self.groups.select(self.batch, limit)
         gone = {id(t) for t in sel.ready} | {id(t) for t in sel.dropped_trajectories()}
         self.batch = [t for t in self.batch if id(t) not in gone]
@@ -345,6 +345,7 @@ class Trainer:
                 self.client.report_dropped(reason, groups, n)
             except Exception as e:  # the count stays in groups_dropped and the log
                 log.warning("could not report dropped groups: %s", e)
+        outcomes.dropped(self, sel.dropped)
         return sel.ready
 
     def _staleness_bound(self) -> int | None:

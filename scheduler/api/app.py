@@ -22,6 +22,7 @@ from fastapi import FastAPI, Request
 from scheduler.api.auth import AgentBudget, ScopedAuth, TokenRegistry
 from scheduler.api.completions import generate_body_bound
 from scheduler.api.docs import declare_rules, install_docs
+from scheduler.api.export import Retention
 from scheduler.api.jsontext import SafeJSONResponse
 from scheduler.api.limits import BodySizeLimit
 from scheduler.api.routes import ROUTERS
@@ -82,7 +83,7 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
         ctl = Controller(store, sched, migration, clock=stall or clock, metrics=metrics, versions=vers)
         app.state.controller = ctl
         tasks = [asyncio.create_task(ctl.run(tick_interval_s, manage_gc=manage_gc)),
-                 asyncio.create_task(stall.run())] if stall is not None else []
+                 asyncio.create_task(stall.run()), asyncio.create_task(app.state.retention.run(store))] if stall is not None else []
         try:
             yield
         finally:
@@ -97,8 +98,8 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
     app = FastAPI(title="cellflip scheduler", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   default_response_class=SafeJSONResponse,
                   description="Control plane: cells, flips, weight versions, sessions, completions.")
-    app.state.metrics = metrics
-    app.state.tokens = registry
+    app.state.metrics, app.state.tokens = metrics, registry
+    app.state.retention = Retention(sched.store.retain_trajectories, metrics.registry)
     for router in ROUTERS:
         app.include_router(router)
     # The chat gateway records on the durable session store and decodes on the cells; its

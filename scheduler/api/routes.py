@@ -3,6 +3,7 @@
 from scheduler.api import (
            cells,
            completions,
+           export,
            flips,
            internal,
            ops,
@@ -13,4 +14,5 @@ from scheduler.api import (
 )
 
 ROUTERS = (ops.router, cells.router, flips.router, versions.router, versions.exports_router, sessions.router,
-           completions.router, internal.router, trainer.router, tokens.router)
+           completions.router, internal.router, trainer.router, tokens.router,
+           export.router)

@@ -26,6 +26,7 @@ AGENT = frozenset({"agent"})
 CELL = frozenset({"cell"})
 SCRAPE = frozenset({"scrape"})
 ADMIN = frozenset({"admin"})
+READER = frozenset({"reader"})
 
 ROUTE_SCOPES: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/healthz"): PUBLIC,
@@ -52,6 +53,13 @@ ROUTE_SCOPES: dict[tuple[str, str], frozenset[str]] = {
     ("POST", "/v1/trajectories/dropped"): TRAINER,
     ("POST", "/v1/trainer/report"): TRAINER,
     ("PUT", "/v1/trainer/version-host"): TRAINER,
+    ("POST", "/v1/trajectories/outcomes"): TRAINER,
+    # the trajectory export: reads without side effects, and its acks (retention reads them)
+    ("GET", "/v1/export/trajectories"): READER | TRAINER,
+    ("GET", "/v1/export/stream"): READER | TRAINER,
+    ("GET", "/v1/export/status"): READER | TRAINER,
+    ("GET", "/v1/export/versions"): READER | TRAINER,
+    ("PUT", "/v1/export/ack"): READER | TRAINER,
     # agents: turns, and their own sessions (the handler answers 404 for another's)
     ("POST", "/v1/chat/completions"): AGENT,
     ("POST", "/v1/generate"): AGENT,

@@ -22,6 +22,7 @@ from scheduler.contract.engine_config import (
     SGLangEngineConfig,
 )
 from scheduler.contract.exports import EXPORT_PATH_PATTERN
+from scheduler.contract.trajexport import StoreConfig
 
 SCHEDULER_CONFIG_ENV = "CELLFLIP_SCHEDULER_CONFIG"
 """A scheduler started by module path reads its whole config (JSON text) from this variable."""
@@ -126,10 +127,9 @@ class SchedulerConfig(_Strict):
     """`token`: every route but /healthz needs `Authorization: Bearer <token>` (scheduler/contract/tokens.py
     says where the token comes from). `none`: no auth, refused on a non-loopback `host`."""
     auth_token_file: str | None = None
-    """File holding the admin token (every route, and the only one that creates or revokes
-    tokens). Unset: `CELLFLIP_API_TOKEN`, else `api.token` beside the store, generated on first
-    start (mode 0600). Unreadable or empty file: start-up fails. Every scope's token:
-    scheduler/contract/tokens.py."""
+    """File holding the admin token (every route; the only one that creates or revokes tokens).
+    Unset: `CELLFLIP_API_TOKEN`, else `api.token` beside the store, generated on first start
+    (mode 0600). Unreadable or empty: start-up fails. Every scope: scheduler/contract/tokens.py."""
     metrics_token_file: str | None = None
     """The scrape token (`GET /metrics` only, for Prometheus); unset: `CELLFLIP_SCRAPE_TOKEN`,
     else `metrics.token` beside the store, generated on first start. The admin token is accepted
@@ -178,11 +178,11 @@ class SchedulerConfig(_Strict):
     agree within this many nats (registration probes, the log-prob service's cross-check);
     batch-invariant cells must agree bit for bit."""
     trust_unprobed_cells: bool = False
-    """Count cells that cannot score (no registration probe, e.g. SGLang cells scoring on the
-    trainer's copy) toward `min_rollout_cells`. Off: only verified cells count."""
+    """Count cells that cannot score (no probe, e.g. SGLang scoring on the trainer's copy) toward `min_rollout_cells` (off: only verified cells)."""
     auto_flip: bool = True
-    """Run the planner's autonomous flip policy once the trainer has declared its demand
-    (POST /v1/trainer/report); an explicit POST /v1/flips overrides it."""
+    """Run the planner's flip policy once the trainer declared its demand; POST /v1/flips overrides it."""
+    store: StoreConfig = StoreConfig()
+    """The store's housekeeping: bounded retention of trained trajectories (docs/EXPORT.md)."""
 
 
 class CellsConfig(_Strict):

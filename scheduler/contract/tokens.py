@@ -5,18 +5,22 @@ scheduler/api/scopes.py).
 Scopes, least privilege first:
 - `scrape`: `GET /metrics` only (Prometheus);
 - `agent`: the OpenAI-compatible gateway and `/v1/generate`, and reading its own sessions;
+- `reader`: the trajectory export's reads (`/v1/export/...`: finished trajectories with their
+  provenance, the versions that made them) and its acknowledgements; it changes no state any
+  other reader or the trainer sees (`cellflip export`);
 - `cell`: the cell protocol (`/internal/v1/...`) only;
 - `trainer`: flips, versions, trajectories, trainer reports, finishing sessions, cells;
 - `admin`: everything, and the only scope that creates or revokes tokens.
 
 Each scope has a bootstrap token, found in this order (the scheduler and every client agree):
 1. the config's file for the scope (`scheduler.auth_token_file` for admin,
-   `scheduler.metrics_token_file` for scrape, `scheduler.<scope>_token_file` for the others);
+   `scheduler.metrics_token_file` for scrape, `scheduler.<scope>_token_file` for the others but
+   reader, which has no config file);
    it must exist and be non-empty;
 2. the scope's environment variable (`CELLFLIP_API_TOKEN` for admin, `CELLFLIP_<SCOPE>_TOKEN`
    for the others);
 3. `<file>` beside the store (`scheduler.db_path`): `api.token` (admin), `trainer.token`,
-   `cell.token`, `agent.token`, `metrics.token`, generated on first start (mode 0600,
+   `cell.token`, `agent.token`, `metrics.token`, `reader.token`, generated on first start (mode 0600,
    created atomically, never overwritten, so stable across restarts).
 A client of a scope other than admin that finds none of these uses `CELLFLIP_API_TOKEN` when
 set (a user who exported the admin token). More tokens of any scope are created and revoked
@@ -34,18 +38,19 @@ from pathlib import Path
 
 from scheduler.contract.config import ConfigError, SchedulerConfig
 
-SCOPES = ("admin", "trainer", "cell", "agent", "scrape")
+SCOPES = ("admin", "trainer", "cell", "agent", "scrape", "reader")
 """Every scope a token can have."""
 
 TOKEN_ENV = "CELLFLIP_API_TOKEN"
 """Environment variable holding the admin token (clients and, when no file is configured, the scheduler)."""
 
 SCOPE_ENV = {"admin": TOKEN_ENV, "trainer": "CELLFLIP_TRAINER_TOKEN", "cell": "CELLFLIP_CELL_TOKEN",
-             "agent": "CELLFLIP_AGENT_TOKEN", "scrape": "CELLFLIP_SCRAPE_TOKEN"}
+             "agent": "CELLFLIP_AGENT_TOKEN", "scrape": "CELLFLIP_SCRAPE_TOKEN",
+             "reader": "CELLFLIP_READER_TOKEN"}
 """Each scope's environment variable."""
 
 SCOPE_FILE = {"admin": "api.token", "trainer": "trainer.token", "cell": "cell.token", "agent": "agent.token",
-              "scrape": "metrics.token"}
+              "scrape": "metrics.token", "reader": "reader.token"}
 """Each scope's bootstrap token file beside the store."""
 
 
@@ -107,7 +112,7 @@ def _configured_file(sched: SchedulerConfig, scope: str) -> str | None:
         return sched.auth_token_file
     if scope == "scrape":
         return sched.metrics_token_file
-    return getattr(sched, f"{scope}_token_file")
+    return getattr(sched, f"{scope}_token_file", None)  # reader: its variable or its file beside the store
 
 
 def is_loopback(host: str) -> bool:

@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from scheduler.store import counters, fleet, owners, sessions, tokens
+from scheduler.store import counters, exportread, fleet, owners, retention, sessions, tokens
 
-SCHEMA = fleet.SCHEMA + owners.SCHEMA + sessions.SCHEMA + tokens.SCHEMA
+SCHEMA = fleet.SCHEMA + owners.SCHEMA + sessions.SCHEMA + tokens.SCHEMA + retention.SCHEMA
 """Every table and index (table and column names are read by faultkit's checker too)."""
 
 ADDED_COLUMNS = (
@@ -63,6 +63,8 @@ class Store:
         self.owners = owners.OwnerStore(self)
         self.sessions = sessions.SessionStore(self)
         self.tokens = tokens.TokenStore(self)
+        self.export = exportread.ExportReader(self)
+        self.retention = retention.RetentionStore(self)
         counters.rebuild(self)  # kept by triggers; recounted here so any store file starts right
 
     @contextmanager

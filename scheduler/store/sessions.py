@@ -263,12 +263,14 @@ class SessionStore:
         return cur.rowcount
 
     def unscored_ranges(self, limit: int = 256) -> list[UnscoredRange]:
-        """Per (request, version) with unscored sampled tokens, oldest requests first."""
+        """Per (request, version) with unscored sampled tokens, oldest requests first. CROSS JOIN
+        keeps the unscored tokens (their partial index) the outer loop: the cost follows the
+        backlog, not every request the store keeps."""
         q = ("SELECT r.id, r.session_id, r.prompt_start, r.base, r.num_generated, r.params, r.state, r.cell_id,"
-             " t.version, MIN(t.idx), MAX(t.idx), COUNT(*) FROM tokens t JOIN requests r"
+             " t.version, MIN(t.idx), MAX(t.idx), COUNT(*) FROM tokens t CROSS JOIN requests r"
              " ON t.session_id = r.session_id AND t.idx >= r.base AND t.idx < r.base + r.num_generated"
              " WHERE t.loss_mask = 1 AND t.provenance IS NULL"
-             " GROUP BY r.id, t.version ORDER BY r.created_at LIMIT ?")
+             " GROUP BY r.id, t.version ORDER BY r.created_at, r.id LIMIT ?")
         return [UnscoredRange._make(r) for r in self.s.execute(q, (limit,))]
 
     # -- trajectories
