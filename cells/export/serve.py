@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cells.export.replay import Versions, _moved_by_reprefill, apart
+from cells.export.turns import Versions, apart, moved_by_reprefill
 
 
 def _engine(vers: Versions, v: int, tile: int | None, blocks: int):
@@ -41,7 +41,7 @@ def replay_serve(root: Path, rows: list[dict[str, Any]], tile: int | None) -> di
     engines: dict[int, Any] = {}
     tally = {"kept": [0, 0], "moved": [0, 0], "no_weights": 0}
     for row in rows:
-        ok, moved, skipped = True, _moved_by_reprefill(row), False
+        ok, moved, skipped = True, moved_by_reprefill(row), False
         for t in row.get("turns") or []:
             base, n = t["base"], t["num_generated"]
             if not n:

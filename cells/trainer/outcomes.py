@@ -35,10 +35,9 @@ def _post(t: Any, outcomes: dict[str, dict[str, Any]]) -> None:
 def advantages(t: Any, batch: list[dict], start_version: int, bound: int | None) -> dict[str, float]:
     """Each session's task advantage as the update's plan computed it (empty if it cannot)."""
     from cells.rl.plan import plan_update
-    from cells.trainer.trainer import resolved_objective
 
     try:
-        plan = plan_update(batch, resolved_objective(t.cfg), 1, [1.0], version=start_version, staleness_bound=bound)
+        plan = plan_update(batch, t.coordinator.objective, 1, [1.0], version=start_version, staleness_bound=bound)
     except ValueError:
         return {}
     return {tr["id"]: a for s in plan.shares for tr, a in zip(s.trajectories, s.advantages)}

@@ -138,7 +138,7 @@ def test_weights_are_copied_beside_the_rows_or_named(export_dir, tmp_path):
 
 
 def test_turns_a_forward_cannot_rebuild_are_set_apart():
-    from cells.export.replay import apart
+    from cells.export.turns import apart
 
     row = {"version": [None, 1, 1, None, 2, 2], "migrations": []}
     assert apart(row, 0, 4, {2})  # its context was sampled under version 1 (an in-flight KV)
