@@ -59,11 +59,24 @@ def test_sync_two_cells_by_hand():
 
 def test_sync_p99_cuts_the_round_and_counts_the_cut_tokens():
     # 400 log-normal sessions a round: about 4 run past the p99 and are cut there
-    wl = tiny(session_sigma=1.0, cell_capacity=8)
+    wl = tiny(session_sigma=1.0, cell_capacity=8, sync_timeout_mean_x=100.0)  # no users' timeout
     full = run_policy(wl, make_policy("sync"), n_cells=50, hours=24.0, check=True)
     cut = run_policy(wl, make_policy("sync_p99"), n_cells=50, hours=24.0, check=True)
     assert full.dropped_fraction == 0.0 < cut.dropped_fraction < 0.2
     assert cut.versions >= full.versions
+    # the users' timeout (4 mean slot times by default) cuts the rare longest sessions
+    users = run_policy(tiny(session_sigma=1.0, cell_capacity=8), make_policy("sync"), n_cells=50, hours=24.0)
+    assert 0.0 < users.dropped_fraction < 0.2 and users.versions > full.versions
+
+
+def test_sync_same_batch_rounds_hold_the_asynchronous_batch():
+    wl = tiny(batch_size=3, cell_capacity=2)
+    r = run_policy(wl, make_policy("sync_same_batch"), n_cells=4, hours=6.0, check=True)
+    # 3 sessions a round (not the fleet's 8 slots): 1 h of decoding, then the 1 cell-hour update
+    # on the whole fleet of 4 cells (15 min): a round every 1.25 h, 4 in 6 h, 3 sessions each
+    assert r.trained_sessions == pytest.approx(12) and r.versions == 4
+    full = run_policy(wl, make_policy("sync"), n_cells=4, hours=6.0, check=True)
+    assert full.trained_sessions / full.versions == pytest.approx(8)  # a round fills every slot
 
 
 def test_staleness_bound_drops_and_counts():

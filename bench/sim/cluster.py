@@ -125,11 +125,11 @@ class Cluster:
             self._dirty[c] = True
 
     # ------------------------------------------------------------ admission
-    def admit(self, t: float) -> int:
+    def admit(self, t: float, limit: int | None = None) -> int:
         """Start new sessions in every free slot of rollout and loading cells (a loading
-        cell's start when its weights arrive). Returns how many started."""
+        cell's start when its weights arrive), at most `limit`. Returns how many started."""
         ok = (self.role == ROLLOUT) | (self.role == LOADING)
-        free = np.flatnonzero((self.end == INF) & np.repeat(ok, self.k))
+        free = np.flatnonzero((self.end == INF) & np.repeat(ok, self.k))[:limit]
         if free.size == 0:
             return 0
         cells = free // self.k

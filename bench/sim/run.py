@@ -84,7 +84,7 @@ def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float | None =
     cl = Cluster(wl, n_cells, hours, seed, tick_s, policy.mode, trainer)
     policy.start(cl)
     if policy.admits(cl, 0.0):
-        cl.admit(0.0)
+        cl.admit(0.0, policy.admit_limit(cl, 0.0))
     # the controller's measurements, by the controller's own code (scheduler.control.rates)
     rates = Rates()
     last_step = None
@@ -112,7 +112,7 @@ def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float | None =
         policy.tick(cl, t, rates)
         cl.resume_suspended(t)
         if policy.admits(cl, t):
-            cl.admit(t)
+            cl.admit(t, policy.admit_limit(cl, t))
         cl.refresh_busy()
         occupied = int(cl.inflight.sum())
         offered = int((cl.role == ROLLOUT).sum()) * cl.k

@@ -69,6 +69,8 @@ class Workload(BaseModel):
     scaling_efficiency: float = Field(default=0.9, gt=0, le=1)
     """Strong-scaling efficiency of a step on `max_cells_per_step` cells (eff(c) =
     scaling_efficiency ** (log2 c / log2 width))."""
+    sync_timeout_mean_x: float = Field(default=4.0, gt=0)
+    """A sync round is cut this many mean slot times after it starts (its users' timeout)."""
     broadcast_s: float = Field(default=20.0, ge=0)
     """Weight load of a cell entering rollout (a sync round's broadcast too)."""
     staleness_bound: int = Field(default=40, ge=0)
