@@ -215,7 +215,7 @@ class Cluster:
             delay += self._place(int(d.cell_id), done, dur, v0, tok, t, d.path, x, src=s // self.k)
         if delay > 0:
             self.source_delay_cell_s += delay
-            self.trainer.delay(delay)
+            self.trainer.send_kv(delay / len(cells), len(cells))
 
     def resume_suspended(self, t: float) -> None:
         """Place suspended sessions (oldest first) into free rollout slots: by re-prefill (a
@@ -280,6 +280,13 @@ class Cluster:
         self.inflight[c] -= 1
         self._dirty[c] = True
 
+    def slow_decoding(self, seconds: float, t: float) -> None:
+        """Every session decoding at `t` falls `seconds` behind (a version streaming in)."""
+        live = (self.end < INF) & (self.occ <= t)
+        self.t0[live] += seconds
+        self.end[live] += seconds
+        self.pause_slot_s += seconds * float(live.sum())
+
     def _pause(self, c: int, seconds: float) -> None:
         """Cell `c` stops decoding for `seconds` (it prefills, or takes in a KV copy)."""
         base = c * self.k
@@ -293,8 +300,9 @@ class Cluster:
         """Put one session on cell `c` by `path`; returns the seconds its source spent sending."""
         if path == "kv" and self.mode != "kv":
             path = "reprefill"  # a suspended session's KV is gone
-        if self.mode == "abort":
-            path, seconds = "abort", 0.0  # from the prompt: nothing to recompute
+        if self.mode == "abort":  # from the prompt: the destination prefills it again
+            path, seconds = "abort", float(self.wl.prefill_s(self.wl.prompt_tokens))
+            self.recomputed_tokens += self.wl.prompt_tokens
         elif path == "kv":
             same = src is not None and self.nodes[src] == self.nodes[c]
             seconds = ctx * self.wl.kv_bytes_per_token / (

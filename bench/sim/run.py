@@ -81,7 +81,9 @@ def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float | None =
     trainer = Trainer(batch, wl.train_cell_s_per_token(), n_cells if policy.is_sync else width,
                       None if policy.is_sync else wl.staleness_bound, wl.scaling_efficiency,
                       efficiency_width=width)  # sync: the whole fleet trains each round, same curve
+    trainer.join_s = 0.0 if policy.mode == "free" else wl.train_join_s  # the oracle's moves are free
     cl = Cluster(wl, n_cells, hours, seed, tick_s, policy.mode, trainer)
+    seen_version = 0
     policy.start(cl)
     if policy.admits(cl, 0.0):
         cl.admit(0.0, policy.admit_limit(cl, 0.0))
@@ -100,6 +102,9 @@ def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float | None =
         dt = t - (k - 1) * tick_s
         cl.accepted_in_tick, cl.finished_in_tick, cl.freed_slot_s_in_tick = 0, 0, 0.0
         cl.advance(t)
+        if trainer.version > seen_version and not policy.is_sync:  # sync loads its weights instead
+            cl.slow_decoding((trainer.version - seen_version) * wl.broadcast_s * (1.0 - wl.broadcast_decode_ratio), t)
+        seen_version = trainer.version
         cl.refresh_busy()
         rates.on_finish(cl.accepted_in_tick)
         rates.on_tick(dt, max(0.0, occupied * dt - cl.freed_slot_s_in_tick) / dt, max(offered, occupied))
