@@ -83,7 +83,7 @@ def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float | None =
                       efficiency_width=width)  # sync: the whole fleet trains each round, same curve
     trainer.join_s = 0.0 if policy.mode == "free" else wl.train_join_s  # the oracle's moves are free
     cl = Cluster(wl, n_cells, hours, seed, tick_s, policy.mode, trainer)
-    seen_version = 0
+    seen_version, streaming = 0, 0.0
     policy.start(cl)
     if policy.admits(cl, 0.0):
         cl.admit(0.0, policy.admit_limit(cl, 0.0))
@@ -103,8 +103,11 @@ def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float | None =
         cl.accepted_in_tick, cl.finished_in_tick, cl.freed_slot_s_in_tick = 0, 0, 0.0
         cl.advance(t)
         if trainer.version > seen_version and not policy.is_sync:  # sync loads its weights instead
-            cl.slow_decoding((trainer.version - seen_version) * wl.broadcast_s * (1.0 - wl.broadcast_decode_ratio), t)
+            streaming = wl.broadcast_s  # the newest version streams in (it supersedes the one streaming)
         seen_version = trainer.version
+        if streaming > 0:  # decoding at broadcast_decode_ratio meanwhile
+            cl.slow_decoding(min(dt, streaming) * (1.0 - wl.broadcast_decode_ratio), t)
+            streaming -= dt
         cl.refresh_busy()
         rates.on_finish(cl.accepted_in_tick)
         rates.on_tick(dt, max(0.0, occupied * dt - cl.freed_slot_s_in_tick) / dt, max(offered, occupied))

@@ -78,7 +78,8 @@ class Workload(BaseModel):
     a new version takes to reach the rollout cells while they decode."""
     broadcast_decode_ratio: float = Field(default=0.78, gt=0, le=1)
     """Decode speed of a rollout cell while a new version streams in (bench/broadcast.py
-    measures 0.78-0.79x): every version costs each decoding session (1 - ratio) x broadcast_s."""
+    measures 0.78-0.79x): a version streams in over `broadcast_s` (a newer one takes over the
+    stream), each decoding session falling (1 - ratio) of that time behind."""
     train_join_s: float = Field(default=2.0, ge=0)
     """Seconds a cell joining a running training step takes before it trains (bench/train.py
     measures 0.3-4 s)."""
