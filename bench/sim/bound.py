@@ -21,7 +21,13 @@ by weak duality). What it keeps and what it frees:
 
 Every policy's run is a feasible point of this relaxation in expectation (its roles over time,
 its admissions at ticks, its trained tokens), so the LP optimum is at least its expected
-trained tokens; the bench asserts it against every seed's run. A bound that ignored admission
+trained tokens; the bench asserts it against every seed's run. Where that argument is not
+exact, and why it does not matter here: slot times are random (the bound holds for their
+expectation; a session's tokens per slot-second, T / m(s), are exact); a cell still loading
+weights starts its sessions `broadcast_s` after the tick (the bound starts them at the tick,
+m(s) barely differs); and a suspended session stops holding a slot (the relaxation keeps every
+admitted session decoding; the simulator's policies suspend only at a flip beyond the free room
+and resume suspended sessions before admitting new ones, so none can hoard short sessions). A bound that ignored admission
 timing (slot time averaged over time instead of decided per admission, `timing=False`) is not
 one: a static split beats it on workloads whose slot time swings within a session's length
 (tests/test_cluster_sim_bound.py).

@@ -1,22 +1,21 @@
 """Simulated cluster state: N cells x capacity slots as numpy arrays, and the moves on it.
 
 Time advances in controller ticks (`tick_s`). Within a tick every session finish and every
-training event happens at its exact time (`advance`); at the tick the controller acts:
-flips, migrations, resumptions and admissions happen then, as in production, where the
-scheduler's controller loop does them. Per-cell summaries for the planner are rebuilt only
-for cells that changed (`snapshot`), so a tick at 10,000 cells stays cheap.
+training event happens at its exact time (`advance`); flips, migrations, resumptions and
+admissions happen at the tick, as the scheduler's controller loop does them. Planner summaries
+are rebuilt only for cells that changed (`snapshot`): a tick at 10,000 cells stays cheap.
 
-A slot holds one session: `t0` is its effective start (progress = (t - t0) / dur, so a move
-that pauses decoding for d seconds adds d to t0), `occ` when its current occupancy began
-(busy accounting), `v0` the version of its first token, `tok` its tokens at the end.
+A slot holds one session: `t0` its effective start (progress = (t - t0) / dur: a pause of d
+seconds adds d to t0), `occ` when its occupancy began, `v0` its first token's version, `tok`
+its tokens at the end.
 
 How sessions move off a cell flipped to training (`mode`), each charged where it costs:
 - "kv" (cellflip): a KV copy, bytes / link bandwidth, paid by both ends: the destination
-  cell's sessions pause for it, and the source trains that much later.
+  cell's sessions pause for it, the source trains that much later (or the next step waits).
 - "reprefill" (flip_reprefill): the destination recomputes the context (`Workload.prefill_s`,
   from context length and model size) and its sessions pause meanwhile; tokens are kept.
-- "abort" (flip_abort): the session restarts from its prompt elsewhere (progress lost, its
-  decoded tokens discarded), as RL frameworks without live migration do.
+- "abort" (flip_abort): the session restarts from its prompt elsewhere, which the destination
+  prefills (progress lost, decoded tokens discarded), as RL frameworks without live migration do.
 - "free" (the oracle): moves take no time and cost nothing.
 """
 
@@ -280,13 +279,6 @@ class Cluster:
         self.inflight[c] -= 1
         self._dirty[c] = True
 
-    def slow_decoding(self, seconds: float, t: float) -> None:
-        """Every session decoding at `t` falls `seconds` behind (a version streaming in)."""
-        live = (self.end < INF) & (self.occ <= t)
-        self.t0[live] += seconds
-        self.end[live] += seconds
-        self.pause_slot_s += seconds * float(live.sum())
-
     def _pause(self, c: int, seconds: float) -> None:
         """Cell `c` stops decoding for `seconds` (it prefills, or takes in a KV copy)."""
         base = c * self.k
@@ -385,9 +377,6 @@ class Cluster:
         ctx = np.where(live, (progress * self.tok).astype(np.int64), 0)
         return ctx.reshape(self.n, self.k).sum(axis=1)
 
-    def mark_all_dirty(self) -> None:
-        self._dirty[:] = True
-
     def check_integrity(self) -> None:
         """Assert the invariants between the arrays (tests call it every tick)."""
         live = (self.end < INF).reshape(self.n, self.k)
@@ -398,7 +387,6 @@ class Cluster:
         slots = np.flatnonzero(self.end < INF)
         assert (self.end[slots] >= self.occ[slots]).all() and (self.dur[slots] > 0).all()
 
-    # ------------------------------------------------------------ accounting
     def occupied_decoding(self, t: float) -> int:
         """Slots decoding at time t."""
         return int(((self.end < INF) & (self.occ <= t)).sum())

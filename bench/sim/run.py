@@ -16,7 +16,7 @@ import numpy as np
 
 from scheduler.control.rates import Rates, TrainerDemand
 
-from .cluster import LOADING, ROLLOUT, TRAINING, Cluster
+from .cluster import INF, LOADING, ROLLOUT, TRAINING, Cluster
 from .policies import Policy
 from .trainer import Trainer
 from .workload import Workload
@@ -106,7 +106,7 @@ def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float | None =
             streaming = wl.broadcast_s  # the newest version streams in (it supersedes the one streaming)
         seen_version = trainer.version
         if streaming > 0:  # decoding at broadcast_decode_ratio meanwhile
-            cl.slow_decoding(min(dt, streaming) * (1.0 - wl.broadcast_decode_ratio), t)
+            _slow_decoding(cl, min(dt, streaming) * (1.0 - wl.broadcast_decode_ratio), t)
             streaming -= dt
         cl.refresh_busy()
         rates.on_finish(cl.accepted_in_tick)
@@ -149,6 +149,14 @@ def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float | None =
         lost_work_cell_hours=(tr.dropped_slot_s + cl.discarded_slot_s + cl.pause_slot_s) / cl.k / 3600.0,
         moves=dict(cl.moved), flips=getattr(policy, "flips", 0), versions=tr.version,
         wall_s=time.perf_counter() - wall0, series=series)
+
+
+def _slow_decoding(cl: Cluster, seconds: float, t: float) -> None:
+    """Every session decoding at `t` falls `seconds` behind (a version streaming in)."""
+    live = (cl.end < INF) & (cl.occ <= t)
+    cl.t0[live] += seconds
+    cl.end[live] += seconds
+    cl.pause_slot_s += seconds * float(live.sum())
 
 
 def _demand(tr: Trainer) -> TrainerDemand:
