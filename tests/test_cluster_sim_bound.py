@@ -90,9 +90,11 @@ def test_bound_is_above_every_policy(name):
 
 
 def test_bound_is_tight_on_stationary():
-    """Within 3 % of the best static split (the issue's fluid bound without warm-up and the
-    sessions in flight at the horizon: 1.033)."""
-    wl, cells, hours = load_workload("stationary"), 200, 72.0
+    """Within 3 % of the best static split (a fluid bound without the warm-up and the sessions
+    in flight at the horizon: 1.033), on the system the bound relaxes: a static split charged
+    nothing the bound does not charge (versions streaming in during decode cost every
+    asynchronous policy 0.7 % on `stationary`; the bench reports the charged ratio)."""
+    wl, cells, hours = load_workload("stationary").model_copy(update={"broadcast_decode_ratio": 1.0}), 200, 72.0
     best = max(run_policy(wl, make_policy("static", f / 100), cells, hours, seed=0).trained_tokens_per_hour
                for f in range(74, 84))
     bound = upper_bound(wl, cells, hours).tokens_per_hour
