@@ -105,7 +105,7 @@ def test_a_bound_blind_to_admission_timing_is_beaten():
     """Negative control: slot time averaged over the run instead of decided at admission is no
     bound where slot time swings: the free oracle beats it on `sinusoidal`, cellflip on
     `drifting`; the bound that decides admissions holds."""
-    cells, hours = 200, 24.0
+    cells, hours = 100, 12.0
     for name, policy in (("sinusoidal", "oracle:model"), ("drifting", "cellflip")):
         wl = load_workload(name)
         r = run_policy(wl, make_policy(policy), cells, hours, seed=1).trained_tokens_per_hour
