@@ -46,6 +46,19 @@ def test_static_two_cells_by_hand():
     assert r.dropped_sessions == 0 and r.recomputed_tokens == 0
 
 
+def test_a_version_slows_the_decoding_sessions():
+    # 75 min sessions feeding one-hour steps: versions land while a session decodes. Each
+    # version streaming in over 600 s at 0.9x decode puts it 60 s behind; at ratio 1 (the
+    # control) the run is the one without the charge
+    runs = {ratio: run_policy(tiny(session_mean_hours=1.25, broadcast_s=600.0, broadcast_decode_ratio=ratio),
+                              make_policy("static", 0.5), n_cells=2, hours=10.5, check=True)
+            for ratio in (0.9, 1.0)}
+    plain = run_policy(tiny(session_mean_hours=1.25), make_policy("static", 0.5), n_cells=2, hours=10.5)
+    assert runs[1.0].trained_sessions == plain.trained_sessions
+    assert runs[0.9].trained_sessions < plain.trained_sessions
+    assert runs[0.9].lost_work_cell_hours == pytest.approx(60.0 * (runs[0.9].versions - 1) / HOUR, rel=0.5)
+
+
 def test_sync_two_cells_by_hand():
     # verl-like rounds: both cells decode 1 h, then the whole fleet (2 cells, even where a
     # step's width is 1) trains one 2-session update of 1 cell-hour (0.5 h), then the next
@@ -59,11 +72,24 @@ def test_sync_two_cells_by_hand():
 
 def test_sync_p99_cuts_the_round_and_counts_the_cut_tokens():
     # 400 log-normal sessions a round: about 4 run past the p99 and are cut there
-    wl = tiny(session_sigma=1.0, cell_capacity=8)
+    wl = tiny(session_sigma=1.0, cell_capacity=8, sync_timeout_mean_x=100.0)  # no users' timeout
     full = run_policy(wl, make_policy("sync"), n_cells=50, hours=24.0, check=True)
     cut = run_policy(wl, make_policy("sync_p99"), n_cells=50, hours=24.0, check=True)
     assert full.dropped_fraction == 0.0 < cut.dropped_fraction < 0.2
     assert cut.versions >= full.versions
+    # the users' timeout (4 mean slot times by default) cuts the rare longest sessions
+    users = run_policy(tiny(session_sigma=1.0, cell_capacity=8), make_policy("sync"), n_cells=50, hours=24.0)
+    assert 0.0 < users.dropped_fraction < 0.2 and users.versions > full.versions
+
+
+def test_sync_same_batch_rounds_hold_the_asynchronous_batch():
+    wl = tiny(batch_size=3, cell_capacity=2)
+    r = run_policy(wl, make_policy("sync_same_batch"), n_cells=4, hours=6.0, check=True)
+    # 3 sessions a round (not the fleet's 8 slots): 1 h of decoding, then the 1 cell-hour update
+    # on the whole fleet of 4 cells (15 min): a round every 1.25 h, 4 in 6 h, 3 sessions each
+    assert r.trained_sessions == pytest.approx(12) and r.versions == 4
+    full = run_policy(wl, make_policy("sync"), n_cells=4, hours=6.0, check=True)
+    assert full.trained_sessions / full.versions == pytest.approx(8)  # a round fills every slot
 
 
 def test_staleness_bound_drops_and_counts():
@@ -123,8 +149,10 @@ def test_drain_reprefills_without_kv_export():
 
 def test_drain_abort_restarts_from_the_prompt():
     cl = _half_done_cluster("abort")
-    assert cl.moved["abort"] == 2 and cl.recomputed_tokens == 0
-    assert sorted(cl.end[2:4]) == pytest.approx([1800.0 + HOUR] * 2)  # a whole session again
+    # a whole session again, after the destination prefills each prompt (2,000 tokens at
+    # 20,000/s: 0.1 s; the first restarted session waits for the second's prefill too)
+    assert cl.moved["abort"] == 2 and cl.recomputed_tokens == 2 * 2000
+    assert sorted(cl.end[2:4]) == pytest.approx([1800.0 + HOUR + 0.1, 1800.0 + HOUR + 0.2])
     assert cl.discarded_tokens == 20_000  # two half-done sessions' tokens thrown away
 
 
@@ -149,6 +177,40 @@ def test_trainer_strong_scaling_efficiency():
     tr.feed(np.zeros(1), np.zeros(1, dtype=np.int64), np.ones(1), np.full(1, 1000.0))
     tr.run_until(2 * HOUR)
     assert tr.step_end_times == [pytest.approx(HOUR / (4 * 0.81))]
+
+
+def test_a_cell_joining_a_running_step_pays_its_join():
+    # one session of one cell-hour; a second cell joins at 0.5 h and trains 10 s later
+    tr = Trainer(batch_size=1, cell_s_per_token=3.6, width=2, staleness_bound=None)
+    tr.join_s = 10.0
+    tr.set_cells(1, 0.0)
+    tr.feed(np.zeros(1), np.zeros(1, dtype=np.int64), np.ones(1), np.full(1, 1000.0))
+    tr.set_cells(2, 1800.0)
+    tr.run_until(2 * HOUR)
+    assert tr.step_end_times == [pytest.approx(1800.0 + (1800.0 + 10.0) / 2)]
+    free = Trainer(batch_size=1, cell_s_per_token=3.6, width=2, staleness_bound=None)  # control
+    free.set_cells(1, 0.0)
+    free.feed(np.zeros(1), np.zeros(1, dtype=np.int64), np.ones(1), np.full(1, 1000.0))
+    free.set_cells(2, 1800.0)
+    free.run_until(2 * HOUR)
+    assert free.step_end_times == [pytest.approx(2700.0)]
+
+
+def test_kv_sent_while_no_step_runs_delays_the_next_step():
+    # two cells send KV for 30 s each from t = 0; the batch completes at 10 s: the step (one
+    # cell-hour on two cells) starts with 2 x 20 cell-seconds still owed
+    tr = Trainer(batch_size=1, cell_s_per_token=3.6, width=2, staleness_bound=None)
+    tr.set_cells(2, 0.0)
+    tr.send_kv(30.0, 2)
+    tr.feed(np.array([10.0]), np.zeros(1, dtype=np.int64), np.ones(1), np.full(1, 1000.0))
+    tr.run_until(2 * HOUR)
+    assert tr.step_end_times == [pytest.approx(10.0 + (HOUR + 40.0) / 2)]
+    late = Trainer(batch_size=1, cell_s_per_token=3.6, width=2, staleness_bound=None)  # sent by then
+    late.set_cells(2, 0.0)
+    late.send_kv(30.0, 2)
+    late.feed(np.array([40.0]), np.zeros(1, dtype=np.int64), np.ones(1), np.full(1, 1000.0))
+    late.run_until(2 * HOUR)
+    assert late.step_end_times == [pytest.approx(40.0 + HOUR / 2)]
 
 
 def test_trainer_step_starts_when_batch_completes():

@@ -1,22 +1,21 @@
 """Simulated cluster state: N cells x capacity slots as numpy arrays, and the moves on it.
 
 Time advances in controller ticks (`tick_s`). Within a tick every session finish and every
-training event happens at its exact time (`advance`); at the tick the controller acts:
-flips, migrations, resumptions and admissions happen then, as in production, where the
-scheduler's controller loop does them. Per-cell summaries for the planner are rebuilt only
-for cells that changed (`snapshot`), so a tick at 10,000 cells stays cheap.
+training event happens at its exact time (`advance`); flips, migrations, resumptions and
+admissions happen at the tick, as the scheduler's controller loop does them. Planner summaries
+are rebuilt only for cells that changed (`snapshot`): a tick at 10,000 cells stays cheap.
 
-A slot holds one session: `t0` is its effective start (progress = (t - t0) / dur, so a move
-that pauses decoding for d seconds adds d to t0), `occ` when its current occupancy began
-(busy accounting), `v0` the version of its first token, `tok` its tokens at the end.
+A slot holds one session: `t0` its effective start (progress = (t - t0) / dur: a pause of d
+seconds adds d to t0), `occ` when its occupancy began, `v0` its first token's version, `tok`
+its tokens at the end.
 
 How sessions move off a cell flipped to training (`mode`), each charged where it costs:
 - "kv" (cellflip): a KV copy, bytes / link bandwidth, paid by both ends: the destination
-  cell's sessions pause for it, and the source trains that much later.
+  cell's sessions pause for it, the source trains that much later (or the next step waits).
 - "reprefill" (flip_reprefill): the destination recomputes the context (`Workload.prefill_s`,
   from context length and model size) and its sessions pause meanwhile; tokens are kept.
-- "abort" (flip_abort): the session restarts from its prompt elsewhere (progress lost, its
-  decoded tokens discarded), as RL frameworks without live migration do.
+- "abort" (flip_abort): the session restarts from its prompt elsewhere, which the destination
+  prefills (progress lost, decoded tokens discarded), as RL frameworks without live migration do.
 - "free" (the oracle): moves take no time and cost nothing.
 """
 
@@ -125,11 +124,11 @@ class Cluster:
             self._dirty[c] = True
 
     # ------------------------------------------------------------ admission
-    def admit(self, t: float) -> int:
+    def admit(self, t: float, limit: int | None = None) -> int:
         """Start new sessions in every free slot of rollout and loading cells (a loading
-        cell's start when its weights arrive). Returns how many started."""
+        cell's start when its weights arrive), at most `limit`. Returns how many started."""
         ok = (self.role == ROLLOUT) | (self.role == LOADING)
-        free = np.flatnonzero((self.end == INF) & np.repeat(ok, self.k))
+        free = np.flatnonzero((self.end == INF) & np.repeat(ok, self.k))[:limit]
         if free.size == 0:
             return 0
         cells = free // self.k
@@ -215,7 +214,7 @@ class Cluster:
             delay += self._place(int(d.cell_id), done, dur, v0, tok, t, d.path, x, src=s // self.k)
         if delay > 0:
             self.source_delay_cell_s += delay
-            self.trainer.delay(delay)
+            self.trainer.send_kv(delay / len(cells), len(cells))
 
     def resume_suspended(self, t: float) -> None:
         """Place suspended sessions (oldest first) into free rollout slots: by re-prefill (a
@@ -293,8 +292,9 @@ class Cluster:
         """Put one session on cell `c` by `path`; returns the seconds its source spent sending."""
         if path == "kv" and self.mode != "kv":
             path = "reprefill"  # a suspended session's KV is gone
-        if self.mode == "abort":
-            path, seconds = "abort", 0.0  # from the prompt: nothing to recompute
+        if self.mode == "abort":  # from the prompt: the destination prefills it again
+            path, seconds = "abort", float(self.wl.prefill_s(self.wl.prompt_tokens))
+            self.recomputed_tokens += self.wl.prompt_tokens
         elif path == "kv":
             same = src is not None and self.nodes[src] == self.nodes[c]
             seconds = ctx * self.wl.kv_bytes_per_token / (
@@ -377,9 +377,6 @@ class Cluster:
         ctx = np.where(live, (progress * self.tok).astype(np.int64), 0)
         return ctx.reshape(self.n, self.k).sum(axis=1)
 
-    def mark_all_dirty(self) -> None:
-        self._dirty[:] = True
-
     def check_integrity(self) -> None:
         """Assert the invariants between the arrays (tests call it every tick)."""
         live = (self.end < INF).reshape(self.n, self.k)
@@ -390,7 +387,6 @@ class Cluster:
         slots = np.flatnonzero(self.end < INF)
         assert (self.end[slots] >= self.occ[slots]).all() and (self.dur[slots] > 0).all()
 
-    # ------------------------------------------------------------ accounting
     def occupied_decoding(self, t: float) -> int:
         """Slots decoding at time t."""
         return int(((self.end < INF) & (self.occ <= t)).sum())

@@ -2,8 +2,10 @@
 
 - `sync` (as verl runs it): each round fills every slot of the fleet, waits for the round's
   last session, then the whole fleet trains on all of them as one on-policy update, then
-  loads the new weights. `sync_p99`: the same, cutting the round at the p99 slot time (the
-  cut sessions' tokens are discarded).
+  loads the new weights. A round times out as its users set it: at `sync_timeout_mean_x`
+  times the mean slot time (the sessions still running are cut, their tokens discarded).
+  `sync_p99`: the same, cutting the round at the p99 slot time. `sync_same_batch`: rounds
+  of the asynchronous policies' batch (`Workload.batch_for`), not of the whole fleet's slots.
 - `static`: a fixed rollout/training split, continuous admission, asynchronous training
   within the staleness bound (AReaL-like).
 - `flip_abort`: `scheduler.planner.plan.plan_flips` decides; a flip aborts its cell's rollouts,
@@ -27,7 +29,7 @@ from scheduler.planner.types import FlipDecision, PlannerPolicy, Snapshot
 
 from .cluster import LOADING, ROLLOUT, TRAINING, Cluster
 
-POLICIES = ("sync", "sync_p99", "static", "flip_abort", "flip_reprefill", "cellflip", "oracle")
+POLICIES = ("sync", "sync_p99", "sync_same_batch", "static", "flip_abort", "flip_reprefill", "cellflip", "oracle")
 
 
 class Policy:
@@ -47,27 +49,46 @@ class Policy:
         """Whether free slots take new sessions at this tick."""
         return True
 
+    def admit_limit(self, cl: Cluster, t: float) -> int | None:
+        """At most this many new sessions at this tick (None: every free slot)."""
+        return None
+
 
 class Sync(Policy):
     is_sync = True
 
-    def __init__(self, timeout_quantile: float | None = None) -> None:
-        self.name = "sync" if timeout_quantile is None else f"sync_p{round(timeout_quantile * 100)}"
+    def __init__(self, timeout_quantile: float | None = None, same_batch: bool = False) -> None:
+        self.name = ("sync" if timeout_quantile is None else f"sync_p{round(timeout_quantile * 100)}") + (
+            "_same_batch" if same_batch else "")
         self.timeout_quantile = timeout_quantile
+        self.same_batch = same_batch
+        self.batch: int | None = None
         self.phase = "rollout"
         self._admit = True
         self.round_start = 0.0
 
+    def start(self, cl: Cluster) -> None:
+        # the asynchronous policies' batch (the trainer's is the round's: set at each round's end)
+        self.batch = cl.wl.batch_for(cl.n)[0] if self.same_batch else None
+
+    def admit_limit(self, cl: Cluster, t: float) -> int | None:
+        return self.batch
+
+    def _limit_s(self, cl: Cluster) -> float:
+        """The round's timeout: the p-quantile cut, else the users' (`sync_timeout_mean_x`)."""
+        if self.timeout_quantile is not None:
+            return cl.wl.quantile_s(self.timeout_quantile, self.round_start, cl.horizon_s)
+        return cl.wl.sync_timeout_mean_x * float(cl.wl.mean_hours_at(self.round_start, cl.horizon_s)) * 3600.0
+
     def tick(self, cl: Cluster, t: float, rates: Rates) -> None:
         tr = cl.trainer
         if self.phase == "rollout":
-            if self.timeout_quantile is not None and int(cl.inflight.sum()):
-                limit = cl.wl.quantile_s(self.timeout_quantile, self.round_start, cl.horizon_s)
-                if t >= self.round_start + limit:
-                    cl.abort_all(t)
+            if int(cl.inflight.sum()) and t >= self.round_start + self._limit_s(cl):
+                cl.abort_all(t)
             if int(cl.inflight.sum()) == 0:
                 if tr.queue.size == 0:
                     self._admit = True  # nothing finished (all cut): start the round again
+                    self.round_start = t
                     return
                 tr.batch_size = tr.queue.size  # one update on every session of the round
                 cl.set_roles(list(range(cl.n)), TRAINING, t)
@@ -216,6 +237,8 @@ def make_policy(name: str, rollout_fraction: float = 0.8, record: bool = False) 
         return Sync()
     if name == "sync_p99":
         return Sync(0.99)
+    if name == "sync_same_batch":
+        return Sync(same_batch=True)
     if name == "static":
         return Static(rollout_fraction)
     if name == "flip_abort":

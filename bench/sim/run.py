@@ -16,7 +16,7 @@ import numpy as np
 
 from scheduler.control.rates import Rates, TrainerDemand
 
-from .cluster import LOADING, ROLLOUT, TRAINING, Cluster
+from .cluster import INF, LOADING, ROLLOUT, TRAINING, Cluster
 from .policies import Policy
 from .trainer import Trainer
 from .workload import Workload
@@ -81,10 +81,12 @@ def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float | None =
     trainer = Trainer(batch, wl.train_cell_s_per_token(), n_cells if policy.is_sync else width,
                       None if policy.is_sync else wl.staleness_bound, wl.scaling_efficiency,
                       efficiency_width=width)  # sync: the whole fleet trains each round, same curve
+    trainer.join_s = 0.0 if policy.mode == "free" else wl.train_join_s  # the oracle's moves are free
     cl = Cluster(wl, n_cells, hours, seed, tick_s, policy.mode, trainer)
+    seen_version, streaming = 0, 0.0
     policy.start(cl)
     if policy.admits(cl, 0.0):
-        cl.admit(0.0)
+        cl.admit(0.0, policy.admit_limit(cl, 0.0))
     # the controller's measurements, by the controller's own code (scheduler.control.rates)
     rates = Rates()
     last_step = None
@@ -100,6 +102,12 @@ def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float | None =
         dt = t - (k - 1) * tick_s
         cl.accepted_in_tick, cl.finished_in_tick, cl.freed_slot_s_in_tick = 0, 0, 0.0
         cl.advance(t)
+        if trainer.version > seen_version and not policy.is_sync:  # sync loads its weights instead
+            streaming = wl.broadcast_s  # the newest version streams in (it supersedes the one streaming)
+        seen_version = trainer.version
+        if streaming > 0:  # decoding at broadcast_decode_ratio meanwhile
+            _slow_decoding(cl, min(dt, streaming) * (1.0 - wl.broadcast_decode_ratio), t)
+            streaming -= dt
         cl.refresh_busy()
         rates.on_finish(cl.accepted_in_tick)
         rates.on_tick(dt, max(0.0, occupied * dt - cl.freed_slot_s_in_tick) / dt, max(offered, occupied))
@@ -112,7 +120,7 @@ def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float | None =
         policy.tick(cl, t, rates)
         cl.resume_suspended(t)
         if policy.admits(cl, t):
-            cl.admit(t)
+            cl.admit(t, policy.admit_limit(cl, t))
         cl.refresh_busy()
         occupied = int(cl.inflight.sum())
         offered = int((cl.role == ROLLOUT).sum()) * cl.k
@@ -141,6 +149,14 @@ def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float | None =
         lost_work_cell_hours=(tr.dropped_slot_s + cl.discarded_slot_s + cl.pause_slot_s) / cl.k / 3600.0,
         moves=dict(cl.moved), flips=getattr(policy, "flips", 0), versions=tr.version,
         wall_s=time.perf_counter() - wall0, series=series)
+
+
+def _slow_decoding(cl: Cluster, seconds: float, t: float) -> None:
+    """Every session decoding at `t` falls `seconds` behind (a version streaming in)."""
+    live = (cl.end < INF) & (cl.occ <= t)
+    cl.t0[live] += seconds
+    cl.end[live] += seconds
+    cl.pause_slot_s += seconds * float(live.sum())
 
 
 def _demand(tr: Trainer) -> TrainerDemand:

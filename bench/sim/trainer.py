@@ -113,6 +113,11 @@ class Trainer:
         self.dropped_tokens = 0.0
         self.staleness_hist = np.zeros(1, dtype=np.int64)
         self.step_end_times: list[float] = []
+        self.join_s = 0.0
+        """Seconds a cell joining a running step takes before it trains."""
+        self.debts: list[tuple[float, int]] = []
+        """(until, cells): training cells still sending KV while no step runs; a step that
+        starts before `until` has their remaining seconds to make up."""
         self.last_step: tuple[float, int, float, float] | None = None
         """(seconds, sessions, tokens, mean cells) of the last completed step: what a trainer reports."""
 
@@ -180,6 +185,9 @@ class Trainer:
             return
         v0, slot_s, tok = got
         self.step = Step(tok * self.cell_s_per_token, self.version - v0, slot_s, tok, self.now)
+        late = sum(n * (until - self.now) for until, n in self.debts if until > self.now)
+        self.debts.clear()
+        self.delay(late)
 
     def run_until(self, t: float) -> None:
         """Advance to `t`, completing steps (and starting the next ones) on the way."""
@@ -192,13 +200,27 @@ class Trainer:
             self._complete_due()
 
     def set_cells(self, cells: int, t: float) -> None:
+        """The trainer holds `cells` from `t`. Cells joining a running step train only after
+        `join_s` each (the step's work grows by what they would have done meanwhile)."""
         self.run_until(t)
+        before = self.step_cells()
         self.cells = cells
+        if self.step is not None and self.join_s > 0:
+            self.delay(max(0.0, self.step_cells() - before) * self.join_s)
         self._try_start()
 
+    def send_kv(self, seconds: float, cells: int) -> None:
+        """`cells` training cells spend `seconds` each sending their sessions' KV from now: a
+        running step has that much more to do; with none running, a step that starts before
+        they are done waits for the rest (`debts`)."""
+        if self.step is not None:
+            self.delay(seconds * cells)
+        elif seconds > 0 and cells > 0:
+            self.debts.append((self.now + seconds, cells))
+
     def delay(self, cell_s: float) -> None:
-        """A training cell arrives `cell_s` cell-seconds of work late (it was still sending
-        its sessions' KV): the running step has that much more to do."""
+        """Training cells arrive `cell_s` cell-seconds of work late (still sending KV, or
+        joining): the running step has that much more to do."""
         if self.step is not None and cell_s > 0:
             c = self.step_cells()
             self.step.work += cell_s * self.eff(c)

@@ -55,6 +55,8 @@ class Workload(BaseModel):
     """Linear re-prefill rate of one cell (the 2 x parameters FLOPs per token)."""
     prefill_quadratic_s: float = Field(default=0.0, ge=0)
     """Attention share of a prefill: seconds per context token squared."""
+    prompt_tokens: int = Field(default=2000, ge=0)
+    """A session's prompt: what an aborted session prefills again when it restarts."""
     batch_size: int = Field(default=1024, gt=0)
     """Finished sessions one training step (one RL update, one version) consumes, at
     `batch_ref_cells` cells."""
@@ -69,8 +71,18 @@ class Workload(BaseModel):
     scaling_efficiency: float = Field(default=0.9, gt=0, le=1)
     """Strong-scaling efficiency of a step on `max_cells_per_step` cells (eff(c) =
     scaling_efficiency ** (log2 c / log2 width))."""
+    sync_timeout_mean_x: float = Field(default=4.0, gt=0)
+    """A sync round is cut this many mean slot times after it starts (its users' timeout)."""
     broadcast_s: float = Field(default=20.0, ge=0)
-    """Weight load of a cell entering rollout (a sync round's broadcast too)."""
+    """Weight load of a cell entering rollout (a sync round's broadcast too); also how long
+    a new version takes to reach the rollout cells while they decode."""
+    broadcast_decode_ratio: float = Field(default=0.78, gt=0, le=1)
+    """Decode speed of a rollout cell while a new version streams in (bench/broadcast.py
+    measures 0.78-0.79x): a version streams in over `broadcast_s` (a newer one takes over the
+    stream), each decoding session falling (1 - ratio) of that time behind."""
+    train_join_s: float = Field(default=2.0, ge=0)
+    """Seconds a cell joining a running training step takes before it trains (bench/train.py
+    measures 0.3-4 s)."""
     staleness_bound: int = Field(default=40, ge=0)
     """A session whose first token is more than this many versions old is dropped, not trained."""
     tick_s: float = Field(default=60.0, gt=0)

@@ -1,0 +1,156 @@
+"""`upper_bound`: trained tokens per hour no policy of the simulator can beat on a workload.
+
+A relaxation of the simulated system, solved as a linear program (bench/sim/lp.py, certified
+by weak duality). What it keeps and what it frees:
+
+- Cells: at every moment rollout cells + training cells <= N. Moves are free and instant, so
+  only the time average of each role over a bucket of `dt` seconds is constrained.
+- Sessions: the decision is how many start at each controller tick s (a policy admits only at
+  ticks), each drawing its slot time D from the workload's log-normal of mean m(s) (capped),
+  with tokens T * D / m(s). Admission timing is a decision: a session's expected tokens are T
+  whatever m(s), so admitting while slot time is short yields more per slot-second. Expected
+  slots held in bucket i by a session admitted at s: the mean over the bucket of P(D > t - s);
+  the time-averaged occupancy of every bucket must fit the rollout cells' slots.
+- Training: no batches, no staleness limit, no step-at-a-time: finished tokens are a fluid the
+  trainer drains at g(c) = c * eff(c) cell-seconds per second on c cells (c <= the step's
+  width), `train_cell_s_per_token` per token. g is concave, so over a bucket the trainer does
+  at most dt * g(mean c) (Jensen), and the tangents of g bound it from above in the LP.
+  Trained tokens up to the end of every bucket <= tokens of sessions finished by then
+  (expected: (T / m(s)) * E[D; D <= t - s]).
+- Nothing is charged: no KV copy, re-prefill, abort, broadcast, join or pause.
+
+Every policy's run is a feasible point of this relaxation in expectation (its roles over time,
+its admissions at ticks, its trained tokens), so the LP optimum is at least its expected
+trained tokens; the bench asserts it against every seed's run. Where that argument is not
+exact, and why it does not matter here: slot times are random (the bound holds for their
+expectation; a session's tokens per slot-second, T / m(s), are exact); a cell still loading
+weights starts its sessions `broadcast_s` after the tick (the bound starts them at the tick,
+m(s) barely differs); and a suspended session stops holding a slot (the relaxation keeps every
+admitted session decoding; the simulator's policies suspend only at a flip beyond the free room
+and resume suspended sessions before admitting new ones, so none can hoard short sessions). A bound that ignored admission
+timing (slot time averaged over time instead of decided per admission, `timing=False`) is not
+one: a static split beats it on workloads whose slot time swings within a session's length
+(tests/test_cluster_sim_bound.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .lp import solve
+from .workload import Workload
+
+BUCKETS = 240
+"""Buckets over the horizon (each at least one tick)."""
+TANGENTS = 14
+"""Tangent points of g between 1 cell and the step's width (a geometric grid)."""
+
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+
+def _phi(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + _erf(np.asarray(x, dtype=float) / math.sqrt(2.0)).astype(float))
+
+
+@dataclass
+class Bound:
+    tokens_per_hour: float
+    """Certified upper bound on trained tokens per hour."""
+    primal_tokens_per_hour: float
+    """The relaxation's best plan found (equal to the bound when the solver converged)."""
+    gap: float
+    buckets: int
+    cohorts: int
+
+
+def _moments(wl: Workload, m_s: np.ndarray, tau: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For slot time D' = min(D, cap), D log-normal of mean m_s: (E[min(D', tau)], E[D'; D' <= tau]),
+    elementwise, 0 where tau <= 0."""
+    cap = wl.session_cap_hours * 3600.0 if wl.session_cap_hours is not None else math.inf
+    tau = np.asarray(tau, dtype=float)
+    pos = tau > 0
+    c = np.where(pos, np.minimum(tau, cap), 1.0)
+    s = wl.session_sigma
+    if s == 0.0:
+        d = np.minimum(m_s, cap)
+        i = np.minimum(d, c)
+        f = np.where(d <= tau, d, 0.0)
+    else:
+        mu = np.log(m_s) - 0.5 * s * s
+        part = m_s * _phi((np.log(c) - mu - s * s) / s)  # E[D; D <= c]
+        tail = 1.0 - _phi((np.log(c) - mu) / s)  # P(D > c)
+        i = part + c * tail
+        f = part if cap == math.inf else np.where(tau >= cap, part + cap * tail, part)  # past the cap: all done
+    return np.where(pos, i, 0.0), np.where(pos, f, 0.0)
+
+
+def _g_segments(width: int, eff_width: int, efficiency: float) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, slopes) of a concave piecewise-linear upper envelope of g(c) = c * eff(c) on
+    [0, width]: slope 1 up to one cell (eff = 1 there), then the tangents of c**p (p = 1 +
+    ln(efficiency) / ln(eff_width), which is g past one cell)."""
+    if width <= 1 or eff_width <= 1 or efficiency >= 1.0:
+        return np.array([float(width)]), np.array([1.0])
+    p = 1.0 + math.log(efficiency) / math.log(eff_width)
+    pts = np.geomspace(1.0, width, TANGENTS)
+    slope = p * pts ** (p - 1.0)
+    val = pts**p
+    # consecutive tangents meet at x: val_a + slope_a (x - a) = val_b + slope_b (x - b)
+    x = (val[1:] - slope[1:] * pts[1:] - val[:-1] + slope[:-1] * pts[:-1]) / (slope[:-1] - slope[1:])
+    edges = np.concatenate([[0.0, 1.0], x, [float(width)]])
+    return np.diff(edges), np.concatenate([[1.0], slope])
+
+
+def build(wl: Workload, cells: int, hours: float, width: int | None = None, timing: bool = True,
+          buckets: int = BUCKETS) -> tuple[np.ndarray, ...]:
+    """The LP (c, A, b, u) in units of fleet-fulls of slots and of T * k * N tokens; see the
+    module docstring. `width`: the widest training step (default the workload's at `cells`)."""
+    H = hours * 3600.0
+    tick = wl.tick_s
+    dt = max(tick, math.ceil(H / buckets / tick) * tick)
+    B = math.ceil(H / dt)
+    edges = np.minimum(np.arange(B + 1) * dt, H)
+    span = np.diff(edges)
+    s = np.arange(0.0, H, tick)  # admission ticks (the cohorts)
+    m = np.asarray(wl.mean_hours_at(s, H), dtype=float) * 3600.0
+    if not timing:  # the negative control: one time-averaged slot time for every session
+        m = np.full_like(m, float(np.asarray(wl.mean_hours_at(np.arange(0.0, H, 60.0), H)).mean()) * 3600.0)
+    tau = edges[None, :] - s[:, None]  # cohort x edge
+    i_cum, f_cum = _moments(wl, m[:, None], tau)
+    occ = np.diff(i_cum, axis=1) / span[None, :]  # mean slots held per session in each bucket
+    fin = f_cum[:, 1:] / m[:, None]  # expected finished tokens (units of T) by each bucket's end
+    eff_width = wl.batch_for(cells)[1]
+    lens, slopes = _g_segments(width or eff_width, eff_width, wl.scaling_efficiency)
+    L, C = lens.size, s.size
+    k, T, beta = wl.cell_capacity, wl.session_tokens, wl.train_cell_s_per_token()
+    rho = span / (beta * T * k)  # tokens (units T k N) a bucket trains per fleet-share of g
+    n = C + B + B * L
+    A = np.zeros((3 * B, n))
+    rows = np.arange(B)
+    A[:B, :C] = occ.T  # occupancy (fleet shares of slots) + training cells <= 1
+    for j in range(L):
+        A[rows, C + B + rows * L + j] = 1.0
+        A[B + rows, C + B + rows * L + j] = -rho * slopes[j]
+    A[B + rows, C + rows] = 1.0  # trained tokens <= rho * g(training cells)
+    A[2 * B:, C:C + B] = np.tril(np.ones((B, B)))  # cumulative trained <= finished by then
+    A[2 * B:, :C] = -fin.T
+    A[np.abs(A) < 1e-14] = 0.0  # rounding noise of the differences
+    b = np.concatenate([np.ones(B), np.zeros(2 * B)])
+    # boxes implied by the rows (they cut off nothing feasible)
+    first = np.minimum(np.searchsorted(edges, s, side="right") - 1, B - 1)
+    u_a = 1.0 / np.maximum(occ[np.arange(C), first], 1e-9)
+    u_w = rho * float((lens * slopes).sum()) / cells
+    u = np.concatenate([u_a, u_w, np.tile(lens / cells, B)])
+    c = np.concatenate([np.zeros(C), np.ones(B), np.zeros(B * L)])
+    return c, A, b, u, np.array([T * k * cells / hours, C, B])
+
+
+def upper_bound(wl: Workload, cells: int, hours: float, width: int | None = None, timing: bool = True,
+                buckets: int = BUCKETS) -> Bound:
+    """The relaxation's trained tokens per hour (certified upper bound; module docstring)."""
+    c, A, b, u, (unit, C, B) = build(wl, cells, hours, width, timing, buckets)
+    r = solve(c, A, b, u)
+    return Bound(tokens_per_hour=r.bound * unit, primal_tokens_per_hour=r.primal * unit,
+                 gap=(r.bound - r.primal) / max(r.bound, 1e-12), buckets=int(B), cohorts=int(C))

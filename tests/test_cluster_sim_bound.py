@@ -1,0 +1,131 @@
+"""The simulator's upper bound: a certified LP relaxation no policy beats, tight on `stationary`,
+and the planner against the best static split on workload shapes the bench does not ship."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+for p in (str(ROOT), str(ROOT / "bench")):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+import cluster_sim  # noqa: E402
+from sim import BUILTIN, load_workload, make_policy, run_policy  # noqa: E402
+from sim.bound import _g_segments, upper_bound  # noqa: E402
+from sim.lp import certify, solve  # noqa: E402
+
+
+def held_back() -> dict:
+    """Shapes the bench does not ship: slot time moving on the scale of one session."""
+    sine, flat = load_workload("sinusoidal"), load_workload("stationary")
+    return {
+        "sine3h": sine.model_copy(update={"name": "sine3h", "sine_period_hours": 3.0}),
+        "sine4h": sine.model_copy(update={"name": "sine4h", "sine_period_hours": 4.0}),
+        "square3h": flat.model_copy(update={"name": "square3h", "step_change_factor": 2.0,
+                                            "step_change_hours": 1.5, "step_change_every_hours": 3.0}),
+    }
+
+
+# ------------------------------------------------------------------ the LP and its certificate
+
+def test_lp_optimum_and_certificate_by_hand():
+    # max x + y s.t. x + 2y <= 4, 3x + y <= 6: x = 1.6, y = 1.2, value 2.8, multipliers (0.4, 0.2)
+    c, A, b, u = np.ones(2), np.array([[1.0, 2.0], [3.0, 1.0]]), np.array([4.0, 6.0]), np.full(2, 10.0)
+    r = solve(c, A, b, u)
+    assert r.primal == pytest.approx(2.8, abs=1e-6) and r.bound == pytest.approx(2.8, abs=1e-6)
+    assert r.x == pytest.approx([1.6, 1.2], abs=1e-6) and r.y == pytest.approx([0.4, 0.2], abs=1e-6)
+    # any multipliers certify a bound (weak duality): never below the optimum
+    rng = np.random.default_rng(0)
+    for y in rng.uniform(0.0, 2.0, size=(50, 2)):
+        assert certify(c, A, b, u, y) >= 2.8 - 1e-9
+    # negative control: the certificate of the optimum's multipliers on a tighter LP is not a
+    # bound of the looser one
+    assert certify(c, A, b - 1.0, u, r.y) < 2.8
+
+
+def test_lp_bound_holds_on_random_programs():
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        A = rng.normal(size=(30, 60))
+        b, c, u = rng.uniform(1, 5, 30), rng.normal(size=60), rng.uniform(0.5, 3, 60)
+        r = solve(c, A, b, u)
+        # a feasible point's value (the solver's, and random feasible ones) is at most the bound
+        assert r.infeasibility < 1e-5 and r.primal <= r.bound + 1e-9
+        assert (r.bound - r.primal) <= 1e-3 * abs(r.bound)
+        for x in rng.uniform(0, 1, size=(200, 60)) * u:
+            if (A @ x <= b).all():
+                assert c @ x <= r.bound + 1e-9
+
+
+def test_training_envelope_is_above_g():
+    lens, slopes = _g_segments(512, 512, 0.9)
+    edges = np.concatenate([[0.0], np.cumsum(lens)])
+    env = np.concatenate([[0.0], np.cumsum(lens * slopes)])
+    c = np.linspace(0.0, 512.0, 5001)
+    g = c * np.where(c > 1, 0.9 ** (np.log2(np.maximum(c, 1)) / 9.0), 1.0)
+    e = np.interp(c, edges, env)
+    assert (e >= g - 1e-9).all() and e[-1] == pytest.approx(g[-1]) and (e - g).max() < 1e-3 * g[-1]
+
+
+# ------------------------------------------------------------------ a bound the runs cannot beat
+
+@pytest.mark.parametrize("name", [*BUILTIN, *held_back()])
+def test_bound_is_above_every_policy(name):
+    wl = held_back()[name] if name in held_back() else load_workload(name)
+    cells, hours = 48, 4.0
+    bound = upper_bound(wl, cells, hours)
+    assert bound.gap < 1e-3
+    runs = {p: [run_policy(wl, make_policy(p, 0.8), cells, hours, seed=s) for s in (1, 2)]
+            for p in ("sync", "sync_same_batch", "static", "cellflip", "oracle")}
+    cluster_sim.check_bound(wl, cells, hours, bound.tokens_per_hour, runs, {})
+    # negative control: the same check fails against a bound below the best run
+    best = max(r.trained_tokens_per_hour for rs in runs.values() for r in rs)
+    with pytest.raises(AssertionError, match="above the upper bound"):
+        cluster_sim.check_bound(wl, cells, hours, 0.999 * best, runs, {})
+
+
+def test_bound_is_tight_on_stationary():
+    """Within 3 % of the best static split (a fluid bound without the warm-up and the sessions
+    in flight at the horizon: 1.033), on the system the bound relaxes: a static split charged
+    nothing the bound does not charge (versions streaming in during decode cost every
+    asynchronous policy 0.7 % on `stationary`; the bench reports the charged ratio)."""
+    wl, cells, hours = load_workload("stationary").model_copy(update={"broadcast_decode_ratio": 1.0}), 200, 72.0
+    best = max(run_policy(wl, make_policy("static", f / 100), cells, hours, seed=0).trained_tokens_per_hour
+               for f in range(74, 84))
+    bound = upper_bound(wl, cells, hours).tokens_per_hour
+    assert best <= bound <= 1.03 * best
+
+
+def test_a_bound_blind_to_admission_timing_is_beaten():
+    """Negative control: slot time averaged over the run instead of decided at admission is no
+    bound where slot time swings: the free oracle beats it on `sinusoidal`, cellflip on
+    `drifting`; the bound that decides admissions holds."""
+    cells, hours = 100, 12.0
+    for name, policy in (("sinusoidal", "oracle:model"), ("drifting", "cellflip")):
+        wl = load_workload(name)
+        r = run_policy(wl, make_policy(policy), cells, hours, seed=1).trained_tokens_per_hour
+        assert upper_bound(wl, cells, hours, timing=False).tokens_per_hour < r
+        assert r <= upper_bound(wl, cells, hours).tokens_per_hour
+
+
+# ------------------------------------------------------------------ the planner against static
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [
+    "sine3h", "square3h",
+    pytest.param("sine4h", marks=pytest.mark.xfail(strict=True, reason=(
+        "cellflip's balance adds rollout cells while slot time is long (sessions dear) and takes "
+        "them while it is short: 0.987 of the best static split at 200 cells, 36 h"))),
+])
+def test_planner_matches_the_best_static_split_on_held_back_shapes(name):
+    wl, cells, hours = held_back()[name], 200, 36.0
+    share, _ = cluster_sim.choose_static_share(wl, cells, hours, log=lambda *a: None)
+    static = sum(run_policy(wl, make_policy("static", share), cells, hours, seed=s).trained_tokens_per_hour
+                 for s in (1, 2))
+    cf = sum(run_policy(wl, make_policy("cellflip"), cells, hours, seed=s).trained_tokens_per_hour for s in (1, 2))
+    assert cf >= 0.99 * static
