@@ -1,0 +1,84 @@
+"""bench/train.py's memory figures, each in a fresh process (`python bench/train_memory.py PROBE`):
+
+- logprob: extra memory of one forward and backward of the loss (sum of the sampled tokens'
+  log-probs) at T = 8,192 over the full 151,936-row output: the `qwen3-vocab` preset (the
+  bench's size, hidden 256, 4 layers) untied like Qwen3-32B, per-layer activation
+  checkpointing on, fp32. Peak resident memory (glibc returning large blocks at once) minus
+  the resident memory before the forward (weights built, one warm-up pass) minus the weights'
+  gradients (`logprob_probe`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+LOGPROB_T = 8192
+
+
+def _status(field: str) -> int:
+    """A /proc/self/status figure in bytes (VmRSS, VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _settle() -> int:
+    """Free what can be freed, reset the peak to now; the resident bytes now."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    return _status("VmRSS")
+
+
+def logprob_probe(checkpoint: bool = True) -> dict:
+    """Segments: the forward (nothing but activations is new), then the backward, where the
+    output layer's gradient (created by the backward, then the weight's) is subtracted; the
+    embedding's gradient exists before (zeros, in the baseline), so the dense gradient its
+    backward adds counts as extra (an over-estimate)."""
+    from cells.engine.embedded.model import init_weights, prepare, token_logprobs
+    from cells.engine.embedded.model_spec import PRESETS
+
+    torch.set_num_threads(1)
+    spec = replace(PRESETS["qwen3-vocab"], tie_word_embeddings=False, max_position=LOGPROB_T)
+    weights = {k: v.requires_grad_(True) for k, v in init_weights(spec, 0, 0.02).items()}
+    ids = torch.randint(0, spec.vocab_size, (LOGPROB_T,), generator=torch.Generator().manual_seed(0))
+    # warm-up (library code and workspaces are not the loss's memory)
+    token_logprobs(prepare(spec, weights, checkpoint=checkpoint), ids[:256], 1.0, None).sum().backward()
+    for k, w in weights.items():
+        w.grad = torch.zeros_like(w) if k == "model.embed_tokens.weight" else None
+    base = _settle()
+    lp = token_logprobs(prepare(spec, weights, checkpoint=checkpoint), ids, 1.0, None)
+    forward_peak = _status("VmHWM") - base
+    lp.sum().backward()
+    head = weights["lm_head.weight"].grad
+    backward_peak = _status("VmHWM") - base - head.numel() * head.element_size()
+    return {"logprob_peak_bytes": max(forward_peak, backward_peak), "forward_peak_bytes": forward_peak,
+            "backward_peak_bytes": backward_peak, "tokens": LOGPROB_T, "vocab": spec.vocab_size,
+            "checkpoint": checkpoint}
+
+
+def run_probe(name: str, *args: str) -> dict:
+    # large blocks straight from and back to the kernel: resident memory follows the live bytes
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, __file__, name, *args], capture_output=True, text=True, timeout=900, env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"memory probe {name} failed: {r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "logprob":
+        print(json.dumps(logprob_probe(checkpoint="--no-checkpoint" not in sys.argv)))
