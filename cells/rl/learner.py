@@ -11,12 +11,9 @@ cells/rl/update.py -- the code the training cells run on their shares of the sam
 with lp_prox from one detached forward at the start, the PPO-EWMA stand-in where old
 log-probs are missing, KL to the reference when configured.
 
-Why the forward runs on a compacted vocabulary when the output ids are restricted: the
-embedding (tied to the output layer) has 151,936 rows, and autograd through `index_select`
-materialises a dense gradient of the whole table per use -- on CPU most of a step's time.
-Each micro-batch therefore uses a leaf copy of only the rows its tokens and the output ids
-touch, ids remapped monotonically: the log-probs are bitwise the full model's (tested), and
-the rows' gradient is added back into the full table once (cells/rl/vocab_rows.py)."""
+With restricted output ids each micro-batch's forward runs on a compacted vocabulary (a leaf
+copy of the 151,936-row tables' touched rows, bitwise the full model's log-probs: autograd
+through `index_select` would materialise a dense table gradient per use; cells/rl/vocab_rows.py)."""
 
 from __future__ import annotations
 
@@ -113,6 +110,7 @@ class Learner:
         """The caller's RNG for data order (checkpointed)."""
         self._rope = rope_tables(spec.head_dim, spec.max_position, spec.rope_theta)
         self._vocab = VocabRows(spec)
+        self.compute_dtype: torch.dtype | None = None  # bf16 compute: cells/rl/precision.py
 
     def _init_state(self, weights: dict[str, Tensor], reference: dict[str, Tensor] | None,
                     lr: float, betas: tuple[float, float], weight_decay: float,
@@ -177,7 +175,7 @@ class Learner:
         tile = self.tile if tile == "cells" else tile
         spec, w, rows, remapped = self._vocab.compact(weights, seqs, grad)
         with torch.set_grad_enabled(grad):
-            prep = prepare(spec, w, self._rope)
+            prep = prepare(spec, w, self._rope, dtype=self.compute_dtype)
             out = []
             for ids in remapped:
                 ent: list | None = [] if entropy is not None else None
@@ -299,7 +297,8 @@ class Learner:
         each branch's own forward at the cells' tile."""
         spec, w, rows, (ids,) = self._vocab.compact(weights, [tree.token_ids], grad)
         with torch.set_grad_enabled(grad):
-            lp = tree_token_logprobs(prepare(spec, w, self._rope), tree, ids, self.temperature, self.tile)
+            prep = prepare(spec, w, self._rope, dtype=self.compute_dtype)
+            lp = tree_token_logprobs(prep, tree, ids, self.temperature, self.tile)
         return lp, w, rows
 
     def zero_grads(self) -> dict[str, Tensor]:

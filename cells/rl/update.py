@@ -243,13 +243,23 @@ def _minibatch(learner: Any, b: Batch | None, pre: dict, share: Share, j: int, r
     m = dict(zip(sum_keys(learner.objective), sums.tolist()))
     if bound is not None and j > 0 and guard.minibatch_kl(m) > bound:  # equal on every rank
         return sums, None
-    sum_gradients(reducer, learner.params, touched)
+    reduce_gradients(learner, reducer, touched)
     norm = learner.apply_gradients()
     if learner.ewma.should_reset(m["num_missing_in_band"], m["num_missing"]):  # the band rule (docs/RL.md)
         learner.ewma.reset(learner.params)
     else:
         learner.update_ewma()
     return sums, norm
+
+
+def reduce_gradients(learner: Any, reducer: Reducer, touched: dict[str, Tensor]) -> None:
+    """The gradient sum over the step's ranks: the learner's own where its state is sharded
+    (cells/rl/shard.py), else one all-reduce (in the compute dtype: bf16 on the wire)."""
+    own = getattr(learner, "reduce_gradients", None)
+    if own is not None:
+        own(reducer, touched)
+    else:
+        sum_gradients(reducer, learner.params, touched, getattr(learner, "compute_dtype", None))
 
 
 def _backward(learner: Any, loss: Tensor, w: dict[str, Tensor], vocab_rows: Tensor | None,

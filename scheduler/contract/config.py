@@ -247,6 +247,9 @@ class TrainerConfig(_Strict):
     minibatches: int = Field(default=2, ge=1)
     """Optimizer steps per RL update (one published version): lp_prox is taken once at the
     start of the update, so from the second minibatch on the PPO clip binds."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Training compute: fp32, or bf16 forwards, backwards and gradient all-reduce over fp32
+    master weights, moments, reference and EWMA copy (cells/rl/precision.py)."""
     lr_warmup_steps: int = Field(default=4, ge=0)
     """Optimizer steps over which the RL learning rate ramps up linearly (the optimizer's
     moments are reset when RL starts)."""

@@ -86,7 +86,11 @@ class Prepared:
 
 
 def prepare(spec: ModelSpec, weights: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-            checkpoint: bool = False) -> Prepared:
+            checkpoint: bool = False, dtype: torch.dtype | None = None) -> Prepared:
+    """Per-version tensors; with `dtype` (bf16 compute) a cast of every weight (autograd
+    flows back through it to the fp32 weights) and of the rotary tables."""
+    if dtype is not None:
+        weights = {k: v.to(dtype) for k, v in weights.items()}
     layers = []
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
@@ -112,6 +116,8 @@ def prepare(spec: ModelSpec, weights: dict[str, torch.Tensor], rope: tuple[torch
     else:
         out_ids_t = None
     cos, sin = rope if rope is not None else rope_tables(spec.head_dim, spec.max_position, spec.rope_theta)
+    if dtype is not None:
+        cos, sin = cos.to(dtype), sin.to(dtype)
     return Prepared(spec, weights, layers, head.contiguous(), out_ids_t, cos, sin, id_to_out, checkpoint)
 
 
