@@ -110,13 +110,13 @@ class Learner:
         """The caller's RNG for data order (checkpointed)."""
         self._rope = rope_tables(spec.head_dim, spec.max_position, spec.rope_theta)
         self._vocab = VocabRows(spec)
-        self.compute_dtype: torch.dtype | None = None  # bf16 compute: cells/rl/precision.py
 
     def _init_state(self, weights: dict[str, Tensor], reference: dict[str, Tensor] | None,
                     lr: float, betas: tuple[float, float], weight_decay: float,
                     storage: Tensor | None = None) -> None:
         """fp32 parameters, AdamW over them, the KL reference and the PPO-EWMA copy."""
         self.betas, self.weight_decay = betas, weight_decay
+        self.compute_dtype: torch.dtype | None = None  # bf16 compute: cells/rl/precision.py
         self._base_lr = float(lr)
         # Sorted names: the optimizer's state is indexed by position, checkpoints by name.
         self.params: dict[str, Tensor] = {}

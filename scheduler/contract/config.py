@@ -247,9 +247,7 @@ class TrainerConfig(_Strict):
     minibatches: int = Field(default=2, ge=1)
     """Optimizer steps per RL update (one published version): lp_prox is taken once at the
     start of the update, so from the second minibatch on the PPO clip binds."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """Training compute: fp32, or bf16 forwards, backwards and gradient all-reduce over fp32
-    master weights, moments, reference and EWMA copy (cells/rl/precision.py)."""
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16 compute and gradient sums, fp32 state (cells/rl/precision.py)
     lr_warmup_steps: int = Field(default=4, ge=0)
     """Optimizer steps over which the RL learning rate ramps up linearly (the optimizer's
     moments are reset when RL starts)."""
@@ -262,8 +260,7 @@ class TrainerConfig(_Strict):
     """Supervised warm-up steps on the toy task's demonstrations before RL. None: 300 from
     random weights, none from the user's (`cells.engine.model.path`)."""
     init_std: float = Field(default=0.1, gt=0)
-    """Initial weight scale of the trainer's model (small toy models need more than 0.02 to
-    learn to copy within a CPU warm-up)."""
+    """Initial weight scale of the trainer's model (toy models need more than 0.02 to learn to copy in a CPU warm-up)."""
     warmup_batch: int = Field(default=16, gt=0)
     seed: int = 0
     """Seeds the task stream, the warm-up and the sampling seeds of the agents."""
