@@ -64,6 +64,17 @@ def run_update(learner: Any, share: Share, reducer: Reducer, snapshot: Any = Non
     rank's `share`; every rank of `reducer` must call it with its share of the same plan.
     Returns the update's metrics summed over the ranks (equal on every rank). `snapshot`:
     the start-of-update state the caller already took (`guard.take`), which the guard reuses."""
+    begin = getattr(learner, "begin_update", None)  # a sharded learner gathers its copies (collective)
+    if begin is not None:
+        begin()
+    try:
+        return _run_update(learner, share, reducer, snapshot)
+    finally:
+        if begin is not None:
+            learner.end_update()
+
+
+def _run_update(learner: Any, share: Share, reducer: Reducer, snapshot: Any = None) -> dict[str, float]:
     t0, start_version = time.perf_counter(), learner.version
     # the staleness bound, checked again here: the plan left no stale token in the loss
     _, stale = mask_stale(share.trajectories, learner.version, share.staleness_bound)
