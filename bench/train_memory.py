@@ -6,6 +6,9 @@
   checkpointing on, fp32. Peak resident memory (glibc returning large blocks at once) minus
   the resident memory before the forward (weights built, one warm-up pass) minus the weights'
   gradients (`logprob_probe`).
+- sharded (in this process: `sharded_figures`): 2 cells x 2 ranks (cells/rl/shard_ranks.py)
+  against one process, fp32 and bf16; each rank's live tensor bytes at rest, its peak resident
+  memory over its baseline, and cells/rl/memory.py's formula at the same size.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import ctypes
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 from dataclasses import replace
@@ -82,3 +86,59 @@ def run_probe(name: str, *args: str) -> dict:
 if __name__ == "__main__":
     if sys.argv[1] == "logprob":
         print(json.dumps(logprob_probe(checkpoint="--no-checkpoint" not in sys.argv)))
+
+
+SHARD_CFG = {"preset": "toy", "lr": 1e-3, "minibatches": 2, "updates": 3, "groups": 4, "shares": [1, 1, 2, 2],
+             "kl_coef": 0.01, "timeout_s": 300}
+"""2 cells x 2 ranks against one process: three updates, token shares 1:2 between the cells
+(1:1 inside each), one tree per group, KL in the loss, self-normalisation on."""
+
+
+def _rel_diff(a: dict, b: dict, w0: dict) -> float:
+    out = 0.0
+    for k in a:
+        den = float((a[k] - w0[k]).norm())
+        if den > 0:
+            out = max(out, float((a[k] - b[k]).norm()) / den)
+    return out
+
+
+def sharded_figures(tmp: Path) -> dict:
+    """The sharded ranks' figures (cells/rl/shard_ranks.py) and the memory formula's error."""
+    from safetensors.torch import load_file
+
+    from cells.engine.embedded.model import init_weights
+    from cells.engine.embedded.model_spec import PRESETS
+    from cells.rl.memory import Config, built
+    from cells.rl.shard_ranks import launch
+
+    runs, theta = {}, {}
+    for prec in ("fp32", "bf16"):
+        cfg = {**SHARD_CFG, "precision": prec}
+        runs[f"one_{prec}"] = launch(0, 0, cfg, tmp / f"one_{prec}")
+        runs[f"shard_{prec}"] = launch(2, 2, cfg, tmp / f"shard_{prec}")
+    for k in runs:
+        theta[k] = load_file(str(tmp / k / "params.safetensors"))
+    w0 = init_weights(PRESETS["toy"], 0, 0.02)
+    ranks = runs["shard_fp32"]
+    params = ranks[0]["params"]
+    extra = max(r["rank_peak_rss_bytes"] - r["base_rss_bytes"] for r in ranks)
+    tokens = max(r["graph_tokens"] for r in ranks)
+    formula = built(Config(PRESETS["toy"], 2, tokens))
+    return {
+        "ranks_per_cell": 2, "shard_cells": 2, "shard_params": params,
+        "sharded_param_max_rel_diff": _rel_diff(theta["one_fp32"], theta["shard_fp32"], w0),
+        "bf16_param_max_rel_diff": _rel_diff(theta["one_bf16"], theta["shard_bf16"], w0),
+        "bf16_vs_fp32_rel_diff": _rel_diff(theta["one_fp32"], theta["one_bf16"], w0),
+        "state_bytes_per_param": 40,
+        "rank_state_bytes": max(r["rank_state_bytes"] for r in ranks),
+        "one_process_state_bytes": runs["one_fp32"][0]["rank_state_bytes"],
+        "rank_state_budget_bytes": 1.25 * 40 * params / 2,
+        "rank_peak_rss_bytes": max(r["rank_peak_rss_bytes"] for r in ranks),
+        "rank_peak_extra_bytes": extra,
+        "memory_formula_bytes": formula["peak"], "memory_formula_terms": formula, "graph_tokens": tokens,
+        "memory_formula_error": round(abs(formula["peak"] - extra) / extra, 4),
+        "shard_trees": ranks[0]["steps"][0]["num_trees"],
+        "shard_step_s": {"one": round(statistics.median(s["step_s"] for s in runs["one_fp32"][0]["steps"][1:]), 3),
+                         "2x2": round(statistics.median(s["step_s"] for s in ranks[0]["steps"][1:]), 3)},
+    }

@@ -196,6 +196,10 @@ class ShardedLearner(Learner):
             all_gather(g.cell, flat, piece.contiguous(), g.timeout_s)
             self._gathered[which] = self._views(flat)
 
+    def drop_gathered(self) -> None:
+        """The whole reference and EWMA copy are needed only by the start-of-update forwards."""
+        self._gathered.clear()
+
     def end_update(self) -> None:
         """Drop the gathered copies and the whole gradient: at rest a rank holds its slices and
         the compute copy."""
@@ -235,7 +239,7 @@ class ShardedLearner(Learner):
         rank's slice at the scheduled learning rate, the slices gathered back into the
         compute copy. Returns the norm before clipping."""
         g, grad = self.groups, self.master.grad
-        sq = grad.double().pow(2).sum().reshape(1)
+        sq = torch.tensor([float(torch.linalg.vector_norm(grad)) ** 2], dtype=torch.float64)
         norm = float(all_reduce(g.cell, sq, g.timeout_s, "gradient norm").sqrt())
         if self.max_grad_norm is not None:
             grad.mul_(min(1.0, self.max_grad_norm / (norm + 1e-6)))
@@ -261,10 +265,10 @@ class ShardedLearner(Learner):
         """Fold this rank's slice of the parameters into its slice of the EWMA copy; elements
         where the average equals the parameters stay bitwise equal (as the one-rank path keeps
         unmoved vocabulary rows)."""
-        avg = self.ewma.inner.params["shard"]
-        same = avg == self.master
-        self.ewma.inner.update({"shard": self.master})
-        avg[same] = self.master.detach()[same]
+        avg, master = self.ewma.inner.params["shard"], self.master.detach()
+        same = avg == master
+        self.ewma.inner.update({"shard": master})
+        torch.where(same, master, avg, out=avg)
 
     def _optimizer_step(self) -> float:
         """The supervised step's: the per-name gradients into the flat buffer, then as RL."""
@@ -285,9 +289,17 @@ class ShardedLearner(Learner):
     def take_snapshot(self) -> dict[str, Any]:
         """This rank's slices of what an update changes (the guard's and the worker's snapshot)."""
         st = self.optimizer.state.get(self.master) or {}
-        return {"master": self.master.detach().clone(), "moments": {k: v.clone() for k, v in st.items()},
-                "ewma": self.ewma.inner.params["shard"].clone(), "ewma_weight": self.ewma.inner.weight,
-                "ewma_resets": self.ewma.inner.num_resets, "step": self.step}
+        prev = getattr(self, "_snap", None) or {"moments": {}}
+
+        def keep(t: Tensor, old: Tensor | None) -> Tensor:  # into the last snapshot's tensors (obsolete now)
+            return old.copy_(t) if old is not None and old.shape == t.shape else t.detach().clone()
+
+        self._snap = {"master": keep(self.master.detach(), prev.get("master")),
+                      "moments": {k: keep(v, prev["moments"].get(k)) for k, v in st.items()},
+                      "ewma": keep(self.ewma.inner.params["shard"], prev.get("ewma")),
+                      "ewma_weight": self.ewma.inner.weight, "ewma_resets": self.ewma.inner.num_resets,
+                      "step": self.step}
+        return self._snap
 
     @torch.no_grad()
     def restore_snapshot(self, snap: dict[str, Any]) -> None:

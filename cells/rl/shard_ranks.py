@@ -97,6 +97,21 @@ def _learner(cfg: dict, rank: int, groups: Any) -> Any:
     return learner
 
 
+def _graph_tokens(share: Any, micro_batch: int) -> int:
+    """An upper bound of the tokens in one backward's graph on this rank: its `micro_batch`
+    longest rows, or its longest tree (the serialised tokens)."""
+    from cells.rl.trees import members
+
+    rows, trees = [], []
+    for m in members(share.trajectories):
+        lens = [len(share.trajectories[i]["token_ids"]) for i in m]
+        if len(m) > 1:
+            trees.append(sum(lens) - (len(m) - 1) * min(lens) // 2)
+        else:
+            rows += lens
+    return max(sum(sorted(rows)[-micro_batch:]), max(trees, default=0))
+
+
 def run_rank(rank: int, cells: int, ranks: int, port: int, cfg: dict, out: Path) -> None:
     import torch.distributed as dist
 
@@ -108,7 +123,6 @@ def run_rank(rank: int, cells: int, ranks: int, port: int, cfg: dict, out: Path)
 
     torch.set_num_threads(1)
     world, timeout = cells * ranks, float(cfg.get("timeout_s", 120))
-    base_rss = _status_bytes("VmRSS")
     groups, reducer, shares = None, LocalReducer(), [1.0]
     if rank >= 0:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -116,8 +130,14 @@ def run_rank(rank: int, cells: int, ranks: int, port: int, cfg: dict, out: Path)
         groups = ShardGroups(cell_groups[rank // ranks], rank % ranks, ranks, timeout_s=timeout)
         reducer = GroupReducer(dist.distributed_c10d._get_default_group(), world, timeout)
         shares = [float(s) for s in cfg["shares"]]
+    _learner({**cfg, "spec": {**(cfg.get("spec") or {}), "num_layers": 1}}, rank, None)  # imports, warm-up
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # the peak from here
+    base_rss = _status_bytes("VmRSS")
+    phases = [("base", base_rss, base_rss)]
     learner = _learner(cfg, rank, groups)
-    spec, steps = spec_of(cfg), []
+    phases.append(("built", _status_bytes("VmHWM"), _status_bytes("VmRSS")))
+    spec, steps, graph_tokens = spec_of(cfg), [], 0
     for u in range(cfg["updates"]):
         if groups is not None:  # this step's replicate groups: rank i of every cell
             cross = [dist.new_group([c * ranks + r for c in range(cells)]) for r in range(ranks)]
@@ -125,12 +145,14 @@ def run_rank(rank: int, cells: int, ranks: int, port: int, cfg: dict, out: Path)
                 groups.cross, groups.cross_size = cross[rank % ranks], cells
         plan = plan_update(tree_batch(spec, cfg["groups"], u), learner.objective, cfg["minibatches"], shares,
                            version=learner.version)
+        graph_tokens = max(graph_tokens, _graph_tokens(plan.shares[max(rank, 0)], learner.micro_batch))
         t0 = time.perf_counter()
         snap = guard.take(learner)  # kept, as a training rank keeps its start-of-update snapshot
         m = run_update(learner, plan.shares[max(rank, 0)], reducer, snapshot=snap)
         steps.append({"step_s": time.perf_counter() - t0, "num_trees": m["num_trees"], "loss": m["loss"]})
+        phases.append((f"u{u + 1}", _status_bytes("VmHWM"), _status_bytes("VmRSS")))
     result = {"rank": rank, "rank_state_bytes": live_tensor_bytes(), "rank_peak_rss_bytes": _status_bytes("VmHWM"),
-              "base_rss_bytes": base_rss, "params": learner.num_params if groups else
+              "base_rss_bytes": base_rss, "phases": phases, "graph_tokens": graph_tokens, "params": learner.num_params if groups else
               sum(p.numel() for p in learner.params.values()), "steps": steps}
     out.mkdir(parents=True, exist_ok=True)
     if rank <= 0:

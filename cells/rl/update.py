@@ -83,6 +83,8 @@ def _run_update(learner: Any, share: Share, reducer: Reducer, snapshot: Any = No
                          f"update from version {learner.version} reached this rank")
     b = Batch.build(share.trajectories, learner.objective.tree) if share.trajectories else None
     pre = _start_of_update(learner, b, share)
+    if hasattr(learner, "drop_gathered"):  # a sharded learner's whole reference / EWMA served the forwards
+        learner.drop_gathered()
     learner.compute_s["forward"] += time.perf_counter() - t0
     bound = learner.objective.max_update_kl
     snap = (snapshot if snapshot is not None else guard.take(learner)) if bound is not None else None

@@ -56,13 +56,14 @@ def test_chunked_logprobs_and_gradients_equal_whole(tile):
     lp_a, g_a = _grads(lambda w: _whole(prepare(SPEC, w), ids, tile), weights)
     lp_b, g_b = _grads(chunked, weights)
     lp_c, g_c = _grads(lambda w: chunked(w, checkpoint=True), weights)
+    lp_d, g_d = _grads(lambda w: chunked(w, checkpoint="layer"), weights)
     if tile is not None:
         assert torch.equal(lp_a, lp_b)  # batch-invariant: bitwise
     torch.testing.assert_close(lp_b, lp_a, rtol=1e-5, atol=1e-5)
     for k in weights:
         assert _close(g_a[k], g_b[k]), k
-        assert _close(g_b[k], g_c[k]), k
-    assert torch.equal(lp_c, lp_b)
+        assert _close(g_b[k], g_c[k]) and _close(g_b[k], g_d[k]), k
+    assert torch.equal(lp_c, lp_b) and torch.equal(lp_d, lp_b)
 
 
 def test_chunked_gradient_negative_control():

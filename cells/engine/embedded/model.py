@@ -81,12 +81,13 @@ class Prepared:
     cos: torch.Tensor
     sin: torch.Tensor
     id_to_out: torch.Tensor | None = field(default=None)
-    checkpoint: bool = False
-    """Per-layer activation checkpointing in a forward with autograd (`forward`)."""
+    checkpoint: bool | str = False
+    """Activation checkpointing in a forward with autograd (`forward`): True per half layer
+    (attention, MLP), "layer" per layer."""
 
 
 def prepare(spec: ModelSpec, weights: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-            checkpoint: bool = False, dtype: torch.dtype | None = None) -> Prepared:
+            checkpoint: bool | str = False, dtype: torch.dtype | None = None) -> Prepared:
     """Per-version tensors; with `dtype` (bf16 compute) a cast of every weight (autograd
     flows back through it to the fp32 weights) and of the rotary tables."""
     if dtype is not None:
@@ -143,18 +144,25 @@ def forward(prep: Prepared, token_ids: torch.Tensor, positions: torch.Tensor, se
             tile: int | None) -> torch.Tensor:
     """Hidden states after the final norm, [N, hidden] for the flat batch `token_ids`.
 
-    With `prep.checkpoint` and autograd on, each half of a layer (attention, MLP) keeps only its
-    input for the backward and recomputes its activations there (activation checkpointing)."""
+    With `prep.checkpoint` and autograd on, each half of a layer (attention, MLP), or each layer
+    ("layer"), keeps only its input for the backward and recomputes its activations there."""
     x = prep.weights["model.embed_tokens.weight"].index_select(0, token_ids)
     cos, sin = prep.cos.index_select(0, positions), prep.sin.index_select(0, positions)
-    recompute = prep.checkpoint and torch.is_grad_enabled() and all(s.kv is None for s in segments)
+    recompute = torch.is_grad_enabled() and all(s.kv is None for s in segments) and prep.checkpoint
     for li, lw in enumerate(prep.layers):
-        if recompute:  # each half of the layer on its own: the backward holds one half's activations
+        if recompute == "layer":  # the layer's input kept; its activations live again in the backward
+            x = _checkpoint(_layer, prep.spec, li, lw, x, cos, sin, segments, tile, use_reentrant=False)
+        elif recompute:  # each half of the layer on its own: the backward holds one half's activations
             x = _checkpoint(_attention_block, prep.spec, li, lw, x, cos, sin, segments, tile, use_reentrant=False)
             x = _checkpoint(_mlp_block, prep.spec, lw, x, tile, use_reentrant=False)
         else:
-            x = _mlp_block(prep.spec, lw, _attention_block(prep.spec, li, lw, x, cos, sin, segments, tile), tile)
+            x = _layer(prep.spec, li, lw, x, cos, sin, segments, tile)
     return rms_norm(x, prep.weights["model.norm.weight"], prep.spec.rms_norm_eps)
+
+
+def _layer(spec: ModelSpec, li: int, lw: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor, segments: list[Segment], tile: int | None) -> torch.Tensor:
+    return _mlp_block(spec, lw, _attention_block(spec, li, lw, x, cos, sin, segments, tile), tile)
 
 
 def _attention_block(spec: ModelSpec, li: int, lw: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
