@@ -196,8 +196,12 @@ def probe_sizes(quick: bool) -> dict:
 
 
 def main() -> None:
-    args = parse_args(__doc__, lambda ap: ap.add_argument("--size-probe", default=None))
+    args = parse_args(__doc__, lambda ap: (ap.add_argument("--size-probe", default=None),
+                                           ap.add_argument("--logprob-probe", action="store_true")))
     set_threads(1)
+    if args.logprob_probe:
+        print(json.dumps(train_memory.logprob_probe()))
+        return
     if args.size_probe:
         print(json.dumps(size_probe(args.size_probe, args.quick)))
         return

@@ -1,6 +1,6 @@
-"""bench/train.py's memory figures, each in a fresh process (`python bench/train_memory.py PROBE`):
+"""bench/train.py's memory figures:
 
-- logprob: extra memory of one forward and backward of the loss (sum of the sampled tokens'
+- logprob (in a fresh process, `python bench/train.py --logprob-probe`): extra memory of one forward and backward of the loss (sum of the sampled tokens'
   log-probs) at T = 8,192 over the full 151,936-row output: the `qwen3-vocab` preset (the
   bench's size, hidden 256, 4 layers) untied like Qwen3-32B, per-layer activation
   checkpointing on, fp32. Peak resident memory (glibc returning large blocks at once) minus
@@ -74,18 +74,15 @@ def logprob_probe(checkpoint: bool = True) -> dict:
             "checkpoint": checkpoint}
 
 
-def run_probe(name: str, *args: str) -> dict:
+def run_probe(name: str) -> dict:
+    """`python bench/train.py --<name>-probe` in a fresh process; its JSON."""
     # large blocks straight from and back to the kernel: resident memory follows the live bytes
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0", "OMP_NUM_THREADS": "1"}
-    r = subprocess.run([sys.executable, __file__, name, *args], capture_output=True, text=True, timeout=900, env=env)
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("train.py")), f"--{name}-probe"],
+                       capture_output=True, text=True, timeout=900, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"memory probe {name} failed: {r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-if __name__ == "__main__":
-    if sys.argv[1] == "logprob":
-        print(json.dumps(logprob_probe(checkpoint="--no-checkpoint" not in sys.argv)))
 
 
 SHARD_CFG = {"preset": "toy", "lr": 1e-3, "minibatches": 2, "updates": 3, "groups": 4, "shares": [1, 1, 2, 2],
