@@ -100,6 +100,10 @@ def _rel_diff(a: dict, b: dict, w0: dict) -> float:
     return out
 
 
+def _median_step(rank: dict) -> float:
+    return round(statistics.median(s["step_s"] for s in rank["steps"][1:]), 3)
+
+
 def sharded_figures(tmp: Path) -> dict:
     """The sharded ranks' figures (cells/rl/shard_ranks.py) and the memory formula's error."""
     from safetensors.torch import load_file
@@ -114,6 +118,7 @@ def sharded_figures(tmp: Path) -> dict:
         cfg = {**SHARD_CFG, "precision": prec}
         runs[f"one_{prec}"] = launch(0, 0, cfg, tmp / f"one_{prec}")
         runs[f"shard_{prec}"] = launch(2, 2, cfg, tmp / f"shard_{prec}")
+    runs["one_fp32_per_sequence"] = launch(0, 0, {**SHARD_CFG, "pack": False}, tmp / "one_fp32_per_sequence")
     for k in runs:
         theta[k] = load_file(str(tmp / k / "params.safetensors"))
     w0 = init_weights(PRESETS["toy"], 0, 0.02)
@@ -136,6 +141,9 @@ def sharded_figures(tmp: Path) -> dict:
         "memory_formula_bytes": formula["peak"], "memory_formula_terms": formula, "graph_tokens": tokens,
         "memory_formula_error": round(abs(formula["peak"] - extra) / extra, 4),
         "shard_trees": ranks[0]["steps"][0]["num_trees"],
-        "shard_step_s": {"one": round(statistics.median(s["step_s"] for s in runs["one_fp32"][0]["steps"][1:]), 3),
-                         "2x2": round(statistics.median(s["step_s"] for s in ranks[0]["steps"][1:]), 3)},
+        "shard_step_s": {"one": _median_step(runs["one_fp32"][0]), "2x2": _median_step(ranks[0])},
+        # several sequences per forward: the one-process update packed (the default) and not
+        "pack_step_s": {"packed": _median_step(runs["one_fp32"][0]),
+                        "per_sequence": _median_step(runs["one_fp32_per_sequence"][0])},
+        "pack_rel_diff": _rel_diff(theta["one_fp32"], theta["one_fp32_per_sequence"], w0),
     }

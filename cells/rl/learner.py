@@ -27,12 +27,13 @@ import torch
 from torch import Tensor
 
 from cells.engine.embedded.layers import rope_tables
-from cells.engine.embedded.model import check_weights, prepare, token_logprobs
+from cells.engine.embedded.model import check_weights, prepare
 from cells.engine.embedded.model_spec import ModelSpec
 from cells.rl.batch import EXACT, MISSING  # noqa: F401  (re-exported)
 from cells.rl.lr_schedule import LRSchedule
 from cells.rl.objectives import PPOEWMA, ObjectiveConfig, SerializedTree
 from cells.rl.objectives.config import ewma_window
+from cells.rl.packing import sequence_logprobs
 from cells.rl.plan import plan_update
 from cells.rl.reduce import LocalReducer
 from cells.rl.trees import tree_token_logprobs
@@ -117,6 +118,7 @@ class Learner:
         """fp32 parameters, AdamW over them, the KL reference and the PPO-EWMA copy."""
         self.betas, self.weight_decay = betas, weight_decay
         self.compute_dtype: torch.dtype | None = None  # bf16 compute: cells/rl/precision.py
+        self.pack = True  # a micro-batch's sequences in one forward (cells/rl/packing.py)
         self._base_lr = float(lr)
         # Sorted names: the optimizer's state is indexed by position, checkpoints by name.
         self.params: dict[str, Tensor] = {}
@@ -176,14 +178,7 @@ class Learner:
         spec, w, rows, remapped = self._vocab.compact(weights, seqs, grad)
         with torch.set_grad_enabled(grad):
             prep = prepare(spec, w, self._rope, dtype=self.compute_dtype)
-            out = []
-            for ids in remapped:
-                ent: list | None = [] if entropy is not None else None
-                lp = token_logprobs(prep, ids, self.temperature, tile, entropy=ent)
-                out.append(torch.cat([lp.new_zeros(1), lp]))
-                if entropy is not None:
-                    h = ent[0] if ent else lp.new_zeros(0)
-                    entropy.append(torch.cat([h.new_zeros(1), h]))
+            out = sequence_logprobs(prep, remapped, self.temperature, tile, entropy, self.pack)
         return out, w, rows
 
     def logprobs(self, token_ids: Sequence[int], which: str = "current") -> Tensor:

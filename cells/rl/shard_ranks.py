@@ -94,6 +94,7 @@ def _learner(cfg: dict, rank: int, groups: Any) -> Any:
     weights = init_weights(spec, 0, 0.02)
     learner = Learner(spec, weights, **kw) if groups is None else ShardedLearner(spec, weights, groups=groups, **kw)
     set_precision(learner, cfg.get("precision", "fp32"))
+    learner.pack = bool(cfg.get("pack", True))
     return learner
 
 
