@@ -334,7 +334,7 @@ class ShardedLearner(Learner):
     def _as_one(self, whole: dict[str, dict[str, Tensor]], st: dict[str, Tensor]) -> Any:
         """A stand-in with the one-rank learner's attributes, for `Learner.state_dict`."""
         opt = torch.optim.AdamW([self.params[k] for k in self.names], lr=self._base_lr, betas=self.betas,
-                                weight_decay=self.weight_decay)
+                                weight_decay=self.weight_decay, fused=True)
         if st:
             for k in self.names:
                 opt.state[self.params[k]] = {"step": st["step"].clone(), "exp_avg": whole["exp_avg"][k],

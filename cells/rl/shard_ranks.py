@@ -89,7 +89,7 @@ def _learner(cfg: dict, rank: int, groups: Any) -> Any:
     from cells.rl.shard import ShardedLearner
 
     spec = spec_of(cfg)
-    objective = ObjectiveConfig(max_update_kl=None, kl=KLInLoss(coef=cfg.get("kl_coef", 0.01)), self_normalize=True)
+    objective = ObjectiveConfig(max_update_kl=cfg.get("max_update_kl"), kl=KLInLoss(coef=cfg.get("kl_coef", 0.01)), self_normalize=True)
     kw = {"lr": cfg["lr"], "objective": objective, "tile": None, "minibatches": cfg["minibatches"]}
     weights = init_weights(spec, 0, 0.02)
     learner = Learner(spec, weights, **kw) if groups is None else ShardedLearner(spec, weights, groups=groups, **kw)
@@ -111,6 +111,27 @@ def _graph_tokens(share: Any, micro_batch: int) -> int:
         else:
             rows += lens
     return max(sum(sorted(rows)[-micro_batch:]), max(trees, default=0))
+
+
+def _checkpoint_roundtrip(learner: Any, rank: int, out: Path, distributed: bool) -> bool:
+    """The learner's state written (the one-rank format; a sharded learner gathers it, the
+    first rank writes), read back into it on every rank, and gathered again: the same tensors."""
+    import torch.distributed as dist
+
+    from cells.training import state_files
+
+    state = learner.state_dict()
+    if rank <= 0:
+        state_files.save_state(out / "state", state)
+    if distributed:
+        dist.barrier()
+    learner.load_state_dict(state_files.load_state(out / "state"))
+    again = learner.state_dict()
+    same = all(torch.equal(state[k][n], again[k][n]) for k in ("params", "reference") for n in state[k])
+    same &= all(torch.equal(v, again["ewma"][n]) for n, v in state["ewma"].items())
+    for i, st in state["optimizer"]["state"].items():
+        same &= all(torch.equal(v, again["optimizer"]["state"][i][s]) for s, v in st.items())
+    return bool(same and state["meta"] == again["meta"])
 
 
 def run_rank(rank: int, cells: int, ranks: int, port: int, cfg: dict, out: Path) -> None:
@@ -150,12 +171,15 @@ def run_rank(rank: int, cells: int, ranks: int, port: int, cfg: dict, out: Path)
         t0 = time.perf_counter()
         snap = guard.take(learner)  # kept, as a training rank keeps its start-of-update snapshot
         m = run_update(learner, plan.shares[max(rank, 0)], reducer, snapshot=snap)
-        steps.append({"step_s": time.perf_counter() - t0, "num_trees": m["num_trees"], "loss": m["loss"]})
+        steps.append({"step_s": time.perf_counter() - t0, "num_trees": m["num_trees"], "loss": m["loss"],
+                      "rejected": m["update_rejected"]})
         phases.append((f"u{u + 1}", _status_bytes("VmHWM"), _status_bytes("VmRSS")))
     result = {"rank": rank, "rank_state_bytes": live_tensor_bytes(), "rank_peak_rss_bytes": _status_bytes("VmHWM"),
               "base_rss_bytes": base_rss, "phases": phases, "graph_tokens": graph_tokens, "params": learner.num_params if groups else
               sum(p.numel() for p in learner.params.values()), "steps": steps}
     out.mkdir(parents=True, exist_ok=True)
+    if cfg.get("checkpoint"):
+        result["reload_equal"] = _checkpoint_roundtrip(learner, rank, out, groups is not None)
     if rank <= 0:
         from safetensors.torch import save_file
 
