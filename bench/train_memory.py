@@ -6,7 +6,7 @@
   checkpointing on, fp32. Peak resident memory (glibc returning large blocks at once) minus
   the resident memory before the forward (weights built, one warm-up pass) minus the weights'
   gradients (`logprob_probe`).
-- sharded (in this process: `sharded_figures`): 2 cells x 2 ranks (cells/rl/shard_ranks.py)
+- sharded (in this process: `sharded_figures`): 2 cells x 2 ranks (cells/training/shard_ranks.py)
   against one process, fp32 and bf16; each rank's live tensor bytes at rest, its peak resident
   memory over its baseline, and cells/rl/memory.py's formula at the same size.
 """
@@ -105,13 +105,13 @@ def _median_step(rank: dict) -> float:
 
 
 def sharded_figures(tmp: Path) -> dict:
-    """The sharded ranks' figures (cells/rl/shard_ranks.py) and the memory formula's error."""
+    """The sharded ranks' figures (cells/training/shard_ranks.py) and the memory formula's error."""
     from safetensors.torch import load_file
 
     from cells.engine.embedded.model import init_weights
     from cells.engine.embedded.model_spec import PRESETS
     from cells.rl.memory import Config, built
-    from cells.rl.shard_ranks import launch
+    from cells.training.shard_ranks import launch
 
     runs, theta = {}, {}
     for prec in ("fp32", "bf16"):

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from cells.engine.embedded.model import init_weights
-from cells.rl.shard_ranks import launch, spec_of
 from cells.training import state_files
+from cells.training.shard_ranks import launch, spec_of
 
 CFG = {"preset": "toy", "spec": {"vocab_size": 1024, "output_id_ranges": [[0, 48]], "max_position": 256},
        "lr": 2e-3, "minibatches": 2, "updates": 2, "groups": 2, "shares": [1, 1, 2, 2], "timeout_s": 60}

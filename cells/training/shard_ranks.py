@@ -1,7 +1,7 @@
 """Bare sharded training ranks on one machine: C cells x S ranks over gloo on 127.0.0.1, the
 harness of tests/training/test_shard.py and bench/train.py (no engine, no coordinator).
 
-    python -m cells.rl.shard_ranks --port P --rank R --cells C --ranks S --config JSON --out DIR
+    python -m cells.training.shard_ranks --port P --rank R --cells C --ranks S --config JSON --out DIR
 
 Rank R is rank R % S of cell R // S. Each update builds this step's cross-cell groups anew
 (rank i of every cell: the replicate dimension's membership is per step), plans the batch over
@@ -202,7 +202,7 @@ def launch(cells: int, ranks: int, cfg: dict, out: Path, timeout_s: float = 600.
     port, env = free_port(), {**os.environ, "OMP_NUM_THREADS": "1",
                              "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
     rank_ids = list(range(world)) if world else [-1]
-    procs = [subprocess.Popen([sys.executable, "-m", "cells.rl.shard_ranks", "--port", str(port), "--rank", str(r),
+    procs = [subprocess.Popen([sys.executable, "-m", "cells.training.shard_ranks", "--port", str(port), "--rank", str(r),
                                "--cells", str(cells), "--ranks", str(ranks), "--config", json.dumps(cfg),
                                "--out", str(out)], env=env, stderr=subprocess.PIPE) for r in rank_ids]
     try:
