@@ -119,6 +119,7 @@ class Learner:
         self.betas, self.weight_decay = betas, weight_decay
         self.compute_dtype: torch.dtype | None = None  # bf16 compute: cells/rl/precision.py
         self.pack = True  # a micro-batch's sequences in one forward (cells/rl/packing.py)
+        self.checkpoint: bool | str = False  # activation checkpointing (cells/rl/precision.py)
         self._base_lr = float(lr)
         # Sorted names: the optimizer's state is indexed by position, checkpoints by name.
         self.params: dict[str, Tensor] = {}
@@ -177,7 +178,7 @@ class Learner:
         tile = self.tile if tile == "cells" else tile
         spec, w, rows, remapped = self._vocab.compact(weights, seqs, grad)
         with torch.set_grad_enabled(grad):
-            prep = prepare(spec, w, self._rope, dtype=self.compute_dtype)
+            prep = prepare(spec, w, self._rope, self.checkpoint, self.compute_dtype)
             out = sequence_logprobs(prep, remapped, self.temperature, tile, entropy, self.pack)
         return out, w, rows
 
@@ -292,7 +293,7 @@ class Learner:
         each branch's own forward at the cells' tile."""
         spec, w, rows, (ids,) = self._vocab.compact(weights, [tree.token_ids], grad)
         with torch.set_grad_enabled(grad):
-            prep = prepare(spec, w, self._rope, dtype=self.compute_dtype)
+            prep = prepare(spec, w, self._rope, self.checkpoint, self.compute_dtype)
             lp = tree_token_logprobs(prep, tree, ids, self.temperature, self.tile)
         return lp, w, rows
 

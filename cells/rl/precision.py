@@ -1,4 +1,5 @@
-"""`trainer.precision`: fp32, or bf16 compute and communication over fp32 master weights.
+"""`trainer.precision`: fp32, or bf16 compute and communication over fp32 master weights;
+`trainer.activation_checkpointing`.
 
 bf16: each forward runs on a bf16 cast of the fp32 parameters (autograd carries the
 gradient back through the cast, so gradients land in fp32 on the fp32 parameters), the
@@ -25,3 +26,14 @@ def set_precision(learner, name: str) -> None:
     """Run `learner`'s forwards and gradient sums at precision `name`."""
     learner.compute_dtype = compute_dtype(name)
     learner.precision = name
+
+
+CHECKPOINTING: dict[str, bool | str] = {"off": False, "half": True, "layer": "layer"}
+"""`trainer.activation_checkpointing` as `prepare(checkpoint=...)` takes it."""
+
+
+def set_checkpointing(learner, mode: str) -> None:
+    """Recompute activations in the backward: per layer, per half layer (attention, MLP), or not."""
+    if mode not in CHECKPOINTING:
+        raise ValueError(f"unknown activation checkpointing {mode!r}: one of {sorted(CHECKPOINTING)}")
+    learner.checkpoint, learner.checkpointing = CHECKPOINTING[mode], mode

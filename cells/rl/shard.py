@@ -128,7 +128,7 @@ class ShardedLearner(Learner):
                     betas: tuple[float, float], weight_decay: float, storage: Tensor | None = None) -> None:
         g = self.groups
         self.betas, self.weight_decay, self._base_lr = betas, weight_decay, float(lr)
-        self.compute_dtype, self.pack = None, True
+        self.compute_dtype, self.pack, self.checkpoint = None, True, False
         self.names = sorted(weights)
         self._shapes = {k: weights[k].shape for k in self.names}
         self.num_params = sum(weights[k].numel() for k in self.names)

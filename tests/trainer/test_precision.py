@@ -7,7 +7,7 @@ from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import PRESETS
 from cells.rl.learner import Learner
 from cells.rl.objectives import ObjectiveConfig
-from cells.rl.precision import set_precision
+from cells.rl.precision import set_checkpointing, set_precision
 from cells.rl.reduce import sum_gradients
 from scheduler.contract.config import TrainerConfig
 
@@ -30,10 +30,11 @@ def _batch():
     return out
 
 
-def _step(precision):
-    learner = Learner(SPEC, init_weights(SPEC, 0, 0.1), lr=1e-2, objective=ObjectiveConfig(max_update_kl=None),
+def _step(precision, checkpointing="off", lr=1e-2):
+    learner = Learner(SPEC, init_weights(SPEC, 0, 0.1), lr=lr, objective=ObjectiveConfig(max_update_kl=None),
                       tile=None, minibatches=2)
     set_precision(learner, precision)
+    set_checkpointing(learner, checkpointing)
     learner.rl_step(_batch())
     return learner
 
@@ -76,3 +77,16 @@ def test_precision_is_checked():
     assert TrainerConfig().precision == "fp32"
     with pytest.raises(ValueError):
         TrainerConfig(precision="fp16")
+
+
+def test_activation_checkpointing_gives_the_same_update():
+    """Recomputing the activations in the backward changes memory, not the update."""
+    a = _step("fp32")
+    for mode in ("layer", "half"):
+        b = _step("fp32", mode)
+        assert all(torch.equal(a.params[k], b.params[k]) for k in a.params), mode
+    c = _step("fp32", "layer", lr=1.1e-2)  # negative control: the comparison sees a different update
+    assert not all(torch.equal(a.params[k], c.params[k]) for k in a.params)
+    with pytest.raises(ValueError, match="unknown activation checkpointing"):
+        set_checkpointing(a, "every")
+    assert TrainerConfig().activation_checkpointing == "off"
