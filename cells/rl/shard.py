@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 from torch.distributed import AllreduceOptions, ReduceOp
 
-from cells.rl.learner import Learner
+from cells.rl.learner import DEFAULT_STALENESS_BOUND, Learner
 from cells.rl.objectives import PPOEWMA
 from cells.rl.objectives.config import ewma_window
 from cells.transport.p2p import wait_work
@@ -146,8 +146,6 @@ class ShardedLearner(Learner):
         self.optimizer = torch.optim.AdamW([self.master], lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
         self.set_reference(reference if reference is not None else weights)
         ew = self.objective.ewma
-        from cells.rl.learner import DEFAULT_STALENESS_BOUND
-
         inner = PPOEWMA({"shard": self.master}, staleness_window=ewma_window(ew, DEFAULT_STALENESS_BOUND,
                                                                              self.minibatches),
                         reset_threshold=ew.reset_threshold)
