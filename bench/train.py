@@ -26,6 +26,13 @@ shares 1:2, the same three batches.
   store per step, and its peak resident memory, each measured in a fresh process at the `toy`
   and `tiny` with toy's output ids (4.3x apart, identical batches); trainer_growth: the
   larger of the two ratios.
+- A cell as S ranks, mixed precision, log-probs in chunks (bench/train_memory.py): 2 cells x 2
+  ranks against one process (`toy`, three updates, cells' token shares 1:2, trees, KL in the
+  loss, self-normalisation): ranks_per_cell, sharded_param_max_rel_diff (fp32),
+  bf16_param_max_rel_diff (2 x 2 vs one process, both bf16) against bf16_vs_fp32_rel_diff (one
+  process), rank_state_bytes (live tensors of one rank at rest) against 1.25 x 40 B x params / S,
+  rank_peak_rss_bytes, memory_formula_error (cells/rl/memory.py at this size against a rank's
+  peak over its baseline), logprob_peak_bytes (T = 8,192, the full 151,936-row output).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import train_checks
+import train_memory
 from common import ROOT, finish, parse_args, set_threads
 
 from cells.engine.embedded.model import init_weights
@@ -188,12 +196,18 @@ def probe_sizes(quick: bool) -> dict:
 
 
 def main() -> None:
-    args = parse_args(__doc__, lambda ap: ap.add_argument("--size-probe", default=None))
+    args = parse_args(__doc__, lambda ap: (ap.add_argument("--size-probe", default=None),
+                                           ap.add_argument("--logprob-probe", action="store_true")))
     set_threads(1)
+    if args.logprob_probe:
+        print(json.dumps(train_memory.logprob_probe()))
+        return
     if args.size_probe:
         print(json.dumps(size_probe(args.size_probe, args.quick)))
         return
     sizes = probe_sizes(args.quick)
+    memory = {**train_memory.sharded_figures(Path(tempfile.mkdtemp(prefix="cellflip-train-shard-"))),
+              "logprob_peak_bytes": train_memory.run_probe("logprob")["logprob_peak_bytes"]}
     checks = {"pretrained_start_ok": train_checks.pretrained_start(start_ranks, coordinator, batch),
               **train_checks.export_roundtrip(start_ranks, coordinator, batch),
               **train_checks.resume_exact(start_ranks, coordinator, batch)}
@@ -256,7 +270,7 @@ def main() -> None:
         "trainer_bytes_per_step": bps, "trainer_max_rss_bytes": rss,
         "trainer_growth": round(max(bps["tiny"] / bps["toy"], rss["tiny"] / rss["toy"]), 4),
         "trainer_compute_s": sum(PROCESS_COMPUTE_S.values()),
-        **checks,
+        **checks, **memory,
         "train_cells": [m["train_cells"] for m in ma + [m4, m5, m6, m7] + mb],
     }
     finish(result, args, "train")

@@ -12,4 +12,8 @@ neither (`tests/test_shape.py`).
     learner       parameters, optimizer, EWMA and reference copies; one process's update
     lr_schedule   the learning-rate schedule
     vocab_rows    the vocabulary rows a step touches
+    packing       several sequences per forward, packed without padding
+    precision     fp32 or bf16 compute and gradient sums over fp32 state
+    shard         a cell's S ranks: the training state sharded S ways, cross-cell sums per step
+    memory        per-rank memory as a formula (docs/TRAINING.md)
 """

@@ -63,6 +63,8 @@ def take(learner: Any) -> Snapshot:
     """Copy the state an update changes (parameters, AdamW moments, EWMA, step counter), into
     the learner's previous snapshot's tensors where their shapes allow (it is obsolete once
     the next update starts)."""
+    if hasattr(learner, "take_snapshot"):  # a sharded learner: its slices (cells/rl/shard.py)
+        return learner.take_snapshot()
     prev = _WARM.get(learner)
 
     def keep(t: Tensor, old: Tensor | None) -> Tensor:
@@ -94,6 +96,8 @@ def take(learner: Any) -> Snapshot:
 @torch.no_grad()
 def restore(learner: Any, snap: Snapshot) -> None:
     """Put the learner back to `snap` (bitwise: copies, no arithmetic), into its own tensors."""
+    if hasattr(learner, "restore_snapshot"):
+        return learner.restore_snapshot(snap)
     state = learner.optimizer.state
     for k, p in learner.params.items():
         p.copy_(snap.params[k])

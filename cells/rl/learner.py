@@ -11,12 +11,9 @@ cells/rl/update.py -- the code the training cells run on their shares of the sam
 with lp_prox from one detached forward at the start, the PPO-EWMA stand-in where old
 log-probs are missing, KL to the reference when configured.
 
-Why the forward runs on a compacted vocabulary when the output ids are restricted: the
-embedding (tied to the output layer) has 151,936 rows, and autograd through `index_select`
-materialises a dense gradient of the whole table per use -- on CPU most of a step's time.
-Each micro-batch therefore uses a leaf copy of only the rows its tokens and the output ids
-touch, ids remapped monotonically: the log-probs are bitwise the full model's (tested), and
-the rows' gradient is added back into the full table once (cells/rl/vocab_rows.py)."""
+With restricted output ids each micro-batch's forward runs on a compacted vocabulary (a leaf
+copy of the 151,936-row tables' touched rows, bitwise the full model's log-probs: autograd
+through `index_select` would materialise a dense table gradient per use; cells/rl/vocab_rows.py)."""
 
 from __future__ import annotations
 
@@ -30,12 +27,13 @@ import torch
 from torch import Tensor
 
 from cells.engine.embedded.layers import rope_tables
-from cells.engine.embedded.model import check_weights, prepare, token_logprobs
+from cells.engine.embedded.model import check_weights, prepare
 from cells.engine.embedded.model_spec import ModelSpec
 from cells.rl.batch import EXACT, MISSING  # noqa: F401  (re-exported)
 from cells.rl.lr_schedule import LRSchedule
 from cells.rl.objectives import PPOEWMA, ObjectiveConfig, SerializedTree
 from cells.rl.objectives.config import ewma_window
+from cells.rl.packing import sequence_logprobs
 from cells.rl.plan import plan_update
 from cells.rl.reduce import LocalReducer
 from cells.rl.trees import tree_token_logprobs
@@ -119,6 +117,9 @@ class Learner:
                     storage: Tensor | None = None) -> None:
         """fp32 parameters, AdamW over them, the KL reference and the PPO-EWMA copy."""
         self.betas, self.weight_decay = betas, weight_decay
+        self.compute_dtype: torch.dtype | None = None  # bf16 compute: cells/rl/precision.py
+        self.pack = True  # a micro-batch's sequences in one forward (cells/rl/packing.py)
+        self.checkpoint: bool | str = False  # activation checkpointing (cells/rl/precision.py)
         self._base_lr = float(lr)
         # Sorted names: the optimizer's state is indexed by position, checkpoints by name.
         self.params: dict[str, Tensor] = {}
@@ -177,15 +178,8 @@ class Learner:
         tile = self.tile if tile == "cells" else tile
         spec, w, rows, remapped = self._vocab.compact(weights, seqs, grad)
         with torch.set_grad_enabled(grad):
-            prep = prepare(spec, w, self._rope)
-            out = []
-            for ids in remapped:
-                ent: list | None = [] if entropy is not None else None
-                lp = token_logprobs(prep, ids, self.temperature, tile, entropy=ent)
-                out.append(torch.cat([lp.new_zeros(1), lp]))
-                if entropy is not None:
-                    h = ent[0] if ent else lp.new_zeros(0)
-                    entropy.append(torch.cat([h.new_zeros(1), h]))
+            prep = prepare(spec, w, self._rope, self.checkpoint, self.compute_dtype)
+            out = sequence_logprobs(prep, remapped, self.temperature, tile, entropy, self.pack)
         return out, w, rows
 
     def logprobs(self, token_ids: Sequence[int], which: str = "current") -> Tensor:
@@ -299,7 +293,8 @@ class Learner:
         each branch's own forward at the cells' tile."""
         spec, w, rows, (ids,) = self._vocab.compact(weights, [tree.token_ids], grad)
         with torch.set_grad_enabled(grad):
-            lp = tree_token_logprobs(prepare(spec, w, self._rope), tree, ids, self.temperature, self.tile)
+            prep = prepare(spec, w, self._rope, self.checkpoint, self.compute_dtype)
+            lp = tree_token_logprobs(prep, tree, ids, self.temperature, self.tile)
         return lp, w, rows
 
     def zero_grads(self) -> dict[str, Tensor]:

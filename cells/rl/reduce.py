@@ -49,10 +49,12 @@ class GroupReducer:
         return t
 
 
-def sum_gradients(reducer: Reducer, params: dict[str, Tensor], touched: dict[str, Tensor]) -> None:
+def sum_gradients(reducer: Reducer, params: dict[str, Tensor], touched: dict[str, Tensor],
+                  comm_dtype: torch.dtype | None = None) -> None:
     """Sum every parameter's gradient over the ranks in place. `touched[name]` (bool per row)
     marks the rows a vocabulary table's gradient may be non-zero in on this rank; every
-    gradient must exist (zeros where a rank has none)."""
+    gradient must exist (zeros where a rank has none). `comm_dtype` (bf16): the dtype on the
+    wire (the sum is rounded to it once per rank's contribution)."""
     if reducer.world == 1:
         return
     union = {k: reducer.all_reduce(m.to(torch.int32), "max").bool() for k, m in touched.items()}
@@ -60,7 +62,8 @@ def sum_gradients(reducer: Reducer, params: dict[str, Tensor], touched: dict[str
     for k, p in params.items():
         g = p.grad
         parts.append((g[union[k]] if k in union else g).reshape(-1))
-    flat = reducer.all_reduce(torch.cat(parts))
+    flat = torch.cat(parts)
+    flat = reducer.all_reduce(flat if comm_dtype is None else flat.to(comm_dtype)).to(torch.float32)
     pos = 0
     for k, p in params.items():
         g = p.grad

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cells.engine.embedded.model import Prepared, Segment, forward, output_logprobs
+from cells.engine.embedded.model import Prepared, Segment, forward, target_logprobs
 from cells.rl.objectives.config import TreeConfig
 from cells.rl.objectives.tree import (
     RolloutTree,
@@ -221,11 +221,5 @@ def tree_token_logprobs(prep: Prepared, ser: SerializedTree, token_ids: Tensor, 
     them (e.g. compacted)."""
     hidden = forward(prep, token_ids, ser.positions, _segments(ser), tile)
     src = ser.prev_index.clamp(min=0)
-    lp = output_logprobs(prep, hidden.index_select(0, src), temperature, tile)
-    if prep.id_to_out is None:
-        out = lp.gather(1, token_ids[:, None])[:, 0]
-    else:
-        idx = prep.id_to_out.index_select(0, token_ids)
-        out = lp.gather(1, idx.clamp(min=0)[:, None])[:, 0]
-        out = torch.where(idx >= 0, out, torch.full_like(out, float("-inf")))
+    out = target_logprobs(prep, hidden.index_select(0, src), token_ids, temperature, tile)
     return torch.where(ser.prev_index >= 0, out, torch.zeros_like(out))

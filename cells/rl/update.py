@@ -65,6 +65,17 @@ def run_update(learner: Any, share: Share, reducer: Reducer, snapshot: Any = Non
     rank's `share`; every rank of `reducer` must call it with its share of the same plan.
     Returns the update's metrics summed over the ranks (equal on every rank). `snapshot`:
     the start-of-update state the caller already took (`guard.take`), which the guard reuses."""
+    begin = getattr(learner, "begin_update", None)  # a sharded learner gathers its copies (collective)
+    if begin is not None:
+        begin()
+    try:
+        return _run_update(learner, share, reducer, snapshot)
+    finally:
+        if begin is not None:
+            learner.end_update()
+
+
+def _run_update(learner: Any, share: Share, reducer: Reducer, snapshot: Any = None) -> dict[str, float]:
     t0, start_version = time.perf_counter(), learner.version
     # the staleness bound, checked again here: the plan left no stale token in the loss
     _, stale = mask_stale(share.trajectories, learner.version, share.staleness_bound)
@@ -73,6 +84,8 @@ def run_update(learner: Any, share: Share, reducer: Reducer, snapshot: Any = Non
                          f"update from version {learner.version} reached this rank")
     b = Batch.build(share.trajectories, learner.objective.tree) if share.trajectories else None
     pre = _start_of_update(learner, b, share)
+    if hasattr(learner, "drop_gathered"):  # a sharded learner's whole reference / EWMA served the forwards
+        learner.drop_gathered()
     learner.compute_s["forward"] += time.perf_counter() - t0
     bound = learner.objective.max_update_kl
     snap = (snapshot if snapshot is not None else guard.take(learner)) if bound is not None else None
@@ -233,13 +246,23 @@ def _minibatch(learner: Any, b: Batch | None, pre: dict, share: Share, j: int, r
     m = dict(zip(sum_keys(learner.objective), sums.tolist()))
     if bound is not None and j > 0 and guard.minibatch_kl(m) > bound:  # equal on every rank
         return sums, None
-    sum_gradients(reducer, learner.params, touched)
+    reduce_gradients(learner, reducer, touched)
     norm = learner.apply_gradients()
     if learner.ewma.should_reset(m["num_missing_in_band"], m["num_missing"]):  # the band rule (docs/RL.md)
         learner.ewma.reset(learner.params)
     else:
         learner.update_ewma()
     return sums, norm
+
+
+def reduce_gradients(learner: Any, reducer: Reducer, touched: dict[str, Tensor]) -> None:
+    """The gradient sum over the step's ranks: the learner's own where its state is sharded
+    (cells/rl/shard.py), else one all-reduce (in the compute dtype: bf16 on the wire)."""
+    own = getattr(learner, "reduce_gradients", None)
+    if own is not None:
+        own(reducer, touched)
+    else:
+        sum_gradients(reducer, learner.params, touched, getattr(learner, "compute_dtype", None))
 
 
 def _backward(learner: Any, loss: Tensor, w: dict[str, Tensor], vocab_rows: Tensor | None,

@@ -6,4 +6,5 @@ over the step's group of training cells, the trainer process as its coordinator.
     worker        the cell side: wait for an assignment, join, compute, report
     protocol      the step's assignment, spec and share keys
     bare          bare ranks for tests and benches
+    shard_ranks   bare sharded ranks (a cell as S ranks, cells/rl/shard.py) over gloo, for tests and benches
 """

@@ -75,7 +75,9 @@ def hyper(learner: Any) -> dict[str, Any]:
             "minibatches": learner.minibatches, "lr_warmup_steps": learner.schedule.warmup_steps,
             "lr_schedule": learner.schedule.kind, "lr_total_steps": learner.schedule.total_steps,
             "lr_min_ratio": learner.schedule.min_ratio,
-            "tile": learner.tile, "temperature": learner.temperature, "seed": learner.seed}
+            "tile": learner.tile, "temperature": learner.temperature, "seed": learner.seed,
+            "precision": getattr(learner, "precision", "fp32"),
+            "activation_checkpointing": getattr(learner, "checkpointing", "off")}
 
 
 def spec_from_signature(d: dict[str, Any]) -> ModelSpec:
@@ -104,6 +106,7 @@ def build_learner(h: dict[str, Any], meta: dict[str, Any], flat: torch.Tensor | 
     process's configuration (the only one it imports); `weights`: the parameters themselves
     (the start state a rank builds)."""
     from cells.rl.learner import Learner
+    from cells.rl.precision import set_checkpointing, set_precision
 
     objective = local_objective(h, local_loss)
     spec = spec_from_signature(h["model"])
@@ -118,6 +121,8 @@ def build_learner(h: dict[str, Any], meta: dict[str, Any], flat: torch.Tensor | 
                       lr_schedule=h.get("lr_schedule", "constant"), lr_total_steps=h.get("lr_total_steps"),
                       lr_min_ratio=float(h.get("lr_min_ratio", 0.1)), seed=int(h.get("seed", 0)),
                       param_storage=param_storage)
+    set_precision(learner, h.get("precision", "fp32"))
+    set_checkpointing(learner, h.get("activation_checkpointing", "off"))
     return learner
 
 
@@ -156,14 +161,15 @@ def hyper_of(spec: ModelSpec, objective: ObjectiveConfig, *, lr: float, minibatc
              tile: int | None, temperature: float, lr_warmup_steps: int = 0, lr_schedule: str = "constant",
              lr_total_steps: int | None = None, lr_min_ratio: float = 0.1, betas=(0.9, 0.999),
              weight_decay: float = 0.0, max_grad_norm: float | None = 1.0, micro_batch: int = 16,
-             seed: int = 0) -> dict[str, Any]:
+             seed: int = 0, precision: str = "fp32", activation_checkpointing: str = "off") -> dict[str, Any]:
     """`hyper` from configuration, without building a learner (the trainer holds none);
     `seed`: the learner's sampling generator (the warm-up's batches)."""
     return {"model": spec.signature(), "objective": objective.model_dump_json(), "lr": lr, "betas": list(betas),
             "weight_decay": weight_decay, "max_grad_norm": max_grad_norm, "micro_batch": micro_batch,
             "minibatches": minibatches, "lr_warmup_steps": lr_warmup_steps, "lr_schedule": lr_schedule,
             "lr_total_steps": lr_total_steps, "lr_min_ratio": lr_min_ratio, "tile": tile,
-            "temperature": temperature, "seed": seed}
+            "temperature": temperature, "seed": seed, "precision": precision,
+            "activation_checkpointing": activation_checkpointing}
 
 
 def param_shapes(spec: ModelSpec) -> list[list]:

@@ -237,8 +237,7 @@ class TrainerConfig(_Strict):
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     """After the learning-rate warm-up: constant, or a cosine or linear decay over the run's RL
     optimizer steps (`steps` x `minibatches`) down to `lr_min_ratio` of `lr`."""
-    lr_min_ratio: float = Field(default=0.1, ge=0, le=1)
-    """Where a decaying schedule ends, as a fraction of `lr`."""
+    lr_min_ratio: float = Field(default=0.1, ge=0, le=1)  # where a decaying schedule ends, a fraction of `lr`
     reject_lr_backoff: float = Field(default=0.5, gt=0, le=1)
     """After an update the trust-region guard rejected, the learning rate is multiplied by this
     (the update published nothing; the next one tries a smaller step)."""
@@ -247,6 +246,8 @@ class TrainerConfig(_Strict):
     minibatches: int = Field(default=2, ge=1)
     """Optimizer steps per RL update (one published version): lp_prox is taken once at the
     start of the update, so from the second minibatch on the PPO clip binds."""
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16 compute and gradient sums, fp32 state (cells/rl/precision.py)
+    activation_checkpointing: Literal["off", "layer", "half"] = "off"  # recomputed per layer / half layer in the backward
     lr_warmup_steps: int = Field(default=4, ge=0)
     """Optimizer steps over which the RL learning rate ramps up linearly (the optimizer's
     moments are reset when RL starts)."""
@@ -259,8 +260,7 @@ class TrainerConfig(_Strict):
     """Supervised warm-up steps on the toy task's demonstrations before RL. None: 300 from
     random weights, none from the user's (`cells.engine.model.path`)."""
     init_std: float = Field(default=0.1, gt=0)
-    """Initial weight scale of the trainer's model (small toy models need more than 0.02 to
-    learn to copy within a CPU warm-up)."""
+    """Initial weight scale of the trainer's model (toy models need more than 0.02 to learn to copy in a CPU warm-up)."""
     warmup_batch: int = Field(default=16, gt=0)
     seed: int = 0
     """Seeds the task stream, the warm-up and the sampling seeds of the agents."""

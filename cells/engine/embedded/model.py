@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from cells.engine.embedded.layers import (
     apply_rope,
@@ -20,6 +21,7 @@ from cells.engine.embedded.layers import (
     rms_norm,
     rope_tables,
 )
+from cells.engine.embedded.logprob_chunks import chunked_target_logprobs
 from cells.engine.embedded.model_spec import ModelSpec
 from cells.engine.records import EngineError
 
@@ -89,9 +91,17 @@ class Prepared:
     cos: torch.Tensor
     sin: torch.Tensor
     id_to_out: torch.Tensor | None = field(default=None)
+    checkpoint: bool | str = False
+    """Activation checkpointing in a forward with autograd (`forward`): True per half layer
+    (attention, MLP), "layer" per layer."""
 
 
-def prepare(spec: ModelSpec, weights: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> Prepared:
+def prepare(spec: ModelSpec, weights: dict[str, torch.Tensor], rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+            checkpoint: bool | str = False, dtype: torch.dtype | None = None) -> Prepared:
+    """Per-version tensors; with `dtype` (bf16 compute) a cast of every weight (autograd
+    flows back through it to the fp32 weights) and of the rotary tables."""
+    if dtype is not None:
+        weights = {k: v.to(dtype) for k, v in weights.items()}
     layers = []
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
@@ -118,7 +128,9 @@ def prepare(spec: ModelSpec, weights: dict[str, torch.Tensor], rope: tuple[torch
     else:
         out_ids_t = None
     cos, sin = rope if rope is not None else rope_tables(spec.head_dim, spec.max_position, spec.rope_theta)
-    return Prepared(spec, weights, layers, head.contiguous(), out_ids_t, cos, sin, id_to_out)
+    if dtype is not None:
+        cos, sin = cos.to(dtype), sin.to(dtype)
+    return Prepared(spec, weights, layers, head.contiguous(), out_ids_t, cos, sin, id_to_out, checkpoint)
 
 
 class KVSink(Protocol):
@@ -141,36 +153,58 @@ class Segment:
 
 def forward(prep: Prepared, token_ids: torch.Tensor, positions: torch.Tensor, segments: list[Segment],
             tile: int | None) -> torch.Tensor:
-    """Hidden states after the final norm, [N, hidden] for the flat batch `token_ids`."""
-    spec = prep.spec
-    hd, nh, nkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    """Hidden states after the final norm, [N, hidden] for the flat batch `token_ids`.
+
+    With `prep.checkpoint` and autograd on, each half of a layer (attention, MLP), or each layer
+    ("layer"), keeps only its input for the backward and recomputes its activations there."""
     x = prep.weights["model.embed_tokens.weight"].index_select(0, token_ids)
     cos, sin = prep.cos.index_select(0, positions), prep.sin.index_select(0, positions)
+    recompute = torch.is_grad_enabled() and all(s.kv is None for s in segments) and prep.checkpoint
     for li, lw in enumerate(prep.layers):
-        h = rms_norm(x, lw["in_norm"], spec.rms_norm_eps)
-        qkv = linear(h, lw["qkv"], tile)
-        q = qkv[:, : nh * hd].reshape(-1, nh, hd)
-        k = qkv[:, nh * hd : (nh + nkv) * hd].reshape(-1, nkv, hd)
-        v = qkv[:, (nh + nkv) * hd :].reshape(-1, nkv, hd)
-        if lw["q_norm"] is not None:
-            q = rms_norm(q, lw["q_norm"], spec.rms_norm_eps)
-            k = rms_norm(k, lw["k_norm"], spec.rms_norm_eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        outs = []
-        for seg in segments:
-            sl = slice(seg.offset, seg.offset + seg.length)
-            ks, vs = (k[sl], v[sl]) if seg.kv is None else seg.kv.store_and_load(li, k[sl], v[sl])
-            if tile is None:
-                outs.append(attention_fast(q[sl], ks, vs, seg.start_pos))
-            else:
-                outs.append(attention_tiled(q[sl], ks, vs, seg.start_pos, tile))
-        attn = (torch.cat(outs) if len(outs) > 1 else outs[0]).reshape(-1, nh * hd)
-        x = x + linear(attn, lw["o"], tile)
-        h = rms_norm(x, lw["post_norm"], spec.rms_norm_eps)
-        gu = linear(h, lw["gate_up"], tile)
-        gate, up = gu.split(spec.intermediate_size, dim=-1)
-        x = x + linear(torch.nn.functional.silu(gate) * up, lw["down"], tile)
-    return rms_norm(x, prep.weights["model.norm.weight"], spec.rms_norm_eps)
+        if recompute == "layer":  # the layer's input kept; its activations live again in the backward
+            x = _checkpoint(_layer, prep.spec, li, lw, x, cos, sin, segments, tile, use_reentrant=False)
+        elif recompute:  # each half of the layer on its own: the backward holds one half's activations
+            x = _checkpoint(_attention_block, prep.spec, li, lw, x, cos, sin, segments, tile, use_reentrant=False)
+            x = _checkpoint(_mlp_block, prep.spec, lw, x, tile, use_reentrant=False)
+        else:
+            x = _layer(prep.spec, li, lw, x, cos, sin, segments, tile)
+    return rms_norm(x, prep.weights["model.norm.weight"], prep.spec.rms_norm_eps)
+
+
+def _layer(spec: ModelSpec, li: int, lw: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
+           sin: torch.Tensor, segments: list[Segment], tile: int | None) -> torch.Tensor:
+    return _mlp_block(spec, lw, _attention_block(spec, li, lw, x, cos, sin, segments, tile), tile)
+
+
+def _attention_block(spec: ModelSpec, li: int, lw: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, segments: list[Segment], tile: int | None) -> torch.Tensor:
+    hd, nh, nkv = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    h = rms_norm(x, lw["in_norm"], spec.rms_norm_eps)
+    qkv = linear(h, lw["qkv"], tile)
+    q = qkv[:, : nh * hd].reshape(-1, nh, hd)
+    k = qkv[:, nh * hd : (nh + nkv) * hd].reshape(-1, nkv, hd)
+    v = qkv[:, (nh + nkv) * hd :].reshape(-1, nkv, hd)
+    if lw["q_norm"] is not None:
+        q = rms_norm(q, lw["q_norm"], spec.rms_norm_eps)
+        k = rms_norm(k, lw["k_norm"], spec.rms_norm_eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    outs = []
+    for seg in segments:
+        sl = slice(seg.offset, seg.offset + seg.length)
+        ks, vs = (k[sl], v[sl]) if seg.kv is None else seg.kv.store_and_load(li, k[sl], v[sl])
+        if tile is None:
+            outs.append(attention_fast(q[sl], ks, vs, seg.start_pos))
+        else:
+            outs.append(attention_tiled(q[sl], ks, vs, seg.start_pos, tile))
+    attn = (torch.cat(outs) if len(outs) > 1 else outs[0]).reshape(-1, nh * hd)
+    return x + linear(attn, lw["o"], tile)
+
+
+def _mlp_block(spec: ModelSpec, lw: dict[str, torch.Tensor], x: torch.Tensor, tile: int | None) -> torch.Tensor:
+    h = rms_norm(x, lw["post_norm"], spec.rms_norm_eps)
+    gu = linear(h, lw["gate_up"], tile)
+    gate, up = gu.split(spec.intermediate_size, dim=-1)
+    return x + linear(torch.nn.functional.silu(gate) * up, lw["down"], tile)
 
 
 def output_logprobs(prep: Prepared, hidden: torch.Tensor, temperature: float | torch.Tensor,
@@ -179,12 +213,19 @@ def output_logprobs(prep: Prepared, hidden: torch.Tensor, temperature: float | t
 
     `temperature` is one float or one per row; 0 (greedy) scores at temperature 1.
     """
-    logits = linear(hidden, prep.lm_head, tile).float()  # log-softmax in float32 (a no-op cast there)
+    return head_logprobs(prep.lm_head, hidden, temperature, tile)
+
+
+def head_logprobs(head: torch.Tensor, hidden: torch.Tensor, temperature: float | torch.Tensor,
+                  tile: int | None) -> torch.Tensor:
+    """`output_logprobs` for the output layer `head` [V_out, hidden]."""
+    logits = linear(hidden, head, tile).float()  # log-softmax in float32 (a no-op cast there)
     if isinstance(temperature, torch.Tensor):
         t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-        logits = logits / t[:, None]
+        logits = logits / t[:, None].to(logits.dtype)
     elif temperature > 0 and temperature != 1.0:
         logits = logits / temperature
+    logits = logits.float()  # the softmax in fp32 whatever the compute precision
     if tile is None:
         return torch.log_softmax(logits, dim=-1)
     # Row-wise reduction on the same fixed, zero-padded tiles as the matmuls.
@@ -194,6 +235,19 @@ def output_logprobs(prep: Prepared, hidden: torch.Tensor, temperature: float | t
         logits = torch.cat([logits, logits.new_zeros(pad, logits.shape[1])])
     out = torch.cat([torch.log_softmax(logits[i : i + tile], dim=-1) for i in range(0, n + pad, tile)])
     return out[:n] if pad else out
+
+
+def target_logprobs(prep: Prepared, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                    tile: int | None, entropy: list | None = None) -> torch.Tensor:
+    """Log-prob of `targets[i]` (vocabulary ids) at row i of `hidden`, -inf outside the output
+    ids, without the [N, V_out] log-probs: chunks of rows (cells/engine/embedded/logprob_chunks.py,
+    recomputed in the backward). With `entropy` (a list), each row's entropy is appended."""
+    if prep.id_to_out is None:
+        idx = targets
+    else:
+        idx = prep.id_to_out.index_select(0, targets)
+    out = chunked_target_logprobs(prep.lm_head, hidden, idx.clamp(min=0), temperature, tile, entropy)
+    return out if prep.id_to_out is None else torch.where(idx >= 0, out, torch.full_like(out, float("-inf")))
 
 
 def token_logprobs(prep: Prepared, token_ids: torch.Tensor, temperature: float = 1.0,
@@ -209,13 +263,8 @@ def token_logprobs(prep: Prepared, token_ids: torch.Tensor, temperature: float =
         return torch.empty(0, device=token_ids.device)
     positions = torch.arange(n, device=token_ids.device)
     hidden = forward(prep, token_ids, positions, [Segment(0, n, 0)], tile)
-    lp = output_logprobs(prep, hidden[:-1], temperature, tile)
+    ent: list | None = [] if entropy is not None else None
+    out = target_logprobs(prep, hidden[:-1], token_ids[1:], temperature, tile, ent)
     if entropy is not None:
-        with torch.no_grad():
-            entropy.append(-(lp.exp() * lp.clamp(min=-1e30)).sum(-1))
-    targets = token_ids[1:]
-    if prep.id_to_out is None:
-        return lp.gather(1, targets[:, None])[:, 0]
-    idx = prep.id_to_out.index_select(0, targets)
-    out = lp.gather(1, idx.clamp(min=0)[:, None])[:, 0]
-    return torch.where(idx >= 0, out, torch.full_like(out, float("-inf")))
+        entropy.append(ent[0])
+    return out

@@ -1,0 +1,105 @@
+"""Per-rank training memory as a formula (docs/TRAINING.md evaluates it; bench/train.py checks it
+against a rank process's measured peak).
+
+Two layouts:
+
+- `built`: what cells/rl/shard.py runs. Every rank keeps the whole fp32 compute copy of the
+  parameters (4 B/param) and 1/S of the rest: AdamW's moments 8, the reference 4, the EWMA
+  copy 4, the guard's snapshot 16 (master 4, moments 8, EWMA 4): 4 + 32/S bytes a parameter
+  at rest. During an update, the larger of two phases: the start, with the reference and the
+  EWMA copy gathered whole (8) for the detached forwards; a minibatch, with the whole flat
+  gradient (4), its reduced slice (4/S), the slice sent to the all-gather (4/S), the EWMA's
+  equality mask (1/S byte) and the micro-batch's activations. gloo stages an all-gather's
+  whole output once more (4; NCCL writes in place).
+- `sharded_compute`: the GPU layout a 32B model needs (not built: the compute copy sharded
+  too and gathered one layer at a time in bf16, FSDP-style; the reference, EWMA copy and
+  snapshot in pinned host memory). On the GPU: the fp32 master slice 4/S, moments 8/S, the
+  bf16 gradient slice 2/S; two gathered layers in bf16 and one layer's fp32 gradient; the
+  checkpointed activations; one layer's recomputed activations; the log-prob chunks.
+
+Activations: a layer's backward keeps about A = 7d + 4i + 4(h + h_kv)·d_h + 22 values per token
+(d hidden, i MLP width, h / h_kv query / key-value heads of d_h; the constant: the norms' and
+attention's per-row statistics), counted from the saved tensors of cells/engine/embedded/
+model.py. With checkpointing each layer (d) or half-layer (2d per layer) keeps its input and
+one layer's A is live again in the backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cells.engine.embedded.model_spec import ModelSpec
+
+QWEN3_32B = ModelSpec(hidden_size=5120, num_layers=64, num_heads=64, num_kv_heads=8, head_dim=128,
+                      intermediate_size=25600, vocab_size=151936, tie_word_embeddings=False, max_position=40960)
+"""Qwen3-32B's shapes (32.8 B parameters)."""
+
+STATE_BYTES_PER_PARAM = {"params": 4, "grads": 4, "moments": 8, "reference": 4, "ewma": 4, "snapshot": 16}
+"""One fp32 rank's state (B = 40): what a rank holds whole without sharding."""
+
+
+def num_params(spec: ModelSpec) -> int:
+    from cells.engine.embedded.model import weight_shapes
+
+    total = 0
+    for shape in weight_shapes(spec).values():
+        n = 1
+        for s in shape:
+            n *= s
+        total += n
+    return total
+
+
+def activation_values_per_token(spec: ModelSpec) -> int:
+    """A: values a layer keeps per token for its backward (see the module's text)."""
+    return (7 * spec.hidden_size + 4 * spec.intermediate_size
+            + 4 * (spec.num_heads + spec.num_kv_heads) * spec.head_dim + 22)
+
+
+def layer_params(spec: ModelSpec) -> int:
+    d, i, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    return d * hd * (2 * spec.num_heads + 2 * spec.num_kv_heads) + 3 * d * i + 2 * d + 2 * hd
+
+
+@dataclass(frozen=True)
+class Config:
+    spec: ModelSpec
+    ranks: int
+    """S: ranks per cell."""
+    tokens: int
+    """Tokens in one backward's graph (a micro-batch's sequences, or one tree)."""
+    backend: str = "gloo"
+    checkpoint: bool | str = False
+    """True: per half layer (2d values a token per layer kept); "layer": per layer (d)."""
+    act_bytes: int = 4
+    """Bytes per activation value (4 fp32, 2 bf16)."""
+    logit_chunk_bytes: int = 8 << 20
+
+
+def activations(c: Config) -> int:
+    a, layers = activation_values_per_token(c.spec), c.spec.num_layers
+    if c.checkpoint:
+        kept = (1 if c.checkpoint == "layer" else 2) * c.spec.hidden_size * layers
+        return c.tokens * c.act_bytes * (kept + a)
+    return c.tokens * c.act_bytes * a * layers
+
+
+def built(c: Config) -> dict[str, float]:
+    """Per-rank bytes of cells/rl/shard.py's layout, by term; `peak` is their maximum phase."""
+    p, s = num_params(c.spec), c.ranks
+    rest = p * (4 + 32 / s)
+    staging = 4 * p if c.backend == "gloo" else 0
+    start = 8 * p
+    step = p * (4 + 8.5 / s) + activations(c) + 2 * c.logit_chunk_bytes
+    return {"params": p, "rest": rest, "start": start, "step": step, "staging": staging,
+            "peak": rest + max(start, step) + staging}
+
+
+def sharded_compute(c: Config, host_offload: bool = True) -> dict[str, float]:
+    """Per-GPU bytes of the layout a 32B model needs (not built; see the module's text)."""
+    p, s, lp = num_params(c.spec), c.ranks, layer_params(c.spec)
+    state = p * (4 + 8 + 2) / s + (0 if host_offload else p * (4 + 4 + 16) / s)
+    layers = 2 * 2 * lp + 4 * lp
+    peak = state + layers + activations(c) + 2 * c.logit_chunk_bytes
+    return {"params": p, "state": state, "layers": layers, "activations": activations(c), "peak": peak,
+            "host": p * (4 + 4 + 16) / s if host_offload else 0}

@@ -1,0 +1,373 @@
+"""A cell's training role as S ranks: the training state sharded S ways inside the cell, rank i
+of each cell reducing with rank i of the step's other cells (hybrid sharded data parallel with
+an elastic replicate dimension).
+
+The choice: a flat-buffer ZeRO over the learner's own parameter storage, not FSDP2. The model
+is a dict of tensors in one flat fp32 buffer (name order, `Learner(param_storage=...)`), so a
+shard is a contiguous slice of it: rank r of a cell owns elements [r·L, (r+1)·L) of every
+state buffer (L = ceil(P / S)). FSDP2 would need per-layer module wrappers around the dict and
+its HSDP fixes the replicate group when `fully_shard` runs, so per-step membership needs the
+`set_all_reduce_hook` detour; here the per-step group is just an argument (`ShardGroups.cross`).
+
+Per rank, at rest: the fp32 compute copy of the parameters (whole: the forward reads it) and
+1/S of everything else: the fp32 master slice (a view of the compute copy), AdamW's two
+moments, the KL reference, the PPO-EWMA copy, and the guard's snapshot (master, moments,
+EWMA). During an update: the whole gradient (one flat buffer), the reference and EWMA copy
+gathered whole for the start-of-update forwards and dropped after them.
+
+Per optimizer step: the gradient, one flat buffer, is reduce-scattered inside the cell (the
+sum of the cell's ranks, slice r to rank r; gloo has no reduce-scatter: an all-reduce and the
+slice), then all-reduced across the cells of this step among the ranks of the same index (in
+bf16 with `precision: bf16`); the gradient norm is a sum of squares over the cell's slices;
+AdamW steps the slice; the slices are all-gathered back into every rank's compute copy.
+
+The vocabulary tables are sharded like every other tensor, by the flat layout (they are ~93%
+of the toy model's parameters: any split that keeps them whole would leave one rank with
+nearly all the state). Their moments are dense here, not row-sparse: with S ranks each holds
+1/S of them, and the row-sparse saving of the one-rank path (cells/rl/reduce.py) is a wire
+saving, which the in-cell reduce-scatter does not need (NVLink) and the cross-cell all-reduce
+of 1/S of the table forgoes (measured in bench/train.py, not judged).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed import AllreduceOptions, ReduceOp
+
+from cells.rl.learner import DEFAULT_STALENESS_BOUND, Learner
+from cells.rl.objectives import PPOEWMA
+from cells.rl.objectives.config import ewma_window
+from cells.transport.p2p import wait_work
+
+
+@dataclass
+class ShardGroups:
+    """Where a rank stands: its cell's group (fixed for the cell's life) and this step's group
+    of same-index ranks across the step's cells (None: the cell trains alone)."""
+
+    cell: Any
+    cell_rank: int
+    cell_size: int
+    cross: Any = None
+    cross_size: int = 1
+    timeout_s: float = 120.0
+
+
+def all_reduce(pg: Any, t: Tensor, timeout_s: float, what: str) -> Tensor:
+    opts = AllreduceOptions()
+    opts.reduceOp = ReduceOp.SUM
+    wait_work(pg.allreduce([t], opts), timeout_s, what)
+    return t
+
+
+def all_gather(pg: Any, flat: Tensor, piece: Tensor, timeout_s: float) -> None:
+    """`flat` (S·L) := every rank's `piece` (L) in rank order."""
+    n = piece.numel()
+    outs = [flat[r * n: (r + 1) * n] for r in range(flat.numel() // n)]
+    wait_work(pg.allgather([outs], [piece]), timeout_s, f"all-gather ({flat.numel()} values)")
+
+
+def reduce_scatter(pg: Any, flat: Tensor, rank: int, n: int, timeout_s: float) -> Tensor:
+    """This rank's slice [rank·n, (rank+1)·n) of the sum of `flat` over the group."""
+    out = flat.new_empty(n)
+    if flat.is_cuda:
+        wait_work(pg._reduce_scatter_base(out, flat), timeout_s, f"reduce-scatter ({flat.numel()} values)")
+        return out
+    all_reduce(pg, flat, timeout_s, f"reduce-scatter as all-reduce ({flat.numel()} values)")
+    return out.copy_(flat[rank * n: (rank + 1) * n])
+
+
+class _ShardEWMA:
+    """The learner's EWMA copy as `run_update` sees it: a slice kept here, the whole copy
+    (`params`) only while an update gathered it."""
+
+    def __init__(self, learner: ShardedLearner, inner: PPOEWMA) -> None:
+        self.learner, self.inner = learner, inner
+
+    @property
+    def params(self) -> dict[str, Tensor]:
+        return self.learner.gathered("ewma")
+
+    def should_reset(self, num_missing_in_band: float, num_missing: float) -> bool:
+        return self.inner.should_reset(num_missing_in_band, num_missing)
+
+    def reset(self, params: Any = None) -> None:
+        """Restart the average at the parameters (this rank's slice of them)."""
+        self.inner.reset({"shard": self.learner.master})
+
+    @property
+    def num_resets(self) -> int:
+        return self.inner.num_resets
+
+    @num_resets.setter
+    def num_resets(self, v: int) -> None:
+        self.inner.num_resets = v
+
+    @property
+    def weight(self) -> float:
+        return self.inner.weight
+
+
+class ShardedLearner(Learner):
+    """The learner of one of a cell's S training ranks (same arguments as `Learner`, plus
+    `groups`); every rank of the cell builds it from the same start weights."""
+
+    def __init__(self, spec: Any, weights: dict[str, Tensor], *, groups: ShardGroups, **kw: Any) -> None:
+        self.groups = groups
+        self._gathered: dict[str, dict[str, Tensor]] = {}
+        self.flat_grad: Tensor | None = None
+        super().__init__(spec, weights, **kw)
+
+    # -- state ---------------------------------------------------------------------------------
+    def _init_state(self, weights: dict[str, Tensor], reference: dict[str, Tensor] | None, lr: float,
+                    betas: tuple[float, float], weight_decay: float, storage: Tensor | None = None) -> None:
+        g = self.groups
+        self.betas, self.weight_decay, self._base_lr = betas, weight_decay, float(lr)
+        self.compute_dtype, self.pack, self.checkpoint = None, True, False
+        self.names = sorted(weights)
+        self._shapes = {k: weights[k].shape for k in self.names}
+        self.num_params = sum(weights[k].numel() for k in self.names)
+        self.shard_len = -(-self.num_params // g.cell_size)
+        self.lo = g.cell_rank * self.shard_len
+        self.flat = torch.zeros(self.shard_len * g.cell_size)
+        self.params = self._views(self.flat)
+        with torch.no_grad():
+            for k, p in self.params.items():
+                p.copy_(weights[k])
+        for p in self.params.values():
+            p.requires_grad_(True)
+        self.master = self.flat[self.lo: self.lo + self.shard_len].requires_grad_(True)
+        """This rank's slice of the fp32 parameters: a view of the compute copy."""
+        self.optimizer = torch.optim.AdamW([self.master], lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
+        self.set_reference(reference if reference is not None else weights)
+        ew = self.objective.ewma
+        inner = PPOEWMA({"shard": self.master}, staleness_window=ewma_window(ew, DEFAULT_STALENESS_BOUND,
+                                                                             self.minibatches),
+                        reset_threshold=ew.reset_threshold)
+        self.ewma = _ShardEWMA(self, inner)
+
+    def _views(self, flat: Tensor) -> dict[str, Tensor]:
+        """Per-name views of a flat buffer in the parameters' layout."""
+        out, pos = {}, 0
+        for k in self.names:
+            shape = self._shapes[k]
+            out[k] = flat[pos: pos + shape.numel()].view(shape)
+            pos += shape.numel()
+        return out
+
+    def _slice_of(self, weights: dict[str, Tensor]) -> Tensor:
+        """This rank's slice of `weights` packed in the flat layout."""
+        out, pos = torch.zeros(self.shard_len), 0
+        lo, hi = self.lo, self.lo + self.shard_len
+        for k in self.names:
+            n = self.params[k].numel()
+            a, b = max(pos, lo), min(pos + n, hi)
+            if a < b:
+                out[a - lo: b - lo] = weights[k].detach().reshape(-1)[a - pos: b - pos].to(torch.float32)
+            pos += n
+        return out
+
+    def set_reference(self, weights: dict[str, Tensor] | None = None) -> None:
+        """The KL reference's slice: of `weights`, or of the current parameters."""
+        self.ref_shard = self.master.detach().clone() if weights is None else self._slice_of(weights)
+
+    @property
+    def reference(self) -> dict[str, Tensor]:
+        return self.gathered("reference")
+
+    def gathered(self, which: str) -> dict[str, Tensor]:
+        if which not in self._gathered:
+            raise RuntimeError(f"the {which} copy is gathered only during an update (begin_update)")
+        return self._gathered[which]
+
+    def begin_update(self) -> None:
+        """Gather the reference and the EWMA copy whole for the start-of-update forwards (every
+        rank of the cell calls it at the same point: a collective)."""
+        g = self.groups
+        for which, piece in (("reference", self.ref_shard), ("ewma", self.ewma.inner.params["shard"])):
+            flat = torch.empty_like(self.flat)
+            all_gather(g.cell, flat, piece.contiguous(), g.timeout_s)
+            self._gathered[which] = self._views(flat)
+
+    def drop_gathered(self) -> None:
+        """The whole reference and EWMA copy are needed only by the start-of-update forwards."""
+        self._gathered.clear()
+
+    def end_update(self) -> None:
+        """Drop the gathered copies and the whole gradient: at rest a rank holds its slices and
+        the compute copy."""
+        self._gathered.clear()
+        self.flat_grad = None
+        for p in self.params.values():
+            p.grad = None
+        self.master.grad = None
+
+    # -- the optimizer step ----------------------------------------------------------------------
+    def zero_grads(self) -> dict[str, Tensor]:
+        """Zero gradients as views of one flat buffer (the reduce-scatter's input)."""
+        if self.flat_grad is None:
+            self.flat_grad = torch.zeros_like(self.flat)
+        else:
+            self.flat_grad.zero_()
+        for k, v in self._views(self.flat_grad).items():
+            self.params[k].grad = v
+        return self._vocab.row_marks(self.params)
+
+    def reduce_gradients(self, reducer: Any, touched: dict[str, Tensor]) -> None:
+        """Sum the gradient over every rank of the step into this rank's slice: reduce-scatter
+        in the cell, then all-reduce among the same-index ranks of the step's cells."""
+        g = self.groups
+        for k, v in self._views(self.flat_grad).items():
+            p = self.params[k]
+            if p.grad is not None and p.grad.data_ptr() != v.data_ptr():  # autograd replaced it
+                v.copy_(p.grad)
+        wire = self.flat_grad if self.compute_dtype is None else self.flat_grad.to(self.compute_dtype)
+        shard = reduce_scatter(g.cell, wire, g.cell_rank, self.shard_len, g.timeout_s)
+        if g.cross is not None and g.cross_size > 1:
+            all_reduce(g.cross, shard, g.timeout_s, f"cross-cell all-reduce ({shard.numel()} values)")
+        self.master.grad = shard.to(torch.float32)
+
+    def apply_gradients(self) -> float:
+        """Clip by the global norm (a sum of squares over the cell's slices), AdamW on this
+        rank's slice at the scheduled learning rate, the slices gathered back into the
+        compute copy. Returns the norm before clipping."""
+        g, grad = self.groups, self.master.grad
+        sq = torch.tensor([float(torch.linalg.vector_norm(grad)) ** 2], dtype=torch.float64)
+        norm = float(all_reduce(g.cell, sq, g.timeout_s, "gradient norm").sqrt())
+        if self.max_grad_norm is not None:
+            grad.mul_(min(1.0, self.max_grad_norm / (norm + 1e-6)))
+        self.last_lr = self._base_lr * self.lr_scale()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.last_lr
+        try:
+            self.optimizer.step()
+        finally:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self._base_lr
+        self.step += 1
+        self.gather_params()
+        return norm
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """Every rank's slice of the parameters into the compute copy."""
+        all_gather(self.groups.cell, self.flat, self.master.detach().clone(), self.groups.timeout_s)
+
+    @torch.no_grad()
+    def update_ewma(self) -> None:
+        """Fold this rank's slice of the parameters into its slice of the EWMA copy; elements
+        where the average equals the parameters stay bitwise equal (as the one-rank path keeps
+        unmoved vocabulary rows)."""
+        avg, master = self.ewma.inner.params["shard"], self.master.detach()
+        same = avg == master
+        self.ewma.inner.update({"shard": master})
+        torch.where(same, master, avg, out=avg)
+
+    def _optimizer_step(self) -> float:
+        """The supervised step's: the per-name gradients into the flat buffer, then as RL."""
+        flat = torch.zeros_like(self.flat) if self.flat_grad is None else self.flat_grad.zero_()
+        self.flat_grad = flat
+        for k, v in self._views(flat).items():
+            p = self.params[k]
+            if p.grad is not None:
+                if p.grad.data_ptr() != v.data_ptr():
+                    v.copy_(p.grad)
+                p.grad = v
+        self.reduce_gradients(None, {})
+        norm = self.apply_gradients()
+        self.version += 1
+        return norm
+
+    # -- the guard's snapshot, checkpoints ---------------------------------------------------------
+    def take_snapshot(self) -> dict[str, Any]:
+        """This rank's slices of what an update changes (the guard's and the worker's snapshot)."""
+        st = self.optimizer.state.get(self.master) or {}
+        prev = getattr(self, "_snap", None) or {"moments": {}}
+
+        def keep(t: Tensor, old: Tensor | None) -> Tensor:  # into the last snapshot's tensors (obsolete now)
+            return old.copy_(t) if old is not None and old.shape == t.shape else t.detach().clone()
+
+        self._snap = {"master": keep(self.master.detach(), prev.get("master")),
+                      "moments": {k: keep(v, prev["moments"].get(k)) for k, v in st.items()},
+                      "ewma": keep(self.ewma.inner.params["shard"], prev.get("ewma")),
+                      "ewma_weight": self.ewma.inner.weight, "ewma_resets": self.ewma.inner.num_resets,
+                      "step": self.step}
+        return self._snap
+
+    @torch.no_grad()
+    def restore_snapshot(self, snap: dict[str, Any]) -> None:
+        """Back to `snap` (copies), the compute copy gathered from the restored slices."""
+        self.master.copy_(snap["master"])
+        self.master.grad = None
+        if snap["moments"]:
+            self.optimizer.state[self.master] = {k: v.clone() for k, v in snap["moments"].items()}
+        else:
+            self.optimizer.state.pop(self.master, None)
+        self.ewma.inner.params["shard"].copy_(snap["ewma"])
+        self.ewma.inner.weight, self.ewma.inner.num_resets = snap["ewma_weight"], snap["ewma_resets"]
+        self.step = snap["step"]
+        self.gather_params()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The one-rank learner's checkpoint format (cells/training/state_files.py), gathered
+        from the cell's slices: every rank of the cell calls it (a collective); the cell's rank
+        0 writes it."""
+        g = self.groups
+        whole = {}
+        st = self.optimizer.state.get(self.master) or {}
+        pieces = {"reference": self.ref_shard, "ewma": self.ewma.inner.params["shard"],
+                  **{s: st[s] for s in ("exp_avg", "exp_avg_sq") if s in st}}
+        for name, piece in pieces.items():
+            flat = torch.empty_like(self.flat)
+            all_gather(g.cell, flat, piece.detach().contiguous(), g.timeout_s)
+            whole[name] = {k: v.clone() for k, v in self._views(flat).items()}
+        one = Learner.state_dict(self._as_one(whole, st))
+        return one
+
+    def _as_one(self, whole: dict[str, dict[str, Tensor]], st: dict[str, Tensor]) -> Any:
+        """A stand-in with the one-rank learner's attributes, for `Learner.state_dict`."""
+        opt = torch.optim.AdamW([self.params[k] for k in self.names], lr=self._base_lr, betas=self.betas,
+                                weight_decay=self.weight_decay, fused=True)
+        if st:
+            for k in self.names:
+                opt.state[self.params[k]] = {"step": st["step"].clone(), "exp_avg": whole["exp_avg"][k],
+                                             "exp_avg_sq": whole["exp_avg_sq"][k]}
+        ewma = PPOEWMA(whole["ewma"], staleness_window=1.0)
+        ewma.weight, ewma.num_resets = self.ewma.inner.weight, self.ewma.inner.num_resets
+        one = object.__new__(Learner)
+        one.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("optimizer", "ewma")})
+        one.__dict__.update({"optimizer": opt, "ewma": ewma, "reference": whole["reference"]})
+        return one
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a one-rank checkpoint (`state_dict()`'s format): this rank keeps its slices."""
+        meta = state["meta"]
+        if list(meta["param_names"]) != self.names:
+            raise ValueError("the checkpoint's parameter names differ from this learner's")
+        if meta["spec"] != json.dumps(self.spec.signature(), sort_keys=True):
+            raise ValueError("the checkpoint was written for another model spec")
+        for k, p in self.params.items():
+            p.copy_(state["params"][k])
+        self.ref_shard = self._slice_of(state["reference"])
+        ew = dict(state["ewma"])
+        self.ewma.inner.weight = float(ew.pop("__ewma_weight__"))
+        self.ewma.inner.params = {"shard": self._slice_of(ew)}
+        self.ewma.inner.num_resets = int(meta["ewma_num_resets"])
+        opt = state["optimizer"]
+        self.optimizer.state.pop(self.master, None)
+        if opt["state"]:
+            per = {self.names[int(i)]: v for i, v in opt["state"].items()}
+            self.optimizer.state[self.master] = {
+                "step": next(iter(per.values()))["step"].clone(),
+                **{s: self._slice_of({k: per[k][s] for k in self.names}) for s in ("exp_avg", "exp_avg_sq")}}
+        self._base_lr = float(opt["param_groups"][0]["lr"])
+        self.generator.set_state(state["rng"])
+        self.version, self.step, self.cursor = int(meta["version"]), int(meta["step"]), int(meta["cursor"])
+        start = meta.get("rl_start_step")
+        self.rl_start_step = None if start is None else int(start)
