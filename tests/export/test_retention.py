@@ -105,7 +105,10 @@ def test_default_retention_is_stated():
 def test_trainer_write_back_records():
     posted = []
     client = SimpleNamespace(_call=lambda m, p, json: posted.append((p, json)))
-    t = SimpleNamespace(client=client, version=5, rl_step=4, cfg=CellflipConfig())
+    from cells.trainer.trainer import resolved_objective
+
+    coordinator = SimpleNamespace(objective=resolved_objective(CellflipConfig()))
+    t = SimpleNamespace(client=client, version=5, rl_step=4, cfg=CellflipConfig(), coordinator=coordinator)
     batch = [{"id": f"s{i}", "group_id": "g", "reward": float(i), "loss_mask": [0, 1, 1], "versions": [None, 3, 4],
               "token_ids": [1, 2, 3], "logprobs": [None, -1.0, -1.0], "old_logprobs": [None, -1.0, -1.0],
               "provenance": [None, "exact", "exact"], "segment_starts": [0]} for i in range(2)]

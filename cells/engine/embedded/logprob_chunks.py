@@ -20,9 +20,32 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from cells.engine.embedded.layers import linear
+
 CHUNK_BYTES = 8 << 20
 """Logit bytes per chunk (fp32): about 13 rows at V = 151,936; the whole batch when V is small."""
 
+
+
+def head_logprobs(head: torch.Tensor, hidden: torch.Tensor, temperature: float | torch.Tensor,
+                  tile: int | None) -> torch.Tensor:
+    """Log-probs over the output layer `head` [V_out, hidden]."""
+    logits = linear(hidden, head, tile).float()  # log-softmax in float32 (a no-op cast there)
+    if isinstance(temperature, torch.Tensor):
+        t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+        logits = logits / t[:, None].to(logits.dtype)
+    elif temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    logits = logits.float()  # the softmax in fp32 whatever the compute precision
+    if tile is None:
+        return torch.log_softmax(logits, dim=-1)
+    # Row-wise reduction on the same fixed, zero-padded tiles as the matmuls.
+    n = logits.shape[0]
+    pad = (-n) % tile
+    if pad:
+        logits = torch.cat([logits, logits.new_zeros(pad, logits.shape[1])])
+    out = torch.cat([torch.log_softmax(logits[i : i + tile], dim=-1) for i in range(0, n + pad, tile)])
+    return out[:n] if pad else out
 
 def chunk_rows(vocab: int, tile: int | None, budget: int = CHUNK_BYTES) -> int:
     """Rows per chunk: `budget` bytes of fp32 logits, whole row tiles in batch-invariant mode."""
@@ -41,8 +64,6 @@ class _TargetLogprob(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, head: Tensor, idx: Tensor, temps: Tensor, tile: int | None, rows: int,
                 entropy: list | None) -> Tensor:
-        from cells.engine.embedded.model import head_logprobs
-
         n = hidden.shape[0]
         out = torch.empty(n, dtype=torch.float32, device=hidden.device)
         ent = torch.empty(n, dtype=torch.float32, device=hidden.device) if entropy is not None else None

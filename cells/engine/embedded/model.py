@@ -21,7 +21,7 @@ from cells.engine.embedded.layers import (
     rms_norm,
     rope_tables,
 )
-from cells.engine.embedded.logprob_chunks import chunked_target_logprobs
+from cells.engine.embedded.logprob_chunks import chunked_target_logprobs, head_logprobs
 from cells.engine.embedded.model_spec import ModelSpec
 from cells.engine.records import EngineError
 
@@ -214,27 +214,6 @@ def output_logprobs(prep: Prepared, hidden: torch.Tensor, temperature: float | t
     `temperature` is one float or one per row; 0 (greedy) scores at temperature 1.
     """
     return head_logprobs(prep.lm_head, hidden, temperature, tile)
-
-
-def head_logprobs(head: torch.Tensor, hidden: torch.Tensor, temperature: float | torch.Tensor,
-                  tile: int | None) -> torch.Tensor:
-    """`output_logprobs` for the output layer `head` [V_out, hidden]."""
-    logits = linear(hidden, head, tile).float()  # log-softmax in float32 (a no-op cast there)
-    if isinstance(temperature, torch.Tensor):
-        t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-        logits = logits / t[:, None].to(logits.dtype)
-    elif temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    logits = logits.float()  # the softmax in fp32 whatever the compute precision
-    if tile is None:
-        return torch.log_softmax(logits, dim=-1)
-    # Row-wise reduction on the same fixed, zero-padded tiles as the matmuls.
-    n = logits.shape[0]
-    pad = (-n) % tile
-    if pad:
-        logits = torch.cat([logits, logits.new_zeros(pad, logits.shape[1])])
-    out = torch.cat([torch.log_softmax(logits[i : i + tile], dim=-1) for i in range(0, n + pad, tile)])
-    return out[:n] if pad else out
 
 
 def target_logprobs(prep: Prepared, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
