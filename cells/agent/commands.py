@@ -12,10 +12,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from cells.agent.host import CommandsHost
 from cells.agent.owned import Owned
 from cells.engine.base import kv_handover, role_handover, scoring, versioned_weights
 from cells.engine.embedded.checkpoint import save_checkpoint
@@ -41,16 +42,13 @@ from scheduler.contract.protocol import (
     dispatch,
 )
 
-if TYPE_CHECKING:
-    from cells.agent.cell import CellAgent
-
 log = logging.getLogger("cellflip.cell")
 
 
 class Commands:
     """The cell's command handlers (one per command type)."""
 
-    def __init__(self, agent: CellAgent) -> None:
+    def __init__(self, agent: CommandsHost) -> None:
         self.agent = agent
         moves = agent.moves
         self.table: dict[str, Callable[[Any], None]] = {

@@ -14,8 +14,9 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from cells.agent.host import MovesHost
 from cells.agent.owned import Owned
 from cells.engine.base import KVHandover, kv_handover
 from cells.migration import (
@@ -28,16 +29,13 @@ from cells.migration import (
 )
 from scheduler.contract.protocol import CancelMigrationCmd, MigrateInCmd, MigrateOutCmd
 
-if TYPE_CHECKING:
-    from cells.agent.cell import CellAgent
-
 log = logging.getLogger("cellflip.cell")
 
 
 class Moves:
     """Migration threads of one agent, by migration id."""
 
-    def __init__(self, agent: CellAgent, *, on_host: bool) -> None:
+    def __init__(self, agent: MovesHost, *, on_host: bool) -> None:
         self.agent = agent
         # one copy round's worth of warm receive buffer (no bigger than the KV pool itself)
         pool_bytes = kv_handover(agent.engine).kv_pool_nbytes() if on_host else 0

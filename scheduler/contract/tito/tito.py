@@ -63,7 +63,7 @@ from scheduler.contract.tito.openai_schema import ChatCompletionRequest
 from scheduler.contract.tito.planning import TurnPlan, TurnPlanner
 from scheduler.contract.tito.render import ChatRenderer
 from scheduler.contract.tito.session_locks import SessionLocks
-from scheduler.contract.tito.turn import TurnResult, TurnRun
+from scheduler.contract.tito.turn import TurnDeps, TurnResult, TurnRun
 
 __all__ = [
     "GatewayError",
@@ -126,7 +126,7 @@ class TitoGateway:
         return await self.planner.plan(session_id, req)
 
     def start(self, plan: TurnPlan) -> TurnRun:
-        return TurnRun(self, plan)
+        return TurnRun(TurnDeps(self.backend, self.renderer, self.counters, self.stats), plan)
 
 
 # --------------------------------------------------------------------- naive baseline

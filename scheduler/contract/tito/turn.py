@@ -11,17 +11,14 @@ import hashlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from scheduler.contract.tito.backend import Rewind, TokenOut
+from scheduler.contract.tito.backend import CompletionBackend, GatewayCounters, Rewind, TokenOut
 from scheduler.contract.tito.fingerprints import message_fingerprint
 from scheduler.contract.tito.planning import STATE_VERSION, TurnPlan
 from scheduler.contract.tito.render import ChatRenderer
 
-if TYPE_CHECKING:
-    from scheduler.contract.tito.tito import TitoGateway
-
-__all__ = ["TurnResult", "TurnRun", "assistant_message", "tool_call_id"]
+__all__ = ["TurnDeps", "TurnResult", "TurnRun", "assistant_message", "tool_call_id"]
 
 
 @dataclass
@@ -99,10 +96,26 @@ def _tool_calls(parsed: Any, plan: TurnPlan, segment: int) -> list[dict[str, Any
     return calls
 
 
+@dataclass(frozen=True)
+class TurnDeps:
+    """What a turn uses of its gateway: where tokens come from and go, how text is made and
+    parsed, what it counts."""
+
+    backend: CompletionBackend
+    renderer: ChatRenderer
+    counters: GatewayCounters
+    stats: dict[str, int]
+    """The gateway's per-path counts, shared (a turn adds its own)."""
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.renderer.tokenizer
+
+
 class TurnRun:
     """One turn in flight: writes the prompt, streams sampled tokens, then commits."""
 
-    def __init__(self, gw: TitoGateway, plan: TurnPlan) -> None:
+    def __init__(self, gw: TurnDeps, plan: TurnPlan) -> None:
         self.gw = gw
         self.plan = plan
         self.result: TurnResult | None = None
