@@ -238,6 +238,17 @@ class FleetStore:
             out.update(self.s.execute(f"SELECT id, state FROM cells WHERE id IN ({','.join('?' * len(part))})", part))
         return out
 
+    def cell_versions(self, ids: Collection[str] | None = None) -> dict[str, tuple[str, int | None, str]]:
+        """id → (state, registered version, trust) of the cells `ids` (None: every cell), nothing decoded."""
+        if ids is None:
+            return {r[0]: (r[1], r[2], r[3]) for r in self.s.execute("SELECT id, state, version, trust FROM cells")}
+        wanted, out = list(ids), {}
+        for k in range(0, len(wanted), 500):
+            part = wanted[k:k + 500]
+            q = f"SELECT id, state, version, trust FROM cells WHERE id IN ({','.join('?' * len(part))})"
+            out.update((r[0], (r[1], r[2], r[3])) for r in self.s.execute(q, part))
+        return out
+
     def put_cell(self, c: CellRow) -> None:
         self.s.execute(
             f"INSERT OR REPLACE INTO cells({_CELL_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",

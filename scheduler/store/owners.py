@@ -154,6 +154,13 @@ class OwnerStore:
         q = f"SELECT {_REQ_COLS} FROM requests WHERE cell_id=? AND state IN ({marks}) ORDER BY created_at, id"
         return [_req(r) for r in self.s.execute(q, (cell_id, *states))]
 
+    def owned_states(self, cell_id: str) -> dict[str, str]:
+        """id → state of the requests `cell_id` holds (running, migrating or parked): ids only,
+        nothing decoded (the owners' report sweep compares them with what the cell reports)."""
+        marks = ",".join("?" * len(OWNED_REQUEST_STATES))
+        q = f"SELECT id, state FROM requests WHERE cell_id=? AND state IN ({marks})"
+        return dict(self.s.execute(q, (cell_id, *OWNED_REQUEST_STATES)).fetchall())
+
     def requests_in(self, states: tuple[str, ...], limit: int = 1000) -> list[RequestRow]:
         marks = ",".join("?" * len(states))
         q = f"SELECT {_REQ_COLS} FROM requests WHERE state IN ({marks}) ORDER BY created_at, id LIMIT ?"

@@ -263,9 +263,11 @@ class SessionStore:
         return cur.rowcount
 
     def unscored_ranges(self, limit: int = 256) -> list[UnscoredRange]:
-        """Per (request, version) with unscored sampled tokens, oldest requests first."""
+        """Per (request, version) with unscored sampled tokens, oldest requests first. The
+        unscored tokens (their partial index) lead the join (CROSS JOIN keeps that order): the
+        cost follows the scoring backlog, not the requests table (1,000,000 rows at scale)."""
         q = ("SELECT r.id, r.session_id, r.prompt_start, r.base, r.num_generated, r.params, r.state, r.cell_id,"
-             " t.version, MIN(t.idx), MAX(t.idx), COUNT(*) FROM tokens t JOIN requests r"
+             " t.version, MIN(t.idx), MAX(t.idx), COUNT(*) FROM tokens t CROSS JOIN requests r"
              " ON t.session_id = r.session_id AND t.idx >= r.base AND t.idx < r.base + r.num_generated"
              " WHERE t.loss_mask = 1 AND t.provenance IS NULL"
              " GROUP BY r.id, t.version ORDER BY r.created_at LIMIT ?")
