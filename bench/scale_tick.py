@@ -18,7 +18,7 @@ would:
   that synced tokens or changed KV blocks looks like to the loop's change readers;
 - 2 % of the cells also finish a few sessions, admit new ones and decode further (SQL on the
   requests table), the trainer runs up to 8 steps at once and the backlog of finished
-  trajectories wanders, so the planner flips both ways;
+  trajectories wanders (up to a quarter batch a tick), so the planner flips both ways;
 - every `PUBLISH_EVERY` ticks the trainer publishes a new weight version (every rollout cell
   is told to load it; it becomes active when they all serve it, and the one before retires).
 
@@ -63,6 +63,8 @@ FINISHED = 32 * BATCH
 """Of the session rows, finished ones (no live request): the trainer's backlog wanders in them."""
 SESSION_CHURN = 0.02
 """Share of the cells that also finish, admit and decode sessions between ticks."""
+WANDER = BATCH // 4
+"""The backlog of finished trajectories moves by up to this much a tick, either way."""
 PUBLISH_EVERY = 100
 """Ticks between two published weight versions."""
 CAPS = json.dumps({"kv_export": True, "block_size": BLOCK})
@@ -172,7 +174,7 @@ class StoreFleet:
 
     def churn(self, share: float) -> None:
         """Between ticks: the cells answer, `share` of them sync (and their row changes), a
-        few finish, admit and decode sessions; the backlog moves by up to two batches."""
+        few finish, admit and decode sessions; the backlog moves by up to a quarter batch."""
         now, st = time.time(), self.store
         self.ticks += 1
         if self.ticks % PUBLISH_EVERY == 0:
@@ -183,11 +185,12 @@ class StoreFleet:
             for c in self.rng.sample(self.ids, int(SESSION_CHURN * len(self.ids))):
                 if self.role[c] == "rollout":
                     self._sessions(c, now)
+                    changed.add(c)
             st.executemany("UPDATE cells SET kv_blocks_used=? WHERE id=?",
                            [(self.blocks[c] % KV_BLOCKS, c) for c in changed])
         for c in changed:
             self._sync(c)
-        self.waiting = min(FINISHED, max(0, self.waiting + self.rng.randint(-2 * BATCH, 2 * BATCH)))
+        self.waiting = min(FINISHED, max(0, self.waiting + self.rng.randint(-WANDER, WANDER)))
         self.ctl.staleness.trajectory_cursor = FINISHED - self.waiting  # the trainer fetched the rest
 
     def _sessions(self, c: str, now: float) -> None:

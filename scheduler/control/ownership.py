@@ -39,10 +39,10 @@ MAX_FRUITLESS_REPLACEMENTS = 6
 forever."""
 
 
-FULL_COMPARE_PER_TICK = 100
+FULL_COMPARE_PER_TICK = 50
 """Live cells whose reported request ids `reconcile_reports` compares with the store's owners
-id by id each tick, whatever the counts say (10,000 cells in 100 ticks: 20 s at the default
-period, well inside `stall_timeout_s`); the others are compared id by id only when the number
+id by id each tick, whatever the counts say (10,000 cells in 200 ticks: 40 s at the default
+period, a third of `stall_timeout_s`); the others are compared id by id only when the number
 they report differs from the number they hold (a lost or stray request changes it)."""
 
 
@@ -282,11 +282,12 @@ class Ownership:
         """
         incoming = {(m.dst, m.request_id) for m in self.ctx.store.owners.pending_migrations()}
         into = {dst for dst, _ in incoming}
-        holding = self.ctx.store.owners.owned_counts()
         live = self.ctx.registry.live
         full = self._full_sweep.next()
         whole = set(full)
-        for cell_id in dict.fromkeys(self._report_sweep.next() + full):
+        visit = list(dict.fromkeys(self._report_sweep.next() + full))
+        holding = self.ctx.store.owners.owned_counts(visit)
+        for cell_id in visit:
             entry = live.get(cell_id)
             if entry is None or entry.summary is None or not (entry.summary.request_ids or cell_id in holding):
                 continue  # holds nothing and reports nothing: nothing to compare

@@ -50,19 +50,24 @@ class ServedVersions:
             self.rollbacks, touched = self.changes.rollbacks, None
         elif not touched:
             return
-        rows = self.ctx.store.fleet.cell_versions(touched)
+        rows = {r.cell_id: r for r in self.ctx.store.fleet.planning_rows(touched)}  # not down
         ids = set(self.cells) | set(rows) if touched is None else touched
         live = self.ctx.registry.live
+        cells, verified = self.cells, self.verified
         for cid in ids:
-            self._forget(cid)
             entry, row = live.get(cid), rows.get(cid)
-            if entry is None or row is None or row[0] == "down":
+            if entry is None or row is None:
+                self._forget(cid)
                 continue
-            version = entry.summary.version if entry.summary is not None else row[1]
-            self.cells[cid] = kept = (row[0], version, entry.seen)
+            version = entry.summary.version if entry.summary is not None else row.version
+            kept = (row.state, version, entry.seen)
+            if cells.get(cid) == kept and (cid in verified) == (row.trust == "verified"):
+                continue  # a sync that moved neither its state, version nor trust
+            self._forget(cid)
+            cells[cid] = kept
             self._count(kept, 1)
-            if row[2] == "verified":
-                self.verified.add(cid)
+            if row.trust == "verified":
+                verified.add(cid)
         self.dirty |= ids
 
     def _forget(self, cid: str) -> None:

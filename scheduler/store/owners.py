@@ -180,9 +180,17 @@ class OwnerStore:
         q = "SELECT cell_id, live, tokens FROM cell_load WHERE live > 0"
         return {c: (n, t) for c, n, t in self.s.execute(q)}
 
-    def owned_counts(self) -> dict[str, int]:
-        """Requests each cell holds (running, migrating or parked; kept counts)."""
-        return dict(self.s.execute("SELECT cell_id, owned FROM cell_load WHERE owned > 0").fetchall())
+    def owned_counts(self, ids: list[str] | None = None) -> dict[str, int]:
+        """Requests each cell holds (running, migrating or parked; kept counts); of the cells
+        `ids` only, when given."""
+        if ids is None:
+            return dict(self.s.execute("SELECT cell_id, owned FROM cell_load WHERE owned > 0").fetchall())
+        out: dict[str, int] = {}
+        for k in range(0, len(ids), 500):
+            part = ids[k:k + 500]
+            q = f"SELECT cell_id, owned FROM cell_load WHERE owned > 0 AND cell_id IN ({','.join('?' * len(part))})"
+            out.update(self.s.execute(q, part).fetchall())
+        return out
 
     def load_of(self, cell_id: str) -> tuple[int, int, int]:
         """One cell's (live requests, their context tokens, pending migrations headed to it)."""
