@@ -17,7 +17,12 @@ process (the standard library's HTTP client: its own cost per request is small b
 server's, so the rate is the server's): GET /v1/cells/{id} and POST /v1/flips {"count": 1}.
 Any answer but 200/202 fails the run.
 
-    python bench/scheduler_scale.py [--quick] [--json] [--ticks N]
+Ingest: on the same server, before the REST loop, cells post syncs that carry 32 requests x 16
+sampled tokens each (log-probs and versions) through the real route with the cell token; the
+server process's CPU time per sync, and the cores 10,000 cells syncing once a second would take
+(bench/scale_ingest.py).
+
+    python bench/scheduler_scale.py [--quick] [--json] [--ticks N] [--no-tick] [--no-api]
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from common import add_target_args, finish  # noqa: E402
+from scale_ingest import ACTIVE, REQUESTS, TOKENS, Syncs, cpu_s, load, seed_requests  # noqa: E402
 from scale_tick import StoreFleet, gc_full_ms, run_ticks  # noqa: E402
 
 from scheduler.contract.config import SchedulerConfig  # noqa: E402
@@ -150,6 +156,7 @@ def bench_api(seconds: float, n_cells: int) -> dict | None:
     port = _free_port()
     cfg = SchedulerConfig(port=port, db_path=f"{tmp}/scheduler.sqlite", min_rollout_cells=1, lease_s=3600.0)
     _seed(cfg.db_path, n_cells)
+    owned = seed_requests(cfg.db_path, [f"cell-{i}" for i in range(0, n_cells, max(1, n_cells // ACTIVE))][:ACTIVE])
     tokens = server_tokens(cfg)  # made here, read by the server; each client with its own scope
     headers = {"Authorization": f"Bearer {tokens['trainer']}"}
     cell_headers = {"Authorization": f"Bearer {tokens['cell']}"}
@@ -174,6 +181,7 @@ def bench_api(seconds: float, n_cells: int) -> dict | None:
         with ThreadPoolExecutor(8) as pool:  # not what is measured: in parallel
             list(pool.map(lambda k: _sync(base, cell_headers, range(k, n_cells, 8)), range(8)))
         print(f"api: {n_cells} cells synced in {time.perf_counter() - t0:.0f} s")
+        ingest = bench_ingest(port, cell_headers, owned, seconds, server.pid)
         client = _KeepAlive(port, headers)
         try:
             get_rps, n_get, get_codes = _rate(seconds, lambda i: client.call("GET", f"/v1/cells/cell-{i % n_cells}"),
@@ -187,7 +195,7 @@ def bench_api(seconds: float, n_cells: int) -> dict | None:
               f"{get_codes}); POST /v1/flips {flip_rps:.0f} req/s ({n_flip} requests, status {flip_codes})")
         if set(get_codes) != {200} or set(flip_codes) != {202}:
             raise RuntimeError(f"the REST loop was answered with errors: GET {get_codes}, POST {flip_codes}")
-        return {"api_rps_get": round(get_rps, 1), "api_rps_flip": round(flip_rps, 1)}
+        return {"api_rps_get": round(get_rps, 1), "api_rps_flip": round(flip_rps, 1), **ingest}
     finally:
         server.terminate()
         try:
@@ -195,6 +203,28 @@ def bench_api(seconds: float, n_cells: int) -> dict | None:
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+
+
+def bench_ingest(port: int, cell_headers: dict, owned: dict, seconds: float, pid: int) -> dict:
+    """Server CPU per token-carrying sync (bench/scale_ingest.py), after an idle window as long."""
+    import http.client
+
+    c0 = cpu_s(pid)
+    time.sleep(seconds)
+    idle = (cpu_s(pid) - c0) / seconds
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120.0)
+    try:
+        r = load(conn, cell_headers, Syncs(owned), seconds, pid)
+    finally:
+        conn.close()
+    per_sync = r["cpu_s"] / max(1, r["syncs"])
+    print(f"ingest: {r['syncs']} syncs of {REQUESTS} x {TOKENS} tokens from {len(owned)} cells in {r['wall_s']:.1f} s "
+          f"({r['syncs'] / r['wall_s']:.0f}/s); server CPU {r['cpu_s']:.2f} s = {per_sync * 1e3:.2f} ms a sync "
+          f"(idle: {idle * 1e3:.0f} ms a second); 10,000 cells at 1 Hz need {per_sync * 10_000:.1f} cores")
+    return {"ingest_syncs": r["syncs"], "ingest_server_cpu_ms_per_sync": round(per_sync * 1e3, 3),
+            "idle_server_cpu_ms_per_s": round(idle * 1e3, 1),
+            "cores_for_10k_cells_at_1hz": round(per_sync * 10_000, 2),
+            "ingest_tokens_per_sync": REQUESTS * TOKENS}
 
 
 def main() -> None:
@@ -206,10 +236,11 @@ def main() -> None:
     ap.add_argument("--ticks", type=int, default=600, help="timed ticks at each churn and GC mode")
     ap.add_argument("--api-cells", type=int, default=API_CELLS, help="cells registered for the REST loop")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-api", action="store_true", help="skip the REST measurement")
+    ap.add_argument("--no-api", action="store_true", help="skip the REST and ingest measurements")
+    ap.add_argument("--no-tick", action="store_true", help="skip the tick measurement")
     add_target_args(ap)
     args = ap.parse_args()
-    tick = bench_tick(args.cells, args.sessions, args.ticks, args.seed)
+    tick = {"gc_full_ms": None} if args.no_tick else bench_tick(args.cells, args.sessions, args.ticks, args.seed)
     print(f"scheduled full GC {tick['gc_full_ms']} ms")
     api = None if args.no_api else bench_api(2.0 if args.quick else 5.0, args.api_cells)
     result = {"cells": args.cells, "sessions": args.sessions, "tick_scope": "reconcile", "ticks": args.ticks,
@@ -218,6 +249,9 @@ def main() -> None:
         if isinstance(r, dict):
             result[f"tick_p50_ms_{key}"], result[f"tick_p99_ms_{key}"] = r["p50_ms"], r["p99_ms"]
             result[f"flips_per_tick_{key}"] = r["flips_per_tick"]
+    for k in ("ingest_server_cpu_ms_per_sync", "cores_for_10k_cells_at_1hz", "idle_server_cpu_ms_per_s",
+              "ingest_syncs", "ingest_tokens_per_sync"):
+        result[k] = api[k] if api else None
     result.update({"api_cells": args.api_cells if api else None,
                    "api_rps_get": api["api_rps_get"] if api else None,
                    "api_rps_flip": api["api_rps_flip"] if api else None})

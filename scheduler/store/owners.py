@@ -130,6 +130,15 @@ class OwnerStore:
         r = self.s.execute(f"SELECT {_REQ_COLS} FROM requests WHERE id=?", (request_id,)).fetchone()
         return None if r is None else _req(r)
 
+    def get_requests(self, request_ids: list[str]) -> dict[str, RequestRow]:
+        """id → row of those of `request_ids` that exist (one read for a sync's batches)."""
+        out: dict[str, RequestRow] = {}
+        for k in range(0, len(request_ids), 500):
+            part = request_ids[k:k + 500]
+            q = f"SELECT {_REQ_COLS} FROM requests WHERE id IN ({','.join('?' * len(part))})"
+            out.update((r[0], _req(r)) for r in self.s.execute(q, part))
+        return out
+
     def put_request(self, q: RequestRow) -> None:
         q.updated_at = time.time()
         self.s.execute(
@@ -148,6 +157,12 @@ class OwnerStore:
 
     def set_num_generated(self, request_id: str, n: int) -> None:
         self.s.execute("UPDATE requests SET num_generated=?, updated_at=? WHERE id=?", (n, time.time(), request_id))
+
+    def set_num_generated_many(self, counts: list[tuple[str, int]]) -> None:
+        """(request id, tokens generated) for many requests, in one statement."""
+        now = time.time()
+        self.s.executemany("UPDATE requests SET num_generated=?, updated_at=? WHERE id=?",
+                           [(n, now, rid) for rid, n in counts])
 
     def requests_on(self, cell_id: str, states: tuple[str, ...] = LIVE_REQUEST_STATES) -> list[RequestRow]:
         marks = ",".join("?" * len(states))

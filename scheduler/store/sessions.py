@@ -200,6 +200,36 @@ class SessionStore:
             raise Conflict(f"sampled tokens at {at} but session {session_id} has {row.length}", code="misaligned")
         self._append_rows(row, records.token_ids, 1, records.logprobs, records.versions, records.truncated, epoch, cell)
 
+    def lengths(self, session_ids: Sequence[str]) -> dict[str, int]:
+        """session → tokens in its buffer, for those of `session_ids` that exist (one read)."""
+        ids, out = list(dict.fromkeys(session_ids)), {}
+        for k in range(0, len(ids), 500):
+            part = ids[k:k + 500]
+            out.update(self.s.execute(f"SELECT id, length FROM sessions WHERE id IN ({','.join('?' * len(part))})",
+                                      part).fetchall())
+        return out
+
+    def append_sampled_many(self, appends: Sequence[tuple[str, int, TokenRecords, int, str | None]]) -> None:
+        """`append_sampled` for many (session, at, records, epoch, cell) at once: one statement
+        for every token row and one for the sessions' lengths (a sync's batches). Each `at`
+        must be its session's length, counting the appends before it in `appends`; a mismatch
+        is a Conflict and nothing of the call is written."""
+        have = self.lengths([a[0] for a in appends])
+        rows: list[tuple] = []
+        for sid, at, rec, epoch, cell in appends:
+            if sid not in have:
+                raise NotFound(f"unknown session {sid!r}")
+            if at != have[sid]:
+                raise Conflict(f"sampled tokens at {at} but session {sid} has {have[sid]}", code="misaligned")
+            n = len(rec.token_ids)
+            rows += zip(repeat(sid, n), range(at, at + n), rec.token_ids, repeat(1), rec.logprobs, rec.versions,
+                        rec.truncated, repeat(None), repeat(None), repeat(epoch), repeat(cell))
+            have[sid] = at + n
+        self.s.executemany(
+            f"INSERT INTO tokens(session_id, idx, {_TOK_COLS}, epoch, cell) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
+        self.s.executemany("UPDATE sessions SET length=? WHERE id=?",
+                           [(have[sid], sid) for sid in dict.fromkeys(a[0] for a in appends)])
+
     def truncate(self, session_id: str, at: int) -> int:
         """Remove the tokens from buffer index `at` on (sampled tokens no client was shown,
         taken back to be sampled again); `at` must lie in the current segment. Returns how
