@@ -214,7 +214,8 @@ class SessionStore:
         for every token row and one for the sessions' lengths (a sync's batches). Each `at`
         must be its session's length, counting the appends before it in `appends`; a mismatch
         is a Conflict and nothing of the call is written."""
-        have = self.lengths([a[0] for a in appends])
+        sessions = [sid for sid, *_ in appends]
+        have = self.lengths(sessions)
         rows: list[tuple] = []
         for sid, at, rec, epoch, cell in appends:
             if sid not in have:
@@ -228,7 +229,7 @@ class SessionStore:
         self.s.executemany(
             f"INSERT INTO tokens(session_id, idx, {_TOK_COLS}, epoch, cell) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
         self.s.executemany("UPDATE sessions SET length=? WHERE id=?",
-                           [(have[sid], sid) for sid in dict.fromkeys(a[0] for a in appends)])
+                           [(have[sid], sid) for sid in dict.fromkeys(sessions)])
 
     def truncate(self, session_id: str, at: int) -> int:
         """Remove the tokens from buffer index `at` on (sampled tokens no client was shown,
