@@ -17,7 +17,7 @@ process (the standard library's HTTP client: its own cost per request is small b
 server's, so the rate is the server's): GET /v1/cells/{id} and POST /v1/flips {"count": 1}.
 Any answer but 200/202 fails the run.
 
-Ingest: on the same server, before the REST loop, cells post syncs that carry 32 requests x 16
+Ingest: on a server of its own (started the same way, after the REST loop's), cells post syncs that carry 32 requests x 16
 sampled tokens each (log-probs and versions) through the real route with the cell token; the
 server process's CPU time per sync, and the cores 10,000 cells syncing once a second would take
 (bench/scale_ingest.py).
@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,24 +140,22 @@ class _KeepAlive:
         self.conn.close()
 
 
-def bench_api(seconds: float, n_cells: int) -> dict | None:
-    """req/s of the real app for GET /v1/cells/{id} and POST /v1/flips at `n_cells` registered
-    cells (with its bearer token, as deployed); None if there is no app. The server runs in a
-    process of its own (as deployed): the client's own cost is not the server's."""
-    try:
-        import httpx
-        import uvicorn  # noqa: F401
+@contextmanager
+def _serving(n_cells: int, active: int):
+    """The real app in a process of its own over a store of `n_cells` rollout cells (each synced
+    once), `active` of them owning running requests (bench/scale_ingest.py); yields (port, the
+    trainer's headers, the cell's headers, cell → its request ids, the server's pid)."""
+    import httpx
 
-        from scheduler.contract.config import SCHEDULER_CONFIG_ENV, CellflipConfig
-        from scheduler.contract.tokens import server_tokens
-    except ImportError as e:
-        print(f"api: skipped ({e})")
-        return None
+    from scheduler.contract.config import SCHEDULER_CONFIG_ENV, CellflipConfig
+    from scheduler.contract.tokens import server_tokens
+
     tmp = tempfile.mkdtemp(prefix="cellflip-scale-")
     port = _free_port()
     cfg = SchedulerConfig(port=port, db_path=f"{tmp}/scheduler.sqlite", min_rollout_cells=1, lease_s=3600.0)
     _seed(cfg.db_path, n_cells)
-    owned = seed_requests(cfg.db_path, [f"cell-{i}" for i in range(0, n_cells, max(1, n_cells // ACTIVE))][:ACTIVE])
+    owned = seed_requests(cfg.db_path, [f"cell-{i}" for i in range(0, n_cells, max(1, n_cells // active))][:active]
+                          ) if active else {}
     tokens = server_tokens(cfg)  # made here, read by the server; each client with its own scope
     headers = {"Authorization": f"Bearer {tokens['trainer']}"}
     cell_headers = {"Authorization": f"Bearer {tokens['cell']}"}
@@ -181,7 +180,28 @@ def bench_api(seconds: float, n_cells: int) -> dict | None:
         with ThreadPoolExecutor(8) as pool:  # not what is measured: in parallel
             list(pool.map(lambda k: _sync(base, cell_headers, range(k, n_cells, 8)), range(8)))
         print(f"api: {n_cells} cells synced in {time.perf_counter() - t0:.0f} s")
-        ingest = bench_ingest(port, cell_headers, owned, seconds, server.pid)
+        yield port, headers, cell_headers, owned, server.pid
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def bench_api(seconds: float, n_cells: int) -> dict | None:
+    """req/s of the real app for GET /v1/cells/{id} and POST /v1/flips at `n_cells` registered
+    cells (with its bearer token, as deployed), then (on a server of its own: the flips left
+    under way would load it) the ingest's CPU per sync; None if there is no app. The server runs
+    in a process of its own (as deployed): the client's own cost is not the server's."""
+    try:
+        import httpx  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        print(f"api: skipped ({e})")
+        return None
+    with _serving(n_cells, 0) as (port, headers, _, _, _):
         client = _KeepAlive(port, headers)
         try:
             get_rps, n_get, get_codes = _rate(seconds, lambda i: client.call("GET", f"/v1/cells/cell-{i % n_cells}"),
@@ -191,18 +211,13 @@ def bench_api(seconds: float, n_cells: int) -> dict | None:
                 "POST", "/v1/flips", {"count": 1, "to": "training"}, {"Idempotency-Key": f"k-{i}"}), n_cells - 1)
         finally:
             client.close()
-        print(f"api: {n_cells} cells; GET /v1/cells/{{id}} {get_rps:.0f} req/s ({n_get} requests, status "
-              f"{get_codes}); POST /v1/flips {flip_rps:.0f} req/s ({n_flip} requests, status {flip_codes})")
-        if set(get_codes) != {200} or set(flip_codes) != {202}:
-            raise RuntimeError(f"the REST loop was answered with errors: GET {get_codes}, POST {flip_codes}")
-        return {"api_rps_get": round(get_rps, 1), "api_rps_flip": round(flip_rps, 1), **ingest}
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+    print(f"api: {n_cells} cells; GET /v1/cells/{{id}} {get_rps:.0f} req/s ({n_get} requests, status "
+          f"{get_codes}); POST /v1/flips {flip_rps:.0f} req/s ({n_flip} requests, status {flip_codes})")
+    if set(get_codes) != {200} or set(flip_codes) != {202}:
+        raise RuntimeError(f"the REST loop was answered with errors: GET {get_codes}, POST {flip_codes}")
+    with _serving(n_cells, ACTIVE) as (port, _, cell_headers, owned, pid):
+        ingest = bench_ingest(port, cell_headers, owned, seconds, pid)
+    return {"api_rps_get": round(get_rps, 1), "api_rps_flip": round(flip_rps, 1), **ingest}
 
 
 def bench_ingest(port: int, cell_headers: dict, owned: dict, seconds: float, pid: int) -> dict:
