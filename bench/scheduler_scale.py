@@ -1,18 +1,13 @@
-"""How long does a controller tick take at 10,000 cells and 1,000,000 sessions, and how fast is
-the REST API in front of it at 10,000 registered cells?
+"""How long does the control loop's whole tick take at 10,000 cells and 1,000,000 sessions, with
+10 % and with 100 % of the cells changed since the previous tick, and how fast is the REST API in
+front of it at 10,000 registered cells?
 
-Tick = what the controller does each tick to plan: `Controller.snapshot()` over its SQLite
-store (10,000 cells; 1,000,000 session rows: 32,768 finished, the trainer's backlog, and one
-live request each for the rest, on the rollout cells), then `plan_flips`, the live requests
-of every cell flipped to training (`requests_on`), and `choose_destinations` for them. No
-`gc.freeze()`: the scheduler does not call it. Between ticks (untimed) the fleet moves through
-the store: a share of the rollout cells finish sessions, admit new ones and decode further
-(each then syncs its KV blocks in use), the trainer runs up to 8 steps at once, the backlog
-of finished trajectories wanders (so the planner flips both ways), and the last tick's flips
-and placements are written back; then the controller's GC policy steps, as the running loop
-does after each tick (scheduler/contract/gcpolicy.py: the fleet's long-lived state frozen out of
-the automatic collections). The scheduled full collection (every 10 minutes in production) is
-timed apart at the end: `gc_full_ms`.
+Tick: `Controller.tick()`, the reconcile tick whole (bench/scale_tick.py says what it does and
+what the simulated fleet does between ticks): p50/p99 over `--ticks` ticks (600 by default,
+`--quick` too) at each churn, once with the scheduler's shipped GC policy stepped after each
+tick (`tick_p99_ms_churn_10`, `tick_p99_ms_churn_100`: what the running loop does) and once with
+plain automatic GC (`..._autogc`: nothing frozen). The scheduled full collection (every 10
+minutes in production) is timed apart at the end: `gc_full_ms`.
 
 REST: the real app (`scheduler.api.app.create_app_from_env`) under uvicorn on 127.0.0.1, in a
 process of its own as deployed, with its SQLite store holding 10,000 rollout cells (as a
@@ -22,7 +17,12 @@ process (the standard library's HTTP client: its own cost per request is small b
 server's, so the rate is the server's): GET /v1/cells/{id} and POST /v1/flips {"count": 1}.
 Any answer but 200/202 fails the run.
 
-    python bench/scheduler_scale.py [--quick] [--json]
+Ingest: on a server of its own (started the same way, after the REST loop's), cells post syncs that carry 32 requests x 16
+sampled tokens each (log-probs and versions) through the real route with the cell token; the
+server process's CPU time per sync, and the cores 10,000 cells syncing once a second would take
+(bench/scale_ingest.py).
+
+    python bench/scheduler_scale.py [--quick] [--json] [--ticks N] [--no-tick] [--no-api]
 """
 
 from __future__ import annotations
@@ -30,14 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,148 +44,16 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from common import add_target_args, finish  # noqa: E402
+from scale_ingest import ACTIVE, REQUESTS, TOKENS, Syncs, cpu_s, load, seed_requests  # noqa: E402
+from scale_tick import StoreFleet, gc_full_ms, run_ticks  # noqa: E402
 
 from scheduler.contract.config import SchedulerConfig  # noqa: E402
-from scheduler.contract.protocol import Summary  # noqa: E402
-from scheduler.control.controller import Controller  # noqa: E402
-from scheduler.control.rates import TrainerDemand  # noqa: E402
-from scheduler.planner.destinations import choose_destinations  # noqa: E402
-from scheduler.planner.plan import plan_flips  # noqa: E402
-from scheduler.planner.types import RequestSummary  # noqa: E402
 from scheduler.store import Store  # noqa: E402
 
-CAPACITY = 128
-"""Sessions per rollout cell (1,000,000 sessions on ~9,000 rollout cells)."""
-BATCH = 1024
-TRAIN_RATE = BATCH / (32 * 3600.0)
-SLOT_RATE = TRAIN_RATE / 9 / CAPACITY
-"""Per-slot finish rate that puts the balance at about 10 % training cells."""
-STEPS_AT_ONCE = 8
-"""Training steps the trainer runs at once (so the planner flips toward training when the
-backlog holds batches, and back when it runs dry)."""
 API_CELLS = 10_000
 """Cells registered (and synced) before the REST loop."""
-TOKENS_PER_SESSION = 20_000
-BLOCK = 16
-KV_BLOCKS = CAPACITY * TOKENS_PER_SESSION // BLOCK
-FINISHED = 32 * BATCH
-"""Of the session rows, finished ones (no live request): the trainer's backlog wanders in them."""
-CAPS = json.dumps({"kv_export": True, "block_size": BLOCK})
-_REQ = ("INSERT INTO requests(id, session_id, base, prompt_start, num_generated, params, cell_id, epoch, "
-        "state, reason, created_at, updated_at) VALUES (?,?,?,0,?,'{}',?,1,'running',NULL,?,?)")
-_SESSION = ("INSERT INTO sessions(id, state, length, segment_starts, created_at) "
-            "VALUES (?, 'open', ?, '[0]', ?)")
-
-
-def _spread(rng: random.Random, cells: list[str], sessions: int) -> dict[str, int]:
-    """Sessions per rollout cell, even with some jitter, at most CAPACITY each."""
-    out, left = {}, sessions
-    for k, c in enumerate(cells):
-        share = left // (len(cells) - k)
-        out[c] = min(CAPACITY, max(0, share + rng.randint(-8, 8)))
-        left -= out[c]
-    return out
-
-
-class StoreFleet:
-    """A controller over a store with the fleet and its sessions, moved by SQL between ticks."""
-
-    def __init__(self, path: str, cells: int, sessions: int, seed: int) -> None:
-        self.rng = random.Random(seed)
-        self.ids = [f"cell-{i:05d}" for i in range(cells)]
-        n_train = cells // 10
-        self.store = Store(path)
-        self.seq = 0
-        inflight = _spread(self.rng, self.ids[n_train:], sessions - FINISHED)
-        now = time.time()
-        with self.store.tx(durable=False):
-            self.store.executemany(
-                "INSERT INTO sessions(id, state, length, segment_starts, finish_seq, created_at) "
-                "VALUES (?, 'finished', ?, '[0]', ?, ?)",
-                [(f"f{j}", TOKENS_PER_SESSION, j + 1, now) for j in range(FINISHED)])
-            self.store.executemany(
-                "INSERT INTO cells(id, incarnation, state, generation, version, address, store_port, capabilities, "
-                "kv_blocks_total, kv_blocks_used, max_running, history, trust) "
-                "VALUES (?,?,?,1,0,?,1,?,?,0,?,'[]','verified')",
-                [(c, f"inc-{c}", "training" if i < n_train else "rollout", f"node{i // 8}:{20000 + i}", CAPS,
-                  KV_BLOCKS, CAPACITY) for i, c in enumerate(self.ids)])
-            for c, n in inflight.items():
-                self._admit(c, n, now)
-            self.store.execute("INSERT INTO versions(v, state, created_at, history) VALUES (0, 'active', ?, '[]')",
-                               (now,))
-        self.ctl = Controller(self.store, SchedulerConfig(db_path=path, min_rollout_cells=1, lease_s=1e9,
-                                                               staleness_bound=40))
-        self.ctl.rates.on_trainer_report(TrainerDemand(BATCH, max(1, cells // 10 // 128), 128, STEPS_AT_ONCE))
-        self.ctl.rates.train_rate_per_cell_s = TRAIN_RATE
-        self.ctl.rates.finishes, self.ctl.rates.occupied_slot_s = 1e6, 1e6 / SLOT_RATE
-        for c in self.ids:
-            self._sync(c)
-        self.waiting = 2 * BATCH
-
-    def _admit(self, cell: str, n: int, now: float) -> None:
-        first = self.seq
-        self.seq += n
-        ids = [f"s{j}" for j in range(first, self.seq)]
-        self.store.executemany(_SESSION, [(s, TOKENS_PER_SESSION, now) for s in ids])
-        ctx = [self.rng.randint(1000, 2 * TOKENS_PER_SESSION // 2) for _ in ids]
-        self.store.executemany(_REQ, [(f"r-{s}", s, t // 2, t - t // 2, cell, now, now) for s, t in zip(ids, ctx)])
-
-    def _sync(self, cell: str) -> None:
-        """The cell's sync: its KV blocks in use follow its live requests."""
-        used = self.store.owners.load_of(cell)[0] * TOKENS_PER_SESSION // BLOCK
-        self.ctl.ctx.registry.renew(cell, 1e9, Summary(kv_blocks_used=used, kv_blocks_total=KV_BLOCKS, version=0))
-
-    def sessions(self) -> int:
-        return self.store.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
-
-    def churn(self, share: float) -> None:
-        """Between ticks: `share` of the rollout cells finish a few sessions, admit a few and
-        decode further; the backlog moves by up to two batches either way."""
-        now, st = time.time(), self.store
-        with st.tx(durable=False):
-            for c in self.rng.sample(self.ids, int(share * len(self.ids))):
-                if st.execute("SELECT state FROM cells WHERE id=?", (c,)).fetchone()[0] != "rollout":
-                    continue
-                live = [r[0] for r in st.execute(
-                    "SELECT id FROM requests WHERE cell_id=? AND state='running' LIMIT 3", (c,))]
-                done = live[: self.rng.randint(0, len(live))]
-                st.executemany("UPDATE requests SET state='finished' WHERE id=?", [(r,) for r in done])
-                room = CAPACITY - self.ctl.store.owners.load_of(c)[0]
-                self._admit(c, min(room, self.rng.randint(0, 3)), now)
-                st.execute("UPDATE requests SET num_generated = num_generated + 16 "
-                           "WHERE cell_id=? AND state='running'", (c,))
-                self._sync(c)
-        self.waiting = min(FINISHED, max(0, self.waiting + self.rng.randint(-2 * BATCH, 2 * BATCH)))
-        self.ctl.staleness.trajectory_cursor = FINISHED - self.waiting  # the trainer fetched the rest
-
-    def apply(self, decisions, moves, dests) -> None:
-        """The tick's flips and placements, written back as the controller would end them."""
-        st = self.store
-        with st.tx(durable=False):
-            for d in decisions:
-                st.execute("UPDATE cells SET state=?, generation=generation+1 WHERE id=?", (d.to, str(d.cell_id)))
-            st.executemany("UPDATE requests SET cell_id=? WHERE id=?",
-                           [(str(x.cell_id), str(req.request_id)) for (_, req), x in zip(moves, dests)
-                            if x.cell_id is not None])
-            st.executemany("UPDATE requests SET state='suspended' WHERE id=?",
-                           [(str(req.request_id),) for (_, req), x in zip(moves, dests) if x.cell_id is None])
-        for c in {str(d.cell_id) for d in decisions} | {str(x.cell_id) for x in dests if x.cell_id is not None}:
-            self._sync(c)
-
-
-def controller_tick(fleet: StoreFleet) -> tuple[float, int, int, list, list, list]:
-    """One timed tick: (seconds, flips, placements, decisions, moves, destinations)."""
-    t0 = time.perf_counter()
-    snap = fleet.ctl.snapshot()
-    decisions = plan_flips(snap)
-    moves = []
-    for d in decisions:
-        if d.to == "training":
-            for q in fleet.ctl.store.owners.requests_on(str(d.cell_id)):
-                moves.append((d.cell_id, RequestSummary(q.id, q.num_tokens, 0)))
-    dests = choose_destinations(snap, moves) if moves else []
-    dt = time.perf_counter() - t0
-    return dt, len(decisions), len(dests), decisions, moves, dests
+CAPS = json.dumps({"kv_export": True, "block_size": 16})
+CHURNS = (0.10, 1.00)
 
 
 def bench_tick(cells: int, sessions: int, ticks: int, seed: int) -> dict:
@@ -195,29 +62,17 @@ def bench_tick(cells: int, sessions: int, ticks: int, seed: int) -> dict:
     fleet = StoreFleet(f"{tmp}/scheduler.sqlite", cells, sessions, seed)
     assert abs(fleet.sessions() - sessions) <= cells, "the store does not hold the sessions asked for"
     print(f"store: {cells} cells, {fleet.sessions()} sessions built in {time.perf_counter() - t0:.0f} s")
-    times, flips, placed = [], [], []
-    for k in range(5 + ticks):  # five warm-up ticks
-        fleet.churn(0.02)
-        dt, f, p, decisions, moves, dests = controller_tick(fleet)
-        fleet.apply(decisions, moves, dests)
-        fleet.ctl.gc_policy.step()  # as the running loop does after each tick
-        if k >= 5:
-            times.append(dt * 1e3)
-            flips.append(f)
-            placed.append(p)
-    times.sort()
-    # the scheduled full collection (once every FULL_EVERY_S in production): its pause at this scale
-    policy = fleet.ctl.gc_policy
-    pauses: list[float] = []
-    policy.observe, policy.last_full = pauses.append, float("-inf")
-    policy.step()
-    return {"gc_full_ms": round(pauses[0] * 1e3, 1),
-            "tick_p50_ms": round(statistics.median(times), 2),
-            "tick_p99_ms": round(times[min(len(times) - 1, int(0.99 * len(times)))], 2),
-            "tick_max_ms": round(times[-1], 2),
-            "flips_per_tick": round(statistics.mean(flips), 2),
-            "placements_per_tick": round(statistics.mean(placed), 1),
-            "decisions_per_tick": round(statistics.mean(f + p for f, p in zip(flips, placed)), 1)}
+    out: dict = {}
+    for share in CHURNS:
+        for shipped in (True, False):
+            r = run_ticks(fleet, share, ticks, shipped)
+            key = f"churn_{round(share * 100)}" + ("" if shipped else "_autogc")
+            out[key] = r
+            print(f"tick (reconcile, whole): churn {share:.0%}, {'shipped GC policy' if shipped else 'automatic GC'}, "
+                  f"{ticks} ticks: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, max {r['max_ms']} ms; "
+                  f"{r['flips_per_tick']} flips a tick", flush=True)
+    out["gc_full_ms"] = gc_full_ms(fleet)
+    return out
 
 
 # ---------------------------------------------------------------- REST
@@ -285,23 +140,22 @@ class _KeepAlive:
         self.conn.close()
 
 
-def bench_api(seconds: float, n_cells: int) -> dict | None:
-    """req/s of the real app for GET /v1/cells/{id} and POST /v1/flips at `n_cells` registered
-    cells (with its bearer token, as deployed); None if there is no app. The server runs in a
-    process of its own (as deployed): the client's own cost is not the server's."""
-    try:
-        import httpx
-        import uvicorn  # noqa: F401
+@contextmanager
+def _serving(n_cells: int, active: int):
+    """The real app in a process of its own over a store of `n_cells` rollout cells (each synced
+    once), `active` of them owning running requests (bench/scale_ingest.py); yields (port, the
+    trainer's headers, the cell's headers, cell → its request ids, the server's pid)."""
+    import httpx
 
-        from scheduler.contract.config import SCHEDULER_CONFIG_ENV, CellflipConfig
-        from scheduler.contract.tokens import server_tokens
-    except ImportError as e:
-        print(f"api: skipped ({e})")
-        return None
+    from scheduler.contract.config import SCHEDULER_CONFIG_ENV, CellflipConfig
+    from scheduler.contract.tokens import server_tokens
+
     tmp = tempfile.mkdtemp(prefix="cellflip-scale-")
     port = _free_port()
     cfg = SchedulerConfig(port=port, db_path=f"{tmp}/scheduler.sqlite", min_rollout_cells=1, lease_s=3600.0)
     _seed(cfg.db_path, n_cells)
+    owned = seed_requests(cfg.db_path, [f"cell-{i}" for i in range(0, n_cells, max(1, n_cells // active))][:active]
+                          ) if active else {}
     tokens = server_tokens(cfg)  # made here, read by the server; each client with its own scope
     headers = {"Authorization": f"Bearer {tokens['trainer']}"}
     cell_headers = {"Authorization": f"Bearer {tokens['cell']}"}
@@ -326,20 +180,7 @@ def bench_api(seconds: float, n_cells: int) -> dict | None:
         with ThreadPoolExecutor(8) as pool:  # not what is measured: in parallel
             list(pool.map(lambda k: _sync(base, cell_headers, range(k, n_cells, 8)), range(8)))
         print(f"api: {n_cells} cells synced in {time.perf_counter() - t0:.0f} s")
-        client = _KeepAlive(port, headers)
-        try:
-            get_rps, n_get, get_codes = _rate(seconds, lambda i: client.call("GET", f"/v1/cells/cell-{i % n_cells}"),
-                                              10**9)
-            # each flip takes one more rollout cell (the planner picks it): stop before they run out
-            flip_rps, n_flip, flip_codes = _rate(seconds, lambda i: client.call(
-                "POST", "/v1/flips", {"count": 1, "to": "training"}, {"Idempotency-Key": f"k-{i}"}), n_cells - 1)
-        finally:
-            client.close()
-        print(f"api: {n_cells} cells; GET /v1/cells/{{id}} {get_rps:.0f} req/s ({n_get} requests, status "
-              f"{get_codes}); POST /v1/flips {flip_rps:.0f} req/s ({n_flip} requests, status {flip_codes})")
-        if set(get_codes) != {200} or set(flip_codes) != {202}:
-            raise RuntimeError(f"the REST loop was answered with errors: GET {get_codes}, POST {flip_codes}")
-        return {"api_rps_get": round(get_rps, 1), "api_rps_flip": round(flip_rps, 1)}
+        yield port, headers, cell_headers, owned, server.pid
     finally:
         server.terminate()
         try:
@@ -349,30 +190,86 @@ def bench_api(seconds: float, n_cells: int) -> dict | None:
             server.wait()
 
 
+def bench_api(seconds: float, n_cells: int) -> dict | None:
+    """req/s of the real app for GET /v1/cells/{id} and POST /v1/flips at `n_cells` registered
+    cells (with its bearer token, as deployed), then (on a server of its own: the flips left
+    under way would load it) the ingest's CPU per sync; None if there is no app. The server runs
+    in a process of its own (as deployed): the client's own cost is not the server's."""
+    try:
+        import httpx  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        print(f"api: skipped ({e})")
+        return None
+    with _serving(n_cells, 0) as (port, headers, _, _, _):
+        client = _KeepAlive(port, headers)
+        try:
+            get_rps, n_get, get_codes = _rate(seconds, lambda i: client.call("GET", f"/v1/cells/cell-{i % n_cells}"),
+                                              10**9)
+            # each flip takes one more rollout cell (the planner picks it): stop before they run out
+            flip_rps, n_flip, flip_codes = _rate(seconds, lambda i: client.call(
+                "POST", "/v1/flips", {"count": 1, "to": "training"}, {"Idempotency-Key": f"k-{i}"}), n_cells - 1)
+        finally:
+            client.close()
+    print(f"api: {n_cells} cells; GET /v1/cells/{{id}} {get_rps:.0f} req/s ({n_get} requests, status "
+          f"{get_codes}); POST /v1/flips {flip_rps:.0f} req/s ({n_flip} requests, status {flip_codes})")
+    if set(get_codes) != {200} or set(flip_codes) != {202}:
+        raise RuntimeError(f"the REST loop was answered with errors: GET {get_codes}, POST {flip_codes}")
+    with _serving(n_cells, ACTIVE) as (port, _, cell_headers, owned, pid):
+        ingest = bench_ingest(port, cell_headers, owned, seconds, pid)
+    return {"api_rps_get": round(get_rps, 1), "api_rps_flip": round(flip_rps, 1), **ingest}
+
+
+def bench_ingest(port: int, cell_headers: dict, owned: dict, seconds: float, pid: int) -> dict:
+    """Server CPU per token-carrying sync (bench/scale_ingest.py), after an idle window as long."""
+    import http.client
+
+    c0 = cpu_s(pid)
+    time.sleep(seconds)
+    idle = (cpu_s(pid) - c0) / seconds
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120.0)
+    try:
+        r = load(conn, cell_headers, Syncs(owned), seconds, pid)
+    finally:
+        conn.close()
+    per_sync = r["cpu_s"] / max(1, r["syncs"])
+    print(f"ingest: {r['syncs']} syncs of {REQUESTS} x {TOKENS} tokens from {len(owned)} cells in {r['wall_s']:.1f} s "
+          f"({r['syncs'] / r['wall_s']:.0f}/s); server CPU {r['cpu_s']:.2f} s = {per_sync * 1e3:.2f} ms a sync "
+          f"(idle: {idle * 1e3:.0f} ms a second); 10,000 cells at 1 Hz need {per_sync * 10_000:.1f} cores")
+    return {"ingest_syncs": r["syncs"], "ingest_server_cpu_ms_per_sync": round(per_sync * 1e3, 3),
+            "idle_server_cpu_ms_per_s": round(idle * 1e3, 1),
+            "cores_for_10k_cells_at_1hz": round(per_sync * 10_000, 2),
+            "ingest_tokens_per_sync": REQUESTS * TOKENS}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="fewer ticks and a shorter API loop")
+    ap.add_argument("--quick", action="store_true", help="a shorter API loop")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON line last")
     ap.add_argument("--cells", type=int, default=10_000)
     ap.add_argument("--sessions", type=int, default=1_000_000)
+    ap.add_argument("--ticks", type=int, default=600, help="timed ticks at each churn and GC mode")
     ap.add_argument("--api-cells", type=int, default=API_CELLS, help="cells registered for the REST loop")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-api", action="store_true", help="skip the REST measurement")
+    ap.add_argument("--no-api", action="store_true", help="skip the REST and ingest measurements")
+    ap.add_argument("--no-tick", action="store_true", help="skip the tick measurement")
     add_target_args(ap)
     args = ap.parse_args()
-    ticks = 60 if args.quick else 300
-    tick = bench_tick(args.cells, args.sessions, ticks, args.seed)
-    print(f"tick (snapshot + planner): {args.cells} cells, {args.sessions} sessions, {ticks} ticks: "
-          f"p50 {tick['tick_p50_ms']} ms, p99 {tick['tick_p99_ms']} ms, max {tick['tick_max_ms']} ms; "
-          f"scheduled full GC {tick['gc_full_ms']} ms; "
-          f"{tick['flips_per_tick']} flips + {tick['placements_per_tick']} placements a tick")
+    tick = {"gc_full_ms": None} if args.no_tick else bench_tick(args.cells, args.sessions, args.ticks, args.seed)
+    print(f"scheduled full GC {tick['gc_full_ms']} ms")
     api = None if args.no_api else bench_api(2.0 if args.quick else 5.0, args.api_cells)
-    result = {"cells": args.cells, "sessions": args.sessions, "tick_includes_snapshot": True,
-              "tick_p50_ms": tick["tick_p50_ms"], "tick_p99_ms": tick["tick_p99_ms"],
-              "decisions_per_tick": tick["decisions_per_tick"], "gc_full_ms": tick["gc_full_ms"],
-              "api_cells": args.api_cells if api else None,
-              "api_rps_get": api["api_rps_get"] if api else None,
-              "api_rps_flip": api["api_rps_flip"] if api else None}
+    result = {"cells": args.cells, "sessions": args.sessions, "tick_scope": "reconcile", "ticks": args.ticks,
+              "gc_full_ms": tick["gc_full_ms"]}
+    for key, r in tick.items():
+        if isinstance(r, dict):
+            result[f"tick_p50_ms_{key}"], result[f"tick_p99_ms_{key}"] = r["p50_ms"], r["p99_ms"]
+            result[f"flips_per_tick_{key}"] = r["flips_per_tick"]
+    for k in ("ingest_server_cpu_ms_per_sync", "cores_for_10k_cells_at_1hz", "idle_server_cpu_ms_per_s",
+              "ingest_syncs", "ingest_tokens_per_sync"):
+        result[k] = api[k] if api else None
+    result.update({"api_cells": args.api_cells if api else None,
+                   "api_rps_get": api["api_rps_get"] if api else None,
+                   "api_rps_flip": api["api_rps_flip"] if api else None})
     finish(result, args, "scheduler_scale")
 
 

@@ -39,6 +39,13 @@ MAX_FRUITLESS_REPLACEMENTS = 6
 forever."""
 
 
+FULL_COMPARE_PER_TICK = 50
+"""Live cells whose reported request ids `reconcile_reports` compares with the store's owners
+id by id each tick, whatever the counts say (10,000 cells in 200 ticks: 40 s at the default
+period, a third of `stall_timeout_s`); the others are compared id by id only when the number
+they report differs from the number they hold (a lost or stray request changes it)."""
+
+
 class Ownership:
     """The owner of every request. Owns `progress_at` (the lost and stall rules' clock),
     `avoid_cell` (where a stalled request is not placed again) and `abort_sent` (strays told
@@ -57,7 +64,9 @@ class Ownership:
         """cell → request id → when an `abort` was sent for a request the cell reports but does
         not own (resent once per lease while it still reports it)."""
         self._report_sweep = ctx.registry.rotation()
-        """The live cells `reconcile_reports` visits next."""
+        """The live cells `reconcile_reports` looks at next (counts first: reported vs held)."""
+        self._full_sweep = ctx.registry.rotation(FULL_COMPARE_PER_TICK)
+        """The live cells `reconcile_reports` compares id by id next, whatever their counts."""
         self.fruitless: dict[str, int] = {}
         """request id → times it was taken from an owner since its last committed token."""
 
@@ -191,6 +200,8 @@ class Ownership:
             return path
         self.migrations.record_resubmit(fx, req, src, dst, flip, path)
         self.revoke(fx, req, f"{path} on {dst.id}")
+        if req.state == "failed":  # stuck: revoke ended it instead of taking it for the move
+            return path
         self.assign(fx, req, dst.id, path=path)
         return path
 
@@ -270,40 +281,52 @@ class Ownership:
         Visits the live cells a slice a tick (`Registry.rotation`): each within a few ticks.
         """
         incoming = {(m.dst, m.request_id) for m in self.ctx.store.owners.pending_migrations()}
-        holding = self.ctx.store.owners.owned_counts()
+        into = {dst for dst, _ in incoming}
         live = self.ctx.registry.live
-        for cell_id in self._report_sweep.next():
+        full = self._full_sweep.next()
+        whole = set(full)
+        visit = list(dict.fromkeys(self._report_sweep.next() + full))
+        holding = self.ctx.store.owners.owned_counts(visit)
+        for cell_id in visit:
             entry = live.get(cell_id)
             if entry is None or entry.summary is None or not (entry.summary.request_ids or cell_id in holding):
                 continue  # holds nothing and reports nothing: nothing to compare
+            if (cell_id not in whole and cell_id not in into
+                    and len(entry.summary.request_ids) == holding.get(cell_id, 0)):
+                continue  # as many reported as held: compared id by id on the slower full sweep
             reported = set(entry.summary.request_ids)
-            owned = self.ctx.store.owners.requests_on(cell_id, OWNED_REQUEST_STATES)
+            owned = self.ctx.store.owners.owned_states(cell_id)
             self._revoke_lost(cell_id, entry, owned, reported)
             self._revoke_stalled(cell_id, owned, reported)
-            self._drop_strays(cell_id, {r.id for r in owned}, reported, incoming)
+            self._drop_strays(cell_id, set(owned), reported, incoming)
 
-    def _since_progress(self, req: RequestRow, now: float) -> float:
-        return now - self.progress_at.get(req.id, self.ctx.started_at)
+    def _since_progress(self, rid: str, now: float) -> float:
+        return now - self.progress_at.get(rid, self.ctx.started_at)
 
-    def _revoke_lost(self, cell_id: str, entry: LiveCell, owned: list[RequestRow], reported: set[str]) -> None:
+    def _rows(self, ids: list[str]) -> list[RequestRow]:
+        rows = [self.ctx.store.owners.get_request(rid) for rid in ids]
+        return [r for r in rows if r is not None]
+
+    def _revoke_lost(self, cell_id: str, entry: LiveCell, owned: dict[str, str], reported: set[str]) -> None:
         lease = self.ctx.cfg.lease_s
-        lost = [r for r in owned if r.state in ("running", "parked") and r.id not in reported
-                and self._since_progress(r, entry.summary_at) > lease]
+        lost = [rid for rid, state in owned.items() if state in ("running", "parked") and rid not in reported
+                and self._since_progress(rid, entry.summary_at) > lease]
         if lost:
             with self.ctx.txn(durable=True) as fx:
-                for req in lost:
+                for req in self._rows(sorted(lost)):
                     self.revoke(fx, req, f"owner {cell_id} stopped reporting it")
 
-    def _revoke_stalled(self, cell_id: str, owned: list[RequestRow], reported: set[str]) -> None:
+    def _revoke_stalled(self, cell_id: str, owned: dict[str, str], reported: set[str]) -> None:
         ctx, limit = self.ctx, self.ctx.cfg.stall_timeout_s
         now = ctx.clock()
-        stalled = [r for r in owned if r.state == "running" and r.id in reported and self._since_progress(r, now) > limit]
+        stalled = [rid for rid, state in owned.items() if state == "running" and rid in reported
+                   and self._since_progress(rid, now) > limit]
         if not stalled:
             return
         log.warning("cell %s reports %d requests it has not advanced for %.0fs: re-placing them elsewhere",
                     cell_id, len(stalled), limit)
         with ctx.txn(durable=True) as fx:
-            for req in stalled:
+            for req in self._rows(sorted(stalled)):
                 self.revoke(fx, req, f"no token from {cell_id} for {limit:g}s")
                 self.avoid_cell[req.id] = cell_id
                 fx.later(lambda: ctx.metrics.requests_stalled.labels(cell_id).inc())

@@ -42,7 +42,10 @@ class Registry:
         self.live: dict[str, LiveCell] = {}
         self._sinks: list[set[str]] = []
         self._deadlines: list[tuple[float, str]] = []
-        """Heap of (lease deadline, cell) as set; an entry whose cell's lease moved since is stale."""
+        """Heap of (lease deadline, cell): at most one live entry per cell (`_queued`), never
+        later than the cell's deadline."""
+        self._queued: dict[str, float] = {}
+        """cell → the deadline of its live entry in `_deadlines`."""
         self._late: set[str] = set()
         """Cells found past their deadline and still live (reported by every `expired` call)."""
         self._ids: list[str] | None = None
@@ -79,7 +82,7 @@ class Registry:
         entry = LiveCell(cell_id, self.clock() + lease_s, seen=seen)
         self.live[cell_id] = entry
         self._late.discard(cell_id)
-        heapq.heappush(self._deadlines, (entry.lease_deadline, cell_id))
+        self._queue(cell_id, entry.lease_deadline)
         self.mark(cell_id)
         self.notifier.notify(("cell", cell_id))
         return entry
@@ -106,11 +109,18 @@ class Registry:
         entry.summary, entry.summary_at, entry.seen = summary, now, True
 
     def extend(self, cell_id: str, lease_s: float) -> None:
-        """A fresh lease of `lease_s` from now for a live cell."""
+        """A fresh lease of `lease_s` from now for a live cell. The heap keeps the earliest
+        deadline queued for the cell; a later one is queued when that pops (`expired`), so a
+        sync pushes nothing while its cell's entry stands."""
         entry = self.live[cell_id]
         entry.lease_deadline = self.clock() + lease_s
         self._late.discard(cell_id)
-        heapq.heappush(self._deadlines, (entry.lease_deadline, cell_id))
+        self._queue(cell_id, entry.lease_deadline)
+
+    def _queue(self, cell_id: str, deadline: float) -> None:
+        if self._queued.get(cell_id, float("inf")) > deadline:
+            self._queued[cell_id] = deadline
+            heapq.heappush(self._deadlines, (deadline, cell_id))
 
     def is_expired(self, cell_id: str) -> bool:
         entry = self.live.get(cell_id)
@@ -122,12 +132,16 @@ class Registry:
         now, heap = self.clock(), self._deadlines
         while heap and heap[0][0] < now:
             deadline, cid = heapq.heappop(heap)
+            if self._queued.get(cid) != deadline:
+                continue  # stale: an earlier deadline was queued for it since
+            del self._queued[cid]
             entry = self.live.get(cid)
-            if entry is not None and entry.lease_deadline == deadline:
+            if entry is None:
+                continue
+            if entry.lease_deadline <= deadline:
                 self._late.add(cid)
-        if len(heap) > 4 * len(self.live) + 64:  # stale entries of renewed leases
-            self._deadlines = [(e.lease_deadline, cid) for cid, e in self.live.items() if cid not in self._late]
-            heapq.heapify(self._deadlines)
+            else:  # renewed since: queue its current deadline
+                self._queue(cid, entry.lease_deadline)
         self._late = {cid for cid in self._late if cid in self.live and now > self.live[cid].lease_deadline}
         return sorted(self._late)
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.protocol import DropVersionCmd, LoadVersionCmd, ScoreCmd, ScoredEvent
 from scheduler.contract.sampling import SamplingParams
+from scheduler.control.served import ServedVersions
 
 if TYPE_CHECKING:
     from scheduler.control.context import Context, Effects
@@ -71,6 +72,8 @@ class Scoring:
         self.last_pass = float("-inf")
         self._drop_sweep = ctx.registry.rotation()
         """The live cells `_drops` visits next."""
+        self.served = ServedVersions(ctx)
+        """Which live cell serves which version, kept by change (shared with `Versions`)."""
 
     def busy(self, key: tuple[str, int]) -> bool:
         return any((t.request_id, t.version) == key for t in self.tasks.values())
@@ -84,11 +87,12 @@ class Scoring:
 
     def _holders(self, version: int) -> list[str]:
         out = []
-        for c in self.ctx.store.fleet.list_cells():
-            s = self.ctx.registry.summary(c.id)
-            if c.state in SCORING_ROLES and s is not None and version in s.versions_held:
-                out.append(c.id)
-        return out
+        self.served.refresh()
+        for cid, (state, _, _) in self.served.cells.items():
+            s = self.ctx.registry.summary(cid)
+            if state in SCORING_ROLES and s is not None and version in s.versions_held:
+                out.append(cid)
+        return sorted(out)
 
     def _serving(self, cell_id: str) -> int | None:
         s = self.ctx.registry.summary(cell_id)
@@ -108,7 +112,8 @@ class Scoring:
     def _assign(self, now: float) -> None:
         ctx, cfg = self.ctx, self.ctx.ver_cfg
         holders: dict[int, list[str]] = {}
-        verified = {c.id for c in ctx.store.fleet.list_cells() if c.trust == "verified"}
+        self.served.refresh()
+        verified = self.served.verified
         with ctx.txn(durable=False) as fx:
             for row in ctx.store.sessions.unscored_ranges(limit=cfg.max_ranges_per_pass):
                 rid, sid, owner, v, lo, hi = row.request_id, row.session_id, row.owner, row.version, row.first, row.last

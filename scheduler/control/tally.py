@@ -76,6 +76,8 @@ class FleetTally:
             r = rows.get(cid)
             new = _Cell(r.state, cid in live, r.max_running, r.live) if r is not None else _Cell(None, False, 0, 0)
             old = self.cells.get(cid)
+            if old == new:
+                continue  # a sync that moved only what the tally does not count (KV blocks, tokens)
             if old is not None:
                 o, c = old.slots()
                 self.offered, self.occupied = self.offered - o, self.occupied - c

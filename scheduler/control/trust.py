@@ -247,21 +247,21 @@ class Trust:
                           f"{need}, past the model's {lim.max_context}", code="context_length_exceeded")
 
     # ------------------------------------------------------------------ ingest
-    def invalid_records(self, cell_id: str, records: TokenRecords) -> str | None:
-        """Why a cell's sampled records cannot be true (None when they can)."""
-        allowed = None
+    def invalid_records(self, cell_id: str, records: TokenRecords, allowed: set[int] | None = None) -> str | None:
+        """Why a cell's sampled records cannot be true (None when they can). `allowed`: the
+        versions it may tag tokens with, when the caller has them (`servable_by`)."""
         for tok, lp, version in zip(records.token_ids, records.logprobs, records.versions):
             if not (isinstance(lp, int | float) and math.isfinite(lp) and lp <= 0):
                 return f"log-prob {lp!r} is not a finite number <= 0"
             if self.limits is not None and not self.limits.sampleable(int(tok)):
                 return f"token id {tok} is not one the model can sample"
             if allowed is None:
-                allowed = self._servable_by(cell_id)
+                allowed = self.servable_by(cell_id)
             if version not in allowed:
                 return f"version {version} was never served to it"
         return None
 
-    def _servable_by(self, cell_id: str) -> set[int]:
+    def servable_by(self, cell_id: str) -> set[int]:
         """Versions a cell may tag tokens with: those it registered with, and every published
         version (it may have been told any of them; a retired one's last tokens can still be
         on their way)."""

@@ -15,6 +15,7 @@ dropped while the log-prob service still needs it.
 
 from __future__ import annotations
 
+import heapq
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ from scheduler.store.fleet import VersionRow
 if TYPE_CHECKING:
     from scheduler.control.context import Context, Effects
     from scheduler.control.scoring import Scoring
+    from scheduler.control.served import ServedVersions
 
 IDEMPOTENCY_SCOPE = "versions"
 
@@ -43,6 +45,14 @@ class Versions:
         self.scoring = scoring
         self.version_sent: dict[tuple[str, int], float] = {}
         """(cell, version) → when the cell was told to load the version (by broadcast or fetch)."""
+        self.served: ServedVersions = scoring.served
+        """Which live cell serves which version, kept by change (scheduler/control/served.py)."""
+        self._caught_up: int | None = None
+        """The target version `catch_up` last visited every cell for."""
+        self._recheck: list[tuple[float, str]] = []
+        """Heap of (when, cell): a cell told to load (or loading) the target, looked at again then."""
+        self._due: dict[str, float] = {}
+        """cell → its one live entry in `_recheck` (the others are stale)."""
 
     # ------------------------------------------------------------------ reads
     def current(self) -> int | None:
@@ -60,15 +70,7 @@ class Versions:
 
     def serving(self) -> dict[int, list[str]]:
         """version → live cells serving it (as last reported)."""
-        out: dict[int, list[str]] = {}
-        for c in self.ctx.store.fleet.list_cells():
-            entry = self.ctx.registry.live.get(c.id)
-            if c.state == "down" or entry is None:
-                continue
-            v = entry.summary.version if entry.summary is not None else c.version
-            if v is not None:
-                out.setdefault(v, []).append(c.id)
-        return out
+        return self.served.serving()
 
     def servable(self, version: int | None) -> bool:
         """May a cell serve rollouts at `version`? Yes when nothing is published yet to fetch,
@@ -197,36 +199,54 @@ class Versions:
     # ------------------------------------------------------------------ the loop's side
     def catch_up(self) -> None:
         """Active: tell every rollout (or loading) cell that serves neither the target version
-        nor is receiving it to fetch it point-to-point; again after `load_timeout_s` if still not."""
+        nor is receiving it to fetch it point-to-point; again after `load_timeout_s` if still not.
+        Visits every cell once per new target, then only the cells that changed since the last
+        tick (`ServedVersions.dirty`) and those whose load timeout came due."""
         t = self.target()
         if t is None:
             return
-        ctx = self.ctx
+        ctx, served = self.ctx, self.served
         now = ctx.clock()
+        served.refresh()
+        if t.v != self._caught_up:
+            self._caught_up, todo = t.v, set(served.cells)
+        else:
+            todo = set(served.dirty)
+        served.dirty.clear()
+        while self._recheck and self._recheck[0][0] <= now:
+            when, cid = heapq.heappop(self._recheck)
+            if self._due.get(cid) == when:
+                del self._due[cid]
+                todo.add(cid)
+        timeout = ctx.ver_cfg.load_timeout_s
         v, source, policy = t.v, t.source, ctx.ver_cfg.inflight_policy
-        for cell_id in self._rollout_cells(("rollout", "draining", "loading")):
-            s = ctx.registry.live[cell_id].summary
-            if s is None or s.version == t.v or t.v in s.loading:
+        for cell_id in sorted(todo):
+            kept = served.cells.get(cell_id)
+            if kept is None or kept[0] not in ("rollout", "draining", "loading") or not kept[2]:
                 continue
-            if now - self.version_sent.get((cell_id, t.v), float("-inf")) < ctx.ver_cfg.load_timeout_s:
+            s = ctx.registry.live[cell_id].summary
+            if s is None or s.version == t.v:
+                continue
+            sent = self.version_sent.get((cell_id, t.v), float("-inf"))
+            if t.v in s.loading or now - sent < timeout:
+                self._look_again(cell_id, max(now, sent) + timeout)
                 continue
             self.version_sent[(cell_id, t.v)] = now
+            self._look_again(cell_id, now + timeout)
             ctx.registry.send(cell_id, lambda i: LoadVersionCmd(i, v, source, "fetch", True, policy))
+
+    def _look_again(self, cell_id: str, when: float) -> None:
+        if self._due.get(cell_id, float("inf")) > when:
+            self._due[cell_id] = when
+            heapq.heappush(self._recheck, (when, cell_id))
 
     def progress(self) -> None:
         """Passive: activate broadcast versions that every live rollout cell serves."""
         ctx = self.ctx
         rows = ctx.store.fleet.list_versions()
         pending = [r for r in rows if r.state == "broadcasting"]
-        if not pending:
-            return
-        rollout_versions = []
-        for c in ctx.store.fleet.list_cells():
-            entry = ctx.registry.live.get(c.id)
-            if c.state == "rollout" and entry is not None and entry.seen:
-                rollout_versions.append(entry.summary.version if entry.summary else c.version)
         for row in sorted(pending, key=lambda r: r.v):
-            if any(v != row.v for v in rollout_versions):
+            if not self.served.all_rollout_serve(row.v):
                 continue
             with ctx.txn(durable=True):
                 set_state(VERSION, row, "active", "every rollout cell serves it")
@@ -244,9 +264,9 @@ class Versions:
         rows = [r for r in ctx.store.fleet.list_versions() if r.state == "retiring"]
         if not rows:
             return
-        cells, backlog = self.serving(), ctx.store.sessions.unscored_by_version()
+        backlog = ctx.store.sessions.unscored_by_version()
         for row in rows:
-            if cells.get(row.v) or backlog.get(row.v, 0):
+            if self.served.serves_any(row.v) or backlog.get(row.v, 0):
                 continue
             with ctx.txn(durable=True):
                 set_state(VERSION, row, "retired", "no cell serves it; every token has an old log-prob")

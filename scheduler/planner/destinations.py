@@ -130,15 +130,28 @@ class Placement:
                     del versions[old.version]
                     self._drop_version(old.version)
             self.cells[i] = c
-            self.stamp[i] += 1
-            if heaps is not None:
-                self._load(i, c, heaps)
+            if heaps is not None and self._same_slot(i, old, c):
+                self.kv_free[i], self.cap[i] = c.kv_blocks_free, c.capacity  # its live entry stands
+            else:
+                self.stamp[i] += 1
+                if heaps is not None:
+                    self._load(i, c, heaps)
+            if (flip is not None and old.role == c.role == "rollout" and old.inflight == c.inflight
+                    and _flip_cost(old) == _flip_cost(c)):
+                continue  # its live flip entry stands
             fstamp[i] += 1
             if flip is not None and c.role == "rollout":
                 heapq.heappush(flip, (_flip_cost(c), c.inflight, i, fstamp[i]))
         if flip is not None and len(flip) > 2 * self.rollout + COMPACT_SLACK:
             flip[:] = [e for e in flip if e[3] == fstamp[e[2]]]
             heapq.heapify(flip)
+
+    def _same_slot(self, i: int, old: CellSummary, c: CellSummary) -> bool:
+        """Position `i`'s live heap entry stays right for `c`: same version, node and requests
+        in flight, with room before (so the entry was not dropped as full) and after. Only its
+        free blocks and slots change (a sync that moved KV blocks: most of a busy fleet's)."""
+        return (old.version == c.version and old.node == c.node and self.inflight[i] == c.inflight
+                and self.inflight[i] < self.cap[i] and self.kv_free[i] > 0 and _has_room(c))
 
     def _drop_version(self, version: int) -> None:
         """No cell has `version` any more: its heaps hold only dead entries."""

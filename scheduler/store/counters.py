@@ -127,13 +127,17 @@ def rebuild(store: Store) -> None:
 
 class Changes:
     """Cells named by the triggers, for each reader since its last `take` (in memory, not
-    durable). A rolled-back transaction's names stay (re-reading a cell is always safe);
-    `rollbacks` counts the rollbacks, since a reader may have read rows inside a transaction
-    that was then undone."""
+    durable). A reader may have read rows inside a transaction that was then undone: the cells
+    that transaction named are named again to every reader when it rolls back (`undo`), so
+    they are re-read as the rollback left them — a rollback costs a re-read of what it
+    touched, not of the whole fleet. `rollbacks` counts the rollbacks (a reader that keeps
+    values of another kind may rebuild on it)."""
 
     def __init__(self) -> None:
         self.sinks: list[set[str]] = []
         self.rollbacks = 0
+        self.in_tx: set[str] | None = None
+        """Cells named inside the open transaction (None: none open)."""
 
     def reader(self) -> ChangeReader:
         sink: set[str] = set()
@@ -144,6 +148,20 @@ class Changes:
         if cell_id is not None:
             for sink in self.sinks:
                 sink.add(cell_id)
+            if self.in_tx is not None:
+                self.in_tx.add(cell_id)
+
+    def begin(self) -> None:
+        self.in_tx = set()
+
+    def commit(self) -> None:
+        self.in_tx = None
+
+    def undo(self) -> None:
+        """The open transaction rolled back: name its cells again to every reader."""
+        touched, self.in_tx = self.in_tx or set(), None
+        for sink in self.sinks:
+            sink |= touched
 
 
 class ChangeReader:

@@ -83,14 +83,16 @@ class Store:
             self._durable = durable
         self._conn.execute("BEGIN IMMEDIATE")
         self._depth = 1
+        self.changes.begin()
         try:
             yield
         except BaseException:
             self._conn.execute("ROLLBACK")
-            self.changes.rollbacks += 1
+            self.changes.undo()
             raise
         else:
             self._conn.execute("COMMIT")
+            self.changes.commit()
         finally:
             self._depth = 0
 

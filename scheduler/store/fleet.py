@@ -169,6 +169,9 @@ class FleetStore:
         self._rows: dict[str, CellRow] = {}
         self._order: list[str] = []
         self._listed: list[CellRow] = []
+        self._plan_changes = store.changes.reader()
+        self._planning: dict[str, PlanningRow] | None = None
+        """Kept planning rows of the not-down cells (None: not read yet)."""
 
     # -- cells
     def get_cell(self, cell_id: str) -> CellRow | None:
@@ -204,8 +207,23 @@ class FleetStore:
 
     def planning_rows(self, ids: Collection[str] | None = None) -> list[PlanningRow]:
         """The cells `ids` (None: all) that are not down, with their kept load (store/counters.py),
-        for the planner's snapshot. No history; `capabilities` are shared decoded copies: read
-        them, never change them."""
+        for the planner's snapshot, the fleet's tally and the served versions. Kept between
+        calls and re-read only where the store's triggers named a cell since (every reader of a
+        tick shares one read of what changed). No history; rows and their `capabilities` are
+        shared: read them, never change them."""
+        kept = self._planning
+        changed = self._plan_changes.take()
+        if kept is None:
+            kept = self._planning = {r.cell_id: r for r in self._read_planning(None)}
+        elif changed:
+            for cid in changed:
+                kept.pop(cid, None)
+            kept.update((r.cell_id, r) for r in self._read_planning(changed))
+        if ids is None:
+            return list(kept.values())
+        return [r for i in ids if (r := kept.get(i)) is not None]
+
+    def _read_planning(self, ids: Collection[str] | None) -> list[PlanningRow]:
         q = ("SELECT c.id, c.state, c.generation, c.version, c.address, c.capabilities, c.kv_blocks_total, "
              "c.kv_blocks_used, c.max_running, COALESCE(l.live, 0), COALESCE(l.tokens, 0), "
              "COALESCE(l.incoming, 0), c.trust, c.probe IS NOT NULL FROM cells c "

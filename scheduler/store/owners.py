@@ -130,6 +130,15 @@ class OwnerStore:
         r = self.s.execute(f"SELECT {_REQ_COLS} FROM requests WHERE id=?", (request_id,)).fetchone()
         return None if r is None else _req(r)
 
+    def get_requests(self, request_ids: list[str]) -> dict[str, RequestRow]:
+        """id → row of those of `request_ids` that exist (one read for a sync's batches)."""
+        out: dict[str, RequestRow] = {}
+        for k in range(0, len(request_ids), 500):
+            part = request_ids[k:k + 500]
+            q = f"SELECT {_REQ_COLS} FROM requests WHERE id IN ({','.join('?' * len(part))})"
+            out.update((r[0], _req(r)) for r in self.s.execute(q, part))
+        return out
+
     def put_request(self, q: RequestRow) -> None:
         q.updated_at = time.time()
         self.s.execute(
@@ -149,10 +158,23 @@ class OwnerStore:
     def set_num_generated(self, request_id: str, n: int) -> None:
         self.s.execute("UPDATE requests SET num_generated=?, updated_at=? WHERE id=?", (n, time.time(), request_id))
 
+    def set_num_generated_many(self, counts: list[tuple[str, int]]) -> None:
+        """(request id, tokens generated) for many requests, in one statement."""
+        now = time.time()
+        self.s.executemany("UPDATE requests SET num_generated=?, updated_at=? WHERE id=?",
+                           [(n, now, rid) for rid, n in counts])
+
     def requests_on(self, cell_id: str, states: tuple[str, ...] = LIVE_REQUEST_STATES) -> list[RequestRow]:
         marks = ",".join("?" * len(states))
         q = f"SELECT {_REQ_COLS} FROM requests WHERE cell_id=? AND state IN ({marks}) ORDER BY created_at, id"
         return [_req(r) for r in self.s.execute(q, (cell_id, *states))]
+
+    def owned_states(self, cell_id: str) -> dict[str, str]:
+        """id → state of the requests `cell_id` holds (running, migrating or parked): ids only,
+        nothing decoded (the owners' report sweep compares them with what the cell reports)."""
+        marks = ",".join("?" * len(OWNED_REQUEST_STATES))
+        q = f"SELECT id, state FROM requests WHERE cell_id=? AND state IN ({marks})"
+        return dict(self.s.execute(q, (cell_id, *OWNED_REQUEST_STATES)).fetchall())
 
     def requests_in(self, states: tuple[str, ...], limit: int = 1000) -> list[RequestRow]:
         marks = ",".join("?" * len(states))
@@ -173,9 +195,17 @@ class OwnerStore:
         q = "SELECT cell_id, live, tokens FROM cell_load WHERE live > 0"
         return {c: (n, t) for c, n, t in self.s.execute(q)}
 
-    def owned_counts(self) -> dict[str, int]:
-        """Requests each cell holds (running, migrating or parked; kept counts)."""
-        return dict(self.s.execute("SELECT cell_id, owned FROM cell_load WHERE owned > 0").fetchall())
+    def owned_counts(self, ids: list[str] | None = None) -> dict[str, int]:
+        """Requests each cell holds (running, migrating or parked; kept counts); of the cells
+        `ids` only, when given."""
+        if ids is None:
+            return dict(self.s.execute("SELECT cell_id, owned FROM cell_load WHERE owned > 0").fetchall())
+        out: dict[str, int] = {}
+        for k in range(0, len(ids), 500):
+            part = ids[k:k + 500]
+            q = f"SELECT cell_id, owned FROM cell_load WHERE owned > 0 AND cell_id IN ({','.join('?' * len(part))})"
+            out.update(self.s.execute(q, part).fetchall())
+        return out
 
     def load_of(self, cell_id: str) -> tuple[int, int, int]:
         """One cell's (live requests, their context tokens, pending migrations headed to it)."""

@@ -107,6 +107,9 @@ def test_bad_requests_are_rejected_and_leave_engine_clean():
         eng.add_request("a", [1, 2, 10**6], SamplingParams())
     with pytest.raises(EngineError, match="non-empty"):
         eng.add_request("a", [], SamplingParams())
+    for bad in ([1, True, 3], [1, -1, 3], [1, 2.0, 3], [1, "2", 3]):  # each refused, fast path or not
+        with pytest.raises(EngineError, match="outside"):
+            eng.add_request("a", bad, SamplingParams())
     with pytest.raises(EngineError, match="KV blocks"):
         eng.add_request("a", list(range(100)), SamplingParams(max_tokens=200))
     eng.add_request("a", [1, 2, 3], SamplingParams(max_tokens=2))

@@ -1,0 +1,103 @@
+"""Token ingest per core (bench/scheduler_scale.py's third part).
+
+The real app under uvicorn in a process of its own, as deployed, its store holding 10,000
+registered rollout cells (each synced once, as a restarted scheduler's inventory), its control
+loop running and its bearer tokens checked. `ACTIVE` of them each own `REQUESTS` running
+requests (sessions with a `PROMPT`-token prompt stored). A load generator in this process (its
+CPU is not the server's) posts their syncs through the real route
+(`POST /internal/v1/cells/{id}/sync`, the cell token): each carries `REQUESTS` token batches of
+`TOKENS` sampled tokens, every one with its log-prob and weight version, continuing where the
+last left off, plus the cell's summary (its request ids, KV blocks in use). Every batch must
+be accepted (none in `rejected`), else the run fails.
+
+Measured: the server process's CPU time (user + system, from /proc) over the loaded window,
+per sync: `ingest_server_cpu_ms_per_sync`; the same process's CPU time over an equally long
+idle window before it (its control loop ticking over 10,000 cells with nothing arriving) is
+reported apart (`idle_server_cpu_ms_per_s`) and is not subtracted. `cores_for_10k_cells_at_1hz`
+= 10,000 syncs a second × the CPU per sync: the cores a scheduler needs when every cell of a
+10,000-cell fleet syncs once a second with a full batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+from scheduler.store import Store
+
+ACTIVE = 64
+"""Cells whose syncs carry tokens (the load generator cycles over them)."""
+REQUESTS = 32
+TOKENS = 16
+PROMPT = 256
+"""Prompt tokens stored per session before the run (the tokens table is not empty)."""
+_REQ = ("INSERT INTO requests(id, session_id, base, prompt_start, num_generated, params, cell_id, epoch, "
+        "state, reason, created_at, updated_at) VALUES (?,?,?,0,0,'{}',?,1,'running',NULL,?,?)")
+
+
+def seed_requests(path: str, cells: list[str]) -> dict[str, list[str]]:
+    """`REQUESTS` running requests on each of `cells`, each with a stored prompt; returns
+    cell → its request ids."""
+    store = Store(path)
+    out: dict[str, list[str]] = {}
+    now = time.time()
+    rng = random.Random(0)
+    with store.tx():
+        for c in cells:
+            ids = out[c] = [f"r-{c}-{k}" for k in range(REQUESTS)]
+            sessions = [f"s-{c}-{k}" for k in range(REQUESTS)]
+            store.executemany("INSERT INTO sessions(id, state, length, segment_starts, created_at) "
+                              "VALUES (?, 'open', ?, '[0]', ?)", [(s, PROMPT, now) for s in sessions])
+            store.executemany(
+                "INSERT INTO tokens(session_id, idx, token_id, loss_mask, truncated) VALUES (?,?,?,0,0)",
+                [(s, i, rng.randrange(50_000)) for s in sessions for i in range(PROMPT)])
+            store.executemany(_REQ, [(r, s, PROMPT, c, now, now) for r, s in zip(ids, sessions)])
+    store.close()
+    return out
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Syncs:
+    """The active cells' sync bodies, each continuing its requests where the last left off."""
+
+    def __init__(self, owned: dict[str, list[str]]) -> None:
+        self.owned = owned
+        self.done = dict.fromkeys(owned, 0)
+        self.rng = random.Random(1)
+
+    def body(self, cell: str) -> bytes:
+        n, rng = self.done[cell], self.rng
+        self.done[cell] = n + TOKENS
+        ids = self.owned[cell]
+        tokens = [{"request_id": r, "epoch": 1, "start": n,
+                   "records": [[rng.randrange(50_000), -rng.random() * 4, 0, False] for _ in range(TOKENS)]}
+                  for r in ids]
+        incarnation = "inc-" + cell.removeprefix("cell-")
+        summary = {"inflight": len(ids), "kv_blocks_used": (n // 16) % 1024, "kv_blocks_total": 1024,
+                   "version": 0, "request_ids": ids, "role": "rollout"}
+        return json.dumps({"incarnation": incarnation, "summary": summary, "tokens": tokens}).encode()
+
+
+def load(conn, headers: dict, syncs: Syncs, seconds: float, pid: int) -> dict:
+    """Post syncs round-robin over the active cells for `seconds`; every batch must land."""
+    cells = list(syncs.owned)
+    hdrs = {**headers, "Content-Type": "application/json"}
+    n, c0, t0 = 0, cpu_s(pid), time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        cell = cells[n % len(cells)]
+        conn.request("POST", f"/internal/v1/cells/{cell}/sync", body=syncs.body(cell), headers=hdrs)
+        resp = conn.getresponse()
+        data = resp.read()
+        if resp.status != 200 or json.loads(data)["rejected"]:
+            raise RuntimeError(f"sync of {cell} answered {resp.status}: {data[:300]!r}")
+        n += 1
+    wall, cpu = time.perf_counter() - t0, cpu_s(pid) - c0
+    return {"syncs": n, "wall_s": wall, "cpu_s": cpu}
