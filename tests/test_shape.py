@@ -325,3 +325,92 @@ def test_every_runtime_dependency_is_used():
     unused = [n for n in names if n not in NOT_IMPORTED and DIST_TO_MODULE.get(n, n.replace("-", "_")) not in imported
               and f'"{DIST_TO_MODULE.get(n, n)}"' not in sources]
     assert not unused, f"runtime dependencies nothing imports: {unused}"
+
+
+# ---------------------------------------------------------------- no import circles
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    return ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+
+
+def _import_graph(*roots: str) -> dict[str, set[str]]:
+    """Product module → product modules it imports: every import counts, function-local and
+    type-checking ones included; `from pkg import name` is the submodule where one exists."""
+    paths = {_module_name(p): p for p in _modules(*roots)}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in paths:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for mod, path in paths.items():
+        pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        deps: set[str | None] = set()
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Import):
+                deps |= {resolve(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = pkg
+                    for _ in range(node.level - 1):
+                        up = up.rpartition(".")[0]
+                    base = f"{up}.{node.module}" if node.module else up
+                deps |= {resolve(f"{base}.{a.name}") for a in node.names}
+        graph[mod] = {d for d in deps if d and d != mod}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on.add(root)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    x = stack.pop()
+                    on.discard(x)
+                    comp.append(x)
+                    if x == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+    return out
+
+
+def test_no_import_circles_among_product_modules():
+    circles = _circles(_import_graph(*PRODUCT))
+    assert not circles, f"import circles: {circles}"
+
+
+def test_the_circle_check_sees_a_circle():
+    """The negative control: a two-module circle, and one through a package's submodules."""
+    assert _circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+    assert _circles({"p.x": {"p.y"}, "p.y": {"p.z"}, "p.z": {"p.x"}, "q": set()}) == [["p.x", "p.y", "p.z"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []

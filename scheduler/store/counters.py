@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler.store.db import Store
+    from scheduler.store.base import Database
 
 _LIVE = "('running', 'migrating')"
 _OWNED = "('running', 'migrating', 'parked')"
@@ -97,7 +97,7 @@ SELECT cell_id, SUM(live), SUM(tokens), SUM(incoming), SUM(owned) FROM (
 GROUP BY cell_id"""
 
 
-def recount(store: Store) -> tuple[dict[str, tuple[int, int, int, int]], dict[str, int]]:
+def recount(store: Database) -> tuple[dict[str, tuple[int, int, int, int]], dict[str, int]]:
     """Both counters from a full read of the tables: ({cell: (live, tokens, incoming, owned)},
     {state: requests}); cells and states with nothing are left out."""
     load = {c: (int(n), int(t or 0), int(i), int(o)) for c, n, t, i, o in store.execute(_RECOUNT_LOAD)}
@@ -105,7 +105,7 @@ def recount(store: Store) -> tuple[dict[str, tuple[int, int, int, int]], dict[st
     return load, states
 
 
-def stored(store: Store) -> tuple[dict[str, tuple[int, int, int, int]], dict[str, int]]:
+def stored(store: Database) -> tuple[dict[str, tuple[int, int, int, int]], dict[str, int]]:
     """Both counters as kept, in `recount`'s form (zero rows left out)."""
     q = ("SELECT cell_id, live, tokens, incoming, owned FROM cell_load "
          "WHERE live != 0 OR tokens != 0 OR incoming != 0 OR owned != 0")
@@ -114,7 +114,7 @@ def stored(store: Store) -> tuple[dict[str, tuple[int, int, int, int]], dict[str
     return load, states
 
 
-def rebuild(store: Store) -> None:
+def rebuild(store: Database) -> None:
     """Recount both counters from the tables, in one transaction."""
     load, states = recount(store)
     with store.tx(durable=True):

@@ -20,7 +20,7 @@ from scheduler.contract.trajexport import PROVENANCE_CODES, branch_of, job_of
 from scheduler.store.codec import loads
 
 if TYPE_CHECKING:
-    from scheduler.store.db import Store
+    from scheduler.store.base import Database
 
 _TOKENS = ("SELECT token_id, loss_mask, logprob, version, old_logprob, provenance, cell, truncated FROM tokens "
            "WHERE session_id=? ORDER BY idx")
@@ -79,7 +79,7 @@ def _token_columns(rows: list[tuple]) -> dict[str, Any]:
 
 
 class ExportReader:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Database) -> None:
         self.s = store
 
     def page(self, after: int, limit: int, max_tokens: int, job: str | None = None, packed: bool = False

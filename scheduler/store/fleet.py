@@ -15,7 +15,7 @@ from scheduler.contract.states import role_of
 from scheduler.store.codec import dumps, loads
 
 if TYPE_CHECKING:
-    from scheduler.store.db import Store
+    from scheduler.store.base import Database
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS cells(
@@ -160,7 +160,7 @@ def _flip(r: tuple) -> FlipRow:
 
 
 class FleetStore:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Database) -> None:
         self.s = store
         self._caps: dict[str, dict[str, Any]] = {}
         """Decoded capabilities by their JSON text (most cells' texts repeat tick to tick)."""

@@ -17,7 +17,7 @@ from scheduler.store import counters
 from scheduler.store.codec import dumps, loads
 
 if TYPE_CHECKING:
-    from scheduler.store.db import Store
+    from scheduler.store.base import Database
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS requests(
@@ -122,7 +122,7 @@ def _mig(r: tuple) -> MigrationRow:
 
 
 class OwnerStore:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Database) -> None:
         self.s = store
 
     # -- requests

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from scheduler.store.codec import dumps
 
 if TYPE_CHECKING:
-    from scheduler.store.db import Store
+    from scheduler.store.base import Database
 
 _PROV = {0: None, 1: "exact", 2: "missing"}
 
@@ -25,7 +25,7 @@ def _tokens(sid: str, row: dict[str, Any]) -> list[tuple]:
                 row["old_logprob"], row["old_provenance"], row["cell_idx"], strict=True))]
 
 
-def replicate(store: Store, templates: list[dict[str, Any]], n: int, prefix: str = "bench",
+def replicate(store: Database, templates: list[dict[str, Any]], n: int, prefix: str = "bench",
               batch: int = 500) -> int:
     """Add `n` finished sessions cycling through `templates`; returns the tokens written."""
     (top,) = store.execute("SELECT COALESCE(MAX(finish_seq), 0) FROM sessions").fetchone()

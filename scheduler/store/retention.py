@@ -17,7 +17,7 @@ from scheduler.contract.trajexport import TOKEN_ROW_BYTES, RetainConfig
 from scheduler.store.codec import dumps, loads
 
 if TYPE_CHECKING:
-    from scheduler.store.db import Store
+    from scheduler.store.base import Database
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS trajectory_outcomes(
@@ -41,7 +41,7 @@ _DELETES = (
 
 
 class RetentionStore:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Database) -> None:
         self.s = store
 
     # -- the trainer's write-back

@@ -29,7 +29,7 @@ from scheduler.contract.records import StoredTokens, TokenRecords
 from scheduler.store.codec import dumps, loads
 
 if TYPE_CHECKING:
-    from scheduler.store.db import Store
+    from scheduler.store.base import Database
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions(
@@ -91,7 +91,7 @@ _SESSION_COLS = ("id, state, length, segment_starts, reward, group_id, finish_se
 
 
 class SessionStore:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Database) -> None:
         self.s = store
 
     def get(self, session_id: str) -> SessionRow | None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from scheduler.store.db import Store
+    from scheduler.store.base import Database
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS api_tokens(
@@ -38,7 +38,7 @@ _COLS = "id, scope, hash, name, origin, created_at, revoked_at"
 
 
 class TokenStore:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Database) -> None:
         self.s = store
 
     def all(self) -> list[TokenRow]:
