@@ -57,9 +57,11 @@ class _Client:
         return req.epoch + 1
 
 
-def _drive(eng, side, rid: str, until_done: bool) -> tuple[list, object]:
+def _drive(eng, side, rid: str, until_done: bool, pace_s: float = 0.0) -> tuple[list, object]:
     """Step the engine under its lock while `side` runs on a thread; returns the moved
-    request's (index, token) pairs seen here and the side's outcome."""
+    request's (index, token) pairs seen here and the side's outcome. `pace_s`: a pause after
+    each step while the move runs, so the request is still decoding when the stop comes (a
+    tiny model would otherwise finish its tokens within the copy rounds)."""
     lock, box, got = threading.Lock(), {}, []
 
     def on(fn):
@@ -84,6 +86,8 @@ def _drive(eng, side, rid: str, until_done: bool) -> tuple[list, object]:
         got.extend((ev.index, ev.record.token_id) for ev in events if ev.request_id == rid)
         if not events:
             time.sleep(0.001)
+        elif pace_s and t.is_alive():
+            time.sleep(pace_s)
     t.join(5)
     return got, box.get("out")
 
@@ -105,7 +109,7 @@ def source(args: dict) -> dict:
     cmd = MigrateOutCmd(1, "r", 0, "m1", "dst", "127.0.0.1:0", 0)
     side = MigrationSender(cmd, cell_id="src", incarnation="i", store=host.store, client=_Client(), cfg=cfg,
                            on_engine=None, flushed=lambda: 0)
-    more, out = _drive(eng, side, "r", until_done=False)
+    more, out = _drive(eng, side, "r", until_done=False, pace_s=args.get("pace_s", 0.0))
     host.close()
     return {"tokens": got + more, "outcome": out.result if out else "none", "reason": out.reason if out else "",
             "bytes": out.bytes if out else 0, "device": str(eng.device), "dtype": str(eng.dtype)}

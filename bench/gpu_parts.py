@@ -83,7 +83,8 @@ def part_b(device: str, size: dict, work: Path) -> dict:
 
     args = {"engine": {"model": size["model"], "batch_invariant": True, "num_blocks": 256,
                        "block_size": size["block_size"], "device": device, "dtype": "bfloat16"},
-            "prompt": prompt(size, 150, 99), "max_tokens": 24, "seed": 5, "steps_before": 4, "load": 3}
+            "prompt": prompt(size, 150, 99), "max_tokens": 24, "seed": 5, "steps_before": 4, "load": 3,
+            "pace_s": 0.02}
     res = gpu_migrate.run_pair(args, work, timeout_s=240)
     res["nccl"] = ("not tested: NCCL refuses two ranks on one device, so the cross-GPU path needs two GPUs; "
                    "on one GPU both cells use the host-staged gloo path")
