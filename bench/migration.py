@@ -75,7 +75,7 @@ AFTER_COMMIT = 32
 PROBE_TOKENS = 64
 """Tokens the control decodes beyond the moved request's length, so that it still decodes
 while the raw link reference runs after its window (a few seconds at 16k)."""
-TOKENS_PER_MOVE = {1024: 400, 2048: 330, 4096: 260, 8192: 200, 16384: 180}
+TOKENS_PER_MOVE = {1024: 480, 2048: 400, 4096: 320, 8192: 260, 16384: 230}
 """Generated tokens allotted to one move (the flip that readies the destination, HISTORY_S of
 decoding, the move, AFTER_COMMIT tokens): a move's use grows with the decode rate and with
 the flips' times, and a stream that runs out inside a window ends the bench, so this leaves
