@@ -173,9 +173,6 @@ class TrainingCoordinator:
             join_s = time.perf_counter() - t0 if source["to"] else 0.0
             result = self._result(prefix, cells)
             self._check_ranks(prefix, cells, result["checksum"])
-        except StateLost as e:  # no retry can bring the state back: the trainer resumes or stops
-            set_json(self.store, f"{prefix}/abort", {"reason": str(e)[:300]})
-            raise
         except (StepFailed, RuntimeError) as e:
             set_json(self.store, f"{prefix}/abort", {"reason": str(e)[:300]})
             raise e if isinstance(e, StepFailed) else StepFailed(str(e), self._failed(prefix, cells)) from e
