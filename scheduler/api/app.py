@@ -104,8 +104,10 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
         app.include_router(router)
     # The chat gateway records on the durable session store and decodes on the cells; its
     # own finish route stays off (the sessions router serves it).
-    chat = make_chat_router(ControlPlaneBackend(app), gateway.renderer, counters=CallbackCounters(
-        lambda n: metrics.drift.inc(n), metrics.history_rewrites.inc), **{**gateway.router_kwargs(), "finish_route": False})
+    backend = ControlPlaneBackend(app)
+    chat = make_chat_router(backend, gateway.renderer, counters=CallbackCounters(
+        lambda n: metrics.drift.inc(n), metrics.history_rewrites.inc),
+        **{**gateway.router_kwargs(), "finish_route": False, "route_model": backend.route_model})
     app.include_router(chat)
     _install_error_handlers(app)
     _publish_chat_schemas(app)

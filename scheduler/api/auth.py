@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from scheduler.api.principal import CURRENT, Principal
+from scheduler.api.principal import CURRENT, JOB_SCOPES, Principal
 from scheduler.api.scopes import PUBLIC, TURN_ROUTES, ScopeResolver
 from scheduler.contract.config import AgentLimits, ConfigError
 from scheduler.contract.errors import Conflict, Invalid, NotFound
@@ -63,9 +63,10 @@ class TokenRegistry:
             if row.revoked_at is not None:
                 log.error("the %s bootstrap token (%s) was revoked: it is refused; delete its file (or "
                           "give another) to generate a new one", scope, row.id)
+        jobs = store.jobs.jobs_of("token")
         for row in store.tokens.all():
             if row.revoked_at is None:
-                by_hash[row.hash] = Principal(row.id, row.scope, row.name)
+                by_hash[row.hash] = Principal(row.id, row.scope, row.name, jobs.get(row.id, "default"))
         with self._lock:
             self._by_hash = by_hash
             self._store = store
@@ -81,21 +82,32 @@ class TokenRegistry:
     def list(self) -> list[TokenRow]:
         return self._require_store().tokens.all()
 
-    def create(self, scope: str, name: str) -> tuple[TokenRow, str]:
-        """A new token of `scope`; returns its row and the token (shown once, never stored)."""
+    def create(self, scope: str, name: str, job: str | None = None) -> tuple[TokenRow, str]:
+        """A new token of `scope` (an agent or trainer token of `job`, `default` when None);
+        returns its row and the token (shown once, never stored)."""
         from scheduler.store.tokens import TokenRow
 
         if scope not in SCOPES:
             raise Invalid(f"unknown scope {scope!r} (one of {', '.join(SCOPES)})")
         store = self._require_store()
+        job = _token_job(store, scope, job)
         if len(store.tokens.all()) >= MAX_TOKENS:
             raise Conflict(f"the store holds {MAX_TOKENS} tokens already", code="too_many_tokens")
         token = new_token()
         row = TokenRow(f"tok-{uuid.uuid4().hex[:12]}", scope, token_hash(token), name, "api", time.time())
-        store.tokens.insert(row)
+        with store.tx(durable=True):
+            store.tokens.insert(row)
+            store.jobs.assign("token", row.id, job)
         with self._lock:
-            self._by_hash[row.hash] = Principal(row.id, row.scope, row.name)
+            self._by_hash[row.hash] = Principal(row.id, row.scope, row.name, job)
         return row, token
+
+    def job_of(self, token_id: str) -> str:
+        return self._require_store().jobs.job_of("token", token_id)
+
+    def jobs_of_tokens(self) -> dict[str, str]:
+        """token id → job, for the tokens bound to a job other than `default`."""
+        return self._require_store().jobs.jobs_of("token")
 
     def revoke(self, token_id: str) -> TokenRow:
         """Revoke a token: refused from the next request on, and across restarts. The last
@@ -113,6 +125,18 @@ class TokenRegistry:
             with self._lock:
                 self._by_hash.pop(row.hash, None)
         return row
+
+
+def _token_job(store: Store, scope: str, job: str | None) -> str:
+    """The job a new token is bound to: only agent and trainer tokens take one, of an active job."""
+    if job is None:
+        return "default"
+    if scope not in JOB_SCOPES:
+        raise Invalid(f"a {scope} token belongs to no job (only agent and trainer tokens do)")
+    row = store.jobs.get(job)
+    if row is None or row.state != "active":
+        raise NotFound(f"no active job {job!r}", code="unknown_job")
+    return job
 
 
 class _Bucket:

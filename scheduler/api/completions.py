@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from scheduler.api.deps import ApiRoute, Ctl
 from scheduler.api.jsontext import dumps
-from scheduler.api.principal import current_agent
+from scheduler.api.principal import current_agent, current_job
 from scheduler.api.schemas import CompletionCreate, errors
 from scheduler.contract.errors import TooLarge
 from scheduler.contract.ids import SESSION_ID_PATTERN, SESSION_ID_RULE
@@ -79,8 +79,11 @@ async def create_completion(request: Request, ctl: Ctl, session_id: SessionId = 
                             ) -> dict | StreamingResponse:
     body = await read_completion(request, ctl)
     # `stream` is how the answer travels, not what is asked: a replay may switch it
+    job = ctl.jobs.resolve(None, current_job())  # /v1/generate has no `model`: the caller's job
+    ctl.jobs.admit_session(job, session_id or "", session_id is None or ctl.store.sessions.get(session_id) is None)
     req = ctl.submit_completion(session_id, list(body.prompt_ids), body.params(), idempotency_key,
                                 agent=current_agent())
+    ctl.jobs.tag_session(req.session_id, job)
     head = {"X-Session-Id": req.session_id, "X-Request-Id": req.id}
     if body.stream:
         return StreamingResponse(_sse(ctl, req.id), media_type="text/event-stream", headers=head)

@@ -6,6 +6,7 @@ from scheduler.api import (
            export,
            flips,
            internal,
+           jobs,
            ops,
            sessions,
            tokens,
@@ -15,4 +16,4 @@ from scheduler.api import (
 
 ROUTERS = (ops.router, cells.router, flips.router, versions.router, versions.exports_router, sessions.router,
            completions.router, internal.router, trainer.router, tokens.router,
-           export.router)
+           export.router, jobs.router)

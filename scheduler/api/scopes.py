@@ -69,6 +69,11 @@ ROUTE_SCOPES: dict[tuple[str, str], frozenset[str]] = {
     ("POST", "/internal/v1/cells/{cell_id}/sync"): CELL,
     ("POST", "/internal/v1/migrations/{migration_id}/commit"): CELL,
     ("POST", "/internal/v1/migrations/{migration_id}/abort"): CELL,
+    # RL jobs (docs/JOBS.md): a trainer token sees its own job only
+    ("POST", "/v1/jobs"): ADMIN,
+    ("GET", "/v1/jobs"): TRAINER,
+    ("GET", "/v1/jobs/{name}"): TRAINER,
+    ("DELETE", "/v1/jobs/{name}"): ADMIN,
     # tokens
     ("POST", "/v1/tokens"): ADMIN,
     ("GET", "/v1/tokens"): ADMIN,

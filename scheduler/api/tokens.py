@@ -20,6 +20,8 @@ class TokenCreate(_Body):
     scope: Literal["admin", "trainer", "cell", "agent", "scrape"]
     name: str = Field(default="", max_length=128, pattern=r"^[\w .:@/-]*$")
     """A label for the operator (who or what holds the token)."""
+    job: str | None = Field(default=None, max_length=63)
+    """The RL job an agent or trainer token acts on (`default` when left out; docs/JOBS.md)."""
 
 
 def _registry(request: Request) -> TokenRegistry:
@@ -31,13 +33,16 @@ def _registry(request: Request) -> TokenRegistry:
 
 @router.post("", status_code=201, responses=errors(409, 413, 422))
 async def create_token(body: TokenCreate, request: Request) -> dict:
-    row, token = _registry(request).create(body.scope, body.name)
-    return {**row.to_api(), "token": token}
+    reg = _registry(request)
+    row, token = reg.create(body.scope, body.name, body.job)
+    return {**row.to_api(), "job": reg.job_of(row.id), "token": token}
 
 
 @router.get("", responses=errors(409))
 async def list_tokens(request: Request) -> dict:
-    return {"tokens": [r.to_api() for r in _registry(request).list()]}
+    reg = _registry(request)
+    jobs = reg.jobs_of_tokens()
+    return {"tokens": [{**r.to_api(), "job": jobs.get(r.id, "default")} for r in reg.list()]}
 
 
 @router.delete("/{token_id}", responses=errors(404, 409, 422))

@@ -9,6 +9,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header, Path
 
 from scheduler.api.deps import ApiRoute, Ctl
+from scheduler.api.principal import current_job
 from scheduler.api.schemas import ExportCreate, VersionCreate, errors
 
 router = APIRouter(prefix="/v1/versions", tags=["versions"], route_class=ApiRoute, responses=errors(401, 403))
@@ -16,13 +17,20 @@ router = APIRouter(prefix="/v1/versions", tags=["versions"], route_class=ApiRout
 
 @router.get("")
 async def list_versions(ctl: Ctl) -> dict:
-    return ctl.versions_view()
+    out = ctl.versions_view()
+    job = current_job()
+    if job is not None and any(j.name != "default" for j in ctl.store.jobs.list()):
+        mine = ctl.jobs.versions_of(job)  # a job-bound trainer sees its own job's lineage
+        out["versions"] = [v for v in out["versions"] if v["version"] in mine]
+    return out
 
 
 @router.post("", status_code=201, responses=errors(409, 413, 422))
 async def publish_version(body: VersionCreate, ctl: Ctl,
                           idempotency_key: Annotated[str | None, Header(max_length=256)] = None) -> dict:
-    return ctl.publish_version(body.version, body.source.model_dump() if body.source else None, idempotency_key)
+    out = ctl.publish_version(body.version, body.source.model_dump() if body.source else None, idempotency_key)
+    ctl.jobs.tag_version(body.version, current_job() or "default")  # the publishing trainer's job
+    return out
 
 
 @router.delete("/{version}", responses=errors(404, 409, 422))

@@ -41,6 +41,7 @@ from scheduler.control.context import TICK_KEY, Context, Effects
 from scheduler.control.exports import Exports
 from scheduler.control.flips import Flips
 from scheduler.control.ingest import Ingest
+from scheduler.control.jobs import Jobs
 from scheduler.control.metrics import Metrics
 from scheduler.control.migrations import Migrations
 from scheduler.control.ownership import Ownership
@@ -109,8 +110,11 @@ class Controller:
         self.membership.recover()
         self.gc_policy = GcPolicy(time.monotonic, ctx.metrics.gc_full.observe)
         """The process's garbage collection, paced by the running loop (`run`)."""
+        self.jobs = Jobs(ctx)
+        """The RL jobs: admission per job, drain and delete, the fleet's division between them."""
         self.loop = Reconciler(ctx, self.rates, Concerns(self.membership, self.versions, self.migrations,
-                                                         self.flips, self.ownership, self.scoring), self.tally)
+                                                         self.flips, self.ownership, self.scoring, self.jobs),
+                               self.tally)
         """Whether the inventory is rebuilt; the last tick."""
 
     # ------------------------------------------------------------------ plumbing

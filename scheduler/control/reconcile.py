@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from scheduler.control.cellsync import Membership
     from scheduler.control.context import Context
     from scheduler.control.flips import Flips
+    from scheduler.control.jobs import Jobs
     from scheduler.control.migrations import Migrations
     from scheduler.control.ownership import Ownership
     from scheduler.control.rates import Rates
@@ -41,6 +42,7 @@ class Concerns:
     flips: Flips
     ownership: Ownership
     scoring: Scoring
+    jobs: Jobs | None = None
 
 
 class Reconciler:
@@ -89,6 +91,8 @@ class Reconciler:
         c.ownership.place_waiting()
         c.versions.catch_up()
         c.scoring.step()
+        if c.jobs is not None:
+            c.jobs.step()
         if self.ctx.cfg.auto_flip and self.rates.demand is not None:  # the trainer declared its demand
             c.flips.autonomous()
 

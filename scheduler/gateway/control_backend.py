@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-from scheduler.api.principal import current_agent
+from scheduler.api.principal import ROUTED_JOB, current_agent, current_job
 from scheduler.contract.errors import Conflict
 from scheduler.contract.sampling import SamplingParams
 from scheduler.contract.tito.backend import (
@@ -44,11 +44,22 @@ class ControlPlaneBackend:
         limits = self.ctl.trust.limits
         return limits.max_context if limits is not None and limits.max_context else None
 
+    def route_model(self, model: str | None) -> None:
+        """The RL job a chat turn's `model` field names, for the rest of the request
+        (scheduler/control/jobs.py `resolve`: 404 for no such job, 403 for another job's)."""
+        ROUTED_JOB.set(self.ctl.jobs.resolve(model, current_job()))
+
+    def job(self) -> str:
+        """The job of this request's turn: as routed, else the caller's own."""
+        return ROUTED_JOB.get() or self.ctl.jobs.resolve(None, current_job())
+
     async def admit(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Every refusal a turn can get, before the gateway records anything of it: another
-        agent's session, a turn in flight, what a cell would refuse, the staleness bound's
+        agent's session, a job's admission (draining, its `max_sessions`, another job's
+        session), a turn in flight, what a cell would refuse, the staleness bound's
         admission and rollout capacity (scheduler/control/completions.py)."""
         ctl = self.ctl
+        ctl.jobs.admit_session(self.job(), session_id, ctl.store.sessions.get(session_id) is None)
         ctl.completions.check(session_id, list(prompt_ids), params, current_agent())
         ctl.completions.admissible(session_id, len(prompt_ids))
 
@@ -94,6 +105,7 @@ class ControlPlaneBackend:
             raise ValueError("the gateway appends only non-sampled tokens")
         self._require_open(session_id, create=True)
         self._require_idle(session_id)
+        self.ctl.jobs.tag_session(session_id, self.job())
         self.ctl.store.sessions.append_prompt(session_id, [int(t) for t in ids], current_agent())
 
     async def start_segment(self, session_id: str, reason: str) -> int:

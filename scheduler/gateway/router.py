@@ -102,6 +102,7 @@ def make_chat_router(
     max_prompt_tokens: int | None = DEFAULT_MAX_PROMPT_TOKENS,
     use_bridge: bool = True,
     finish_route: bool = True,
+    route_model: Any = None,
 ) -> APIRouter:
     """Build the gateway router.
 
@@ -110,7 +111,9 @@ def make_chat_router(
     ``counters`` if given, else Prometheus counters registered in ``registry`` when one is
     given, else plain in-process counters. ``finish_route=False`` leaves
     ``POST /v1/sessions/{id}/finish`` to the application. The router's ``gateway`` attribute
-    is the :class:`TitoGateway` (stats, counters).
+    is the :class:`TitoGateway` (stats, counters). ``route_model(model)``, when given, is
+    called with each turn's ``model`` field before anything else (the control plane routes a
+    turn to the RL job it names; its ``BackendError`` is the answer).
     """
     rend = renderer or load_renderer(tokenizer_name)
     if counters is None and registry is not None:
@@ -134,13 +137,13 @@ def make_chat_router(
     def ident(req: ChatCompletionRequest) -> tuple[str, int, str]:
         return f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), req.model or served
 
-    _add_chat_route(router, gw, ident, max_body_bytes)
+    _add_chat_route(router, gw, ident, max_body_bytes, route_model)
     if finish_route:
         _add_finish_route(router, gw, max_body_bytes)
     return router
 
 
-def _add_chat_route(router: APIRouter, gw: TitoGateway, ident: Any, max_body_bytes: int) -> None:
+def _add_chat_route(router: APIRouter, gw: TitoGateway, ident: Any, max_body_bytes: int, route_model: Any) -> None:
     @router.post(
         "/v1/chat/completions",
         response_model=ChatCompletion,
@@ -170,6 +173,11 @@ def _add_chat_route(router: APIRouter, gw: TitoGateway, ident: Any, max_body_byt
             req = parse_chat_request(body, hdrs)
         if isinstance(req, Response):
             return req
+        if route_model is not None:
+            try:
+                route_model(req.model)
+            except BackendError as e:
+                return backend_error_response(e, hdrs)
         return await _serve_chat(gw, sid, req, hdrs, ident)
 
 

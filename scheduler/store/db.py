@@ -2,7 +2,8 @@
 
 Each table group lives in its own module with its rows and its SQL: `fleet` (cells, flips,
 versions, idempotency keys), `owners` (requests with their owner cell and epoch, migrations),
-`sessions` (token buffers, trajectories and the gateway's per-session state). A restarted
+`sessions` (token buffers, trajectories and the gateway's per-session state), `jobs` (the RL
+jobs the fleet serves and what belongs to each). A restarted
 scheduler rebuilds from this file plus a fresh re-list of the cells.
 
 Ownership, flips and versions commit with `synchronous=FULL` (`tx(durable=True)`): a commit
@@ -21,9 +22,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from scheduler.store import counters, exportread, fleet, owners, retention, sessions, tokens
+from scheduler.store import counters, exportread, fleet, jobs, owners, retention, sessions, tokens
 
-SCHEMA = fleet.SCHEMA + owners.SCHEMA + sessions.SCHEMA + tokens.SCHEMA + retention.SCHEMA
+SCHEMA = fleet.SCHEMA + owners.SCHEMA + sessions.SCHEMA + tokens.SCHEMA + retention.SCHEMA + jobs.SCHEMA
 """Every table and index (table and column names are read by faultkit's checker too)."""
 
 ADDED_COLUMNS = (
@@ -65,6 +66,7 @@ class Store:
         self.tokens = tokens.TokenStore(self)
         self.export = exportread.ExportReader(self)
         self.retention = retention.RetentionStore(self)
+        self.jobs = jobs.JobStore(self)
         counters.rebuild(self)  # kept by triggers; recounted here so any store file starts right
 
     @contextmanager

@@ -1,0 +1,58 @@
+"""POST /v1/jobs (admin: create an RL job), GET /v1/jobs, GET /v1/jobs/{name} (a trainer token
+sees its own job only), DELETE /v1/jobs/{name} (admin: drain, then delete). docs/JOBS.md."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path
+from pydantic import Field
+
+from scheduler.api.deps import ApiRoute, Ctl
+from scheduler.api.principal import current_job
+from scheduler.api.schemas import _Body, errors
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=ApiRoute, responses=errors(401, 403))
+
+JobName = Annotated[str, Path(max_length=63)]
+
+
+class JobCreate(_Body):
+    name: str = Field(max_length=63)
+    """What clients put in the OpenAI `model` field; lower-case letters, digits, '.', '_', '-'."""
+    model: str = Field(min_length=1, max_length=512)
+    """A model preset or a Hugging Face path (a fleet's cells run one model: docs/JOBS.md)."""
+    min_cells: int = Field(default=0, ge=0, le=1 << 20)
+    """Cells the job always holds (when the fleet has them)."""
+    max_cells: int | None = Field(default=None, ge=0, le=1 << 20)
+    """Most cells it may hold (None: no maximum)."""
+    weight: float = Field(default=1.0, gt=0, le=1e6)
+    """Its share of the cells above every job's minimum, against the other jobs' weights."""
+    settings: dict[str, Any] = Field(default_factory=dict)
+    """`objective`, `staleness_bound`, `max_sessions` (open sessions admitted), `drain_s`, `seed`, `task`."""
+
+
+@router.post("", status_code=201, responses=errors(409, 413, 422))
+async def create_job(body: JobCreate, ctl: Ctl) -> dict:
+    return ctl.jobs.create(body.model_dump())
+
+
+@router.get("")
+async def list_jobs(ctl: Ctl) -> dict:
+    out = ctl.jobs.list_view()
+    mine = current_job()
+    if mine is not None:
+        out["jobs"] = [j for j in out["jobs"] if j["name"] == mine]
+        out["moves"] = [m for m in out["moves"] if mine in (m["from"], m["to"])]
+    return out
+
+
+@router.get("/{name}", responses=errors(404))
+async def get_job(name: JobName, ctl: Ctl) -> dict:
+    ctl.jobs.check_access(name, current_job())
+    return ctl.jobs.view(name)
+
+
+@router.delete("/{name}", responses=errors(404, 409))
+async def delete_job(name: JobName, ctl: Ctl) -> dict:
+    return ctl.jobs.delete(name)

@@ -1,0 +1,247 @@
+"""RL jobs on one fleet: create, list, drain and delete; which job a caller, a session, a
+version and a cell belong to; per-job admission; the fleet divided between jobs.
+
+A job is `active` (takes new sessions), `draining` (`DELETE /v1/jobs/{name}`: no new session,
+the turns in flight finish; its open sessions may run turns until `drain_s` has passed) or
+`deleted` (no request of it in flight; its cells return to the implicit job `default`).
+The implicit job `default` is always there and cannot be deleted: a fleet that never names a
+job serves it alone, exactly as before jobs existed.
+
+Caller rules (the token's job, scheduler/api/principal.py): an admin token acts on any job; an
+agent or trainer token acts on its own job only (another job's sessions and versions do not
+exist for it). The gateway's OpenAI `model` field names the job (`resolve`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+from scheduler.contract.errors import CellflipError, Conflict, Invalid, NoCapacity, NotFound
+from scheduler.planner.jobs import JobShare, divide, moves
+from scheduler.store.jobs import DEFAULT_JOB, JobRow
+
+if TYPE_CHECKING:
+    from scheduler.control.context import Context
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+"""A job's name: what clients put in the OpenAI `model` field, and a Prometheus label value."""
+
+DRAIN_S = 600.0
+"""How long a draining job's open sessions may still run turns (a job's `drain_s` setting)."""
+
+STEP_EVERY_S = 1.0
+"""The jobs' tick (drains finished, the fleet's division) runs at most this often: it counts
+open sessions per job, a pass over the open sessions."""
+
+SETTINGS_KEYS = ("objective", "staleness_bound", "max_sessions", "drain_s", "seed", "task")
+"""Per-job settings a job may carry (anything else is refused)."""
+
+
+class Forbidden(CellflipError):
+    """A job-bound token used on another job."""
+
+    status = 403
+    code = "wrong_job"
+
+
+class Jobs:
+    """Owns `targets` (the last division of the fleet between jobs) and `planned_moves`."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.targets: dict[str, int] = {}
+        """job → cells the planner's last division gave it."""
+        self.planned_moves: list[tuple[str, str]] = []
+        """(from job, to job) per cell the last division would move."""
+        self._last_step = float("-inf")
+
+    # ------------------------------------------------------------------ reads
+    def require(self, name: str) -> JobRow:
+        row = self.ctx.store.jobs.get(name)
+        if row is None or row.state == "deleted":
+            known = ", ".join(j.name for j in self.ctx.store.jobs.list())
+            raise NotFound(f"unknown job {name!r} (jobs: {known})", code="unknown_job")
+        return row
+
+    def check_access(self, job: str, caller_job: str | None) -> None:
+        """`caller_job`: the token's job (None: admin, or auth off — any job)."""
+        if caller_job is not None and caller_job != job:
+            raise Forbidden(f"this token belongs to job {caller_job!r}, not {job!r}")
+
+    def resolve(self, model: str | None, caller_job: str | None) -> str:
+        """The job a chat turn is for: the job its `model` field names; a `model` naming no job
+        (e.g. `cellflip`, or none) means the caller's own job, or `default` when only that job
+        exists. 404 `unknown_job` when several jobs exist and neither tells which; 403
+        `wrong_job` for another job's name under a job-bound token."""
+        store = self.ctx.store.jobs
+        row = store.get(model) if model else None
+        if row is not None and row.state != "deleted":
+            self.check_access(row.name, caller_job)
+            return row.name
+        if caller_job is not None:
+            return caller_job
+        names = [j.name for j in store.list()]
+        if names == [DEFAULT_JOB]:
+            return DEFAULT_JOB
+        raise NotFound(f"model {model!r} names no job; set it to one of: {', '.join(names)}", code="unknown_job")
+
+    def session_job(self, session_id: str) -> str:
+        return self.ctx.store.jobs.job_of("session", session_id)
+
+    # ------------------------------------------------------------------ admission
+    def admit_session(self, job: str, session_id: str, is_new: bool) -> None:
+        """A turn of `job` on `session_id`: a new session only while the job is active and under
+        its `max_sessions`; a turn of a draining job's open session only within its `drain_s`."""
+        row = self.require(job)
+        try:
+            self._admit(row, session_id, is_new)
+        except CellflipError as e:
+            self.ctx.metrics.job_sessions_refused.labels(job, e.code).inc()
+            raise
+
+    def _admit(self, row: JobRow, session_id: str, is_new: bool) -> None:
+        job = row.name
+        if is_new:
+            if row.state != "active":
+                raise Conflict(f"job {job!r} is draining: it takes no new sessions", code="job_draining")
+            cap = row.settings.get("max_sessions")
+            if cap is not None:
+                live = self.ctx.store.jobs.live_sessions().get(job, 0)
+                if live >= int(cap):
+                    raise NoCapacity(f"job {job!r} has {live} open sessions (max_sessions {cap})", code="job_full")
+            return
+        if self.session_job(session_id) != job:
+            raise Forbidden(f"session {session_id!r} belongs to another job than {job!r}")
+        if row.state == "draining" and time.time() > _drained_at(row) + float(row.settings.get("drain_s", DRAIN_S)):
+            raise Conflict(f"job {job!r} is draining and its drain time is over", code="job_draining")
+
+    def tag_session(self, session_id: str, job: str) -> None:
+        """Record a new session's job (a session already recorded keeps its own)."""
+        with self.ctx.txn(durable=False):
+            self.ctx.store.jobs.assign_new("session", session_id, job)
+
+    def tag_version(self, version: int, job: str) -> None:
+        with self.ctx.txn(durable=True):
+            self.ctx.store.jobs.assign_new("version", version, job)
+
+    # ------------------------------------------------------------------ create, list, delete
+    def create(self, spec: dict[str, Any]) -> dict[str, Any]:
+        name = spec["name"]
+        if not NAME_RE.match(name):
+            raise Invalid(f"job name {name!r}: lower-case letters, digits, '.', '_', '-' (at most 63)")
+        bad = sorted(set(spec.get("settings") or {}) - set(SETTINGS_KEYS))
+        if bad:
+            raise Invalid(f"unknown job settings {bad} (known: {', '.join(SETTINGS_KEYS)})")
+        lo, hi = int(spec.get("min_cells", 0)), spec.get("max_cells")
+        if hi is not None and int(hi) < lo:
+            raise Invalid(f"max_cells {hi} is below min_cells {lo}")
+        store = self.ctx.store.jobs
+        with self.ctx.txn(durable=True):
+            old = store.get(name)
+            if old is not None and old.state != "deleted":
+                raise Conflict(f"job {name!r} exists ({old.state})", code="job_exists")
+            row = JobRow(name, spec["model"], lo, None if hi is None else int(hi), float(spec.get("weight", 1.0)),
+                         dict(spec.get("settings") or {}), "active", time.time(), [("active", time.time(), "created")])
+            store.put(row)
+        self.ctx.kick()
+        return self.view(name)
+
+    def view(self, name: str) -> dict[str, Any]:
+        row = self.require(name)
+        return self._to_api(row, self._cells_by_job(), self._versions_by_job(), self.ctx.store.jobs.live_sessions())
+
+    def list_view(self) -> dict[str, Any]:
+        cells, vers, live = self._cells_by_job(), self._versions_by_job(), self.ctx.store.jobs.live_sessions()
+        out = [self._to_api(r, cells, vers, live) for r in self.ctx.store.jobs.list()]
+        return {"jobs": out, "moves": [m.to_api() for m in self.ctx.store.jobs.list_moves(limit=20)]}
+
+    def _to_api(self, row: JobRow, cells: dict, vers: dict, live: dict) -> dict[str, Any]:
+        return {**row.to_api(), "cells": sorted(cells.get(row.name, [])), "versions": vers.get(row.name, []),
+                "open_sessions": live.get(row.name, 0), "target_cells": self.targets.get(row.name)}
+
+    def _cells_by_job(self) -> dict[str, list[str]]:
+        store = self.ctx.store
+        ids = [r.cell_id for r in store.fleet.planning_rows()]
+        out: dict[str, list[str]] = {}
+        for cid, job in store.jobs.jobs_of("cell", ids).items():
+            out.setdefault(job, []).append(cid)
+        return out
+
+    def _versions_by_job(self) -> dict[str, list[int]]:
+        rows = self.ctx.store.fleet.list_versions()
+        out: dict[str, list[int]] = {}
+        for v, job in self.ctx.store.jobs.jobs_of("version", [r.v for r in rows]).items():
+            out.setdefault(job, []).append(int(v))
+        return out
+
+    def versions_of(self, job: str) -> set[int]:
+        rows = self.ctx.store.fleet.list_versions()
+        return {int(v) for v, j in self.ctx.store.jobs.jobs_of("version", [r.v for r in rows]).items() if j == job}
+
+    def delete(self, name: str) -> dict[str, Any]:
+        """Start draining `name` (idempotent); it is deleted once nothing of it is in flight."""
+        if name == DEFAULT_JOB:
+            raise Conflict("the implicit job 'default' cannot be deleted", code="default_job")
+        store = self.ctx.store.jobs
+        with self.ctx.txn(durable=True):
+            row = self.require(name)
+            if row.state == "active":
+                row.state = "draining"
+                row.history.append(("draining", time.time(), "delete requested"))
+                store.put(row)
+        self.ctx.kick()
+        return self.view(name)
+
+    # ------------------------------------------------------------------ the tick
+    def step(self) -> None:
+        """Finish draining jobs with nothing in flight; divide the fleet between the jobs."""
+        now = self.ctx.clock()
+        if now - self._last_step < STEP_EVERY_S:
+            return
+        self._last_step = now
+        store = self.ctx.store.jobs
+        for row in store.list():
+            if row.state == "draining" and store.live_requests(row.name) == 0:
+                self._finish_delete(row)
+        self.divide()
+
+    def _finish_delete(self, row: JobRow) -> None:
+        store = self.ctx.store.jobs
+        with self.ctx.txn(durable=True):
+            row.state = "deleted"
+            row.history.append(("deleted", time.time(), "drained: nothing in flight"))
+            store.put(row)
+            for cid in store.members("cell", row.name):
+                store.assign("cell", cid, DEFAULT_JOB)
+
+    def divide(self) -> dict[str, int]:
+        """The planner's division of the fleet's live cells between the active jobs, from each
+        job's demand (open sessions over the slots a cell offers); kept as `targets`."""
+        store = self.ctx.store
+        rows = store.fleet.planning_rows()
+        held_by = store.jobs.jobs_of("cell", [r.cell_id for r in rows])
+        slots = max(1, int(sum(r.max_running for r in rows) / max(1, len(rows))))
+        live = store.jobs.live_sessions()
+        shares, held = [], {}
+        for j in store.jobs.list():
+            if j.state != "active":
+                continue
+            n = sum(1 for job in held_by.values() if job == j.name)
+            held[j.name] = n
+            shares.append(JobShare(j.name, j.min_cells, len(rows) if j.max_cells is None else j.max_cells,
+                                   j.weight, math.ceil(live.get(j.name, 0) / slots), n))
+        self.targets = divide(shares, len(rows))
+        self.planned_moves = moves(self.targets, held)
+        m = self.ctx.metrics
+        for name, t in self.targets.items():
+            m.job_target_cells.labels(name).set(t)
+            m.job_cells.labels(name).set(held.get(name, 0))
+            m.job_open_sessions.labels(name).set(live.get(name, 0))
+        return self.targets
+
+
+def _drained_at(row: JobRow) -> float:
+    return next((h[1] for h in reversed(row.history) if h[0] == "draining"), row.created_at)
