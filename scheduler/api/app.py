@@ -102,12 +102,7 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
     app.state.retention = Retention(sched.store.retain_trajectories, metrics.registry)
     for router in ROUTERS:
         app.include_router(router)
-    # The chat gateway records on the durable session store and decodes on the cells; its
-    # own finish route stays off (the sessions router serves it).
-    backend = ControlPlaneBackend(app)
-    chat = make_chat_router(backend, gateway.renderer, counters=CallbackCounters(
-        lambda n: metrics.drift.inc(n), metrics.history_rewrites.inc),
-        **{**gateway.router_kwargs(), "finish_route": False, "route_model": backend.route_model})
+    chat = _chat_router(app, gateway, metrics)
     app.include_router(chat)
     _install_error_handlers(app)
     _publish_chat_schemas(app)
@@ -118,6 +113,16 @@ def create_app(config: CellflipConfig | SchedulerConfig | None = None, *, db_pat
         app.add_middleware(ScopedAuth, registry=registry, routes=app.router.routes,
                            budget=AgentBudget(sched.agent_limits))
     return app
+
+
+def _chat_router(app: FastAPI, gateway: GatewayConfig, metrics: Metrics):
+    """The chat gateway on the control plane: turns recorded on the durable session store,
+    decoded on the cells, routed to the RL job their `model` names; its own finish route off
+    (the sessions router serves it)."""
+    backend = ControlPlaneBackend(app)
+    return make_chat_router(backend, gateway.renderer, counters=CallbackCounters(
+        lambda n: metrics.drift.inc(n), metrics.history_rewrites.inc),
+        **{**gateway.router_kwargs(), "finish_route": False, "route_model": backend.route_model})
 
 
 def _body_bounds(app: FastAPI, chat) -> dict:

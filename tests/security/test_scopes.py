@@ -35,6 +35,8 @@ ATTACKS: dict[tuple[str, str], dict] = {
                                                                         "reason": "t"}},
     ("POST", "/v1/tokens"): {"json": {"scope": "admin", "name": "stolen"}},
     ("DELETE", "/v1/tokens/{token_id}"): {},
+    ("POST", "/v1/jobs"): {"json": {"name": "evil", "model": "toy"}},
+    ("DELETE", "/v1/jobs/{name}"): {},
 }
 """What a caller out of scope would send: each body would change the store if it were let through."""
 
@@ -43,7 +45,7 @@ IN_SCOPE_BODY = {("POST", "/v1/generate"): {"json": {"prompt_ids": "not ids"}},
 """In scope, a turn would wait on a cell: a malformed body shows the middleware let it through (422)."""
 
 PARAMS = {"cell_id": "c0", "flip_id": "f-1", "version": "0", "session_id": "s-trainer", "migration_id": "m-1",
-          "token_id": "agent-bootstrap-0", "path": "swagger-ui.css"}
+          "token_id": "agent-bootstrap-0", "path": "swagger-ui.css", "name": "default"}
 
 
 def _url(method: str, path: str) -> str:
