@@ -79,7 +79,8 @@ async def create_completion(request: Request, ctl: Ctl, session_id: SessionId = 
                             ) -> dict | StreamingResponse:
     body = await read_completion(request, ctl)
     # `stream` is how the answer travels, not what is asked: a replay may switch it
-    job = ctl.jobs.resolve(None, current_job())  # /v1/generate has no `model`: the caller's job
+    # /v1/generate names no job: the caller's own, else the session's (a new one: `default`)
+    job = current_job() or (ctl.jobs.session_job(session_id) if session_id else "default")
     ctl.jobs.admit_session(job, session_id or "", session_id is None or ctl.store.sessions.get(session_id) is None)
     req = ctl.submit_completion(session_id, list(body.prompt_ids), body.params(), idempotency_key,
                                 agent=current_agent())

@@ -1,5 +1,6 @@
 """POST /v1/jobs (admin: create an RL job), GET /v1/jobs, GET /v1/jobs/{name} (a trainer token
-sees its own job only), DELETE /v1/jobs/{name} (admin: drain, then delete). docs/JOBS.md."""
+sees its own job only), DELETE /v1/jobs/{name} (admin: drain, then delete), POST
+/v1/jobs/{name}/cells (admin: move a cell into the job). docs/JOBS.md."""
 
 from __future__ import annotations
 
@@ -32,6 +33,12 @@ class JobCreate(_Body):
     """`objective`, `staleness_bound`, `max_sessions` (open sessions admitted), `drain_s`, `seed`, `task`."""
 
 
+class CellMove(_Body):
+    cell: str = Field(min_length=1, max_length=128)
+    """The cell to move into the job: drained of its job's live rollouts (they migrate to that
+    job's other cells), then loaded, then serving this job."""
+
+
 @router.post("", status_code=201, responses=errors(409, 413, 422))
 async def create_job(body: JobCreate, ctl: Ctl) -> dict:
     return ctl.jobs.create(body.model_dump())
@@ -56,3 +63,8 @@ async def get_job(name: JobName, ctl: Ctl) -> dict:
 @router.delete("/{name}", responses=errors(404, 409))
 async def delete_job(name: JobName, ctl: Ctl) -> dict:
     return ctl.jobs.delete(name)
+
+
+@router.post("/{name}/cells", status_code=202, responses=errors(404, 409, 422))
+async def move_cell(name: JobName, body: CellMove, ctl: Ctl) -> dict:
+    return ctl.jobs.moves.start(body.cell, name)

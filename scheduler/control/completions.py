@@ -135,7 +135,8 @@ class Completions:
         snapshot = self.snapshot()
         summary = RequestSummary(rid, num_tokens, snapshot.current_version, sid)
         last = self.ctx.store.owners.last_cell_for_session(sid) if sticky else None
-        dst = sticky_destination(snapshot, last, summary) or choose_destination(snapshot, None, summary)
+        only = self.ctx.placeable(sid, None)  # its RL job's cells
+        dst = sticky_destination(snapshot, last, summary, only) or choose_destination(snapshot, None, summary, only)
         if dst is None:
             self.ctx.metrics.admission_rejected.inc()
             raise NoCapacity("no rollout cell has room", retry_after_s=max(1.0, self.ctx.cfg.heartbeat_s * 2))

@@ -10,7 +10,7 @@ concerns. Nothing here decides anything.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Container, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -67,6 +67,9 @@ class Context:
         self.started_at = clock()
         self.closing = False
         """Set at shutdown: waiting client streams end (their tokens stay in the store)."""
+        self.placeable: Callable[[str | None, str | None], Container[str] | None] = _anywhere
+        """(session, cell) → the cells a request of that session, or leaving that cell, may be
+        placed on: its RL job's cells (scheduler/control/jobs.py); None: any cell (one job)."""
         self._fx: Effects | None = None
 
     @contextmanager
@@ -92,3 +95,7 @@ class Context:
         """Release every long-poll and client stream so shutdown does not wait on them."""
         self.closing = True
         self.notifier.notify_all()
+
+
+def _anywhere(session_id: str | None, cell_id: str | None) -> Container[str] | None:
+    return None

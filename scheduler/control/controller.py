@@ -41,6 +41,7 @@ from scheduler.control.context import TICK_KEY, Context, Effects
 from scheduler.control.exports import Exports
 from scheduler.control.flips import Flips
 from scheduler.control.ingest import Ingest
+from scheduler.control.jobmoves import JobMoves
 from scheduler.control.jobs import Jobs
 from scheduler.control.metrics import Metrics
 from scheduler.control.migrations import Migrations
@@ -112,6 +113,7 @@ class Controller:
         """The process's garbage collection, paced by the running loop (`run`)."""
         self.jobs = Jobs(ctx)
         """The RL jobs: admission per job, drain and delete, the fleet's division between them."""
+        self.jobs.moves = JobMoves(ctx, self.jobs, self.flips)
         self.loop = Reconciler(ctx, self.rates, Concerns(self.membership, self.versions, self.migrations,
                                                          self.flips, self.ownership, self.scoring, self.jobs),
                                self.tally)

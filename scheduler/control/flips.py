@@ -269,7 +269,8 @@ class Flips:
         if not running:
             return
         choices = placement.choose_destinations(self.snapshot(), cell.id,
-                                                [self.ownership.summarize(req) for req in running])
+                                                [self.ownership.summarize(req) for req in running],
+                                                only=self.ctx.placeable(None, cell.id))  # the cell's job's
         for req, choice in zip(running, choices, strict=True):
             dst = self.ctx.store.fleet.get_cell(choice.cell_id) if choice is not None else None
             if dst is None:

@@ -57,6 +57,46 @@ class Jobs:
         self.planned_moves: list[tuple[str, str]] = []
         """(from job, to job) per cell the last division would move."""
         self._last_step = float("-inf")
+        self.moves: Any = None
+        """The moves between jobs (scheduler/control/jobmoves.py `JobMoves`), set by the controller."""
+        self.auto_move = True
+        """Carry out the division's moves (off: the division is only reported)."""
+        self._members: dict[str, frozenset[str]] | None = None
+        """job → the cells recorded under it (jobs other than `default`); None: read it again."""
+        self._containers: dict[str, Any] = {}
+        """job → the container `placeable` answers for it (one object per job until a cell moves)."""
+        ctx.placeable = self.placeable
+
+    # ------------------------------------------------------------------ placement
+    def placeable(self, session_id: str | None, cell_id: str | None) -> Any:
+        """The cells a request of `session_id` (or leaving `cell_id`) may go to: its job's cells.
+        None while the fleet serves one job (no cell recorded under another job): any cell."""
+        members = self._read_members()
+        if not members:
+            return None
+        store = self.ctx.store.jobs
+        job = store.job_of("session", session_id) if session_id is not None else store.job_of("cell", cell_id or "")
+        kept = self._containers.get(job)
+        if kept is None:
+            if job == DEFAULT_JOB:
+                kept = _Except(frozenset().union(*members.values()))
+            else:
+                kept = members.get(job, frozenset())
+            self._containers[job] = kept
+        return kept
+
+    def _read_members(self) -> dict[str, frozenset[str]]:
+        if self._members is None:
+            out: dict[str, set[str]] = {}
+            for cid, job in self.ctx.store.jobs.jobs_of("cell").items():
+                out.setdefault(job, set()).add(cid)
+            self._members = {j: frozenset(c) for j, c in out.items()}
+            self._containers = {}
+        return self._members
+
+    def forget_members(self) -> None:
+        """A cell's job changed: `placeable` reads the membership again."""
+        self._members = None
 
     # ------------------------------------------------------------------ reads
     def require(self, name: str) -> JobRow:
@@ -197,7 +237,10 @@ class Jobs:
 
     # ------------------------------------------------------------------ the tick
     def step(self) -> None:
-        """Finish draining jobs with nothing in flight; divide the fleet between the jobs."""
+        """Carry moves between jobs on; finish draining jobs with nothing in flight; divide
+        the fleet between the jobs, and start the first move the division asks for."""
+        if self.moves is not None:
+            self.moves.step()
         now = self.ctx.clock()
         if now - self._last_step < STEP_EVERY_S:
             return
@@ -207,6 +250,8 @@ class Jobs:
             if row.state == "draining" and store.live_requests(row.name) == 0:
                 self._finish_delete(row)
         self.divide()
+        if self.moves is not None and self.auto_move:
+            self.moves.plan(self.planned_moves)
 
     def _finish_delete(self, row: JobRow) -> None:
         store = self.ctx.store.jobs
@@ -216,6 +261,7 @@ class Jobs:
             store.put(row)
             for cid in store.members("cell", row.name):
                 store.assign("cell", cid, DEFAULT_JOB)
+        self.forget_members()
 
     def divide(self) -> dict[str, int]:
         """The planner's division of the fleet's live cells between the active jobs, from each
@@ -245,3 +291,15 @@ class Jobs:
 
 def _drained_at(row: JobRow) -> float:
     return next((h[1] for h in reversed(row.history) if h[0] == "draining"), row.created_at)
+
+
+class _Except:
+    """Every cell but those of `other` (the implicit job's cells on a fleet shared with others)."""
+
+    __slots__ = ("other",)
+
+    def __init__(self, other: frozenset[str]) -> None:
+        self.other = other
+
+    def __contains__(self, cell_id: object) -> bool:
+        return cell_id not in self.other

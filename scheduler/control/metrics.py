@@ -87,6 +87,7 @@ class Metrics:
         self.job_cells = Gauge(p + "job_cells", "Live cells each RL job holds.", ["job"], registry=r)
         self.job_target_cells = Gauge(p + "job_target_cells", "Cells the planner's division of the fleet gives each RL job.", ["job"], registry=r)
         self.job_open_sessions = Gauge(p + "job_open_sessions", "Open sessions of each RL job.", ["job"], registry=r)
+        self.job_moves = Counter(p + "job_moves", "Cells moved between RL jobs (drained, reassigned, loaded), by source and destination job.", ["from_job", "to_job"], registry=r)
         self.job_sessions_refused = Counter(p + "job_sessions_refused", "New sessions a job refused (draining, past max_sessions, another job's token), by job and reason.", ["job", "reason"], registry=r)
         for outcome in ("committed", "aborted"):
             for path in ("kv", "kv_store", "reprefill"):

@@ -234,13 +234,13 @@ class Ownership:
                 parked_on = ctx.store.fleet.get_cell(req.cell_id) if req.state == "parked" else None
                 if req.state == "parked" and (parked_on is None or parked_on.id not in ctx.registry.live):
                     continue  # its owner is not live: fencing re-queues it
-                summary = self.summarize(req)
+                summary, only = self.summarize(req), ctx.placeable(req.session_id, None)  # its job's cells
                 if parked_on is not None:
-                    dst = choose_destination(snapshot, req.cell_id, summary)
+                    dst = choose_destination(snapshot, req.cell_id, summary, only)
                 else:  # not back onto the cell it stalled on, unless no other cell has room
                     avoid = self.avoid_cell.get(req.id)
-                    dst = choose_destination(snapshot, avoid, summary) or (
-                        choose_destination(snapshot, None, summary) if avoid else None)
+                    dst = choose_destination(snapshot, avoid, summary, only) or (
+                        choose_destination(snapshot, None, summary, only) if avoid else None)
                 if dst is None:
                     break
                 self.avoid_cell.pop(req.id, None)
@@ -257,11 +257,18 @@ class Ownership:
         """Queued and suspended requests with no cell to avoid (the common case: a dead cell's
         requests, a burst of new sessions), placed oldest first in one pass over the fleet,
         up to the first that finds no room (those behind it wait with it)."""
-        choices = placement.choose_destinations(self.snapshot(), None, [self.summarize(r) for r in waiting],
-                                                in_order=True)
+        by_job: dict[int, tuple] = {}  # one pass per RL job, over its own cells (one job: one pass)
+        for r in waiting:
+            only = self.ctx.placeable(r.session_id, None)
+            by_job.setdefault(id(only), (only, []))[1].append(r)
+        snapshot, choices = self.snapshot(), {}
+        for only, reqs in by_job.values():
+            got = placement.choose_destinations(snapshot, None, [self.summarize(r) for r in reqs], True, only)
+            choices.update((r.id, d) for r, d in zip(reqs, got, strict=True))
         placed = 0
         with self.ctx.txn(durable=True) as fx:
-            for req, dst in zip(waiting, choices, strict=True):
+            for req in waiting:
+                dst = choices[req.id]
                 if dst is None:
                     break
                 self.assign(fx, req, dst.cell_id)

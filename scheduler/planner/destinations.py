@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
 from scheduler.planner.types import (
@@ -60,16 +60,18 @@ def choose_destination(snapshot: Snapshot, source_cell_id: CellId | None, reques
 
 def choose_destinations(snapshot: Snapshot,
                         moves: Sequence[tuple[CellId | None, RequestSummary]],
-                        cost: LinkCostModel = DEFAULT_COST, in_order: bool = False) -> list[Destination]:
+                        cost: LinkCostModel = DEFAULT_COST, in_order: bool = False,
+                        only: Container[CellId] | None = None) -> list[Destination]:
     """Place many requests in one pass; earlier placements use up room for later ones.
 
     Larger contexts are placed first (they gain most from a same-version KV copy); with
     `in_order`, in the order of `moves` (a queue served oldest first). Source cells are never
     destinations. Results are in the order of `moves`. A snapshot that carries a kept
     `Placement` (the controller's) is placed on it in O(moves log cells), and its placements
-    use up room there; otherwise a fresh one is built (O(cells)) and the call is pure.
+    use up room there; otherwise a fresh one is built (O(cells)) and the call is pure. `only`:
+    the cells that may take them (one job's cells on a fleet shared by several; None: any).
     """
-    return placement_of(snapshot).place(moves, cost, in_order)
+    return placement_of(snapshot).place(moves, cost, in_order, only)
 
 
 def placement_of(snapshot: Snapshot) -> Placement:
@@ -222,11 +224,14 @@ class Placement:
         return c if ok else None
 
     def place(self, moves: Sequence[tuple[CellId | None, RequestSummary]], cost: LinkCostModel = DEFAULT_COST,
-              in_order: bool = False) -> list[Destination]:
-        """`choose_destinations` on this index: each destination's room is used up here."""
+              in_order: bool = False, only: Container[CellId] | None = None) -> list[Destination]:
+        """`choose_destinations` on this index: each destination's room is used up here. With
+        `only`, no cell outside it is a destination (a job's own cells: O(cells) for the mask)."""
         heaps = self._placement_heaps()
         position, kv_free, cap, stamp = self.position, self.kv_free, self.cap, self.stamp
         sources = {position[s]: 0 for s, _ in moves if s is not None and s in position}
+        if only is not None:
+            sources.update((i, 0) for cid, i in position.items() if cid not in only)
         for i in sources:  # never a destination in this call: no room here until the end
             sources[i], cap[i] = cap[i], 0
         try:

@@ -12,6 +12,7 @@ Nothing here mutates anything but the room a snapshot's kept placement index giv
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Container
 from collections.abc import Set as AbstractSet
 
 from scheduler.planner import destinations
@@ -23,28 +24,31 @@ __all__ = ["choose_cells_to_flip", "choose_destination", "choose_destinations", 
 
 
 def choose_destination(snapshot: Snapshot, source_cell_id: str | None,
-                       request: RequestSummary) -> Destination | None:
+                       request: RequestSummary, only: Container[str] | None = None) -> Destination | None:
     """A rollout cell with room for `request` and the planner's path (None: nowhere).
-    `source_cell_id` None places a new or waiting request."""
-    return choose_destinations(snapshot, source_cell_id, [request])[0]
+    `source_cell_id` None places a new or waiting request; `only`: the cells that may take it
+    (its job's, on a fleet shared by several jobs; None: any)."""
+    return choose_destinations(snapshot, source_cell_id, [request], only=only)[0]
 
 
 def choose_destinations(snapshot: Snapshot, source_cell_id: str | None, requests: list[RequestSummary],
-                        in_order: bool = False) -> list[Destination | None]:
+                        in_order: bool = False, only: Container[str] | None = None) -> list[Destination | None]:
     """Where each of `requests` leaving `source_cell_id` (None: waiting ones) goes (None:
     nowhere now), placed in one pass over the fleet: earlier placements use up room for later
-    ones; `in_order` places them in the given order (else larger contexts first)."""
+    ones; `in_order` places them in the given order (else larger contexts first); never on a
+    cell outside `only` when given."""
     return [None if d.cell_id is None else Destination(str(d.cell_id), d.path, d.seconds)
             for d in destinations.choose_destinations(snapshot, [(source_cell_id, r) for r in requests],
-                                                      in_order=in_order)]
+                                                      in_order=in_order, only=only)]
 
 
 def sticky_destination(snapshot: Snapshot, cell_id: str | None,
-                       request: RequestSummary) -> Destination | None:
+                       request: RequestSummary, only: Container[str] | None = None) -> Destination | None:
     """The session's previous cell when it can take the request: a later turn then reuses the
     KV its earlier turns left in that cell's prefix cache (path "kv": nothing moves). None
-    when it has no room; the caller then takes the planner's choice (`choose_destination`)."""
-    if cell_id is None:
+    when it has no room, or is outside `only` (it moved to another job); the caller then takes
+    the planner's choice (`choose_destination`)."""
+    if cell_id is None or (only is not None and cell_id not in only):
         return None
     c = destinations.placement_of(snapshot).room_for(cell_id, request.context_tokens)
     return None if c is None else Destination(c.cell_id, "kv")

@@ -37,6 +37,7 @@ ATTACKS: dict[tuple[str, str], dict] = {
     ("DELETE", "/v1/tokens/{token_id}"): {},
     ("POST", "/v1/jobs"): {"json": {"name": "evil", "model": "toy"}},
     ("DELETE", "/v1/jobs/{name}"): {},
+    ("POST", "/v1/jobs/{name}/cells"): {"json": {"cell": "c0"}},
 }
 """What a caller out of scope would send: each body would change the store if it were let through."""
 

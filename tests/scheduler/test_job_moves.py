@@ -1,0 +1,138 @@
+"""A cell moves between RL jobs (scheduler/control/jobmoves.py): its live rollouts migrate to
+its old job's other cells only, it is reassigned, loads, serves the new job; a scheduler
+restarted mid-move finishes it. Fake cells (the data plane played by the test)."""
+
+from __future__ import annotations
+
+from sched_fakes import FakeCell, Harness, hand_over, pump
+
+from scheduler.planner import placement
+
+
+def _fleet(h, n: int = 3) -> list[FakeCell]:
+    cells = [FakeCell(h.client, f"c{i}", max_running=4) for i in range(n)]
+    for c in cells:
+        c.register(), c.sync()
+    return cells
+
+
+def _settle(h, cells, move_id: str, rounds: int = 60) -> dict:
+    """Sync, hand over migrations and tick until the move ends."""
+    for _ in range(rounds):
+        for c in cells:
+            c.sync()
+            for mid in list(c.migrations_out):
+                dst = next((d for d in cells if d is not c and any(x.get("migration_id") == mid for x in d.commands)),
+                           None)
+                if dst is not None:  # else its migrate_in reaches the destination at its next sync
+                    hand_over(c, dst, mid)
+        h.clock.advance(0.3)
+        h.tick()
+        m = next(m for m in h.ctl.store.jobs.list_moves() if m.id == move_id)
+        if m.state in ("done", "undone"):
+            return m.to_api()
+    raise AssertionError(f"move {move_id} did not end: {m.to_api()}")
+
+
+def _setup(tmp_path):
+    h = Harness(str(tmp_path / "s.sqlite"))
+    h.ctl.jobs.auto_move = False  # these tests move cells by hand
+    cells = _fleet(h)
+    assert h.client.post("/v1/jobs", json={"name": "beta", "model": "toy"}).status_code == 201
+    return h, cells
+
+
+def test_a_move_migrates_live_rollouts_within_their_job_only(tmp_path):
+    h, (c0, c1, c2) = _setup(tmp_path)
+    try:
+        r = h.client.post("/v1/jobs/beta/cells", json={"cell": "c2"})
+        assert r.status_code == 202, r.text
+        assert _settle(h, [c0, c1, c2], r.json()["id"])["state"] == "done"
+        assert h.ctl.store.jobs.job_of("cell", "c2") == "beta"
+        assert h.client.get("/v1/cells/c2").json()["state"] == "rollout"
+        # default sessions go to default cells only; c2 is beta's
+        futs = [h.complete({"prompt_ids": [i, i + 1], "max_tokens": 12}, session=f"s{i}") for i in range(3)]
+        for _ in range(500):
+            for c in (c0, c1, c2):
+                c.sync()
+            if sum(len(c.held) for c in (c0, c1, c2)) == 3 or any(f.done() for f in futs):
+                break
+        assert not any(f.done() for f in futs), [f.result().text for f in futs if f.done()]
+        assert sum(len(c.held) for c in (c0, c1)) == 3 and not c2.held
+        for c in (c0, c1):
+            c.step(2), c.sync()
+        # negative control: the planner unrestricted would send c0's rollouts to idle c2
+        snap = h.ctl.snapshot()
+        reqs = [h.ctl.ownership.summarize(h.ctl.store.owners.get_request(rid)) for rid in c0.held]
+        assert reqs, "c0 holds none of the rollouts"
+        free = placement.choose_destinations(snap, "c0", reqs)
+        assert "c2" in {d.cell_id for d in free if d is not None}
+        kept = {rid: len(c0.held[rid].tokens) for rid in c0.held}
+        r = h.client.post("/v1/jobs/beta/cells", json={"cell": "c0"})
+        assert r.status_code == 202, r.text
+        move = _settle(h, [c0, c1, c2], r.json()["id"])
+        assert move["state"] == "done" and move["from"] == "default" and move["to"] == "beta"
+        assert set(kept) <= set(c1.held)  # every live rollout of c0 went on on c1, its job's cell
+        assert not c2.held and not c0.held
+        assert all(len(c1.held[rid].tokens) >= n for rid, n in kept.items())
+        pump([c0, c1, c2], until=futs, harness=h)
+        for fut in futs:
+            assert len(fut.result(timeout=60).json()["token_ids"]) == 12
+        assert h.ctl.store.jobs.job_of("cell", "c0") == "beta"
+        jobs = {j["name"]: j for j in h.client.get("/v1/jobs").json()["jobs"]}
+        assert jobs["beta"]["cells"] == ["c0", "c2"] and jobs["default"]["cells"] == ["c1"]
+        assert 'cellflip_job_moves_total{from_job="default",to_job="beta"} 2.0' in h.client.get("/metrics").text
+    finally:
+        h.close()
+
+
+def test_move_guards(tmp_path):
+    h, (c0, c1, c2) = _setup(tmp_path)
+    try:
+        assert h.client.post("/v1/jobs/beta/cells", json={"cell": "nope"}).status_code == 404
+        assert h.client.post("/v1/jobs/default/cells", json={"cell": "c0"}).status_code == 422
+        assert h.client.post("/v1/jobs/nojob/cells", json={"cell": "c0"}).status_code == 404
+        assert h.client.post("/v1/jobs/beta/cells", json={"cell": "c0"}).status_code == 202
+        again = h.client.post("/v1/jobs/beta/cells", json={"cell": "c0"})
+        assert again.status_code == 409 and again.json()["reason"] == "move_in_progress"
+        trainer = h.auth("trainer")
+        assert h.client.post("/v1/jobs/beta/cells", json={"cell": "c1"}, headers=trainer).status_code == 403
+    finally:
+        h.close()
+
+
+def test_restart_mid_move_finishes_it(tmp_path):
+    h, cells = _setup(tmp_path)
+    r = h.client.post("/v1/jobs/beta/cells", json={"cell": "c1"})
+    mid = r.json()["id"]
+    h.tick()
+    for c in cells:
+        c.sync()
+    assert h.ctl.store.jobs.get_move(mid).state == "draining"
+    h.close()
+    h = Harness(h.db_path)
+    for c in cells:
+        c.client = h.client
+    try:
+        assert _settle(h, cells, mid)["state"] == "done"
+        assert h.ctl.store.jobs.job_of("cell", "c1") == "beta"
+        assert h.client.get("/v1/cells/c1").json()["state"] == "rollout"
+    finally:
+        h.close()
+
+
+def test_the_planner_divides_the_fleet_and_moves_a_cell(tmp_path):
+    h = Harness(str(tmp_path / "s.sqlite"))
+    cells = _fleet(h)
+    try:
+        h.tick()
+        assert h.ctl.jobs.targets == {"default": 3} and h.ctl.jobs.planned_moves == []  # one job: nothing moves
+        assert h.client.post("/v1/jobs", json={"name": "beta", "model": "toy", "min_cells": 1}).status_code == 201
+        h.clock.advance(2.0)
+        h.tick()
+        assert h.ctl.jobs.targets["beta"] >= 1
+        moves = h.ctl.store.jobs.list_moves()
+        assert len(moves) == 1 and moves[0].to_job == "beta"
+        assert _settle(h, cells, moves[0].id)["state"] == "done"
+    finally:
+        h.close()
