@@ -1,5 +1,5 @@
-"""`cellflip` command line: up | scheduler | cell | trainer | status | token | export | replay |
-export-weights (the last three: cells/export/cli.py).
+"""`cellflip` command line: up | scheduler | cell | trainer | status | token | jobs | export | replay |
+export-weights (`jobs`: cells/jobs_cli.py; the last three: cells/export/cli.py).
 
 `up` is cells/up.py; `scheduler` runs `python -m scheduler` by module path (the cells import
 only the scheduler's config, auth and contract helpers, never its app). Imports are lazy so
@@ -157,7 +157,8 @@ def cmd_token(args) -> int:
     url = f"{args.scheduler}/v1/tokens"
     try:
         if args.action == "create":
-            r = httpx.post(url, json={"scope": args.scope, "name": args.name}, headers=headers, timeout=10.0)
+            body = {"scope": args.scope, "name": args.name, **({"job": args.job} if args.job else {})}
+            r = httpx.post(url, json=body, headers=headers, timeout=10.0)
         elif args.action == "revoke":
             r = httpx.delete(f"{url}/{args.id}", headers=headers, timeout=10.0)
         else:
@@ -191,6 +192,7 @@ def _token_parser(sub) -> None:
     tk_create = tk_sub.add_parser("create", help="print a new token of a scope")
     tk_create.add_argument("--scope", required=True, choices=("admin", "trainer", "cell", "agent", "scrape", "reader"))
     tk_create.add_argument("--name", default="", help="a label: who or what holds it")
+    tk_create.add_argument("--job", help="the RL job an agent or trainer token acts on (default: `default`)")
     tk_revoke = tk_sub.add_parser("revoke", help="revoke a token by id (refused from the next request on)")
     tk_revoke.add_argument("id")
     tk_sub.add_parser("list", help="every token's id, scope, origin and state (never the token)")
@@ -244,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
                                          "$CELLFLIP_TRAINER_TOKEN, else the scheduler's generated runs/trainer.token)")
     _token_parser(sub)
     from cells.export.cli import add_parsers
+    from cells.jobs_cli import add_parsers as add_jobs_parsers
 
     add_parsers(sub)
+    add_jobs_parsers(sub)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
