@@ -28,9 +28,8 @@ async def list_versions(ctl: Ctl) -> dict:
 @router.post("", status_code=201, responses=errors(409, 413, 422))
 async def publish_version(body: VersionCreate, ctl: Ctl,
                           idempotency_key: Annotated[str | None, Header(max_length=256)] = None) -> dict:
-    out = ctl.publish_version(body.version, body.source.model_dump() if body.source else None, idempotency_key)
-    ctl.jobs.tag_version(body.version, current_job() or "default")  # the publishing trainer's job
-    return out
+    return ctl.publish_version(body.version, body.source.model_dump() if body.source else None, idempotency_key,
+                               current_job() or "default")  # the publishing trainer's job's lineage
 
 
 @router.delete("/{version}", responses=errors(404, 409, 422))

@@ -185,13 +185,13 @@ class Membership:
         if fresh.state == "joining":
             # a fresh cell serves only a version within the staleness bound: until its fetch of the
             # current one completes (Versions.catch_up tells it) it is `loading`, given no request
-            if self.versions.servable(s.version):
+            if self.versions.servable(s.version, fresh.id):
                 set_state(CELL, fresh, "rollout", "first sync")
             else:
                 set_state(CELL, fresh, "loading", f"first sync at version {s.version}: fetching the current one")
             fresh.generation += 1
         elif (fresh.state == "loading" and self.ctx.store.fleet.active_flip_for(fresh.id) is None
-              and self.versions.servable(s.version)):  # a fresh cell's fetch completed (a flip's load is Flips._load's)
+              and self.versions.servable(s.version, fresh.id)):  # a fresh cell's fetch completed (a flip's load is Flips._load's)
             set_state(CELL, fresh, "rollout", f"loaded version {s.version}")
             fresh.generation += 1
         self.ctx.store.fleet.put_cell(fresh)

@@ -218,8 +218,9 @@ class Controller:
     def get_flip(self, flip_id: str) -> dict:
         return self.flips.get(flip_id)
 
-    def publish_version(self, version: int, source: dict | None = None, idempotency_key: str | None = None) -> dict:
-        return self.versions.publish(version, source, idempotency_key)
+    def publish_version(self, version: int, source: dict | None = None, idempotency_key: str | None = None,
+                        job: str = "default") -> dict:
+        return self.versions.publish(version, source, idempotency_key, job)
 
     def register_version_host(self, host: str, port: int) -> dict:
         return self.versions.register_host(host, port)

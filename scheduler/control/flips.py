@@ -286,7 +286,7 @@ class Flips:
             self._set_cell(cell, "rollout", f"flip {flip.id} done")
             self.finish(fx, flip, "done")
             return
-        want = self.versions.target()
+        want = self.versions.target(self.versions.lineages.job_of_cell(cell.id))  # the cell's RL job's
         summary = self.ctx.registry.summary(cell.id)
         have = summary.version if summary is not None else None
         if want is not None and have != want.v:

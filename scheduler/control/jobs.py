@@ -163,10 +163,6 @@ class Jobs:
         with self.ctx.txn(durable=False):
             self.ctx.store.jobs.assign_new("session", session_id, job)
 
-    def tag_version(self, version: int, job: str) -> None:
-        with self.ctx.txn(durable=True):
-            self.ctx.store.jobs.assign_new("version", version, job)
-
     # ------------------------------------------------------------------ create, list, delete
     def create(self, spec: dict[str, Any]) -> dict[str, Any]:
         name = spec["name"]

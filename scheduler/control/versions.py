@@ -23,6 +23,7 @@ from scheduler.contract.errors import Conflict, Invalid, NotFound
 from scheduler.contract.protocol import LoadVersionCmd
 from scheduler.contract.states import VERSION, set_state
 from scheduler.control import idempotency
+from scheduler.control.jobversions import JobLineages
 from scheduler.control.staleness import versions_behind
 from scheduler.store.fleet import VersionRow
 
@@ -53,6 +54,8 @@ class Versions:
         """Heap of (when, cell): a cell told to load (or loading) the target, looked at again then."""
         self._due: dict[str, float] = {}
         """cell → its one live entry in `_recheck` (the others are stale)."""
+        self.lineages = JobLineages(ctx)
+        """Each RL job's own lineage, on a fleet shared by several (scheduler/control/jobversions.py)."""
 
     # ------------------------------------------------------------------ reads
     def current(self) -> int | None:
@@ -72,22 +75,28 @@ class Versions:
         """version → live cells serving it (as last reported)."""
         return self.served.serving()
 
-    def servable(self, version: int | None) -> bool:
+    def servable(self, version: int | None, cell_id: str | None = None) -> bool:
         """May a cell serve rollouts at `version`? Yes when nothing is published yet to fetch,
         when it is the target, or when it is a published, unretired version no more than
-        `staleness_bound` published versions behind the newest (scheduler/control/staleness.py)."""
-        t = self.target()
+        `staleness_bound` published versions behind the newest (scheduler/control/staleness.py);
+        of the cell's own RL job's lineage on a fleet shared by several."""
+        job = self.lineages.job_of_cell(cell_id) if cell_id is not None and self.lineages.multi() else None
+        t = self.target(job)
         if t is None or version == t.v:
             return True
         rows = self.ctx.store.fleet.list_versions()
+        if job is not None:
+            rows = self.lineages.lineage(rows, job)
         row = next((r for r in rows if r.v == version), None)
         if row is None or row.state == "retired":
             return False  # e.g. a fresh cell's initial weights, which no trainer published
         return versions_behind(sorted(r.v for r in rows), row.v) <= self.ctx.cfg.staleness_bound
 
-    def target(self) -> VersionRow | None:
+    def target(self, job: str | None = None) -> VersionRow | None:
         """The version rollout cells should serve: the newest broadcasting or active one that
-        cells can fetch (has a source)."""
+        cells can fetch (has a source); with `job`, on a fleet shared by several, that job's."""
+        if job is not None and self.lineages.multi():
+            return self.lineages.target(self.ctx.store.fleet.list_versions(), job)
         rows = [r for r in self.ctx.store.fleet.list_versions() if r.state in ("broadcasting", "active") and r.source]
         return max(rows, key=lambda r: r.v) if rows else None
 
@@ -121,9 +130,11 @@ class Versions:
                       "(PUT /v1/trainer/version-host) nor a live cell: cells are never sent to an address "
                       "the scheduler cannot vouch for", code="source_not_vouched")
 
-    def publish(self, version: int, source: dict | None = None, idempotency_key: str | None = None) -> dict[str, Any]:
+    def publish(self, version: int, source: dict | None = None, idempotency_key: str | None = None,
+                job: str = "default") -> dict[str, Any]:
         """Record `version` as broadcasting and tell the rollout cells to join its broadcast.
-        Under an Idempotency-Key a replay (a trainer that lost the answer) gets the first answer."""
+        Under an Idempotency-Key a replay (a trainer that lost the answer) gets the first answer.
+        `job`: the RL job whose lineage it extends (its rollout cells only are told)."""
         ctx = self.ctx
         fp = idempotency.fingerprint([version, source])
         hit = idempotency.replay(ctx.store, IDEMPOTENCY_SCOPE, idempotency_key, fp)
@@ -136,7 +147,9 @@ class Versions:
             rows = ctx.store.fleet.list_versions()
             if any(r.v == version for r in rows):
                 raise Conflict(f"version {version} exists", code="version_exists")
-            lineage = [r.v for r in rows if not _abandoned(r)]
+            multi = job != "default" or self.lineages.multi()
+            ctx.store.jobs.assign_new("version", version, job)
+            lineage = [r.v for r in (self.lineages.lineage(rows, job) if multi else rows) if not _abandoned(r)]
             newest = max(lineage) if lineage else None
             if newest is not None and version < newest:
                 raise Conflict(f"version {version} is older than {newest}", code="version_not_newer")
@@ -148,6 +161,8 @@ class Versions:
                              source=source)
             ctx.store.fleet.put_version(row)
             receivers = self._rollout_cells() if source else []
+            if multi:
+                receivers = self.lineages.rollout_cells(receivers, job)
             policy = ctx.ver_cfg.inflight_policy
             for cell_id in receivers:
                 self.version_sent[(cell_id, version)] = now
@@ -201,7 +216,12 @@ class Versions:
         """Active: tell every rollout (or loading) cell that serves neither the target version
         nor is receiving it to fetch it point-to-point; again after `load_timeout_s` if still not.
         Visits every cell once per new target, then only the cells that changed since the last
-        tick (`ServedVersions.dirty`) and those whose load timeout came due."""
+        tick (`ServedVersions.dirty`) and those whose load timeout came due. On a fleet shared
+        by several RL jobs, each cell its own job's target (scheduler/control/jobversions.py)."""
+        if self.lineages.multi():
+            self.lineages.catch_up(self)
+            self._caught_up = None
+            return
         t = self.target()
         if t is None:
             return
@@ -241,7 +261,11 @@ class Versions:
             heapq.heappush(self._recheck, (when, cell_id))
 
     def progress(self) -> None:
-        """Passive: activate broadcast versions that every live rollout cell serves."""
+        """Passive: activate broadcast versions that every live rollout cell serves (of the
+        version's RL job, on a fleet shared by several)."""
+        if self.lineages.multi():
+            self.lineages.progress(self)
+            return
         ctx = self.ctx
         rows = ctx.store.fleet.list_versions()
         pending = [r for r in rows if r.state == "broadcasting"]

@@ -152,6 +152,11 @@ class JobStore:
         if job != DEFAULT_JOB:
             self.s.execute("INSERT OR IGNORE INTO job_of(kind, key, job) VALUES (?,?,?)", (kind, str(key), job))
 
+    def any_recorded(self, kinds: tuple[str, ...]) -> bool:
+        """Is anything of `kinds` recorded under a job (other than `default`)?"""
+        q = f"SELECT 1 FROM job_of WHERE kind IN ({','.join('?' * len(kinds))}) LIMIT 1"
+        return self.s.execute(q, kinds).fetchone() is not None
+
     def live_sessions(self) -> dict[str, int]:
         """job → its open sessions (the implicit job's: every open session recorded under no job)."""
         q = ("SELECT COALESCE(j.job, 'default'), COUNT(*) FROM sessions s LEFT JOIN job_of j "

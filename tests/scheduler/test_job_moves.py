@@ -136,3 +136,52 @@ def test_the_planner_divides_the_fleet_and_moves_a_cell(tmp_path):
         assert _settle(h, cells, moves[0].id)["state"] == "done"
     finally:
         h.close()
+
+
+SOURCE = {"host": "127.0.0.1", "port": 29999, "namespace": "versions"}
+
+
+def _loads(c: FakeCell) -> list[int]:
+    return [cmd["version"] for cmd in c.commands if cmd["type"] == "load_version"]
+
+
+def test_each_job_loads_and_activates_its_own_lineage(tmp_path):
+    h, (c0, c1, c2) = _setup(tmp_path)
+    try:
+        mid = h.client.post("/v1/jobs/beta/cells", json={"cell": "c2"}).json()["id"]
+        assert _settle(h, [c0, c1, c2], mid)["state"] == "done"
+        h.client.put("/v1/trainer/version-host", json={"host": SOURCE["host"], "port": SOURCE["port"]})
+        tb = {"Authorization": "Bearer " + h.client.post("/v1/tokens", json={"scope": "trainer", "job": "beta"}).json()["token"]}
+        r = h.client.post("/v1/versions", json={"version": 1, "source": SOURCE}, headers=tb)
+        assert r.status_code == 201 and r.json()["receivers"] == ["c2"]  # beta's cells only
+        r = h.client.post("/v1/versions", json={"version": 2, "source": SOURCE}, headers=h.auth("trainer"))
+        assert r.status_code == 201 and sorted(r.json()["receivers"]) == ["c0", "c1"]
+        # a job's lineage only: beta's next version is checked against beta's newest (1), not 2
+        assert h.client.post("/v1/versions", json={"version": 3, "source": SOURCE}, headers=tb).status_code == 201
+        for c in (c0, c1, c2):
+            c.sync()
+        assert (_loads(c0), _loads(c1), _loads(c2)) == ([2], [2], [1, 3])
+        c0.version = c1.version = 2
+        c2.version = 3
+        for _ in range(3):
+            for c in (c0, c1, c2):
+                c.sync()
+            h.clock.advance(1.0), h.tick()
+        states = {v["version"]: v["state"] for v in h.client.get("/v1/versions").json()["versions"]}
+        assert states[2] == "active" and states[3] == "active"  # each once its own job's cells serve it
+        assert states[1] in ("retiring", "broadcasting", "retired")  # beta's older one, superseded
+        # a cell moving into beta loads beta's version, never default's
+        mid = h.client.post("/v1/jobs/beta/cells", json={"cell": "c1"}).json()["id"]
+        for _ in range(60):
+            for c in (c0, c1, c2):
+                c.sync()
+                if c is c1 and 3 in _loads(c1):
+                    c1.version = 3
+            h.clock.advance(0.3), h.tick()
+            if h.ctl.store.jobs.get_move(mid).state == "done":
+                break
+        assert h.ctl.store.jobs.get_move(mid).state == "done"
+        assert _loads(c1) == [2, 3] and h.client.get("/v1/cells/c1").json()["version"] == 3
+        assert _loads(c0) == [2]  # negative control: default's cell was never told of beta's versions
+    finally:
+        h.close()
