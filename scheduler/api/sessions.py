@@ -10,8 +10,9 @@ from fastapi import APIRouter, Path, Query
 from pydantic import Field
 
 from scheduler.api.deps import ApiRoute, Ctl
-from scheduler.api.principal import current_agent
+from scheduler.api.principal import current_agent, current_job
 from scheduler.api.schemas import SessionFinish, _Body, errors
+from scheduler.contract.errors import NotFound
 from scheduler.contract.ids import SESSION_ID_PATTERN, SESSION_ID_RULE
 from scheduler.control.metrics import GROUP_DROP_REASONS
 
@@ -20,21 +21,33 @@ SessionPath = Annotated[str, Path(pattern=SESSION_ID_PATTERN, description=SESSIO
 router = APIRouter(tags=["sessions"], route_class=ApiRoute, responses=errors(401, 403))
 
 
+def _own_job(ctl, session_id: str) -> None:
+    """A job-bound token's sessions are its job's: another job's session is unknown (404)."""
+    job = current_job()
+    if job is not None and ctl.jobs.session_job(session_id) != job:
+        raise NotFound(f"unknown session {session_id!r}")
+
+
 @router.get("/v1/sessions/{session_id}", responses=errors(404, 429))
 async def get_session(session_id: SessionPath, ctl: Ctl) -> dict:
-    """An agent token reads its own sessions only (another's answers 404, as an unknown id)."""
+    """An agent token reads its own sessions only (another's answers 404, as an unknown id);
+    a job-bound trainer token its job's."""
+    _own_job(ctl, session_id)
     return ctl.store.sessions.to_api(session_id, current_agent())
 
 
 @router.post("/v1/sessions/{session_id}/finish", responses=errors(404, 409, 413, 422))
 async def finish_session(session_id: SessionPath, body: SessionFinish, ctl: Ctl) -> dict:
+    _own_job(ctl, session_id)
     return ctl.finish_session(session_id, body.reward, body.group_id)
 
 
 @router.get("/v1/trajectories", responses=errors(422))
 async def trajectories(ctl: Ctl, cursor: Annotated[int, Query(ge=0, lt=1 << 63)] = 0,
                        limit: Annotated[int, Query(ge=1, le=1000)] = 16) -> dict:
-    return ctl.trajectories(cursor, limit)
+    """A job-bound trainer token gets its own job's trajectories only, each one's staleness
+    counted in its job's lineage (the cursor still walks every finished session)."""
+    return ctl.trajectories(cursor, limit, current_job())
 
 
 class GroupsDropped(_Body):

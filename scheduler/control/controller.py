@@ -239,8 +239,8 @@ class Controller:
         return {"versions": self.versions.list_all(), "scoring": self.scoring.to_api(),
                 "staleness": self.staleness.to_api()}
 
-    def trajectories(self, cursor: int, limit: int) -> dict[str, Any]:
-        return self.staleness.hand_out(cursor, limit)
+    def trajectories(self, cursor: int, limit: int, job: str | None = None) -> dict[str, Any]:
+        return self.staleness.hand_out(cursor, limit, job)
 
     def report_training(self, batch_size: int, steps_in_progress: int, max_cells_per_step: int,
                         max_concurrent_steps: int = 1, step_s: float | None = None,

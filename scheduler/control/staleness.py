@@ -103,18 +103,29 @@ class Staleness:
                          f"limit (staleness_bound + 1) x batch = {limit}", code="staleness_bound",
                          retry_after_s=max(1.0, ctx.cfg.heartbeat_s * 2))
 
-    def hand_out(self, cursor: int, limit: int) -> dict[str, Any]:
+    def hand_out(self, cursor: int, limit: int, job: str | None = None) -> dict[str, Any]:
         """GET /v1/trajectories: finished sessions past `cursor`, each with its staleness and
-        the policy applied; the trainer's cursor advances to what it fetched."""
+        the policy applied; the trainer's cursor advances to what it fetched. With `job` (a
+        job-bound trainer, on a fleet shared by several jobs), that job's only, their staleness
+        counted in its own lineage."""
         items, nxt = self.ctx.store.sessions.trajectories(cursor, limit)
-        self.trajectory_cursor = max(self.trajectory_cursor, nxt)
-        return {"trajectories": self._apply(items), "next_cursor": nxt}
+        jobs = self.ctx.store.jobs
+        published = None
+        if job is not None and jobs.any_recorded(("session", "version")):
+            mine = jobs.jobs_of("session", [t["id"] for t in items])
+            items = [t for t in items if mine[t["id"]] == job]
+            versions = jobs.jobs_of("version", [r.v for r in self.ctx.store.fleet.list_versions()])
+            published = sorted(int(v) for v, j in versions.items() if j == job)
+        self.trajectory_cursor = max(self.trajectory_cursor, nxt)  # one fleet-wide cursor (docs/JOBS.md)
+        return {"trajectories": self._apply(items, published), "next_cursor": nxt}
 
-    def _apply(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _apply(self, items: list[dict[str, Any]], published: list[int] | None = None) -> list[dict[str, Any]]:
         """Annotate each trajectory with its `staleness` (versions) and apply the policy to
-        those past the bound; returns the list to hand out (same order, same length)."""
+        those past the bound; returns the list to hand out (same order, same length).
+        `published`: the versions to count in (None: every published version)."""
         ctx = self.ctx
-        published = sorted(r.v for r in ctx.store.fleet.list_versions())
+        if published is None:
+            published = sorted(r.v for r in ctx.store.fleet.list_versions())
         bound, policy = ctx.cfg.staleness_bound, ctx.cfg.staleness_policy
         out = []
         for t in items:

@@ -149,3 +149,23 @@ def test_single_job_fleet_routes_any_model_name_to_default(harness):
     metrics = h.client.get("/metrics").text
     assert 'cellflip_job_target_cells{job="default"} 0.0' in metrics
     assert 'cellflip_job_open_sessions{job="default"} 0.0' in metrics  # refused before recording anything
+
+
+def test_a_jobs_trainer_sees_and_trains_on_its_own_sessions_only(harness):
+    h = harness
+    cell = FakeCell(h.client, "c0", headers=h.auth("cell"))
+    cell.register(), cell.sync()
+    _job(h, "alpha")
+    agent_a, trainer_a, trainer_d = _token(h, "agent", "alpha"), _token(h, "trainer", "alpha"), h.auth("trainer")
+    assert _generate(h, cell, "sa", agent_a).status_code == 200
+    assert _generate(h, cell, "sd", h.auth("agent")).status_code == 200
+    finish = {"reward": 1.0, "group_id": "g"}
+    assert h.client.post("/v1/sessions/sd/finish", json=finish, headers=trainer_a).status_code == 404
+    assert h.client.get("/v1/sessions/sd", headers=trainer_a).status_code == 404
+    assert h.client.post("/v1/sessions/sa/finish", json=finish, headers=trainer_a).status_code == 200
+    assert h.client.post("/v1/sessions/sd/finish", json=finish, headers=trainer_d).status_code == 200
+
+    def ids(headers):
+        return [t["id"] for t in h.client.get("/v1/trajectories", headers=headers).json()["trajectories"]]
+
+    assert (ids(trainer_a), ids(trainer_d), sorted(ids({}))) == (["sa"], ["sd"], ["sa", "sd"])
