@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.errors import CellflipError, Conflict, Invalid, NoCapacity, NotFound
@@ -261,23 +262,24 @@ class Jobs:
 
     def divide(self) -> dict[str, int]:
         """The planner's division of the fleet's live cells between the active jobs, from each
-        job's demand (open sessions over the slots a cell offers); kept as `targets`."""
-        store = self.ctx.store
+        job's demand (open sessions over the slots a cell offers); kept as `targets`. A fleet
+        serving `default` alone has nothing to divide (and counts no sessions)."""
+        store, m = self.ctx.store, self.ctx.metrics
         rows = store.fleet.planning_rows()
-        held_by = store.jobs.jobs_of("cell", [r.cell_id for r in rows])
+        active = [j for j in store.jobs.list() if j.state == "active"]
+        if [j.name for j in active] == [DEFAULT_JOB] and not store.jobs.any_recorded(("cell",)):
+            self.targets, self.planned_moves = {DEFAULT_JOB: len(rows)}, []
+            m.job_target_cells.labels(DEFAULT_JOB).set(len(rows))
+            m.job_cells.labels(DEFAULT_JOB).set(len(rows))
+            return self.targets
+        recorded = store.jobs.jobs_of("cell")
+        held = Counter(recorded.get(r.cell_id, DEFAULT_JOB) for r in rows)
         slots = max(1, int(sum(r.max_running for r in rows) / max(1, len(rows))))
         live = store.jobs.live_sessions()
-        shares, held = [], {}
-        for j in store.jobs.list():
-            if j.state != "active":
-                continue
-            n = sum(1 for job in held_by.values() if job == j.name)
-            held[j.name] = n
-            shares.append(JobShare(j.name, j.min_cells, len(rows) if j.max_cells is None else j.max_cells,
-                                   j.weight, math.ceil(live.get(j.name, 0) / slots), n))
+        shares = [JobShare(j.name, j.min_cells, len(rows) if j.max_cells is None else j.max_cells, j.weight,
+                           math.ceil(live.get(j.name, 0) / slots), held.get(j.name, 0)) for j in active]
         self.targets = divide(shares, len(rows))
-        self.planned_moves = moves(self.targets, held)
-        m = self.ctx.metrics
+        self.planned_moves = moves(self.targets, {n: held.get(n, 0) for n in set(held) | set(self.targets)})
         for name, t in self.targets.items():
             m.job_target_cells.labels(name).set(t)
             m.job_cells.labels(name).set(held.get(name, 0))

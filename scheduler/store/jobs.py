@@ -41,6 +41,7 @@ CREATE TABLE IF NOT EXISTS job_moves(
   id TEXT PRIMARY KEY, cell_id TEXT NOT NULL, from_job TEXT NOT NULL, to_job TEXT NOT NULL,
   state TEXT NOT NULL, reason TEXT, created_at REAL NOT NULL, finished_at REAL, history TEXT NOT NULL);
 CREATE INDEX IF NOT EXISTS job_moves_state ON job_moves(state);
+CREATE INDEX IF NOT EXISTS sessions_open ON sessions(id) WHERE state = 'open';
 """
 
 KINDS = ("cell", "session", "version", "token")
@@ -159,7 +160,7 @@ class JobStore:
 
     def live_sessions(self) -> dict[str, int]:
         """job → its open sessions (the implicit job's: every open session recorded under no job)."""
-        q = ("SELECT COALESCE(j.job, 'default'), COUNT(*) FROM sessions s LEFT JOIN job_of j "
+        q = ("SELECT COALESCE(j.job, 'default'), COUNT(*) FROM sessions s INDEXED BY sessions_open LEFT JOIN job_of j "
              "ON j.kind = 'session' AND j.key = s.id WHERE s.state = 'open' GROUP BY 1")
         return dict(self.s.execute(q))
 

@@ -148,7 +148,12 @@ def test_single_job_fleet_routes_any_model_name_to_default(harness):
     h.tick()
     metrics = h.client.get("/metrics").text
     assert 'cellflip_job_target_cells{job="default"} 0.0' in metrics
-    assert 'cellflip_job_open_sessions{job="default"} 0.0' in metrics  # refused before recording anything
+    assert 'cellflip_job_cells{job="default"} 0.0' in metrics
+    _job(h, "beta")  # several jobs: their open sessions are counted
+    h.clock.advance(2.0), h.tick()
+    metrics = h.client.get("/metrics").text
+    assert 'cellflip_job_open_sessions{job="default"} 0.0' in metrics  # the turn was refused before any record
+    assert 'cellflip_job_open_sessions{job="beta"} 0.0' in metrics
 
 
 def test_a_jobs_trainer_sees_and_trains_on_its_own_sessions_only(harness):
