@@ -27,6 +27,11 @@ if TYPE_CHECKING:
     from scheduler.control.jobs import Jobs
 
 
+START_TIMEOUT_S = 60.0
+"""A move whose drain cannot start this long (its flip refused) is undone, so it does not hold
+the planner's next move back."""
+
+
 class JobMoves:
     """Carries out `job_moves` records; owns no state beyond the store's rows."""
 
@@ -78,6 +83,8 @@ class JobMoves:
             return
         if flip is not None:
             return  # a drain or a load under way: wait for it
+        if move.state == "draining" and self._stuck(move):
+            return
         if move.state == "draining":
             if cell.state == "training":
                 self._reassign(move)
@@ -92,6 +99,22 @@ class JobMoves:
                 self._end(move, "done", f"serving job {move.to_job}")
             elif cell.state == "training":
                 self._flip(move, "rollout")
+
+    def _stuck(self, move: MoveRow) -> bool:
+        """Undo a move not yet reassigned whose destination job is no longer active, or whose
+        drain could not start (e.g. `min_rollout_cells`) for `START_TIMEOUT_S`."""
+        to = self.ctx.store.jobs.get(move.to_job)
+        if to is None or to.state != "active":
+            cell = self.ctx.store.fleet.get_cell(move.cell_id)
+            if cell is not None and cell.state == "training":  # drained already: back to its job's rollouts
+                self._flip(move, "rollout")
+            self._end(move, "undone", f"job {move.to_job} is no longer active")
+            return True
+        started = any(h[0].startswith("flip_") for h in move.history)
+        if not started and time.time() - move.created_at > START_TIMEOUT_S:
+            self._end(move, "undone", f"its drain could not start within {START_TIMEOUT_S:g}s")
+            return True
+        return False
 
     def _last_flip_ended(self, move: MoveRow, to: str) -> str | None:
         """How the move's last flip to `to` ended (None: it made none)."""

@@ -185,3 +185,30 @@ def test_each_job_loads_and_activates_its_own_lineage(tmp_path):
         assert _loads(c0) == [2]  # negative control: default's cell was never told of beta's versions
     finally:
         h.close()
+
+
+def test_a_move_that_cannot_drain_or_whose_job_went_is_undone(tmp_path, monkeypatch):
+    from scheduler.control import jobmoves
+
+    h = Harness(str(tmp_path / "s.sqlite"), min_rollout_cells=2)
+    h.ctl.jobs.auto_move = False
+    cells = _fleet(h, 2)
+    try:
+        assert h.client.post("/v1/jobs", json={"name": "beta", "model": "toy"}).status_code == 201
+        mid = h.client.post("/v1/jobs/beta/cells", json={"cell": "c0"}).json()["id"]
+        h.tick()
+        move = h.ctl.store.jobs.get_move(mid)
+        assert move.state == "draining" and move.history[-1][0] == "waiting"  # min_rollout_cells holds it
+        monkeypatch.setattr(jobmoves, "START_TIMEOUT_S", 0.0)
+        h.clock.advance(1.0), h.tick()
+        assert h.ctl.store.jobs.get_move(mid).state == "undone"
+        assert h.ctl.store.jobs.job_of("cell", "c0") == "default"
+        monkeypatch.setattr(jobmoves, "START_TIMEOUT_S", 60.0)
+        mid = h.client.post("/v1/jobs/beta/cells", json={"cell": "c1"}).json()["id"]
+        assert h.client.delete("/v1/jobs/beta").status_code == 200
+        h.clock.advance(1.0), h.tick()
+        assert h.ctl.store.jobs.get_move(mid).state == "undone"
+        for c in cells:
+            c.sync()
+    finally:
+        h.close()
