@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Header
 
 from scheduler.api.deps import ApiRoute, Ctl
+from scheduler.api.principal import current_job
 from scheduler.api.schemas import FlipCreate, errors
 
 router = APIRouter(prefix="/v1/flips", tags=["flips"], route_class=ApiRoute, responses=errors(401, 403))
@@ -15,7 +16,7 @@ router = APIRouter(prefix="/v1/flips", tags=["flips"], route_class=ApiRoute, res
 @router.post("", status_code=202, responses=errors(404, 409, 413, 422))
 async def create_flip(body: FlipCreate, ctl: Ctl,
                       idempotency_key: Annotated[str | None, Header(max_length=256)] = None) -> dict:
-    return ctl.create_flips(body.to, body.cell, body.count, body.expected_generation, idempotency_key)
+    return ctl.create_flips(body.to, body.cell, body.count, body.expected_generation, idempotency_key, current_job())
 
 
 @router.get("")

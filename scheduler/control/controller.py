@@ -212,8 +212,9 @@ class Controller:
 
     # ------------------------------------------------------------------ thin API: operators, trainer
     def create_flips(self, to: str, cell: str | None, count: int | None, expected_generation: int | None,
-                     idempotency_key: str | None = None) -> dict:
-        return self.flips.request(to, cell, count, expected_generation, idempotency_key)
+                     idempotency_key: str | None = None, job: str | None = None) -> dict:
+        """`job`: a job-bound trainer's flips take its own job's cells only."""
+        return self.flips.request(to, cell, count, expected_generation, idempotency_key, self.jobs.foreign_cells(cell, job))
 
     def get_flip(self, flip_id: str) -> dict:
         return self.flips.get(flip_id)

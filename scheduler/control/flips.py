@@ -74,10 +74,11 @@ class Flips:
 
     # ------------------------------------------------------------------ requests for flips
     def request(self, to: str, cell: str | None, count: int | None, expected_generation: int | None,
-                idempotency_key: str | None = None) -> dict[str, Any]:
+                idempotency_key: str | None = None, exclude: frozenset[str] = frozenset()) -> dict[str, Any]:
         """An explicit flip (POST /v1/flips): it overrides the planner, which then leaves a cell
-        flipped to training there (as busy) until an explicit flip brings it back."""
-        out = self.create(to, cell, count, expected_generation, idempotency_key)
+        flipped to training there (as busy) until an explicit flip brings it back. `exclude`:
+        cells a flip by count never picks (another RL job's, for a job-bound trainer)."""
+        out = self.create(to, cell, count, expected_generation, idempotency_key, exclude)
         for f in out.get("flips", []):
             if to == "training":
                 self.pinned_training.add(f["cell"])
@@ -86,7 +87,7 @@ class Flips:
         return out
 
     def create(self, to: str, cell: str | None, count: int | None, expected_generation: int | None,
-               idempotency_key: str | None = None) -> dict[str, Any]:
+               idempotency_key: str | None = None, exclude: frozenset[str] = frozenset()) -> dict[str, Any]:
         """Record flips durably (pending); the loop carries them out. Replays of an
         Idempotency-Key return the original answer; a key reused with another body is a 409."""
         ctx = self.ctx
@@ -95,7 +96,8 @@ class Flips:
         if hit is not None:
             return hit
         with ctx.txn(durable=True):
-            made = [self._new_flip(c, to, idempotency_key) for c in self._targets(to, cell, count, expected_generation)]
+            made = [self._new_flip(c, to, idempotency_key)
+                    for c in self._targets(to, cell, count, expected_generation, exclude)]
             response = {"id": made[0].id, "state": made[0].state,
                         "flips": [{"id": f.id, "cell": f.cell_id, "state": f.state} for f in made]}
             idempotency.record(ctx.store, IDEMPOTENCY_SCOPE, idempotency_key, fp, response)
@@ -103,7 +105,8 @@ class Flips:
         ctx.kick()
         return response
 
-    def _targets(self, to: str, cell: str | None, count: int | None, expected_generation: int | None) -> list[CellRow]:
+    def _targets(self, to: str, cell: str | None, count: int | None, expected_generation: int | None,
+                 exclude: frozenset[str] = frozenset()) -> list[CellRow]:
         fleet = self.ctx.store.fleet
         if cell is not None:
             row = fleet.get_cell(cell)
@@ -114,7 +117,7 @@ class Flips:
                                code="stale_generation")
             return [row]
         want = count or 1
-        flipping = fleet.flipping_cells()  # not to pick: it would be refused
+        flipping = fleet.flipping_cells() | exclude  # not to pick: it would be refused
         ids = placement.choose_cells_to_flip(self.snapshot(), to, want, exclude=flipping)
         if len(ids) < want:
             raise Conflict(f"only {len(ids)} cells can flip to {to}, {want} asked", code="no_cells")

@@ -86,6 +86,19 @@ class Jobs:
             self._containers[job] = kept
         return kept
 
+    def foreign_cells(self, cell_id: str | None, job: str | None) -> frozenset[str]:
+        """The cells of jobs other than `job` (none when `job` is None or the fleet serves one
+        job); 403 `wrong_job` when `cell_id` is one of them."""
+        members = self._read_members()
+        if job is None or (not members and job == DEFAULT_JOB):
+            return frozenset()
+        other = frozenset().union(*(cells for j, cells in members.items() if j != job))
+        if job != DEFAULT_JOB:
+            other |= {r.cell_id for r in self.ctx.store.fleet.planning_rows()} - members.get(job, frozenset())
+        if cell_id is not None and cell_id in other:
+            raise Forbidden(f"cell {cell_id} serves another job than {job!r}")
+        return other
+
     def _read_members(self) -> dict[str, frozenset[str]]:
         if self._members is None:
             out: dict[str, set[str]] = {}

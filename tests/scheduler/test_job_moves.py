@@ -212,3 +212,19 @@ def test_a_move_that_cannot_drain_or_whose_job_went_is_undone(tmp_path, monkeypa
             c.sync()
     finally:
         h.close()
+
+
+def test_a_jobs_trainer_flips_its_own_jobs_cells_only(tmp_path):
+    h, (c0, c1, c2) = _setup(tmp_path)
+    try:
+        tb = {"Authorization": "Bearer " + h.client.post("/v1/tokens", json={"scope": "trainer", "job": "beta"}).json()["token"]}
+        r = h.client.post("/v1/flips", json={"to": "training", "count": 1}, headers=tb)
+        assert r.status_code == 409 and r.json()["reason"] == "no_cells"  # beta holds no cell yet
+        mid = h.client.post("/v1/jobs/beta/cells", json={"cell": "c2"}).json()["id"]
+        assert _settle(h, [c0, c1, c2], mid)["state"] == "done"
+        r = h.client.post("/v1/flips", json={"to": "training", "cell": "c0"}, headers=tb)
+        assert r.status_code == 403 and r.json()["reason"] == "wrong_job"
+        r = h.client.post("/v1/flips", json={"to": "training", "count": 1}, headers=h.auth("trainer"))
+        assert r.status_code == 202 and r.json()["flips"][0]["cell"] in ("c0", "c1")  # default's own
+    finally:
+        h.close()
