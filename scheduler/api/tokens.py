@@ -20,7 +20,7 @@ class TokenCreate(_Body):
     scope: Literal["admin", "trainer", "cell", "agent", "scrape"]
     name: str = Field(default="", max_length=128, pattern=r"^[\w .:@/-]*$")
     """A label for the operator (who or what holds the token)."""
-    job: str | None = Field(default=None, max_length=63)
+    job: str | None = Field(default=None, min_length=1, max_length=63)
     """The RL job an agent or trainer token acts on (`default` when left out; docs/JOBS.md)."""
 
 
@@ -31,7 +31,7 @@ def _registry(request: Request) -> TokenRegistry:
     return reg
 
 
-@router.post("", status_code=201, responses=errors(409, 413, 422))
+@router.post("", status_code=201, responses=errors(404, 409, 413, 422))
 async def create_token(body: TokenCreate, request: Request) -> dict:
     reg = _registry(request)
     row, token = reg.create(body.scope, body.name, body.job)
