@@ -81,10 +81,9 @@ async def create_completion(request: Request, ctl: Ctl, session_id: SessionId = 
     # `stream` is how the answer travels, not what is asked: a replay may switch it
     # /v1/generate names no job: the caller's own, else the session's (a new one: `default`)
     job = current_job() or (ctl.jobs.session_job(session_id) if session_id else "default")
-    ctl.jobs.admit_session(job, session_id or "", session_id is None or ctl.store.sessions.get(session_id) is None)
+    session_id = ctl.jobs.admit_turn(job, session_id, idempotency_key)  # recorded under its job before placing
     req = ctl.submit_completion(session_id, list(body.prompt_ids), body.params(), idempotency_key,
                                 agent=current_agent())
-    ctl.jobs.tag_session(req.session_id, job)
     head = {"X-Session-Id": req.session_id, "X-Request-Id": req.id}
     if body.stream:
         return StreamingResponse(_sse(ctl, req.id), media_type="text/event-stream", headers=head)

@@ -14,9 +14,11 @@ exist for it). The gateway's OpenAI `model` field names the job (`resolve`).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import time
+import uuid
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -172,10 +174,28 @@ class Jobs:
         if row.state == "draining" and time.time() > _drained_at(row) + float(row.settings.get("drain_s", DRAIN_S)):
             raise Conflict(f"job {job!r} is draining and its drain time is over", code="job_draining")
 
-    def tag_session(self, session_id: str, job: str) -> None:
-        """Record a new session's job (a session already recorded keeps its own)."""
+    def tag_session(self, session_id: str, job: str, new: bool = False) -> None:
+        """Record a session's job: a `new` one (no session row yet) gets `job`, whatever an earlier
+        refused turn recorded; one already recorded keeps its own."""
         with self.ctx.txn(durable=False):
-            self.ctx.store.jobs.assign_new("session", session_id, job)
+            if new:
+                self.ctx.store.jobs.assign("session", session_id, job)
+            else:
+                self.ctx.store.jobs.assign_new("session", session_id, job)
+
+    def admit_turn(self, job: str, session_id: str | None, idempotency_key: str | None) -> str | None:
+        """A `/v1/generate` turn of `job`: admitted (`admit_session`) and, for a new session, its
+        job recorded before it is placed (placement reads it). A new session of a job other than
+        `default` with no id gets one here (from the Idempotency-Key when given, so a replay
+        names the same session); returns the session id to submit with (None: the fleet's own)."""
+        is_new = session_id is None or self.ctx.store.sessions.get(session_id) is None
+        self.admit_session(job, session_id or "", is_new)
+        if session_id is None and job != DEFAULT_JOB:
+            seed = idempotency_key or uuid.uuid4().hex
+            session_id = f"anon-{hashlib.sha256(f'{job}/{seed}'.encode()).hexdigest()[:16]}"
+        if session_id is not None and is_new:
+            self.tag_session(session_id, job, new=True)
+        return session_id
 
     # ------------------------------------------------------------------ create, list, delete
     def create(self, spec: dict[str, Any]) -> dict[str, Any]:

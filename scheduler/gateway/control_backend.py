@@ -58,8 +58,11 @@ class ControlPlaneBackend:
         agent's session, a job's admission (draining, its `max_sessions`, another job's
         session), a turn in flight, what a cell would refuse, the staleness bound's
         admission and rollout capacity (scheduler/control/completions.py)."""
-        ctl = self.ctl
-        ctl.jobs.admit_session(self.job(), session_id, ctl.store.sessions.get(session_id) is None)
+        ctl, job = self.ctl, self.job()
+        is_new = ctl.store.sessions.get(session_id) is None
+        ctl.jobs.admit_session(job, session_id, is_new)
+        if is_new:  # its job recorded before the capacity check: placement reads it
+            ctl.jobs.tag_session(session_id, job, new=True)
         ctl.completions.check(session_id, list(prompt_ids), params, current_agent())
         ctl.completions.admissible(session_id, len(prompt_ids))
 

@@ -61,6 +61,19 @@ def test_a_move_migrates_live_rollouts_within_their_job_only(tmp_path):
         assert sum(len(c.held) for c in (c0, c1)) == 3 and not c2.held
         for c in (c0, c1):
             c.step(2), c.sync()
+        # a beta session goes to beta's cell, by either route (new sessions: placed by their job)
+        tb = {"Authorization": "Bearer " + h.client.post("/v1/tokens", json={"scope": "agent", "job": "beta"}).json()["token"]}
+        done = []
+        for session in ("b1", None):  # one at a time: the harness's client pool holds 4 requests
+            fut = h.complete({"prompt_ids": [9, 9], "max_tokens": 2}, session=session, headers=tb)
+            for _ in range(500):
+                c2.sync()
+                if c2.held or fut.done():
+                    break
+            assert c2.held, (fut.done() and fut.result().text)
+            pump([c2], until=fut)
+            done.append(fut.result(timeout=60).json()["session_id"])
+        assert {h.ctl.store.jobs.job_of("session", sid) for sid in done} == {"beta"}
         # negative control: the planner unrestricted would send c0's rollouts to idle c2
         snap = h.ctl.snapshot()
         reqs = [h.ctl.ownership.summarize(h.ctl.store.owners.get_request(rid)) for rid in c0.held]
