@@ -74,6 +74,15 @@ def test_a_move_migrates_live_rollouts_within_their_job_only(tmp_path):
             pump([c2], until=fut)
             done.append(fut.result(timeout=60).json()["session_id"])
         assert {h.ctl.store.jobs.job_of("session", sid) for sid in done} == {"beta"}
+        chat = h.pool.submit(h.client.post, "/v1/chat/completions", headers={**tb, "X-Session-Id": "cb"}, json={
+            "model": "beta", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        for _ in range(500):
+            c2.sync()
+            if c2.held or chat.done():
+                break
+        assert c2.held, chat.done() and chat.result().text
+        pump([c2], until=chat)
+        assert chat.result(timeout=60).status_code == 200 and h.ctl.store.jobs.job_of("session", "cb") == "beta"
         # negative control: the planner unrestricted would send c0's rollouts to idle c2
         snap = h.ctl.snapshot()
         reqs = [h.ctl.ownership.summarize(h.ctl.store.owners.get_request(rid)) for rid in c0.held]
