@@ -48,7 +48,15 @@ async def list_cells(ctl: Ctl, limit: str | None = None, cursor: str | None = No
     """Cells in id order, `limit` at a time (default 1000, at most 10,000): `next_cursor` is the
     `cursor` of the next page, null after the last."""
     cells, nxt = ctl.cell_page(_cursor(cursor), _limit(limit))
+    _with_jobs(ctl, cells)
     return SafeJSONResponse({"cells": cells, "next_cursor": nxt})
+
+
+def _with_jobs(ctl, cells: list[dict]) -> None:
+    """Each cell's RL job (docs/JOBS.md), one read for the page."""
+    jobs = ctl.store.jobs.jobs_of("cell", [c["id"] for c in cells])
+    for c in cells:
+        c["job"] = jobs[c["id"]]
 
 
 @router.get("/{cell_id}", responses=errors(404), response_model=dict)
@@ -56,6 +64,7 @@ async def get_cell(cell_id: str, ctl: Ctl) -> SafeJSONResponse:
     found = ctl.cell_view(cell_id)
     if not found:
         raise NotFound(f"unknown cell {cell_id!r}")
+    _with_jobs(ctl, found[:1])
     return SafeJSONResponse(found[0])
 
 

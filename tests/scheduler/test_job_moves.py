@@ -50,6 +50,8 @@ def test_a_move_migrates_live_rollouts_within_their_job_only(tmp_path):
         assert _settle(h, [c0, c1, c2], r.json()["id"])["state"] == "done"
         assert h.ctl.store.jobs.job_of("cell", "c2") == "beta"
         assert h.client.get("/v1/cells/c2").json()["state"] == "rollout"
+        assert {c["id"]: c["job"] for c in h.client.get("/v1/cells").json()["cells"]} == {
+            "c0": "default", "c1": "default", "c2": "beta"}
         # default sessions go to default cells only; c2 is beta's
         futs = [h.complete({"prompt_ids": [i, i + 1], "max_tokens": 12}, session=f"s{i}") for i in range(3)]
         for _ in range(500):
