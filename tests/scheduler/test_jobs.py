@@ -174,3 +174,28 @@ def test_a_jobs_trainer_sees_and_trains_on_its_own_sessions_only(harness):
         return [t["id"] for t in h.client.get("/v1/trajectories", headers=headers).json()["trajectories"]]
 
     assert (ids(trainer_a), ids(trainer_d), sorted(ids({}))) == (["sa"], ["sd"], ["sa", "sd"])
+
+
+def test_a_drain_survives_a_restart(tmp_path):
+    db = str(tmp_path / "sched.sqlite")
+    h = Harness(db)
+    try:
+        _job(h, "gone")
+        tok = _token(h, "agent", "gone")
+        cell = FakeCell(h.client, "c0", headers=h.auth("cell"))
+        cell.register(), cell.sync()
+        fut = h.complete({"prompt_ids": [7, 8], "max_tokens": 4}, session="g1", headers=tok)
+        until_held(cell, fut)
+        assert h.client.delete("/v1/jobs/gone").json()["state"] == "draining"
+        pump([cell], until=fut)
+    finally:
+        h.close()
+    h = Harness(db)
+    try:
+        assert h.ctl.store.jobs.get("gone").state == "draining"  # durable
+        r = h.client.post("/v1/generate", json={"prompt_ids": [1]}, headers={**tok, "X-Session-Id": "g2"})
+        assert r.status_code == 409 and r.json()["reason"] == "job_draining"
+        h.clock.advance(6.0), h.tick(2)  # past the restart's grace: the loop acts again
+        assert h.ctl.store.jobs.get("gone").state == "deleted"
+    finally:
+        h.close()
