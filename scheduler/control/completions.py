@@ -112,10 +112,12 @@ class Completions:
             self.shown[req.id] = upto
 
     def check(self, session_id: str | None, prompt_ids: list[int], params: SamplingParams,
-              agent: str | None = None) -> None:
+              agent: str | None = None, new_ids: list[int] | None = None) -> None:
         """Everything that refuses a turn before it records anything: another agent's session
         (404), a turn already in flight (409), what a cell would refuse (422: ids outside the
-        vocabulary, the context plus max_tokens past the model's length, a negative seed)."""
+        vocabulary, the context plus max_tokens past the model's length, a negative seed).
+        `new_ids`: the part of `prompt_ids` not recorded yet, the only ids checked (default
+        all of them)."""
         sessions = self.ctx.store.sessions
         row = sessions.get(session_id) if session_id else None
         if row is not None:
@@ -123,7 +125,7 @@ class Completions:
             if self.ctx.store.owners.active_request_for_session(row.id) is not None:
                 raise Conflict(f"session {row.id!r} has a request in flight", code="session_busy")
         context = len(prompt_ids) if prompt_ids or row is None else row.length - row.segment_starts[-1]
-        self.trust.check_request(list(prompt_ids), context, params)
+        self.trust.check_request(list(prompt_ids if new_ids is None else new_ids), context, params)
 
     def admissible(self, session_id: str | None, num_tokens: int) -> None:
         """Would a new turn be admitted now (the staleness bound, a rollout cell with room)?

@@ -1,6 +1,7 @@
 """A turn's plan: the prompt token ids a request extends the session's buffer with.
 
-Reads the session's recorded tokens and gateway state, writes nothing. The recorded
+Reads the session's recorded tokens (those after the kept render state only, where the
+backend keeps digests: scheduler/contract/tito/kept.py) and gateway state, writes nothing. The recorded
 conversation is extended (``bridge`` or ``render_diff``) when the request's messages extend
 it; otherwise the request starts a new segment from a full render (see
 :mod:`scheduler.contract.tito.tito` for the loss-mask rule).
@@ -17,6 +18,7 @@ from scheduler.contract.tito.backend import CompletionBackend, SessionTokens
 from scheduler.contract.tito.chat_request import convert_messages, request_tools, sampling_params
 from scheduler.contract.tito.errors import GatewayError
 from scheduler.contract.tito.fingerprints import message_fingerprint, tools_key
+from scheduler.contract.tito.kept import KeptRenders
 from scheduler.contract.tito.openai_schema import ChatCompletionRequest
 from scheduler.contract.tito.render import ChatRenderer, RenderDiffError, message_texts
 
@@ -79,6 +81,8 @@ class TurnPlanner:
         self.default_max_tokens = default_max_tokens
         self.max_prompt_tokens = max_prompt_tokens
         self._slots: asyncio.Semaphore | None = None
+        self.kept = KeptRenders()
+        """Each session's recorded segment as last read: a turn reads only what came after."""
 
     async def plan(self, session_id: str, req: ChatCompletionRequest) -> TurnPlan:
         """Validate the request and compute the turn's prompt; writes nothing."""
@@ -91,7 +95,7 @@ class TurnPlanner:
             ) from e
 
     async def _plan(self, session_id: str, req: ChatCompletionRequest) -> TurnPlan:
-        tokens = await self.backend.get_session_tokens(session_id)
+        tokens = await self.kept.tokens(self.backend, session_id)
         state = await self.backend.get_gateway_state(session_id)
         # Rendering and tokenising are CPU work proportional to the request: off the event loop
         # (which serves every other request, the cells' heartbeats among them), a few at a time.
@@ -114,7 +118,7 @@ class TurnPlanner:
             )
         admit = getattr(self.backend, "admit", None)
         if admit is not None:  # the backend's refusals, before the turn records anything
-            await admit(session_id, plan.prompt_ids, plan.params)
+            await admit(session_id, plan.prompt_ids, plan.params, new_ids=plan.append_ids)
         return plan
 
     def _compose(self, session_id: str, req: ChatCompletionRequest, state: dict[str, Any] | None,
@@ -225,7 +229,8 @@ class TurnPlanner:
         prompt = self.renderer.render_ids(
             common["messages"], common["tools"], add_generation_prompt=True
         )
-        if S and S == prompt[: len(S)] and not any(tokens.loss_mask):
+        sampled = tokens is not None and (any(tokens.loss_mask) if tokens.any_sampled is None else tokens.any_sampled)
+        if S and S == prompt[: len(S)] and not sampled:
             # A prompt recorded by a turn that never got a completion: reuse it.
             new_seg, append = None, prompt[len(S) :]
         else:
