@@ -84,8 +84,9 @@ class Commands:
             return
         try:
             # resume point, KV reuse across the session's turns, and how a moved request came
-            a.engine.add_request(cmd.request_id, ids, cmd.params,
-                                 prompt_len=cmd.prompt_len, cache_key=cmd.session_id, path=cmd.path)
+            a.engine.add_request(cmd.request_id, ids, cmd.params, prompt_len=cmd.prompt_len,
+                                 cache_key=cmd.session_id, path=cmd.path,
+                                 checked=cmd.prefix_len if cmd.prefix_hash is not None else 0)
         except EngineError as e:
             log.warning("start %s refused: %s", cmd.request_id, e)
             a.owned[cmd.request_id] = Owned(cmd.epoch, cmd.num_generated, finish_reason=f"error: {e}"[:200])

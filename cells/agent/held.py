@@ -7,27 +7,27 @@ by length and digest; `context` gives the whole context only when this cell's ow
 exactly that length and digest — otherwise None, and the agent answers `PrefixMissingEvent`
 (the scheduler then sends the whole context). So a delta start is token-exact or not started.
 
-Bounded: at most `max_tokens` ids over all sessions (4 bytes each), least recently started
-sessions dropped first (a dropped one costs its next turn a full start, nothing else).
+Bounded: at most `max_tokens` ids over all sessions, least recently started sessions dropped
+first (a dropped one costs its next turn a full start, nothing else). Ids are kept as lists
+(~36 bytes an id; a 4-byte array costs every delta start a 128k-id conversion, ~4 ms).
 """
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from scheduler.contract.prefixhash import PrefixHash
 from scheduler.contract.protocol import StartCmd
 
-HELD_TOKENS_MAX = 1 << 24
-"""Token ids kept over all sessions (64 MiB): ~128 sessions of 128k tokens."""
+HELD_TOKENS_MAX = 1 << 22
+"""Token ids kept over all sessions (~150 MB): 32 sessions of 128k tokens."""
 
 
 @dataclass(slots=True)
 class Held:
     request_id: str
-    ids: array
+    ids: list[int]
     hash: PrefixHash = field(default_factory=PrefixHash)
     """Over ids[:hash.length]; caught up when asked."""
 
@@ -58,7 +58,7 @@ class HeldContexts:
         h = self.sessions.get(cmd.session_id)
         if h is None or h.digest_at(cmd.prefix_len) != cmd.prefix_hash:
             return None
-        return h.ids.tolist() + list(cmd.token_ids)
+        return h.ids + list(cmd.token_ids)
 
     def began(self, cmd: StartCmd, ids: list[int]) -> None:
         """The engine took `cmd` with context `ids`: it is the session's context here now."""
@@ -70,7 +70,7 @@ class HeldContexts:
             old.ids.extend(cmd.token_ids)
             held = Held(cmd.request_id, old.ids, old.hash)
         else:
-            held = Held(cmd.request_id, array("I", ids))
+            held = Held(cmd.request_id, list(ids))  # a copy: the engine appends to its own
         self.sessions[cmd.session_id] = held
         self.session_of[cmd.request_id] = cmd.session_id
         self.num_tokens += len(held.ids)

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from scheduler.control.controller import Controller
+    from scheduler.store.owners import RequestRow
     from scheduler.store.sessions import SessionRow
 
 class ControlPlaneBackend:
@@ -62,16 +63,20 @@ class ControlPlaneBackend:
             return None
         return self.ctl.store.context.segment_hash(session_id, row.segment_starts[-1], row.length).digest()
 
-    async def complete(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
-                       live: bool = True) -> AsyncIterator[TokenOut | Rewind]:
+    def submit(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestRow:
+        """Start the completion on a cell (its refusals are BackendErrors). The gateway recorded
+        the prompt already (it is the current segment): the completion continues the buffer,
+        nothing to send or compare again."""
         ctl = self.ctl
         row = ctl.store.sessions.get(session_id)
         if row is not None and row.length - row.segment_starts[-1] == len(prompt_ids):
-            # the gateway recorded the prompt already (it is the current segment): the
-            # completion continues the buffer, nothing to send or compare again
             prompt_ids = []
-        # its refusals are BackendErrors
-        req = ctl.submit_completion(session_id, list(prompt_ids), params, agent=current_agent())
+        return ctl.submit_completion(session_id, list(prompt_ids), params, agent=current_agent())
+
+    async def complete(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                       live: bool = True) -> AsyncIterator[TokenOut | Rewind]:
+        ctl = self.ctl
+        req = self.submit(session_id, prompt_ids, params)
         held = None  # one token held back so the last one can carry the finish reason
         out = 0  # tokens yielded
         async for start, rows, cur in ctl.follow_request(req.id, live):

@@ -84,3 +84,16 @@ def test_held_contexts_are_bounded_and_dropped_with_their_request():
     assert h.length("other") == 61
     h.ended("b")
     assert h.length("other") == 0 and h.num_tokens == 0
+
+
+def test_ids_after_a_checked_prefix_are_still_checked():
+    import pytest
+
+    from cells.engine.records import EngineError
+
+    eng = make_engine(True)
+    ctx = prompts(1, seed=72, lo=30, hi=31)[0]
+    with pytest.raises(EngineError, match="outside"):
+        eng.add_request("bad", ctx + [10**9], SamplingParams(max_tokens=4), checked=len(ctx))
+    eng.add_request("ok", ctx + [3], SamplingParams(max_tokens=4), checked=len(ctx))
+    assert eng.requests["ok"].token_ids == ctx + [3]

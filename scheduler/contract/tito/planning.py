@@ -17,7 +17,7 @@ from scheduler.contract.sampling import SamplingParams
 from scheduler.contract.tito.backend import CompletionBackend, SessionTokens
 from scheduler.contract.tito.chat_request import convert_messages, request_tools, sampling_params
 from scheduler.contract.tito.errors import GatewayError
-from scheduler.contract.tito.fingerprints import message_fingerprint, tools_key
+from scheduler.contract.tito.fingerprints import FingerprintCache, tools_key
 from scheduler.contract.tito.kept import KeptRenders
 from scheduler.contract.tito.openai_schema import ChatCompletionRequest
 from scheduler.contract.tito.render import ChatRenderer, RenderDiffError, message_texts
@@ -83,6 +83,8 @@ class TurnPlanner:
         self._slots: asyncio.Semaphore | None = None
         self.kept = KeptRenders()
         """Each session's recorded segment as last read: a turn reads only what came after."""
+        self.fingerprint = FingerprintCache()
+        """The resent messages' fingerprints, remembered."""
 
     async def plan(self, session_id: str, req: ChatCompletionRequest) -> TurnPlan:
         """Validate the request and compute the turn's prompt; writes nothing."""
@@ -180,7 +182,7 @@ class TurnPlanner:
         return dict(
             session_id=session_id,
             messages=messages,
-            fingerprints=[message_fingerprint(m) for m in messages],
+            fingerprints=[self.fingerprint(m) for m in messages],
             tools=tools,
             # A changed tool list changes the context only where the template renders it.
             tools_key=tools_key(tools) if self.renderer.renders_tools else "",
@@ -257,7 +259,7 @@ class TurnPlanner:
     ) -> tuple[TurnPlan | None, str]:
         """Extend the recorded buffer with the new messages; (None, reason) if impossible."""
         committed = int(state["committed_len"])
-        prev = S[:committed]
+        prev = S if len(S) == committed else S[:committed]  # no copy of a 128k context when none is due
         prompt, path = self._extended_prompt(prev, int(state["prompt_end"]), new_messages, common)
         if prompt is None:
             return None, "render_diff_failed"
@@ -291,16 +293,16 @@ class TurnPlanner:
     def _extended_prompt(
         self, prev: list[int], prompt_end: int, new_messages: list[dict], common: dict
     ) -> tuple[list[int] | None, str]:
-        """``prev`` + the new messages, by the renderer's bridge or else by render_diff."""
-        prev_prompt, prev_completion = prev[:prompt_end], prev[prompt_end:]
+        """``prev`` + the new messages, by the renderer's bridge or else by render_diff (each
+        renders the new messages only, against the tail of ``prev``)."""
         tools = common["tools"]
         if self.use_bridge:
-            b = self.renderer.bridge(prev_prompt, prev_completion, new_messages, tools)
-            if b is not None and len(b) > len(prev) and b[: len(prev)] == prev:
-                return b, "bridge"
+            ext = self.renderer.bridge_extension(prev, prompt_end, new_messages, tools)
+            if ext is not None:
+                return prev + ext, "bridge"
         try:
             diff = self.renderer.render_diff(new_messages, tools)
         except RenderDiffError:
             return None, "render_diff"
-        close = [] if self.renderer.ends_turn(prev_completion) else [self.renderer.close_token_id]
+        close = [] if self.renderer.ends_turn(prev[prompt_end:]) else [self.renderer.close_token_id]
         return prev + close + diff, "render_diff"
