@@ -1,6 +1,7 @@
 """What one turn of a long sticky agentic session costs the control plane, decode excluded.
 
-    python bench/turn_overhead.py [--quick] [--json]      (bench/tito.py reports the same fields)
+Measured by `python bench/tito.py [--quick] [--json]` (its `turn_*` fields; this module has
+no entry of its own).
 
 One session per context size (1k, 8k, 32k, 128k tokens): a first turn whose user message
 brings the context to the size, then sticky turns each adding 200 new tokens (a user message
@@ -30,7 +31,6 @@ what they touch, not the model's); only the excluded prefill and decode grow wit
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -236,18 +236,3 @@ def measure(quick: bool = False) -> dict:
         "turn_measured_turns": measured,
     }
 
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
-    out = measure(args.quick)
-    for s, v in out["turn_overhead_ms"].items():
-        print(f"context {out['turn_context_tokens'][s]:>7} tokens: {v:7.2f} ms a turn "
-              f"{out['turn_overhead_parts_ms'][s]}, start carries {out['turn_start_token_ids'][s]} ids")
-    print(json.dumps(out))
-
-
-if __name__ == "__main__":
-    main()
