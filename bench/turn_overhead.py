@@ -184,30 +184,37 @@ class Bench:
         return ms, run.result.message, start
 
 
-def run_context(b: Bench, size: int, warm: int, measured: int, rng: random.Random) -> dict:
-    """One sticky session around `size` tokens: `warm` turns untimed, then `measured` timed."""
-    import gc
+class Conversation:
+    """One sticky session around `size` tokens, driven turn by turn."""
 
-    tok = b.renderer.tokenizer
-    sid = f"turns-{size}"
-    grow = (PROMPT_TOKENS + ANSWER_TOKENS) * (warm + measured)
-    messages = [{"role": "user", "content": _text(tok, max(64, size - grow // 2), rng)}]
-    close = b.renderer.close_token_id
-    parts: list[dict] = []
-    start_ids, contexts = [], []
-    for k in range(warm + measured):
-        answer = tok.encode(_text(tok, ANSWER_TOKENS, rng))[:ANSWER_TOKENS - 1] + [close]
+    def __init__(self, b: Bench, size: int, grow: int, rng: random.Random) -> None:
+        self.b, self.size, self.rng = b, size, rng
+        self.tok = b.renderer.tokenizer
+        self.sid = f"turns-{size}"
+        self.messages = [{"role": "user", "content": _text(self.tok, max(64, size - grow // 2), rng)}]
+        self.parts: list[dict] = []
+        self.start_ids: list[int] = []
+        self.contexts: list[int] = []
+
+    def turn(self, timed: bool) -> None:
+        import gc
+
+        answer = self.tok.encode(_text(self.tok, ANSWER_TOKENS, self.rng))[:ANSWER_TOKENS - 1]
+        answer.append(self.b.renderer.close_token_id)
         gc.collect()
-        ms, msg, start = b.turn(sid, messages, answer)
-        if k >= warm:
-            parts.append(ms)
-            start_ids.append(len(start["token_ids"]))
-            contexts.append(start["prompt_len"])
-        messages = messages + [msg, {"role": "user", "content": _text(tok, PROMPT_TOKENS - 8, rng)}]
-    med = {p: statistics.median(m[p] for m in parts) for p in parts[0]}
-    total = statistics.median(m["gateway"] + m["scheduler"] + m["cell"] for m in parts)
-    return {"ms": total, "parts": {p: round(v, 2) for p, v in med.items()}, "start_ids": max(start_ids),
-            "context": int(statistics.median(contexts))}
+        ms, msg, start = self.b.turn(self.sid, self.messages, answer)
+        if timed:
+            self.parts.append(ms)
+            self.start_ids.append(len(start["token_ids"]))
+            self.contexts.append(start["prompt_len"])
+        user = {"role": "user", "content": _text(self.tok, PROMPT_TOKENS - 8, self.rng)}
+        self.messages = self.messages + [msg, user]
+
+    def summary(self) -> dict:
+        med = {p: round(statistics.median(m[p] for m in self.parts), 2) for p in self.parts[0]}
+        total = statistics.median(m["gateway"] + m["scheduler"] + m["cell"] for m in self.parts)
+        return {"ms": total, "parts": med, "start_ids": max(self.start_ids),
+                "context": int(statistics.median(self.contexts))}
 
 
 def measure(quick: bool = False) -> dict:
@@ -217,7 +224,12 @@ def measure(quick: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         b = Bench(Path(tmp))
         try:
-            runs = {size: run_context(b, size, warm, measured, rng) for size in CONTEXTS}
+            grow = (PROMPT_TOKENS + ANSWER_TOKENS) * (warm + measured)
+            convs = [Conversation(b, size, grow, rng) for size in CONTEXTS]
+            for k in range(warm + measured):  # sizes in turn: the machine's noise falls on all alike
+                for c in convs:
+                    c.turn(timed=k >= warm)
+            runs = {c.size: c.summary() for c in convs}
             drift = b.gw.counters.retokenization_drift_total
             kept = dict(b.gw.planner.kept.stats)
         finally:
