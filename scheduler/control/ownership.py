@@ -98,7 +98,10 @@ class Ownership:
         req.cell_id, req.state, req.reason = cell_id, "running", None
         store.owners.put_request(req)
         self.migrations.trust.placed(req.id, cell_id, fresh_kv=path in (None, "reprefill"))
-        fx.send(cell_id, turns.start_command(store, req, cell_id, path))
+        cmd, delta = turns.start_command(store, req, cell_id, path)
+        fx.send(cell_id, cmd)
+        starts = self.ctx.metrics.starts.labels("delta" if delta else "full")
+        fx.later(starts.inc)
         self.advanced(req.id)
 
     def prefix_missing(self, fx: Effects, cell_id: str, request_id: str, epoch: int) -> None:
@@ -107,7 +110,7 @@ class Ownership:
         req = self.ctx.store.owners.get_request(request_id)
         if req is None or req.cell_id != cell_id or req.epoch != epoch or req.state != "running":
             return  # moved, ended or revoked meanwhile: whoever holds it now got its own start
-        fx.send(cell_id, turns.start_command(self.ctx.store, req, cell_id, None, full=True))
+        fx.send(cell_id, turns.start_command(self.ctx.store, req, cell_id, None, full=True)[0])
         fx.later(self.ctx.metrics.prefix_missing.inc)
         self.advanced(req.id)
 

@@ -36,14 +36,14 @@ def held_prefix(store: Store, req: RequestRow, cell_id: str) -> tuple[int, str] 
 
 
 def start_command(store: Store, req: RequestRow, cell_id: str, path: str | None,
-                  full: bool = False) -> Callable[[int], StartCmd]:
-    """The `start` for `req` on `cell_id` (a command id → command): a delta start when the cell
-    should hold the session's prefix (a request placed afresh, not `full`), else the whole
-    context."""
+                  full: bool = False) -> tuple[Callable[[int], StartCmd], bool]:
+    """The `start` for `req` on `cell_id` (a command id → command), and whether it is a delta
+    start: one when the cell should hold the session's prefix (a request placed afresh, not
+    `full`), else the whole context."""
     held = None if full or path is not None else held_prefix(store, req, cell_id)
     prefix_len, digest = held if held is not None else (0, None)
     first = req.prompt_start + prefix_len
     token_ids = store.sessions.token_ids(req.session_id, first, req.base + req.num_generated)
     prompt_len = req.base - req.prompt_start
     rid, epoch, sid, n, params = req.id, req.epoch, req.session_id, req.num_generated, req.sampling()
-    return lambda i: StartCmd(i, rid, epoch, sid, token_ids, prompt_len, n, params, path, prefix_len, digest)
+    return lambda i: StartCmd(i, rid, epoch, sid, token_ids, prompt_len, n, params, path, prefix_len, digest), held is not None

@@ -49,7 +49,10 @@ def test_sticky_turns_send_the_new_tokens_and_a_lost_prefix_gets_the_whole_conte
     out = fut.result(timeout=60).json()
     final = harness.client.get("/v1/sessions/s").json()
     assert final["token_ids"] == sess["token_ids"] + [10] + out["token_ids"] and final["segment_starts"] == [0]
-    assert "cellflip_prefix_missing_total 1.0" in harness.client.get("/metrics").text
+    metrics = harness.client.get("/metrics").text
+    assert "cellflip_prefix_missing_total 1.0" in metrics
+    assert 'cellflip_request_starts_total{kind="delta"} 3.0' in metrics  # turns 2, 3 and the refused one
+    assert 'cellflip_request_starts_total{kind="full"} 1.0' in metrics  # the first turn (the resend is not a start)
 
 
 def test_a_cell_holding_another_context_gets_the_whole_one(harness):
