@@ -26,8 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-BLOCK = 256
-"""Token ids per chained block (the state keeps fewer than this many ids unhashed)."""
+BLOCK = 64
+"""Token ids per chained block (the state keeps fewer than this many ids unhashed: a store row
+of a few hundred bytes a session)."""
 
 DIGEST_BYTES = 16
 _ZERO = bytes(DIGEST_BYTES)

@@ -52,8 +52,9 @@ class ContextStore:
             new = self.read(session_id, seg_start + h.length, length)
             self.tokens_read += len(new)
             h.extend(new)
-            self.s.execute("INSERT OR REPLACE INTO session_context(session_id, seg_start, state) VALUES (?, ?, ?)",
-                           (session_id, seg_start, dumps(h.to_json())))
+            with self.s.tx(durable=False):  # a cache of the buffer: rebuilt from it if lost
+                self.s.execute("INSERT OR REPLACE INTO session_context(session_id, seg_start, state) VALUES (?, ?, ?)",
+                               (session_id, seg_start, dumps(h.to_json())))
         return h
 
     def forget(self, session_id: str) -> None:
