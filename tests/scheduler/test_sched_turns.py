@@ -84,3 +84,23 @@ def test_the_prompt_is_compared_by_length_and_hash(harness):
     assert after["segment_starts"] == [0, n] and after["token_ids"][n:n + len(changed) + 1] == changed + [9]
     _, short = _turn(harness, c, changed[:2])  # shorter than the segment: a rewrite too
     assert len(short["segment_starts"]) == 3
+
+
+def test_a_turn_placed_on_another_cell_gets_the_whole_context(harness):
+    first = FakeCell(harness.client, "c1", max_running=1)
+    first.register()
+    first.sync()
+    fut = harness.complete({"prompt_ids": [5, 6, 7], "max_tokens": 3}, session="s")
+    pump([first], until=fut)
+    sess = harness.client.get("/v1/sessions/s").json()
+    busy = harness.complete({"prompt_ids": [1], "max_tokens": 50}, session="busy")  # fills the session's cell
+    until_held(first, busy)
+    other = FakeCell(harness.client, "c2")
+    other.register()
+    other.sync()
+    fut = harness.complete({"prompt_ids": sess["token_ids"] + [8], "max_tokens": 2}, session="s")
+    until_held(other, fut)
+    start = other.commands[-1]
+    assert start["type"] == "start" and start["session_id"] == "s"
+    assert start["prefix_hash"] is None and start["token_ids"] == sess["token_ids"] + [8]
+    pump([first, other], until=[fut, busy])
