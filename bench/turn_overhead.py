@@ -17,6 +17,10 @@ real parts in process, in the order a turn runs them, and times them:
 - cell: the `start` decoded and handled by the real `Commands.start` (cells/agent/held.py
   rebuilds the context from the held prefix; `EmbeddedEngine.add_request`).
 
+Beside it, `turn_full_start_ms`: the same turn's start with the whole context (a cell that
+lost the prefix, or every sticky turn before delta starts): built from the store, JSON both
+ways, handled by the cell.
+
 Not timed (decode and its streaming): the engine's steps are not run — the bench aborts the
 request after its start is timed and syncs a 50-token answer for it through the real route,
 as the engine loop would have. So the engine's own prefix-cache match (one C-speed list
@@ -195,6 +199,7 @@ class Conversation:
         self.parts: list[dict] = []
         self.start_ids: list[int] = []
         self.contexts: list[int] = []
+        self.last_request = ""
 
     def turn(self, timed: bool) -> None:
         import gc
@@ -203,12 +208,32 @@ class Conversation:
         answer.append(self.b.renderer.close_token_id)
         gc.collect()
         ms, msg, start = self.b.turn(self.sid, self.messages, answer)
+        self.last_request = start["request_id"]
         if timed:
             self.parts.append(ms)
             self.start_ids.append(len(start["token_ids"]))
             self.contexts.append(start["prompt_len"])
         user = {"role": "user", "content": _text(self.tok, PROMPT_TOKENS - 8, self.rng)}
         self.messages = self.messages + [msg, user]
+
+    def full_start_ms(self) -> float:
+        """What the last turn's start costs with the whole context (no prefix held, or before
+        delta starts): built from the store, JSON both ways, handled by the cell."""
+        from scheduler.contract.protocol import decode_command
+        from scheduler.control.turns import start_command
+
+        store = self.b.app.state.controller.store
+        req = store.owners.get_request(self.last_request)
+        req.num_generated = 0  # as it was started
+        t0 = time.perf_counter()
+        make, _ = self.b.portal.call(start_command, store, req, "bench-cell", None, True)
+        cmd = decode_command(json.loads(json.dumps(make(0).to_dict())))
+        cmd.request_id, cmd.session_id = "full-" + req.id, "full-" + self.sid  # beside the held one
+        self.b.cell.commands.handle(cmd)
+        ms = 1e3 * (time.perf_counter() - t0)
+        self.b.cell.engine.abort(cmd.request_id)
+        self.b.cell.agent.held.ended(cmd.request_id)
+        return ms
 
     def summary(self) -> dict:
         med = {p: round(statistics.median(m[p] for m in self.parts), 2) for p in self.parts[0]}
@@ -230,6 +255,7 @@ def measure(quick: bool = False) -> dict:
                 for c in convs:
                     c.turn(timed=k >= warm)
             runs = {c.size: c.summary() for c in convs}
+            full = {c.size: statistics.median(c.full_start_ms() for _ in range(3)) for c in convs}
             drift = b.gw.counters.retokenization_drift_total
             kept = dict(b.gw.planner.kept.stats)
         finally:
@@ -239,6 +265,7 @@ def measure(quick: bool = False) -> dict:
         "turn_overhead_ms": ms,
         "turn_overhead_ratio_128k_over_1k": round(runs[CONTEXTS[-1]]["ms"] / runs[CONTEXTS[0]]["ms"], 2),
         "turn_overhead_parts_ms": {str(s): r["parts"] for s, r in runs.items()},
+        "turn_full_start_ms": {str(s): round(v, 2) for s, v in full.items()},
         "turn_context_tokens": {str(s): r["context"] for s, r in runs.items()},
         "turn_start_token_ids": {str(s): r["start_ids"] for s, r in runs.items()},
         "turn_new_tokens": PROMPT_TOKENS + ANSWER_TOKENS,
