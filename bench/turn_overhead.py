@@ -245,7 +245,7 @@ class Conversation:
 def measure(quick: bool = False) -> dict:
     """The turn-overhead fields bench/tito.py reports."""
     rng = random.Random(45)
-    warm, measured = (2, 3) if quick else (2, 8)
+    warm, measured = (2, 5) if quick else (2, 10)
     with tempfile.TemporaryDirectory() as tmp:
         b = Bench(Path(tmp))
         try:
