@@ -21,15 +21,17 @@ if TYPE_CHECKING:
 
 def held_prefix(store: Store, req: RequestRow, cell_id: str) -> tuple[int, str] | None:
     """(length, digest) of the segment's tokens `cell_id` should hold for `req`: the session's
-    previous request finished there, in this segment, and nothing of it was cut since. None
-    when a full start is due."""
+    previous request finished there, in this segment, having been started there (not carried
+    in by a KV copy). None when a full start is due."""
     if req.num_generated:
         return None  # a resumed request: its own tokens are news to any cell
     prev = store.context.previous_request(req.session_id, req.id)
     if prev is None:
         return None
-    cell, state, prompt_start, end = prev
+    cell, state, prompt_start, end, by_kv = prev
     if cell != cell_id or state != "finished" or prompt_start != req.prompt_start or not prompt_start < end <= req.base:
+        return None
+    if by_kv:  # a KV copy carried the request there, not a start: the cell holds no context of it
         return None
     h = store.context.segment_hash(req.session_id, req.prompt_start, end)
     return end - req.prompt_start, h.digest()

@@ -61,9 +61,11 @@ class ContextStore:
         """The buffer was cut (or the session removed): the next hash starts over."""
         self.s.execute("DELETE FROM session_context WHERE session_id=?", (session_id,))
 
-    def previous_request(self, session_id: str, request_id: str) -> tuple[str | None, str, int, int] | None:
-        """(cell, state, prompt_start, end) of the session's latest request before
-        `request_id` (end: its base plus generated tokens); None for the first."""
-        q = ("SELECT cell_id, state, prompt_start, base + num_generated FROM requests WHERE session_id=? AND id<>?"
-             " ORDER BY created_at DESC LIMIT 1")
+    def previous_request(self, session_id: str, request_id: str) -> tuple[str | None, str, int, int, int] | None:
+        """(cell, state, prompt_start, end, by_kv) of the session's latest request before
+        `request_id` (end: its base plus generated tokens; by_kv: 1 when that cell got it by a
+        KV copy, with no start of its own); None for the first."""
+        q = ("SELECT r.cell_id, r.state, r.prompt_start, r.base + r.num_generated, EXISTS(SELECT 1 FROM migrations m"
+             " WHERE m.state='committed' AND m.request_id=r.id AND m.path='kv' AND m.dst=r.cell_id)"
+             " FROM requests r WHERE r.session_id=? AND r.id<>? ORDER BY r.created_at DESC LIMIT 1")
         return self.s.execute(q, (session_id, request_id)).fetchone()
