@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from scheduler.control.controller import Controller
+    from scheduler.store.owners import RequestRow
     from scheduler.store.sessions import SessionRow
 
 class ControlPlaneBackend:
@@ -44,19 +45,38 @@ class ControlPlaneBackend:
         limits = self.ctl.trust.limits
         return limits.max_context if limits is not None and limits.max_context else None
 
-    async def admit(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    async def admit(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                    new_ids: list[int] | None = None) -> None:
         """Every refusal a turn can get, before the gateway records anything of it: another
         agent's session, a turn in flight, what a cell would refuse, the staleness bound's
-        admission and rollout capacity (scheduler/control/completions.py)."""
+        admission and rollout capacity (scheduler/control/completions.py). `new_ids`: the ids
+        the turn appends, the only ones checked (the rest were checked when recorded)."""
         ctl = self.ctl
-        ctl.completions.check(session_id, list(prompt_ids), params, current_agent())
+        ctl.completions.check(session_id, prompt_ids, params, current_agent(), new_ids=new_ids)
         ctl.completions.admissible(session_id, len(prompt_ids))
+
+    async def session_digest(self, session_id: str) -> str | None:
+        """The current segment's running-hash digest (scheduler/store/context.py: caught up from
+        the tokens recorded since it was last asked)."""
+        row = self._visible(session_id)
+        if row is None:
+            return None
+        return self.ctl.store.context.segment_hash(session_id, row.segment_starts[-1], row.length).digest()
+
+    def submit(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestRow:
+        """Start the completion on a cell (its refusals are BackendErrors). The gateway recorded
+        the prompt already (it is the current segment): the completion continues the buffer,
+        nothing to send or compare again."""
+        ctl = self.ctl
+        row = ctl.store.sessions.get(session_id)
+        if row is not None and row.length - row.segment_starts[-1] == len(prompt_ids):
+            prompt_ids = []
+        return ctl.submit_completion(session_id, list(prompt_ids), params, agent=current_agent())
 
     async def complete(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                        live: bool = True) -> AsyncIterator[TokenOut | Rewind]:
         ctl = self.ctl
-        # its refusals are BackendErrors
-        req = ctl.submit_completion(session_id, list(prompt_ids), params, agent=current_agent())
+        req = self.submit(session_id, prompt_ids, params)
         held = None  # one token held back so the last one can carry the finish reason
         out = 0  # tokens yielded
         async for start, rows, cur in ctl.follow_request(req.id, live):

@@ -21,9 +21,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from scheduler.store import context as session_context
 from scheduler.store import counters, exportread, fleet, owners, retention, sessions, tokens
 
-SCHEMA = fleet.SCHEMA + owners.SCHEMA + sessions.SCHEMA + tokens.SCHEMA + retention.SCHEMA
+SCHEMA = fleet.SCHEMA + owners.SCHEMA + sessions.SCHEMA + tokens.SCHEMA + retention.SCHEMA + session_context.SCHEMA
 """Every table and index (table and column names are read by faultkit's checker too)."""
 
 ADDED_COLUMNS = (
@@ -62,6 +63,7 @@ class Store:
         self.fleet = fleet.FleetStore(self)
         self.owners = owners.OwnerStore(self)
         self.sessions = sessions.SessionStore(self)
+        self.context = session_context.ContextStore(self, self.sessions.token_ids)
         self.tokens = tokens.TokenStore(self)
         self.export = exportread.ExportReader(self)
         self.retention = retention.RetentionStore(self)

@@ -35,6 +35,7 @@ _DELETES = (
     "DELETE FROM requests WHERE session_id=?",
     "DELETE FROM tokens WHERE session_id=?",
     "DELETE FROM gateway_state WHERE session_id=?",
+    "DELETE FROM session_context WHERE session_id=?",
     "DELETE FROM trajectory_outcomes WHERE session_id=?",
     "DELETE FROM sessions WHERE id=?",
 )
