@@ -90,7 +90,8 @@ def schema():
                       ("created_at", pa.float64()), ("updated_at", pa.float64())])
     move = pa.struct([("request_id", pa.string()), ("src", pa.string()), ("dst", pa.string()), ("path", pa.string()),
                       ("epoch", pa.int64()), ("state", pa.string()), ("reason", pa.string()),
-                      ("created_at", pa.float64()), ("finished_at", pa.float64()), ("commit_tokens", pa.int32())])
+                      ("created_at", pa.float64()), ("finished_at", pa.float64()), ("commit_tokens", pa.int32()),
+                      ("stall_s", pa.float64())])
     return pa.schema([
         ("session_id", pa.string()), ("finish_seq", pa.int64()), ("job", pa.string()), ("group_id", pa.string()),
         ("parent_id", pa.string()), ("branch", pa.int32()), ("reward", pa.float64()),

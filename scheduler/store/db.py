@@ -36,6 +36,7 @@ ADDED_COLUMNS = (
     ("cells", "probe", "TEXT"),
     ("tokens", "cell", "TEXT"),
     ("sessions", "tainted", "INTEGER NOT NULL DEFAULT 0"),
+    ("migrations", "stall_s", "REAL"),
 )
 """Columns added after a table's first release: a store written by an older scheduler gets
 them (with their defaults) when it is opened, so a restart across an upgrade keeps its state."""
