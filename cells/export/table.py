@@ -76,6 +76,18 @@ def flat_row(row: dict[str, Any], lists: bool = True) -> dict[str, Any]:
     return out
 
 
+def turn_messages(messages: dict[str, Any] | str | None) -> list[list[dict[str, Any]] | None]:
+    """A row's `messages` column as each turn's whole message list as sent (turn k: the first
+    `keep` of turn k-1's, then its own `messages`); None for a turn past the recording cap."""
+    rec = json.loads(messages) if isinstance(messages, str) else messages
+    out: list[list[dict[str, Any]] | None] = []
+    prev: list[dict[str, Any]] | None = []
+    for t in (rec or {}).get("turns", []):
+        prev = None if t["messages"] is None or prev is None else prev[:t["keep"]] + t["messages"]
+        out.append(prev)
+    return out
+
+
 def jsonl_bytes(rows: list[dict[str, Any]]) -> bytes:
     return "".join(json.dumps(r, separators=(",", ":"), allow_nan=False) + "\n" for r in rows).encode()
 

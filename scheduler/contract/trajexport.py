@@ -62,6 +62,9 @@ class RetainConfig(Strict):
     """Most trajectories one pass deletes (the bound on one pass's cost to the event loop)."""
 
 
+MESSAGES_BYTES = 64 << 10
+"""The default cap on recorded message bytes per session (`scheduler.store.messages_bytes`)."""
+
 TOKEN_ROW_BYTES = 48
 """Estimated bytes one token row takes in the store (row, key and index entries)."""
 
@@ -71,3 +74,7 @@ class StoreConfig(Strict):
 
     retain_trajectories: RetainConfig = RetainConfig()
     """Bounded retention of trained trajectories (the default keeps the newest 100,000)."""
+    messages_bytes: int = Field(default=MESSAGES_BYTES, ge=0)
+    """Most bytes of OpenAI-format messages the gateway records per session (JSON of each turn's
+    new messages; the default 64 KiB; 0 records none). Turns past it are kept as marked
+    markers, never silently dropped (docs/EXPORT.md `messages`)."""

@@ -24,6 +24,7 @@ from scheduler.contract.tito.backend import (
     SessionTokens,
     TokenOut,
 )
+from scheduler.gateway import recording
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -57,6 +58,9 @@ class ControlPlaneBackend:
         ctl = self.ctl
         # its refusals are BackendErrors
         req = ctl.submit_completion(session_id, list(prompt_ids), params, agent=current_agent())
+        if (sent := recording.SENT.get()) is not None:  # a chat turn: its messages beside its request
+            recording.SENT.set(None)
+            ctl.store.messages.record(session_id, req.id, sent, ctl.cfg.store.messages_bytes)
         held = None  # one token held back so the last one can carry the finish reason
         out = 0  # tokens yielded
         async for start, rows, cur in ctl.follow_request(req.id, live):

@@ -21,9 +21,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from scheduler.store import counters, exportread, fleet, owners, retention, sessions, tokens
+from scheduler.store import (
+    counters,
+    exportread,
+    fleet,
+    messages,
+    owners,
+    retention,
+    sessions,
+    tokens,
+)
 
-SCHEMA = fleet.SCHEMA + owners.SCHEMA + sessions.SCHEMA + tokens.SCHEMA + retention.SCHEMA
+SCHEMA = fleet.SCHEMA + owners.SCHEMA + sessions.SCHEMA + tokens.SCHEMA + retention.SCHEMA + messages.SCHEMA
 """Every table and index (table and column names are read by faultkit's checker too)."""
 
 ADDED_COLUMNS = (
@@ -66,6 +75,7 @@ class Store:
         self.tokens = tokens.TokenStore(self)
         self.export = exportread.ExportReader(self)
         self.retention = retention.RetentionStore(self)
+        self.messages = messages.MessageStore(self)
         counters.rebuild(self)  # kept by triggers; recounted here so any store file starts right
 
     @contextmanager

@@ -119,7 +119,7 @@ class ExportReader:
         row["turns"] = turns
         row["finish_reason"] = _finish_reason(turns)
         row["migrations"] = [dict(zip(_MIG_KEYS, r, strict=True)) for r in self.s.execute(_MIGRATIONS, (sid,))]
-        row["messages"] = None  # the gateway keeps message fingerprints, not their text
+        row["messages"] = self.s.messages.read(sid)  # as the gateway was sent them (store/messages.py)
         row["training"] = self.s.retention.outcome(sid)
         return row
 
