@@ -62,6 +62,13 @@ class RetainConfig(Strict):
     """Most trajectories one pass deletes (the bound on one pass's cost to the event loop)."""
 
 
+MAX_WEIGHT_TOKENS = 1 << 18
+"""Most per-token correction weights one session's outcome carries (`weights`: little-endian
+float32 of its loss-mask tokens, base64; 1 MiB raw). A session with more sampled tokens is
+written back without them (`weights_omitted`: its count), never cut short."""
+OUTCOME_POST_BYTES = 4 << 20
+"""Most JSON bytes the trainer puts in one outcome write-back (half the default body limit)."""
+
 MESSAGES_BYTES = 64 << 10
 """The default cap on recorded message bytes per session (`scheduler.store.messages_bytes`)."""
 
