@@ -3,6 +3,7 @@ bounded per session (marked when truncated), exported in `messages`, deleted by 
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -19,24 +20,28 @@ def _harness(tmp_path, **store):
     return Harness(str(tmp_path / "s.sqlite"), **({"store": store} if store else {}))
 
 
-def _chat(h, cell, sid: str, messages: list[dict]) -> dict:
+def _chat(h, cell, sid: str, messages: list[dict], stream: bool = False) -> str:
     fut = h.pool.submit(h.client.post, "/v1/chat/completions",
-                        json={"messages": messages, "max_tokens": 3}, headers={"X-Session-Id": sid})
+                        json={"messages": messages, "max_tokens": 3, "stream": stream}, headers={"X-Session-Id": sid})
     until_held(cell, fut)
     pump([cell], until=fut)
     r = fut.result(timeout=30)
     assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["message"]
+    if not stream:
+        return r.json()["choices"][0]["message"]["content"] or ""
+    chunks = [json.loads(x[6:]) for x in r.text.splitlines() if x.startswith("data: {")]
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
 
 
-def _conversation(h, cell, sid: str, turns: int = 2) -> list[list[dict]]:
-    """`turns` chat turns, each resending the whole conversation; returns each turn's messages."""
+def _conversation(h, cell, sid: str, turns: int = 2, stream_from: int | None = None) -> list[list[dict]]:
+    """`turns` chat turns, each resending the whole conversation (streamed from turn
+    `stream_from` on); returns each turn's messages."""
     sent, msgs = [], [SYSTEM]
     for k in range(turns):
         msgs = msgs + [{"role": "user", "content": f"what is {k} + {k}?"}]
         sent.append(msgs)
-        reply = _chat(h, cell, sid, msgs)
-        msgs = msgs + [{"role": "assistant", "content": reply["content"] or ""}]
+        reply = _chat(h, cell, sid, msgs, stream=stream_from is not None and k >= stream_from)
+        msgs = msgs + [{"role": "assistant", "content": reply}]
     h.client.post(f"/v1/sessions/{sid}/finish", json={"reward": 1.0})
     return sent
 
@@ -56,7 +61,7 @@ def test_messages_as_sent_per_turn_beside_their_requests(tmp_path):
     try:
         c = FakeCell(h.client, "c0")
         c.register(), c.sync()
-        sent = _conversation(h, c, "chat-1", turns=3)
+        sent = _conversation(h, c, "chat-1", turns=3, stream_from=2)  # the last turn streamed
         row = _row(h, "chat-1")
         rec = row["messages"]
         assert rec["truncated"] is False and rec["dropped_turns"] == 0
