@@ -81,14 +81,16 @@ def flat_row(row: dict[str, Any], lists: bool = True) -> dict[str, Any]:
 def train_weight(training: dict[str, Any], loss_mask: Any) -> tuple[Any, str | None]:
     """The per-token weights the update used (the outcome's `weights`: its loss-mask tokens')
     aligned with `token_ids` (NaN elsewhere), and a note when there are none to give: `omitted`
-    (the session had more than the write-back carries) or `mismatch` (they do not fit the
-    row's loss mask: not shown, never misaligned)."""
+    (the session had more than the write-back carries), `missing` (no training rank sent them)
+    or `mismatch` (they do not fit the row's loss mask: not shown, never misaligned)."""
     import base64
 
     import numpy as np
 
     if training.get("weights_omitted") is not None:
         return None, f"omitted: {training['weights_omitted']} loss-mask tokens"
+    if training.get("weights_missing") is not None:
+        return None, "missing: the training ranks sent none"
     if training.get("weights") is None:
         return None, None
     w = np.frombuffer(base64.b64decode(training["weights"]), dtype="<f4")

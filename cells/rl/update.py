@@ -220,7 +220,7 @@ def _minibatch(learner: Any, b: Batch | None, pre: dict, share: Share, j: int, r
     or None for the norm when its forward shows the policy already past `bound` (no step)."""
     cfg, rows, trees = learner.objective, _rows(b, pre, j), _trees(pre, j)
     normalizer = _normalizer(learner, b, pre, rows, trees, reducer)
-    used_weights.keep(learner, b, pre, rows, normalizer)  # the w_t the loss below multiplies by
+    used_weights.keep(learner, b, pre, rows, trees, normalizer)  # the w_t the loss below multiplies by
     n0 = torch.tensor(float(max(share.n0[j], 1)))
     s0 = share.s0[j] if share.s0 else 0
     touched = learner.zero_grads()

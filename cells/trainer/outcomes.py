@@ -109,9 +109,10 @@ def _trained(t: Any, batch: list[dict], metrics: dict[str, Any], start_version: 
 
 
 def _weights(text: str | None, masked: int) -> dict[str, Any]:
-    """The session's per-token weights for its outcome, if the ranks sent them and they fit."""
+    """The session's per-token weights for its outcome, if the ranks sent them and they fit;
+    else why not (`weights_missing`: no rank sent any; `weights_omitted`: too many)."""
     if text is None:
-        return {}
+        return {"weights_missing": masked}
     return {"weights": text} if masked <= MAX_WEIGHT_TOKENS else {"weights_omitted": masked}
 
 

@@ -99,7 +99,8 @@ def test_the_trainer_sends_the_weights_bounded(monkeypatch):
               "provenance": [None, "exact", "exact"], "segment_starts": [0]} for i in range(2)]
     outcomes.trained(t, batch, {}, 4, None)
     o = posted[-1]["outcomes"]
-    assert o["s0"]["weights"] == encode(W[:2]) and "weights" not in o["s1"]  # s1: no rank sent any
+    assert o["s0"]["weights"] == encode(W[:2]) and "weights" not in o["s1"]
+    assert o["s1"]["weights_missing"] == 2  # no rank sent s1's: said so, not silently absent
     monkeypatch.setattr(outcomes, "MAX_WEIGHT_TOKENS", 1)
     outcomes.trained(t, batch, {}, 4, None)
     assert "weights" not in posted[-1]["outcomes"]["s0"] and posted[-1]["outcomes"]["s0"]["weights_omitted"] == 2

@@ -106,3 +106,29 @@ def test_two_training_ranks_send_their_shares_weights_to_the_coordinator(tmp_pat
     for t in batch:
         got = decode(coord.used_weights[t["id"]])
         assert len(got) == sum(t["loss_mask"]) and _matches(got, decode(local.used_weights[t["id"]]))
+
+
+def test_a_forked_episodes_branches_get_their_own_pairs_weights():
+    from cells.engine.embedded.model import init_weights
+    from cells.engine.embedded.model_spec import PRESETS
+    from cells.rl.learner import Learner
+    from tests.trainer.test_tree_training import _forked_group
+
+    spec = PRESETS["toy"]
+    learner = Learner(spec, init_weights(spec, 5, 0.1), lr=1e-3, minibatches=1, max_grad_norm=None)
+    trajs = _forked_group(learner)  # t, t.b1, t.b2 (one tree), u (rows)
+    prox = {t["id"]: learner.logprobs(t["token_ids"]).tolist() for t in trajs}
+    learner.rl_step(trajs)
+    wants = {}
+    for t in trajs:
+        got = decode(learner.used_weights[t["id"]])
+        want = []
+        for i, m in enumerate(t["loss_mask"]):
+            if m:  # at the update's start lp_prox = lp_old = lp_stand: w = min(rho, 2)
+                anchor = t["old_logprobs"][i] if t["provenance"][i] == "exact" else prox[t["id"]][i - 1]
+                want.append(min(math.exp(anchor - t["logprobs"][i]), 2.0))
+        assert not np.isnan(got).any() and _matches(got, np.array(want)), t["id"]
+        wants[t["id"]] = np.array(want)
+    # negative controls: the trunk's weights placed one token off, or another member's, fail
+    got = decode(learner.used_weights["t"])
+    assert not _matches(got[1:], wants["t"][:-1]) and not _matches(decode(learner.used_weights["u"]), wants["t"])
