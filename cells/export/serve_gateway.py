@@ -1,5 +1,5 @@
 """`cellflip replay DIR --serve` through a gateway: inside the replay process, a throwaway
-scheduler (its store in a temporary directory, `scheduler.replay_request_ids` on) and one
+scheduler (its store in a temporary directory, `scheduler.store.replay_request_ids` on) and one
 embedded cell holding a version's weights from `DIR/weights/v<N>` in batch-invariant mode; each
 recorded turn goes through `POST /v1/generate` (the token-in/token-out path) under its own
 request id (`X-Request-Id`) and recorded sampling params, its seed among them (the noise of
@@ -29,8 +29,8 @@ READY_TIMEOUT_S = 180.0
 def _config(tmp: Path, weights: Path, tile: int | None, ctx: int) -> dict[str, Any]:
     return {
         "scheduler": {"db_path": str(tmp / "replay.sqlite"), "lease_s": 5.0, "heartbeat_s": 0.2,
-                      "min_rollout_cells": 1, "drain_deadline_s": 20.0, "replay_request_ids": True,
-                      "auto_flip": False},
+                      "min_rollout_cells": 1, "drain_deadline_s": 20.0, "auto_flip": False,
+                      "store": {"replay_request_ids": True}},
         "cells": {"count": 1, "engine": {"type": "embedded", "model": {"preset": None, "path": str(weights)},
                                          "num_blocks": max(256, 4 * ctx // 8 + 64), "block_size": 8,
                                          "batch_invariant": True, "row_tile": tile or 1}},

@@ -29,7 +29,7 @@ router = APIRouter(tags=["completions"], route_class=ApiRoute, responses=errors(
 SessionId = Annotated[str | None, Header(alias="X-Session-Id", pattern=SESSION_ID_PATTERN,
                                         description=f"The session ({SESSION_ID_RULE}); a new one when absent")]
 RequestId = Annotated[str | None, Header(alias="X-Request-Id", pattern=SESSION_ID_PATTERN,
-                                         description="A replay's own request id (scheduler.replay_request_ids)")]
+                                         description="A replay's own request id (scheduler.store.replay_request_ids)")]
 
 
 def _chunk(rid: str, rows: StoredTokens) -> dict:
@@ -80,8 +80,8 @@ async def create_completion(request: Request, ctl: Ctl, session_id: SessionId = 
                             idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
                             request_id: RequestId = None) -> dict | StreamingResponse:
     body = await read_completion(request, ctl)
-    if request_id is not None and not ctl.cfg.replay_request_ids:
-        raise Invalid("X-Request-Id is taken only by a replay's scheduler (scheduler.replay_request_ids)",
+    if request_id is not None and not ctl.cfg.store.replay_request_ids:
+        raise Invalid("X-Request-Id is taken only by a replay's scheduler (scheduler.store.replay_request_ids)",
                       code="request_id_refused")
     # `stream` is how the answer travels, not what is asked: a replay may switch it
     req = ctl.submit_completion(session_id, list(body.prompt_ids), body.params(), idempotency_key,

@@ -183,11 +183,6 @@ class SchedulerConfig(_Strict):
     """Run the planner's flip policy once the trainer declared its demand; POST /v1/flips overrides it."""
     store: StoreConfig = StoreConfig()
     """The store's housekeeping: bounded retention of trained trajectories (docs/EXPORT.md)."""
-    replay_request_ids: bool = False
-    """Let `POST /v1/generate` name its request id (`X-Request-Id`), for `cellflip replay --serve`'s
-    own throwaway scheduler: a request's sampling noise is a function of (seed, request id, t), so
-    a recorded turn samples again only under its own id. Off (the default): the header is
-    refused (422); on, an id already in the store is a 409."""
 
 
 class CellsConfig(_Strict):

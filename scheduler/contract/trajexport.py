@@ -81,6 +81,11 @@ class StoreConfig(Strict):
 
     retain_trajectories: RetainConfig = RetainConfig()
     """Bounded retention of trained trajectories (the default keeps the newest 100,000)."""
+    replay_request_ids: bool = False
+    """Let `POST /v1/generate` name its request id (`X-Request-Id`), for `cellflip replay --serve`'s
+    own throwaway scheduler: a request's sampling noise is a function of (seed, request id, t), so
+    a recorded turn samples again only under its own id. Off (the default): the header is
+    refused (422); on, an id already in the store is a 409."""
     messages_bytes: int = Field(default=MESSAGES_BYTES, ge=0)
     """Most bytes of OpenAI-format messages the gateway records per session (JSON of each turn's
     new messages; the default 64 KiB; 0 records none). Turns past it are kept as marked

@@ -74,7 +74,7 @@ class Completions:
         request, durably. `agent`: the calling agent token's id (None for a trainer or admin
         token), which owns a session it opens and may use no other's (404 as for an unknown
         one); its Idempotency-Keys are its own. `request_id`: a replay's own id (the route allows
-        it only with `scheduler.replay_request_ids`); one the store holds is a 409."""
+        it only with `scheduler.store.replay_request_ids`); one the store holds is a 409."""
         ctx = self.ctx
         scope = IDEMPOTENCY_SCOPE if agent is None else f"{IDEMPOTENCY_SCOPE}:{agent}"
         fp = idempotency.fingerprint([session_id, list(prompt_ids), params.model_dump(mode="json")])

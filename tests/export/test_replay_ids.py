@@ -1,5 +1,5 @@
 """A request may name its own id (`X-Request-Id`) only on a replay's scheduler
-(`scheduler.replay_request_ids`): refused elsewhere, and an id the store holds is a 409."""
+(`scheduler.store.replay_request_ids`): refused elsewhere, and an id the store holds is a 409."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from sched_fakes import FakeCell, Harness, pump, until_held
 
 @pytest.mark.parametrize("allowed", [False, True])
 def test_a_named_request_id_only_on_a_replays_scheduler(tmp_path, allowed):
-    h = Harness(str(tmp_path / "s.sqlite"), replay_request_ids=allowed)
+    h = Harness(str(tmp_path / "s.sqlite"), store={"replay_request_ids": allowed})
     try:
         c = FakeCell(h.client, "c0")
         c.register(), c.sync()
