@@ -67,14 +67,16 @@ class Completions:
         quarantine rewinds)."""
 
     def submit(self, session_id: str | None, prompt_ids: list[int], params: SamplingParams,
-               idempotency_key: str | None = None, agent: str | None = None) -> RequestRow:
+               idempotency_key: str | None = None, agent: str | None = None,
+               request_id: str | None = None) -> RequestRow:
         """Admit and start one completion; returns the request (already owned by a cell).
         Under an Idempotency-Key, a replay returns the request the first call started (the
         client follows it again from its first token: a dropped connection never starts a
         second rollout); the same key with another body is a 409. The key is recorded with the
         request, durably. `agent`: the calling agent token's id (None for a trainer or admin
         token), which owns a session it opens and may use no other's (404 as for an unknown
-        one); its Idempotency-Keys are its own."""
+        one); its Idempotency-Keys are its own. `request_id`: a replay's own id (the route allows
+        it only with `scheduler.store.replay_request_ids`); one the store holds is a 409."""
         ctx = self.ctx
         scope = IDEMPOTENCY_SCOPE if agent is None else f"{IDEMPOTENCY_SCOPE}:{agent}"
         fp = idempotency.fingerprint([session_id, list(prompt_ids), params.model_dump(mode="json")])
@@ -85,7 +87,9 @@ class Completions:
             return first
         self.check(session_id, prompt_ids, params, agent)
         self.staleness.check_admission(session_id)
-        rid = f"req-{uuid.uuid4().hex[:16]}"
+        if request_id is not None and ctx.store.owners.get_request(request_id) is not None:
+            raise Conflict(f"request {request_id!r} exists", code="request_exists")
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         sid = session_id or f"anon-{rid[4:]}"
         dst = self._destination(rid, sid, len(prompt_ids), sticky=bool(session_id))
         with ctx.txn(durable=True) as fx:

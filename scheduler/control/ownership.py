@@ -212,8 +212,10 @@ class Ownership:
         self.migrations.record_resubmit(fx, req, src, dst, flip, path)
         self.revoke(fx, req, f"{path} on {dst.id}")
         if req.state == "failed":  # stuck: revoke ended it instead of taking it for the move
+            self.migrations.stalls.aborted(req.id)
             return path
         self.assign(fx, req, dst.id, path=path)
+        self.migrations.resubmitted(req.id)
         return path
 
     def summarize(self, req: RequestRow) -> RequestSummary:

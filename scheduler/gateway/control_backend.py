@@ -24,6 +24,7 @@ from scheduler.contract.tito.backend import (
     SessionTokens,
     TokenOut,
 )
+from scheduler.gateway import recording
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -77,6 +78,9 @@ class ControlPlaneBackend:
                        live: bool = True) -> AsyncIterator[TokenOut | Rewind]:
         ctl = self.ctl
         req = self.submit(session_id, prompt_ids, params)
+        if (sent := recording.SENT.get()) is not None:  # a chat turn: its messages beside its request
+            recording.SENT.set(None)
+            ctl.store.messages.record(session_id, req.id, sent, ctl.cfg.store.messages_bytes)
         held = None  # one token held back so the last one can carry the finish reason
         out = 0  # tokens yielded
         async for start, rows, cur in ctl.follow_request(req.id, live):
