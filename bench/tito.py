@@ -22,7 +22,14 @@ literals such as ``False``) and drops reasoning. Per session:
   sampled tokens at their positions.
 
 ``gateway_overhead_ms`` is the median over requests of (gateway request latency - direct
-replay-engine latency for the same completion). Last stdout line: one JSON object.
+replay-engine latency for the same completion).
+
+``turn_overhead_ms`` (bench/turn_overhead.py): what one turn of a sticky agentic session costs
+the gateway, the scheduler and the cell on the real app and a real cell command handler and
+engine, decode excluded, at contexts of 1k, 8k, 32k and 128k tokens, each turn adding 200 new
+tokens (median over the measured turns); ``turn_overhead_ratio_128k_over_1k`` the 128k figure
+over the 1k one (goal <= 2: a turn costs what is new, not the context). Last stdout line: one
+JSON object.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from common import add_target_args, finish  # noqa: E402
+from turn_overhead import measure as measure_turns  # noqa: E402
 
 from scheduler.contract.sampling import SamplingParams  # noqa: E402
 from scheduler.contract.tito.memory import InMemoryBackend, ReplayEngine, echo_assistant  # noqa: E402
@@ -626,6 +634,11 @@ def main(argv: list[str] | None = None) -> None:
                 f"paths={r['paths']}",
                 flush=True,
             )
+    turns = measure_turns(args.quick)
+    if not args.json:
+        for size, ms in turns["turn_overhead_ms"].items():
+            print(f"turn at {turns['turn_context_tokens'][size]} tokens: {ms} ms {turns['turn_overhead_parts_ms'][size]}",
+                  flush=True)
     overheads = [x for r in per.values() for x in r["overheads_ms"]]
     gateway_ms = [x for r in per.values() for x in r["gateway_ms"]]
     overheads.sort()
@@ -659,6 +672,7 @@ def main(argv: list[str] | None = None) -> None:
             for k, r in per.items()
         },
         "corpus": "replayed committed corpus bench/data/tito_corpus_*.jsonl (non-canonical, well-formed tool-call token sequences; not model samples)",
+        **turns,
         "quick": bool(args.quick),
         "wall_s": round(time.perf_counter() - t0, 2),
     }

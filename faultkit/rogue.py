@@ -44,6 +44,9 @@ class RogueCell(threading.Thread):
         self.stop = threading.Event()
         self.held: dict[str, dict] = {}
         self.outbox: list[dict] = []
+        self.events: list[dict] = []
+        """Events for the next sync: it holds no session's context, so a sticky turn's delta
+        start is answered with prefix_missing (the scheduler then sends the whole context)."""
 
     def _register(self) -> bool:
         probe = [-0.5] * (PROBE_LEN - 1) if self.mode == "bad_probe" else self.probe
@@ -72,7 +75,8 @@ class RogueCell(threading.Thread):
 
     def _sync(self) -> None:
         tokens, self.outbox = self.outbox, []
-        body = {"incarnation": self.incarnation, "tokens": tokens, "events": [], "wait_s": 0.0,
+        events, self.events = self.events, []
+        body = {"incarnation": self.incarnation, "tokens": tokens, "events": events, "wait_s": 0.0,
                 "summary": {"inflight": len(self.held), "kv_blocks_used": len(self.held), "kv_blocks_total": 256,
                             "version": self.serve_version, "request_ids": sorted(self.held), "role": "rollout",
                             "versions_held": [self.serve_version]}}
@@ -86,7 +90,9 @@ class RogueCell(threading.Thread):
         for rid in body.get("rejected", []):
             self.held.pop(rid, None)
         for cmd in body.get("commands", []):
-            if cmd["type"] == "start":
+            if cmd["type"] == "start" and cmd.get("prefix_hash") is not None:
+                self.events.append({"type": "prefix_missing", "request_id": cmd["request_id"], "epoch": cmd["epoch"]})
+            elif cmd["type"] == "start":
                 self.given.append(cmd["request_id"])
                 self.held[cmd["request_id"]] = cmd
                 self.outbox.append(self._lie(cmd))

@@ -56,9 +56,10 @@ def test_balance_by_hand():
     # p = 16 / 7200 per rollout cell-second, q = 1024 / 115200: p / (p + q) = 0.2 exactly
     s = snap([cell(i) for i in range(10)], waiting=B)  # backlog at its target: no correction
     assert wanted_training_cells(s) == pytest.approx(2.0)
-    # one batch above the target over the 1 h horizon adds (1024 / 3600) / (p + q) = 25.6 cells
+    # one batch above the target over the 8 h horizon (4 two-hour sessions) adds
+    # (1024 / 28800) / (p + q) = 3.2 cells
     s2 = snap([cell(i) for i in range(100)], waiting=2 * B)
-    assert wanted_training_cells(s2) == pytest.approx(20.0 + 25.6)
+    assert wanted_training_cells(s2) == pytest.approx(20.0 + 3.2)
 
 
 def test_flips_cheapest_cells_to_training():
@@ -105,11 +106,11 @@ def test_deadband_holds():
     cells = [cell(i) for i in range(8)] + [cell(8, "training", inflight=0), cell(9, "training", inflight=0)]
     s = snap(cells, waiting=B, steps=1)  # want exactly 2, have 2
     assert plan_flips(s) == []
-    # 20 sessions over the target add 20/3600/(p+q) = 0.5 cell: inside the one-cell deadband
-    s_in = snap(cells, waiting=B + 20, steps=1)
+    # 160 sessions over the target add 160/28800/(p+q) = 0.5 cell: inside the one-cell deadband
+    s_in = snap(cells, waiting=B + 160, steps=1)
     assert wanted_training_cells(s_in) == pytest.approx(2.5)
     assert plan_flips(s_in, FREE) == []
-    s_out = snap(cells, waiting=B + 50, steps=1)  # 3.25 wanted: one more cell
+    s_out = snap(cells, waiting=B + 400, steps=1)  # 3.25 wanted: one more cell
     assert [x.to for x in plan_flips(s_out, FREE)] == ["training"]
 
 
@@ -289,24 +290,24 @@ def test_backlog_horizon_follows_measured_durations():
 
     pol = PlannerPolicy()
     cells = [cell(i) for i in range(10)]
-    # two-hour sessions: half a session = 1 h; two-minute sessions: 60 s, or 4 steps of 15 s
-    assert backlog_horizon_s(snap(cells), pol) == pytest.approx(3600.0)
+    # two-hour sessions: 4 sessions = 8 h; two-minute sessions: 480 s, or 4 steps of 150 s
+    assert backlog_horizon_s(snap(cells), pol) == pytest.approx(28800.0)
     minutes = snap(cells, rate=1 / 120.0, train_step_s=15.0)
-    assert backlog_horizon_s(minutes, pol) == pytest.approx(60.0)
-    assert backlog_horizon_s(snap(cells, rate=1 / 120.0, train_step_s=30.0), pol) == pytest.approx(120.0)
+    assert backlog_horizon_s(minutes, pol) == pytest.approx(480.0)
+    assert backlog_horizon_s(snap(cells, rate=1 / 120.0, train_step_s=150.0), pol) == pytest.approx(600.0)
     assert backlog_horizon_s(snap(cells, rate=0.0), pol) == pol.backlog_horizon_s  # nothing measured
 
 
 def test_backlog_is_corrected_no_faster_than_cells_can_move():
-    # training-heavy: the balance wants 70 of 100 cells; the 30 rollout cells free
-    # 30 / 7200 slots a second, so moving 70 cells' sessions takes 70 * 7200 / 30 s = 16,800 s,
-    # longer than the half-session horizon (3,600 s): a batch over the target adds less
-    cells = [cell(i) for i in range(30)] + [cell(30 + i, "training", inflight=0) for i in range(70)]
+    # training-heavy: the balance wants 90 of 100 cells; the 10 rollout cells free
+    # 10 / 7200 slots a second, so moving 90 cells' sessions takes 90 * 7200 / 10 s = 64,800 s,
+    # longer than the 4-session horizon (28,800 s): a batch over the target adds less
+    cells = [cell(i) for i in range(10)] + [cell(10 + i, "training", inflight=0) for i in range(90)]
     p = 16 * SLOT_RATE
-    q = p * 3 / 7
+    q = p / 9
     s = replace(snap(cells, waiting=2 * B), train_rate_per_cell_s=q)
-    assert wanted_training_cells(s) == pytest.approx(70.0 + B / 16800.0 / (p + q))
-    # a light training side moves fast: the half-session horizon stands (test_balance_by_hand)
+    assert wanted_training_cells(s) == pytest.approx(90.0 + B / 64800.0 / (p + q))
+    # a light training side moves fast: the session horizon stands (test_balance_by_hand)
 
 
 def test_idle_training_cells_return_when_the_trainer_cannot_use_them():

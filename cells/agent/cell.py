@@ -27,6 +27,7 @@ import time
 import uuid
 
 from cells.agent.commands import Commands
+from cells.agent.held import HeldContexts
 from cells.agent.moves import Moves
 from cells.agent.owned import Owned, log_accepted
 from cells.client import Fenced, Refused, SchedulerClient
@@ -76,6 +77,8 @@ class CellAgent:
         self.incarnation = ""
         self.role = CellRole()
         self.owned: dict[str, Owned] = {}
+        self.held = HeldContexts()
+        """The sessions' contexts held here: what a sticky turn's delta start builds on."""
         self.events: list[AnyEvent] = []
         self._engine_lock = threading.RLock()
         self._num_waiting = 0  # threads other than the engine loop waiting for the lock
@@ -361,6 +364,7 @@ class CellAgent:
             if o is None:
                 continue
             o.pending.append(ev.record)
+            self.held.sampled(ev.request_id, ev.record.token_id)
             if ev.finish_reason:
                 o.finish_reason = ev.finish_reason
 
@@ -368,6 +372,7 @@ class CellAgent:
     def forget(self, rid: str, abort_engine: bool) -> None:
         """Stop owning `rid` (and drop it from the engine with `abort_engine`)."""
         self.owned.pop(rid, None)
+        self.held.ended(rid)
         if abort_engine:
             self.engine.abort(rid)
 
@@ -375,6 +380,7 @@ class CellAgent:
         for rid in list(self.engine.requests):
             self.engine.abort(rid)
         self.owned.clear()
+        self.held = HeldContexts()
 
 
 def probe_answer(engine: Engine, version: int | None) -> list[float] | None:

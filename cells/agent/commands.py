@@ -34,6 +34,7 @@ from scheduler.contract.protocol import (
     LoadVersionCmd,
     MigrateInCmd,
     MigrateOutCmd,
+    PrefixMissingEvent,
     RoleFailedEvent,
     ScoreCmd,
     SetRoleCmd,
@@ -71,15 +72,26 @@ class Commands:
 
     # -- requests ---------------------------------------------------------------------------
     def start(self, cmd: StartCmd) -> None:
+        """Start a request: its whole context, or on a sticky turn the context this cell holds
+        (checked by length and digest: cells/agent/held.py) and the new tokens; a prefix not
+        held here is answered with `prefix_missing` and nothing starts."""
         a = self.agent
+        ids = a.held.context(cmd)
+        if ids is None:
+            log.info("start %s: prefix of %d tokens of %s not held here (hold %d): asking for the whole context",
+                     cmd.request_id, cmd.prefix_len, cmd.session_id, a.held.length(cmd.session_id))
+            a.events_append(PrefixMissingEvent(cmd.request_id, cmd.epoch, a.held.length(cmd.session_id)))
+            return
         try:
             # resume point, KV reuse across the session's turns, and how a moved request came
-            a.engine.add_request(cmd.request_id, cmd.token_ids, cmd.params,
-                                 prompt_len=cmd.prompt_len, cache_key=cmd.session_id, path=cmd.path)
+            a.engine.add_request(cmd.request_id, ids, cmd.params, prompt_len=cmd.prompt_len,
+                                 cache_key=cmd.session_id, path=cmd.path,
+                                 checked=cmd.prefix_len if cmd.prefix_hash is not None else 0)
         except EngineError as e:
             log.warning("start %s refused: %s", cmd.request_id, e)
             a.owned[cmd.request_id] = Owned(cmd.epoch, cmd.num_generated, finish_reason=f"error: {e}"[:200])
             return
+        a.held.began(cmd, ids)
         a.owned[cmd.request_id] = Owned(cmd.epoch, cmd.num_generated)
 
     def abort(self, cmd: AbortCmd) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from cells.agent.owned import Owned
 
 if TYPE_CHECKING:
+    from cells.agent.held import HeldContexts
     from cells.client import SchedulerClient
     from cells.engine.base import Engine
     from cells.roles import CellRole
@@ -44,6 +45,8 @@ class CommandsHost(Protocol):
     cfg: CellflipConfig
     engine: Engine
     owned: dict[str, Owned]
+    held: HeldContexts
+    """The sessions' contexts held here (cells/agent/held.py): what a delta start extends."""
     role: CellRole
     training: TrainingWorker
     versions: CellVersions

@@ -165,6 +165,7 @@ class Moves:
             if o.role == "source":
                 if o.result == "committed":
                     a.owned.pop(o.request_id, None)
+                    a.held.ended(o.request_id)
                 elif o.request_id in a.owned:
                     a.owned[o.request_id].migrating = False
             if o.role == "destination" or o.result != "committed":

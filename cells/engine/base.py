@@ -48,11 +48,13 @@ class Engine(ABC):
     @abstractmethod
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
                     prompt_len: int | None = None, cache_key: str | None = None,
-                    path: str | None = None) -> None:
+                    path: str | None = None, checked: int = 0) -> None:
         """Queue a request. `prompt_len` < len(prompt_ids) resumes a request whose tokens after
         `prompt_len` were generated elsewhere (same noise as if never moved); `cache_key`
         names the session whose earlier turns' KV may be reused; `path` says how a moved
-        request came ("reprefill" | "kv_store"). Raises EngineError on bad ids, a duplicate
+        request came ("reprefill" | "kv_store"); `checked`: the first `checked` ids are a
+        context this engine took (or sampled) before, so only the rest are checked (a sticky
+        turn's held prefix: cells/agent/held.py). Raises EngineError on bad ids, a duplicate
         id or bad params."""
 
     @abstractmethod

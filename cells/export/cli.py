@@ -66,7 +66,8 @@ def cmd_replay(args) -> int:
         raise SystemExit(f"cellflip replay: {args.dir} is not an export directory: {e}") from None
     if problems:
         raise SystemExit("cellflip replay: " + "; ".join(problems))
-    print(json.dumps(replay(args.dir, tile=args.row_tile, serve=args.serve)))
+    serve = "gateway" if args.serve else "direct" if args.serve_direct else None
+    print(json.dumps(replay(args.dir, tile=args.row_tile, serve=serve)))
     return 0
 
 
@@ -127,7 +128,9 @@ def add_parsers(sub) -> None:
     ex.set_defaults(func=cmd_export)
     rp = sub.add_parser("replay", help="re-score (and --serve: re-sample) an export from the directory alone")
     rp.add_argument("dir")
-    rp.add_argument("--serve", action="store_true", help="also sample each turn again with its seed")
+    rp.add_argument("--serve", action="store_true", help="also sample each turn again with its id and seed, "
+                    "through a throwaway scheduler's gateway and one cell per version")
+    rp.add_argument("--serve-direct", action="store_true", help="the same on an in-process engine (no gateway)")
     rp.add_argument("--row-tile", type=int, default=4, help="the cells' engine row_tile (batch-invariant numerics)")
     rp.set_defaults(func=cmd_replay)
     ew = sub.add_parser("export-weights", help="write a weight version as a Hugging Face directory (a cell "

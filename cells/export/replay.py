@@ -105,9 +105,10 @@ def _fractions(d: dict[str, int]) -> dict[str, Any]:
     return out
 
 
-def replay(root: str | Path, tile: int | None = 4, serve: bool = False) -> dict[str, Any]:
+def replay(root: str | Path, tile: int | None = 4, serve: str | None = None) -> dict[str, Any]:
     """The replay report of an export directory (`replay_exact_frac` per version, overall, and
-    with `serve` the token-identical fraction of sessions)."""
+    with `serve` the token-identical fraction of sessions: `gateway` through a throwaway
+    scheduler's gateway and cell (serve_gateway.py), `direct` on an in-process engine (serve.py))."""
     root = Path(root)
     rows = read_rows(root)
     per = replay_scores(root, rows, tile)
@@ -117,8 +118,14 @@ def replay(root: str | Path, tile: int | None = 4, serve: bool = False) -> dict[
     out: dict[str, Any] = {"sessions": len(rows), "versions": per, "replay_exact_frac": exact / total if total else None,
                            "control_match_frac": ctl / max(1, sum(d.get("control_tokens", 0) for d in per.values())),
                            "no_weights_tokens": sum(d.get("no_weights", 0) for d in per.values())}
-    if serve:
+    if serve == "gateway":
+        from cells.export.serve_gateway import replay_serve_gateway
+
+        out.update(replay_serve_gateway(root, rows, tile))
+    elif serve == "direct":
         from cells.export.serve import replay_serve
 
         out.update(replay_serve(root, rows, tile))
+    elif serve is not None:
+        raise ValueError(f"serve must be 'gateway' or 'direct', not {serve!r}")
     return out

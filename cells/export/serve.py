@@ -1,4 +1,4 @@
-"""`cellflip replay DIR --serve`: each turn's prompt sampled again on an embedded engine in
+"""`cellflip replay DIR --serve-direct` (the gateway path is serve_gateway.py): each turn's prompt sampled again on an embedded engine in
 batch-invariant mode holding the turn's version, under the request's own id and sampling
 params (its seed among them: the noise of token t is a function of seed, request id and t), and
 compared token for token with the recorded completion. A session is identical when all its
@@ -65,6 +65,6 @@ def replay_serve(root: Path, rows: list[dict[str, Any]], tile: int | None) -> di
         tally[key][0] += 1
         tally[key][1] += ok
     k, m = tally["kept"], tally["moved"]
-    return {"replay_serve_sessions": k[0], "replay_serve_identical_frac": k[1] / k[0] if k[0] else None,
+    return {"replay_serve_path": "direct", "replay_serve_sessions": k[0], "replay_serve_identical_frac": k[1] / k[0] if k[0] else None,
             "replay_serve_moved_sessions": m[0], "replay_serve_moved_identical_frac": m[1] / m[0] if m[0] else None,
             "replay_serve_no_weights": tally["no_weights"]}

@@ -73,6 +73,44 @@ def flat_row(row: dict[str, Any], lists: bool = True) -> dict[str, Any]:
     for k in TRAIN_KEYS:
         v = t.get(k)
         out[f"train_{k}"] = json.dumps(v) if k == "correction" and v is not None else v
+    w, out["train_weight_note"] = train_weight(t, token_arrays(row)["loss_mask"] if "packed" in row else row["loss_mask"])
+    out["train_weight"] = w if w is None or not lists else [None if x != x else x for x in w.tolist()]
+    return out
+
+
+def train_weight(training: dict[str, Any], loss_mask: Any) -> tuple[Any, str | None]:
+    """The per-token weights the update used (the outcome's `weights`: its loss-mask tokens')
+    aligned with `token_ids` (NaN elsewhere), and a note when there are none to give: `omitted`
+    (the session had more than the write-back carries), `missing` (no training rank sent them)
+    or `mismatch` (they do not fit the row's loss mask: not shown, never misaligned)."""
+    import base64
+
+    import numpy as np
+
+    if training.get("weights_omitted") is not None:
+        return None, f"omitted: {training['weights_omitted']} loss-mask tokens"
+    if training.get("weights_missing") is not None:
+        return None, "missing: the training ranks sent none"
+    if training.get("weights") is None:
+        return None, None
+    w = np.frombuffer(base64.b64decode(training["weights"]), dtype="<f4")
+    mask = np.asarray(loss_mask, dtype=bool)
+    if len(w) != int(mask.sum()):
+        return None, f"mismatch: {len(w)} weights for {int(mask.sum())} loss-mask tokens"
+    full = np.full(len(mask), np.nan, dtype=np.float32)
+    full[mask] = w
+    return full, None
+
+
+def turn_messages(messages: dict[str, Any] | str | None) -> list[list[dict[str, Any]] | None]:
+    """A row's `messages` column as each turn's whole message list as sent (turn k: the first
+    `keep` of turn k-1's, then its own `messages`); None for a turn past the recording cap."""
+    rec = json.loads(messages) if isinstance(messages, str) else messages
+    out: list[list[dict[str, Any]] | None] = []
+    prev: list[dict[str, Any]] | None = []
+    for t in (rec or {}).get("turns", []):
+        prev = None if t["messages"] is None or prev is None else prev[:t["keep"]] + t["messages"]
+        out.append(prev)
     return out
 
 
@@ -90,7 +128,8 @@ def schema():
                       ("created_at", pa.float64()), ("updated_at", pa.float64())])
     move = pa.struct([("request_id", pa.string()), ("src", pa.string()), ("dst", pa.string()), ("path", pa.string()),
                       ("epoch", pa.int64()), ("state", pa.string()), ("reason", pa.string()),
-                      ("created_at", pa.float64()), ("finished_at", pa.float64()), ("commit_tokens", pa.int32())])
+                      ("created_at", pa.float64()), ("finished_at", pa.float64()), ("commit_tokens", pa.int32()),
+                      ("stall_s", pa.float64())])
     return pa.schema([
         ("session_id", pa.string()), ("finish_seq", pa.int64()), ("job", pa.string()), ("group_id", pa.string()),
         ("parent_id", pa.string()), ("branch", pa.int32()), ("reward", pa.float64()),
@@ -104,6 +143,7 @@ def schema():
         ("train_status", pa.string()), ("train_update_version", pa.int64()), ("train_rl_step", pa.int64()),
         ("train_start_version", pa.int64()), ("train_advantage", pa.float64()), ("train_staleness", pa.int64()),
         ("train_drop_reason", pa.string()), ("train_correction", pa.string()),
+        ("train_weight", pa.list_(pa.float32())), ("train_weight_note", pa.string()),
     ])
 
 
@@ -123,6 +163,21 @@ def _list_column(rows: list[dict[str, Any]], key: str, typ):
     else:
         values = pa.array(flat, type=typ)
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), values)
+
+
+def _nullable_list(rows: list[dict[str, Any]], key: str):
+    """A float32 list column whose rows may be null (numpy arrays or None)."""
+    import numpy as np
+    import pyarrow as pa
+
+    parts = [r[key] for r in rows]
+    sizes = [0 if p is None else len(p) for p in parts]
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(sizes, out=offsets[1:])
+    flat = np.concatenate([p for p in parts if p is not None] or [np.zeros(0, dtype=np.float32)])
+    nulls = np.array([p is None for p in parts] + [False])
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32(), mask=nulls),
+                                    pa.array(flat, pa.float32(), mask=np.isnan(flat)))
 
 
 def float32_inexact(rows: list[dict[str, Any]]) -> int:
@@ -151,6 +206,8 @@ def arrow_table(rows: list[dict[str, Any]]):
     for f in sch:
         if f.name in TOKEN_COLUMNS:
             cols.append(_list_column(rows, f.name, f.type.value_type))
+        elif f.name == "train_weight":
+            cols.append(_nullable_list(rows, f.name))
         elif f.name == "turns":
             cols.append(pa.array([[{**t, "params": json.dumps(t["params"])} for t in r["turns"]] for r in rows],
                                  type=f.type))

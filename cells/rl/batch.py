@@ -49,6 +49,8 @@ class Batch:
     num_unrolled: int = 0
     """Forked members that could not form a tree (a branch with several segments): trained
     as separate rows, their shared prefix in branch 0's rows only."""
+    starts: list[int] = field(default_factory=list)
+    """Where each row begins in its trajectory's token buffer (its segment's start)."""
 
     @property
     def size(self) -> int:
@@ -90,7 +92,7 @@ class Batch:
             traj=torch.tensor([r["traj"] for r in rows], dtype=torch.long),
             rewards=torch.tensor([float(t["reward"]) for t in trajs], dtype=torch.float32),
             groups=torch.tensor([index.setdefault(t["group_id"], len(index)) for t in trajs]),
-            trees=trees, num_unrolled=unrolled,
+            trees=trees, num_unrolled=unrolled, starts=[r["start"] for r in rows],
         )
 
     def metrics(self, lp_theta: Tensor, version: int) -> dict[str, float]:
@@ -138,7 +140,7 @@ def segments(traj_index: int, t: dict[str, Any]) -> list[dict[str, Any]]:
         mask[0] = False
         behav, old, miss, unsc, vers = zip(*(token_fields(t, i, mask[i - a]) for i in range(a, b)))
         out.append({
-            "traj": traj_index, "ids": torch.tensor(t["token_ids"][a:b], dtype=torch.long),
+            "traj": traj_index, "start": a, "ids": torch.tensor(t["token_ids"][a:b], dtype=torch.long),
             "mask": torch.tensor(mask), "behav": torch.tensor(behav, dtype=torch.float32),
             "old": torch.tensor(old, dtype=torch.float32), "missing": torch.tensor(miss, dtype=torch.bool),
             "unscored": torch.tensor(unsc, dtype=torch.bool), "versions": torch.tensor(vers, dtype=torch.long),

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from cells.rl import guard
+from cells.rl import guard, used_weights
 from cells.rl.batch import Batch, pad
 from cells.rl.objectives import (
     KLInReward,
@@ -117,6 +117,7 @@ def _run_update(learner: Any, share: Share, reducer: Reducer, snapshot: Any = No
     out["clip_frac_first"] = clip[0]
     out["clip_frac_after_first"] = sum(clip[1:]) / len(clip[1:]) if len(clip) > 1 else 0.0
     out.update(_batch_metrics(b, pre, reducer, start_version))  # staleness against the update's start
+    learner.used_weights = used_weights.per_trajectory(b, pre, share.trajectories)  # written back
     out.update({"grad_norm": grad_norms[-1] if grad_norms else 0.0, "grad_norm_max": max(grad_norms, default=0.0),
                 "lr": learner.lr,
                 "lr_effective": learner.last_lr,
@@ -219,6 +220,7 @@ def _minibatch(learner: Any, b: Batch | None, pre: dict, share: Share, j: int, r
     or None for the norm when its forward shows the policy already past `bound` (no step)."""
     cfg, rows, trees = learner.objective, _rows(b, pre, j), _trees(pre, j)
     normalizer = _normalizer(learner, b, pre, rows, trees, reducer)
+    used_weights.keep(learner, b, pre, rows, trees, normalizer)  # the w_t the loss below multiplies by
     n0 = torch.tensor(float(max(share.n0[j], 1)))
     s0 = share.s0[j] if share.s0 else 0
     touched = learner.zero_grads()

@@ -5,7 +5,10 @@
               the update published, the RL step, the version it started from, the session's
               advantage (recomputed by the same pure plan the coordinator split the update
               with: cells/rl/plan.py) and its staleness (versions between its oldest sampled
-              token and the update's start), and its train/inference ratios (`correction`)
+              token and the update's start), its train/inference ratios (`correction`) and the
+              per-token weights the update multiplied its objective by (`weights`: the training
+              ranks' cells/rl/used_weights.py, through the coordinator; base64 float32 of its
+              loss-mask tokens, at most `MAX_WEIGHT_TOKENS`, else `weights_omitted`)
     dropped   status `dropped` and the reason the group gate gave (cells/trainer/groups.py)
 
 A write-back that fails is logged and training goes on (the rows then have no outcome, and
@@ -14,20 +17,38 @@ retention keeps them).
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
+
+from scheduler.contract.trajexport import MAX_WEIGHT_TOKENS, OUTCOME_POST_BYTES
 
 log = logging.getLogger("cellflip.trainer")
 
 CHUNK = 1024
-"""Sessions per POST (the route takes at most 4096)."""
+"""Most sessions per POST (the route takes at most 4096); fewer when their bytes pass
+`OUTCOME_POST_BYTES`."""
+
+
+def chunks(outcomes: dict[str, dict[str, Any]]) -> list[dict[str, dict[str, Any]]]:
+    """The outcomes in POST bodies of at most `CHUNK` sessions and `OUTCOME_POST_BYTES` bytes
+    (a single session over it goes alone: its weights are bounded by `MAX_WEIGHT_TOKENS`)."""
+    out: list[dict[str, dict[str, Any]]] = [{}]
+    size = 0
+    for sid, o in outcomes.items():
+        n = len(json.dumps(o)) + len(sid) + 8
+        if out[-1] and (len(out[-1]) >= CHUNK or size + n > OUTCOME_POST_BYTES):
+            out.append({})
+            size = 0
+        out[-1][sid] = o
+        size += n
+    return [c for c in out if c]
 
 
 def _post(t: Any, outcomes: dict[str, dict[str, Any]]) -> None:
-    items = list(outcomes.items())
     try:
-        for i in range(0, len(items), CHUNK):
-            t.client._call("POST", "/v1/trajectories/outcomes", json={"outcomes": dict(items[i:i + CHUNK])})
+        for part in chunks(outcomes):
+            t.client._call("POST", "/v1/trajectories/outcomes", json={"outcomes": part})
     except Exception as e:  # training goes on; these rows keep no outcome
         log.warning("could not write back %d trajectory outcomes: %s", len(outcomes), e)
 
@@ -75,14 +96,24 @@ def _trained(t: Any, batch: list[dict], metrics: dict[str, Any], start_version: 
              ) -> dict[str, dict[str, Any]]:
     adv = advantages(t, batch, start_version, bound)
     rejected = bool(metrics.get("update_rejected"))
+    used = getattr(t.coordinator, "used_weights", None) or {}
     out = {}
     for tr in batch:
         sampled = [v for m, v in zip(tr["loss_mask"], tr["versions"]) if m and v is not None]
         out[tr["id"]] = {"status": "rejected" if rejected else "trained",
                          "update_version": None if rejected else t.version, "rl_step": t.rl_step,
                          "start_version": start_version, "advantage": adv.get(tr["id"]),
-                         "staleness": start_version - min(sampled) if sampled else 0, "correction": correction(tr)}
+                         "staleness": start_version - min(sampled) if sampled else 0, "correction": correction(tr),
+                         **_weights(used.get(tr["id"]), sum(1 for m in tr["loss_mask"] if m))}
     return out
+
+
+def _weights(text: str | None, masked: int) -> dict[str, Any]:
+    """The session's per-token weights for its outcome, if the ranks sent them and they fit;
+    else why not (`weights_missing`: no rank sent any; `weights_omitted`: too many)."""
+    if text is None:
+        return {"weights_missing": masked}
+    return {"weights": text} if masked <= MAX_WEIGHT_TOKENS else {"weights_omitted": masked}
 
 
 def dropped(t: Any, by_reason: dict[str, list[dict]]) -> None:

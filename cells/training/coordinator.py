@@ -95,6 +95,8 @@ class TrainingCoordinator:
         self.holders: list[str] = []
         """Cells that hold the committed state (those that computed it, newest first)."""
         self._progress: Callable[[dict], None] | None = None
+        self.used_weights: dict[str, str] = {}
+        """The last update's per-token weights per session (the trainer writes them back)."""
         set_json(self.store, P.SKELETON_KEY, {"hyper": self.hyper, "params": params})
 
     @property
@@ -177,6 +179,7 @@ class TrainingCoordinator:
             set_json(self.store, f"{prefix}/abort", {"reason": str(e)[:300]})
             raise e if isinstance(e, StepFailed) else StepFailed(str(e), self._failed(prefix, cells)) from e
         out = self._commit(prefix, result, next_version, cells, cursor, extra)
+        self.used_weights = self._used_weights(prefix, cells)
         if plan is not None:
             out.update(plan.metrics())
         out.update({"train_cells": float(len(cells)), "join_cells": float(len(source["to"])),
@@ -295,6 +298,15 @@ class TrainingCoordinator:
         bad = [c for c, k in zip(cells, keys) if int(get_json(self.store, k)["checksum"]) != checksum]
         if bad:
             raise StepFailed(f"ranks {bad} ended with other parameters", bad)
+
+    def _used_weights(self, prefix: str, cells: list[str]) -> dict[str, str]:
+        """Session id → the per-token weights the update used (each rank's share, written
+        before its `done`: cells/rl/used_weights.py); a rank that wrote none adds nothing."""
+        out: dict[str, str] = {}
+        for r in range(1, len(cells) + 1):
+            if self.store.check([f"{prefix}/weights/{r}"]):
+                out.update(get_json(self.store, f"{prefix}/weights/{r}"))
+        return out
 
     def _failed(self, prefix: str, cells: list[str]) -> list[str]:
         """Cells that report neither success nor failure within an op timeout: dead or

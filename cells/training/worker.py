@@ -314,6 +314,8 @@ class TrainingWorker:
         if spec.get("kind", "rl") == "rl":
             reducer = GroupReducer(groups[0], n, timeout) if n > 1 else LocalReducer()
             metrics = run_update(self.learner, share, reducer, snapshot=box["snapshot"])
+            # the per-token weights this rank's share was trained with, for the write-back (JSON)
+            set_json(store, f"{prefix}/weights/{rank}", getattr(self.learner, "used_weights", {}))
         else:
             metrics = self._warmup(store, prefix, spec)
         params = self._params()

@@ -20,7 +20,7 @@ from scheduler.api.deps import ApiRoute, Ctl
 from scheduler.api.jsontext import dumps
 from scheduler.api.principal import current_agent, current_job
 from scheduler.api.schemas import CompletionCreate, errors
-from scheduler.contract.errors import TooLarge
+from scheduler.contract.errors import Invalid, TooLarge
 from scheduler.contract.ids import SESSION_ID_PATTERN, SESSION_ID_RULE
 from scheduler.contract.records import StoredTokens
 
@@ -28,6 +28,8 @@ router = APIRouter(tags=["completions"], route_class=ApiRoute, responses=errors(
 
 SessionId = Annotated[str | None, Header(alias="X-Session-Id", pattern=SESSION_ID_PATTERN,
                                         description=f"The session ({SESSION_ID_RULE}); a new one when absent")]
+RequestId = Annotated[str | None, Header(alias="X-Request-Id", pattern=SESSION_ID_PATTERN,
+                                         description="A replay's own request id (scheduler.store.replay_request_ids)")]
 
 
 def _chunk(rid: str, rows: StoredTokens) -> dict:
@@ -76,14 +78,17 @@ async def read_completion(request: Request, ctl) -> CompletionCreate:
                  "schema": {"$ref": "#/components/schemas/CompletionCreate"}}}}})
 async def create_completion(request: Request, ctl: Ctl, session_id: SessionId = None,
                             idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
-                            ) -> dict | StreamingResponse:
+                            request_id: RequestId = None) -> dict | StreamingResponse:
     body = await read_completion(request, ctl)
+    if request_id is not None and not ctl.cfg.store.replay_request_ids:
+        raise Invalid("X-Request-Id is taken only by a replay's scheduler (scheduler.store.replay_request_ids)",
+                      code="request_id_refused")
     # `stream` is how the answer travels, not what is asked: a replay may switch it
     # /v1/generate names no job: the caller's own, else the session's (a new one: `default`)
     job = current_job() or (ctl.jobs.session_job(session_id) if session_id else "default")
     session_id = ctl.jobs.admit_turn(job, session_id, idempotency_key)  # recorded under its job before placing
     req = ctl.submit_completion(session_id, list(body.prompt_ids), body.params(), idempotency_key,
-                                agent=current_agent())
+                                agent=current_agent(), request_id=request_id)
     head = {"X-Session-Id": req.session_id, "X-Request-Id": req.id}
     if body.stream:
         return StreamingResponse(_sse(ctl, req.id), media_type="text/event-stream", headers=head)

@@ -18,6 +18,7 @@ counters), nothing here moves any cursor: an exporter keeps its own (docs/EXPORT
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -31,9 +32,11 @@ from starlette.responses import StreamingResponse
 from scheduler.api.deps import ApiRoute, Ctl
 from scheduler.api.jsontext import dumps
 from scheduler.api.schemas import _Body, errors
+from scheduler.contract.errors import Invalid
 from scheduler.contract.trajexport import (
     MAX_PAGE_SESSIONS,
     MAX_PAGE_TOKENS,
+    MAX_WEIGHT_TOKENS,
     SCHEMA_VERSION,
     RetainConfig,
 )
@@ -135,8 +138,28 @@ async def trajectory_outcomes(body: Outcomes, ctl: Ctl) -> dict:
     its advantage and staleness. Unknown sessions are skipped (counted in the answer)."""
     if not body.outcomes:
         return {"recorded": 0, "unknown": 0}
+    for sid, o in body.outcomes.items():
+        _check_weights(sid, o.get("weights"))
     n = ctl.store.retention.put_outcomes(body.outcomes)
     return {"recorded": n, "unknown": len(body.outcomes) - n}
+
+
+def _check_weights(sid: str, text: Any) -> None:
+    """An outcome's `weights` are base64 of at most `MAX_WEIGHT_TOKENS` little-endian float32s;
+    anything else refuses the whole write-back (422), so nothing of it is recorded."""
+    if text is None:
+        return
+    limit = (MAX_WEIGHT_TOKENS * 4 + 2) // 3 * 4
+    if not isinstance(text, str) or len(text) > limit:
+        raise Invalid(f"outcomes[{sid!r}].weights: base64 of at most {MAX_WEIGHT_TOKENS} float32 values expected",
+                      code="invalid_weights")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except ValueError:
+        raise Invalid(f"outcomes[{sid!r}].weights is not base64", code="invalid_weights") from None
+    if len(raw) % 4:
+        raise Invalid(f"outcomes[{sid!r}].weights: {len(raw)} bytes is not a whole number of float32 values",
+                      code="invalid_weights")
 
 
 class Retention:

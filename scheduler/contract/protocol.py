@@ -62,6 +62,7 @@ from scheduler.contract.protocol_commands import (
     MigrateInCmd,
     MigrateOutCmd,
     MigrationEvent,
+    PrefixMissingEvent,
     RoleFailedEvent,
     ScoreCmd,
     ScoredEvent,
@@ -76,7 +77,7 @@ __all__ = [
     "Capabilities", "Command", "CommitRequest", "CommitResponse", "DropVersionCmd", "ExportCmd", "ExportedEvent",
     "LoadVersionCmd", "Message",
     "MigrateInCmd", "MigrateOutCmd", "ScoreCmd",
-    "MigrationEvent", "ProtocolError", "RegisterRequest", "RegisterResponse", "RoleFailedEvent", "ScoredEvent",
+    "MigrationEvent", "PrefixMissingEvent", "ProtocolError", "RegisterRequest", "RegisterResponse", "RoleFailedEvent", "ScoredEvent",
     "SetRoleCmd", "StartCmd", "Summary", "SuspendCmd", "SyncRequest", "SyncResponse", "Tail", "TokenBatch",
     "TokenRecord", "TokenRecords", "decode_command", "decode_event", "dispatch",
 ]

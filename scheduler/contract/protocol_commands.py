@@ -35,7 +35,13 @@ class StartCmd(Command):
     """Start a request, or resume one by re-prefill: continue at generated index num_generated.
 
     token_ids = prompt + tokens generated so far; prompt_len = len(prompt); params: max_tokens
-    counts every generated token, including the first num_generated."""
+    counts every generated token, including the first num_generated.
+
+    A sticky turn (the session's previous turn ended on this cell) sends only what is new:
+    `prefix_hash` set, the context is the session's `prefix_len` tokens this cell holds
+    (scheduler/contract/prefixhash.py digest `prefix_hash`) followed by `token_ids`, and
+    `prompt_len` counts the whole context's prompt. A cell that does not hold that prefix
+    answers `PrefixMissingEvent` and starts nothing; the scheduler sends the full context."""
 
     request_id: str
     epoch: Count
@@ -47,6 +53,10 @@ class StartCmd(Command):
     path: Literal["reprefill", "kv_store"] | None = None
     """How a moved request came here: "reprefill" or "kv_store" (the destination's prefix
     match may load the shared store's blocks); None for a request placed afresh."""
+    prefix_len: Count = 0
+    """Tokens of the context the cell holds already (a delta start; 0: token_ids is all)."""
+    prefix_hash: str | None = None
+    """Digest of those `prefix_len` tokens; None: a full start."""
 
     type: Literal["start"] = field(default="start", init=False)
 
@@ -241,6 +251,19 @@ class BroadcastEvent(Message):
 
 
 @dataclass
+class PrefixMissingEvent(Message):
+    """A delta `StartCmd` named a prefix this cell does not hold (never held, evicted, moved,
+    or held at another length or digest): nothing was started; the scheduler sends the
+    request's full context (same epoch)."""
+
+    request_id: str
+    epoch: Count
+    held: Count = 0
+    """Tokens of the session the cell holds (0: none)."""
+    type: Literal["prefix_missing"] = field(default="prefix_missing", init=False)
+
+
+@dataclass
 class RoleFailedEvent(Message):
     """set_role could not complete (e.g. the weights did not load): the flip rolls back."""
 
@@ -264,7 +287,8 @@ class ExportedEvent(Message):
     type: Literal["exported"] = field(default="exported", init=False)
 
 
-AnyEvent = Annotated[MigrationEvent | ScoredEvent | BroadcastEvent | RoleFailedEvent | ExportedEvent,
+AnyEvent = Annotated[MigrationEvent | ScoredEvent | BroadcastEvent | RoleFailedEvent | ExportedEvent
+                     | PrefixMissingEvent,
                      Field(discriminator="type")]
 """An event, told apart by its `type`."""
 EVENTS: dict[str, type[Message]] = {e.type: e for e in get_args(get_args(AnyEvent)[0])}

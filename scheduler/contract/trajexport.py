@@ -62,6 +62,16 @@ class RetainConfig(Strict):
     """Most trajectories one pass deletes (the bound on one pass's cost to the event loop)."""
 
 
+MAX_WEIGHT_TOKENS = 1 << 18
+"""Most per-token correction weights one session's outcome carries (`weights`: little-endian
+float32 of its loss-mask tokens, base64; 1 MiB raw). A session with more sampled tokens is
+written back without them (`weights_omitted`: its count), never cut short."""
+OUTCOME_POST_BYTES = 4 << 20
+"""Most JSON bytes the trainer puts in one outcome write-back (half the default body limit)."""
+
+MESSAGES_BYTES = 64 << 10
+"""The default cap on recorded message bytes per session (`scheduler.store.messages_bytes`)."""
+
 TOKEN_ROW_BYTES = 48
 """Estimated bytes one token row takes in the store (row, key and index entries)."""
 
@@ -71,3 +81,12 @@ class StoreConfig(Strict):
 
     retain_trajectories: RetainConfig = RetainConfig()
     """Bounded retention of trained trajectories (the default keeps the newest 100,000)."""
+    replay_request_ids: bool = False
+    """Let `POST /v1/generate` name its request id (`X-Request-Id`), for `cellflip replay --serve`'s
+    own throwaway scheduler: a request's sampling noise is a function of (seed, request id, t), so
+    a recorded turn samples again only under its own id. Off (the default): the header is
+    refused (422); on, an id already in the store is a 409."""
+    messages_bytes: int = Field(default=MESSAGES_BYTES, ge=0)
+    """Most bytes of OpenAI-format messages the gateway records per session (JSON of each turn's
+    new messages; the default 64 KiB; 0 records none). Turns past it are kept as marked
+    markers, never silently dropped (docs/EXPORT.md `messages`)."""

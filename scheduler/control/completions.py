@@ -2,7 +2,8 @@
 
 One line: admit (a new session within the staleness bound, and a rollout cell has room, else
 429) → align the prompt with the session's
-buffer (append the new tokens; a rewritten history starts a new segment) → record the request
+buffer by length and running hash (append the new tokens; a rewritten history starts a new
+segment) → record the request
 and its owner → `start` on that cell → stream tokens as they are committed.
 
 A client only ever reads tokens back from the store, after the sync that carried them has
@@ -17,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from scheduler.contract.errors import Conflict, Invalid, NoCapacity
+from scheduler.contract.prefixhash import PrefixHash
 from scheduler.contract.records import StoredTokens
 from scheduler.contract.sampling import SamplingParams
 from scheduler.control import idempotency
@@ -65,14 +67,16 @@ class Completions:
         quarantine rewinds)."""
 
     def submit(self, session_id: str | None, prompt_ids: list[int], params: SamplingParams,
-               idempotency_key: str | None = None, agent: str | None = None) -> RequestRow:
+               idempotency_key: str | None = None, agent: str | None = None,
+               request_id: str | None = None) -> RequestRow:
         """Admit and start one completion; returns the request (already owned by a cell).
         Under an Idempotency-Key, a replay returns the request the first call started (the
         client follows it again from its first token: a dropped connection never starts a
         second rollout); the same key with another body is a 409. The key is recorded with the
         request, durably. `agent`: the calling agent token's id (None for a trainer or admin
         token), which owns a session it opens and may use no other's (404 as for an unknown
-        one); its Idempotency-Keys are its own."""
+        one); its Idempotency-Keys are its own. `request_id`: a replay's own id (the route allows
+        it only with `scheduler.store.replay_request_ids`); one the store holds is a 409."""
         ctx = self.ctx
         scope = IDEMPOTENCY_SCOPE if agent is None else f"{IDEMPOTENCY_SCOPE}:{agent}"
         fp = idempotency.fingerprint([session_id, list(prompt_ids), params.model_dump(mode="json")])
@@ -83,7 +87,9 @@ class Completions:
             return first
         self.check(session_id, prompt_ids, params, agent)
         self.staleness.check_admission(session_id)
-        rid = f"req-{uuid.uuid4().hex[:16]}"
+        if request_id is not None and ctx.store.owners.get_request(request_id) is not None:
+            raise Conflict(f"request {request_id!r} exists", code="request_exists")
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
         sid = session_id or f"anon-{rid[4:]}"
         dst = self._destination(rid, sid, len(prompt_ids), sticky=bool(session_id))
         with ctx.txn(durable=True) as fx:
@@ -110,10 +116,12 @@ class Completions:
             self.shown[req.id] = upto
 
     def check(self, session_id: str | None, prompt_ids: list[int], params: SamplingParams,
-              agent: str | None = None) -> None:
+              agent: str | None = None, new_ids: list[int] | None = None) -> None:
         """Everything that refuses a turn before it records anything: another agent's session
         (404), a turn already in flight (409), what a cell would refuse (422: ids outside the
-        vocabulary, the context plus max_tokens past the model's length, a negative seed)."""
+        vocabulary, the context plus max_tokens past the model's length, a negative seed).
+        `new_ids`: the part of `prompt_ids` not recorded yet, the only ids checked (default
+        all of them)."""
         sessions = self.ctx.store.sessions
         row = sessions.get(session_id) if session_id else None
         if row is not None:
@@ -121,7 +129,7 @@ class Completions:
             if self.ctx.store.owners.active_request_for_session(row.id) is not None:
                 raise Conflict(f"session {row.id!r} has a request in flight", code="session_busy")
         context = len(prompt_ids) if prompt_ids or row is None else row.length - row.segment_starts[-1]
-        self.trust.check_request(list(prompt_ids), context, params)
+        self.trust.check_request(list(prompt_ids if new_ids is None else new_ids), context, params)
 
     def admissible(self, session_id: str | None, num_tokens: int) -> None:
         """Would a new turn be admitted now (the staleness bound, a rollout cell with room)?
@@ -147,12 +155,12 @@ class Completions:
         """Align the prompt with the session's buffer and record the request (queued)."""
         ctx = self.ctx
         sessions = ctx.store.sessions
-        sessions.ensure(sid, agent)
+        row = sessions.ensure(sid, agent)
         if ctx.store.owners.active_request_for_session(sid) is not None:
             raise Conflict(f"session {sid!r} has a request in flight", code="session_busy")
-        start, segment = sessions.current_segment(sid)
-        if not prompt_ids or prompt_ids[: len(segment)] == segment:
-            new = prompt_ids[len(segment):]
+        start = row.segment_starts[-1]
+        if not prompt_ids or self._extends(sid, start, row.length, prompt_ids):
+            new = prompt_ids[row.length - start:]
         else:  # the harness edited earlier turns: keep the old tokens, open a new segment
             fx.later(ctx.metrics.history_rewrites.inc)
             start, new = sessions.new_segment(sid, agent), prompt_ids
@@ -163,6 +171,15 @@ class Completions:
                          cell_id=None, epoch=1, state="queued")
         ctx.store.owners.put_request(req)
         return req
+
+    def _extends(self, sid: str, start: int, length: int, prompt_ids: list[int]) -> bool:
+        """Does `prompt_ids` start with the session's current segment [start, length)? Compared
+        by length and running hash (scheduler/store/context.py): the segment is not read back."""
+        held = length - start
+        if len(prompt_ids) < held:
+            return False
+        kept = self.ctx.store.context.segment_hash(sid, start, length)
+        return held == 0 or PrefixHash.of(prompt_ids[:held]).digest() == kept.digest()
 
     async def follow(self, request_id: str, live: bool = True) -> AsyncIterator[tuple[int, StoredTokens, RequestRow]]:
         """Yield (start, committed token rows, request) until the request is finished or

@@ -263,8 +263,9 @@ class Controller:
 
     # ------------------------------------------------------------------ thin API: sessions
     def submit_completion(self, session_id: str | None, prompt_ids: list[int], params: SamplingParams,
-                          idempotency_key: str | None = None, agent: str | None = None) -> RequestRow:
-        return self.completions.submit(session_id, prompt_ids, params, idempotency_key, agent)
+                          idempotency_key: str | None = None, agent: str | None = None,
+                          request_id: str | None = None) -> RequestRow:
+        return self.completions.submit(session_id, prompt_ids, params, idempotency_key, agent, request_id)
 
     def follow_request(self, request_id: str, live: bool = True) -> AsyncIterator[tuple[int, StoredTokens, RequestRow]]:
         return self.completions.follow(request_id, live)

@@ -20,6 +20,7 @@ from scheduler.contract.protocol import (
     ExportedEvent,
     Message,
     MigrationEvent,
+    PrefixMissingEvent,
     RoleFailedEvent,
     ScoredEvent,
     TokenBatch,
@@ -202,6 +203,7 @@ class Ingest:
             BroadcastEvent.type: lambda e: self._on_broadcast(fx, e),
             RoleFailedEvent.type: lambda e: self.flips.role_failed(fx, cell_id, e.flip_id, e.reason),
             ExportedEvent.type: lambda e: self.exports.on_exported(fx, cell_id, e),
+            PrefixMissingEvent.type: lambda e: self.ownership.prefix_missing(fx, cell_id, e.request_id, e.epoch),
         }
         for e in events:
             dispatch(handlers, e)

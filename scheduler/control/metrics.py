@@ -61,6 +61,8 @@ class Metrics:
         self.admission_rejected = Counter(p + "admission_rejected", "Completions refused with 429 (no rollout capacity).", registry=r)
         self.drift = Counter(p + "retokenization_drift", "Recorded tokens that differ from sampled ones (must stay 0).", registry=r)
         self.history_rewrites = Counter(p + "history_rewrites", "Harness edits of earlier turns (each starts a new segment).", registry=r)
+        self.starts = Counter(p + "request_starts", "Requests started on a cell, by what the start carried (delta: a sticky turn's new tokens after the held prefix; full: the whole context).", ["kind"], registry=r)
+        self.prefix_missing = Counter(p + "prefix_missing", "Sticky turns whose cell lacked the prefix its delta start named (the whole context was sent instead).", registry=r)
         self.requests_stalled = Counter(p + "requests_stalled", "Running requests taken back from an owner that reported them but committed no token for stall_timeout_s.", ["cell"], registry=r)
         self.probes = Counter(p + "probes", "Registration probes by outcome (verified: agreed with the version's reference; refused: disagreed).", ["outcome"], registry=r)
         self.quarantined = Counter(p + "cells_quarantined", "Cells quarantined for what they reported (invalid tokens, contradicted log-probs, a disagreeing probe).", registry=r)

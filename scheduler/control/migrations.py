@@ -36,7 +36,7 @@ from scheduler.contract.protocol import (
 )
 from scheduler.contract.records import same_tokens
 from scheduler.contract.states import MIGRATION, REQUEST, set_state
-from scheduler.control.stallmeter import StallMeter
+from scheduler.control.stallmeter import Stall, StallMeter
 from scheduler.store.owners import MigrationRow
 
 if TYPE_CHECKING:
@@ -103,6 +103,7 @@ class Migrations:
         set_state(MIGRATION, mig, "committed", _RESUBMIT_REASONS[path])
         mig.finished_at = time.time()
         self.ctx.store.owners.put_migration(mig)
+        self.stalls.started(req.id, self.ctx.clock(), (mig.id, path))  # committed once the owner moved
         fx.later(lambda: self.ctx.metrics.migrations.labels("committed", path).inc())
         if flip is not None:
             if path == "kv_store":
@@ -122,7 +123,7 @@ class Migrations:
         ctx.store.owners.put_request(req)
         ctx.store.owners.put_migration(mig)
         self.started[mig.id] = ctx.clock()
-        self.stalls.started(req.id, ctx.clock())
+        self.stalls.started(req.id, ctx.clock(), (mig.id, "kv"))
         block = int(dst.capabilities.get("block_size") or 16)
         reserve = req.num_tokens + ctx.mig_cfg.headroom_blocks * block
         rid, epoch, mid = req.id, req.epoch, mig.id
@@ -277,10 +278,19 @@ class Migrations:
         fx.later(lambda: ctx.metrics.migrations.labels("committed", path).inc())
 
     # ------------------------------------------------------------------ stall measurement
-    def _observe_stall(self, fx: Effects, stall_s: float | None) -> None:
-        """A finished move's client-visible stall (scheduler/control/stallmeter.py) into its histogram."""
-        if stall_s is not None:
-            fx.later(lambda: self.ctx.metrics.migration_downtime.observe(stall_s))
+    def _observe_stall(self, fx: Effects, stall: Stall | None) -> None:
+        """A finished move's client-visible stall (scheduler/control/stallmeter.py) onto its
+        migration row (every path) and, for a KV copy, into the downtime histogram."""
+        if stall is None:
+            return
+        mig_id, path = stall.tag
+        self.ctx.store.owners.set_migration_stall(mig_id, stall.seconds)
+        if path == "kv":
+            fx.later(lambda s=stall.seconds: self.ctx.metrics.migration_downtime.observe(s))
+
+    def resubmitted(self, request_id: str) -> None:
+        """A re-submit move's owner change is done (its commit): its stall window runs on."""
+        self.stalls.committed(request_id)
 
     def tokens_arrived(self, fx: Effects, request_id: str, n: int) -> None:
         """`n` tokens of the request were committed now (a move's stall window may close)."""

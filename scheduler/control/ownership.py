@@ -14,8 +14,9 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from scheduler.contract.protocol import AbortCmd, StartCmd, SuspendCmd
+from scheduler.contract.protocol import AbortCmd, SuspendCmd
 from scheduler.contract.states import REQUEST
+from scheduler.control import turns
 from scheduler.planner import placement
 from scheduler.planner.placement import choose_destination, with_placement
 from scheduler.planner.types import RequestSummary, Snapshot
@@ -89,18 +90,28 @@ class Ownership:
 
     # ------------------------------------------------------------------ owner changes
     def assign(self, fx: Effects, req: RequestRow, cell_id: str, path: str | None = None) -> None:
-        """Give a request without owner to `cell_id` and send it `start` with the full buffer;
-        `path` says how a moved request came ("reprefill", "kv_store"; None: placed afresh)."""
+        """Give a request without owner to `cell_id` and send it `start` (the whole context, or on
+        a sticky turn only what the cell does not hold: scheduler/control/turns.py); `path` says how a moved request came ("reprefill", "kv_store"; None: placed afresh)."""
         assert req.cell_id is None, f"assign of {req.id} still owned by {req.cell_id}"
         store = self.ctx.store
         REQUEST.check(req.state, "running")
         req.cell_id, req.state, req.reason = cell_id, "running", None
         store.owners.put_request(req)
         self.migrations.trust.placed(req.id, cell_id, fresh_kv=path in (None, "reprefill"))
-        token_ids = store.sessions.token_ids(req.session_id, req.prompt_start, req.base + req.num_generated)
-        prompt_len = req.base - req.prompt_start
-        rid, epoch, sid, n, params = req.id, req.epoch, req.session_id, req.num_generated, req.sampling()
-        fx.send(cell_id, lambda i: StartCmd(i, rid, epoch, sid, token_ids, prompt_len, n, params, path))
+        cmd, delta = turns.start_command(store, req, cell_id, path)
+        fx.send(cell_id, cmd)
+        starts = self.ctx.metrics.starts.labels("delta" if delta else "full")
+        fx.later(starts.inc)
+        self.advanced(req.id)
+
+    def prefix_missing(self, fx: Effects, cell_id: str, request_id: str, epoch: int) -> None:
+        """The cell lacked the prefix a delta start named: send it the whole context (the same
+        owner and epoch; nothing was started there)."""
+        req = self.ctx.store.owners.get_request(request_id)
+        if req is None or req.cell_id != cell_id or req.epoch != epoch or req.state != "running":
+            return  # moved, ended or revoked meanwhile: whoever holds it now got its own start
+        fx.send(cell_id, turns.start_command(self.ctx.store, req, cell_id, None, full=True)[0])
+        fx.later(self.ctx.metrics.prefix_missing.inc)
         self.advanced(req.id)
 
     def revoke(self, fx: Effects, req: RequestRow, reason: str, to: str = "queued") -> None:
@@ -201,8 +212,10 @@ class Ownership:
         self.migrations.record_resubmit(fx, req, src, dst, flip, path)
         self.revoke(fx, req, f"{path} on {dst.id}")
         if req.state == "failed":  # stuck: revoke ended it instead of taking it for the move
+            self.migrations.stalls.aborted(req.id)
             return path
         self.assign(fx, req, dst.id, path=path)
+        self.migrations.resubmitted(req.id)
         return path
 
     def summarize(self, req: RequestRow) -> RequestSummary:

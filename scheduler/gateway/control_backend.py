@@ -24,11 +24,13 @@ from scheduler.contract.tito.backend import (
     SessionTokens,
     TokenOut,
 )
+from scheduler.gateway import recording
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from scheduler.control.controller import Controller
+    from scheduler.store.owners import RequestRow
     from scheduler.store.sessions import SessionRow
 
 class ControlPlaneBackend:
@@ -53,24 +55,46 @@ class ControlPlaneBackend:
         """The job of this request's turn: as routed, else the caller's own."""
         return ROUTED_JOB.get() or self.ctl.jobs.resolve(None, current_job())
 
-    async def admit(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    async def admit(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
+                    new_ids: list[int] | None = None) -> None:
         """Every refusal a turn can get, before the gateway records anything of it: another
         agent's session, a job's admission (draining, its `max_sessions`, another job's
         session), a turn in flight, what a cell would refuse, the staleness bound's
-        admission and rollout capacity (scheduler/control/completions.py)."""
+        admission and rollout capacity (scheduler/control/completions.py). `new_ids`: the ids
+        the turn appends, the only ones checked (the rest were checked when recorded)."""
         ctl, job = self.ctl, self.job()
         is_new = ctl.store.sessions.get(session_id) is None
         ctl.jobs.admit_session(job, session_id, is_new)
         if is_new:  # its job recorded before the capacity check: placement reads it
             ctl.jobs.tag_session(session_id, job, new=True)
-        ctl.completions.check(session_id, list(prompt_ids), params, current_agent())
+        ctl.completions.check(session_id, prompt_ids, params, current_agent(), new_ids=new_ids)
         ctl.completions.admissible(session_id, len(prompt_ids))
+
+    async def session_digest(self, session_id: str) -> str | None:
+        """The current segment's running-hash digest (scheduler/store/context.py: caught up from
+        the tokens recorded since it was last asked)."""
+        row = self._visible(session_id)
+        if row is None:
+            return None
+        return self.ctl.store.context.segment_hash(session_id, row.segment_starts[-1], row.length).digest()
+
+    def submit(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestRow:
+        """Start the completion on a cell (its refusals are BackendErrors). The gateway recorded
+        the prompt already (it is the current segment): the completion continues the buffer,
+        nothing to send or compare again."""
+        ctl = self.ctl
+        row = ctl.store.sessions.get(session_id)
+        if row is not None and row.length - row.segment_starts[-1] == len(prompt_ids):
+            prompt_ids = []
+        return ctl.submit_completion(session_id, list(prompt_ids), params, agent=current_agent())
 
     async def complete(self, session_id: str, prompt_ids: list[int], params: SamplingParams,
                        live: bool = True) -> AsyncIterator[TokenOut | Rewind]:
         ctl = self.ctl
-        # its refusals are BackendErrors
-        req = ctl.submit_completion(session_id, list(prompt_ids), params, agent=current_agent())
+        req = self.submit(session_id, prompt_ids, params)
+        if (sent := recording.SENT.get()) is not None:  # a chat turn: its messages beside its request
+            recording.SENT.set(None)
+            ctl.store.messages.record(session_id, req.id, sent, ctl.cfg.store.messages_bytes)
         held = None  # one token held back so the last one can carry the finish reason
         out = 0  # tokens yielded
         async for start, rows, cur in ctl.follow_request(req.id, live):

@@ -58,6 +58,7 @@ from scheduler.contract.tito.openai_schema import (
 )
 from scheduler.contract.tito.render import ChatRenderer, load_renderer
 from scheduler.contract.tito.tito import GatewayError, TitoGateway
+from scheduler.gateway import recording
 from scheduler.gateway.intake import SESSION_HEADER, parse_chat_request, read_body, session_id
 from scheduler.gateway.responses import backend_error_response, completion_body, error_response
 from scheduler.gateway.streaming import start_stream
@@ -198,6 +199,7 @@ async def _serve_chat(
     gw: TitoGateway, sid: str, req: ChatCompletionRequest, hdrs: dict[str, str], ident: Any
 ) -> Response:
     """One turn: a stream, or the whole completion under the session lock."""
+    recording.sending(req)  # the backend records the messages beside the turn's request
     try:
         if req.stream:
             return await start_stream(gw, sid, req, hdrs, ident)

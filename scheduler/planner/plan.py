@@ -23,8 +23,10 @@ trainer can use them (running steps plus ready batches), at most a share of the 
 a budget of moved sessions a tick, only as fast as free rollout slots can take the moved
 sessions, never below `min_rollout_cells`; only idle training cells come back (those beyond
 the balance, or beyond what the trainer can use now); a deadband stops flapping. The backlog
-horizon is a share of the measured mean session slot time (at least a few measured steps):
-no hour-scale constant, so minute-long sessions are balanced as well as hour-long ones. It is
+horizon is a few measured mean session slot times (at least a few measured steps): no
+hour-scale constant, so minute-long sessions are balanced as well as hour-long ones, and long
+enough that the backlog absorbs demand swinging on the scale of one session instead of the
+split chasing each swing (flips and joins cost; a static split would win). It is
 also never shorter than the time the balance's training cells take to hand their sessions to
 the slots the rollout side frees: where training holds most of the fleet, a faster correction
 overshoots (cells flipped with nowhere to put their sessions suspend them), runs the backlog

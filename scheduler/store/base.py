@@ -14,6 +14,8 @@ class Database(Protocol):
     """The cells changed since each reader last looked (`counters.Changes`)."""
     retention: Any
     """What training did with each trajectory, and the exporters' acks (`retention.RetentionStore`)."""
+    messages: Any
+    """The messages the gateway was sent, per turn (`messages.MessageStore`)."""
 
     def tx(self, durable: bool = True) -> AbstractContextManager[None]: ...
     def execute(self, sql: str, params: tuple | list = ()) -> sqlite3.Cursor: ...

@@ -22,9 +22,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from scheduler.store import counters, exportread, fleet, jobs, owners, retention, sessions, tokens
+from scheduler.store import context as session_context
+from scheduler.store import (
+    counters,
+    exportread,
+    fleet,
+    jobs,
+    messages,
+    owners,
+    retention,
+    sessions,
+    tokens,
+)
 
-SCHEMA = fleet.SCHEMA + owners.SCHEMA + sessions.SCHEMA + tokens.SCHEMA + retention.SCHEMA + jobs.SCHEMA
+SCHEMA = (fleet.SCHEMA + owners.SCHEMA + sessions.SCHEMA + tokens.SCHEMA + retention.SCHEMA
+          + session_context.SCHEMA + messages.SCHEMA + jobs.SCHEMA)
 """Every table and index (table and column names are read by faultkit's checker too)."""
 
 ADDED_COLUMNS = (
@@ -37,6 +49,7 @@ ADDED_COLUMNS = (
     ("cells", "probe", "TEXT"),
     ("tokens", "cell", "TEXT"),
     ("sessions", "tainted", "INTEGER NOT NULL DEFAULT 0"),
+    ("migrations", "stall_s", "REAL"),
 )
 """Columns added after a table's first release: a store written by an older scheduler gets
 them (with their defaults) when it is opened, so a restart across an upgrade keeps its state."""
@@ -63,9 +76,11 @@ class Store:
         self.fleet = fleet.FleetStore(self)
         self.owners = owners.OwnerStore(self)
         self.sessions = sessions.SessionStore(self)
+        self.context = session_context.ContextStore(self, self.sessions.token_ids)
         self.tokens = tokens.TokenStore(self)
         self.export = exportread.ExportReader(self)
         self.retention = retention.RetentionStore(self)
+        self.messages = messages.MessageStore(self)
         self.jobs = jobs.JobStore(self)
         counters.rebuild(self)  # kept by triggers; recounted here so any store file starts right
 

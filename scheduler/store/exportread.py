@@ -27,12 +27,12 @@ _TOKENS = ("SELECT token_id, loss_mask, logprob, version, old_logprob, provenanc
 _REQUESTS = ("SELECT id, prompt_start, base, num_generated, cell_id, epoch, state, reason, params, created_at,"
              " updated_at FROM requests WHERE session_id=? ORDER BY base, created_at")
 _MIGRATIONS = ("SELECT m.request_id, m.src, m.dst, m.path, m.epoch, m.state, m.reason, m.created_at, m.finished_at,"
-               " m.commit_tokens FROM migrations m JOIN requests r ON m.request_id = r.id WHERE r.session_id=?"
+               " m.commit_tokens, m.stall_s FROM migrations m JOIN requests r ON m.request_id = r.id WHERE r.session_id=?"
                " ORDER BY m.created_at, m.id")
 _REQ_KEYS = ("request_id", "prompt_start", "base", "num_generated", "cell", "epoch", "state", "reason", "params",
              "created_at", "updated_at")
 _MIG_KEYS = ("request_id", "src", "dst", "path", "epoch", "state", "reason", "created_at", "finished_at",
-             "commit_tokens")
+             "commit_tokens", "stall_s")
 
 
 PACKED = {"token_ids": "i", "loss_mask": "b", "logprob": "f", "version": "i", "old_logprob": "f",
@@ -119,7 +119,7 @@ class ExportReader:
         row["turns"] = turns
         row["finish_reason"] = _finish_reason(turns)
         row["migrations"] = [dict(zip(_MIG_KEYS, r, strict=True)) for r in self.s.execute(_MIGRATIONS, (sid,))]
-        row["messages"] = None  # the gateway keeps message fingerprints, not their text
+        row["messages"] = self.s.messages.read(sid)  # as the gateway was sent them (store/messages.py)
         row["training"] = self.s.retention.outcome(sid)
         return row
 

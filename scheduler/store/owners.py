@@ -30,7 +30,7 @@ CREATE TABLE IF NOT EXISTS migrations(
   id TEXT PRIMARY KEY, request_id TEXT NOT NULL, src TEXT NOT NULL, dst TEXT NOT NULL,
   epoch INTEGER NOT NULL, state TEXT NOT NULL, path TEXT NOT NULL, flip_id TEXT, reason TEXT,
   created_at REAL NOT NULL, finished_at REAL, history TEXT NOT NULL,
-  src_state TEXT NOT NULL DEFAULT 'running', commit_tokens INTEGER);
+  src_state TEXT NOT NULL DEFAULT 'running', commit_tokens INTEGER, stall_s REAL);
 CREATE INDEX IF NOT EXISTS migrations_state ON migrations(state, request_id);
 CREATE TABLE IF NOT EXISTS foreign_batches(
   request_id TEXT NOT NULL, cell_id TEXT NOT NULL, epoch INTEGER NOT NULL, owner TEXT,
@@ -249,6 +249,11 @@ class OwnerStore:
             (m.id, m.request_id, m.src, m.dst, m.epoch, m.state, m.path, m.flip_id, m.reason,
              m.created_at, m.finished_at, dumps(m.history), m.src_state, m.commit_tokens),
         )
+
+    def set_migration_stall(self, migration_id: str, seconds: float) -> None:
+        """The move's client-visible stall (scheduler/control/stallmeter.py), once measured. Not a
+        `MigrationRow` field: only this statement writes it, so no upsert of the row clears it."""
+        self.s.execute("UPDATE migrations SET stall_s=? WHERE id=?", (seconds, migration_id))
 
     def pending_migrations(self) -> list[MigrationRow]:
         q = f"SELECT {_MIG_COLS} FROM migrations WHERE state='pending' ORDER BY created_at, id"

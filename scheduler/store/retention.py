@@ -2,7 +2,8 @@
 trainer's write-back), how far exporters have acknowledged, and bounded retention (which
 trained trajectories are deleted, each deletion logged and counted).
 
-Deletion takes a session's tokens, requests, migrations, gateway state and outcome, and its
+Deletion takes a session's tokens, requests, migrations, gateway state, recorded messages and
+outcome, and its
 session row, but never the row holding the newest `finish_seq` (finish numbers are never
 reused: an exporter's cursor stays valid). A session is eligible only once the trainer wrote
 back an outcome for it, and with `require_exported` only at or below the exporters' ack.
@@ -35,6 +36,8 @@ _DELETES = (
     "DELETE FROM requests WHERE session_id=?",
     "DELETE FROM tokens WHERE session_id=?",
     "DELETE FROM gateway_state WHERE session_id=?",
+    "DELETE FROM session_context WHERE session_id=?",
+    "DELETE FROM session_messages WHERE session_id=?",
     "DELETE FROM trajectory_outcomes WHERE session_id=?",
     "DELETE FROM sessions WHERE id=?",
 )

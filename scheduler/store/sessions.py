@@ -240,6 +240,7 @@ class SessionStore:
             raise ValueError(f"truncate {session_id} at {at}: outside its current segment "
                              f"[{row.segment_starts[-1]}, {row.length}]")
         n = self.s.execute("DELETE FROM tokens WHERE session_id=? AND idx>=?", (session_id, at)).rowcount
+        self.s.execute("DELETE FROM session_context WHERE session_id=?", (session_id,))  # store/context.py
         row.length = at
         self.s.execute("UPDATE sessions SET length=? WHERE id=?", (at, session_id))
         return n

@@ -53,3 +53,6 @@ def test_multi_turn_chat_records_exactly_the_sampled_tokens(cluster, stream):
     drift = [ln for ln in metrics.splitlines() if ln.startswith("cellflip_retokenization_drift_total")
              or ln.startswith("retokenization_drift_total")]
     assert drift and all(float(ln.split()[-1]) == 0 for ln in drift)
+    # turns 2 and 3 went back to their cell with only their new tokens, and it held the prefix
+    assert 'cellflip_request_starts_total{kind="delta"} 2.0' in metrics, metrics
+    assert "cellflip_prefix_missing_total 0.0" in metrics

@@ -95,7 +95,7 @@ def test_replay_matches_bitwise_and_the_wrong_version_does_not(export_dir):
 
 
 def test_replay_serve_and_a_changed_token_is_caught(export_dir, tmp_path):
-    r = replay(export_dir, tile=4, serve=True)
+    r = replay(export_dir, tile=4, serve="direct")
     assert r["replay_serve_sessions"] == 4 and r["replay_serve_identical_frac"] == 1.0
     # negative control: one recorded completion token changed
     import shutil
@@ -111,7 +111,7 @@ def test_replay_serve_and_a_changed_token_is_caught(export_dir, tmp_path):
         f.unlink()
     (bad / "manifest.json").unlink()
     ExportDir(bad, "jsonl", {}).write_part(0, [{**r, "training": None} for r in rows])
-    out = replay(bad, tile=4, serve=True)
+    out = replay(bad, tile=4, serve="direct")
     assert out["replay_serve_identical_frac"] == 0.75 and out["replay_exact_frac"] < 1.0
 
 
@@ -145,3 +145,35 @@ def test_turns_a_forward_cannot_rebuild_are_set_apart():
     assert not apart(row, 0, 1, {1}) and not apart({**row, "version": [None, 2, 2, None, 2, 2]}, 0, 4, {2})
     assert apart(row, 0, 1, {1, 2})  # its tokens span versions
     assert apart({**row, "migrations": [{"path": "reprefill", "state": "committed"}]}, 0, 1, {1})
+
+
+def _rewritten(export_dir, dst, change) -> None:
+    """A copy of the export whose rows went through `change` (the weights kept)."""
+    import shutil
+
+    import pyarrow.parquet as pq
+
+    shutil.copytree(export_dir, dst)
+    rows = [change(r) for r in pq.read_table(dst / "data").to_pylist()]
+    for f in (dst / "data").iterdir():
+        f.unlink()
+    (dst / "manifest.json").unlink()
+    ExportDir(dst, "jsonl", {}).write_part(0, [{**r, "training": None} for r in rows if r is not None])
+
+
+@pytest.mark.slow
+def test_replay_serve_through_a_gateway_and_a_wrong_seed_is_not_identical(export_dir, tmp_path):
+    r = replay(export_dir, tile=4, serve="gateway")
+    assert r["replay_serve_path"] == "gateway" and r["replay_serve_sessions"] == 4
+    assert r["replay_serve_identical_frac"] == 1.0 and r["replay_serve_no_weights"] == 0
+
+    def reseeded(row):  # version 1's sessions only (one throwaway fleet), each turn under another seed
+        if row["version"][row["turns"][0]["base"]] != 1:
+            return None
+        for t in row["turns"]:
+            t["params"] = json.dumps({**json.loads(t["params"]), "seed": json.loads(t["params"])["seed"] + 1})
+        return row
+
+    _rewritten(export_dir, tmp_path / "reseeded", reseeded)
+    bad = replay(tmp_path / "reseeded", tile=4, serve="gateway")
+    assert bad["replay_serve_sessions"] == 2 and bad["replay_serve_identical_frac"] == 0.0

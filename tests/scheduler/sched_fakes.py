@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from scheduler.api.app import create_app
 from scheduler.contract.config import CellflipConfig, MigrationConfig, SchedulerConfig
+from scheduler.contract.prefixhash import prefix_digest
 from scheduler.contract.probe import PROBE_LEN
 from tests.conftest import AUTH
 
@@ -126,6 +127,8 @@ class FakeCell:
         self.kv_store, self.scoring = kv_store, scoring
         self.headers = headers or {}
         self.held: dict[str, Held] = {}
+        self.contexts: dict[str, list[int]] = {}
+        """session → the context of its last request finished here (what a delta start extends)."""
         self.commands: list[dict] = []
         self.pending_tokens: list[dict] = []
         self.events: list[dict] = []
@@ -169,7 +172,8 @@ class FakeCell:
             if h is not None and b["request_id"] not in body["rejected"]:
                 h.synced = max(h.synced, b["start"] + len(b["records"]))
                 if b["finish_reason"] is not None:
-                    del self.held[b["request_id"]]
+                    done = self.held.pop(b["request_id"])
+                    self.contexts[done.session_id] = done.prompt + [int(r[0]) for r in done.tokens]
         for rid in body["rejected"]:
             self.held.pop(rid, None)
         self.rejected += body["rejected"]
@@ -181,6 +185,11 @@ class FakeCell:
         self.commands.append(cmd)
         t = cmd["type"]
         if t == "start":
+            ids = self.context_of(cmd)
+            if ids is None:  # a delta start on a prefix not held here
+                self.events.append({"type": "prefix_missing", "request_id": cmd["request_id"], "epoch": cmd["epoch"]})
+                return
+            cmd = {**cmd, "token_ids": ids}
             n, plen = cmd["num_generated"], cmd["prompt_len"]
             gen = cmd["token_ids"][plen:]
             assert len(gen) == n
@@ -203,6 +212,16 @@ class FakeCell:
                 del self.held[cmd["request_id"]]
             elif h is not None:
                 h.stopped = False
+
+    def context_of(self, cmd: dict) -> list[int] | None:
+        """A start's whole context: its token ids, after the held prefix a delta start names
+        (None when this cell does not hold that prefix, by length and digest)."""
+        if cmd.get("prefix_hash") is None:
+            return cmd["token_ids"]
+        held = self.contexts.get(cmd["session_id"])
+        if held is None or len(held) != cmd["prefix_len"] or prefix_digest(held) != cmd["prefix_hash"]:
+            return None
+        return held + cmd["token_ids"]
 
     def step(self, n: int = 1) -> None:
         """Decode n tokens for every running request (queued for the next sync)."""

@@ -86,7 +86,7 @@ def test_protocol_roundtrip_and_tables():
     assert decode_command(d) == cmd
     assert set(COMMANDS) == {"start", "migrate_out", "migrate_in", "abort", "suspend", "set_role", "cancel_migration",
                              "load_version", "score", "drop_version", "export"}
-    assert set(EVENTS) == {"migration", "scored", "broadcast", "role_failed", "exported"}
+    assert set(EVENTS) == {"migration", "scored", "broadcast", "role_failed", "exported", "prefix_missing"}
     seen = []
     dispatch({"start": seen.append}, cmd)
     assert seen == [cmd]

@@ -7,6 +7,8 @@ import json
 import pytest
 from sched_fakes import FakeCell, open_harness, pump, until_held
 
+from scheduler.contract.prefixhash import prefix_digest
+
 
 @pytest.fixture
 def harness(tmp_path):
@@ -42,7 +44,11 @@ def test_completion_tokens_logprobs_versions_and_session(harness):
     # next turn: the session buffer is a prefix of the new prompt -> only the diff is appended
     fut = harness.complete({"prompt_ids": sess["token_ids"] + [42], "max_tokens": 2}, session="s1")
     until_held(c, fut)
-    assert c.commands[-1]["token_ids"] == sess["token_ids"] + [42] and c.commands[-1]["prompt_len"] == 9
+    # sticky: the cell holds the first turn's context, so the start carries only what is new
+    start = c.commands[-1]
+    assert start["token_ids"] == [42] and start["prompt_len"] == 9 and start["prefix_len"] == 8
+    assert start["prefix_hash"] == prefix_digest(sess["token_ids"])
+    assert c.held[start["request_id"]].prompt == sess["token_ids"] + [42]
     pump([c], until=fut)
     sess2 = harness.client.get("/v1/sessions/s1").json()
     assert sess2["token_ids"][:9] == sess["token_ids"] + [42] and len(sess2["token_ids"]) == 11

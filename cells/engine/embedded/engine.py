@@ -157,17 +157,20 @@ class EmbeddedEngine(Engine):
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    *, prompt_len: int | None = None, cache_key: str | None = None, path: str | None = None) -> None:
+                    *, prompt_len: int | None = None, cache_key: str | None = None, path: str | None = None,
+                    checked: int = 0) -> None:
         """Queue a request. `prompt_len` < len(prompt_ids) resumes a request whose tokens after
         `prompt_len` were already generated (re-prefill elsewhere): generation continues at
         generated index len(prompt_ids) - prompt_len, with the same noise as if never moved.
         `cache_key`: the session, whose cached prefix is reused. `path` is not used: a moved
-        request re-prefills here whichever way it came (this engine shares no KV store)."""
+        request re-prefills here whichever way it came (this engine shares no KV store).
+        `checked`: the first `checked` ids were taken by this engine before (a held prefix),
+        only the rest are checked."""
         if request_id in self.requests:
             raise EngineError(f"duplicate request id {request_id!r}")
         if not isinstance(params, SamplingParams):
             raise EngineError("params must be SamplingParams")
-        ids = self._check_ids(prompt_ids)
+        ids = self._check_ids(prompt_ids, checked)
         plen = len(ids) if prompt_len is None else prompt_len
         if not (1 <= plen <= len(ids)):
             raise EngineError(f"prompt_len {prompt_len} outside [1, {len(ids)}]")
@@ -183,9 +186,12 @@ class EmbeddedEngine(Engine):
         self.requests[request_id] = req
         self.batcher.waiting.append(req)
 
-    def _check_ids(self, ids: list[int]) -> list[int]:
+    def _check_ids(self, ids: list[int], checked: int = 0) -> list[int]:
         if not isinstance(ids, (list, tuple)) or not ids:
             raise EngineError("token ids must be a non-empty list of ints")
+        if 0 < checked < len(ids) and isinstance(ids, list):
+            self._check_ids(ids[checked:])  # the held prefix was checked when this engine took it
+            return ids
         if set(map(type, ids)) == {int} and 0 <= min(ids) and max(ids) < self.spec.vocab_size:
             return list(ids)  # the common case, checked at C speed (a 128k-token context: ~1 ms, not ~15)
         out = []

@@ -117,16 +117,18 @@ class SGLangEngine(Engine):
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
                     prompt_len: int | None = None, cache_key: str | None = None,
-                    path: MigrationPath | None = None) -> None:
+                    path: MigrationPath | None = None, checked: int = 0) -> None:
         """Submit a request. `prompt_len` < len(prompt_ids) resumes a request moved here by
         the scheduler (re-prefill, or a load from a shared KV store): the tokens after
         `prompt_len` were generated elsewhere, generation continues at generated index
         len(prompt_ids) - prompt_len with the same noise, and `max_tokens` counts them too.
         `path` says how a moved request came (counted in `migrations_total`). `cache_key` is
-        not needed: SGLang's radix cache finds a session's earlier turns by their tokens."""
+        not needed: SGLang's radix cache finds a session's earlier turns by their tokens.
+        `checked`: ids before it were checked when first taken (a held prefix)."""
         if not isinstance(params, SamplingParams):
             raise EngineError("params must be SamplingParams")
-        if not prompt_ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in prompt_ids):
+        fresh = prompt_ids[checked:] if 0 < checked < len(prompt_ids) else prompt_ids
+        if not prompt_ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in fresh):
             raise EngineError("prompt_ids must be a non-empty list of non-negative ints")
         plen = len(prompt_ids) if prompt_len is None else prompt_len
         if not isinstance(plen, int) or not 1 <= plen <= len(prompt_ids):

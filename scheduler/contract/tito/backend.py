@@ -83,6 +83,9 @@ class SessionTokens:
     finished: bool = False
     logprobs: list[float | None] = field(default_factory=list)
     versions: list[int | None] = field(default_factory=list)
+    any_sampled: bool | None = None
+    """Whether the whole segment holds a sampled token, where ``loss_mask`` covers only part of
+    it (scheduler/contract/tito/kept.py); None: ``any(loss_mask)``."""
 
 
 BackendError = CellflipError
@@ -147,8 +150,12 @@ class CompletionBackend(Protocol):
         already, or a request in flight) otherwise."""
         ...
 
-    # Optional: ``async def admit(session_id, prompt_ids, params) -> None`` raises every refusal
-    # the turn would get (busy session, limits, capacity) before the gateway records anything.
+    # Optional: ``async def admit(session_id, prompt_ids, params, new_ids=None) -> None`` raises
+    # every refusal the turn would get (busy session, limits, capacity) before the gateway
+    # records anything; ``new_ids``: the ids the turn appends (the rest are recorded already).
+    # Optional: ``async def session_digest(session_id) -> str | None``, the current segment's
+    # running-hash digest (scheduler/contract/prefixhash.py): the gateway then reads only the
+    # tokens recorded since its last turn (scheduler/contract/tito/kept.py).
 
 
 # ------------------------------------------------------------------------------ counters

@@ -11,9 +11,11 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import threading
+from collections import OrderedDict
 from typing import Any
 
-__all__ = ["canonical_arguments", "message_fingerprint", "tools_key"]
+__all__ = ["FingerprintCache", "canonical_arguments", "message_fingerprint", "tools_key"]
 
 
 def canonical_arguments(arguments: Any) -> str:
@@ -84,3 +86,39 @@ def tools_key(tools: list[dict] | None) -> str:
         return ""
     raw = json.dumps(tools, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.blake2b(raw.encode(), digest_size=12).hexdigest()
+
+
+class FingerprintCache:
+    """`message_fingerprint` remembered for the messages a harness resends every turn.
+
+    A user, system or tool message with text content is looked up by (role, tool call id,
+    text): the lookup hashes and compares the text at C speed, where its JSON digest costs
+    ~10 ms for a 500 KB message. Assistant messages (short, with parsed tool calls) are
+    fingerprinted each time. Bounded by `max_chars` of remembered text, oldest first out.
+    Plans are composed on worker threads: one lock around the bookkeeping."""
+
+    def __init__(self, max_chars: int = 1 << 26) -> None:
+        self.max_chars = max_chars
+        self.chars = 0
+        self.kept: OrderedDict[tuple, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __call__(self, msg: dict[str, Any]) -> str:
+        content = msg.get("content") or ""
+        if msg["role"] == "assistant" or not isinstance(content, str):
+            return message_fingerprint(msg)
+        key = (msg["role"], msg.get("tool_call_id") if msg["role"] == "tool" else None, content)
+        with self._lock:
+            fp = self.kept.get(key)
+            if fp is not None:
+                self.kept.move_to_end(key)
+                return fp
+        fp = message_fingerprint(msg)
+        with self._lock:
+            if key not in self.kept:
+                self.kept[key] = fp
+                self.chars += len(content)
+            while self.chars > self.max_chars and len(self.kept) > 1:
+                old, _ = self.kept.popitem(last=False)
+                self.chars -= len(old[2])
+        return fp

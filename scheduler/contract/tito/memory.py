@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from scheduler.contract.prefixhash import prefix_digest
 from scheduler.contract.sampling import SamplingParams
 from scheduler.contract.tito.backend import (
     BackendBusy,
@@ -212,6 +213,12 @@ class InMemoryBackend:
             logprobs=seg.logprobs[start:],
             versions=seg.versions[start:],
         )
+
+    async def session_digest(self, session_id: str) -> str | None:
+        """The current segment's running-hash digest (hashed whole here: a reference, not a
+        store that keeps it)."""
+        sess = self.sessions.get(session_id)
+        return None if sess is None else prefix_digest(sess.current.token_ids)
 
     async def append_prompt_tokens(
         self, session_id: str, ids: list[int], loss_mask: int = 0

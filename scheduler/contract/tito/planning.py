@@ -1,6 +1,7 @@
 """A turn's plan: the prompt token ids a request extends the session's buffer with.
 
-Reads the session's recorded tokens and gateway state, writes nothing. The recorded
+Reads the session's recorded tokens (those after the kept render state only, where the
+backend keeps digests: scheduler/contract/tito/kept.py) and gateway state, writes nothing. The recorded
 conversation is extended (``bridge`` or ``render_diff``) when the request's messages extend
 it; otherwise the request starts a new segment from a full render (see
 :mod:`scheduler.contract.tito.tito` for the loss-mask rule).
@@ -16,7 +17,8 @@ from scheduler.contract.sampling import SamplingParams
 from scheduler.contract.tito.backend import CompletionBackend, SessionTokens
 from scheduler.contract.tito.chat_request import convert_messages, request_tools, sampling_params
 from scheduler.contract.tito.errors import GatewayError
-from scheduler.contract.tito.fingerprints import message_fingerprint, tools_key
+from scheduler.contract.tito.fingerprints import FingerprintCache, tools_key
+from scheduler.contract.tito.kept import KeptRenders
 from scheduler.contract.tito.openai_schema import ChatCompletionRequest
 from scheduler.contract.tito.render import ChatRenderer, RenderDiffError, message_texts
 
@@ -79,6 +81,10 @@ class TurnPlanner:
         self.default_max_tokens = default_max_tokens
         self.max_prompt_tokens = max_prompt_tokens
         self._slots: asyncio.Semaphore | None = None
+        self.kept = KeptRenders()
+        """Each session's recorded segment as last read: a turn reads only what came after."""
+        self.fingerprint = FingerprintCache()
+        """The resent messages' fingerprints, remembered."""
 
     async def plan(self, session_id: str, req: ChatCompletionRequest) -> TurnPlan:
         """Validate the request and compute the turn's prompt; writes nothing."""
@@ -91,7 +97,7 @@ class TurnPlanner:
             ) from e
 
     async def _plan(self, session_id: str, req: ChatCompletionRequest) -> TurnPlan:
-        tokens = await self.backend.get_session_tokens(session_id)
+        tokens = await self.kept.tokens(self.backend, session_id)
         state = await self.backend.get_gateway_state(session_id)
         # Rendering and tokenising are CPU work proportional to the request: off the event loop
         # (which serves every other request, the cells' heartbeats among them), a few at a time.
@@ -114,7 +120,7 @@ class TurnPlanner:
             )
         admit = getattr(self.backend, "admit", None)
         if admit is not None:  # the backend's refusals, before the turn records anything
-            await admit(session_id, plan.prompt_ids, plan.params)
+            await admit(session_id, plan.prompt_ids, plan.params, new_ids=plan.append_ids)
         return plan
 
     def _compose(self, session_id: str, req: ChatCompletionRequest, state: dict[str, Any] | None,
@@ -176,7 +182,7 @@ class TurnPlanner:
         return dict(
             session_id=session_id,
             messages=messages,
-            fingerprints=[message_fingerprint(m) for m in messages],
+            fingerprints=[self.fingerprint(m) for m in messages],
             tools=tools,
             # A changed tool list changes the context only where the template renders it.
             tools_key=tools_key(tools) if self.renderer.renders_tools else "",
@@ -225,7 +231,8 @@ class TurnPlanner:
         prompt = self.renderer.render_ids(
             common["messages"], common["tools"], add_generation_prompt=True
         )
-        if S and S == prompt[: len(S)] and not any(tokens.loss_mask):
+        sampled = tokens is not None and (any(tokens.loss_mask) if tokens.any_sampled is None else tokens.any_sampled)
+        if S and S == prompt[: len(S)] and not sampled:
             # A prompt recorded by a turn that never got a completion: reuse it.
             new_seg, append = None, prompt[len(S) :]
         else:
@@ -252,7 +259,7 @@ class TurnPlanner:
     ) -> tuple[TurnPlan | None, str]:
         """Extend the recorded buffer with the new messages; (None, reason) if impossible."""
         committed = int(state["committed_len"])
-        prev = S[:committed]
+        prev = S if len(S) == committed else S[:committed]  # no copy of a 128k context when none is due
         prompt, path = self._extended_prompt(prev, int(state["prompt_end"]), new_messages, common)
         if prompt is None:
             return None, "render_diff_failed"
@@ -286,16 +293,16 @@ class TurnPlanner:
     def _extended_prompt(
         self, prev: list[int], prompt_end: int, new_messages: list[dict], common: dict
     ) -> tuple[list[int] | None, str]:
-        """``prev`` + the new messages, by the renderer's bridge or else by render_diff."""
-        prev_prompt, prev_completion = prev[:prompt_end], prev[prompt_end:]
+        """``prev`` + the new messages, by the renderer's bridge or else by render_diff (each
+        renders the new messages only, against the tail of ``prev``)."""
         tools = common["tools"]
         if self.use_bridge:
-            b = self.renderer.bridge(prev_prompt, prev_completion, new_messages, tools)
-            if b is not None and len(b) > len(prev) and b[: len(prev)] == prev:
-                return b, "bridge"
+            ext = self.renderer.bridge_extension(prev, prompt_end, new_messages, tools)
+            if ext is not None:
+                return prev + ext, "bridge"
         try:
             diff = self.renderer.render_diff(new_messages, tools)
         except RenderDiffError:
             return None, "render_diff"
-        close = [] if self.renderer.ends_turn(prev_completion) else [self.renderer.close_token_id]
+        close = [] if self.renderer.ends_turn(prev[prompt_end:]) else [self.renderer.close_token_id]
         return prev + close + diff, "render_diff"

@@ -72,6 +72,10 @@ RENDERER_PRESETS: dict[str, RendererPreset] = {
 _ALIASES = {"qwen": "qwen3", "deepseek": "deepseek-v3"}
 
 # Dummy conversation the render differences start from.
+BRIDGE_WINDOW = 4096
+"""How far back from the previous prompt's end :meth:`ChatRenderer.bridge_extension` looks for
+its last turn-closing token."""
+
 _DUMMY_USER = {"role": "user", "content": "x"}
 _DUMMY_ASSISTANT = {"role": "assistant", "content": "y", "reasoning_content": "r"}
 
@@ -121,6 +125,31 @@ class ChatRenderer:
                 prev_prompt_ids, prev_completion_ids, new_messages, tools=tools or None
             )
         return None if out is None else list(out.token_ids)
+
+    def bridge_extension(
+        self, prev: list[int], prompt_end: int, new_messages: list[dict], tools: list[dict] | None
+    ) -> list[int] | None:
+        """The tokens :meth:`bridge` appends to ``prev`` (the previous prompt ``prev[:prompt_end]``
+        and its completion), or None when it declines or would not keep ``prev`` whole.
+
+        The renderers read the previous prompt only after its last turn-closing token (where a
+        reasoning block may still be open) and copy the rest: the bridge is given the prompt
+        from that token on (searched within ``BRIDGE_WINDOW`` tokens; the whole prompt when
+        none is there), so a 128k-token context costs a turn no copies of itself."""
+        cut = self._last_close(prev, prompt_end)
+        window = prev[cut:]
+        b = self.bridge(window[: prompt_end - cut], window[prompt_end - cut :], new_messages, tools)
+        if b is None or len(b) <= len(window) or b[: len(window)] != window:
+            return None
+        return b[len(window) :]
+
+    def _last_close(self, ids: list[int], end: int) -> int:
+        """Index of the last turn-closing token in ``ids[:end]`` within ``BRIDGE_WINDOW`` of
+        ``end`` (0 when there is none)."""
+        for i in range(end - 1, max(0, end - BRIDGE_WINDOW) - 1, -1):
+            if ids[i] in self._stop_set:
+                return i
+        return 0
 
     @property
     def renders_tools(self) -> bool:

@@ -120,6 +120,7 @@ class TitoGateway:
 
     def forget(self, session_id: str) -> None:
         self.locks.forget(session_id)
+        self.planner.kept.forget(session_id)
 
     async def plan(self, session_id: str, req: ChatCompletionRequest) -> TurnPlan:
         """Validate the request and compute the turn's prompt; writes nothing."""
