@@ -86,11 +86,7 @@ class Metrics:
         self.gc_full = Histogram(p + "gc_full_seconds", "The scheduler's scheduled full garbage collections (scheduler/contract/gcpolicy.py): the event loop is held this long.", buckets=_LATENCY, registry=r)
         self.training_step = Histogram(p + "training_step_seconds", "Duration of a training step (RL update on the training cells), as the trainer reports it.", buckets=_SLOW, registry=r)
         self.training_cells = Gauge(p + "training_step_cells", "Training cells the last reported training step ran on (its data-parallel group).", registry=r)
-        self.job_cells = Gauge(p + "job_cells", "Live cells each RL job holds.", ["job"], registry=r)
-        self.job_target_cells = Gauge(p + "job_target_cells", "Cells the planner's division of the fleet gives each RL job.", ["job"], registry=r)
-        self.job_open_sessions = Gauge(p + "job_open_sessions", "Open sessions of each RL job.", ["job"], registry=r)
-        self.job_moves = Counter(p + "job_moves", "Cells moved between RL jobs (drained, reassigned, loaded), by source and destination job.", ["from_job", "to_job"], registry=r)
-        self.job_sessions_refused = Counter(p + "job_sessions_refused", "New sessions a job refused (draining, past max_sessions, another job's token), by job and reason.", ["job", "reason"], registry=r)
+        self._job_metrics(p, r)
         for outcome in ("committed", "aborted"):
             for path in ("kv", "kv_store", "reprefill"):
                 self.migrations.labels(outcome, path)
@@ -101,6 +97,14 @@ class Metrics:
             self.group_trajectories_dropped.labels(reason)
         for policy in ("correct", "drop"):
             self.stale_trajectories.labels(policy)
+
+    def _job_metrics(self, p: str, r: CollectorRegistry) -> None:
+        """The RL jobs' families (docs/JOBS.md), labelled by job."""
+        self.job_cells = Gauge(p + "job_cells", "Live cells each RL job holds.", ["job"], registry=r)
+        self.job_target_cells = Gauge(p + "job_target_cells", "Cells the planner's division of the fleet gives each RL job.", ["job"], registry=r)
+        self.job_open_sessions = Gauge(p + "job_open_sessions", "Open sessions of each RL job.", ["job"], registry=r)
+        self.job_moves = Counter(p + "job_moves", "Cells moved between RL jobs (drained, reassigned, loaded), by source and destination job.", ["from_job", "to_job"], registry=r)
+        self.job_sessions_refused = Counter(p + "job_sessions_refused", "New sessions a job refused (draining, past max_sessions, another job's token), by job and reason.", ["job", "reason"], registry=r)
 
     def observe_update(self, u: dict) -> None:
         """One RL update's figures, as the trainer reported them."""
