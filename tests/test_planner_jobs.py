@@ -167,3 +167,13 @@ def test_cells_to_release_prefers_idle_then_training_then_fewest_rollouts():
 def test_demand_cells_counts_rollout_slots_and_training():
     # 1 session/s of 1,600 slot-seconds on 16-slot cells = 100 cells, plus 20 training cells
     assert demand_cells(1.0, 1600.0, 16, 20.0) == pytest.approx(120.0)
+
+
+def test_demand_from_live_sessions_leads_a_rise_and_keeps_a_fall():
+    # steady state: 1,600 live sessions finishing at 1/s = the arrivals: 100 + 20 cells either way
+    assert demand_cells(1.0, 1600.0, 16, 20.0, live_sessions=1600.0, lead_s=600.0) == pytest.approx(120.0)
+    rising = demand_cells(2.0, 1600.0, 16, 20.0, live_sessions=1600.0, lead_s=600.0)
+    assert rising == pytest.approx((1600 + 600) / 16 + 20.0)
+    falling = demand_cells(0.1, 1600.0, 16, 20.0, live_sessions=1600.0, lead_s=600.0)
+    assert falling == pytest.approx(120.0)  # the live sessions still hold their slots
+    assert demand_cells(0.1, 1600.0, 16, 20.0) < 20  # control: the steady state alone would give them away

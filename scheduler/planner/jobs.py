@@ -45,12 +45,22 @@ class JobShare:
 
 
 def demand_cells(arrivals_per_s: float, slot_s_per_session: float, capacity: int,
-                 train_cell_s_per_session: float) -> float:
-    """Cells a job could use now: its sessions' slots (arrivals, refused ones included, x slot
-    time / sessions per cell) plus the training cells that keep up with them."""
-    if min(arrivals_per_s, slot_s_per_session, train_cell_s_per_session) < 0 or capacity <= 0:
+                 train_cell_s_per_session: float, *, live_sessions: float | None = None,
+                 lead_s: float = 0.0) -> float:
+    """Cells a job could use now (rollout + training), from measured rates.
+
+    Without `live_sessions`: the steady state of the arrival rate (refused arrivals included):
+    arrivals x slot time / slots a cell, plus the training cells that keep up with them. With
+    them: the slots its live sessions hold now, grown by the arrivals beyond the finishes over
+    `lead_s` (a rising job asks ahead, a falling one keeps the slots its sessions still hold),
+    plus training at the live sessions' finish rate."""
+    if min(arrivals_per_s, slot_s_per_session, train_cell_s_per_session, lead_s) < 0 or capacity <= 0:
         raise JobShareError("demand needs rates >= 0 and a capacity > 0")
-    return arrivals_per_s * (slot_s_per_session / capacity + train_cell_s_per_session)
+    if live_sessions is None:
+        return arrivals_per_s * (slot_s_per_session / capacity + train_cell_s_per_session)
+    finishes = live_sessions / slot_s_per_session if slot_s_per_session > 0 else 0.0
+    slots = live_sessions + max(0.0, arrivals_per_s - finishes) * lead_s
+    return slots / capacity + finishes * train_cell_s_per_session
 
 
 def _check(jobs: Sequence[JobShare], total: int) -> None:
