@@ -148,7 +148,7 @@ class JobState:
         serving = int(((cl.role[held] != LOADING) | (cl.ready_at[held] <= t)).sum())
         below = j.active(t) and serving < j.min_cells
         if below and self.below_since is None:
-            self.below_since = t - dt
+            self.below_since = max(t - dt, j.start_s)  # below since the tick before, or since it arrived
         elif not below and self.below_since is not None:
             self.violation_s += max(0.0, t - self.below_since - grace_s)
             self.below_since = None
@@ -158,11 +158,13 @@ class JobState:
 def run_jobs(jw: JobsWorkload, cells: int, hours: float | None = None, seed: int = 0,
              split: dict[str, int] | None = None, check: bool = False,
              on_tick=None) -> JobsRun:
-    """`split` None: cellflip (the fleet divided every tick); else that fixed split (static)."""
+    """`split` None: cellflip (the fleet divided every tick); else that fixed split (static; a
+    job it leaves out is not simulated: a static split's jobs never interact, so the grid runs
+    each job alone at each cell count)."""
     wall0 = time.perf_counter()
     hours = hours or jw.hours
     jobs = [Job(s, jw, cells) for s in jw.jobs]
-    states = [JobState(j, cells, hours, seed, i) for i, j in enumerate(jobs)]
+    states = [JobState(j, cells, hours, seed, i) for i, j in enumerate(jobs) if split is None or j.name in split]
     owner = np.full(cells, -1)
     tick = jobs[0].wl.tick_s
     wl0 = jobs[0].wl
@@ -171,11 +173,11 @@ def run_jobs(jw: JobsWorkload, cells: int, hours: float | None = None, seed: int
     start = split or divide([JobShare(j.name, j.min_cells if j.active(0) else 0, j.max_cells if j.active(0) else 0,
                                       j.spec.weight, math.inf, 0) for j in jobs], cells, **knobs)
     at = 0
-    for i, st in enumerate(states):
+    for st in states:
         n = start.get(st.job.name, 0)
         st.cl.acquire(list(range(at, at + n)), 0.0, 0.0)
         st.cl.sync_trainer_cells(0.0)
-        owner[at:at + n] = i
+        owner[at:at + n] = jobs.index(st.job)
         at += n
     counts = {"cross": 0, "free": 0}
     fair = [0.0, 0.0]

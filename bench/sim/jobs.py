@@ -149,6 +149,11 @@ class JobCluster(Cluster):
         cells = tuple(self._summaries[i] for i in np.flatnonzero(~away).tolist())
         return dataclasses.replace(snap, cells=cells, placement=None)
 
+    def _tokens_per_cell(self, t: float) -> np.ndarray:
+        out = super()._tokens_per_cell(t)
+        out[self.role == AWAY] = 0  # a leaving cell's sessions are its job's to place, not a summary
+        return out
+
     def acquire(self, cells: list[int], t: float, ready_at: float) -> None:
         """Cells join the job: they serve (rollout) from `ready_at` (their weights loaded)."""
         if not cells:
