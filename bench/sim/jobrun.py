@@ -21,7 +21,7 @@ from scheduler.control.rates import Rates
 from scheduler.planner.jobs import FREE, JobShare, cells_to_release, demand_cells, divide, moves
 from scheduler.planner.types import Snapshot
 
-from .cluster import LOADING, ROLLOUT
+from .cluster import ROLLOUT
 from .jobs import AWAY, Job, JobCluster, JobsWorkload, JobTrainer
 from .policies import Planned
 from .run import _demand, _slow_decoding
@@ -103,9 +103,9 @@ class JobState:
     def share(self, t: float, snap: Snapshot) -> JobShare:
         """What `divide` is told: the job's bounds and its measured demand, in cells."""
         j, held = self.job, len(snap.cells)
-        if not j.active(t):
-            live = sum(1 for c in snap.cells if c.inflight > 0 or c.busy)
-            return JobShare(j.name, 0, held, j.spec.weight, float(live), held)
+        if not j.active(t):  # gone: its live sessions, packed onto whole cells, and its busy trainers
+            live = math.ceil(sum(c.inflight for c in snap.cells) / self.cl.k) + sum(1 for c in snap.cells if c.busy)
+            return JobShare(j.name, 0, min(held, live), j.spec.weight, float(live), held)
         return JobShare(j.name, j.min_cells, j.max_cells, j.spec.weight, self.demand(snap), held)
 
     def demand(self, snap: Snapshot) -> float:
@@ -141,11 +141,12 @@ class JobState:
         self.offered = int((cl.role == ROLLOUT).sum()) * cl.k
 
     def account(self, t: float, dt: float, grace_s: float) -> None:
-        """Held cell-time, and time below the minimum in cells that serve (loaded) past `grace_s`."""
+        """Held cell-time, and time below the minimum in cells that serve (their move into the
+        job done: drained and loaded) past `grace_s`."""
         cl, j = self.cl, self.job
         held = cl.held()
         self.held_cell_s += held.size * dt
-        serving = int(((cl.role[held] != LOADING) | (cl.ready_at[held] <= t)).sum())
+        serving = int((cl.joined_at[held] <= t).sum())
         below = j.active(t) and serving < j.min_cells
         if below and self.below_since is None:
             self.below_since = max(t - dt, j.start_s)  # below since the tick before, or since it arrived

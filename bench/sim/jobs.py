@@ -86,9 +86,10 @@ class Job:
         self.name = spec.name
         self.wl: Workload = load_workload(spec.workload)
         wl = self.wl
-        self.ref_cells = cells * spec.weight / sum(j.weight for j in jw.jobs)
-        """The job's batch and step width are those of a fleet of its weighted share."""
-        self.batch, self.width = wl.batch_for(max(1, round(self.ref_cells)))
+        self.batch, self.width = wl.batch_for(cells)
+        """A job's batch and step width are the workload's at the whole fleet: a job's batch is
+        its own, not its share's (a smaller one on a job that then holds the fleet would publish
+        versions faster than its sessions finish within the staleness bound)."""
         self.slot_s = wl.session_mean_hours * 3600.0
         self.train_s = wl.session_tokens * wl.train_cell_s_per_token()
         self.rate = spec.demand_frac * cells / (self.slot_s / wl.cell_capacity + self.train_s)
@@ -136,6 +137,8 @@ class JobCluster(Cluster):
         self.role[:] = AWAY
         self._dirty[:] = False
         self.jtrainer = trainer
+        self.joined_at = np.full(n_cells, np.inf)
+        """When each held cell's move into the job is done (drained elsewhere, weights loaded)."""
 
     def held(self) -> np.ndarray:
         return np.flatnonzero(self.role != AWAY)
@@ -160,6 +163,7 @@ class JobCluster(Cluster):
             return
         self.set_roles(cells, LOADING if ready_at > t else ROLLOUT, t)
         self.ready_at[np.asarray(cells)] = ready_at
+        self.joined_at[np.asarray(cells)] = ready_at
 
     def release(self, cells: list[int], t: float) -> float:
         """Cells leave the job: training ones leave its trainer, rollout ones drain to the job's
@@ -168,6 +172,7 @@ class JobCluster(Cluster):
             return 0.0
         serving = [c for c in cells if self.role[c] != AWAY and self.inflight[c] > 0]
         self.set_roles(cells, AWAY, t)
+        self.joined_at[np.asarray(cells)] = np.inf
         self.sync_trainer_cells(t)
         tr = self.jtrainer
         tr.releasing, tr.released_s = True, 0.0

@@ -132,7 +132,9 @@ def divide(jobs: Sequence[JobShare], total: int, *, hysteresis_cells: float = 1.
     short of its ideal share by more than `hysteresis_cells`, and each cell only while its
     expected use there over `horizon_s` (the share of it the job's demand fills) exceeds the
     move's cost: use x (horizon - move_cost_s) > move_cost_s. Cells come from the free pool
-    first, then from the jobs most over their ideal share (never below it, nor below a min)."""
+    first, then from the jobs most over their ideal share (never below it, nor below a min).
+    Cells left in the free pool go to jobs short of their share within the band as well (a
+    free cell drains nothing), the move's cost still counted."""
     if move_cost_s < 0 or horizon_s <= 0 or hysteresis_cells < 0:
         raise JobShareError("need move_cost_s >= 0, horizon_s > 0, hysteresis_cells >= 0")
     ideal = ideal_targets(jobs, total)
@@ -143,7 +145,7 @@ def divide(jobs: Sequence[JobShare], total: int, *, hysteresis_cells: float = 1.
         while target[j.name] < j.min_cells:
             free = _take(target, ideal, by, free, j.name, floor="min")
     short = [j for j in jobs if ideal[j.name] - target[j.name] > hysteresis_cells]
-    for j in sorted(short, key=lambda j: (target[j.name] - ideal[j.name]) / j.weight):
+    for j in sorted(short, key=lambda j: ((target[j.name] - ideal[j.name]) / j.weight, j.name)):
         while target[j.name] < ideal[j.name]:
             use = min(1.0, max(0.0, j.demand_cells - target[j.name]))
             if use * (horizon_s - move_cost_s) <= move_cost_s:
@@ -151,6 +153,12 @@ def divide(jobs: Sequence[JobShare], total: int, *, hysteresis_cells: float = 1.
             if free <= 0 and not _donor(target, ideal, by, "ideal"):
                 break
             free = _take(target, ideal, by, free, j.name, floor="ideal")
+    for j in sorted(jobs, key=lambda j: ((target[j.name] - ideal[j.name]) / j.weight, j.name)):
+        while free > 0 and target[j.name] < ideal[j.name]:  # free cells drain nothing: no band
+            if min(1.0, max(0.0, j.demand_cells - target[j.name])) * (horizon_s - move_cost_s) <= move_cost_s:
+                break
+            target[j.name] += 1
+            free -= 1
     return target
 
 
