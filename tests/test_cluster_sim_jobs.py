@@ -76,6 +76,7 @@ def test_the_bench_block_of_a_tiny_fleet():
     block = simulate_jobs_workload(JOB_WORKLOADS["anti_phase"], 16, 8.0, (1,), 4, 2, log=QUIET)
     assert block["static_split"]["a"] + block["static_split"]["b"] == 16
     assert block["upper_bound"] >= max(block["cellflip_tokens_per_hour"], block["static_tokens_per_hour"])
+    assert block["upper_bound"] >= block["static_split_bound"] >= block["static_tokens_per_hour"]
     assert block["min_share_violation_s"] == 0
     assert set(block) >= {"speedup_vs_static_partition", "upper_bound", "gain_capture", "min_share_violation_s",
                           "cross_job_moves", "jain_fairness", "gain_possible"}
