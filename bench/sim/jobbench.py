@@ -96,7 +96,6 @@ def simulate_jobs_workload(jw: JobsWorkload, cells: int, hours: float, seeds: tu
         "gain_capture": round((c - s) / (top - s), 4) if possible else None,
         "gain_possible": bool(possible),
         "static_split_bound": round(fixed, 1),
-        "relative_gain_capture": round((c / s - 1.0) / (top / fixed - 1.0), 4) if possible and s > 0 else None,
         "min_share_violation_s": max(r.min_share_violation_s for r in cf),
         "cross_job_moves": round(_mean(cf, "cross_job_moves"), 1),
         "jain_fairness": round(sum(jain) / len(jain), 4) if jain else None,
