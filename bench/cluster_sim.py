@@ -11,6 +11,12 @@ mean over seeds 1..3, against `upper_bound` (bench/sim/bound.py: a certified LP 
 admission timing as a decision); every run of every seed is asserted at most the bound.
 
     python bench/cluster_sim.py [--quick] [--json] [--jobs N] [--plots [DIR]] [--workload NAME_OR_PATH ...]
+    python bench/cluster_sim.py --rl-jobs [--quick] [--json] [--workload NAME ...]
+
+--rl-jobs: several RL jobs on one fleet (bench/sim/jobbench.py): 1,000 cells, 48 h; cellflip
+dividing the fleet between jobs against the best static partition and the multi-job bound
+(`job_workloads`; goals in bench/targets.yaml under cluster_sim.rl_jobs). --quick: seed 1 and a
+coarser static grid; default seeds 1..3.
 
 --quick: 1,000 cells; default 10,000. Last stdout line with --json: one JSON object.
 --jobs N: runs in N worker processes (this file with `--serve`: one task per JSON line on
@@ -244,8 +250,16 @@ def main() -> None:
     ap.add_argument("--plots", nargs="?", const=str(HERE / "out"), default=None,
                     help="write PNG plots (seed 1) to DIR (default bench/out/)")
     ap.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes; default 1)")
+    ap.add_argument("--rl-jobs", action="store_true",
+                    help="several RL jobs sharing the fleet (job_workloads; --workload names them)")
     add_target_args(ap)
     args = ap.parse_args()
+    if args.rl_jobs:
+        from sim.jobbench import run_all
+
+        result = run_all(args.workload, args.cells or 1_000, args.hours or 48.0, args.quick)
+        finish(result, args, "cluster_sim")
+        return
     cells = args.cells or (1_000 if args.quick else 10_000)
     t0 = time.perf_counter()
     result: dict = {"cells": cells, "workloads": {}}

@@ -48,11 +48,12 @@ def finish(result: dict, args: argparse.Namespace, bench: str, argv: list[str] |
     """The end of every bench: `targets`, `all_met` and `provenance` added to the result, the
     result printed (`emit`), each missed target named on stderr, then exit 1 if one was missed
     and --no-targets was not given, else 0."""
-    from judge import judge, missed, provenance
+    from judge import judge, missed, provenance, variant_of
 
     quick = bool(getattr(args, "quick", False))
-    result["targets"], result["all_met"] = judge(result, bench, quick)
-    result["provenance"] = provenance(bench, sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    result["targets"], result["all_met"] = judge(result, bench, quick, variant=variant_of(bench, argv))
+    result["provenance"] = provenance(bench, argv)
     emit(result, bool(getattr(args, "json", False)))
     for line in missed(result["targets"]):
         print(f"target missed: {line}", file=sys.stderr)

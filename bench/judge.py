@@ -70,15 +70,30 @@ def _check_target(where: str, t) -> None:
         raise TargetsError(f"{where}: {e}") from e
 
 
-def targets_for(bench: str, quick: bool, spec: dict | None = None) -> dict[str, dict]:
-    """The bench's targets in that mode; KeyError for a bench the file does not list."""
+def targets_for(bench: str, quick: bool, spec: dict | None = None, variant: str | None = None) -> dict[str, dict]:
+    """The bench's targets in that mode; KeyError for a bench the file does not list. A
+    `variant` (`variant_of`) judges by its own section `NAME.VARIANT` instead of NAME's."""
     spec = load_targets() if spec is None else spec
+    if variant is not None:
+        bench = f"{bench}.{variant}"
     if bench not in spec:
         raise KeyError(f"{bench}: no section in {TARGETS.name} (an empty one, {{}}, for a bench without goals)")
     out = dict(spec[bench])
     if quick:
         out.update(spec.get(f"{bench}.quick") or {})
     return {k: v for k, v in out.items() if v is not None}
+
+
+def variant_of(bench: str, argv: list[str], spec: dict | None = None) -> str | None:
+    """The variant a run's arguments select: section `NAME.VARIANT` of bench/targets.yaml (not
+    `quick`) whose flag `--VARIANT` (underscores as dashes) the arguments carry; None for none."""
+    spec = load_targets() if spec is None else spec
+    for section in spec:
+        head, _, variant = section.partition(".")
+        if head == bench and variant and "." not in variant and variant != "quick" \
+                and f"--{variant.replace('_', '-')}" in argv:
+            return variant
+    return None
 
 
 def check(result: dict, target: dict) -> dict:
@@ -119,11 +134,12 @@ def _plain(value):
     return value
 
 
-def judge(result: dict, bench: str, quick: bool, spec: dict | None = None) -> tuple[dict, bool]:
+def judge(result: dict, bench: str, quick: bool, spec: dict | None = None,
+          variant: str | None = None) -> tuple[dict, bool]:
     """(targets, all_met) of one result. The result's own `targets`, `all_met` and
     `provenance` are never judged."""
     data = {k: v for k, v in result.items() if k not in ("targets", "all_met", "provenance")}
-    targets = {name: check(data, t) for name, t in targets_for(bench, quick, spec).items()}
+    targets = {name: check(data, t) for name, t in targets_for(bench, quick, spec, variant).items()}
     return targets, all(t["met"] for t in targets.values())
 
 
@@ -190,7 +206,8 @@ def rejudge(path: Path, spec: dict | None = None) -> dict:
     if "provenance" not in data:
         raise ValueError(f"{path.name}: no provenance (which code, which command)")
     out = {k: v for k, v in data.items() if k not in ("targets", "all_met", "provenance")}
-    out["targets"], out["all_met"] = judge(out, bench_of(path), mode_of(data["provenance"]), spec)
+    variant = variant_of(bench_of(path), shlex.split(data["provenance"]["command"]), spec)
+    out["targets"], out["all_met"] = judge(out, bench_of(path), mode_of(data["provenance"]), spec, variant)
     out["provenance"] = data["provenance"]
     return out
 

@@ -19,7 +19,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.errors import Conflict, Invalid, NotFound
-from scheduler.store.jobs import MoveRow
+from scheduler.store.jobs import DEFAULT_JOB, MoveRow
 
 if TYPE_CHECKING:
     from scheduler.control.context import Context
@@ -137,14 +137,18 @@ class JobMoves:
         store = self.ctx.store
         if not planned or store.jobs.list_moves(active_only=True):
             return
-        src, dst = planned[0]
         rows = store.fleet.planning_rows()
         jobs = store.jobs.jobs_of("cell", [r.cell_id for r in rows])
         flipping = store.fleet.flipping_cells()
-        mine = sorted((r.live, r.tokens, r.cell_id) for r in rows
-                      if jobs[r.cell_id] == src and r.state == "rollout" and r.cell_id not in flipping)
-        if len(mine) >= 2 or (mine and not store.jobs.live_sessions().get(src)):
-            self.start(mine[0][2], dst, "the planner's division of the fleet")
+        for src, dst in planned:  # the free pool ("") is the implicit job's cells here
+            src, dst = src or DEFAULT_JOB, dst or DEFAULT_JOB
+            if src == dst:
+                continue
+            mine = sorted((r.live, r.tokens, r.cell_id) for r in rows
+                          if jobs[r.cell_id] == src and r.state == "rollout" and r.cell_id not in flipping)
+            if len(mine) >= 2 or (mine and not store.jobs.live_sessions().get(src)):
+                self.start(mine[0][2], dst, "the planner's division of the fleet")
+                return
 
     def _reassign(self, move: MoveRow) -> None:
         """The cell is drained (no request of the old job on it): record it under the new job."""

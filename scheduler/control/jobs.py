@@ -18,16 +18,19 @@ import hashlib
 import math
 import re
 import time
+import logging
 import uuid
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.errors import CellflipError, Conflict, Invalid, NoCapacity, NotFound
-from scheduler.planner.jobs import JobShare, divide, moves
+from scheduler.planner.jobs import JobShare, JobShareError, divide, moves
 from scheduler.store.jobs import DEFAULT_JOB, JobRow
 
 if TYPE_CHECKING:
     from scheduler.control.context import Context
+
+log = logging.getLogger("cellflip.scheduler")
 
 NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 """A job's name: what clients put in the OpenAI `model` field, and a Prometheus label value."""
@@ -60,6 +63,8 @@ class Jobs:
         self.planned_moves: list[tuple[str, str]] = []
         """(from job, to job) per cell the last division would move."""
         self._last_step = float("-inf")
+        self._refused: str | None = None
+        """The planner's last refusal of the division (logged once)."""
         self.moves: Any = None
         """The moves between jobs (scheduler/control/jobmoves.py `JobMoves`), set by the controller."""
         self.auto_move = True
@@ -311,8 +316,15 @@ class Jobs:
         live = store.jobs.live_sessions()
         shares = [JobShare(j.name, j.min_cells, len(rows) if j.max_cells is None else j.max_cells, j.weight,
                            math.ceil(live.get(j.name, 0) / slots), held.get(j.name, 0)) for j in active]
-        self.targets = divide(shares, len(rows))
-        self.planned_moves = moves(self.targets, {n: held.get(n, 0) for n in set(held) | set(self.targets)})
+        try:
+            self.targets = divide(shares, len(rows))
+            self.planned_moves = moves(self.targets, {n: held.get(n, 0) for n in set(held) | set(self.targets)})
+        except JobShareError as e:  # e.g. the jobs' min_cells sum past the fleet: nothing moves
+            if str(e) != self._refused:
+                log.warning("the fleet's division between jobs is refused: %s", e)
+            self._refused, self.targets, self.planned_moves = str(e), {}, []
+            return self.targets
+        self._refused = None
         for name, t in self.targets.items():
             m.job_target_cells.labels(name).set(t)
             m.job_cells.labels(name).set(held.get(name, 0))

@@ -1,20 +1,35 @@
-"""How many cells each RL job holds: a pure function of each job's bounds, weight, measured
-demand and current holding (production's reconcile tick and the simulator call the same code).
+"""Dividing one fleet between several RL jobs: pure functions of measured demand.
 
-One line: minimums first → the rest by weight up to each job's demand → what is left by weight
-up to each maximum → rounded against what each job holds, with a dead band (hysteresis plus a
-move's cost over the horizon) so that a job near its share keeps its cells.
+    divide(jobs, total)          -> {job: target cells}     mins, max, weights, hysteresis, move cost
+    moves(targets, held)         -> [(from_job, to_job)]    one pair per cell to move
+    cells_to_release(cells, n)   -> [cell_id]               which of a job's cells leave it
+    demand_cells(...)            -> float                   a job's measured demand, in cells
 
-(Provisional module: the planner-and-simulator side of multi-job scheduling keeps this
-interface; see docs/JOBS.md.)
+One line: each job's minimum first -> the rest by weight, water-filled up to each job's demand
+and maximum (a job that wants less leaves its share to those that want more) -> from the cells
+each job holds now, move only where a job is short of its share by more than the hysteresis
+band and the cell's expected use over the horizon outweighs the move (drain + weight load) ->
+cells taken from the free pool first, then from the jobs most over their share.
+
+Within a job, rollout vs training stays `scheduler.planner.plan`'s decision, on the same
+snapshot. No I/O, no clocks, no randomness, no mutation of the inputs (docs/JOBS.md).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-EPS = 1e-9
+from scheduler.planner.types import CellId, CellSummary
+
+FREE = ""
+"""The job name `moves` uses for cells no job holds (the free pool)."""
+_EPS = 1e-9
+
+
+class JobShareError(ValueError):
+    """The jobs or the fleet size given to `divide` or `moves` are inconsistent; says which."""
 
 
 @dataclass(frozen=True)
@@ -22,106 +37,190 @@ class JobShare:
     name: str
     min_cells: int
     max_cells: int
-    """Most cells the job may hold (a job with no maximum: the fleet's size)."""
     weight: float
     demand_cells: float
-    """Cells the job's measured demand keeps busy (rollout plus training)."""
+    """Cells the job's measured demand could use now (rollout + training)."""
     held: int
-    """Cells the job holds now (a cell moving into it counts for it)."""
+    """Cells it holds now (cells moving in count for the destination)."""
 
 
-def _fill(alloc: dict[str, float], caps: Mapping[str, float], weights: Mapping[str, float], left: float) -> float:
-    """Weighted water-filling: share `left` among jobs by weight, none past its cap; returns what is left."""
-    active = [n for n in alloc if caps[n] - alloc[n] > EPS]
-    while left > EPS and active:
-        total_w = sum(weights[n] for n in active)
-        given = 0.0
-        for n in active:
-            give = min(caps[n] - alloc[n], left * weights[n] / total_w)
-            alloc[n] += give
-            given += give
-        left -= given
-        active = [n for n in active if caps[n] - alloc[n] > EPS]
-        if given <= EPS:
+def demand_cells(arrivals_per_s: float, slot_s_per_session: float, capacity: int,
+                 train_cell_s_per_session: float, *, live_sessions: float | None = None,
+                 lead_s: float = 0.0) -> float:
+    """Cells a job could use now (rollout + training), from measured rates.
+
+    Without `live_sessions`: the steady state of the arrival rate (refused arrivals included):
+    arrivals x slot time / slots a cell, plus the training cells that keep up with them. With
+    them: the slots its live sessions hold now, grown by the arrivals beyond the finishes over
+    `lead_s` (a rising job asks ahead, a falling one keeps the slots its sessions still hold),
+    plus training at the live sessions' finish rate."""
+    if min(arrivals_per_s, slot_s_per_session, train_cell_s_per_session, lead_s) < 0 or capacity <= 0:
+        raise JobShareError("demand needs rates >= 0 and a capacity > 0")
+    if live_sessions is None:
+        return arrivals_per_s * (slot_s_per_session / capacity + train_cell_s_per_session)
+    finishes = live_sessions / slot_s_per_session if slot_s_per_session > 0 else 0.0
+    slots = live_sessions + max(0.0, arrivals_per_s - finishes) * lead_s
+    return slots / capacity + finishes * train_cell_s_per_session
+
+
+def _check(jobs: Sequence[JobShare], total: int) -> None:
+    if total < 0:
+        raise JobShareError(f"total cells must be >= 0, got {total}")
+    names = [j.name for j in jobs]
+    if len(set(names)) != len(names) or FREE in names:
+        raise JobShareError(f"job names must be unique and non-empty, got {names}")
+    for j in jobs:
+        if not 0 <= j.min_cells <= j.max_cells:
+            raise JobShareError(f"job {j.name!r}: need 0 <= min_cells <= max_cells, got "
+                                f"{j.min_cells}, {j.max_cells}")
+        if not (j.weight > 0 and math.isfinite(j.weight)):
+            raise JobShareError(f"job {j.name!r}: weight must be > 0, got {j.weight}")
+        if not (j.demand_cells >= 0) or j.held < 0:
+            raise JobShareError(f"job {j.name!r}: demand_cells and held must be >= 0")
+    if sum(j.min_cells for j in jobs) > total:
+        raise JobShareError(f"the jobs' min_cells sum to {sum(j.min_cells for j in jobs)}, "
+                            f"more than the {total} cells of the fleet")
+    if sum(j.held for j in jobs) > total:
+        raise JobShareError(f"the jobs hold {sum(j.held for j in jobs)} cells, more than {total}")
+
+
+def _cap(j: JobShare) -> int:
+    """Most cells the job should get: its demand (whole cells), within [min, max]."""
+    want = math.ceil(j.demand_cells - _EPS) if math.isfinite(j.demand_cells) else j.max_cells
+    return max(j.min_cells, min(j.max_cells, want))
+
+
+def water_fill(jobs: Sequence[JobShare], total: int) -> dict[str, float]:
+    """Fractional shares: each job max(min, min(cap, level x weight)), the level chosen so the
+    shares sum to the fleet (or every job is at its cap)."""
+    caps = {j.name: _cap(j) for j in jobs}
+
+    def at(level: float) -> dict[str, float]:
+        return {j.name: max(j.min_cells, min(caps[j.name], level * j.weight)) for j in jobs}
+
+    if not jobs or sum(caps.values()) <= total:
+        return {j.name: float(caps[j.name]) for j in jobs}
+    lo, hi = 0.0, max(caps.values()) / min(j.weight for j in jobs)
+    for _ in range(100):  # the sum is monotone in the level
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if sum(at(mid).values()) < total else (lo, mid)
+    return at(hi)
+
+
+def ideal_targets(jobs: Sequence[JobShare], total: int) -> dict[str, int]:
+    """`water_fill` in whole cells (largest remainders), mins and caps kept."""
+    _check(jobs, total)
+    share = water_fill(jobs, total)
+    out = {n: math.floor(v + _EPS) for n, v in share.items()}
+    caps = {j.name: _cap(j) for j in jobs}
+    left = min(total, sum(caps.values())) - sum(out.values())
+    for n in sorted(share, key=lambda n: (out[n] - share[n], n)):
+        if left <= 0:
             break
-    return left
+        if out[n] < caps[n]:
+            out[n] += 1
+            left -= 1
+    return out
 
 
-def ideal_shares(jobs: Sequence[JobShare], total: int) -> dict[str, float]:
-    """Fractional cells per job: each minimum (scaled down by weight order when the minimums
-    exceed the fleet), then demand by weight, then spare capacity by weight up to each maximum."""
-    alloc = {j.name: 0.0 for j in jobs}
-    left = float(total)
-    for j in sorted(jobs, key=lambda j: (-j.weight, j.name)):  # heavier jobs' minimums first
-        give = min(float(min(j.min_cells, j.max_cells)), left)
-        alloc[j.name] = give
-        left -= give
-    weights = {j.name: max(j.weight, EPS) for j in jobs}
-    want = {j.name: max(alloc[j.name], min(float(j.max_cells), j.demand_cells)) for j in jobs}
-    left = _fill(alloc, want, weights, left)
-    _fill(alloc, {j.name: float(j.max_cells) for j in jobs}, weights, left)
-    return alloc
+def divide(jobs: Sequence[JobShare], total: int, *, hysteresis_cells: float = 1.0,
+           move_cost_s: float = 0.0, horizon_s: float = 600.0) -> dict[str, int]:
+    """Target cells per job (sums to <= total; mins first, max respected, rest by weight up to demand).
+
+    From what each job holds: a job over its max sheds the excess and a job under its min is
+    raised to it whatever the band or the cost; otherwise a job gets cells only while it is
+    short of its ideal share by more than `hysteresis_cells`, and each cell only while its
+    expected use there over `horizon_s` (the share of it the job's demand fills) exceeds the
+    move's cost: use x (horizon - move_cost_s) > move_cost_s. Cells come from the free pool
+    first, then from the jobs most over their ideal share (never below it, nor below a min).
+    Cells left in the free pool go to jobs short of their share within the band as well (a
+    free cell drains nothing), the move's cost still counted."""
+    if move_cost_s < 0 or horizon_s <= 0 or hysteresis_cells < 0:
+        raise JobShareError("need move_cost_s >= 0, horizon_s > 0, hysteresis_cells >= 0")
+    ideal = ideal_targets(jobs, total)
+    by = {j.name: j for j in jobs}
+    target = {j.name: min(j.held, j.max_cells) for j in jobs}
+    free = total - sum(target.values())
+    for j in sorted(jobs, key=lambda j: j.held - j.min_cells):  # mins, forced
+        while target[j.name] < j.min_cells:
+            free = _take(target, ideal, by, free, j.name, floor="min")
+    short = [j for j in jobs if ideal[j.name] - target[j.name] > hysteresis_cells]
+    for j in sorted(short, key=lambda j: ((target[j.name] - ideal[j.name]) / j.weight, j.name)):
+        while target[j.name] < ideal[j.name]:
+            use = min(1.0, max(0.0, j.demand_cells - target[j.name]))
+            if use * (horizon_s - move_cost_s) <= move_cost_s:
+                break  # the next cell's use does not pay for its move
+            if free <= 0 and not _donor(target, ideal, by, "ideal"):
+                break
+            free = _take(target, ideal, by, free, j.name, floor="ideal")
+    for j in sorted(jobs, key=lambda j: ((target[j.name] - ideal[j.name]) / j.weight, j.name)):
+        while free > 0 and target[j.name] < ideal[j.name]:  # free cells drain nothing: no band
+            if min(1.0, max(0.0, j.demand_cells - target[j.name])) * (horizon_s - move_cost_s) <= move_cost_s:
+                break
+            target[j.name] += 1
+            free -= 1
+    return target
 
 
-def divide(jobs: Sequence[JobShare], total: int, *, hysteresis_cells: float = 1.0, move_cost_s: float = 0.0,
-           horizon_s: float = 600.0) -> dict[str, int]:
-    """Whole cells per job (summing to at most `total`: cells past every maximum stay unassigned).
+def _donor(target: dict[str, int], ideal: dict[str, int], by: Mapping[str, JobShare],
+           floor: str) -> str | None:
+    """The job most over its ideal share that can give a cell (down to its ideal share, or
+    down to its min when `floor` is "min")."""
+    def lowest(n: str) -> int:
+        return by[n].min_cells if floor == "min" else max(ideal[n], by[n].min_cells)
 
-    Starts from what each job holds, first forced into its bounds and the fleet's size, then
-    moves one cell at a time from the job most over its ideal share to the one most under it,
-    only while both are off by more than the dead band: `hysteresis_cells / 2` plus the move's
-    cost as a fraction of the horizon (`move_cost_s / horizon_s`: the cell time a drain plus a
-    weight load loses, against the time the move pays back over)."""
-    if not jobs:
-        return {}
-    ideal = ideal_shares(jobs, total)
-    by_name = {j.name: j for j in jobs}
-    lo = {j.name: min(j.min_cells, j.max_cells) for j in jobs}
-    alloc = {j.name: max(lo[j.name], min(j.held, j.max_cells)) for j in jobs}
-    _fit_total(alloc, ideal, lo, total)
-    band = hysteresis_cells / 2 + (move_cost_s / horizon_s if horizon_s > 0 else 0.0)
-    for _ in range(total + 1):
-        donors = [n for n in alloc if alloc[n] > lo[n] and alloc[n] - ideal[n] > band]
-        takers = [n for n in alloc if alloc[n] < by_name[n].max_cells and ideal[n] - alloc[n] > band]
-        if not donors or not takers:
-            break
-        d = max(donors, key=lambda n: (alloc[n] - ideal[n], n))
-        t = max(takers, key=lambda n: (ideal[n] - alloc[n], n))
-        alloc[d] -= 1
-        alloc[t] += 1
-    return alloc
+    able = [n for n in target if target[n] > lowest(n)]
+    if not able:
+        return None
+    return max(able, key=lambda n: ((target[n] - ideal[n]) / by[n].weight, n))
 
 
-def _fit_total(alloc: dict[str, int], ideal: Mapping[str, float], lo: Mapping[str, int], total: int) -> None:
-    """Cells taken from the jobs most over their share while the sum passes `total`; free cells
-    given to the jobs most under theirs (never past an ideal share's ceiling of the maximum)."""
-    while sum(alloc.values()) > total:
-        over = [n for n in alloc if alloc[n] > lo[n]] or [n for n in alloc if alloc[n] > 0]
-        n = max(over, key=lambda n: (alloc[n] - ideal[n], n))
-        alloc[n] -= 1
-    while sum(alloc.values()) < total:
-        under = [n for n in alloc if ideal[n] - alloc[n] > EPS]
-        if not under:
-            break
-        n = max(under, key=lambda n: (ideal[n] - alloc[n], n))
-        alloc[n] += 1
+def _take(target: dict[str, int], ideal: dict[str, int], by: Mapping[str, JobShare], free: int,
+          to: str, floor: str) -> int:
+    """One cell to `to`: from the free pool, else from `_donor`. Returns the free pool left."""
+    if free > 0:
+        target[to] += 1
+        return free - 1
+    donor = _donor(target, ideal, by, floor)
+    if donor is None or donor == to:
+        raise JobShareError(f"no cell can move to job {to!r}")  # mins sum <= total: unreachable
+    target[donor] -= 1
+    target[to] += 1
+    return free
 
 
 def moves(targets: Mapping[str, int], held: Mapping[str, int]) -> list[tuple[str, str]]:
-    """(from job, to job), one pair per cell to move, so that `held` becomes `targets`: the
-    largest surplus gives to the largest deficit first (ties by name, so the list is stable)."""
-    surplus = {n: held.get(n, 0) - t for n, t in targets.items() if held.get(n, 0) > t}
-    for n, h in held.items():
-        if n not in targets and h > 0:
-            surplus[n] = h  # a job no longer divided (deleted) gives all it holds
-    deficit = {n: t - held.get(n, 0) for n, t in targets.items() if t > held.get(n, 0)}
-    out: list[tuple[str, str]] = []
-    while surplus and deficit:
-        d = max(surplus, key=lambda n: (surplus[n], n))
-        t = max(deficit, key=lambda n: (deficit[n], n))
-        out.append((d, t))
-        for book, n in ((surplus, d), (deficit, t)):
-            book[n] -= 1
-            if book[n] == 0:
-                del book[n]
+    """(from_job, to_job) pairs, one per cell to move, that take `held` to `targets`.
+
+    `FREE` ("") stands for the free pool: cells a job gains beyond what others give come from
+    it, cells a job gives beyond what others take go back to it. Largest gaps are paired first."""
+    names = set(targets) | set(held)
+    if any(v < 0 for v in (*targets.values(), *held.values())) or FREE in names:
+        raise JobShareError("targets and held must be >= 0 and name jobs (not the free pool)")
+    gain = {n: targets.get(n, 0) - held.get(n, 0) for n in sorted(names)}
+    givers = sorted(((-d, n) for n, d in gain.items() if d < 0), reverse=True)
+    takers = sorted(((d, n) for n, d in gain.items() if d > 0), reverse=True)
+    give = [n for d, n in givers for _ in range(d)]
+    take = [n for d, n in takers for _ in range(d)]
+    out = list(zip(give, take))
+    out += [(n, FREE) for n in give[len(take):]]
+    out += [(FREE, n) for n in take[len(give):]]
     return out
+
+
+def _release_rank(c: CellSummary) -> tuple:
+    """Cheapest to take from a job first: idle rollout-side cells, idle training cells, busy
+    training cells, then rollout cells by fewest live rollouts and fewest tokens to move."""
+    if c.role == "training" or c.role == "draining":
+        return (1, int(c.busy), 0, 0)
+    if c.inflight == 0:
+        return (0, 0, 0, 0)
+    return (2, 0, c.inflight, c.inflight_tokens)
+
+
+def cells_to_release(cells: Sequence[CellSummary], count: int) -> list[CellId]:
+    """The `count` cells of one job that leave it (`_release_rank` order; ties by id as text)."""
+    if count < 0 or count > len(cells):
+        raise JobShareError(f"cannot release {count} of {len(cells)} cells")
+    ranked = sorted(cells, key=lambda c: (_release_rank(c), str(c.cell_id)))
+    return [c.cell_id for c in ranked[:count]]
