@@ -15,10 +15,10 @@ exist for it). The gateway's OpenAI `model` field names the job (`resolve`).
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import re
 import time
-import logging
 import uuid
 from collections import Counter
 from typing import TYPE_CHECKING, Any
