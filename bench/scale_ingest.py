@@ -26,6 +26,7 @@ import random
 import time
 
 from scheduler.store import Store
+from scheduler.store.tokenpack import prompt_chunk
 
 ACTIVE = 64
 """Cells whose syncs carry tokens (the load generator cycles over them)."""
@@ -50,9 +51,8 @@ def seed_requests(path: str, cells: list[str]) -> dict[str, list[str]]:
             sessions = [f"s-{c}-{k}" for k in range(REQUESTS)]
             store.executemany("INSERT INTO sessions(id, state, length, segment_starts, created_at) "
                               "VALUES (?, 'open', ?, '[0]', ?)", [(s, PROMPT, now) for s in sessions])
-            store.executemany(
-                "INSERT INTO tokens(session_id, idx, token_id, loss_mask, truncated) VALUES (?,?,?,0,0)",
-                [(s, i, rng.randrange(50_000)) for s in sessions for i in range(PROMPT)])
+            store.sessions.buf.insert([prompt_chunk(s, 0, [rng.randrange(50_000) for _ in range(PROMPT)])
+                                       for s in sessions])
             store.executemany(_REQ, [(r, s, PROMPT, c, now, now) for r, s in zip(ids, sessions)])
     store.close()
     return out

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from scheduler.store import counters, exportread, fleet, owners, retention, sessions, tokens
+from scheduler.store.tokenbuf import migrate_legacy
 
 SCHEMA = fleet.SCHEMA + owners.SCHEMA + sessions.SCHEMA + tokens.SCHEMA + retention.SCHEMA
 """Every table and index (table and column names are read by faultkit's checker too)."""
@@ -30,11 +31,9 @@ ADDED_COLUMNS = (
     ("migrations", "src_state", "TEXT NOT NULL DEFAULT 'running'"),
     ("flips", "kv_store", "INTEGER NOT NULL DEFAULT 0"),
     ("migrations", "commit_tokens", "INTEGER"),
-    ("tokens", "epoch", "INTEGER"),
     ("sessions", "agent", "TEXT"),
     ("cells", "trust", "TEXT NOT NULL DEFAULT 'unverified'"),
     ("cells", "probe", "TEXT"),
-    ("tokens", "cell", "TEXT"),
     ("sessions", "tainted", "INTEGER NOT NULL DEFAULT 0"),
 )
 """Columns added after a table's first release: a store written by an older scheduler gets
@@ -65,6 +64,7 @@ class Store:
         self.tokens = tokens.TokenStore(self)
         self.export = exportread.ExportReader(self)
         self.retention = retention.RetentionStore(self)
+        migrate_legacy(self)  # a store of the per-token layout: converted once, in place
         counters.rebuild(self)  # kept by triggers; recounted here so any store file starts right
 
     @contextmanager
