@@ -75,6 +75,23 @@ class ApiRoute(APIRoute):
 INT64_MAX = (1 << 63) - 1
 
 
+def _check_columns(cols: Columns) -> None:
+    """`check_int64` of token columns, one column at a time at C speed: a column's values share
+    their type (the contract's validation made them so), so an integer column is checked by its
+    least and greatest value, and a float or bool column holds no integer to check."""
+    for col in cols.columns:
+        if col and type(col[0]) is int:
+            try:
+                lo, hi = min(col), max(col)
+            except TypeError:  # not one type after all: value by value
+                check_int64(list(col))
+                continue
+            if lo < -INT64_MAX - 1 or hi > INT64_MAX:
+                raise Invalid(f"integer {lo if lo < -INT64_MAX - 1 else hi} is out of the 64-bit range")
+        elif col and type(col[0]) not in (float, bool):
+            check_int64(list(col))
+
+
 def check_int64(msg: Any) -> None:
     """Every integer in `msg` (dataclasses, lists, dicts; walked without recursion) fits
     SQLite's 64-bit INTEGER: a larger id, count or port from a cell is malformed input (422),
@@ -92,6 +109,6 @@ def check_int64(msg: Any) -> None:
         elif isinstance(v, list | tuple):
             stack.extend(v)
         elif isinstance(v, Columns):
-            stack.extend(v.columns)
+            _check_columns(v)
         elif isinstance(v, dict):
             stack.extend(v.values())

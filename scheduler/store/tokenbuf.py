@@ -11,6 +11,7 @@ open (`migrate_legacy`).
 
 from __future__ import annotations
 
+import heapq
 from array import array
 from collections.abc import Iterator, Sequence
 from itertools import chain, repeat
@@ -29,6 +30,8 @@ CREATE TABLE IF NOT EXISTS token_chunks(
   old_logprobs BLOB, provenance BLOB);
 CREATE UNIQUE INDEX IF NOT EXISTS chunks_at ON token_chunks(session_id, start);
 CREATE INDEX IF NOT EXISTS chunks_unscored ON token_chunks(version, unscored) WHERE unscored > 0;
+CREATE INDEX IF NOT EXISTS chunks_backlog ON token_chunks(session_id, version, start, ufirst, ulast, unscored)
+  WHERE unscored > 0;
 """
 
 _INSERT = f"INSERT INTO token_chunks({COLS}) VALUES ({','.join('?' * 17)})"
@@ -142,14 +145,49 @@ class TokenBuffer:
 
     def unscored_ranges(self, limit: int) -> list[tuple]:
         """Per (request, version) with unscored sampled tokens, oldest requests first: the
-        request's columns, the version, the first and last unscored index, the count. The
-        chunks with unscored tokens (their partial index) lead the join (CROSS JOIN keeps that
-        order): the cost follows the scoring backlog, in chunks."""
-        q = ("SELECT r.id, r.session_id, r.prompt_start, r.base, r.num_generated, r.params, r.state, r.cell_id,"
-             " c.version, MIN(c.ufirst), MAX(c.ulast), SUM(c.unscored) FROM token_chunks c CROSS JOIN requests r"
-             " ON c.session_id = r.session_id AND c.start >= r.base AND c.start < r.base + r.num_generated"
-             " WHERE c.unscored > 0 GROUP BY r.id, c.version ORDER BY r.created_at, r.id LIMIT ?")
-        return self.s.execute(q, (limit,)).fetchall()
+        request's columns, the version, the first and last unscored index, the count.
+
+        The chunks with unscored tokens are summed per (session, version) over their own
+        covering index first (`_GROUPS`), and each sum is matched with the one request whose
+        tokens hold all of it: one lookup per session, not per chunk. A sum no single request
+        holds (a session with unscored tokens in several turns) is taken chunk by chunk against
+        the requests of its session (`_EXACT`); both lists come sorted and are merged."""
+        clean: list[tuple] = []
+        split: set[str] = set()
+        for r in self.s.execute(_GROUPS):  # the groups no single request holds come first
+            if r[0] is None:
+                split.add(r[13])
+            elif len(clean) >= limit:
+                break
+            elif r[1] not in split:  # a split session is taken whole by `_EXACT`
+                clean.append(r)
+        exact: list[tuple] = []
+        ids = sorted(split)
+        for k in range(0, len(ids), 500):
+            part = ids[k:k + 500]
+            exact += self.s.execute(_EXACT.format(",".join("?" * len(part))), (*part, limit)).fetchall()
+        if exact:
+            clean = list(heapq.merge(clean, sorted(exact, key=_order), key=_order))
+        return [r[:12] for r in clean[:limit]]
+
+
+def _order(r: tuple) -> tuple:
+    return r[12], r[0], r[8]
+
+
+_GROUP_CTE = ("WITH g AS (SELECT session_id, version, MIN(start) AS s0, MAX(start) AS s1, MIN(ufirst) AS lo,"
+              " MAX(ulast) AS hi, SUM(unscored) AS n FROM token_chunks INDEXED BY chunks_backlog WHERE unscored > 0"
+              " GROUP BY session_id, version) ")
+_GROUPS = (_GROUP_CTE + "SELECT r.id, r.session_id, r.prompt_start, r.base, r.num_generated, r.params, r.state,"
+           " r.cell_id, g.version, g.lo, g.hi, g.n, r.created_at, g.session_id FROM g LEFT JOIN requests r"
+           " ON r.session_id = g.session_id AND r.base <= g.s0 AND g.s1 < r.base + r.num_generated"
+           " ORDER BY r.id IS NOT NULL, r.created_at, r.id, g.version")
+_EXACT = ("SELECT r.id, r.session_id, r.prompt_start, r.base, r.num_generated, r.params, r.state, r.cell_id,"
+          " c.version, MIN(c.ufirst), MAX(c.ulast), SUM(c.unscored), r.created_at FROM token_chunks c"
+          " CROSS JOIN requests r ON c.session_id = r.session_id AND c.start >= r.base"
+          " AND c.start < r.base + r.num_generated WHERE c.unscored > 0 AND c.session_id IN ({})"
+          " GROUP BY r.id, c.version ORDER BY r.created_at, r.id, c.version LIMIT ?")
+"""The scoring backlog's queries (`TokenBuffer.unscored_ranges`)."""
 
 
 _LEGACY_COLS = ("session_id", "idx", "token_id", "loss_mask", "logprob", "version", "truncated", "old_logprob",

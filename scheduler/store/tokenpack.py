@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from itertools import groupby, repeat
 from typing import Any
 
+from scheduler.contract.errors import Invalid
+
 PROV_CODE = {None: 0, "exact": 1, "missing": 2}
 PROV_NAME = (None, "exact", "missing")
 _NAN = float("nan")
@@ -53,11 +55,12 @@ def _blob(a: array) -> bytes:
 
 
 def ids_array(token_ids: Any) -> array:
-    """Token ids as int32; an id outside int32 is a clear ValueError (nothing is written)."""
+    """Token ids as int32; an id outside int32 is refused (422, nothing is written)."""
     try:
         return array("i", token_ids)
     except OverflowError:
-        raise ValueError("a token id does not fit in int32") from None
+        bad = next(t for t in token_ids if not -(1 << 31) <= t < 1 << 31)
+        raise Invalid(f"token id {bad} does not fit a 32-bit token id", code="bad_token") from None
 
 
 @dataclass(slots=True)
