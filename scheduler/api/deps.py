@@ -99,16 +99,34 @@ def check_int64(msg: Any) -> None:
     stack = [msg]
     while stack:
         v = stack.pop()
+        t = type(v)
+        if t in _LEAVES:
+            continue
         if isinstance(v, bool):
             continue
         if isinstance(v, int):
             if not -INT64_MAX - 1 <= v <= INT64_MAX:
                 raise Invalid(f"integer {v} is out of the 64-bit range")
-        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
-            stack.extend(getattr(v, f.name) for f in dataclasses.fields(v))
+        elif (names := _dataclass_fields(t)) is not None:
+            stack.extend(getattr(v, n) for n in names)
         elif isinstance(v, list | tuple):
             stack.extend(v)
         elif isinstance(v, Columns):
             _check_columns(v)
         elif isinstance(v, dict):
             stack.extend(v.values())
+
+
+_LEAVES = frozenset({str, float, bool, type(None), bytes})
+"""Types that hold no integer (`check_int64` passes them at once)."""
+_FIELDS: dict[type, tuple[str, ...] | None] = {}
+
+
+def _dataclass_fields(t: type) -> tuple[str, ...] | None:
+    """The field names of dataclass type `t` (None: not a dataclass), looked up once per type."""
+    try:
+        return _FIELDS[t]
+    except KeyError:
+        names = tuple(f.name for f in dataclasses.fields(t)) if dataclasses.is_dataclass(t) else None
+        _FIELDS[t] = names
+        return names
