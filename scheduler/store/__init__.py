@@ -4,6 +4,7 @@
 - `fleet`: cells, flips, weight versions, idempotency keys;
 - `owners`: requests with their owner and epoch, migrations;
 - `sessions`: token buffers, trajectories, the gateway's per-session state;
+- `tokenbuf`, `tokenpack`: the token buffers column-packed (one row per run of tokens);
 - `exportread`: the export's side-effect-free read of finished trajectories;
 - `retention`: what training did with each trajectory, exporters' acks, bounded retention;
 - `codec`: the JSON text of structured columns (a leaf).
