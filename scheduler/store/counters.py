@@ -65,7 +65,7 @@ CREATE TABLE IF NOT EXISTS request_counts(state TEXT PRIMARY KEY, n INTEGER NOT 
 CREATE TRIGGER IF NOT EXISTS requests_count_ins AFTER INSERT ON requests BEGIN {_req_enter("NEW")} END;
 CREATE TRIGGER IF NOT EXISTS requests_count_del AFTER DELETE ON requests BEGIN {_req_leave("OLD")} END;
 DROP TRIGGER IF EXISTS requests_count_upd;
-CREATE TRIGGER requests_count_upd AFTER {_REQ_MOVES} WHEN NOT {_SAME_PLACE} BEGIN
+CREATE TRIGGER IF NOT EXISTS requests_count_move AFTER {_REQ_MOVES} WHEN NOT {_SAME_PLACE} BEGIN
   {_req_leave("OLD")}
   {_req_enter("NEW")}
 END;

@@ -211,3 +211,25 @@ def test_a_per_token_store_is_converted_on_open(tmp_path):
         assert store.sessions.unscored_by_version() == {1: 1, 2: 1}
         assert store.execute("SELECT name FROM sqlite_master WHERE name='tokens'").fetchone() is None
         store.close()
+
+
+def test_the_former_move_trigger_is_replaced_on_open(tmp_path):
+    """A store written before `requests_count_grow` has the former all-moves trigger: opening it
+    drops that one, so a request's growth is counted once."""
+    from scheduler.store import counters
+    from scheduler.store.counters import _REQ_MOVES, _req_enter, _req_leave
+
+    former = (f"CREATE TRIGGER requests_count_upd AFTER {_REQ_MOVES} BEGIN {_req_leave('OLD')} "
+              f"{_req_enter('NEW')} END;")
+    path = tmp_path / "s.sqlite"
+    store = Store(path)
+    with store.tx():
+        store.owners.put_request(RequestRow("r", "s", 3, 0, 0, {}, "c1", 1, "running"))
+    store.execute(former)
+    store.owners.set_num_generated("r", 5)  # the control: both triggers count the growth
+    assert counters.stored(store) != counters.recount(store)
+    store.close()
+    again = Store(path)  # recounted, and the former trigger dropped
+    again.owners.set_num_generated("r", 9)
+    assert counters.stored(again) == counters.recount(again) and counters.stored(again)[0]["c1"][1] == 12
+    again.close()
