@@ -33,7 +33,7 @@ ACTIVE = 64
 REQUESTS = 32
 TOKENS = 16
 PROMPT = 256
-"""Prompt tokens stored per session before the run (the tokens table is not empty)."""
+"""Prompt tokens stored per session before the run (the token store is not empty)."""
 _REQ = ("INSERT INTO requests(id, session_id, base, prompt_start, num_generated, params, cell_id, epoch, "
         "state, reason, created_at, updated_at) VALUES (?,?,?,0,0,'{}',?,1,'running',NULL,?,?)")
 
