@@ -26,13 +26,14 @@ import random
 import time
 
 from scheduler.store import Store
+from scheduler.store.tokenpack import prompt_chunk
 
 ACTIVE = 64
 """Cells whose syncs carry tokens (the load generator cycles over them)."""
 REQUESTS = 32
 TOKENS = 16
 PROMPT = 256
-"""Prompt tokens stored per session before the run (the tokens table is not empty)."""
+"""Prompt tokens stored per session before the run (the token store is not empty)."""
 _REQ = ("INSERT INTO requests(id, session_id, base, prompt_start, num_generated, params, cell_id, epoch, "
         "state, reason, created_at, updated_at) VALUES (?,?,?,0,0,'{}',?,1,'running',NULL,?,?)")
 
@@ -50,9 +51,8 @@ def seed_requests(path: str, cells: list[str]) -> dict[str, list[str]]:
             sessions = [f"s-{c}-{k}" for k in range(REQUESTS)]
             store.executemany("INSERT INTO sessions(id, state, length, segment_starts, created_at) "
                               "VALUES (?, 'open', ?, '[0]', ?)", [(s, PROMPT, now) for s in sessions])
-            store.executemany(
-                "INSERT INTO tokens(session_id, idx, token_id, loss_mask, truncated) VALUES (?,?,?,0,0)",
-                [(s, i, rng.randrange(50_000)) for s in sessions for i in range(PROMPT)])
+            store.sessions.buf.insert([prompt_chunk(s, 0, [rng.randrange(50_000) for _ in range(PROMPT)])
+                                       for s in sessions])
             store.executemany(_REQ, [(r, s, PROMPT, c, now, now) for r, s in zip(ids, sessions)])
     store.close()
     return out

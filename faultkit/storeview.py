@@ -6,6 +6,8 @@ import json
 import sqlite3
 from typing import Any
 
+from scheduler.store.tokenpack import COLS, Chunk
+
 
 # -- the store, read-only --------------------------------------------------------------------
 def read_store(conn: sqlite3.Connection, sessions: list[str] | None = None, full: bool = False) -> dict:
@@ -26,8 +28,8 @@ def read_store(conn: sqlite3.Connection, sessions: list[str] | None = None, full
                              "history": json.loads(r[5]) if full else []}
                       for r in conn.execute("SELECT id, state, generation, incarnation, version, history FROM cells")}
         s["versions"] = dict(conn.execute("SELECT v, state FROM versions").fetchall())
-        s["unscored"] = dict(conn.execute("SELECT version, COUNT(*) FROM tokens WHERE loss_mask = 1 AND provenance"
-                                          " IS NULL GROUP BY version").fetchall())
+        s["unscored"] = dict(conn.execute("SELECT version, SUM(unscored) FROM token_chunks WHERE unscored > 0"
+                                          " GROUP BY version").fetchall())
         s["flips"] = {r[0]: r[1] for r in conn.execute("SELECT id, state FROM flips")}
         s["foreign_batches"] = [{"request": r[0], "cell": r[1], "epoch": r[2], "owner": r[3], "owner_epoch": r[4],
                                  "start": r[5], "count": r[6], "new": r[7]}
@@ -37,15 +39,23 @@ def read_store(conn: sqlite3.Connection, sessions: list[str] | None = None, full
             s["flip_rows"] = {r[0]: {"cell": r[1], "to": r[2], "state": r[3], "created_at": r[4]}
                               for r in conn.execute("SELECT id, cell_id, to_role, state, created_at FROM flips")}
         if sessions:
-            s["tokens"] = {sid: conn.execute("SELECT idx, token_id, loss_mask, version, provenance FROM tokens"
-                                             " WHERE session_id = ? ORDER BY idx", (sid,)).fetchall()
-                           for sid in sessions}
-            s["token_epochs"] = {sid: conn.execute("SELECT idx, epoch FROM tokens WHERE session_id = ? AND"
-                                                   " loss_mask = 1 ORDER BY idx", (sid,)).fetchall()
-                                 for sid in sessions}
+            chunks = {sid: [Chunk.from_row(r) for r in conn.execute(
+                f"SELECT {COLS} FROM token_chunks WHERE session_id = ? ORDER BY start", (sid,))] for sid in sessions}
+            s["tokens"] = {sid: _token_rows(cs) for sid, cs in chunks.items()}
+            s["token_epochs"] = {sid: [(i, c.epoch) for c in cs if c.loss_mask for i in range(c.start, c.end)]
+                                 for sid, cs in chunks.items()}
     finally:
         conn.execute("COMMIT")
     return s
+
+
+def _token_rows(chunks: list[Chunk]) -> list[tuple]:
+    """(idx, token_id, loss_mask, version, provenance) of each token of the chunks."""
+    out: list[tuple] = []
+    for c in chunks:
+        ids, mask, _, ver, _, _, prov = c.columns(c.start, c.end)
+        out += zip(range(c.start, c.end), ids, mask, ver, prov)
+    return out
 
 
 def open_store(path: str) -> sqlite3.Connection:

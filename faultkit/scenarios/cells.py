@@ -149,6 +149,6 @@ def _trust_of(camp: Verdicts, cell_id: str) -> str | None:
 def _untrusted_sessions(camp: Verdicts, cell_id: str) -> list[str]:
     """Sessions holding tokens `cell_id` sampled that are not marked never to be trained."""
     with camp._conn_lock:
-        rows = camp._conn2.execute("SELECT DISTINCT t.session_id FROM tokens t JOIN sessions s ON s.id = t.session_id"
+        rows = camp._conn2.execute("SELECT DISTINCT t.session_id FROM token_chunks t JOIN sessions s ON s.id = t.session_id"
                                    " WHERE t.cell = ? AND s.tainted = 0", (cell_id,)).fetchall()
     return [r[0] for r in rows]

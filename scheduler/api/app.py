@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from pydantic import TypeAdapter
 
 from scheduler.api.auth import AgentBudget, ScopedAuth, TokenRegistry
 from scheduler.api.completions import generate_body_bound
@@ -38,7 +39,7 @@ from scheduler.contract.config import (
     parse_config,
 )
 from scheduler.contract.errors import CellflipError, Invalid, http_answer
-from scheduler.contract.protocol import ProtocolError
+from scheduler.contract.protocol import ProtocolError, SyncRequest
 from scheduler.contract.tito.backend import CallbackCounters
 from scheduler.contract.tito.config import GatewayConfig
 from scheduler.contract.tito.openai_schema import ChatCompletionRequest
@@ -143,16 +144,17 @@ def create_app_from_env() -> FastAPI:
 
 def _publish_chat_schemas(app: FastAPI) -> None:
     """The chat route's and /v1/generate's bodies are read raw (to bound and refuse them
-    before parsing, and to parse large ones off the event loop): their models and nested models
-    join the document's components, so every `$ref` in /openapi.json resolves."""
+    before parsing, and to parse large ones off the event loop), and a cell's sync body (parsed
+    and validated in one pass): their models and nested models join the document's components,
+    so every `$ref` in /openapi.json resolves."""
     base = app.openapi
 
     def openapi() -> dict:
         if app.openapi_schema is None:
             doc = base()
             known = doc.setdefault("components", {}).setdefault("schemas", {})
-            for model in (ChatCompletionRequest, CompletionCreate):  # bodies read raw by their routes
-                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            for model in (ChatCompletionRequest, CompletionCreate, SyncRequest):  # bodies read raw by their routes
+                schema = TypeAdapter(model).json_schema(ref_template="#/components/schemas/{model}")
                 for name, sub in schema.pop("$defs", {}).items():
                     known.setdefault(name, sub)
                 known.setdefault(model.__name__, schema)

@@ -75,6 +75,23 @@ class ApiRoute(APIRoute):
 INT64_MAX = (1 << 63) - 1
 
 
+def _check_columns(cols: Columns) -> None:
+    """`check_int64` of token columns, one column at a time at C speed: a column's values share
+    their type (the contract's validation made them so), so an integer column is checked by its
+    least and greatest value, and a float or bool column holds no integer to check."""
+    for col in cols.columns:
+        if col and type(col[0]) is int:
+            try:
+                lo, hi = min(col), max(col)
+            except TypeError:  # not one type after all: value by value
+                check_int64(list(col))
+                continue
+            if lo < -INT64_MAX - 1 or hi > INT64_MAX:
+                raise Invalid(f"integer {lo if lo < -INT64_MAX - 1 else hi} is out of the 64-bit range")
+        elif col and type(col[0]) not in (float, bool):
+            check_int64(list(col))
+
+
 def check_int64(msg: Any) -> None:
     """Every integer in `msg` (dataclasses, lists, dicts; walked without recursion) fits
     SQLite's 64-bit INTEGER: a larger id, count or port from a cell is malformed input (422),
@@ -82,16 +99,34 @@ def check_int64(msg: Any) -> None:
     stack = [msg]
     while stack:
         v = stack.pop()
+        t = type(v)
+        if t in _LEAVES:
+            continue
         if isinstance(v, bool):
             continue
         if isinstance(v, int):
             if not -INT64_MAX - 1 <= v <= INT64_MAX:
                 raise Invalid(f"integer {v} is out of the 64-bit range")
-        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
-            stack.extend(getattr(v, f.name) for f in dataclasses.fields(v))
+        elif (names := _dataclass_fields(t)) is not None:
+            stack.extend(getattr(v, n) for n in names)
         elif isinstance(v, list | tuple):
             stack.extend(v)
         elif isinstance(v, Columns):
-            stack.extend(v.columns)
+            _check_columns(v)
         elif isinstance(v, dict):
             stack.extend(v.values())
+
+
+_LEAVES = frozenset({str, float, bool, type(None), bytes})
+"""Types that hold no integer (`check_int64` passes them at once)."""
+_FIELDS: dict[type, tuple[str, ...] | None] = {}
+
+
+def _dataclass_fields(t: type) -> tuple[str, ...] | None:
+    """The field names of dataclass type `t` (None: not a dataclass), looked up once per type."""
+    try:
+        return _FIELDS[t]
+    except KeyError:
+        names = tuple(f.name for f in dataclasses.fields(t)) if dataclasses.is_dataclass(t) else None
+        _FIELDS[t] = names
+        return names

@@ -11,10 +11,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from scheduler.api.deps import ApiRoute, Ctl, check_int64
 from scheduler.api.principal import CURRENT
 from scheduler.api.schemas import errors
+from scheduler.contract.errors import Invalid
 from scheduler.contract.protocol import (
     AbortMigrationRequest,
     CommitRequest,
@@ -56,8 +58,34 @@ async def register(body: RegisterRequest, ctl: Ctl) -> dict:
     return ctl.register(body, admin=caller is None or caller.scope == "admin").to_dict()
 
 
-@router.post("/cells/{cell_id}/sync", responses=errors(404, 409, 413, 422))
-async def sync(cell_id: str, body: SyncRequest, ctl: Ctl) -> dict:
+_SYNC = TypeAdapter(SyncRequest)
+_SYNC_BODY = {"requestBody": {"required": True, "content": {"application/json": {
+    "schema": {"$ref": "#/components/schemas/SyncRequest"}}}}}
+
+
+async def read_sync(request: Request) -> SyncRequest:
+    """A sync's body parsed and validated in one pass by pydantic's JSON parser (no Python
+    list per token record before the columns are built); a body that is not JSON, or not a
+    `SyncRequest`, is refused as FastAPI's own parsing refuses it."""
+    ctype = request.headers.get("content-type")
+    if ctype is not None:
+        mime = ctype.split(";", 1)[0].strip().lower()
+        if not (mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json"))):
+            raise RequestValidationError([{"type": "model_attributes_type", "loc": ("body",),
+                                           "msg": "Input should be a valid dictionary or object to extract fields from"}])
+    raw = await request.body()
+    try:
+        return _SYNC.validate_json(raw)
+    except ValidationError as e:
+        found = e.errors(include_url=False, include_input=False)
+        if any(err["type"] == "json_invalid" for err in found):
+            raise Invalid("request body is not valid JSON text") from None
+        raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in found]) from None
+
+
+@router.post("/cells/{cell_id}/sync", responses=errors(404, 409, 413, 422), openapi_extra=_SYNC_BODY)
+async def sync(cell_id: str, request: Request, ctl: Ctl) -> dict:
+    body = await read_sync(request)
     check_int64(body)
     return (await ctl.sync(cell_id, body)).to_dict()
 

@@ -63,7 +63,7 @@ def judge(req: RequestRow | None, cell_id: str, batch: TokenBatch, stored: Store
             return Verdict(False, reason="not_owner")
         if req.epoch != batch.epoch:
             return Verdict(False, reason="stale_epoch")
-    if not all(math.isfinite(lp) and lp <= 0 for lp in batch.records.logprobs):
+    if not _finite_nonpositive(batch.records.logprobs):
         return Verdict(False, reason="invalid", revoke=req.is_owned)  # a log-prob must be finite and <= 0
     n = req.num_generated
     if batch.start > n:
@@ -74,6 +74,17 @@ def judge(req: RequestRow | None, cell_id: str, batch: TokenBatch, stored: Store
     if not req.is_owned and new and not CANARY_NO_FENCING:  # the canary also stores a fenced owner's tokens
         return Verdict(False, reason="not_running")
     return Verdict(True, new=new)
+
+
+def _finite_nonpositive(logprobs: tuple[float, ...]) -> bool:
+    """Every log-prob is a finite number <= 0: by the column's sum and greatest value (C speed),
+    value by value only when those cannot tell."""
+    try:
+        if not logprobs or (math.isfinite(math.fsum(logprobs)) and max(logprobs) <= 0):
+            return True
+    except (TypeError, OverflowError):
+        pass
+    return all(isinstance(lp, int | float) and math.isfinite(lp) and lp <= 0 for lp in logprobs)
 
 
 Outcomes = tuple[list[str], list[tuple[str, str]], list[tuple[str, str]], str | None]

@@ -53,6 +53,8 @@ MODEL_KEY = "fleet.model"
 PROBE_KEY = "probe.reference.{}"
 GENESIS_KEY = "probe.genesis"
 KV_VERSIONS_KEPT = 1 << 16
+TOKEN_ID_MAX = (1 << 31) - 1
+"""The greatest token id (the store packs ids as int32: scheduler/store/tokenpack.py)."""
 """Requests whose placement versions are remembered for the cross-check (the oldest forgotten:
 their tokens are then not cross-checked; so are all after a scheduler restart)."""
 """Which cell set the fleet's first probe reference."""
@@ -249,10 +251,15 @@ class Trust:
     # ------------------------------------------------------------------ ingest
     def invalid_records(self, cell_id: str, records: TokenRecords, allowed: set[int] | None = None) -> str | None:
         """Why a cell's sampled records cannot be true (None when they can). `allowed`: the
-        versions it may tag tokens with, when the caller has them (`servable_by`)."""
+        versions it may tag tokens with, when the caller has them (`servable_by`). A batch that
+        passes the column-wide checks (`_plausible`) is not looked at token by token."""
+        if allowed is not None and self._plausible(records, allowed):
+            return None
         for tok, lp, version in zip(records.token_ids, records.logprobs, records.versions):
             if not (isinstance(lp, int | float) and math.isfinite(lp) and lp <= 0):
                 return f"log-prob {lp!r} is not a finite number <= 0"
+            if not 0 <= tok <= TOKEN_ID_MAX:
+                return f"token id {tok} is not a token id (0 to 2^31 - 1)"
             if self.limits is not None and not self.limits.sampleable(int(tok)):
                 return f"token id {tok} is not one the model can sample"
             if allowed is None:
@@ -260,6 +267,24 @@ class Trust:
             if version not in allowed:
                 return f"version {version} was never served to it"
         return None
+
+    def _plausible(self, records: TokenRecords, allowed: set[int]) -> bool:
+        """Every record passes `invalid_records`' rules, judged a column at a time (C speed):
+        the ids by their range, the log-probs by their sum and greatest value, the versions as a
+        set. False says only "look token by token"."""
+        if not records:
+            return True
+        ids, lps = records.token_ids, records.logprobs
+        try:
+            if not (math.isfinite(math.fsum(lps)) and max(lps) <= 0):
+                return False
+            lo, hi = min(ids), max(ids)
+        except (TypeError, OverflowError):
+            return False
+        lim = self.limits
+        if lo < 0 or hi > TOKEN_ID_MAX or (lim is not None and (lim.output_ranges is not None or hi >= lim.vocab_size)):
+            return False
+        return set(records.versions) <= allowed
 
     def servable_by(self, cell_id: str) -> set[int]:
         """Versions a cell may tag tokens with: those it registered with, and every published

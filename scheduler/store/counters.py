@@ -51,6 +51,10 @@ def _mig_leave(r: str) -> str:
 
 
 _REQ_MOVES = "UPDATE OF cell_id, state, base, prompt_start, num_generated ON requests"
+_SAME_PLACE = ("(OLD.cell_id IS NEW.cell_id AND OLD.state IS NEW.state AND OLD.base IS NEW.base"
+               " AND OLD.prompt_start IS NEW.prompt_start)")
+"""A request that only grew (a sync's tokens): `requests_count_grow` adds the new tokens to its
+cell's count in one statement instead of the leave-and-enter of a move."""
 _MIG_MOVES = "UPDATE OF dst, state ON migrations"
 
 SCHEMA = f"""
@@ -60,9 +64,14 @@ CREATE TABLE IF NOT EXISTS cell_load(
 CREATE TABLE IF NOT EXISTS request_counts(state TEXT PRIMARY KEY, n INTEGER NOT NULL) WITHOUT ROWID;
 CREATE TRIGGER IF NOT EXISTS requests_count_ins AFTER INSERT ON requests BEGIN {_req_enter("NEW")} END;
 CREATE TRIGGER IF NOT EXISTS requests_count_del AFTER DELETE ON requests BEGIN {_req_leave("OLD")} END;
-CREATE TRIGGER IF NOT EXISTS requests_count_upd AFTER {_REQ_MOVES} BEGIN
+DROP TRIGGER IF EXISTS requests_count_upd;
+CREATE TRIGGER IF NOT EXISTS requests_count_move AFTER {_REQ_MOVES} WHEN NOT {_SAME_PLACE} BEGIN
   {_req_leave("OLD")}
   {_req_enter("NEW")}
+END;
+CREATE TRIGGER IF NOT EXISTS requests_count_grow AFTER UPDATE OF num_generated ON requests
+  WHEN {_SAME_PLACE} AND NEW.num_generated != OLD.num_generated AND NEW.state IN {_LIVE} BEGIN
+  UPDATE cell_load SET tokens = tokens + NEW.num_generated - OLD.num_generated WHERE cell_id = NEW.cell_id;
 END;
 CREATE TRIGGER IF NOT EXISTS migrations_count_ins AFTER INSERT ON migrations BEGIN {_mig_enter("NEW")} END;
 CREATE TRIGGER IF NOT EXISTS migrations_count_del AFTER DELETE ON migrations BEGIN {_mig_leave("OLD")} END;
@@ -78,8 +87,10 @@ def _marks(name: str, table: str, col: str, moves: str) -> str:
             f"BEGIN SELECT cell_changed(NEW.{col}); END;\n"
             f"CREATE TEMP TRIGGER IF NOT EXISTS {name}_del AFTER DELETE ON main.{table} "
             f"BEGIN SELECT cell_changed(OLD.{col}); END;\n"
-            f"CREATE TEMP TRIGGER IF NOT EXISTS {name}_upd AFTER {moves} "
-            f"BEGIN SELECT cell_changed(OLD.{col}); SELECT cell_changed(NEW.{col}); END;\n")
+            f"CREATE TEMP TRIGGER IF NOT EXISTS {name}_upd AFTER {moves} WHEN OLD.{col} IS NOT NEW.{col} "
+            f"BEGIN SELECT cell_changed(OLD.{col}); SELECT cell_changed(NEW.{col}); END;\n"
+            f"CREATE TEMP TRIGGER IF NOT EXISTS {name}_upd1 AFTER {moves} WHEN OLD.{col} IS NEW.{col} "
+            f"BEGIN SELECT cell_changed(NEW.{col}); END;\n")
 
 
 CHANGES_SCHEMA = (_marks("requests_changed", "requests", "cell_id", _REQ_MOVES.replace("ON ", "ON main."))

@@ -34,6 +34,7 @@ from scheduler.store import (
     sessions,
     tokens,
 )
+from scheduler.store.tokenbuf import migrate_legacy
 
 SCHEMA = (fleet.SCHEMA + owners.SCHEMA + sessions.SCHEMA + tokens.SCHEMA + retention.SCHEMA
           + session_context.SCHEMA + messages.SCHEMA + jobs.SCHEMA)
@@ -43,11 +44,9 @@ ADDED_COLUMNS = (
     ("migrations", "src_state", "TEXT NOT NULL DEFAULT 'running'"),
     ("flips", "kv_store", "INTEGER NOT NULL DEFAULT 0"),
     ("migrations", "commit_tokens", "INTEGER"),
-    ("tokens", "epoch", "INTEGER"),
     ("sessions", "agent", "TEXT"),
     ("cells", "trust", "TEXT NOT NULL DEFAULT 'unverified'"),
     ("cells", "probe", "TEXT"),
-    ("tokens", "cell", "TEXT"),
     ("sessions", "tainted", "INTEGER NOT NULL DEFAULT 0"),
     ("migrations", "stall_s", "REAL"),
 )
@@ -82,6 +81,7 @@ class Store:
         self.retention = retention.RetentionStore(self)
         self.messages = messages.MessageStore(self)
         self.jobs = jobs.JobStore(self)
+        migrate_legacy(self)  # a store of the per-token layout: converted once, in place
         counters.rebuild(self)  # kept by triggers; recounted here so any store file starts right
 
     @contextmanager

@@ -14,16 +14,17 @@ from __future__ import annotations
 import base64
 import sys
 from array import array
+from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.trajexport import PROVENANCE_CODES, branch_of, job_of
 from scheduler.store.codec import loads
+from scheduler.store.tokenbuf import TokenBuffer
+from scheduler.store.tokenpack import Chunk
 
 if TYPE_CHECKING:
     from scheduler.store.base import Database
 
-_TOKENS = ("SELECT token_id, loss_mask, logprob, version, old_logprob, provenance, cell, truncated FROM tokens "
-           "WHERE session_id=? ORDER BY idx")
 _REQUESTS = ("SELECT id, prompt_start, base, num_generated, cell_id, epoch, state, reason, params, created_at,"
              " updated_at FROM requests WHERE session_id=? ORDER BY base, created_at")
 _MIGRATIONS = ("SELECT m.request_id, m.src, m.dst, m.path, m.epoch, m.state, m.reason, m.created_at, m.finished_at,"
@@ -63,24 +64,24 @@ def pack(cols: dict[str, Any]) -> dict[str, Any]:
     return cols
 
 
-def _token_columns(rows: list[tuple]) -> dict[str, Any]:
-    """A session's token rows as the row's per-token columns (one pass at C speed per column)."""
-    if not rows:
-        return {"token_ids": [], "loss_mask": [], "logprob": [], "version": [], "old_logprob": [],
-                "old_provenance": [], "cell_idx": [], "truncated": [], "cells": []}
-    ids, mask, lp, ver, old, prov, cell, trunc = map(list, zip(*rows, strict=True))
-    cells = sorted({c for c in cell if c is not None})
+def _token_columns(chunks: list[Chunk]) -> dict[str, Any]:
+    """A session's chunks (scheduler/store/tokenpack.py) as the row's per-token columns."""
+    cells = sorted({c.cell for c in chunks if c.cell is not None})
     index = {c: i for i, c in enumerate(cells)}
-    index[None] = -1
+    cols = [c.columns(c.start, c.end) for c in chunks]
+    ids, mask, lp, ver, trunc, old, prov = (list(chain.from_iterable(k)) for k in zip(*cols)) if cols else (
+        [] for _ in range(7))
     codes = PROVENANCE_CODES
     return {"token_ids": ids, "loss_mask": mask, "logprob": lp, "version": ver, "old_logprob": old,
-            "old_provenance": [codes.get(p, 0) for p in prov], "cell_idx": [index[c] for c in cell],
+            "old_provenance": [codes.get(p, 0) for p in prov],
+            "cell_idx": list(chain.from_iterable(repeat(index.get(c.cell, -1), c.n) for c in chunks)),
             "truncated": trunc, "cells": cells}
 
 
 class ExportReader:
     def __init__(self, store: Database) -> None:
         self.s = store
+        self.buf = TokenBuffer(store)
 
     def page(self, after: int, limit: int, max_tokens: int, job: str | None = None, packed: bool = False
              ) -> tuple[list[dict[str, Any]], int]:
@@ -112,7 +113,7 @@ class ExportReader:
             "created_at": created, "finished_at": finished, "segment_starts": segment_starts,
             "tainted": bool(tainted),
         }
-        row.update(_token_columns(self.s.execute(_TOKENS, (sid,)).fetchall()))
+        row.update(_token_columns(self.buf.chunks(sid)))
         turns = [dict(zip(_REQ_KEYS, r, strict=True)) for r in self.s.execute(_REQUESTS, (sid,))]
         for t in turns:
             t["params"] = loads(t["params"])

@@ -10,6 +10,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from scheduler.store.codec import dumps
+from scheduler.store.tokenbuf import TokenBuffer, legacy_chunks
 
 if TYPE_CHECKING:
     from scheduler.store.base import Database
@@ -18,6 +19,7 @@ _PROV = {0: None, 1: "exact", 2: "missing"}
 
 
 def _tokens(sid: str, row: dict[str, Any]) -> list[tuple]:
+    """The template's tokens as per-token rows (`tokenbuf.legacy_chunks` packs them)."""
     cells = row["cells"]
     return [(sid, i, t, m, lp, v, tr, old, _PROV[p], 0, cells[c] if c >= 0 else None)
             for i, (t, m, lp, v, tr, old, p, c) in enumerate(zip(
@@ -29,7 +31,7 @@ def replicate(store: Database, templates: list[dict[str, Any]], n: int, prefix: 
               batch: int = 500) -> int:
     """Add `n` finished sessions cycling through `templates`; returns the tokens written."""
     (top,) = store.execute("SELECT COALESCE(MAX(finish_seq), 0) FROM sessions").fetchone()
-    written, now = 0, time.time()
+    written, now, buf = 0, time.time(), TokenBuffer(store)
     for lo in range(0, n, batch):
         with store.tx(durable=False):
             for k in range(lo, min(n, lo + batch)):
@@ -40,9 +42,7 @@ def replicate(store: Database, templates: list[dict[str, Any]], n: int, prefix: 
                               " created_at, finished_at) VALUES (?,?,?,?,?,?,?,?,?)",
                               (sid, "finished", len(row["token_ids"]), dumps(row["segment_starts"]), row["reward"],
                                f"{prefix}-g{k // 8}", top, now, now))
-                store.executemany("INSERT INTO tokens(session_id, idx, token_id, loss_mask, logprob, version, "
-                                  "truncated, old_logprob, provenance, epoch, cell) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                                  _tokens(sid, row))
+                buf.insert(list(legacy_chunks(_tokens(sid, row))))
                 for j, t in enumerate(row["turns"]):
                     params = t["params"] if isinstance(t["params"], str) else json.dumps(t["params"])
                     store.execute("INSERT INTO requests(id, session_id, base, prompt_start, num_generated, params,"

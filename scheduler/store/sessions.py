@@ -5,7 +5,8 @@ log-prob and version, old log-prob and its provenance (`exact`, `missing`, or nu
 unscored), and for a sampled token the ownership epoch it was accepted under (the sync batch's,
 or the new owner's for a migration commit's tail): with the migrations' commit points, the
 store's own history of the epoch fence. Sampled ids are stored exactly as the cell reported
-them; nothing here re-encodes.
+them; nothing here re-encodes. The buffer is stored column-packed, one row per run of tokens
+(scheduler/store/tokenbuf.py, scheduler/store/tokenpack.py); every read here gives tokens.
 A harness that rewrites earlier turns starts a new *segment* (a fresh sequence in the same
 session); `segment_starts` lists where each one begins in the buffer.
 
@@ -26,7 +27,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from scheduler.contract.errors import Conflict, NotFound
 from scheduler.contract.records import StoredTokens, TokenRecords
+from scheduler.store import tokenbuf
 from scheduler.store.codec import dumps, loads
+from scheduler.store.tokenpack import prompt_chunk, sampled_chunks
 
 if TYPE_CHECKING:
     from scheduler.store.base import Database
@@ -37,16 +40,8 @@ CREATE TABLE IF NOT EXISTS sessions(
   reward REAL, group_id TEXT, finish_seq INTEGER, created_at REAL NOT NULL, finished_at REAL, agent TEXT,
   tainted INTEGER NOT NULL DEFAULT 0);
 CREATE UNIQUE INDEX IF NOT EXISTS sessions_finish ON sessions(finish_seq);
-CREATE TABLE IF NOT EXISTS tokens(
-  session_id TEXT NOT NULL, idx INTEGER NOT NULL, token_id INTEGER NOT NULL,
-  loss_mask INTEGER NOT NULL, logprob REAL, version INTEGER, truncated INTEGER NOT NULL,
-  old_logprob REAL, provenance TEXT, epoch INTEGER, cell TEXT, PRIMARY KEY(session_id, idx)) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS tokens_version ON tokens(version, provenance) WHERE loss_mask = 1;
-CREATE INDEX IF NOT EXISTS tokens_unscored ON tokens(version) WHERE loss_mask = 1 AND provenance IS NULL;
 CREATE TABLE IF NOT EXISTS gateway_state(session_id TEXT PRIMARY KEY, state TEXT NOT NULL);
-"""
-
-_TOK_COLS = "token_id, loss_mask, logprob, version, truncated, old_logprob, provenance"
+""" + tokenbuf.SCHEMA
 
 
 @dataclass(slots=True)
@@ -93,6 +88,8 @@ _SESSION_COLS = ("id, state, length, segment_starts, reward, group_id, finish_se
 class SessionStore:
     def __init__(self, store: Database) -> None:
         self.s = store
+        self.buf = tokenbuf.TokenBuffer(store)
+        """The token buffers, column-packed (scheduler/store/tokenbuf.py)."""
 
     def get(self, session_id: str) -> SessionRow | None:
         r = self.s.execute(f"SELECT {_SESSION_COLS} FROM sessions WHERE id=?", (session_id,)).fetchone()
@@ -147,30 +144,17 @@ class SessionStore:
     # -- token buffer
     def read(self, session_id: str, start: int = 0, end: int | None = None) -> StoredTokens:
         """The buffer's tokens [start, end) as columns (scheduler/contract/records.py)."""
-        stop = end if end is not None else 1 << 62
-        q = f"SELECT {_TOK_COLS} FROM tokens WHERE session_id=? AND idx>=? AND idx<? ORDER BY idx"
-        return StoredTokens.of(self.s.execute(q, (session_id, start, stop)).fetchall())
+        return StoredTokens._wrap(self.buf.columns(session_id, start, end))
 
     def token_ids(self, session_id: str, start: int = 0, end: int | None = None) -> list[int]:
-        return list(self.read(session_id, start, end).token_ids)
+        return list(self.buf.columns(session_id, start, end)[0])
 
     def current_segment(self, session_id: str) -> tuple[int, list[int]]:
         row = self.require(session_id)
         start = row.segment_starts[-1]
         return start, self.token_ids(session_id, start)
 
-    def _append_rows(self, row: SessionRow, token_ids: Sequence[int], loss_mask: int,
-                     logprobs: Sequence[float | None] | None = None, versions: Sequence[int | None] | None = None,
-                     truncated: Sequence[bool] | None = None, epoch: int | None = None, cell: str | None = None) -> None:
-        """Append tokens given as columns (a column left None is null, or 0 for `truncated`)."""
-        n = len(token_ids)
-        self.s.executemany(
-            f"INSERT INTO tokens(session_id, idx, {_TOK_COLS}, epoch, cell) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-            zip(repeat(row.id, n), range(row.length, row.length + n), token_ids, repeat(loss_mask),
-                repeat(None) if logprobs is None else logprobs, repeat(None) if versions is None else versions,
-                repeat(0) if truncated is None else truncated, repeat(None), repeat(None), repeat(epoch),
-                repeat(cell)),
-        )
+    def _set_length(self, row: SessionRow, n: int) -> None:
         row.length += n
         self.s.execute("UPDATE sessions SET length=? WHERE id=?", (row.length, row.id))
 
@@ -178,7 +162,9 @@ class SessionStore:
         """Append prompt/tool tokens (loss mask 0) to the open session; returns the new length."""
         with self.s.tx(durable=False):
             row = self.ensure(session_id, agent)
-            self._append_rows(row, [int(t) for t in token_ids], 0)
+            if token_ids:
+                self.buf.insert([prompt_chunk(row.id, row.length, [int(t) for t in token_ids])])
+                self._set_length(row, len(token_ids))
         return row.length
 
     def new_segment(self, session_id: str, agent: str | None = None) -> int:
@@ -198,7 +184,10 @@ class SessionStore:
         row = self.require(session_id)
         if at != row.length:
             raise Conflict(f"sampled tokens at {at} but session {session_id} has {row.length}", code="misaligned")
-        self._append_rows(row, records.token_ids, 1, records.logprobs, records.versions, records.truncated, epoch, cell)
+        if records:
+            self.buf.insert(sampled_chunks(row.id, at, records.token_ids, records.logprobs, records.versions,
+                                           records.truncated, epoch, cell))
+            self._set_length(row, len(records))
 
     def lengths(self, session_ids: Sequence[str]) -> dict[str, int]:
         """session → tokens in its buffer, for those of `session_ids` that exist (one read)."""
@@ -211,23 +200,22 @@ class SessionStore:
 
     def append_sampled_many(self, appends: Sequence[tuple[str, int, TokenRecords, int, str | None]]) -> None:
         """`append_sampled` for many (session, at, records, epoch, cell) at once: one statement
-        for every token row and one for the sessions' lengths (a sync's batches). Each `at`
+        for every chunk and one for the sessions' lengths (a sync's batches). Each `at`
         must be its session's length, counting the appends before it in `appends`; a mismatch
         is a Conflict and nothing of the call is written."""
         sessions = [sid for sid, *_ in appends]
         have = self.lengths(sessions)
-        rows: list[tuple] = []
+        chunks: list = []
         for sid, at, rec, epoch, cell in appends:
             if sid not in have:
                 raise NotFound(f"unknown session {sid!r}")
             if at != have[sid]:
                 raise Conflict(f"sampled tokens at {at} but session {sid} has {have[sid]}", code="misaligned")
-            n = len(rec.token_ids)
-            rows += zip(repeat(sid, n), range(at, at + n), rec.token_ids, repeat(1), rec.logprobs, rec.versions,
-                        rec.truncated, repeat(None), repeat(None), repeat(epoch), repeat(cell))
-            have[sid] = at + n
-        self.s.executemany(
-            f"INSERT INTO tokens(session_id, idx, {_TOK_COLS}, epoch, cell) VALUES (?,?,?,?,?,?,?,?,?,?,?)", rows)
+            if rec:
+                chunks += sampled_chunks(sid, at, rec.token_ids, rec.logprobs, rec.versions, rec.truncated, epoch,
+                                         cell)
+            have[sid] = at + len(rec)
+        self.buf.insert(chunks)
         self.s.executemany("UPDATE sessions SET length=? WHERE id=?",
                            [(have[sid], sid) for sid in dict.fromkeys(sessions)])
 
@@ -239,7 +227,7 @@ class SessionStore:
         if not row.segment_starts[-1] <= at <= row.length:
             raise ValueError(f"truncate {session_id} at {at}: outside its current segment "
                              f"[{row.segment_starts[-1]}, {row.length}]")
-        n = self.s.execute("DELETE FROM tokens WHERE session_id=? AND idx>=?", (session_id, at)).rowcount
+        n = self.buf.truncate(session_id, at)
         self.s.execute("DELETE FROM session_context WHERE session_id=?", (session_id,))  # store/context.py
         row.length = at
         self.s.execute("UPDATE sessions SET length=? WHERE id=?", (at, session_id))
@@ -247,19 +235,16 @@ class SessionStore:
 
     def sampled_by(self, cell_id: str) -> list[tuple[str, int]]:
         """(session, first index) of every session holding tokens `cell_id` sampled."""
-        q = "SELECT session_id, MIN(idx) FROM tokens WHERE cell=? AND loss_mask=1 GROUP BY session_id"
-        return self.s.execute(q, (cell_id,)).fetchall()
+        return self.buf.samplers_from(cell_id)
 
     def samplers(self, session_id: str, start: int, end: int) -> list[str | None]:
         """The cell that sampled each token of [start, end) (None: a prompt token, or unknown)."""
-        q = "SELECT cell FROM tokens WHERE session_id=? AND idx>=? AND idx<? ORDER BY idx"
-        return [r[0] for r in self.s.execute(q, (session_id, start, end))]
+        return [c for _, c in self.buf.per_token(session_id, start, end, "cell")]
 
     def mark_missing_from(self, session_id: str, start: int) -> int:
         """Unscored sampled tokens from `start` on will never be scored (their sampler was
         quarantined): provenance `missing`, so their versions can retire."""
-        return self.s.execute("UPDATE tokens SET provenance='missing', old_logprob=NULL WHERE session_id=? AND "
-                              "idx>=? AND loss_mask=1 AND provenance IS NULL", (session_id, start)).rowcount
+        return self.buf.rescore(session_id, start, None, None, "missing", only_unscored=True)
 
     def taint(self, session_id: str) -> None:
         """The session holds tokens nobody can vouch for: it is never handed out for training."""
@@ -271,39 +256,24 @@ class SessionStore:
 
     def epochs(self, session_id: str, start: int = 0) -> list[tuple[int, int | None]]:
         """(index, epoch) of the sampled tokens from `start`: the epochs they were accepted under."""
-        q = "SELECT idx, epoch FROM tokens WHERE session_id=? AND idx>=? AND loss_mask=1 ORDER BY idx"
-        return self.s.execute(q, (session_id, start)).fetchall()
+        return [(i, e) for c in self.buf.chunks(session_id, start) if c.loss_mask
+                for i, e in zip(range(max(start, c.start), c.end), repeat(c.epoch))]
 
     def fill_old_logprobs(self, session_id: str, start: int, values: list[float | None], provenance: str,
                           version: int | None = None) -> int:
         """Set old log-probs of sampled tokens [start, start+len) — only those sampled under
         `version` when given (a range may span an update); returns rows changed."""
-        rows = [(v, provenance if v is not None or provenance == "missing" else None, session_id, start + i)
-                for i, v in enumerate(values) if v is not None or provenance == "missing"]
-        q = "UPDATE tokens SET old_logprob=?, provenance=? WHERE session_id=? AND idx=? AND loss_mask=1"
-        if version is not None:
-            q += " AND version=?"
-            rows = [(*r, version) for r in rows]
-        cur = self.s.executemany(q, rows)
-        return cur.rowcount
+        return self.buf.rescore(session_id, start, start + len(values), values, provenance, version)
 
     def mark_missing(self, session_id: str, version: int, start: int, end: int) -> int:
         """Exact scoring of these tokens became impossible: provenance `missing` (counted)."""
-        cur = self.s.execute(
-            "UPDATE tokens SET provenance='missing', old_logprob=NULL WHERE session_id=? AND version=? AND idx>=? "
-            "AND idx<? AND loss_mask=1 AND provenance IS NULL", (session_id, version, start, end))
-        return cur.rowcount
+        return self.buf.rescore(session_id, start, end, None, "missing", version, only_unscored=True)
 
     def unscored_ranges(self, limit: int = 256) -> list[UnscoredRange]:
         """Per (request, version) with unscored sampled tokens, oldest requests first. The
-        unscored tokens (their partial index) lead the join (CROSS JOIN keeps that order): the
-        cost follows the scoring backlog, not the requests table (1,000,000 rows at scale)."""
-        q = ("SELECT r.id, r.session_id, r.prompt_start, r.base, r.num_generated, r.params, r.state, r.cell_id,"
-             " t.version, MIN(t.idx), MAX(t.idx), COUNT(*) FROM tokens t CROSS JOIN requests r"
-             " ON t.session_id = r.session_id AND t.idx >= r.base AND t.idx < r.base + r.num_generated"
-             " WHERE t.loss_mask = 1 AND t.provenance IS NULL"
-             " GROUP BY r.id, t.version ORDER BY r.created_at, r.id LIMIT ?")
-        return [UnscoredRange._make(r) for r in self.s.execute(q, (limit,))]
+        chunks holding unscored tokens lead the join (scheduler/store/tokenbuf.py): the cost
+        follows the scoring backlog in chunks, not the requests table (1,000,000 rows at scale)."""
+        return [UnscoredRange._make(r) for r in self.buf.unscored_ranges(limit)]
 
     # -- trajectories
     def finish(self, session_id: str, reward: float, group_id: str | None) -> SessionRow:
@@ -344,19 +314,11 @@ class SessionStore:
     # -- old log-prob accounting per version
     def version_counts(self) -> dict[int, dict[str, int]]:
         """Per behavior version: sampled tokens, exact, missing and unscored counts."""
-        q = "SELECT version, provenance, COUNT(*) FROM tokens WHERE loss_mask=1 GROUP BY version, provenance"
-        out: dict[int, dict[str, int]] = {}
-        for v, prov, n in self.s.execute(q):
-            d = out.setdefault(v, {"generated": 0, "exact": 0, "missing": 0, "unscored": 0})
-            d["generated"] += n
-            d[prov if prov in ("exact", "missing") else "unscored"] += n
-        return out
+        return self.buf.version_counts()
 
     def unscored_by_version(self) -> dict[int, int]:
         """Sampled tokens still without an old log-prob, per version (a small partial index)."""
-        q = "SELECT version, COUNT(*) FROM tokens WHERE loss_mask=1 AND provenance IS NULL GROUP BY version"
-        return dict(self.s.execute(q).fetchall())
+        return self.buf.unscored_by_version()
 
     def unscored(self, version: int) -> int:
-        q = "SELECT COUNT(*) FROM tokens WHERE loss_mask=1 AND version=? AND provenance IS NULL"
-        return self.s.execute(q, (version,)).fetchone()[0]
+        return self.buf.unscored(version)

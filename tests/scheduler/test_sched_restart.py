@@ -126,6 +126,14 @@ def test_pending_flip_survives_restart(tmp_path):
         h.close()
 
 
+LEGACY_TOKENS = """
+CREATE TABLE tokens(
+  session_id TEXT NOT NULL, idx INTEGER NOT NULL, token_id INTEGER NOT NULL,
+  loss_mask INTEGER NOT NULL, logprob REAL, version INTEGER, truncated INTEGER NOT NULL,
+  old_logprob REAL, provenance TEXT, PRIMARY KEY(session_id, idx)) WITHOUT ROWID;
+"""
+
+
 def test_store_from_before_added_columns_opens_with_their_defaults(tmp_path):
     """A store an older scheduler wrote (tables without the columns added since) is upgraded
     in place when opened: its rows read back with the new columns' defaults, and writes work."""
@@ -143,6 +151,7 @@ def test_store_from_before_added_columns_opens_with_their_defaults(tmp_path):
     conn = sqlite3.connect(db)
     conn.executescript(old)
     conn.execute("INSERT INTO flips VALUES ('f1','c0','training','done',NULL,NULL,2,0,1,1.0,2.0,'[]')")
+    conn.executescript(LEGACY_TOKENS)  # the per-token layout, before `epoch` and `cell` were added
     conn.execute("INSERT INTO tokens VALUES ('s0',0,7,1,-0.5,0,0,NULL,NULL)")
     conn.commit()
     conn.close()
@@ -156,4 +165,5 @@ def test_store_from_before_added_columns_opens_with_their_defaults(tmp_path):
     again = Store(db)  # a second open adds nothing twice
     assert again.fleet.get_flip("f2").kv_store == 3 and again.fleet.get_flip("f1").kv_store == 0
     assert again.sessions.epochs("s0") == [(0, None)]  # a token stored before epochs were recorded
+    assert again.sessions.read("s0") == [(7, 1, -0.5, 0, 0, None, None)]  # converted to chunks on open
     again.close()

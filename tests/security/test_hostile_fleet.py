@@ -10,10 +10,12 @@ import json
 import sqlite3
 import threading
 import time
+from array import array
 
 import pytest
 
 from scheduler.contract.probe import PROBE_LEN
+from scheduler.store import Store
 from tests.scheduler.sched_fakes import FakeCell, Harness, keep_alive, pump, token_of, until_held
 from tests.scheduler.storecheck import store_dump
 
@@ -106,8 +108,9 @@ def _report_oov(h, holder: FakeCell) -> str:
 
 
 def _samplers(h, session: str) -> list[str | None]:
-    with sqlite3.connect(h.db_path) as conn:
-        return [r[0] for r in conn.execute("SELECT cell FROM tokens WHERE session_id=? ORDER BY idx", (session,))]
+    with sqlite3.connect(h.db_path) as conn:  # beside the live scheduler: read only, no Store
+        rows = conn.execute("SELECT n, cell FROM token_chunks WHERE session_id=? ORDER BY start", (session,))
+        return [cell for n, cell in rows for _ in range(n)]
 
 
 def test_a_quarantined_cells_tokens_nobody_was_shown_are_sampled_again_by_a_trusted_cell(h):
@@ -311,11 +314,15 @@ def test_a_restart_on_a_store_holding_non_finite_records_comes_up(tmp_path):
     until_held(c, fut)
     pump([c], until=fut)
     h.close()
-    conn = sqlite3.connect(str(tmp_path / "sched.sqlite"))  # what an older scheduler let in
-    conn.execute("UPDATE tokens SET old_logprob=?, logprob=? WHERE session_id='old' AND loss_mask=1",
-                 (float("-inf"), float("nan")))
-    conn.commit()
-    conn.close()
+    store = Store(str(tmp_path / "sched.sqlite"))  # what an older scheduler let in
+    with store.tx():
+        for c in store.sessions.buf.chunks("old"):
+            if c.loss_mask:
+                old, prov = c.scoring()
+                c.logprobs = array("d", [float("nan")] * c.n)
+                old[:], prov[:] = array("d", [float("-inf")] * c.n), bytearray([1] * c.n)
+                store.sessions.buf.replace([c])
+    store.close()
     again = Harness(str(tmp_path / "sched.sqlite"))
     try:
         r = again.client.get("/v1/sessions/old")
