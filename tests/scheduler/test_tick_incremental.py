@@ -132,3 +132,50 @@ def test_catch_up_by_change_sends_what_a_full_visit_sends(tmp_path):
 
 def test_negative_control_a_catch_up_that_misses_changes_is_caught(tmp_path):
     assert run(tmp_path, break_incremental=True) != []
+
+
+def _commits(store: Store) -> list[int]:
+    """Counts the outermost transactions the store opens from now on."""
+    n, tx = [0], store.tx
+
+    def counted(durable: bool = True):
+        if not store._depth:
+            n[0] += 1
+        return tx(durable)
+
+    store.tx = counted  # type: ignore[method-assign]
+    return n
+
+
+def test_flips_step_together_in_one_commit_and_one_by_one_when_one_raises(tmp_path):
+    f = Fleet(str(tmp_path / "f.sqlite"), False)
+    try:
+        cells = f.ids[10:14]
+        for c in cells:
+            f.ctl.flips.create("training", c, None, None)
+        n = _commits(f.store)
+        f.ctl.flips.step()
+        assert n[0] == 1  # four flips stepped, one commit
+        states = {r.cell_id: r.state for r in f.store.fleet.list_flips(active_only=True)}
+        assert set(states) == set(cells) and "pending" not in states.values()
+        for c in f.ids[20:24]:
+            f.ctl.flips.create("training", c, None, None)
+        advance, bad = f.ctl.flips._advance, f.ids[22]
+
+        def failing(fx, flip, leaving):
+            if flip.cell_id == bad:
+                raise RuntimeError("a flip whose step raises")
+            advance(fx, flip, leaving)
+
+        f.ctl.flips._advance = failing
+        try:
+            f.ctl.flips.step()
+        except RuntimeError:
+            pass
+        else:
+            raise AssertionError("the failing step must raise")
+        states = {r.cell_id: r.state for r in f.store.fleet.list_flips(active_only=True)}
+        # one by one after the shared transaction rolled back: those before the bad one moved on
+        assert [states[c] for c in f.ids[20:24]] == ["draining", "draining", "pending", "pending"]
+    finally:
+        f.store.close()
