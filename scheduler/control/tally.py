@@ -72,12 +72,18 @@ class FleetTally:
         rows = {r.cell_id: r for r in self.ctx.store.fleet.planning_rows(touched)}
         ids = set(self.cells) | set(rows) if touched is None else touched
         live = self.ctx.registry.live
+        cells = self.cells
         for cid in ids:
-            r = rows.get(cid)
-            new = _Cell(r.state, cid in live, r.max_running, r.live) if r is not None else _Cell(None, False, 0, 0)
-            old = self.cells.get(cid)
-            if old == new:
+            r, old = rows.get(cid), cells.get(cid)
+            if r is None:
+                new = _Cell(None, False, 0, 0)
+            elif (old is not None and old.state == r.state and old.live == (cid in live)
+                  and old.max_running == r.max_running and old.owned == r.live):
                 continue  # a sync that moved only what the tally does not count (KV blocks, tokens)
+            else:
+                new = _Cell(r.state, cid in live, r.max_running, r.live)
+            if old == new:
+                continue
             if old is not None:
                 o, c = old.slots()
                 self.offered, self.occupied = self.offered - o, self.occupied - c

@@ -12,6 +12,7 @@ import random
 from scheduler.contract.config import MigrationConfig, SchedulerConfig
 from scheduler.contract.protocol import Summary
 from scheduler.control.controller import Controller
+from scheduler.control.snapshot import CellSummaries
 from scheduler.store import Store
 
 CELLS = 60
@@ -69,7 +70,7 @@ def script(rng: random.Random, fleets: list[Fleet], step: int, last: list[str]) 
     if step % 7 == 3:
         for f in fleets:
             f.ctl.publish_version(step, HOST)
-    kv = rng.sample(ids, 20)
+    kv = rng.sample(ids, 40 if step % 3 == 0 else 10)  # more than half: the store reads the whole table
     loaded = rng.sample(ids, 5)
     loading = rng.sample(ids, 4)
     flipped = rng.sample(ids[6:], 2)
@@ -95,11 +96,37 @@ def script(rng: random.Random, fleets: list[Fleet], step: int, last: list[str]) 
     return loading
 
 
-def run(tmp_path, break_incremental: bool = False) -> list[str]:
+def kept_differs(ctl: Controller) -> list[str]:
+    """What `ctl` keeps by change against the same read from scratch: the planning rows, the
+    planner's cell summaries and its placement index, the fleet's tally."""
+    out = []
+    fleet = ctl.store.fleet
+    if sorted(fleet.planning_rows()) != sorted(fleet._read_planning(None)):
+        out.append("planning rows")
+    fresh = CellSummaries(ctl.ctx)
+    if ctl.cell_summaries.current(None, set()) != fresh.current(None, set()):
+        out.append("cell summaries")
+    if ctl.cell_summaries.placement.cells != list(fresh.current(None, set())):
+        out.append("placement index")
+    tally = ctl.loop.tally
+    tally.advance(ctl.ctx.clock())
+    rows = {r.cell_id: r for r in fleet._read_planning(None)}
+    live = ctl.ctx.registry.live
+    rollout = {c for c, r in rows.items() if r.state == "rollout" and c in live}
+    offered = sum(rows[c].max_running for c in rollout)
+    occupied = sum(min(rows[c].max_running, rows[c].live) for c in rollout)
+    if (tally.offered, tally.occupied, tally.rollout) != (offered, occupied, rollout):
+        out.append("tally")
+    return out
+
+
+def run(tmp_path, break_incremental: bool = False, break_summaries: bool = False) -> list[str]:
     """Tick both fleets through the script; returns the ticks where they differ."""
     inc, ref = Fleet(str(tmp_path / "inc.sqlite"), False), Fleet(str(tmp_path / "ref.sqlite"), True)
     if break_incremental:
         inc.ctl.versions.served.dirty = _Deaf()
+    if break_summaries:
+        inc.ctl.cell_summaries.watched = set()  # the registry's marks go to a set no one reads
     rng, diffs, loading = random.Random(7), [], []
     try:
         for step in range(40):
@@ -110,6 +137,7 @@ def run(tmp_path, break_incremental: bool = False) -> list[str]:
             served_a, served_b = inc.ctl.versions.served, ref.ctl.versions.served
             if served_a.cells != served_b.cells:
                 diffs.append(f"tick {step}: served versions differ")
+            diffs += [f"tick {step}: {what} differ from a full read" for what in kept_differs(inc.ctl)]
     finally:
         inc.store.close()
         ref.store.close()
@@ -132,6 +160,11 @@ def test_catch_up_by_change_sends_what_a_full_visit_sends(tmp_path):
 
 def test_negative_control_a_catch_up_that_misses_changes_is_caught(tmp_path):
     assert run(tmp_path, break_incremental=True) != []
+
+
+def test_negative_control_summaries_that_miss_changes_are_caught(tmp_path):
+    diffs = run(tmp_path, break_summaries=True)
+    assert any("cell summaries" in d for d in diffs)
 
 
 def _commits(store: Store) -> list[int]:
