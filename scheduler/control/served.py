@@ -60,19 +60,16 @@ class ServedVersions:
             self.rollbacks, touched = self.changes.rollbacks, None
         elif not touched:
             return
-        rows = {r.cell_id: r for r in self.ctx.store.fleet.planning_rows(touched)}  # not down
-        ids = set(self.cells) | set(rows) if touched is None else touched
+        # of the cells looked at, those with no row (down) or no live entry: what the loop leaves
+        gone = set(self.cells) if touched is None else set(touched)
         live = self.ctx.registry.live
         cells, verified = self.cells, self.verified
         dirty, loads = self.dirty, self.loads
-        for cid in ids:
-            entry, row = live.get(cid), rows.get(cid)
-            if entry is None or row is None:
-                if cid in cells:
-                    self._forget(cid)
-                    dirty.add(cid)
-                loads.pop(cid, None)
+        for row in self.ctx.store.fleet.planning_rows(touched):  # not down
+            cid, entry = row.cell_id, live.get(row.cell_id)
+            if entry is None:
                 continue
+            gone.discard(cid)
             summary = entry.summary
             kept = (row.state, summary.version if summary is not None else row.version, entry.seen)
             load = summary.loading if summary is not None else _NONE
@@ -90,6 +87,11 @@ class ServedVersions:
             if row.trust == "verified":
                 verified.add(cid)
             dirty.add(cid)
+        for cid in gone:
+            if cid in cells:
+                self._forget(cid)
+                dirty.add(cid)
+            loads.pop(cid, None)
 
     def _forget(self, cid: str) -> None:
         kept = self.cells.pop(cid, None)

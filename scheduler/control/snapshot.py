@@ -92,23 +92,26 @@ class CellSummaries:
         caps = self.caps
         if len(caps) > 4096:  # decoded capabilities of cells that changed or left
             caps.clear()
+        changed, listed, index = [], self.listed, self.index
         for row in ctx.store.fleet.planning_rows(touched):
-            entry = live.get(row.cell_id)
+            cid, entry = row.cell_id, live.get(row.cell_id)
             # a cell that has not shown it runs the model gets no request (scheduler/control/trust.py)
             if entry is not None and entry.seen and (row.trust == "verified"
                                                      or trusted(row.trust, bool(row.probed), unprobed_ok)):
-                c = by_id[row.cell_id] = _summary(row, entry.summary, caps)
+                c = by_id[cid] = _summary(row, entry.summary, caps)
                 if c.role == "training":
-                    training.add(c.cell_id)
-        if touched is None or was != {cid for cid in touched if cid in by_id}:  # cells came or went
+                    training.add(cid)
+                if was is not None and cid in was:
+                    changed.append((index[cid], c))
+        # cells came or went: one that was listed is not now, or one that is was not
+        if touched is None or len(changed) != len(was) or len(by_id) != len(listed):
             self.listed = [by_id[k] for k in sorted(by_id)]
             self.index = {c.cell_id: i for i, c in enumerate(self.listed)}
             self.busy_copies = {k: v for k, v in self.busy_copies.items() if k in by_id}
             self.placement = Placement(self.listed).warm()
         else:
-            changed = [(self.index[cid], by_id[cid]) for cid in touched if cid in by_id]
             for i, c in changed:
-                self.listed[i] = c
+                listed[i] = c
             self.placement.update(changed)
 
 

@@ -66,14 +66,18 @@ class Fleet:
 def script(rng: random.Random, fleets: list[Fleet], step: int, last: list[str]) -> list[str]:
     """One tick's changes, the same to every fleet: KV-only syncs, versions loaded or being
     loaded, a state written by hand, a publish now and then."""
-    ids = fleets[0].ids
+    ids = [c for c in fleets[0].ids if c in fleets[0].ctl.ctx.registry.live]
+    if step in (15, 25):  # a cell goes down: every kept structure lets it go
+        for f in fleets:
+            f.ctl.membership.fence(ids[30 + step], "gone")
+        ids = [c for c in ids if c != ids[30 + step]]
     if step % 7 == 3:
         for f in fleets:
             f.ctl.publish_version(step, HOST)
     kv = rng.sample(ids, 40 if step % 3 == 0 else 10)  # more than half: the store reads the whole table
     loaded = rng.sample(ids, 5)
     loading = rng.sample(ids, 4)
-    flipped = rng.sample(ids[6:], 2)
+    flipped = rng.sample([c for c in ids if c >= "cell-006"], 2)
     failed = last[: len(last) // 2]  # fetches that ended without the version: seen with a KV change
     for f in fleets:
         target = f.ctl.versions.target()
