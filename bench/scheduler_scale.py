@@ -5,8 +5,9 @@ front of it at 10,000 registered cells?
 Tick: `Controller.tick()`, the reconcile tick whole (bench/scale_tick.py says what it does and
 what the simulated fleet does between ticks): p50/p99 over `--ticks` ticks (600 by default,
 `--quick` too) at each churn, once with the scheduler's shipped GC policy stepped after each
-tick (`tick_p99_ms_churn_10`, `tick_p99_ms_churn_100`: what the running loop does) and once with
-plain automatic GC (`..._autogc`: nothing frozen). The scheduled full collection (every 10
+tick (`tick_p99_ms_churn_10`, `tick_p99_ms_churn_100`: what the running loop does: frozen
+long-lived state, the young generation's threshold at 50,000) and once with plain automatic GC
+(`..._autogc`: nothing frozen, CPython's thresholds 700/10/10). The scheduled full collection (every 10
 minutes in production) is timed apart at the end: `gc_full_ms`.
 
 REST: the real app (`scheduler.api.app.create_app_from_env`) under uvicorn on 127.0.0.1, in a

@@ -23,7 +23,7 @@ from typing import Any
 
 from scheduler.contract.config import MigrationConfig, SchedulerConfig, VersionsConfig
 from scheduler.contract.errors import Conflict
-from scheduler.contract.gcpolicy import GcPolicy
+from scheduler.contract.gcpolicy import SCHEDULER_YOUNG_THRESHOLD, GcPolicy
 from scheduler.contract.protocol import (
     AbortMigrationRequest,
     CommitRequest,
@@ -109,7 +109,8 @@ class Controller:
         self.trust.requeue_request = self.ownership.revoke
         self.trust.rewind_request = self._rewind
         self.membership.recover()
-        self.gc_policy = GcPolicy(time.monotonic, ctx.metrics.gc_full.observe)
+        self.gc_policy = GcPolicy(time.monotonic, ctx.metrics.gc_full.observe,
+                                  young_threshold=SCHEDULER_YOUNG_THRESHOLD)
         """The process's garbage collection, paced by the running loop (`run`)."""
         self.jobs = Jobs(ctx)
         """The RL jobs: admission per job, drain and delete, the fleet's division between them."""

@@ -10,7 +10,8 @@ version) named since the last one — all of them after a rolled-back transactio
 - each live, not-down cell's (state, version served, seen), and which of them are verified;
 - per version, the live cells serving it, and the seen rollout cells serving it (with their
   total), so "every rollout cell serves v" is one comparison;
-- `dirty`: the cells refreshed since its reader (`Versions.catch_up`) last emptied it.
+- `dirty`: the cells whose kept values changed since its reader (`Versions.catch_up`) last
+  emptied it.
 
 Reads only.
 """
@@ -22,6 +23,10 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from scheduler.control.context import Context
+
+
+_NONE: list[int] = []
+"""No version loading (shared: never changed)."""
 
 
 class ServedVersions:
@@ -40,8 +45,13 @@ class ServedVersions:
         """version → seen live cells in state rollout serving it."""
         self.rollout = 0
         """Seen live cells in state rollout."""
+        self.loads: dict[str, list[int]] = {}
+        """cell → the versions it last reported loading (empty lists left out)."""
         self.dirty: set[str] = set()
-        """Cells refreshed since the reader last emptied this (None-safe: a set)."""
+        """Cells whose (state, version, seen), trust or versions loading changed, or that left,
+        since the reader (`Versions.catch_up`) last emptied this: a sync that moved only load (KV
+        blocks, tokens) leaves a cell out, so a tick at full churn visits only the cells whose
+        versions moved."""
 
     def refresh(self) -> None:
         touched: set[str] | None = self.changes.take() | self.watched
@@ -50,17 +60,25 @@ class ServedVersions:
             self.rollbacks, touched = self.changes.rollbacks, None
         elif not touched:
             return
-        rows = {r.cell_id: r for r in self.ctx.store.fleet.planning_rows(touched)}  # not down
-        ids = set(self.cells) | set(rows) if touched is None else touched
+        # of the cells looked at, those with no row (down) or no live entry: what the loop leaves
+        gone = set(self.cells) if touched is None else set(touched)
         live = self.ctx.registry.live
         cells, verified = self.cells, self.verified
-        for cid in ids:
-            entry, row = live.get(cid), rows.get(cid)
-            if entry is None or row is None:
-                self._forget(cid)
+        dirty, loads = self.dirty, self.loads
+        for row in self.ctx.store.fleet.planning_rows(touched):  # not down
+            cid, entry = row.cell_id, live.get(row.cell_id)
+            if entry is None:
                 continue
-            version = entry.summary.version if entry.summary is not None else row.version
-            kept = (row.state, version, entry.seen)
+            gone.discard(cid)
+            summary = entry.summary
+            kept = (row.state, summary.version if summary is not None else row.version, entry.seen)
+            load = summary.loading if summary is not None else _NONE
+            if load != loads.get(cid, _NONE):  # a fetch began or ended: catch_up looks again
+                if load:
+                    loads[cid] = load
+                else:
+                    loads.pop(cid, None)
+                dirty.add(cid)
             if cells.get(cid) == kept and (cid in verified) == (row.trust == "verified"):
                 continue  # a sync that moved neither its state, version nor trust
             self._forget(cid)
@@ -68,7 +86,12 @@ class ServedVersions:
             self._count(kept, 1)
             if row.trust == "verified":
                 verified.add(cid)
-        self.dirty |= ids
+            dirty.add(cid)
+        for cid in gone:
+            if cid in cells:
+                self._forget(cid)
+                dirty.add(cid)
+            loads.pop(cid, None)
 
     def _forget(self, cid: str) -> None:
         kept = self.cells.pop(cid, None)

@@ -8,7 +8,7 @@ it. Seen, live cells only. Reads only.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from scheduler.control.trust import trusted
 from scheduler.planner.destinations import Placement
@@ -46,6 +46,9 @@ class CellSummaries:
         self.watched = ctx.registry.watch()
         self.rollbacks = -1
         """`Store.changes.rollbacks` at the last build (-1: never built)."""
+        self.caps: dict[int, tuple[dict, int, bool, str | None]] = {}
+        """id of a shared decoded capabilities dict → (it, block size, KV export, KV store): what
+        a summary takes from it, worked out once per dict rather than once per cell and build."""
 
     def current(self, demand: TrainerDemand | None, pinned: set[str]) -> tuple[CellSummary, ...]:
         """Every seen, live, not-down cell's summary, in id order. A running step keeps up to its
@@ -86,22 +89,29 @@ class CellSummaries:
         training.difference_update(touched or ())
         live = ctx.registry.live
         unprobed_ok = ctx.cfg.trust_unprobed_cells
+        caps = self.caps
+        if len(caps) > 4096:  # decoded capabilities of cells that changed or left
+            caps.clear()
+        changed, listed, index = [], self.listed, self.index
         for row in ctx.store.fleet.planning_rows(touched):
-            entry = live.get(row.cell_id)
+            cid, entry = row.cell_id, live.get(row.cell_id)
             # a cell that has not shown it runs the model gets no request (scheduler/control/trust.py)
-            if entry is not None and entry.seen and trusted(row.trust, bool(row.probed), unprobed_ok):
-                c = by_id[row.cell_id] = _summary(row, entry.summary)
+            if entry is not None and entry.seen and (row.trust == "verified"
+                                                     or trusted(row.trust, bool(row.probed), unprobed_ok)):
+                c = by_id[cid] = _summary(row, entry.summary, caps)
                 if c.role == "training":
-                    training.add(c.cell_id)
-        if touched is None or was != {cid for cid in touched if cid in by_id}:  # cells came or went
+                    training.add(cid)
+                if was is not None and cid in was:
+                    changed.append((index[cid], c))
+        # cells came or went: one that was listed is not now, or one that is was not
+        if touched is None or len(changed) != len(was) or len(by_id) != len(listed):
             self.listed = [by_id[k] for k in sorted(by_id)]
             self.index = {c.cell_id: i for i, c in enumerate(self.listed)}
             self.busy_copies = {k: v for k, v in self.busy_copies.items() if k in by_id}
             self.placement = Placement(self.listed).warm()
         else:
-            changed = [(self.index[cid], by_id[cid]) for cid in touched if cid in by_id]
             for i, c in changed:
-                self.listed[i] = c
+                listed[i] = c
             self.placement.update(changed)
 
 
@@ -127,19 +137,28 @@ def build_snapshot(ctx: Context, rates: Rates, cells: CellSummaries, *, pinned: 
         max_concurrent_steps=demand.max_concurrent_steps if demand else 1, placement=cells.placement)
 
 
-def _summary(row: PlanningRow, s: Summary | None) -> CellSummary:
-    """One cell's summary from its `planning_rows` row and its last reported load."""
+def _caps(caps: dict[str, Any]) -> tuple[dict, int, bool, str | None]:
+    return caps, int(caps.get("block_size") or 16), bool(caps.get("kv_export")), caps.get("kv_store") or None
+
+
+def _summary(row: PlanningRow, s: Summary | None,
+             memo: dict[int, tuple[dict, int, bool, str | None]] | None = None) -> CellSummary:
+    """One cell's summary from its `planning_rows` row and its last reported load (`memo`: the
+    capabilities worked out before, by the id of the shared dict; checked to be that dict)."""
     caps = row.capabilities
-    bs = int(caps.get("block_size") or 16)
+    known = memo.get(id(caps)) if memo is not None else None
+    if known is None or known[0] is not caps:
+        known = _caps(caps)
+        if memo is not None:
+            memo[id(caps)] = known
+    _, bs, export, kv_store = known
     total = s.kv_blocks_total if s and s.kv_blocks_total else row.kv_blocks_total
     used = s.kv_blocks_used if s else row.kv_blocks_used
     version = s.version if s else row.version
+    # positional, in the field order (a frozen dataclass's keyword call costs twice as much)
     return CellSummary(
-        cell_id=row.cell_id, node=row.address.rsplit(":", 1)[0], role=row.state,
-        version=UNKNOWN_VERSION if version is None else version,
-        inflight=row.live + row.incoming, capacity=row.max_running,
+        row.cell_id, row.address.rsplit(":", 1)[0], row.state, UNKNOWN_VERSION if version is None else version,
+        row.live + row.incoming, row.max_running,
         # in the planner's 16-token blocks; a cell without a block pool has no KV limit
-        kv_blocks_free=max(0, total - used) * bs // 16 if total > 0 else 1 << 40,
-        kv_blocks_total=total * bs // 16, generation=row.generation,
-        can_export_kv=bool(caps.get("kv_export")), inflight_tokens=row.tokens,
-        kv_store=caps.get("kv_store") or None)
+        max(0, total - used) * bs // 16 if total > 0 else 1 << 40, total * bs // 16, row.generation,
+        export, False, row.tokens, kv_store)

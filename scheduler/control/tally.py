@@ -69,29 +69,38 @@ class FleetTally:
             self.rollbacks, touched = self.changes.rollbacks, None
         elif not touched:
             return
-        rows = {r.cell_id: r for r in self.ctx.store.fleet.planning_rows(touched)}
-        ids = set(self.cells) | set(rows) if touched is None else touched
+        # of the cells looked at, those with no row (not in the store, or down): what the loop leaves
+        gone = set(self.cells) if touched is None else set(touched)
         live = self.ctx.registry.live
-        for cid in ids:
-            r = rows.get(cid)
-            new = _Cell(r.state, cid in live, r.max_running, r.live) if r is not None else _Cell(None, False, 0, 0)
-            old = self.cells.get(cid)
-            if old == new:
+        cells = self.cells
+        for r in self.ctx.store.fleet.planning_rows(touched):
+            cid = r.cell_id
+            gone.discard(cid)
+            old, is_live = cells.get(cid), cid in live
+            if (old is not None and old.state == r.state and old.live == is_live
+                    and old.max_running == r.max_running and old.owned == r.live):
                 continue  # a sync that moved only what the tally does not count (KV blocks, tokens)
-            if old is not None:
-                o, c = old.slots()
-                self.offered, self.occupied = self.offered - o, self.occupied - c
-            o, c = new.slots()
-            self.offered, self.occupied = self.offered + o, self.occupied + c
-            if r is None:
-                self.cells.pop(cid, None)
-            else:
-                self.cells[cid] = new
-            if new.live and new.state == "rollout":
-                self.rollout.add(cid)
-            else:
-                self.rollout.discard(cid)
-            self._clock(cid, new.state if new.live else None, now)
+            self._set(cid, old, _Cell(r.state, is_live, r.max_running, r.live), now)
+        for cid in gone:
+            self._set(cid, cells.get(cid), None, now)
+
+    def _set(self, cid: str, old: _Cell | None, new: _Cell | None, now: float) -> None:
+        """The cell is now `new` (None: no row), was `old`."""
+        if old is not None:
+            o, c = old.slots()
+            self.offered, self.occupied = self.offered - o, self.occupied - c
+        if new is None:
+            self.cells.pop(cid, None)
+            new = _Cell(None, False, 0, 0)
+        else:
+            self.cells[cid] = new
+        o, c = new.slots()
+        self.offered, self.occupied = self.offered + o, self.occupied + c
+        if new.live and new.state == "rollout":
+            self.rollout.add(cid)
+        else:
+            self.rollout.discard(cid)
+        self._clock(cid, new.state if new.live else None, now)
 
     def _clock(self, cid: str, state: str | None, now: float) -> None:
         was = self.open.get(cid)

@@ -139,8 +139,9 @@ class Placement:
                 if heaps is not None:
                     self._load(i, c, heaps)
             if (flip is not None and old.role == c.role == "rollout" and old.inflight == c.inflight
-                    and _flip_cost(old) == _flip_cost(c)):
-                continue  # its live flip entry stands
+                    and ((old.inflight_tokens == c.inflight_tokens and old.can_export_kv == c.can_export_kv
+                          and old.kv_store == c.kv_store) or _flip_cost(old) == _flip_cost(c))):
+                continue  # its live flip entry stands (the same cost inputs: the same cost)
             fstamp[i] += 1
             if flip is not None and c.role == "rollout":
                 heapq.heappush(flip, (_flip_cost(c), c.inflight, i, fstamp[i]))

@@ -209,11 +209,12 @@ class FleetStore:
         """The cells `ids` (None: all) that are not down, with their kept load (store/counters.py),
         for the planner's snapshot, the fleet's tally and the served versions. Kept between
         calls and re-read only where the store's triggers named a cell since (every reader of a
-        tick shares one read of what changed). No history; rows and their `capabilities` are
-        shared: read them, never change them."""
+        tick shares one read of what changed; when more than half the kept cells changed, one
+        read of the whole table, which costs less than the same rows by id). No history; rows
+        and their `capabilities` are shared: read them, never change them."""
         kept = self._planning
         changed = self._plan_changes.take()
-        if kept is None:
+        if kept is None or len(changed) > len(kept) // 2:  # one pass over the table beats id lists
             kept = self._planning = {r.cell_id: r for r in self._read_planning(None)}
         elif changed:
             for cid in changed:

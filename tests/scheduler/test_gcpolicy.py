@@ -72,3 +72,20 @@ def test_long_pauses_are_logged_once_per_process(caplog):
         assert len([r for r in caplog.records if "garbage collection" in r.getMessage()]) == 1
     finally:
         gc.callbacks[:] = before
+
+
+def test_the_scheduler_raises_the_young_threshold_and_keeps_it():
+    before = gc.get_threshold()
+    try:
+        gc.set_threshold(700, *before[1:])
+        GcPolicy(lambda: 0.0).step()  # a cell's policy: the collector's thresholds are left alone
+        assert gc.get_threshold()[0] == 700
+        policy = GcPolicy(lambda: 0.0, young_threshold=50_000)
+        policy.step()
+        assert gc.get_threshold() == (50_000, *before[1:])
+        gc.set_threshold(700, *before[1:])  # something else reset it: the next step restores it
+        policy.step()
+        assert gc.get_threshold()[0] == 50_000
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
