@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import subprocess
-import sys
 import threading
 import time
 from typing import Any
@@ -22,42 +20,6 @@ from typing import Any
 import torch
 
 from cells.transport.store import StoreAddress
-
-
-def rank_device(device: str | torch.device, i: int) -> str:
-    """Rank i's device on the cell's device kind: `cuda:<i>` on a GPU cell, else the same."""
-    d = torch.device(device)
-    return f"cuda:{i}" if d.type == "cuda" else str(d)
-
-
-class Followers:
-    """The processes of ranks 1..S-1 of one cell, for one coordinator store: started by rank
-    0 when it connects, restarted when the store's address changes, killed on close."""
-
-    def __init__(self, w: Any, source: StoreAddress) -> None:
-        self.source, self.procs = source, []
-        for i in range(1, w.cell_size):
-            args = [sys.executable, "-m", "cells.training.cell_ranks", "--store", f"{source.host}:{source.port}",
-                    "--cell-id", w.cell_id, "--cell-rank", str(i), "--cell-ranks", str(w.cell_size),
-                    "--device", rank_device(w.device, i)]
-            if w.local_loss:
-                args += ["--loss", w.local_loss]
-            self.procs.append(subprocess.Popen(args, env={**os.environ, "OMP_NUM_THREADS":
-                                                          os.environ.get("OMP_NUM_THREADS", "1")}))
-
-    @classmethod
-    def ensure(cls, current: Followers | None, w: Any, source: StoreAddress) -> Followers:
-        if current is not None and current.source == source and all(p.poll() is None for p in current.procs):
-            return current
-        if current is not None:
-            current.stop()
-        return cls(w, source)
-
-    def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
 
 
 def main(argv: list[str] | None = None) -> None:

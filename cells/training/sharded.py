@@ -207,6 +207,7 @@ def _fetch_from_peer(w: Any, store, prefix: str, spec: dict, peer: str, sg: Shar
     lrn = _target(w, store, spec, sg)
     install_shard(lrn, meta, flat)
     _hold(w, spec, lrn, spec["tag"])
+    log.info("cell %s.%d: slice of %.0f MB from peer %s", w.cell_id, sg.cell_rank, flat.numel() * 4 / 1e6, peer)
 
 
 def serve(w: Any, store, job: dict) -> None:

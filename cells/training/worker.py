@@ -219,7 +219,7 @@ class TrainingWorker:
                 if store is None or source != self.source:
                     store, source = connect(self.source, timeout_s=10.0), self.source
                     if self.cell_size > 1 and self.cell_rank == 0:
-                        from cells.training.cell_ranks import Followers
+                        from cells.training.followers import Followers
 
                         self.followers = Followers.ensure(self.followers, self, source)
                     set_json(store, P.alive_key(self.cell_id), {"t": time.time()})
@@ -316,8 +316,10 @@ class TrainingWorker:
         holds it (else the whole cell takes the state again)."""
         if self.cell_size == 1 or self.cell_rank:
             return self.tag
+        from cells.training.followers import Followers
         from cells.training.sharded import cell_key
 
+        self.followers = Followers.ensure(self.followers, self, self.source)  # a dead rank restarts, empty
         tags = [(wait_json(store, cell_key(prefix, self.cell_id, i, "ack"), timeout) or {}).get("tag")
                 for i in range(1, self.cell_size)]
         return self.tag if all(t == self.tag for t in tags) else None

@@ -90,3 +90,43 @@ def test_a_one_rank_cell_refuses_a_sharded_checkpoint_clearly(tmp_path):
     shard_files.write_index(str(tmp_path), "shards-x", 2, {"tag": "t"})
     with pytest.raises(state_files.StateFileError, match="sharded over 2 training ranks"):
         state_files.load_packed(tmp_path)
+
+
+@pytest.mark.timeout(420)
+def test_a_rank_dying_mid_update_and_a_parked_peer_serving_slices(tmp_path):
+    base = learner(max_grad_norm=1.0)
+    theta0 = _params(base)
+    batches = [trajectories(base, seed=s) for s in (6, 7, 8)]
+    clean, steps = learner(max_grad_norm=1.0), []
+    for b in batches:
+        clean.rl_step(b)
+        steps.append(_params(clean))
+    # cell-1's rank 1 alone dies after the second update's first minibatch
+    env = {1: {"CELLFLIP_FAILPOINTS_RANK_1": "training.after_minibatch=3*kill"}}
+    ranks = Ranks(tmp_path, 0)
+    for i in range(3):
+        ranks.start(f"cell-{i}", (env or {}).get(i), ["--ranks", "2"])
+    ranks.wait_ready(["cell-0", "cell-1", "cell-2"])
+    try:
+        coord = coordinator(learner(max_grad_norm=1.0), ranks.host.address, timeout_s=15, ack_timeout_s=30)
+        v = lambda: coord.version + 1  # noqa: E731
+        m1 = coord.update(batches[0], ["cell-0", "cell-1"], next_version=v)
+        m2 = coord.update(batches[1], ["cell-0", "cell-1"], next_version=v)
+        # cell-2 trains alone: the state's slices come from the ranks of cell-0, outside the step
+        m3 = coord.update(batches[2], ["cell-2"], next_version=v, peers=["cell-0"])
+        final = _checkpoint(coord, tmp_path / "ckpt")
+    except Exception:
+        print(ranks.logs())
+        raise
+    finally:
+        ranks.stop()
+    assert m1["attempts"] == 1.0 and m1["join_source"] == "build"
+    # the failed attempt: cell-0 restored its slices (the compute copy gathered at the redo),
+    # cell-1's rank 0 restarted its rank 1, which holds nothing: cell-1 joined from cell-0
+    assert m2["attempts"] == 2.0 and m2["cells_lost"] == 0.0 and m2["train_cells"] == 2.0
+    assert m2["join_source"] == "rank" and m2["join_cells"] == 1.0
+    assert "restored the start-of-update state" in (tmp_path / "cell-0.log").read_text()
+    assert m3["join_source"] == "peer" and m3["version"] == 3.0
+    assert [m["version"] for m in (m1, m2)] == [1.0, 2.0]
+    assert rel_diff(steps[2], final, theta0) <= 1e-4
+    assert rel_diff(steps[1], final, theta0) > 1e-2
