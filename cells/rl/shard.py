@@ -276,15 +276,19 @@ class ShardedLearner(Learner):
         torch.where(same, master, avg, out=avg)
 
     def _optimizer_step(self) -> float:
-        """The supervised step's: the per-name gradients into the flat buffer, then as RL."""
-        flat = torch.zeros_like(self.flat) if self.flat_grad is None else self.flat_grad.zero_()
-        self.flat_grad = flat
+        """The supervised step's: this step's per-name gradients into the flat buffer, then as
+        RL. The per-name gradients are dropped first, so the next step's backward starts from
+        zero (not from the sums the flat buffer holds)."""
+        if self.flat_grad is None:
+            self.flat_grad = torch.zeros_like(self.flat)
+        flat = self.flat_grad
         for k, v in self._views(flat).items():
             p = self.params[k]
-            if p.grad is not None:
-                if p.grad.data_ptr() != v.data_ptr():
-                    v.copy_(p.grad)
-                p.grad = v
+            if p.grad is None:
+                v.zero_()
+            elif p.grad.data_ptr() != v.data_ptr():
+                v.copy_(p.grad)
+            p.grad = None
         if self.solo_grads and self.groups.cell_rank:
             flat.zero_()
         self.reduce_gradients(None, {})

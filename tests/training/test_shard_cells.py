@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from cells.rl.sft import begin_rl, sft_steps
 from cells.training import shard_files, state_files
 from tests.training.cluster import Ranks, coordinator, learner, rel_diff, trajectories
 
@@ -36,12 +37,23 @@ def _wait_gone(ranks: Ranks, cells: list[str], timeout_s: float = 20.0) -> None:
     time.sleep(min(timeout_s, 2.0))
 
 
+def _demos(n: int = 6) -> list[tuple[list[int], list[int]]]:
+    out = []
+    for i in range(n):
+        ids = [8000] + [(7 * i + j) % 48 for j in range(5 + i % 4)] + [8001]
+        out.append((ids, [0, 0] + [1] * (len(ids) - 2)))
+    return out
+
+
 @pytest.mark.timeout(420)
 def test_two_cells_of_two_ranks_train_join_checkpoint_and_reshard_like_one_process(tmp_path):
     base = learner(max_grad_norm=1.0)
     theta0 = _params(base)
     batches = [trajectories(base, seed=s) for s in range(4)]
     clean, steps = learner(max_grad_norm=1.0), []
+    sft_steps(clean, _demos(), steps=3, batch_size=2)
+    begin_rl(clean)
+    steps.append(_params(clean))
     for b in batches:
         clean.rl_step(b)
         steps.append(_params(clean))
@@ -52,36 +64,37 @@ def test_two_cells_of_two_ranks_train_join_checkpoint_and_reshard_like_one_proce
     try:
         coord = coordinator(learner(max_grad_norm=1.0), ranks.host.address)
         v = lambda: coord.version + 1  # noqa: E731
-        m1 = coord.update(batches[0], ["cell-0"], next_version=v)  # each rank of cell-0 builds its slices
-        m2 = coord.update(batches[1], ["cell-0", "cell-1"], shares=[1.0, 2.0], next_version=v)  # cell-1 joins
-        m3 = coord.update(batches[2], ["cell-0", "cell-1"], shares=[1.0, 2.0], next_version=v)
+        # the supervised warm-up on cell-0, each of its ranks building its slices first
+        m0 = coord.warmup("cell-0", _demos(), steps=3, batch_size=2, lr=clean.lr)
+        warm = _checkpoint(coord, tmp_path / "ckpt0")
+        ms = [coord.update(b, ["cell-0", "cell-1"], shares=[1.0, 2.0], next_version=v) for b in batches[:3]]
         three = _checkpoint(coord, tmp_path / "ckpt")
         _wait_gone(ranks, ["cell-0", "cell-1"])
         coord.holders = []  # no cell holds the state now: the checkpoint is its home
         ranks.start("cell-2", args=["--ranks", "3"])
         ranks.wait_ready(["cell-2"])
-        m4 = coord.update(batches[3], ["cell-2"], next_version=v)
+        ms.append(coord.update(batches[3], ["cell-2"], next_version=v))
         four = _checkpoint(coord, tmp_path / "ckpt2")
     except Exception:
         print(ranks.logs())
         raise
     finally:
         ranks.stop()
-    ms = (m1, m2, m3, m4)
-    assert [m["join_source"] for m in ms] == ["build", "rank", "none", "checkpoint"]
-    assert [m["join_cells"] for m in ms] == [1.0, 1.0, 0.0, 1.0]
-    assert [m["version"] for m in ms] == [1.0, 2.0, 3.0, 4.0]
+    assert m0["join_source"] == "build" and m0["version"] == 1.0
+    assert [m["join_source"] for m in ms] == ["rank", "none", "none", "checkpoint"]  # cell-1 joins
+    assert [m["join_cells"] for m in ms] == [1.0, 0.0, 0.0, 1.0]
+    assert [m["version"] for m in ms] == [2.0, 3.0, 4.0, 5.0]
     assert all(m["attempts"] == 1.0 for m in ms)
-    d = {"2x2": rel_diff(steps[2], three, theta0), "3 ranks": rel_diff(steps[3], four, theta0),
-         "control": rel_diff(steps[1], three, theta0)}
+    d = {"warm-up": rel_diff(steps[0], warm, theta0), "2x2": rel_diff(steps[3], three, theta0),
+         "3 ranks": rel_diff(steps[4], four, theta0), "control": rel_diff(steps[2], three, theta0)}
     print("param_max_rel_diff", d)
-    # the 2 x 2 update equals one process's (float order of the sums); the negative control:
+    # the warm-up on 2 ranks (rank 0's gradient counts) equals one process's
+    assert d["warm-up"] <= 1e-4 and rel_diff(theta0, warm, steps[0]) > 0.5
+    # the 2 x 2 updates equal one process's (float order of the sums); the negative control:
     # one update fewer is far from it, so the comparison sees a missing or wrong update
-    assert rel_diff(steps[2], three, theta0) <= 1e-4
-    assert rel_diff(steps[1], three, theta0) > 1e-2
+    assert d["2x2"] <= 1e-4 and d["control"] > 1e-2
     # re-sharded from 2 to 3 ranks, one more update: still the one-process run
-    assert rel_diff(steps[3], four, theta0) <= 1e-4
-    assert rel_diff(steps[2], four, theta0) > 1e-2
+    assert d["3 ranks"] <= 1e-4 and rel_diff(steps[3], four, theta0) > 1e-2
     log = (tmp_path / "cell-1.log").read_text()
     assert "slice of" in log and "from rank 1" in log  # cell-1's rank took its slice from cell-0's
 
