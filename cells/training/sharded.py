@@ -70,6 +70,21 @@ def report(w: Any, store, prefix: str, rank: int, what: str, value: dict, timeou
     set_json(store, f"{prefix}/{what}/{rank}", value)
 
 
+def cell_tag(w: Any, store, prefix: str, timeout: float) -> str | None:
+    """The tag rank 0 acks for the cell: its own only if every rank of the cell holds it (else
+    the whole cell takes the state again). A rank that does not answer (dead, stopped, stuck)
+    takes the cell out of this attempt; rank 0 restarts it, empty, at the next."""
+    from cells.training.followers import Followers
+
+    w.followers = Followers.ensure(w.followers, w, w.source)
+    acks = [wait_json(store, cell_key(prefix, w.cell_id, i, "ack"), timeout) for i in range(1, w.cell_size)]
+    if any(a is None for a in acks):
+        w.followers.stop()
+        w.followers = None
+        raise TransferError(f"cell ranks {[i for i, a in enumerate(acks, 1) if a is None]} did not answer")
+    return w.tag if all(a.get("tag") == w.tag for a in acks) else None
+
+
 def compute(w: Any, store, prefix: str, spec: dict, rank: int, n: int, share, groups: list, box: dict) -> None:
     """The sharded counterpart of `TrainingWorker._compute` (same keys towards the coordinator)."""
     S, i = w.cell_size, w.cell_rank

@@ -312,17 +312,11 @@ class TrainingWorker:
         return self._settle(store, prefix, float(spec["commit_timeout_s"]))
 
     def _cell_tag(self, store, prefix: str, timeout: float) -> str | None:
-        """The tag this rank acks: on a cell of several ranks, rank 0's only if every rank
-        holds it (else the whole cell takes the state again)."""
         if self.cell_size == 1 or self.cell_rank:
             return self.tag
-        from cells.training.followers import Followers
-        from cells.training.sharded import cell_key
+        from cells.training.sharded import cell_tag
 
-        self.followers = Followers.ensure(self.followers, self, self.source)  # a dead rank restarts, empty
-        tags = [(wait_json(store, cell_key(prefix, self.cell_id, i, "ack"), timeout) or {}).get("tag")
-                for i in range(1, self.cell_size)]
-        return self.tag if all(t == self.tag for t in tags) else None
+        return cell_tag(self, store, prefix, timeout)
 
     def _compute_sharded(self, *args) -> None:
         from cells.training.sharded import compute

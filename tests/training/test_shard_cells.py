@@ -143,3 +143,27 @@ def test_a_rank_dying_mid_update_and_a_parked_peer_serving_slices(tmp_path):
     assert [m["version"] for m in (m1, m2)] == [1.0, 2.0]
     assert rel_diff(steps[2], final, theta0) <= 1e-4
     assert rel_diff(steps[1], final, theta0) > 1e-2
+
+
+def test_cells_train_ranks_reaches_the_cells_training_worker_and_defaults_to_one():
+    from cells.agent import CellAgent
+    from cells.engine.embedded import EmbeddedEngine
+    from scheduler.contract.config import ConfigError, parse_config
+
+    def agent(extra: dict) -> CellAgent:
+        cfg = parse_config({"cells": {"engine": {"type": "embedded", "model": {"preset": "tiny"}, "num_blocks": 64,
+                                                 "block_size": 16}, **extra}})
+        return CellAgent(cfg, cell_id="c-test", scheduler_url="http://127.0.0.1:9",
+                         engine=EmbeddedEngine(cfg.cells.engine))
+
+    for extra, size in (({}, 1), ({"train_ranks": 2}, 2)):
+        a = agent(extra)
+        try:
+            assert (a.training.cell_rank, a.training.cell_size) == (0, size)
+            assert a.training.followers is None  # started only once a coordinator's store is known
+        finally:
+            a.client.close()
+            a.versions.close()
+            a.store_host.close()
+    with pytest.raises(ConfigError, match="train_ranks"):
+        parse_config({"cells": {"train_ranks": 0}})
