@@ -73,8 +73,8 @@ class Holder:
         except Exception as e:
             log.exception("cell %s: job %s failed", self.w.cell_id, job.get("op"))
             result = {"ok": False, "error": str(e)[:300]}
-        if result is not None:
-            jobs.answer(store, job["id"], result)
+        if result is not None:  # a cell's rank i > 0 answers its rank 0, which answers for the cell
+            jobs.answer(store, job["id"] if not self.w.cell_rank else f"{job['id']}/rank{self.w.cell_rank}", result)
 
     def close(self) -> None:
         if self.host is not None:
