@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cell-ranks", type=int, required=True)
     p.add_argument("--device", default="cpu")
     p.add_argument("--loss", default=None)
+    p.add_argument("--parent", type=int, default=None, help="rank 0's pid (this rank exits when it is gone)")
     a = p.parse_args(argv)
     if not 0 < a.cell_rank < a.cell_ranks:
         p.error(f"--cell-rank must be in 1..{a.cell_ranks - 1}")
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     w = TrainingWorker(a.cell_id, device="cpu", local_loss=a.loss, cell_rank=a.cell_rank, cell_size=a.cell_ranks)
     w.source = StoreAddress(host, int(port))
     w.enter()
-    parent = os.getppid()
+    parent = a.parent if a.parent is not None else os.getppid()
     threading.Thread(target=_orphaned, args=(parent, w), name="parent-watch", daemon=True).start()
     w._loop()
 

@@ -32,7 +32,7 @@ class Followers:
         for i in range(1, w.cell_size):
             args = [sys.executable, "-m", "cells.training.cell_ranks", "--store", f"{source.host}:{source.port}",
                     "--cell-id", w.cell_id, "--cell-rank", str(i), "--cell-ranks", str(w.cell_size),
-                    "--device", rank_device(w.device, i)]
+                    "--device", rank_device(w.device, i), "--parent", str(os.getpid())]
             if w.local_loss:
                 args += ["--loss", w.local_loss]
             env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}

@@ -167,3 +167,17 @@ def test_cells_train_ranks_reaches_the_cells_training_worker_and_defaults_to_one
             a.store_host.close()
     with pytest.raises(ConfigError, match="train_ranks"):
         parse_config({"cells": {"train_ranks": 0}})
+
+
+def test_a_cell_rank_whose_rank_0_is_gone_exits_by_itself():
+    import subprocess
+    import sys
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "cells.training.cell_ranks", "--store", "127.0.0.1:9", "--cell-id", "c",
+                        "--cell-rank", "1", "--cell-ranks", "2", "--parent", str(gone.pid)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "rank 0 is gone" in r.stderr, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
