@@ -6,7 +6,11 @@ is read back by a fresh cell of 3 ranks (re-sharded) that continues to the one-p
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,11 +109,25 @@ def test_a_one_rank_cell_refuses_a_sharded_checkpoint_clearly(tmp_path):
         state_files.load_packed(tmp_path)
 
 
+def _rank_pid(parent: int, rank: int) -> int:
+    """The pid of the cell rank `rank` that the rank 0 `parent` started."""
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"cells.training.cell_ranks" in cmd and cmd[cmd.index(b"--parent") + 1] == str(parent).encode() \
+                    and cmd[cmd.index(b"--cell-rank") + 1] == str(rank).encode():
+                return int(d.name)
+    raise LookupError(f"no rank {rank} of {parent}")
+
+
 @pytest.mark.timeout(420)
-def test_a_rank_dying_mid_update_and_a_parked_peer_serving_slices(tmp_path):
+def test_a_rank_dying_or_stopped_and_a_parked_peer_serving_slices(tmp_path):
     base = learner(max_grad_norm=1.0)
     theta0 = _params(base)
-    batches = [trajectories(base, seed=s) for s in (6, 7, 8)]
+    batches = [trajectories(base, seed=s) for s in (6, 7, 8, 9)]
     clean, steps = learner(max_grad_norm=1.0), []
     for b in batches:
         clean.rl_step(b)
@@ -118,8 +136,9 @@ def test_a_rank_dying_mid_update_and_a_parked_peer_serving_slices(tmp_path):
     env = {1: {"CELLFLIP_FAILPOINTS_RANK_1": "training.after_minibatch=3*kill"}}
     ranks = Ranks(tmp_path, 0)
     for i in range(3):
-        ranks.start(f"cell-{i}", (env or {}).get(i), ["--ranks", "2"])
+        ranks.start(f"cell-{i}", env.get(i), ["--ranks", "2"])
     ranks.wait_ready(["cell-0", "cell-1", "cell-2"])
+    stopped = None
     try:
         coord = coordinator(learner(max_grad_norm=1.0), ranks.host.address, timeout_s=15, ack_timeout_s=30)
         v = lambda: coord.version + 1  # noqa: E731
@@ -127,12 +146,21 @@ def test_a_rank_dying_mid_update_and_a_parked_peer_serving_slices(tmp_path):
         m2 = coord.update(batches[1], ["cell-0", "cell-1"], next_version=v)
         # cell-2 trains alone: the state's slices come from the ranks of cell-0, outside the step
         m3 = coord.update(batches[2], ["cell-2"], next_version=v, peers=["cell-0"])
+        # cell-0's rank 1 stopped: cell-0 does not ack, the step goes on without it
+        stopped = _rank_pid(ranks.procs["cell-0"].pid, 1)
+        os.kill(stopped, signal.SIGSTOP)
+        coord.ack_timeout_s = 4.0
+        m4 = coord.update(batches[3], ["cell-2", "cell-0"], next_version=v)
         final = _checkpoint(coord, tmp_path / "ckpt")
     except Exception:
         print(ranks.logs())
         raise
     finally:
         ranks.stop()
+        if stopped is not None:  # rank 0 killed it already, or it is ours to end (the same process)
+            with contextlib.suppress(OSError):
+                if b"cells.training.cell_ranks" in Path(f"/proc/{stopped}/cmdline").read_bytes():
+                    os.kill(stopped, signal.SIGKILL)
     assert m1["attempts"] == 1.0 and m1["join_source"] == "build"
     # the failed attempt: cell-0 restored its slices (the compute copy gathered at the redo),
     # cell-1's rank 0 restarted its rank 1, which holds nothing: cell-1 joined from cell-0
@@ -140,9 +168,10 @@ def test_a_rank_dying_mid_update_and_a_parked_peer_serving_slices(tmp_path):
     assert m2["join_source"] == "rank" and m2["join_cells"] == 1.0
     assert "restored the start-of-update state" in (tmp_path / "cell-0.log").read_text()
     assert m3["join_source"] == "peer" and m3["version"] == 3.0
-    assert [m["version"] for m in (m1, m2)] == [1.0, 2.0]
-    assert rel_diff(steps[2], final, theta0) <= 1e-4
-    assert rel_diff(steps[1], final, theta0) > 1e-2
+    assert m4["attempts"] == 2.0 and m4["cells_lost"] == 1.0 and m4["train_cells"] == 1.0
+    assert [m["version"] for m in (m1, m2, m4)] == [1.0, 2.0, 4.0]
+    assert rel_diff(steps[3], final, theta0) <= 1e-4
+    assert rel_diff(steps[2], final, theta0) > 1e-2
 
 
 def test_cells_train_ranks_reaches_the_cells_training_worker_and_defaults_to_one():
