@@ -1,0 +1,129 @@
+"""Compute weights gathered one layer at a time over a cell's ranks (cells/rl/layer_gather.py,
+cells/rl/layer_forward.py): two ranks over gloo (threads of this process), each with its slice
+of the flat layout and its own sequences, three AdamW updates on the slices equal one
+process's updates on the whole model; no rank ever holds more than two units gathered; the
+published (gathered) parameters are the slices'."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from datetime import timedelta
+
+import pytest
+import torch
+from torch.distributed import HashStore, PrefixStore, ProcessGroupGloo
+
+from cells.engine.embedded.model import init_weights, prepare, token_logprobs
+from cells.engine.embedded.model_spec import PRESETS
+from cells.rl.layer_forward import empty_forward, packed_logprobs
+from cells.rl.layer_gather import FlatLayout, LayerGather, Source
+
+SPEC = replace(PRESETS["toy"], vocab_size=1024, output_id_ranges=((0, 48),), max_position=256, num_layers=6)
+S, STEPS, LR = 2, 3, 1e-2
+
+
+def _batches() -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """Per step, per rank: its micro-batches, each a list of (ids, per-token loss weights);
+    rank 0 runs two micro-batches, rank 1 one (it pads with an empty forward)."""
+    g = torch.Generator().manual_seed(7)
+
+    def seq(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randint(0, 48, (n,), generator=g), torch.randn(n, generator=g)
+
+    return [[[[seq(9), seq(14)], [seq(6)]], [[seq(11), seq(5), seq(17)]]] for _ in range(STEPS)]
+
+
+def _flat(w: dict[str, torch.Tensor], lay: FlatLayout) -> torch.Tensor:
+    flat = torch.cat([w[k].reshape(-1) for k in sorted(w)])
+    return torch.cat([flat, flat.new_zeros(lay.shard_len * lay.size - flat.numel())])
+
+
+def _one_process(w0: dict[str, torch.Tensor], batches) -> dict[str, torch.Tensor]:
+    params = {k: v.clone().requires_grad_(True) for k, v in w0.items()}
+    opt = torch.optim.AdamW(list(params.values()), lr=LR, weight_decay=0.01)
+    for step in batches:
+        opt.zero_grad()
+        prep = prepare(SPEC, params)
+        loss = sum((token_logprobs(prep, ids) * c[1:]).sum() for rank in step for mb in rank for ids, c in mb)
+        loss.backward()
+        opt.step()
+    return {k: v.detach() for k, v in params.items()}
+
+
+def _rank(rank: int, store, w0, batches, reduce: bool) -> dict:
+    pg = ProcessGroupGloo(PrefixStore("cell", store), rank, S, timedelta(seconds=60))
+    lay = FlatLayout({k: v.shape for k, v in w0.items()}, S, rank)
+    lg = LayerGather(SPEC, lay, pg, timeout_s=60, reduce=reduce)
+    master = _flat(w0, lay)[rank * lay.shard_len: (rank + 1) * lay.shard_len].clone().requires_grad_(True)
+    opt = torch.optim.AdamW([master], lr=LR, weight_decay=0.01)
+    for step in batches:
+        src = Source(master.detach())
+        mbs = step[rank]
+        for i in range(lg.lockstep_rounds(len(mbs))):
+            if i >= len(mbs):
+                empty_forward(lg, src, grad=True)
+                continue
+            lps = packed_logprobs(lg, src, [ids for ids, _ in mbs[i]], grad=True)
+            sum((lp * c).sum() for lp, (_, c) in zip(lps, mbs[i], strict=True)).backward()
+        master.grad = src.grad
+        opt.step()
+    full = lg.gather_full(Source(master.detach()))
+    return {"master": master.detach().clone(), "full": full, "peak": lg.peak_live, "layout": lay,
+            "units": {k: b - a for k, (a, b) in lg.units.items()}}
+
+
+def _sharded(w0, batches, reduce: bool = True) -> list[dict]:
+    store = HashStore()
+    with ThreadPoolExecutor(S) as ex:
+        futs = [ex.submit(_rank, r, store, w0, batches, reduce) for r in range(S)]
+        return [f.result(timeout=120) for f in futs]
+
+
+def _rel_diff(a: dict, b: dict, w0: dict) -> float:
+    out = 0.0
+    for k in w0:
+        moved = float((a[k] - w0[k]).norm())
+        assert moved > 0, k  # the updates moved every tensor: the comparison compares something
+        out = max(out, float((a[k] - b[k]).norm()) / moved)
+    return out
+
+
+def _assembled(ranks: list[dict], w0: dict) -> dict[str, torch.Tensor]:
+    flat, lay, out = torch.cat([r["master"] for r in ranks]), ranks[0]["layout"], {}
+    for k, v in w0.items():
+        o = lay.offsets[k]
+        out[k] = flat[o: o + v.numel()].view(v.shape)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_gathering_layers_update_like_one_process():
+    torch.manual_seed(0)
+    w0, batches = init_weights(SPEC, 0, 0.02), _batches()
+    one = _one_process(w0, batches)
+    ranks = _sharded(w0, batches)
+    theta = _assembled(ranks, w0)
+    assert _rel_diff(one, theta, w0) <= 1e-4
+    # publishing: every rank gathers the whole model, unit by unit, equal to the slices bitwise
+    for r in ranks:
+        assert all(torch.equal(r["full"][k], theta[k]) for k in w0)
+    # no rank held the model: a unit or two gathered at once (a third while gloo's thread lets
+    # go of a received buffer a moment after the wait)
+    units = sorted(ranks[0]["units"].values())
+    num_params = sum(v.numel() for v in w0.values())
+    assert all(0 < r["peak"] <= 2 * units[-1] + units[-2] < num_params / 2 for r in ranks), (
+        [r["peak"] for r in ranks], units, num_params)
+    # negative control: without the reduce to the owners each rank steps on its own gradient
+    alone = _assembled(_sharded(w0, batches, reduce=False), w0)
+    assert _rel_diff(one, alone, w0) > 1e-2
+
+
+def test_bad_input_is_refused():
+    lay = FlatLayout({k: torch.Size(s) for k, s in {"a": (3,), "b": (4,)}.items()}, 2, 0)
+    assert lay.shard_len == 4 and lay.pieces(2, 6) == [(0, 2, 4), (1, 4, 6)]
+    with pytest.raises(ValueError, match="contiguous"):
+        FlatLayout({"a": torch.Size((3,)), "b": torch.Size((4,)), "c": torch.Size((2,))}, 2, 0).span(["a", "c"])
+    lg = LayerGather(SPEC, FlatLayout({k: v.shape for k, v in init_weights(SPEC).items()}, 1, 0), None)
+    with pytest.raises(ValueError, match="2 tokens"):
+        packed_logprobs(lg, Source(torch.zeros(lg.layout.shard_len)), [torch.tensor([3])], grad=False)
