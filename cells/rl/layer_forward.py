@@ -69,6 +69,8 @@ def packed_logprobs(lg: LayerGather, src: Source, seqs: Sequence[Tensor], *, gra
     segments = [Segment(o, n, 0) for o, n in zip(starts, lens, strict=True)]
     cos_t, sin_t = rope if rope is not None else rope_tables(spec.head_dim, spec.max_position, spec.rope_theta)
     cos, sin = cos_t.to(dev).index_select(0, positions), sin_t.to(dev).index_select(0, positions)
+    if lg.dtype is not None:
+        cos, sin = cos.to(lg.dtype), sin.to(lg.dtype)
     rows = torch.cat([torch.arange(o, o + n - 1) for o, n in zip(starts, lens, strict=True)]).to(dev)
     anchor = torch.zeros((), device=dev, requires_grad=True) if grad else None
     with torch.set_grad_enabled(grad):

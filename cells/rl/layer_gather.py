@@ -85,8 +85,11 @@ class LayerGather:
     control of the tests."""
 
     def __init__(self, spec: ModelSpec, layout: FlatLayout, pg: Any, timeout_s: float = 120.0,
-                 reduce: bool = True) -> None:
+                 reduce: bool = True, dtype: torch.dtype | None = None) -> None:
         self.spec, self.layout, self.pg, self.timeout_s, self.reduce = spec, layout, pg, timeout_s, reduce
+        self.dtype = dtype
+        """The compute and wire dtype of the gathered units and their gradients (bf16); None:
+        the slices' own (fp32). The slices and their gradient stay fp32 either way."""
         self.units = {k: layout.span(v) for k, v in layout.groups(spec).items()}
         self.names = layout.groups(spec)
         self.live = 0
@@ -104,11 +107,11 @@ class LayerGather:
         self.live -= n
 
     @torch.no_grad()
-    def gather_range(self, shard: Tensor, a: int, b: int) -> Tensor:
+    def gather_range(self, shard: Tensor, a: int, b: int, dtype: torch.dtype | None = None) -> Tensor:
         """[a, b) of the flat buffer whose slice on this rank is `shard`, on `shard`'s device:
-        a broadcast of each owner's piece."""
+        a broadcast of each owner's piece, in `dtype` (default: the compute dtype)."""
         lay = self.layout
-        out = self._track(torch.empty(b - a, dtype=shard.dtype, device=shard.device))
+        out = self._track(torch.empty(b - a, dtype=dtype or self.dtype or shard.dtype, device=shard.device))
         for r, lo, hi in lay.pieces(a, b):
             piece = out[lo - a: hi - a]
             if r == lay.rank:
@@ -123,7 +126,7 @@ class LayerGather:
     def reduce_range(self, grad: Tensor, a: int, b: int, shard_grad: Tensor) -> None:
         """Sum `grad` ([a, b) of the flat layout) over the cell into the owners' `shard_grad`."""
         lay = self.layout
-        grad = grad.detach().reshape(-1).to(shard_grad.dtype).contiguous()
+        grad = grad.detach().reshape(-1).to(self.dtype or shard_grad.dtype).contiguous()
         for r, lo, hi in lay.pieces(a, b):
             piece = grad[lo - a: hi - a]
             if self.reduce and lay.size > 1:
@@ -131,7 +134,7 @@ class LayerGather:
                 opts.rootRank, opts.reduceOp = r, ReduceOp.SUM
                 wait_work(self.pg.reduce([piece], opts), self.timeout_s, f"layer reduce ({hi - lo} values)")
             if r == lay.rank:
-                shard_grad[lo - r * lay.shard_len: hi - r * lay.shard_len] += piece
+                shard_grad[lo - r * lay.shard_len: hi - r * lay.shard_len] += piece.to(shard_grad.dtype)
 
     def views(self, unit: str, flat: Tensor) -> dict[str, Tensor]:
         a, _ = self.units[unit]
@@ -149,17 +152,22 @@ class LayerGather:
             return self.views(unit, self.gather_range(source.shard, a, b))
         return self.views(unit, _Gather.apply(anchor, self, source, a, b))
 
-    def gather_full(self, source: Source, device: str | torch.device = "cpu") -> dict[str, Tensor]:
-        """Every tensor, gathered unit by unit to `device` (host by default): publishing."""
+    def gather_full(self, source: Source, device: str | torch.device = "cpu",
+                    dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """Every tensor, gathered unit by unit to `device` (host by default) in `dtype` (default
+        the slices': the fp32 master), one unit on the slices' device at a time: publishing."""
         out: dict[str, Tensor] = {}
-        for unit in self.units:
-            for k, v in self.unit(unit, source, None).items():
+        for unit, (a, b) in self.units.items():
+            flat = self.gather_range(source.shard, a, b, dtype or source.shard.dtype)
+            for k, v in self.views(unit, flat).items():
                 out[k] = v.to(device, copy=True)
+            del flat
         return out
 
-    def lockstep_rounds(self, n: int) -> int:
-        """The most forwards any rank of the cell runs (each rank passes its own count)."""
-        t = torch.tensor([float(n)])
+    def lockstep_rounds(self, n: int, device: str | torch.device = "cpu") -> int:
+        """The most forwards any rank of the cell runs (each rank passes its own count; `device`
+        the group's: cuda on an NCCL group)."""
+        t = torch.tensor([float(n)], device=device)
         if self.layout.size > 1:
             opts = AllreduceOptions()
             opts.reduceOp = ReduceOp.MAX
