@@ -145,3 +145,19 @@ def test_bad_input_is_refused():
     lg = LayerGather(SPEC, FlatLayout({k: v.shape for k, v in init_weights(SPEC).items()}, 1, 0), None)
     with pytest.raises(ValueError, match="2 tokens"):
         packed_logprobs(lg, Source(torch.zeros(lg.layout.shard_len)), [torch.tensor([3])], grad=False)
+
+
+def test_the_memory_formula_at_32b_is_the_documented_one():
+    """docs/TRAINING.md's figures for the layer-gathered layout at Qwen3-32B on 8 GPUs, and the
+    gathered term bounds what the 2-rank run above gathered at once."""
+    from cells.rl.memory import QWEN3_32B, Config, layer_gathered, sharded_compute
+
+    g = 1e9
+    bf16 = layer_gathered(Config(QWEN3_32B, 8, 8192, "nccl", "layer", 2))
+    assert round(bf16["slices"] / g, 1) == 65.5 and round(bf16["device"] / g, 1) == 77.0
+    assert round(bf16["host"] / g, 1) == 98.3
+    assert round(layer_gathered(Config(QWEN3_32B, 8, 4096, "nccl", "layer", 2))["device"] / g, 1) == 72.9
+    assert round(layer_gathered(Config(QWEN3_32B, 8, 8192, "nccl", "layer", 4))["device"] / g, 1) == 88.4
+    assert round(sharded_compute(Config(QWEN3_32B, 8, 8192, "nccl", "layer", 2))["peak"] / g, 1) == 69.5
+    toy = layer_gathered(Config(SPEC, S, 64, "gloo", "layer", 4))
+    assert toy["gathered"] / 4 >= 2 * SPEC.vocab_size * SPEC.hidden_size  # >= the test's measured bound
