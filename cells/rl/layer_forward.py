@@ -18,6 +18,8 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 from cells.engine.embedded.layers import rms_norm, rope_tables
 from cells.engine.embedded.model import Prepared, Segment, _layer, target_logprobs
 from cells.rl.layer_gather import EMBED, HEAD, NORM, LayerGather, Source
+from cells.rl.objectives.tree import SerializedTree
+from cells.rl.trees import _segments
 
 
 def _layer_tensors(lg: LayerGather, i: int, w: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -38,7 +40,7 @@ def _gathered_layer(lg: LayerGather, src: Source, anchor: Tensor | None, i: int,
 
 
 def _head(lg: LayerGather, src: Source, anchor: Tensor | None, rows: Tensor, targets: Tensor,
-          temperature: float, tile: int | None) -> Tensor:
+          temperature: float, tile: int | None, entropy: list | None = None) -> Tensor:
     """Final norm and the chunked target log-probs, the output layer gathered for them."""
     spec = lg.spec
     h = rms_norm(rows, lg.unit("norm", src, anchor)[NORM], spec.rms_norm_eps)
@@ -50,42 +52,69 @@ def _head(lg: LayerGather, src: Source, anchor: Tensor | None, rows: Tensor, tar
         id_to_out = torch.full((spec.vocab_size,), -1, dtype=torch.long, device=table.device)
         id_to_out[ids] = torch.arange(len(out), device=table.device)
     prep = Prepared(spec, {}, [], table, None, rows.new_empty(0), rows.new_empty(0), id_to_out)
-    return target_logprobs(prep, h, targets, temperature, tile)
+    return target_logprobs(prep, h, targets, temperature, tile, entropy)
 
 
-def packed_logprobs(lg: LayerGather, src: Source, seqs: Sequence[Tensor], *, grad: bool,
-                    temperature: float = 1.0, tile: int | None = None,
-                    rope: tuple[Tensor, Tensor] | None = None) -> list[Tensor]:
-    """Per-token log-probs of each sequence (index t = token t, 0 at t = 0) from one packed
-    forward; with `grad` their backward reduces the gradient into `src.grad` (a collective:
-    every rank of the cell calls this the same number of times)."""
+def _gathered_forward(lg: LayerGather, src: Source, ids: Tensor, positions: Tensor, segments: list[Segment],
+                      rows: Tensor, targets: Tensor, *, grad: bool, temperature: float, tile: int | None,
+                      rope: tuple[Tensor, Tensor] | None, entropy: list | None) -> Tensor:
+    """Log-prob of `targets[j]` after hidden row `rows[j]` of the flat batch `ids`, one layer
+    gathered at a time; with `grad` each layer and the head checkpointed."""
     spec, dev = lg.spec, src.shard.device
-    if any(len(s) < 2 for s in seqs) or not seqs:
-        raise ValueError("every sequence needs at least 2 tokens")
-    ids = torch.cat([torch.as_tensor(s, dtype=torch.long) for s in seqs]).to(dev)
-    lens = [len(s) for s in seqs]
-    starts = torch.tensor([0, *lens[:-1]]).cumsum(0).tolist()
-    positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
-    segments = [Segment(o, n, 0) for o, n in zip(starts, lens, strict=True)]
+    if grad and entropy is not None:
+        raise ValueError("entropy is a detached forward's (the checkpoints would count it twice)")
     cos_t, sin_t = rope if rope is not None else rope_tables(spec.head_dim, spec.max_position, spec.rope_theta)
     cos, sin = cos_t.to(dev).index_select(0, positions), sin_t.to(dev).index_select(0, positions)
     if lg.dtype is not None:
         cos, sin = cos.to(lg.dtype), sin.to(lg.dtype)
-    rows = torch.cat([torch.arange(o, o + n - 1) for o, n in zip(starts, lens, strict=True)]).to(dev)
     anchor = torch.zeros((), device=dev, requires_grad=True) if grad else None
     with torch.set_grad_enabled(grad):
         x = lg.unit("embed", src, anchor)[EMBED].index_select(0, ids)
         for i in range(spec.num_layers):
             args = (lg, src, anchor, i, x, cos, sin, segments, tile)
             x = _checkpoint(_gathered_layer, *args, use_reentrant=False) if grad else _gathered_layer(*args)
-        hidden = x.index_select(0, rows)
-        args2 = (lg, src, anchor, hidden, ids.index_select(0, rows + 1), temperature, tile)
-        lp = _checkpoint(_head, *args2, use_reentrant=False) if grad else _head(*args2)
+        args2 = (lg, src, anchor, x.index_select(0, rows), targets, temperature, tile)
+        return _checkpoint(_head, *args2, use_reentrant=False) if grad else _head(*args2, entropy)
+
+
+def packed_logprobs(lg: LayerGather, src: Source, seqs: Sequence[Tensor], *, grad: bool,
+                    temperature: float = 1.0, tile: int | None = None,
+                    rope: tuple[Tensor, Tensor] | None = None, entropy: list | None = None) -> list[Tensor]:
+    """Per-token log-probs of each sequence (index t = token t, 0 at t = 0) from one packed
+    forward; with `grad` their backward reduces the gradient into `src.grad` (a collective:
+    every rank of the cell calls this the same number of times). With `entropy` (a list, no
+    `grad`) each sequence's per-token entropy (same layout) is appended to it."""
+    dev = src.shard.device
+    if not seqs or any(len(s) < 2 for s in seqs):
+        raise ValueError("every sequence needs at least 2 tokens")
+    ids = torch.cat([torch.as_tensor(s, dtype=torch.long) for s in seqs]).to(dev)
+    lens = [len(s) for s in seqs]
+    starts = torch.tensor([0, *lens[:-1]]).cumsum(0).tolist()
+    positions = torch.cat([torch.arange(n) for n in lens]).to(dev)
+    segments = [Segment(o, n, 0) for o, n in zip(starts, lens, strict=True)]
+    rows = torch.cat([torch.arange(o, o + n - 1) for o, n in zip(starts, lens, strict=True)]).to(dev)
+    ent: list | None = [] if entropy is not None else None
+    lp = _gathered_forward(lg, src, ids, positions, segments, rows, ids.index_select(0, rows + 1), grad=grad,
+                           temperature=temperature, tile=tile, rope=rope, entropy=ent)
     out, pos = [], 0
     for n in lens:
         out.append(torch.cat([lp.new_zeros(1), lp[pos: pos + n - 1]]))
+        if entropy is not None:
+            entropy.append(torch.cat([lp.new_zeros(1), ent[0][pos: pos + n - 1].to(lp.dtype)]))
         pos += n - 1
     return out
+
+
+def tree_logprobs(lg: LayerGather, src: Source, ser: SerializedTree, token_ids: Tensor, *, grad: bool,
+                  temperature: float = 1.0, tile: int | None = None,
+                  rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    """`tree_token_logprobs` (cells/rl/trees.py) on gathered layers: one forward over the
+    serialised tree, each node attending to its own path; 0 for a root's first token."""
+    dev = src.shard.device
+    ids, prev = token_ids.to(dev), ser.prev_index.to(dev)
+    out = _gathered_forward(lg, src, ids, ser.positions.to(dev), _segments(ser), prev.clamp(min=0), ids,
+                            grad=grad, temperature=temperature, tile=tile, rope=rope, entropy=None)
+    return torch.where(prev >= 0, out, torch.zeros_like(out))
 
 
 def empty_forward(lg: LayerGather, src: Source, *, grad: bool) -> None:
