@@ -7,11 +7,13 @@ layer's gradient to its owners. The current parameters, the reference and the EW
 `run_update` as stand-ins (`params` shapes on the meta device, `reference` / `ewma.params`
 markers) that this learner's `seq_logprobs` / `tree_logprobs` turn into sources of slices.
 
-The ranks of a cell run different numbers of forwards (their shares differ), and each forward
-is a sequence of cell collectives: every forward starts with a handshake (an all-reduce of
-"running, with or without grad"); a rank done with a phase calls `join_forwards`, which
-answers "done" and runs an empty forward of the same kind for every forward the others still
-run, until all are done (DDP's `Join`, for layer gathers).
+The ranks of a cell run different numbers and kinds of forwards (their shares differ), and
+each forward is a sequence of cell collectives in which every rank must gather the same state
+(the owners broadcast their pieces of it): every forward starts with a handshake (an
+all-reduce of the kind each rank wants: grad, parameters, reference, EWMA copy, or done); the
+cell runs the lowest kind wanted, a rank wanting another runs an empty forward of that kind
+and asks again; a rank done with a phase (`join_forwards`) serves the others' forwards so
+until all are done (DDP's `Join`, for layer gathers).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from cells.rl.objectives.config import ewma_window
 from cells.rl.objectives.tree import SerializedTree
 from cells.rl.shard import ShardedLearner, _ShardEWMA, all_reduce
 from cells.transport.p2p import wait_work
+
+KINDS = ("grad", "params", "reference", "ewma")
+"""The kinds of forward: at the parameters with and without grad, the reference, the EWMA copy."""
 
 
 class _Which(dict):
@@ -79,50 +84,65 @@ class GatheredLearner(ShardedLearner):
     def lg(self) -> LayerGather:
         return LayerGather(self.spec, self._layout, self.groups.cell, self.groups.timeout_s, dtype=self.compute_dtype)
 
-    def _source(self, weights: Any, grad: bool) -> Source:
+    def _kind(self, weights: Any, grad: bool) -> int:
+        """Which state a forward reads, as an index of `KINDS`."""
         if weights is self.params:
-            if grad and self.grad_slice is None:
-                self.grad_slice = torch.zeros_like(self.master)
-            return Source(self.master.detach(), self.grad_slice if grad else None)
-        if isinstance(weights, _Which):
-            return Source(self.ref_shard if weights.which == "reference" else self.ewma.inner.params["shard"])
+            return 0 if grad else 1
+        if isinstance(weights, _Which) and not grad:
+            return KINDS.index(weights.which)
         raise ValueError("a gathered learner computes on its own parameters, reference or EWMA copy only")
+
+    def _kind_source(self, kind: int) -> Source:
+        if kind == 0:
+            if self.grad_slice is None:
+                self.grad_slice = torch.zeros_like(self.master)
+            return Source(self.master.detach(), self.grad_slice)
+        if kind == 1:
+            return Source(self.master.detach())
+        return Source(self.ref_shard if KINDS[kind] == "reference" else self.ewma.inner.params["shard"])
 
     def gathered(self, which: str) -> dict[str, Tensor]:
         return _Which(which)
 
     # -- the forwards, in lockstep across the cell ------------------------------------------------
-    def _handshake(self, done: bool, grad: bool) -> tuple[int, bool]:
-        """(ranks done, any running forward with grad) over the cell."""
-        t = torch.tensor([float(done), float(grad and not done)], device=self.master.device)
+    def _round(self, want: int | None) -> int | None:
+        """One handshake: each rank says which kind of forward it wants next (None: done with
+        this phase). Returns the kind the cell runs now (the lowest wanted), None when all are
+        done: every rank gathers the same state at the same time."""
+        t = torch.zeros(len(KINDS) + 1, device=self.master.device)
+        t[len(KINDS) if want is None else want] = 1.0
         if self.groups.cell_size > 1:
             opts = AllreduceOptions()
             opts.reduceOp = ReduceOp.SUM
             wait_work(self.groups.cell.allreduce([t], opts), self.groups.timeout_s, "forward handshake")
-        return int(t[0].item()), bool(t[1].item() > 0)
+        wanted = [i for i in range(len(KINDS)) if t[i].item() > 0]
+        return wanted[0] if wanted else None
+
+    def _lockstep(self, want: int) -> None:
+        """Serve the cell's other forwards (empty ones of their kind) until it runs `want`."""
+        while (kind := self._round(want)) != want:
+            empty_forward(self.lg, self._kind_source(kind), grad=kind == 0)
 
     def join_forwards(self) -> None:
-        """Done with this phase's forwards: serve the cell's others until they are done too."""
-        while True:
-            done, grad = self._handshake(True, False)
-            if done == self.groups.cell_size:
-                return
-            empty_forward(self.lg, self._source(self.params, grad), grad=grad)  # owners' sums reach grad_slice
+        """Done with this phase's forwards: serve the cell's others until they are done too
+        (a grad forward's owners' sums reach `grad_slice`)."""
+        while (kind := self._round(None)) is not None:
+            empty_forward(self.lg, self._kind_source(kind), grad=kind == 0)
 
     def seq_logprobs(self, weights: dict[str, Tensor], seqs: Sequence[Tensor], grad: bool,
                      entropy: list | None = None) -> tuple[list[Tensor], dict[str, Tensor], Tensor | None]:
-        src = self._source(weights, grad)
-        self._handshake(False, grad)
-        out = packed_logprobs(self.lg, src, list(seqs), grad=grad, temperature=self.temperature, tile=self.tile,
-                              rope=self._rope, entropy=entropy)
+        kind = self._kind(weights, grad)
+        self._lockstep(kind)
+        out = packed_logprobs(self.lg, self._kind_source(kind), list(seqs), grad=grad,
+                              temperature=self.temperature, tile=self.tile, rope=self._rope, entropy=entropy)
         return out, {}, None
 
     def tree_logprobs(self, weights: dict[str, Tensor], tree: SerializedTree, grad: bool
                       ) -> tuple[Tensor, dict[str, Tensor], Tensor | None]:
-        src = self._source(weights, grad)
-        self._handshake(False, grad)
-        lp = tree_logprobs(self.lg, src, tree, tree.token_ids, grad=grad, temperature=self.temperature,
-                           tile=self.tile, rope=self._rope)
+        kind = self._kind(weights, grad)
+        self._lockstep(kind)
+        lp = tree_logprobs(self.lg, self._kind_source(kind), tree, tree.token_ids, grad=grad,
+                           temperature=self.temperature, tile=self.tile, rope=self._rope)
         return lp, {}, None
 
     # -- the update's phases ----------------------------------------------------------------------
