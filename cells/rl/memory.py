@@ -11,8 +11,8 @@ Two layouts:
   gradient (4), its reduced slice (4/S), the slice sent to the all-gather (4/S), the EWMA's
   equality mask (1/S byte) and the micro-batch's activations. gloo stages an all-gather's
   whole output once more (4; NCCL writes in place).
-- `layer_gathered`: the compute copy sharded too (cells/rl/layer_gather.py, built as a
-  primitive: not yet the default path of `ShardedLearner`, see docs/TRAINING.md). On the rank's
+- `layer_gathered`: the compute copy sharded too (cells/rl/layer_gather.py; `GatheredLearner`
+  in cells/rl/shard_gathered.py, not yet what a cell's ranks build, see docs/TRAINING.md). On the rank's
   device: the fp32 master slice 4/S, AdamW's moments 8/S, the fp32 gradient slice 4/S (16/S);
   the reference, EWMA copy and the guard's snapshot slices (24/S) where `host_offload` puts
   them (pinned host memory on a GPU cell). Gathered at once, in the compute dtype (e bytes): a
