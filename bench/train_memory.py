@@ -119,6 +119,7 @@ def sharded_figures(tmp: Path) -> dict:
         runs[f"one_{prec}"] = launch(0, 0, cfg, tmp / f"one_{prec}")
         runs[f"shard_{prec}"] = launch(2, 2, cfg, tmp / f"shard_{prec}")
     runs["one_fp32_per_sequence"] = launch(0, 0, {**SHARD_CFG, "pack": False}, tmp / "one_fp32_per_sequence")
+    runs["gathered_fp32"] = launch(2, 2, {**SHARD_CFG, "gather_layers": True}, tmp / "gathered_fp32")
     for k in runs:
         theta[k] = load_file(str(tmp / k / "params.safetensors"))
     w0 = init_weights(PRESETS["toy"], 0, 0.02)
@@ -146,4 +147,23 @@ def sharded_figures(tmp: Path) -> dict:
         "pack_step_s": {"packed": _median_step(runs["one_fp32"][0]),
                         "per_sequence": _median_step(runs["one_fp32_per_sequence"][0])},
         "pack_rel_diff": _rel_diff(theta["one_fp32"], theta["one_fp32_per_sequence"], w0),
+        **_gathered_figures(runs, theta, w0),
     }
+
+
+def _gathered_figures(runs: dict, theta: dict, w0: dict) -> dict:
+    """The 2 x 2 run with the compute weights gathered a layer at a time (GatheredLearner):
+    its distance to one process, a rank's state and peak, `memory.layer_gathered` at its size
+    (device and host terms together: one process's memory on CPU)."""
+    from cells.engine.embedded.model_spec import PRESETS
+    from cells.rl.memory import Config, layer_gathered
+
+    ranks = runs["gathered_fp32"]
+    extra = max(r["rank_peak_rss_bytes"] - r["base_rss_bytes"] for r in ranks)
+    f = layer_gathered(Config(PRESETS["toy"], 2, max(r["graph_tokens"] for r in ranks)))
+    total = f["device"] + f["host"]
+    return {"gathered_param_max_rel_diff": _rel_diff(theta["one_fp32"], theta["gathered_fp32"], w0),
+            "gathered_rank_state_bytes": max(r["rank_state_bytes"] for r in ranks),
+            "gathered_rank_peak_extra_bytes": extra, "gathered_memory_formula_bytes": total,
+            "gathered_memory_formula_error": round(abs(total - extra) / extra, 4),
+            "gathered_step_s": _median_step(ranks[0])}

@@ -100,7 +100,7 @@ class CellAgent:
         self._stall_logged_at = float("-inf")
         keep = cfg.cells.keep_training_memory == "auto" and not caps.role_handover
         self.training = TrainingWorker(cell_id, device=engine.train_device, keep_memory=keep,
-                                       local_loss=cfg.trainer.objective.get("loss"))
+                                       local_loss=cfg.trainer.objective.get("loss"), cell_size=cfg.cells.train_ranks)
         """The cell's training rank: takes the trainer's step assignments in the training role."""
         prepare = versioned_weights(engine).prepare_weights if caps.versioned_weights else None
         self.versions = CellVersions(cell_id, emit=self.events_append, wake=self.wake,

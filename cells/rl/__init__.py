@@ -15,5 +15,6 @@ neither (`tests/test_shape.py`).
     packing       several sequences per forward, packed without padding
     precision     fp32 or bf16 compute and gradient sums over fp32 state
     shard         a cell's S ranks: the training state sharded S ways, cross-cell sums per step
+    shard_state   one rank's slices as a flat buffer + JSON; re-sharding across S
     memory        per-rank memory as a formula (docs/TRAINING.md)
 """

@@ -141,5 +141,8 @@ def update_kl(learner: Any, b: Any, pre: dict, reducer: Reducer) -> float:
     for u, s in zip(b.trees if b is not None else [], pre["trees"]):
         lt, _, _ = learner.tree_logprobs(learner.params, u.ser, False)
         acc += torch.tensor(approx_kl_sum(u, s, lt, cap), dtype=torch.float64)
+    join = getattr(learner, "join_forwards", None)  # a gathered learner's cell ends its forwards together
+    if join is not None:
+        join()
     reducer.all_reduce(acc)
     return float(acc[0] / acc[1]) if acc[1] > 0 else 0.0

@@ -11,11 +11,16 @@ Two layouts:
   gradient (4), its reduced slice (4/S), the slice sent to the all-gather (4/S), the EWMA's
   equality mask (1/S byte) and the micro-batch's activations. gloo stages an all-gather's
   whole output once more (4; NCCL writes in place).
-- `sharded_compute`: the GPU layout a 32B model needs (not built: the compute copy sharded
-  too and gathered one layer at a time in bf16, FSDP-style; the reference, EWMA copy and
-  snapshot in pinned host memory). On the GPU: the fp32 master slice 4/S, moments 8/S, the
-  bf16 gradient slice 2/S; two gathered layers in bf16 and one layer's fp32 gradient; the
-  checkpointed activations; one layer's recomputed activations; the log-prob chunks.
+- `layer_gathered`: the compute copy sharded too (cells/rl/layer_gather.py; `GatheredLearner`
+  in cells/rl/shard_gathered.py, not yet what a cell's ranks build, see docs/TRAINING.md). On the rank's
+  device: the fp32 master slice 4/S, AdamW's moments 8/S, the fp32 gradient slice 4/S (16/S);
+  the reference, EWMA copy and the guard's snapshot slices (24/S) where `host_offload` puts
+  them (pinned host memory on a GPU cell). Gathered at once, in the compute dtype (e bytes): a
+  unit (a layer, or a vocabulary table), its gradient, and for a layer the fused q/k/v and
+  gate/up copies `_layer_tensors` makes and their gradients: e·2·(U + F), the largest unit's.
+  Activations with a checkpoint per layer (each layer's input kept, one layer's A live again
+  in the backward), and two log-prob chunks.
+- `sharded_compute`: the same with the gradient slice in bf16 (2/S; not built).
 
 Activations: a layer's backward keeps about A = 7d + 4i + 4(h + h_kv)·d_h + 22 values per token
 (d hidden, i MLP width, h / h_kv query / key-value heads of d_h; the constant: the norms' and
@@ -103,3 +108,23 @@ def sharded_compute(c: Config, host_offload: bool = True) -> dict[str, float]:
     peak = state + layers + activations(c) + 2 * c.logit_chunk_bytes
     return {"params": p, "state": state, "layers": layers, "activations": activations(c), "peak": peak,
             "host": p * (4 + 4 + 16) / s if host_offload else 0}
+
+
+def fused_params(spec: ModelSpec) -> int:
+    """F: the fused copies a gathered layer makes (q/k/v and gate/up concatenated)."""
+    d, hd = spec.hidden_size, spec.head_dim
+    return d * hd * (spec.num_heads + 2 * spec.num_kv_heads) + 2 * d * spec.intermediate_size
+
+
+def layer_gathered(c: Config, host_offload: bool = True) -> dict[str, float]:
+    """Per-rank bytes of the layer-gathered layout (cells/rl/layer_gather.py), by term; `device`
+    what the rank's device holds at its peak, `host` the slices kept in host memory."""
+    p, s, e = num_params(c.spec), c.ranks, c.act_bytes
+    table = c.spec.vocab_size * c.spec.hidden_size
+    slices = 16 * p / s
+    kept = 24 * p / s
+    gathered = e * 2 * max(layer_params(c.spec) + fused_params(c.spec), table)
+    act = activations(Config(c.spec, s, c.tokens, c.backend, "layer", e, c.logit_chunk_bytes))
+    device = slices + (0 if host_offload else kept) + gathered + act + 2 * c.logit_chunk_bytes
+    return {"params": p, "slices": slices, "gathered": gathered, "activations": act,
+            "chunks": 2 * c.logit_chunk_bytes, "device": device, "host": kept if host_offload else 0}

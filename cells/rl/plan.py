@@ -188,3 +188,27 @@ def _cut(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
         out.append(next((b for b, hi in enumerate(bounds) if mid < hi), len(weights) - 1))
         pos += n
     return out
+
+
+def split_share(share: Share, parts: int, tree: TreeConfig) -> list[Share]:
+    """A cell's share split across its `parts` training ranks: each minibatch's members cut
+    contiguously by tokens (a member never split), N0 and S0 unchanged (they are global), so
+    the sum of the ranks' gradients is the cell's. Pure."""
+    if parts <= 1:
+        return [share]
+    trajs = share.trajectories
+    units = members(trajs)
+    tokens = [member_tokens(trajs, idx, tree) for idx in units]
+    owner = [0] * len(units)
+    for j in sorted({share.minibatch[idx[0]] for idx in units}):
+        mine = [u for u, idx in enumerate(units) if share.minibatch[idx[0]] == j]
+        for u, r in zip(mine, _cut([tokens[u] for u in mine], [1.0] * parts)):
+            owner[u] = r
+    out = [Share([], [], [], list(share.n0), share.staleness_bound, list(share.s0)) for _ in range(parts)]
+    for u, idx in enumerate(units):
+        s = out[owner[u]]
+        for i in idx:
+            s.trajectories.append(trajs[i])
+            s.advantages.append(share.advantages[i])
+            s.minibatch.append(share.minibatch[i])
+    return out

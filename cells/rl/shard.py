@@ -121,6 +121,12 @@ class ShardedLearner(Learner):
         self.groups = groups
         self._gathered: dict[str, dict[str, Tensor]] = {}
         self.flat_grad: Tensor | None = None
+        self.solo_grads = False
+        """Only the cell's rank 0 contributes its gradient (the supervised warm-up, where every
+        rank of the cell runs the same demonstrations)."""
+        self.stale_copy = False
+        """The compute copy lags the slices (restored or installed without the cell's group):
+        `gather_params` before a forward reads it."""
         super().__init__(spec, weights, **kw)
 
     # -- state ---------------------------------------------------------------------------------
@@ -257,6 +263,7 @@ class ShardedLearner(Learner):
     def gather_params(self) -> None:
         """Every rank's slice of the parameters into the compute copy."""
         all_gather(self.groups.cell, self.flat, self.master.detach().clone(), self.groups.timeout_s)
+        self.stale_copy = False
 
     @torch.no_grad()
     def update_ewma(self) -> None:
@@ -269,15 +276,21 @@ class ShardedLearner(Learner):
         torch.where(same, master, avg, out=avg)
 
     def _optimizer_step(self) -> float:
-        """The supervised step's: the per-name gradients into the flat buffer, then as RL."""
-        flat = torch.zeros_like(self.flat) if self.flat_grad is None else self.flat_grad.zero_()
-        self.flat_grad = flat
+        """The supervised step's: this step's per-name gradients into the flat buffer, then as
+        RL. The per-name gradients are dropped first, so the next step's backward starts from
+        zero (not from the sums the flat buffer holds)."""
+        if self.flat_grad is None:
+            self.flat_grad = torch.zeros_like(self.flat)
+        flat = self.flat_grad
         for k, v in self._views(flat).items():
             p = self.params[k]
-            if p.grad is not None:
-                if p.grad.data_ptr() != v.data_ptr():
-                    v.copy_(p.grad)
-                p.grad = v
+            if p.grad is None:
+                v.zero_()
+            elif p.grad.data_ptr() != v.data_ptr():
+                v.copy_(p.grad)
+            p.grad = None
+        if self.solo_grads and self.groups.cell_rank:
+            flat.zero_()
         self.reduce_gradients(None, {})
         norm = self.apply_gradients()
         self.version += 1
@@ -300,8 +313,9 @@ class ShardedLearner(Learner):
         return self._snap
 
     @torch.no_grad()
-    def restore_snapshot(self, snap: dict[str, Any]) -> None:
-        """Back to `snap` (copies), the compute copy gathered from the restored slices."""
+    def restore_snapshot(self, snap: dict[str, Any], gather: bool = True) -> None:
+        """Back to `snap` (copies), the compute copy gathered from the restored slices (later,
+        `gather` off: after a failed attempt the cell's group is gone; `stale_copy` says so)."""
         self.master.copy_(snap["master"])
         self.master.grad = None
         if snap["moments"]:
@@ -311,7 +325,9 @@ class ShardedLearner(Learner):
         self.ewma.inner.params["shard"].copy_(snap["ewma"])
         self.ewma.inner.weight, self.ewma.inner.num_resets = snap["ewma_weight"], snap["ewma_resets"]
         self.step = snap["step"]
-        self.gather_params()
+        self.stale_copy = not gather
+        if gather:
+            self.gather_params()
 
     def state_dict(self) -> dict[str, Any]:
         """The one-rank learner's checkpoint format (cells/training/state_files.py), gathered

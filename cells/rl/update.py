@@ -242,6 +242,9 @@ def _minibatch(learner: Any, b: Batch | None, pre: dict, share: Share, j: int, r
         loss, _ = tree_loss(learner, b.trees[i], pre["trees"][i], lt, n0, normalizer, s0)
         _backward(learner, loss, w, vocab_rows, touched, t0)
         lt_trees.append(lt.detach())
+    join = getattr(learner, "join_forwards", None)  # a gathered learner's cell ends its forwards together
+    if join is not None:
+        join()
     sums = _local_sums(learner, b, pre, done_rows, lt_rows, n0, normalizer, s0)
     sums += _tree_sums(learner, b, pre, trees, lt_trees, n0, normalizer, s0)
     reducer.all_reduce(sums)

@@ -49,7 +49,7 @@ class Holder:
 
     def announce(self) -> None:
         store, w = self.store, self.w
-        if store is None:
+        if store is None or w.cell_rank:  # rank 0 speaks for a cell of several ranks
             return
         try:
             if w.tag is None or w.committed is None:
@@ -66,33 +66,49 @@ class Holder:
         if job is None:
             return
         self.n += 1
+        if self.w.cell_size > 1 and not self._mine(job):
+            return
         try:
             result = getattr(self, f"_job_{job['op']}")(store, job)
         except Exception as e:
             log.exception("cell %s: job %s failed", self.w.cell_id, job.get("op"))
             result = {"ok": False, "error": str(e)[:300]}
-        if result is not None:
-            jobs.answer(store, job["id"], result)
+        if result is not None:  # a cell's rank i > 0 answers its rank 0, which answers for the cell
+            jobs.answer(store, job["id"] if not self.w.cell_rank else f"{job['id']}/rank{self.w.cell_rank}", result)
 
     def close(self) -> None:
         if self.host is not None:
             self.host.close()
             self.host = None
 
+    def _mine(self, job: dict) -> bool:
+        """On a cell of several ranks: a peer's `serve` of slice i goes to rank i; every rank
+        writes its own shard of a `checkpoint`; the other jobs are rank 0's."""
+        if job["op"] == "serve":
+            return int(job.get("shard", 0)) == self.w.cell_rank
+        return job["op"] == "checkpoint" or self.w.cell_rank == 0
+
     # -- jobs ------------------------------------------------------------------------------
     def _job_ping(self, store, job: dict) -> dict:
         return {"ok": True, "tag": self.w.tag}
 
-    def _job_serve(self, store, job: dict) -> dict:
+    def _job_serve(self, store, job: dict) -> dict | None:
+        if self.w.cell_size > 1:
+            from cells.training.sharded import serve as serve_slice
+
+            serve_slice(self.w, store, job)
+            return {"ok": True} if self.w.cell_rank == 0 else None
         from cells.training.join import serve
 
         serve(self.w, store, job)
         return {"ok": True}
 
-    def _job_checkpoint(self, store, job: dict) -> dict:
+    def _job_checkpoint(self, store, job: dict) -> dict | None:
         w = self.w
         if w.tag != job["commit"]["tag"]:
             return {"ok": False, "error": f"holds {w.tag}, not {job['commit']['tag']}"}
+        if w.cell_size > 1:
+            return self._checkpoint_shard(store, job)
         meta, flat, idx = w.packed()  # a copy already (packed now, or the parked buffers, never written)
         state = {"state": {"meta": meta, "values": flat, "rows": idx}, "commit": job["commit"]}
 
@@ -106,6 +122,36 @@ class Holder:
 
         threading.Thread(target=write, name="checkpoint", daemon=False).start()
         return None  # answered by the writer
+
+    def _checkpoint_shard(self, store, job: dict) -> dict | None:
+        """Each rank of the cell writes its slices; rank 0 then the index naming them
+        (cells/training/shard_files.py). Off the loop, from a copy."""
+        from cells.rl.shard_state import pack_shard
+        from cells.training import shard_files
+
+        w, sub = self.w, shard_files.sub_dir(job)
+        with w._lock:
+            meta, flat = pack_shard(w.learner)
+
+        def write() -> None:
+            try:
+                shard_files.write_packed(job["path"], sub, meta, flat, job["commit"])
+                if w.cell_rank:
+                    jobs.answer(store, f"{job['id']}/rank{w.cell_rank}", {"ok": True})
+                    return
+                for i in range(1, w.cell_size):
+                    r = jobs.wait(store, f"{job['id']}/rank{i}", 600.0)
+                    if not r.get("ok"):
+                        raise RuntimeError(f"cell rank {i}: {r.get('error')}")
+                shard_files.write_index(job["path"], sub, w.cell_size, job["commit"])
+                jobs.answer(store, job["id"], {"ok": True, "path": job["path"]})
+            except Exception as e:
+                log.exception("checkpoint shard to %s failed", job["path"])
+                jobs.answer(store, f"{job['id']}/rank{w.cell_rank}" if w.cell_rank else job["id"],
+                            {"ok": False, "error": str(e)[:300]})
+
+        threading.Thread(target=write, name="checkpoint", daemon=False).start()
+        return None
 
     def _version_host(self, job: dict):
         from cells.transport.versions_host import VersionHost

@@ -98,13 +98,14 @@ def local_objective(h: dict[str, Any], local_loss: str | None) -> ObjectiveConfi
 
 def build_learner(h: dict[str, Any], meta: dict[str, Any], flat: torch.Tensor | None = None,
                   param_storage: torch.Tensor | None = None, local_loss: str | None = None,
-                  weights: dict[str, torch.Tensor] | None = None) -> Any:
+                  weights: dict[str, torch.Tensor] | None = None, groups: Any = None) -> Any:
     """A learner with the coordinator's hyper-parameters and the parameters packed in `flat`
     (its reference and EWMA copy equal to them: `wire.unpack(..., held="fresh")` then writes
     only what differs), or zero parameters of the manifest's shapes without `flat`
     (`wire.unpack` then fills the whole state). `local_loss`: the custom loss of this
     process's configuration (the only one it imports); `weights`: the parameters themselves
-    (the start state a rank builds)."""
+    (the start state a rank builds); `groups` (`cells.rl.shard.ShardGroups`): a sharded
+    learner, one of its cell's ranks."""
     from cells.rl.learner import Learner
     from cells.rl.precision import set_checkpointing, set_precision
 
@@ -113,14 +114,18 @@ def build_learner(h: dict[str, Any], meta: dict[str, Any], flat: torch.Tensor | 
     if weights is None:
         weights = (params_view(meta, flat) if flat is not None else
                    {e["name"]: torch.zeros(e["shape"]) for e in meta["entries"] if e["kind"] == "param"})
-    learner = Learner(replace(spec), weights, lr=float(h["lr"]),
+    kw: dict[str, Any] = {"param_storage": param_storage}
+    if groups is not None:
+        from cells.rl.shard import ShardedLearner
+
+        kw = {"groups": groups}
+    learner = (Learner if groups is None else ShardedLearner)(replace(spec), weights, lr=float(h["lr"]),
                       objective=objective, tile=h["tile"],
                       temperature=float(h["temperature"]), weight_decay=float(h["weight_decay"]),
                       betas=tuple(h["betas"]), max_grad_norm=h["max_grad_norm"], micro_batch=int(h["micro_batch"]),
                       minibatches=int(h["minibatches"]), lr_warmup_steps=int(h["lr_warmup_steps"]),
                       lr_schedule=h.get("lr_schedule", "constant"), lr_total_steps=h.get("lr_total_steps"),
-                      lr_min_ratio=float(h.get("lr_min_ratio", 0.1)), seed=int(h.get("seed", 0)),
-                      param_storage=param_storage)
+                      lr_min_ratio=float(h.get("lr_min_ratio", 0.1)), seed=int(h.get("seed", 0)), **kw)
     set_precision(learner, h.get("precision", "fp32"))
     set_checkpointing(learner, h.get("activation_checkpointing", "off"))
     return learner

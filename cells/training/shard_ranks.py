@@ -87,12 +87,14 @@ def _learner(cfg: dict, rank: int, groups: Any) -> Any:
     from cells.rl.objectives import KLInLoss, ObjectiveConfig
     from cells.rl.precision import set_precision
     from cells.rl.shard import ShardedLearner
+    from cells.rl.shard_gathered import GatheredLearner
 
     spec = spec_of(cfg)
     objective = ObjectiveConfig(max_update_kl=cfg.get("max_update_kl"), kl=KLInLoss(coef=cfg.get("kl_coef", 0.01)), self_normalize=True)
     kw = {"lr": cfg["lr"], "objective": objective, "tile": None, "minibatches": cfg["minibatches"]}
     weights = init_weights(spec, 0, 0.02)
-    learner = Learner(spec, weights, **kw) if groups is None else ShardedLearner(spec, weights, groups=groups, **kw)
+    cls = GatheredLearner if cfg.get("gather_layers") else ShardedLearner
+    learner = Learner(spec, weights, **kw) if groups is None else cls(spec, weights, groups=groups, **kw)
     set_precision(learner, cfg.get("precision", "fp32"))
     learner.pack = bool(cfg.get("pack", True))
     return learner
@@ -180,10 +182,11 @@ def run_rank(rank: int, cells: int, ranks: int, port: int, cfg: dict, out: Path)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.get("checkpoint"):
         result["reload_equal"] = _checkpoint_roundtrip(learner, rank, out, groups is not None)
+    full = learner.full_params() if hasattr(learner, "full_params") else learner.params  # (a collective)
     if rank <= 0:
         from safetensors.torch import save_file
 
-        save_file({k: v.detach().contiguous() for k, v in learner.params.items()}, str(out / "params.safetensors"))
+        save_file({k: v.detach().contiguous() for k, v in full.items()}, str(out / "params.safetensors"))
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     if groups is not None:
         dist.destroy_process_group()

@@ -90,10 +90,11 @@ LATEST = "LATEST"
 """The file naming the newest complete state directory below a checkpoint root."""
 
 
-def save_state(path: str | Path, state: dict[str, Any]) -> Path:
+def save_state(path: str | Path, state: dict[str, Any], keep: tuple[str, ...] = ()) -> Path:
     """Write `state` below the checkpoint root `path`: a new directory, then `LATEST` naming it
-    (replaced atomically), then the older directories removed. A crash at any point leaves the
-    previous state whole and named. Returns the new directory."""
+    (replaced atomically), then the older directories removed (but those named in `keep`: the
+    shard files the new state names, cells/training/shard_files.py). A crash at any point
+    leaves the previous state whole and named. Returns the new directory."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
@@ -111,7 +112,7 @@ def save_state(path: str | Path, state: dict[str, Any]) -> Path:
     pointer.write_text(name)
     os.replace(pointer, root / LATEST)
     for old in root.iterdir():
-        if old.name not in (name, LATEST):
+        if old.name not in (name, LATEST, *keep):
             shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
     return root / name
 
@@ -147,6 +148,9 @@ def load_packed(path: str | Path) -> tuple[dict[str, Any], torch.Tensor, torch.T
     """The packed training state a cell's checkpoint holds (cells/training/holder.py):
     (manifest with the generator and cursor, values, rows)."""
     state = load_state(path)["state"]
+    if "values" not in state:
+        raise StateFileError(f"the state below {path} is sharded over {state['meta'].get('sharded')} training "
+                             "ranks per cell: a cell of one rank cannot read it (set cells.train_ranks > 1)")
     return dict(state["meta"]), state["values"], state["rows"]
 
 

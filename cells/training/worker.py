@@ -29,7 +29,6 @@ import torch
 from cells.rl import guard
 from cells.rl.plan import Share
 from cells.rl.reduce import GroupReducer, LocalReducer
-from cells.rl.sft import begin_rl, sft_steps
 from cells.rl.update import run_update
 from cells.training import protocol as P
 from cells.training.holder import Holder
@@ -52,8 +51,13 @@ class TrainingWorker:
     role is training); `source` is the coordinator's store address."""
 
     def __init__(self, cell_id: str, *, device: str = "cpu", keep_memory: bool = True,
-                 local_loss: str | None = None) -> None:
+                 local_loss: str | None = None, cell_rank: int = 0, cell_size: int = 1) -> None:
         self.cell_id, self.device = cell_id, torch.device(device)
+        self.cell_rank, self.cell_size = cell_rank, cell_size
+        """This rank's index in its cell and the cell's ranks (`cells.train_ranks`): with more
+        than one the state is sharded (cells/training/sharded.py); rank 0 is the cell's voice
+        and starts the others (cells/training/cell_ranks.py)."""
+        self.followers = None
         self.local_loss = local_loss
         """The custom loss of this cell's own configuration (`trainer.objective.loss`): the only
         one it imports; a step whose coordinator names another fails with the reason."""
@@ -107,6 +111,8 @@ class TrainingWorker:
     def close(self) -> None:
         self._stop.set()
         self.holder.close()
+        if self.followers is not None:
+            self.followers.stop()
 
     def enter(self) -> None:
         """The cell is in the training role: take assignments from the next step boundary.
@@ -125,7 +131,7 @@ class TrainingWorker:
         """The state into host memory, the learner dropped (its accelerator memory goes back
         to the engine); the next attempt unpacks it (`unparked`)."""
         with self._lock:
-            if self.learner is None or self.tag is None:
+            if self.learner is None or self.tag is None or self.cell_size > 1:  # a slice stays in its learner
                 return
             meta, flat, idx = pack(self.learner)
             self.parked = ({**meta, **_extras(self.learner)}, flat, idx)
@@ -178,7 +184,8 @@ class TrainingWorker:
         (every tensor of the state allocated and touched) and warm receive buffers, so the
         join writes into memory that exists instead of materialising five model copies on
         the step's critical path. True when it built one."""
-        if self.learner is not None or self.parked is not None or not store.check([P.SKELETON_KEY]):
+        if self.learner is not None or self.parked is not None or self.cell_size > 1 \
+                or not store.check([P.SKELETON_KEY]):
             return False
         sk = get_json(store, P.SKELETON_KEY)
         t0 = time.perf_counter()
@@ -211,6 +218,10 @@ class TrainingWorker:
             try:
                 if store is None or source != self.source:
                     store, source = connect(self.source, timeout_s=10.0), self.source
+                    if self.cell_size > 1 and self.cell_rank == 0:
+                        from cells.training.followers import Followers
+
+                        self.followers = Followers.ensure(self.followers, self, source)
                     set_json(store, P.alive_key(self.cell_id), {"t": time.time()})
                     self.holder.connected(store)
                 self.holder.poll(store)
@@ -264,7 +275,10 @@ class TrainingWorker:
         snap, tag = box.get("snapshot"), box.get("tag")
         if snap is not None and self.learner is not None:
             with self._lock:
-                guard.restore(self.learner, snap)
+                if self.cell_size > 1:  # the cell's group is gone: its next attempt gathers the copy
+                    self.learner.restore_snapshot(snap, gather=False)
+                else:
+                    guard.restore(self.learner, snap)
                 self.tag = tag
             log.info("cell %s: restored the start-of-update state %s", self.cell_id, tag)
         elif box.get("joining"):
@@ -277,22 +291,37 @@ class TrainingWorker:
         if store.check([f"{prefix}/commit"]) or store.check([f"{prefix}/abort"]):
             return False  # an attempt that ended before this rank (re)started
         rank, n = spec["cells"].index(self.cell_id) + 1, len(spec["cells"])
+        key = (lambda what: f"{prefix}/{what}/{rank}") if self.cell_rank == 0 else \
+            (lambda what: f"{prefix}/c/{self.cell_id}/{self.cell_rank}/{what}")
         try:  # a loss this cell's configuration does not name is refused before anything joins
             P.local_objective(spec["hyper"], self.local_loss)
         except ValueError as e:
             log.warning("cell %s: refusing training step: %s", self.cell_id, e)
-            set_json(store, f"{prefix}/ack/{rank}", {"tag": self.tag, "refused": str(e)[:300]})
+            set_json(store, key("ack"), {"tag": self.tag, "refused": str(e)[:300]})
             return False
         share = (Share.from_json(wait_json(store, f"{prefix}/share/{rank}", 10.0))
                  if spec.get("kind", "rl") == "rl" else None)
         self.unparked()
-        set_json(store, f"{prefix}/ack/{rank}", {"tag": self.tag})
+        set_json(store, key("ack"), {"tag": self._cell_tag(store, prefix, float(spec["connect_timeout_s"]))})
         try:
-            self._compute(store, prefix, spec, rank, n, share, groups, box)
+            (self._compute if self.cell_size == 1 else self._compute_sharded)(store, prefix, spec, rank, n, share,
+                                                                            groups, box)
         except Exception as e:
-            set_json(store, f"{prefix}/failed/{rank}", {"reason": str(e)[:300]})
+            set_json(store, key("failed"), {"reason": str(e)[:300]})
             raise
         return self._settle(store, prefix, float(spec["commit_timeout_s"]))
+
+    def _cell_tag(self, store, prefix: str, timeout: float) -> str | None:
+        if self.cell_size == 1 or self.cell_rank:
+            return self.tag
+        from cells.training.sharded import cell_tag
+
+        return cell_tag(self, store, prefix, timeout)
+
+    def _compute_sharded(self, *args) -> None:
+        from cells.training.sharded import compute
+
+        compute(self, *args)
 
     def _compute(self, store, prefix: str, spec: dict, rank: int, n: int, share, groups: list, box: dict) -> None:
         timeout, connect_s = float(spec["timeout_s"]), float(spec["connect_timeout_s"])
@@ -327,19 +356,9 @@ class TrainingWorker:
         log.info("cell %s rank %d: %s %.2fs", self.cell_id, rank, spec.get("kind", "rl"), time.perf_counter() - t0)
 
     def _warmup(self, store, prefix: str, spec: dict) -> dict[str, Any]:
-        """The supervised warm-up, then RL begins (`begin_rl`): progress lines on the store."""
-        self.learner.lr = float(spec["lr"])
-        total, every = int(spec["steps"]), max(1, int(spec["steps"]) // 20)
+        from cells.training.supervised import warmup
 
-        def on_step(step: int, loss: float) -> None:
-            if step % every == 0 or step == total:
-                set_json(store, f"{prefix}/progress", {"step": step, "steps": total, "loss": loss})
-
-        w = sft_steps(self.learner, [tuple(d) for d in spec["demos"]], steps=total,
-                      batch_size=int(spec["batch_size"]), on_step=on_step)
-        begin_rl(self.learner)
-        return {"final_loss": w["final_loss"], "optimizer_step": float(self.learner.step),
-                "version": float(self.learner.version), "update_rejected": 0.0, "wall_s": w["wall_s"]}
+        return warmup(self.learner, store, prefix, spec)
 
     def _params(self) -> dict[str, torch.Tensor]:
         return {k: p.detach() for k, p in self.learner.params.items()}

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from scheduler.contract.cells_config import CellsConfig
 from scheduler.contract.config_base import ConfigError
 from scheduler.contract.config_base import Strict as _Strict
 from scheduler.contract.engine_config import (
@@ -30,7 +31,7 @@ SHARED_PROCESS_ENV = "CELLFLIP_SCHEDULER_SHARES_PROCESS"
 """Set to 1 by a launcher that runs the scheduler in a thread of a process doing other work:
 the scheduler then leaves the process's garbage collection alone (`create_app(manage_gc=...)`)."""
 
-__all__ = ["SCHEDULER_CONFIG_ENV", "ConfigError", "EmbeddedEngineConfig", "EngineConfig", "ModelConfig", "SGLangEngineConfig"]
+__all__ = ["SCHEDULER_CONFIG_ENV", "CellsConfig", "ConfigError", "EmbeddedEngineConfig", "EngineConfig", "ModelConfig", "SGLangEngineConfig"]
 
 
 class MigrationConfig(_Strict):
@@ -183,24 +184,6 @@ class SchedulerConfig(_Strict):
     """Run the planner's flip policy once the trainer declared its demand; POST /v1/flips overrides it."""
     store: StoreConfig = StoreConfig()
     """The store's housekeeping: bounded retention of trained trajectories (docs/EXPORT.md)."""
-
-
-class CellsConfig(_Strict):
-    """Cell processes started by `cellflip up`."""
-
-    count: int = Field(default=3, gt=0)
-    """Number of cell processes."""
-    engine: EngineConfig = EmbeddedEngineConfig()
-    """Inference engine of every cell."""
-    export_root: str = "runs/exports"
-    """Where `cellflip export-weights` writes (a path leaving it is refused)."""
-    keep_training_memory: Literal["auto", "off"] = "auto"
-    """Whether a cell keeps its training state (parameters, AdamW moments, reference, EWMA
-    copy, buffers: about six model copies) allocated through a rollout stint, so that its next
-    stint joins into warm memory (or needs nothing when no step ran meanwhile). `auto`: where
-    the engine does not take the memory back (the embedded engine's host memory), never on an
-    engine with role handover (SGLang's GPU memory goes back to the engine); `off`: never (a
-    cell's host memory holds only the engine while it serves rollouts)."""
 
 
 from scheduler.contract.tito.config import GatewayConfig  # noqa: E402  (no tokenizer is loaded here)

@@ -17,6 +17,11 @@ CFG = {"preset": "toy", "spec": {"vocab_size": 1024, "output_id_ranges": [[0, 48
        "lr": 2e-3, "minibatches": 2, "updates": 2, "groups": 2, "shares": [1, 1, 2, 2], "timeout_s": 60}
 
 
+C3 = {**CFG, "updates": 3, "groups": 4}
+"""Three updates of four groups: the ranks' start-of-update forwards differ in number and kind
+(the reference moved away from the parameters, EWMA forwards on some ranks only)."""
+
+
 def _rel_diff(a: dict, b: dict) -> float:
     w0 = init_weights(spec_of(CFG), 0, 0.02)
     out = 0.0
@@ -27,18 +32,26 @@ def _rel_diff(a: dict, b: dict) -> float:
     return out
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(330)
 def test_two_cells_of_two_ranks_equal_one_process(tmp_path: Path):
     ck = {**CFG, "checkpoint": True}
     runs = {"one": (0, 0, ck), "sharded": (2, 2, ck), "alone": (2, 2, {**CFG, "skip_cross": True}),
-            "rejected": (2, 2, {**CFG, "max_update_kl": 1e-12})}
-    with ThreadPoolExecutor(4) as ex:  # the runs at once (their start-up is most of the time)
-        futs = {k: ex.submit(launch, c, s, cfg, tmp_path / k, 240) for k, (c, s, cfg) in runs.items()}
+            "rejected": (2, 2, {**CFG, "max_update_kl": 1e-12}), "one3": (0, 0, C3),
+            "gathered": (2, 2, {**C3, "gather_layers": True})}
+    with ThreadPoolExecutor(len(runs)) as ex:  # the runs at once (their start-up is most of the time)
+        futs = {k: ex.submit(launch, c, s, cfg, tmp_path / k, 280) for k, (c, s, cfg) in runs.items()}
         one, sharded, rejected = futs["one"].result(), futs["sharded"].result(), futs["rejected"].result()
+        gathered = futs["gathered"].result()
         futs["alone"].result()
-    theta = {k: load_file(str(tmp_path / d / "params.safetensors")) for k, d in
-             (("one", "one"), ("sharded", "sharded"), ("alone", "alone"))}
+    theta = {k: load_file(str(tmp_path / d / "params.safetensors")) for k in runs if (d := k) != "rejected"}
     assert _rel_diff(theta["one"], theta["sharded"]) <= 1e-4
+    # the compute weights gathered a layer at a time (cells/rl/shard_gathered.py): the same
+    # updates, and a rank holds its slices only: 36/S B/param at rest (master 4, moments 8,
+    # reference 4, EWMA 4, snapshot 16), not the compute copy's 4 + 32/S
+    assert _rel_diff(theta["one3"], theta["gathered"]) <= 1e-4
+    assert all(r["steps"][0]["num_trees"] == 4 for r in gathered)
+    assert all(r["rank_state_bytes"] <= 1.05 * 36 * one[0]["params"] / 2 for r in gathered)
+    assert all(r["rank_state_bytes"] > 1.05 * 36 * one[0]["params"] / 2 for r in sharded)  # negative control
     # negative control: without the cross-cell reduction each cell trains on its own data
     assert _rel_diff(theta["one"], theta["alone"]) > 1e-2
     assert all(r["steps"][0]["num_trees"] == 2 for r in sharded)  # the trees reached every rank's sum

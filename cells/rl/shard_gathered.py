@@ -1,0 +1,197 @@
+"""A cell rank's learner without the compute copy: `ShardedLearner`'s slices, every forward on
+layers gathered one at a time from them (cells/rl/layer_gather.py, cells/rl/layer_forward.py).
+
+At rest a rank holds its slices only (master, moments, reference, EWMA, the guard's snapshot);
+during a minibatch also its fp32 gradient slice, which the backward fills by reducing each
+layer's gradient to its owners. The current parameters, the reference and the EWMA copy reach
+`run_update` as stand-ins (`params` shapes on the meta device, `reference` / `ewma.params`
+markers) that this learner's `seq_logprobs` / `tree_logprobs` turn into sources of slices.
+
+The ranks of a cell run different numbers and kinds of forwards (their shares differ), and
+each forward is a sequence of cell collectives in which every rank must gather the same state
+(the owners broadcast their pieces of it): every forward starts with a handshake (an
+all-reduce of the kind each rank wants: grad, parameters, reference, EWMA copy, or done); the
+cell runs the lowest kind wanted, a rank wanting another runs an empty forward of that kind
+and asks again; a rank done with a phase (`join_forwards`) serves the others' forwards so
+until all are done (DDP's `Join`, for layer gathers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed import AllreduceOptions, ReduceOp
+
+from cells.rl.layer_forward import empty_forward, packed_logprobs, tree_logprobs
+from cells.rl.layer_gather import FlatLayout, LayerGather, Source
+from cells.rl.learner import DEFAULT_STALENESS_BOUND
+from cells.rl.objectives import PPOEWMA
+from cells.rl.objectives.config import ewma_window
+from cells.rl.objectives.tree import SerializedTree
+from cells.rl.shard import ShardedLearner, _ShardEWMA, all_reduce
+from cells.transport.p2p import wait_work
+
+KINDS = ("grad", "params", "reference", "ewma")
+"""The kinds of forward: at the parameters with and without grad, the reference, the EWMA copy."""
+
+
+class _Which(dict):
+    """The reference or the EWMA copy as `run_update` passes it: a name, no tensors."""
+
+    def __init__(self, which: str) -> None:
+        super().__init__()
+        self.which = which
+
+
+class GatheredLearner(ShardedLearner):
+    """`ShardedLearner` with the compute weights gathered a layer at a time (no `flat`)."""
+
+    def _init_state(self, weights: dict[str, Tensor], reference: dict[str, Tensor] | None, lr: float,
+                    betas: tuple[float, float], weight_decay: float, storage: Tensor | None = None) -> None:
+        g = self.groups
+        self.betas, self.weight_decay, self._base_lr = betas, weight_decay, float(lr)
+        self.compute_dtype, self.pack, self.checkpoint = None, True, False
+        self.names = sorted(weights)
+        self._shapes = {k: weights[k].shape for k in self.names}
+        self.params = {k: torch.empty(weights[k].shape, device="meta") for k in self.names}
+        """Shapes only: the parameters live in the cell's slices."""
+        self._layout = FlatLayout(dict(self._shapes), g.cell_size, g.cell_rank)
+        self.num_params, self.shard_len = self._layout.num_params, self._layout.shard_len
+        self.lo = g.cell_rank * self.shard_len
+        self.flat, self.grad_slice = None, None
+        self.master = self._slice_of(weights).requires_grad_(True)
+        """This rank's slice of the fp32 parameters: the only copy."""
+        self.optimizer = torch.optim.AdamW([self.master], lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
+        self.set_reference(reference if reference is not None else weights)
+        ew = self.objective.ewma
+        inner = PPOEWMA({"shard": self.master}, staleness_window=ewma_window(ew, DEFAULT_STALENESS_BOUND,
+                                                                             self.minibatches),
+                        reset_threshold=ew.reset_threshold)
+        self.ewma = _ShardEWMA(self, inner)
+
+    # ShardedLearner's state with the slice as the only fp32 copy
+    def _views(self, flat: Tensor) -> dict[str, Tensor]:
+        out = {}
+        for k in self.names:
+            o = self._layout.offsets[k]
+            out[k] = flat[o: o + self.params[k].numel()].view(self.params[k].shape)
+        return out
+
+    @property
+    def lg(self) -> LayerGather:
+        return LayerGather(self.spec, self._layout, self.groups.cell, self.groups.timeout_s, dtype=self.compute_dtype)
+
+    def _kind(self, weights: Any, grad: bool) -> int:
+        """Which state a forward reads, as an index of `KINDS`."""
+        if weights is self.params:
+            return 0 if grad else 1
+        if isinstance(weights, _Which) and not grad:
+            return KINDS.index(weights.which)
+        raise ValueError("a gathered learner computes on its own parameters, reference or EWMA copy only")
+
+    def _kind_source(self, kind: int) -> Source:
+        if kind == 0:
+            if self.grad_slice is None:
+                self.grad_slice = torch.zeros_like(self.master)
+            return Source(self.master.detach(), self.grad_slice)
+        if kind == 1:
+            return Source(self.master.detach())
+        return Source(self.ref_shard if KINDS[kind] == "reference" else self.ewma.inner.params["shard"])
+
+    def gathered(self, which: str) -> dict[str, Tensor]:
+        return _Which(which)
+
+    # -- the forwards, in lockstep across the cell ------------------------------------------------
+    def _round(self, want: int | None) -> int | None:
+        """One handshake: each rank says which kind of forward it wants next (None: done with
+        this phase). Returns the kind the cell runs now (the lowest wanted), None when all are
+        done: every rank gathers the same state at the same time."""
+        t = torch.zeros(len(KINDS) + 1, device=self.master.device)
+        t[len(KINDS) if want is None else want] = 1.0
+        if self.groups.cell_size > 1:
+            opts = AllreduceOptions()
+            opts.reduceOp = ReduceOp.SUM
+            wait_work(self.groups.cell.allreduce([t], opts), self.groups.timeout_s, "forward handshake")
+        wanted = [i for i in range(len(KINDS)) if t[i].item() > 0]
+        return wanted[0] if wanted else None
+
+    def _lockstep(self, want: int) -> None:
+        """Serve the cell's other forwards (empty ones of their kind) until it runs `want`."""
+        while (kind := self._round(want)) != want:
+            empty_forward(self.lg, self._kind_source(kind), grad=kind == 0)
+
+    def join_forwards(self) -> None:
+        """Done with this phase's forwards: serve the cell's others until they are done too
+        (a grad forward's owners' sums reach `grad_slice`)."""
+        while (kind := self._round(None)) is not None:
+            empty_forward(self.lg, self._kind_source(kind), grad=kind == 0)
+
+    def seq_logprobs(self, weights: dict[str, Tensor], seqs: Sequence[Tensor], grad: bool,
+                     entropy: list | None = None) -> tuple[list[Tensor], dict[str, Tensor], Tensor | None]:
+        kind = self._kind(weights, grad)
+        self._lockstep(kind)
+        out = packed_logprobs(self.lg, self._kind_source(kind), list(seqs), grad=grad,
+                              temperature=self.temperature, tile=self.tile, rope=self._rope, entropy=entropy)
+        return out, {}, None
+
+    def tree_logprobs(self, weights: dict[str, Tensor], tree: SerializedTree, grad: bool
+                      ) -> tuple[Tensor, dict[str, Tensor], Tensor | None]:
+        kind = self._kind(weights, grad)
+        self._lockstep(kind)
+        lp = tree_logprobs(self.lg, self._kind_source(kind), tree, tree.token_ids, grad=grad,
+                           temperature=self.temperature, tile=self.tile, rope=self._rope)
+        return lp, {}, None
+
+    # -- the update's phases ----------------------------------------------------------------------
+    def begin_update(self) -> None:
+        """Nothing gathered whole: each forward gathers the slices it reads."""
+
+    def drop_gathered(self) -> None:
+        """The start-of-update forwards end here: in lockstep with the cell's other ranks."""
+        self.join_forwards()
+
+    def end_update(self) -> None:
+        self.grad_slice = None
+        self.master.grad = None
+
+    def zero_grads(self) -> dict[str, Tensor]:
+        self.grad_slice = torch.zeros_like(self.master)
+        return {}
+
+    def reduce_gradients(self, reducer: Any, touched: dict[str, Tensor]) -> None:
+        """The cell's sum is in this rank's gradient slice already (reduced layer by layer):
+        all-reduced among the same-index ranks of the step's cells."""
+        g = self.groups
+        shard = self.grad_slice if self.grad_slice is not None else torch.zeros_like(self.master)
+        if self.solo_grads and g.cell_rank:
+            shard.zero_()
+        if g.cross is not None and g.cross_size > 1:
+            wire = shard if self.compute_dtype is None else shard.to(self.compute_dtype)
+            shard = all_reduce(g.cross, wire, g.timeout_s, f"cross-cell all-reduce ({wire.numel()} values)")
+        self.master.grad = shard.to(torch.float32)
+
+    @torch.no_grad()
+    def gather_params(self) -> None:
+        """No compute copy to refresh: the slices are the parameters."""
+        self.stale_copy = False
+
+    def full_params(self, device: str | torch.device = "cpu") -> dict[str, Tensor]:
+        """The whole fp32 parameters gathered unit by unit to `device` (publishing; every rank
+        of the cell calls it: a collective)."""
+        return self.lg.gather_full(Source(self.master.detach()), device)
+
+    @property
+    def weights(self) -> dict[str, Tensor]:
+        return self.full_params()
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError("a gathered learner's checkpoint is its slices (cells/rl/shard_state.py)")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError("a gathered learner loads its slices (cells/rl/shard_state.py)")
+
+    def sft_step(self, batch: Any) -> dict[str, float]:
+        raise NotImplementedError("the supervised warm-up runs on ShardedLearner (the compute copy kept)")
