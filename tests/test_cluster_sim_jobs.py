@@ -115,7 +115,7 @@ def test_judge_takes_the_rl_jobs_section_for_its_flag():
     assert judge.variant_of("cluster_sim", ["--quick"]) is None
     good = {"job_workloads": {"anti_phase": {"gain_capture": 0.8, "min_share_violation_s": 0},
                               "arrive_leave": {"gain_capture": 0.9, "min_share_violation_s": 0},
-                              "three_stationary": {"speedup_vs_static_partition": 1.0,
+                              "three_stationary": {"speedup_vs_static_partition": 1.0, "gain_capture": 0.8,
                                                    "min_share_violation_s": 0}}}
     _, ok = judge.judge(good, "cluster_sim", True, variant="rl_jobs")
     assert ok

@@ -18,8 +18,10 @@ from .jobs import JOB_WORKLOADS, Job, JobsWorkload
 from .jobs_bound import jobs_upper_bound
 
 GAIN_EPS = 0.01
-"""No gain is possible where the bound is within this share of the best static split's own
-relaxation (`static_split_bound`: the same LP, each job held to its cells of the split)."""
+"""No gain is possible where the bound is within this share of the best static split's trained
+tokens (the issue's definition). Reported beside it: whether the bound clears the static split's
+own relaxation (`static_split_bound`: the same LP, each job held to its cells of the split) by as
+much, which discounts the per-job slack no policy captures (batches, staleness, warm-up)."""
 
 
 def _levels(job: Job, cells: int, step: int, around: int | None = None) -> list[int]:
@@ -85,7 +87,7 @@ def simulate_jobs_workload(jw: JobsWorkload, cells: int, hours: float, seeds: tu
     jobs = {j.name: j for j in (Job(x, jw, cells) for x in jw.jobs)}
     fixed = sum(jobs_upper_bound([jobs[n]], c_n, hours).tokens_per_hour for n, c_n in split.items() if c_n > 0)
     assert fixed <= top * (1.0 + 1e-6), f"{jw.name}: the static split's relaxation above the free one"
-    possible = top > fixed * (1.0 + GAIN_EPS)
+    possible = top > s * (1.0 + GAIN_EPS)
     jain = [r.jain_fairness for r in cf if r.jain_fairness is not None]
     log(f"  cellflip {c / 1e6:.2f} Mtok/h, best static {s / 1e6:.2f} (split {split}), bound {top / 1e6:.2f} "
         f"(certified within {bound.gap:.1e}); cross-job moves {cf[0].cross_job_moves} (seed {seeds[0]}), "
@@ -96,6 +98,7 @@ def simulate_jobs_workload(jw: JobsWorkload, cells: int, hours: float, seeds: tu
         "gain_capture": round((c - s) / (top - s), 4) if possible else None,
         "gain_possible": bool(possible),
         "static_split_bound": round(fixed, 1),
+        "gain_possible_over_split_bound": bool(top > fixed * (1.0 + GAIN_EPS)),
         "min_share_violation_s": max(r.min_share_violation_s for r in cf),
         "cross_job_moves": round(_mean(cf, "cross_job_moves"), 1),
         "jain_fairness": round(sum(jain) / len(jain), 4) if jain else None,
