@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from array import array
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
@@ -78,8 +79,11 @@ INT64_MAX = (1 << 63) - 1
 def _check_columns(cols: Columns) -> None:
     """`check_int64` of token columns, one column at a time at C speed: a column's values share
     their type (the contract's validation made them so), so an integer column is checked by its
-    least and greatest value, and a float or bool column holds no integer to check."""
+    least and greatest value, and a float or bool column holds no integer to check (nor does an
+    `array` column, packed: its items are 32 bits at most)."""
     for col in cols.columns:
+        if type(col) is array:
+            continue
         if col and type(col[0]) is int:
             try:
                 lo, hi = min(col), max(col)
