@@ -96,6 +96,21 @@ def _check_columns(cols: Columns) -> None:
             check_int64(list(col))
 
 
+def check_sync_int64(body: Any) -> None:
+    """`check_int64` of a `SyncRequest`: its token batches' integers a column at a time (every
+    batch's epoch and start by their least and greatest, packed records not at all), the rest
+    as `check_int64` walks it."""
+    batches = body.tokens
+    if batches:
+        ints = [b.epoch for b in batches] + [b.start for b in batches]
+        if min(ints) < -INT64_MAX - 1 or max(ints) > INT64_MAX:
+            raise Invalid(f"integer {min(ints) if min(ints) < -INT64_MAX - 1 else max(ints)} is out of the 64-bit range")
+        for b in batches:
+            if type(b.records.columns[0]) is not array:
+                _check_columns(b.records)
+    check_int64([getattr(body, n) for n in _dataclass_fields(type(body)) or () if n != "tokens"])
+
+
 def check_int64(msg: Any) -> None:
     """Every integer in `msg` (dataclasses, lists, dicts; walked without recursion) fits
     SQLite's 64-bit INTEGER: a larger id, count or port from a cell is malformed input (422),
