@@ -194,9 +194,10 @@ class TokenRecords(Columns[TokenRecord]):
         n = wire["n"]
         if not 0 <= n <= MAX_PACKED:
             raise ValueError(f"packed records: n={n} is outside [0, {MAX_PACKED}]")
-        ids, lps, vs = (_unb64(code, wire[k], n, k) for code, k in _PACKED)
-        tr = _unb64("B", wire["truncated"], n, "truncated") if wire.get("truncated") is not None else array("B",
-                                                                                                          bytes(n))
+        ids, lps, vs = _unb64("i", wire["ids"], n, "ids"), _unb64("d", wire["logprobs"], n, "logprobs"), \
+            _unb64("i", wire["versions"], n, "versions")
+        text = wire.get("truncated")
+        tr = array("B", bytes(n)) if text is None else _unb64("B", text, n, "truncated")
         if n and max(tr) > 1:
             raise ValueError("packed records: truncated holds a byte other than 0 or 1")
         return cls._wrap((ids, lps, vs, tr))

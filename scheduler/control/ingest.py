@@ -97,6 +97,10 @@ FAIL = "fail: "
 """Prefix of a revocation that ends the request (it cannot go on anywhere)."""
 
 
+_NONE_STORED = StoredTokens()
+"""A batch that overlaps nothing stored (read-only: shared by every such batch)."""
+
+
 class _Appends:
     """Accepted tokens not written yet: (session, at, records, epoch, cell) rows, the tokens each
     request grew by, and each session's length counting them."""
@@ -145,7 +149,7 @@ class Ingest:
         pending = _Appends(ctx.store.sessions.lengths([r.session_id for r in reqs.values()]))
         for b in batches:
             req = reqs.get(b.request_id)
-            stored = StoredTokens()
+            stored = _NONE_STORED
             if req is not None and b.start < req.num_generated:
                 self._flush(fx, pending, reqs)  # the overlap is compared with what is stored
                 end = min(req.num_generated, b.start + len(b.records))
