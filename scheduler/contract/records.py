@@ -149,6 +149,10 @@ class TokenRecords(Columns[TokenRecord]):
             tr = map(bool, tr)
         return [list(r) for r in zip(ids, lps, vs, tr)]
 
+    def __iter__(self) -> Iterator[TokenRecord]:
+        ids, lps, vs, tr = self.columns
+        return map(TokenRecord, ids, lps, vs, map(bool, tr) if type(tr) is array else tr)
+
     @property
     def is_packed(self) -> bool:
         return type(self.columns[0]) is array

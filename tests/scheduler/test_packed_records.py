@@ -39,6 +39,7 @@ def test_the_packed_form_round_trips_bit_for_bit():
     assert got.is_packed and got.wire()["n"] == len(rows)
     assert _bits(got.logprobs) == _bits(_LPS) and list(got.versions) == [0, 0, 3, 3, 9]
     assert got == TokenRecords.of(rows) and got.rows() == [list(r) for r in rows]
+    assert list(got) == rows and all(type(r.truncated) is bool for r in got)
     # the negative control: one ulp off, or a positive zero for the negative one, is not the same
     off = [math.nextafter(_LPS[2], 0.0) if i == 2 else x for i, x in enumerate(_LPS)]
     assert _bits(got.logprobs) != _bits(off) and got != TokenRecords.of([(7, x, 0, False) for x in off])
