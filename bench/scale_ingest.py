@@ -7,8 +7,10 @@ requests (sessions with a `PROMPT`-token prompt stored). A load generator in thi
 CPU is not the server's) posts their syncs through the real route
 (`POST /internal/v1/cells/{id}/sync`, the cell token): each carries `REQUESTS` token batches of
 `TOKENS` sampled tokens, every one with its log-prob and weight version, continuing where the
-last left off, plus the cell's summary (its request ids, KV blocks in use). Every batch must
-be accepted (none in `rejected`), else the run fails.
+last left off, plus the cell's summary (its request ids, KV blocks in use). The batches travel
+as real cells send them: the packed wire form (`TokenRecords.packed`, base64 of little-endian
+columns; scheduler/contract/records.py). Every batch must be accepted (none in `rejected`),
+else the run fails.
 
 Measured: the server process's CPU time (user + system, from /proc) over the loaded window,
 per sync: `ingest_server_cpu_ms_per_sync`; the same process's CPU time over an equally long
@@ -25,6 +27,7 @@ import os
 import random
 import time
 
+from scheduler.contract.records import TokenRecords
 from scheduler.store import Store
 from scheduler.store.tokenpack import prompt_chunk
 
@@ -78,7 +81,8 @@ class Syncs:
         self.done[cell] = n + TOKENS
         ids = self.owned[cell]
         tokens = [{"request_id": r, "epoch": 1, "start": n,
-                   "records": [[rng.randrange(50_000), -rng.random() * 4, 0, False] for _ in range(TOKENS)]}
+                   "records": TokenRecords.of([(rng.randrange(50_000), -rng.random() * 4, 0, False)
+                                               for _ in range(TOKENS)]).packed().wire()}
                   for r in ids]
         incarnation = "inc-" + cell.removeprefix("cell-")
         summary = {"inflight": len(ids), "kv_blocks_used": (n // 16) % 1024, "kv_blocks_total": 1024,

@@ -292,7 +292,8 @@ class CellAgent:
             for rid, o in self.owned.items():
                 if o.migrating or not (o.pending or o.finish_reason):
                     continue
-                batches.append(TokenBatch(rid, o.epoch, o.flushed, TokenRecords.of(o.pending), o.finish_reason))
+                batches.append(TokenBatch(rid, o.epoch, o.flushed, TokenRecords.of(o.pending).packed(),
+                                          o.finish_reason))
                 sent.append((rid, len(o.pending)))
             events, self.events = self.events, []
             summary = self.engine.summary()

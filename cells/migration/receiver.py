@@ -79,7 +79,7 @@ class MigrationReceiver(Cancellable):
             self.check_cancel()
             failpoint("migrate.before_commit")
             num_generated = snap.num_tokens - snap.prompt_len
-            tail = Tail(start=snap.records_from, records=TokenRecords.of(snap.records))
+            tail = Tail(start=snap.records_from, records=TokenRecords.of(snap.records).packed())
             epoch = self._commit(mid, CommitRequest(self.cell_id, self.incarnation, rid, self.cmd.epoch,
                                                     num_generated, tail, path="kv"))
         except (Refused, Cancelled) as e:

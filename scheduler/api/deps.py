@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from array import array
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
@@ -78,8 +79,11 @@ INT64_MAX = (1 << 63) - 1
 def _check_columns(cols: Columns) -> None:
     """`check_int64` of token columns, one column at a time at C speed: a column's values share
     their type (the contract's validation made them so), so an integer column is checked by its
-    least and greatest value, and a float or bool column holds no integer to check."""
+    least and greatest value, and a float or bool column holds no integer to check (nor does an
+    `array` column, packed: its items are 32 bits at most)."""
     for col in cols.columns:
+        if type(col) is array:
+            continue
         if col and type(col[0]) is int:
             try:
                 lo, hi = min(col), max(col)
@@ -90,6 +94,21 @@ def _check_columns(cols: Columns) -> None:
                 raise Invalid(f"integer {lo if lo < -INT64_MAX - 1 else hi} is out of the 64-bit range")
         elif col and type(col[0]) not in (float, bool):
             check_int64(list(col))
+
+
+def check_sync_int64(body: Any) -> None:
+    """`check_int64` of a `SyncRequest`: its token batches' integers a column at a time (every
+    batch's epoch and start by their least and greatest, packed records not at all), the rest
+    as `check_int64` walks it."""
+    batches = body.tokens
+    if batches:
+        ints = [b.epoch for b in batches] + [b.start for b in batches]
+        if min(ints) < -INT64_MAX - 1 or max(ints) > INT64_MAX:
+            raise Invalid(f"integer {min(ints) if min(ints) < -INT64_MAX - 1 else max(ints)} is out of the 64-bit range")
+        for b in batches:
+            if type(b.records.columns[0]) is not array:
+                _check_columns(b.records)
+    check_int64([getattr(body, n) for n in _dataclass_fields(type(body)) or () if n != "tokens"])
 
 
 def check_int64(msg: Any) -> None:

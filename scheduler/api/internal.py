@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import TypeAdapter, ValidationError
 
-from scheduler.api.deps import ApiRoute, Ctl, check_int64
+from scheduler.api.deps import ApiRoute, Ctl, check_int64, check_sync_int64
 from scheduler.api.principal import CURRENT
 from scheduler.api.schemas import errors
 from scheduler.contract.errors import Invalid
@@ -86,7 +86,7 @@ async def read_sync(request: Request) -> SyncRequest:
 @router.post("/cells/{cell_id}/sync", responses=errors(404, 409, 413, 422), openapi_extra=_SYNC_BODY)
 async def sync(cell_id: str, request: Request, ctl: Ctl) -> dict:
     body = await read_sync(request)
-    check_int64(body)
+    check_sync_int64(body)
     return (await ctl.sync(cell_id, body)).to_dict()
 
 

@@ -27,7 +27,8 @@ refused for any reason puts its request id in `rejected`: the cell drops that re
 
 Token record (scheduler/contract/records.py): `[token_id, logprob, version, truncated]`
 (behavior log-prob and version under which it was sampled; `truncated`: the log-prob is of the
-top-k/top-p truncated distribution); a batch's records are columns in memory, arrays on the wire.
+top-k/top-p truncated distribution); a batch's records are columns in memory, on the wire rows or
+packed (base64 of little-endian arrays, what cells send; records.py, docs/LIFECYCLES.md).
 Generated index `i` of a request is its i-th sampled token; `start` counts in that index.
 
 Long-poll: with nothing to send, the scheduler holds the sync up to `wait_s` (≤ 1 s) or until a

@@ -42,6 +42,11 @@ class Effects:
     def notify(self, key: Hashable) -> None:
         self._todo.append(lambda: self.notifier.notify(key))
 
+    def notify_many(self, keys: list[Hashable]) -> None:
+        """`notify` each of `keys` (one deferred call for all)."""
+        notify = self.notifier.notify
+        self._todo.append(lambda: [notify(k) for k in keys])
+
     def later(self, fn: Callable[[], object]) -> None:
         self._todo.append(fn)
 

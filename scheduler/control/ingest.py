@@ -68,9 +68,10 @@ def judge(req: RequestRow | None, cell_id: str, batch: TokenBatch, stored: Store
     n = req.num_generated
     if batch.start > n:
         return Verdict(False, reason="gap", revoke=req.is_owned)
-    if not same_tokens(stored, batch.records[: n - batch.start]):
+    seen = n - batch.start  # records already stored (a duplicate's overlap)
+    if seen > 0 and not same_tokens(stored, batch.records[:seen]):
         return Verdict(False, reason="mismatch", revoke=req.is_owned, drift=True)
-    new = batch.records[n - batch.start:]
+    new = batch.records[seen:] if seen > 0 else batch.records
     if not req.is_owned and new and not CANARY_NO_FENCING:  # the canary also stores a fenced owner's tokens
         return Verdict(False, reason="not_running")
     return Verdict(True, new=new)
@@ -94,6 +95,10 @@ instead of re-placing it."""
 
 FAIL = "fail: "
 """Prefix of a revocation that ends the request (it cannot go on anywhere)."""
+
+
+_NONE_STORED = StoredTokens()
+"""A batch that overlaps nothing stored (read-only: shared by every such batch)."""
 
 
 class _Appends:
@@ -136,17 +141,15 @@ class Ingest:
         rejected: list[str] = []
         revokes: list[tuple[str, str]] = []
         finishes: list[tuple[str, str]] = []
-        allowed = self.trust.servable_by(cell_id) if batches else set()
-        for b in batches:
-            if (why := self.trust.invalid_records(cell_id, b.records, allowed)) is not None:
-                # what no honest engine reports: nothing of this sync is taken, the cell goes
-                fx.later(lambda: ctx.metrics.tokens_rejected.labels("untrue").inc())
-                return [x.request_id for x in batches], [], [], f"request {b.request_id}: {why}"
+        if (why := self.trust.invalid_batches(cell_id, batches)) is not None:
+            # what no honest engine reports: nothing of this sync is taken, the cell goes
+            fx.later(lambda: ctx.metrics.tokens_rejected.labels("untrue").inc())
+            return [x.request_id for x in batches], [], [], why
         reqs = ctx.store.owners.get_requests([b.request_id for b in batches])
         pending = _Appends(ctx.store.sessions.lengths([r.session_id for r in reqs.values()]))
         for b in batches:
             req = reqs.get(b.request_id)
-            stored = StoredTokens()
+            stored = _NONE_STORED
             if req is not None and b.start < req.num_generated:
                 self._flush(fx, pending, reqs)  # the overlap is compared with what is stored
                 end = min(req.num_generated, b.start + len(b.records))
@@ -184,10 +187,10 @@ class Ingest:
         ctx = self.ctx
         ctx.store.sessions.append_sampled_many(pending.rows)
         ctx.store.owners.set_num_generated_many([(rid, reqs[rid].num_generated) for rid in pending.grown])
-        for rid, n in pending.grown.items():
+        for rid in pending.grown:
             self.ownership.advanced(rid, tokens=True)
-            self.migrations.tokens_arrived(fx, rid, n)
-            fx.notify(("req", rid))
+        self.migrations.tokens_arrived_many(fx, pending.grown)
+        fx.notify_many([("req", rid) for rid in pending.grown])
         total = sum(pending.grown.values())
         fx.later(lambda: ctx.metrics.tokens_generated.inc(total))
         pending.rows, pending.grown = [], {}

@@ -296,6 +296,13 @@ class Migrations:
         """`n` tokens of the request were committed now (a move's stall window may close)."""
         self._observe_stall(fx, self.stalls.on_tokens(request_id, n, self.ctx.clock()))
 
+    def tokens_arrived_many(self, fx: Effects, grown: dict[str, int]) -> None:
+        """`tokens_arrived` for each (request id, tokens) of a sync, at one clock reading."""
+        now, on_tokens = self.ctx.clock(), self.stalls.on_tokens
+        for rid, n in grown.items():
+            if (stall := on_tokens(rid, n, now)) is not None:
+                self._observe_stall(fx, stall)
+
     def request_ended(self, fx: Effects, request_id: str) -> None:
         """The request finished or left its owner: a committed move still watched is measured."""
         self._observe_stall(fx, self.stalls.ended(request_id))

@@ -39,10 +39,10 @@ from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.errors import Conflict, Invalid
 from scheduler.contract.probe import agree, well_formed
+from scheduler.contract.records import TokenRecords
 
 if TYPE_CHECKING:
-    from scheduler.contract.protocol import Capabilities, RegisterRequest
-    from scheduler.contract.records import TokenRecords
+    from scheduler.contract.protocol import Capabilities, RegisterRequest, TokenBatch
     from scheduler.contract.sampling import SamplingParams
     from scheduler.control.context import Context, Effects
     from scheduler.store.fleet import CellRow
@@ -266,6 +266,22 @@ class Trust:
                 allowed = self.servable_by(cell_id)
             if version not in allowed:
                 return f"version {version} was never served to it"
+        return None
+
+    def invalid_batches(self, cell_id: str, batches: list[TokenBatch]) -> str | None:
+        """Why one of a sync's batches cannot be true ("request ID: why"; None when all can):
+        every batch's columns joined and judged at once (`_plausible`), batch by batch only
+        when that cannot tell."""
+        if not batches:
+            return None
+        allowed = self.servable_by(cell_id)
+        if len(batches) > 1:
+            joined = TokenRecords.joined([b.records for b in batches])
+            if joined is not None and self._plausible(joined, allowed):
+                return None
+        for b in batches:
+            if (why := self.invalid_records(cell_id, b.records, allowed)) is not None:
+                return f"request {b.request_id}: {why}"
         return None
 
     def _plausible(self, records: TokenRecords, allowed: set[int]) -> bool:

@@ -55,7 +55,10 @@ def _blob(a: array) -> bytes:
 
 
 def ids_array(token_ids: Any) -> array:
-    """Token ids as int32; an id outside int32 is refused (422, nothing is written)."""
+    """Token ids as int32; an id outside int32 is refused (422, nothing is written). An int32
+    array (a packed batch's ids, as received) is taken as it is."""
+    if type(token_ids) is array and token_ids.typecode == "i":
+        return token_ids
     try:
         return array("i", token_ids)
     except OverflowError:
@@ -148,7 +151,8 @@ def sampled_chunks(session_id: str, at: int, token_ids: Any, logprobs: Any, vers
                    epoch: int | None, cell: str | None) -> list[Chunk]:
     """Sampled tokens (columns) appended at `at` as chunks, one per run of equal versions."""
     if versions and versions.count(versions[0]) == len(versions):  # one version: one chunk (C speed)
-        return [Chunk(session_id, at, 1, versions[0], epoch, cell, ids_array(token_ids), array("d", logprobs),
+        lps = logprobs if type(logprobs) is array and logprobs.typecode == "d" else array("d", logprobs)
+        return [Chunk(session_id, at, 1, versions[0], epoch, cell, ids_array(token_ids), lps,
                       bytes(truncated) if any(truncated) else None)]
     out: list[Chunk] = []
     pos = 0

@@ -170,7 +170,8 @@ class FakeCell:
         for b in tokens:
             h = self.held.get(b["request_id"])
             if h is not None and b["request_id"] not in body["rejected"]:
-                h.synced = max(h.synced, b["start"] + len(b["records"]))
+                n = b["records"]["n"] if isinstance(b["records"], dict) else len(b["records"])  # packed or rows
+                h.synced = max(h.synced, b["start"] + n)
                 if b["finish_reason"] is not None:
                     done = self.held.pop(b["request_id"])
                     self.contexts[done.session_id] = done.prompt + [int(r[0]) for r in done.tokens]
