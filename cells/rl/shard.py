@@ -149,7 +149,13 @@ class ShardedLearner(Learner):
             p.requires_grad_(True)
         self.master = self.flat[self.lo: self.lo + self.shard_len].requires_grad_(True)
         """This rank's slice of the fp32 parameters: a view of the compute copy."""
-        self.optimizer = torch.optim.AdamW([self.master], lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
+        self._slice_state(weights, reference, lr)
+
+    def _slice_state(self, weights: dict[str, Tensor], reference: dict[str, Tensor] | None, lr: float) -> None:
+        """What lives beside `master`, slice for slice: the optimizer's moments, the reference
+        and the EWMA copy."""
+        self.optimizer = torch.optim.AdamW([self.master], lr=lr, betas=self.betas, weight_decay=self.weight_decay,
+                                           fused=True)
         self.set_reference(reference if reference is not None else weights)
         ew = self.objective.ewma
         inner = PPOEWMA({"shard": self.master}, staleness_window=ewma_window(ew, DEFAULT_STALENESS_BOUND,

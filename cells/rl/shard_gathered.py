@@ -27,11 +27,8 @@ from torch.distributed import AllreduceOptions, ReduceOp
 
 from cells.rl.layer_forward import empty_forward, packed_logprobs, tree_logprobs
 from cells.rl.layer_gather import FlatLayout, LayerGather, Source
-from cells.rl.learner import DEFAULT_STALENESS_BOUND
-from cells.rl.objectives import PPOEWMA
-from cells.rl.objectives.config import ewma_window
 from cells.rl.objectives.tree import SerializedTree
-from cells.rl.shard import ShardedLearner, _ShardEWMA, all_reduce
+from cells.rl.shard import ShardedLearner, all_reduce
 from cells.transport.p2p import wait_work
 
 KINDS = ("grad", "params", "reference", "ewma")
@@ -64,13 +61,7 @@ class GatheredLearner(ShardedLearner):
         self.flat, self.grad_slice = None, None
         self.master = self._slice_of(weights).requires_grad_(True)
         """This rank's slice of the fp32 parameters: the only copy."""
-        self.optimizer = torch.optim.AdamW([self.master], lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
-        self.set_reference(reference if reference is not None else weights)
-        ew = self.objective.ewma
-        inner = PPOEWMA({"shard": self.master}, staleness_window=ewma_window(ew, DEFAULT_STALENESS_BOUND,
-                                                                             self.minibatches),
-                        reset_threshold=ew.reset_threshold)
-        self.ewma = _ShardEWMA(self, inner)
+        self._slice_state(weights, reference, lr)
 
     # ShardedLearner's state with the slice as the only fp32 copy
     def _views(self, flat: Tensor) -> dict[str, Tensor]:

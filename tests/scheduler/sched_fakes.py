@@ -312,6 +312,22 @@ def until_held(cell: FakeCell, fut: Future | None = None, rounds: int = 500) -> 
     raise AssertionError(f"{cell.cell_id} never got a request")
 
 
+def flip_holder(harness: Harness, max_tokens: int, session: str = "m") -> tuple[FakeCell, FakeCell, Future]:
+    """Cell a holds one request of `session` (2 tokens synced), cell b beside it; a is flipped to
+    training, so the tick issues a KV migration a -> b (its commands are on both fakes)."""
+    a = FakeCell(harness.client, "a", max_running=1)
+    a.register(), a.sync()
+    fut = harness.complete({"prompt_ids": [1, 2], "max_tokens": max_tokens}, session=session)
+    until_held(a, fut)
+    b = FakeCell(harness.client, "b")
+    b.register(), b.sync()
+    a.step(2), a.sync()
+    assert harness.client.post("/v1/flips", json={"cell": "a", "to": "training"}).status_code == 202
+    harness.tick()
+    a.sync(), b.sync()
+    return a, b, fut
+
+
 def keep_alive(harness: Harness, cells: list[FakeCell], seconds: float, step: float = 2.0) -> None:
     """Move the fake clock by `seconds`, syncing every cell often enough to keep its lease."""
     left = seconds

@@ -4,7 +4,7 @@ column), measured on the scheduler's clock like the downtime histogram."""
 from __future__ import annotations
 
 import pytest
-from sched_fakes import FakeCell, hand_over, open_harness, pump, until_held
+from sched_fakes import FakeCell, flip_holder, hand_over, open_harness, pump
 
 
 @pytest.fixture
@@ -24,16 +24,7 @@ def _exported(harness) -> list[dict]:
 
 @pytest.mark.parametrize("gap", [0.5, 0.2])
 def test_a_kv_moves_stall_is_on_its_row_and_exported(harness, gap):
-    a = FakeCell(harness.client, "a", max_running=1)
-    a.register(), a.sync()
-    fut = harness.complete({"prompt_ids": [1, 2], "max_tokens": 10}, session="m")
-    until_held(a, fut)
-    b = FakeCell(harness.client, "b")
-    b.register(), b.sync()
-    a.step(2), a.sync()
-    assert harness.client.post("/v1/flips", json={"cell": "a", "to": "training"}).status_code == 202
-    harness.tick()
-    a.sync(), b.sync()
+    a, b, fut = flip_holder(harness, 10)
     mid = next(c["migration_id"] for c in a.commands if c["type"] == "migrate_out")
     harness.clock.advance(gap)  # the stop-and-copy: the client sees no token for `gap` seconds
     hand_over(a, b, mid)

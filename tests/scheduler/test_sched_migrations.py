@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from sched_fakes import FakeCell, hand_over, open_harness, pump, until_held
+from sched_fakes import flip_holder, hand_over, open_harness, pump
 
 
 @pytest.fixture
@@ -13,16 +13,7 @@ def harness(tmp_path):
 
 def _migrating(harness, max_tokens: int = 12):
     """a holds one request with 2 synced + 1 unsynced tokens; a flip to training issues a KV migration a -> b."""
-    a = FakeCell(harness.client, "a", max_running=1)
-    a.register(), a.sync()
-    fut = harness.complete({"prompt_ids": [1, 2], "max_tokens": max_tokens}, session="m")
-    until_held(a, fut)
-    b = FakeCell(harness.client, "b")
-    b.register(), b.sync()
-    a.step(2), a.sync()
-    assert harness.client.post("/v1/flips", json={"cell": "a", "to": "training"}).status_code == 202
-    harness.tick()
-    a.sync(), b.sync()
+    a, b, fut = flip_holder(harness, max_tokens)
     a.step(1)  # decoding goes on during the copy rounds; this token is not synced yet
     out = [c for c in a.commands if c["type"] == "migrate_out"]
     into = [c for c in b.commands if c["type"] == "migrate_in"]

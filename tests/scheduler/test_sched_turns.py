@@ -5,7 +5,7 @@ prefix gets the whole context."""
 from __future__ import annotations
 
 import pytest
-from sched_fakes import FakeCell, hand_over, open_harness, pump, until_held
+from sched_fakes import FakeCell, flip_holder, hand_over, open_harness, pump, until_held
 
 from scheduler.contract.prefixhash import prefix_digest
 
@@ -109,16 +109,7 @@ def test_a_turn_placed_on_another_cell_gets_the_whole_context(harness):
 def test_a_turn_after_a_kv_migration_gets_the_whole_context(harness):
     """The destination got the request by a KV copy, with no start: it holds no context to
     extend, so the next turn's start is a whole one (no prefix_missing round trip)."""
-    a = FakeCell(harness.client, "a", max_running=1)
-    a.register(), a.sync()
-    fut = harness.complete({"prompt_ids": [1, 2], "max_tokens": 6}, session="m")
-    until_held(a, fut)
-    b = FakeCell(harness.client, "b")
-    b.register(), b.sync()
-    a.step(2), a.sync()
-    assert harness.client.post("/v1/flips", json={"cell": "a", "to": "training"}).status_code == 202
-    harness.tick()
-    a.sync(), b.sync()
+    a, b, fut = flip_holder(harness, 6)
     (mid,) = [c["migration_id"] for c in a.commands if c["type"] == "migrate_out"]
     hand_over(a, b, mid)
     pump([b], until=fut)
