@@ -133,10 +133,7 @@ class ShardedLearner(Learner):
     def _init_state(self, weights: dict[str, Tensor], reference: dict[str, Tensor] | None, lr: float,
                     betas: tuple[float, float], weight_decay: float, storage: Tensor | None = None) -> None:
         g = self.groups
-        self.betas, self.weight_decay, self._base_lr = betas, weight_decay, float(lr)
-        self.compute_dtype, self.pack, self.checkpoint = None, True, False
-        self.names = sorted(weights)
-        self._shapes = {k: weights[k].shape for k in self.names}
+        self._settings(weights, lr, betas, weight_decay)
         self.num_params = sum(weights[k].numel() for k in self.names)
         self.shard_len = -(-self.num_params // g.cell_size)
         self.lo = g.cell_rank * self.shard_len
@@ -150,6 +147,14 @@ class ShardedLearner(Learner):
         self.master = self.flat[self.lo: self.lo + self.shard_len].requires_grad_(True)
         """This rank's slice of the fp32 parameters: a view of the compute copy."""
         self._slice_state(weights, reference, lr)
+
+    def _settings(self, weights: dict[str, Tensor], lr: float, betas: tuple[float, float],
+                  weight_decay: float) -> None:
+        """The optimizer's settings and the parameters' names and shapes, before any storage."""
+        self.betas, self.weight_decay, self._base_lr = betas, weight_decay, float(lr)
+        self.compute_dtype, self.pack, self.checkpoint = None, True, False
+        self.names = sorted(weights)
+        self._shapes = {k: weights[k].shape for k in self.names}
 
     def _slice_state(self, weights: dict[str, Tensor], reference: dict[str, Tensor] | None, lr: float) -> None:
         """What lives beside `master`, slice for slice: the optimizer's moments, the reference

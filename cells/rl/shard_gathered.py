@@ -49,10 +49,7 @@ class GatheredLearner(ShardedLearner):
     def _init_state(self, weights: dict[str, Tensor], reference: dict[str, Tensor] | None, lr: float,
                     betas: tuple[float, float], weight_decay: float, storage: Tensor | None = None) -> None:
         g = self.groups
-        self.betas, self.weight_decay, self._base_lr = betas, weight_decay, float(lr)
-        self.compute_dtype, self.pack, self.checkpoint = None, True, False
-        self.names = sorted(weights)
-        self._shapes = {k: weights[k].shape for k in self.names}
+        self._settings(weights, lr, betas, weight_decay)
         self.params = {k: torch.empty(weights[k].shape, device="meta") for k in self.names}
         """Shapes only: the parameters live in the cell's slices."""
         self._layout = FlatLayout(dict(self._shapes), g.cell_size, g.cell_rank)
