@@ -300,11 +300,11 @@ def complete_async(client: TestClient, pool: ThreadPoolExecutor, body: dict, ses
     return pool.submit(client.post, "/v1/generate", json=body, headers=h)
 
 
-def until_held(cell: FakeCell, fut: Future | None = None, rounds: int = 500) -> None:
-    """Sync `cell` until it holds a request (the completion in `fut` was admitted)."""
+def until_held(cell: FakeCell, fut: Future | None = None, rounds: int = 500, count: int = 1) -> None:
+    """Sync `cell` until it holds `count` requests (the completion in `fut` was admitted)."""
     for _ in range(rounds):
         cell.sync()
-        if cell.held:
+        if len(cell.held) >= count:
             return
         if fut is not None and fut.done():
             raise AssertionError(f"completion ended early: {fut.result(timeout=60).status_code} {fut.result(timeout=60).text}")

@@ -3,8 +3,6 @@ next batch of the same sync is judged against (continued, duplicated or contradi
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from sched_fakes import FakeCell, open_harness, until_held
 
@@ -23,13 +21,8 @@ def _start(harness, sessions: list[str]) -> tuple[FakeCell, list[str]]:
     c.register()
     c.sync()
     futs = [harness.complete({"prompt_ids": [1], "max_tokens": 50}, session=s) for s in sessions]
-    for f in futs:
-        until_held(c, f)
-    for _ in range(500):  # until_held returns once the cell holds any request: wait for all of them
-        if len(c.held) == len(sessions):
-            break
-        c.sync()
-        time.sleep(0.002)
+    for k, f in enumerate(futs, 1):
+        until_held(c, f, count=k)
     by_session = {h.session_id: rid for rid, h in c.held.items()}
     return c, [by_session[s] for s in sessions]
 
