@@ -238,10 +238,11 @@ class TrainingCoordinator:
         raise StateLost(f"no cell holds the committed state {self.tag} (version {self.version}) and no "
                         "checkpoint was written: restart from a checkpoint directory")
 
-    def _answers(self, cell: str, timeout_s: float = 3.0) -> bool:
+    def _answers(self, cell: str) -> bool:
         """Whether `cell` is alive and still holds the committed state (its announcement may
-        outlive it)."""
-        r = jobs.wait(self.store, jobs.post(self.store, cell, {"op": "ping"}), timeout_s)
+        outlive it). Given as long as a rank's ack: a live holder on a loaded host answers
+        late, and taking its silence for death would fail the step (no other source)."""
+        r = jobs.wait(self.store, jobs.post(self.store, cell, {"op": "ping"}), self.ack_timeout_s)
         return bool(r.get("ok")) and r.get("tag") == self.tag
 
     def _check_joined(self, prefix: str, cells: list[str], source: dict) -> int:

@@ -38,8 +38,10 @@ def test_cells_join_leave_and_take_the_state_from_a_rank_or_a_parked_peer(tmp_pa
     for b in batches:
         clean.rl_step(b)
     ranks = Ranks(tmp_path, 3)
+    failed: list[dict] = []  # a redone attempt's reason, for the assertion below
     try:
-        coord = coordinator(lrn, ranks.host.address)
+        coord = coordinator(lrn, ranks.host.address, emit=lambda rec: failed.append(rec)
+                            if rec.get("event") == "train_attempt_failed" else None)
         v = lambda: coord.version + 1  # noqa: E731
         m1 = coord.update(batches[0], ["cell-0", "cell-1"], next_version=v)
         pids = {c: p.pid for c, p in ranks.procs.items()}
@@ -66,7 +68,7 @@ def test_cells_join_leave_and_take_the_state_from_a_rank_or_a_parked_peer(tmp_pa
     assert [m["join_source"] for m in ms] == ["build", "rank", "none", "rank", "peer"]
     assert [m["version"] for m in ms] == [1.0, 2.0, 3.0, 4.0, 5.0]
     assert [m["optimizer_step"] for m in ms] == [2.0, 4.0, 6.0, 8.0, 10.0]
-    assert all(m["attempts"] == 1.0 for m in ms)
+    assert all(m["attempts"] == 1.0 for m in ms), failed
     # every joiner's parameters were the committed ones (the coordinator compares checksums)
     assert len({m["joined_checksum"] for m in ms}) == 5
     assert rel_diff(_params(clean), final, _params(learner())) <= 1e-3
