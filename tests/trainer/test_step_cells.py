@@ -163,6 +163,9 @@ def test_at_the_end_of_the_run_every_training_cell_is_handed_back(make):
     t.start()
     _pump_while(h, cells, t)
     assert step.planner_flips and len(step.group()) == 2
+    # the planner stops flipping, as if its next decision were late: hand_back alone must bring
+    # its cells back (with it running, it may flip one back first and the count would race)
+    h.ctl.ctx.cfg = h.ctl.ctx.cfg.model_copy(update={"auto_flip": False})
     t = threading.Thread(target=lambda: out.append(step.hand_back()))
     t.start()
     _pump_while(h, cells, t)
