@@ -157,9 +157,9 @@ class ShardedLearner(SliceCheckpoints, Learner):
                                            fused=True)
         self.set_reference(reference if reference is not None else weights)
         ew = self.objective.ewma
-        inner = PPOEWMA({"shard": self.master}, staleness_window=ewma_window(ew, DEFAULT_STALENESS_BOUND,
-                                                                             self.minibatches),
-                        reset_threshold=ew.reset_threshold)
+        window = ewma_window(ew, DEFAULT_STALENESS_BOUND, self.minibatches)
+        # from the weights' slice: the master's values, built in host memory (no device copy back)
+        inner = PPOEWMA({"shard": self._slice_of(weights)}, staleness_window=window, reset_threshold=ew.reset_threshold)
         self.ewma = _ShardEWMA(self, inner)
 
     def _views(self, flat: Tensor) -> dict[str, Tensor]:

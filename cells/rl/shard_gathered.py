@@ -52,6 +52,10 @@ class GatheredLearner(ShardedLearner):
     gradient slice is bf16 (the per-layer reduce's own dtype), cast to fp32 a chunk at a time
     in the optimizer step."""
 
+    divide_same_batch = True
+    """The warm-up's gradient divided by S (every rank ran the same demonstrations); False
+    only in the tests' negative control."""
+
     def __init__(self, spec: Any, weights: dict[str, Tensor], *, groups: Any,
                  device: str | torch.device = "cpu", **kw: Any) -> None:
         self.device = torch.device(device)
@@ -244,7 +248,8 @@ class GatheredLearner(ShardedLearner):
         self.join_forwards()
         if self.grad_slice is None:
             self.grad_slice = self._new_grad()
-        self.grad_slice.div_(self.groups.cell_size)
+        if self.divide_same_batch:
+            self.grad_slice.div_(self.groups.cell_size)
         self.reduce_gradients(None, {})
         norm = self.apply_gradients()
         self.version += 1
