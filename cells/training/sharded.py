@@ -149,7 +149,8 @@ def compute(w: Any, store, prefix: str, spec: dict, rank: int, n: int, share, gr
     result = ({"metrics": metrics, "checksum": crc, "tensors": tensor_checksums(params)}
               if rank == 1 and i == 0 else None)
     report(w, store, prefix, rank, "done", {"checksum": crc}, timeout, result)
-    log.info("cell %s rank %d.%d: %s %.2fs", w.cell_id, rank, i, spec.get("kind", "rl"), time.perf_counter() - t0)
+    log.info("cell %s rank %d.%d: %s on %s %.2fs", w.cell_id, rank, i, spec.get("kind", "rl"), type(w.learner).__name__,
+             time.perf_counter() - t0)
 
 
 def _fresh(w: Any, store, spec: dict, sg: ShardGroups, weights: dict | None = None) -> Any:
