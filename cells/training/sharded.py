@@ -46,8 +46,8 @@ HOST = torch.device("cpu")
 
 
 def group_device(w: Any, hyper: dict) -> torch.device:
-    """Where a rank's groups run: its device (`cuda:<i>`: NCCL) for the gathered layout, whose
-    slices live there; host memory (gloo) for the flat layout."""
+    """Where a rank's `cell/<cell>` and `dp/<i>` groups run: its device (`cuda:<i>`: NCCL) for
+    the gathered layout, whose slices live there; host memory (gloo) for the flat layout."""
     from cells.training.followers import rank_device
 
     return torch.device(rank_device(w.device, w.cell_rank)) if hyper.get("shard_layout") == "gathered" else HOST
@@ -117,7 +117,8 @@ def compute(w: Any, store, prefix: str, spec: dict, rank: int, n: int, share, gr
     source = get_json(store, got)
     dev = group_device(w, spec["hyper"])
     kw = {"timeout_s": timeout, "connect_timeout_s": connect_s, "device": dev, "abort_key": f"{prefix}/abort"}
-    every = join_group(store, f"{prefix}/all/", (rank - 1) * S + i, n * S, **kw)
+    # the update's scalar sums stay gloo (it takes host and CUDA tensors; NCCL only the latter)
+    every = join_group(store, f"{prefix}/all/", (rank - 1) * S + i, n * S, **{**kw, "device": HOST})
     cell = join_group(store, f"{prefix}/cell/{w.cell_id}/", i, S, **kw)
     cross = join_group(store, f"{prefix}/dp/{i}/", rank - 1, n, **kw) if n > 1 else None
     groups += [g for g in (every, cell, cross) if g is not None]
