@@ -94,3 +94,28 @@ def test_warm_up_checkpoint_and_bf16_gradient_slice_on_gathered_ranks(tmp_path: 
     print("bf16: 2x2 gathered vs one process", bf, "one process bf16 vs fp32", ref, "control", control)
     assert bf <= ref
     assert control > ref  # negative control: one update fewer is past the bound
+
+
+def test_shard_layout_is_checked_and_picks_the_learner_a_cell_rank_builds():
+    from pydantic import ValidationError
+
+    from cells.rl.shard import ShardedLearner
+    from cells.training import protocol as P
+    from scheduler.contract.config import TrainerConfig
+    from tests.training.cluster import learner
+
+    assert TrainerConfig().shard_layout == "flat" and TrainerConfig(shard_layout="gathered").shard_layout == "gathered"
+    with pytest.raises(ValidationError):
+        TrainerConfig(shard_layout="zero3")
+    one = learner()
+    zeros = {k: torch.zeros_like(v) for k, v in one.params.items()}
+    built = {}
+    for layout in ("flat", "gathered"):
+        h = {**P.hyper(one), "shard_layout": layout}
+        built[layout] = P.build_learner(h, {"entries": []}, weights=zeros, groups=ShardGroups(None, 0, 2))
+        assert P.build_learner(h, {"entries": []}, weights=zeros).__class__.__name__ == "Learner"  # one rank
+    assert type(built["gathered"]) is GatheredLearner and type(built["flat"]) is ShardedLearner
+    assert built["gathered"].shard_layout == "gathered" and P.hyper(built["gathered"])["shard_layout"] == "gathered"
+    with pytest.raises(ValueError, match="unknown trainer.shard_layout 'zero3'"):
+        P.build_learner({**P.hyper(one), "shard_layout": "zero3"}, {"entries": []}, weights=zeros,
+                        groups=ShardGroups(None, 0, 2))
