@@ -33,6 +33,10 @@ shares 1:2, the same three batches.
   process), rank_state_bytes (live tensors of one rank at rest) against 1.25 x 40 B x params / S,
   rank_peak_rss_bytes, memory_formula_error (cells/rl/memory.py at this size against a rank's
   peak over its baseline), logprob_peak_bytes (T = 8,192, the full 151,936-row output).
+  The same 2 x 2 with `trainer.shard_layout: gathered` (GatheredLearner, no compute copy),
+  judged too: gathered_param_max_rel_diff (fp32), gathered_bf16_param_max_rel_diff (its bf16
+  gradient slice; against bf16_vs_fp32_rel_diff), gathered_rank_state_bytes (against the same
+  budget), gathered_memory_formula_error (`memory.layer_gathered`, device and host terms).
 """
 
 from __future__ import annotations

@@ -119,7 +119,9 @@ def sharded_figures(tmp: Path) -> dict:
         runs[f"one_{prec}"] = launch(0, 0, cfg, tmp / f"one_{prec}")
         runs[f"shard_{prec}"] = launch(2, 2, cfg, tmp / f"shard_{prec}")
     runs["one_fp32_per_sequence"] = launch(0, 0, {**SHARD_CFG, "pack": False}, tmp / "one_fp32_per_sequence")
-    runs["gathered_fp32"] = launch(2, 2, {**SHARD_CFG, "gather_layers": True}, tmp / "gathered_fp32")
+    for prec in ("fp32", "bf16"):
+        runs[f"gathered_{prec}"] = launch(2, 2, {**SHARD_CFG, "gather_layers": True, "precision": prec},
+                                          tmp / f"gathered_{prec}")
     for k in runs:
         theta[k] = load_file(str(tmp / k / "params.safetensors"))
     w0 = init_weights(PRESETS["toy"], 0, 0.02)
@@ -154,7 +156,8 @@ def sharded_figures(tmp: Path) -> dict:
 def _gathered_figures(runs: dict, theta: dict, w0: dict) -> dict:
     """The 2 x 2 run with the compute weights gathered a layer at a time (GatheredLearner):
     its distance to one process, a rank's state and peak, `memory.layer_gathered` at its size
-    (device and host terms together: one process's memory on CPU)."""
+    (device and host terms together: one process's memory on CPU); the same in bf16 (its
+    gradient slice bf16) against one process in bf16."""
     from cells.engine.embedded.model_spec import PRESETS
     from cells.rl.memory import Config, layer_gathered
 
@@ -162,8 +165,10 @@ def _gathered_figures(runs: dict, theta: dict, w0: dict) -> dict:
     extra = max(r["rank_peak_rss_bytes"] - r["base_rss_bytes"] for r in ranks)
     f = layer_gathered(Config(PRESETS["toy"], 2, max(r["graph_tokens"] for r in ranks)))
     total = f["device"] + f["host"]
+    state = max(r["rank_state_bytes"] for r in ranks)
     return {"gathered_param_max_rel_diff": _rel_diff(theta["one_fp32"], theta["gathered_fp32"], w0),
-            "gathered_rank_state_bytes": max(r["rank_state_bytes"] for r in ranks),
+            "gathered_bf16_param_max_rel_diff": _rel_diff(theta["one_bf16"], theta["gathered_bf16"], w0),
+            "gathered_rank_state_bytes": state, "gathered_state_bytes_per_param": round(state / ranks[0]["params"], 2),
             "gathered_rank_peak_extra_bytes": extra, "gathered_memory_formula_bytes": total,
             "gathered_memory_formula_error": round(abs(total - extra) / extra, 4),
             "gathered_step_s": _median_step(ranks[0])}

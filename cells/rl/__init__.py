@@ -16,5 +16,9 @@ neither (`tests/test_shape.py`).
     precision     fp32 or bf16 compute and gradient sums over fp32 state
     shard         a cell's S ranks: the training state sharded S ways, cross-cell sums per step
     shard_state   one rank's slices as a flat buffer + JSON; re-sharding across S
+    shard_ckpt    a sharded learner's snapshot and one-rank checkpoint format
+    layer_gather  the compute weights gathered a layer at a time from a cell's slices
+    layer_forward the loss's forwards over gathered layers
+    shard_gathered  `GatheredLearner`: no compute copy (`trainer.shard_layout: gathered`)
     memory        per-rank memory as a formula (docs/TRAINING.md)
 """

@@ -60,7 +60,7 @@ def _gathered_forward(lg: LayerGather, src: Source, ids: Tensor, positions: Tens
                       rope: tuple[Tensor, Tensor] | None, entropy: list | None) -> Tensor:
     """Log-prob of `targets[j]` after hidden row `rows[j]` of the flat batch `ids`, one layer
     gathered at a time; with `grad` each layer and the head checkpointed."""
-    spec, dev = lg.spec, src.shard.device
+    spec, dev = lg.spec, src.device
     if grad and entropy is not None:
         raise ValueError("entropy is a detached forward's (the checkpoints would count it twice)")
     cos_t, sin_t = rope if rope is not None else rope_tables(spec.head_dim, spec.max_position, spec.rope_theta)
@@ -84,7 +84,7 @@ def packed_logprobs(lg: LayerGather, src: Source, seqs: Sequence[Tensor], *, gra
     forward; with `grad` their backward reduces the gradient into `src.grad` (a collective:
     every rank of the cell calls this the same number of times). With `entropy` (a list, no
     `grad`) each sequence's per-token entropy (same layout) is appended to it."""
-    dev = src.shard.device
+    dev = src.device
     if not seqs or any(len(s) < 2 for s in seqs):
         raise ValueError("every sequence needs at least 2 tokens")
     ids = torch.cat([torch.as_tensor(s, dtype=torch.long) for s in seqs]).to(dev)
@@ -110,7 +110,7 @@ def tree_logprobs(lg: LayerGather, src: Source, ser: SerializedTree, token_ids: 
                   rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """`tree_token_logprobs` (cells/rl/trees.py) on gathered layers: one forward over the
     serialised tree, each node attending to its own path; 0 for a root's first token."""
-    dev = src.shard.device
+    dev = src.device
     ids, prev = token_ids.to(dev), ser.prev_index.to(dev)
     out = _gathered_forward(lg, src, ids, ser.positions.to(dev), _segments(ser), prev.clamp(min=0), ids,
                             grad=grad, temperature=temperature, tile=tile, rope=rope, entropy=None)

@@ -107,11 +107,12 @@ class LayerGather:
         self.live -= n
 
     @torch.no_grad()
-    def gather_range(self, shard: Tensor, a: int, b: int, dtype: torch.dtype | None = None) -> Tensor:
+    def gather_range(self, shard: Tensor, a: int, b: int, dtype: torch.dtype | None = None,
+                     device: torch.device | None = None) -> Tensor:
         """[a, b) of the flat buffer whose slice on this rank is `shard`, on `shard`'s device:
         a broadcast of each owner's piece, in `dtype` (default: the compute dtype)."""
         lay = self.layout
-        out = self._track(torch.empty(b - a, dtype=dtype or self.dtype or shard.dtype, device=shard.device))
+        out = self._track(torch.empty(b - a, dtype=dtype or self.dtype or shard.dtype, device=device or shard.device))
         for r, lo, hi in lay.pieces(a, b):
             piece = out[lo - a: hi - a]
             if r == lay.rank:
@@ -149,18 +150,19 @@ class LayerGather:
         grad) autograd reduces their gradient into `source.grad` in the backward."""
         a, b = self.units[unit]
         if anchor is None:
-            return self.views(unit, self.gather_range(source.shard, a, b))
+            return self.views(unit, self.gather_range(source.shard, a, b, device=source.device))
         return self.views(unit, _Gather.apply(anchor, self, source, a, b))
 
-    def gather_full(self, source: Source, device: str | torch.device = "cpu",
+    def gather_full(self, source: Source, device: str | torch.device | None = "cpu",
                     dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         """Every tensor, gathered unit by unit to `device` (host by default) in `dtype` (default
         the slices': the fp32 master), one unit on the slices' device at a time: publishing."""
         out: dict[str, Tensor] = {}
         for unit, (a, b) in self.units.items():
-            flat = self.gather_range(source.shard, a, b, dtype or source.shard.dtype)
+            flat = self.gather_range(source.shard, a, b, dtype or source.shard.dtype, source.device)
             for k, v in self.views(unit, flat).items():
-                out[k] = v.to(device, copy=True)
+                if device is not None:  # (None: a rank that takes part and keeps nothing)
+                    out[k] = v.to(device, copy=True)
             del flat
         return out
 
@@ -182,6 +184,13 @@ class Source:
 
     shard: Tensor
     grad: Tensor | None = None
+    at: torch.device | None = None
+    """Where the gathered units and the forward live (the rank's device; a host-memory slice,
+    the reference or the EWMA copy on a GPU cell, is gathered onto it); None: the slice's."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.shard.device if self.at is None else self.at
 
 
 class _Gather(torch.autograd.Function):
@@ -191,7 +200,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, anchor: Tensor, lg: LayerGather, src: Source, a: int, b: int) -> Tensor:
         ctx.lg, ctx.src, ctx.a, ctx.b = lg, src, a, b
-        return lg.gather_range(src.shard, a, b)
+        return lg.gather_range(src.shard, a, b, device=src.device)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:

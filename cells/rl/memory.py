@@ -12,15 +12,19 @@ Two layouts:
   equality mask (1/S byte) and the micro-batch's activations. gloo stages an all-gather's
   whole output once more (4; NCCL writes in place).
 - `layer_gathered`: the compute copy sharded too (cells/rl/layer_gather.py; `GatheredLearner`
-  in cells/rl/shard_gathered.py, not yet what a cell's ranks build, see docs/TRAINING.md). On the rank's
-  device: the fp32 master slice 4/S, AdamW's moments 8/S, the fp32 gradient slice 4/S (16/S);
+  in cells/rl/shard_gathered.py, what a cell's ranks build under `trainer.shard_layout:
+  gathered`). On the rank's device: the fp32 master slice 4/S, AdamW's moments 8/S, the
+  gradient slice e/S in the compute dtype (4 fp32, 2 under `precision: bf16`): (12 + e)/S;
   the reference, EWMA copy and the guard's snapshot slices (24/S) where `host_offload` puts
   them (pinned host memory on a GPU cell). Gathered at once, in the compute dtype (e bytes): a
   unit (a layer, or a vocabulary table), its gradient, and for a layer the fused q/k/v and
   gate/up copies `_layer_tensors` makes and their gradients: e·2·(U + F), the largest unit's.
   Activations with a checkpoint per layer (each layer's input kept, one layer's A live again
   in the backward), and two log-prob chunks.
-- `sharded_compute`: the same with the gradient slice in bf16 (2/S; not built).
+  The optimizer step casts the gradient a chunk at a time (64 MiB of fp32, twice with the
+  clip's scaling) after the backward, when no unit or activation is live: below the peak.
+- `sharded_compute`: the paper estimate made before `layer_gathered` was built (bf16 gradient
+  slice, a layer's units counted as 2·2 + 4 bytes a parameter); kept for the record.
 
 Activations: a layer's backward keeps about A = 7d + 4i + 4(h + h_kv)·d_h + 22 values per token
 (d hidden, i MLP width, h / h_kv query / key-value heads of d_h; the constant: the norms' and
@@ -101,7 +105,7 @@ def built(c: Config) -> dict[str, float]:
 
 
 def sharded_compute(c: Config, host_offload: bool = True) -> dict[str, float]:
-    """Per-GPU bytes of the layout a 32B model needs (not built; see the module's text)."""
+    """Per-GPU bytes of the paper estimate (see the module's text; `layer_gathered` is built)."""
     p, s, lp = num_params(c.spec), c.ranks, layer_params(c.spec)
     state = p * (4 + 8 + 2) / s + (0 if host_offload else p * (4 + 4 + 16) / s)
     layers = 2 * 2 * lp + 4 * lp
@@ -121,7 +125,7 @@ def layer_gathered(c: Config, host_offload: bool = True) -> dict[str, float]:
     what the rank's device holds at its peak, `host` the slices kept in host memory."""
     p, s, e = num_params(c.spec), c.ranks, c.act_bytes
     table = c.spec.vocab_size * c.spec.hidden_size
-    slices = 16 * p / s
+    slices = (12 + e) * p / s
     kept = 24 * p / s
     gathered = e * 2 * max(layer_params(c.spec) + fused_params(c.spec), table)
     act = activations(Config(c.spec, s, c.tokens, c.backend, "layer", e, c.logit_chunk_bytes))

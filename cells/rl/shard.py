@@ -31,7 +31,6 @@ of 1/S of the table forgoes (measured in bench/train.py, not judged).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +41,7 @@ from torch.distributed import AllreduceOptions, ReduceOp
 from cells.rl.learner import DEFAULT_STALENESS_BOUND, Learner
 from cells.rl.objectives import PPOEWMA
 from cells.rl.objectives.config import ewma_window
+from cells.rl.shard_ckpt import SliceCheckpoints, all_gather
 from cells.transport.p2p import wait_work
 
 
@@ -63,13 +63,6 @@ def all_reduce(pg: Any, t: Tensor, timeout_s: float, what: str) -> Tensor:
     opts.reduceOp = ReduceOp.SUM
     wait_work(pg.allreduce([t], opts), timeout_s, what)
     return t
-
-
-def all_gather(pg: Any, flat: Tensor, piece: Tensor, timeout_s: float) -> None:
-    """`flat` (S·L) := every rank's `piece` (L) in rank order."""
-    n = piece.numel()
-    outs = [flat[r * n: (r + 1) * n] for r in range(flat.numel() // n)]
-    wait_work(pg.allgather([outs], [piece]), timeout_s, f"all-gather ({flat.numel()} values)")
 
 
 def reduce_scatter(pg: Any, flat: Tensor, rank: int, n: int, timeout_s: float) -> Tensor:
@@ -97,8 +90,9 @@ class _ShardEWMA:
         return self.inner.should_reset(num_missing_in_band, num_missing)
 
     def reset(self, params: Any = None) -> None:
-        """Restart the average at the parameters (this rank's slice of them)."""
+        """Restart the average at the parameters (this rank's slice of them, in host memory)."""
         self.inner.reset({"shard": self.learner.master})
+        self.inner.params["shard"] = self.learner._host_copy(self.inner.params["shard"])
 
     @property
     def num_resets(self) -> int:
@@ -113,7 +107,7 @@ class _ShardEWMA:
         return self.inner.weight
 
 
-class ShardedLearner(Learner):
+class ShardedLearner(SliceCheckpoints, Learner):
     """The learner of one of a cell's S training ranks (same arguments as `Learner`, plus
     `groups`); every rank of the cell builds it from the same start weights."""
 
@@ -163,9 +157,9 @@ class ShardedLearner(Learner):
                                            fused=True)
         self.set_reference(reference if reference is not None else weights)
         ew = self.objective.ewma
-        inner = PPOEWMA({"shard": self.master}, staleness_window=ewma_window(ew, DEFAULT_STALENESS_BOUND,
-                                                                             self.minibatches),
-                        reset_threshold=ew.reset_threshold)
+        window = ewma_window(ew, DEFAULT_STALENESS_BOUND, self.minibatches)
+        # from the weights' slice: the master's values, built in host memory (no device copy back)
+        inner = PPOEWMA({"shard": self._slice_of(weights)}, staleness_window=window, reset_threshold=ew.reset_threshold)
         self.ewma = _ShardEWMA(self, inner)
 
     def _views(self, flat: Tensor) -> dict[str, Tensor]:
@@ -191,7 +185,7 @@ class ShardedLearner(Learner):
 
     def set_reference(self, weights: dict[str, Tensor] | None = None) -> None:
         """The KL reference's slice: of `weights`, or of the current parameters."""
-        self.ref_shard = self.master.detach().clone() if weights is None else self._slice_of(weights)
+        self.ref_shard = self._host_copy(self.master if weights is None else self._slice_of(weights))
 
     @property
     def reference(self) -> dict[str, Tensor]:
@@ -281,7 +275,8 @@ class ShardedLearner(Learner):
         """Fold this rank's slice of the parameters into its slice of the EWMA copy; elements
         where the average equals the parameters stay bitwise equal (as the one-rank path keeps
         unmoved vocabulary rows)."""
-        avg, master = self.ewma.inner.params["shard"], self.master.detach()
+        avg = self.ewma.inner.params["shard"]
+        master = self.master.detach().to(avg.device)  # host memory: a copy where the slice is on a GPU
         same = avg == master
         self.ewma.inner.update({"shard": master})
         torch.where(same, master, avg, out=avg)
@@ -306,95 +301,3 @@ class ShardedLearner(Learner):
         norm = self.apply_gradients()
         self.version += 1
         return norm
-
-    # -- the guard's snapshot, checkpoints ---------------------------------------------------------
-    def take_snapshot(self) -> dict[str, Any]:
-        """This rank's slices of what an update changes (the guard's and the worker's snapshot)."""
-        st = self.optimizer.state.get(self.master) or {}
-        prev = getattr(self, "_snap", None) or {"moments": {}}
-
-        def keep(t: Tensor, old: Tensor | None) -> Tensor:  # into the last snapshot's tensors (obsolete now)
-            return old.copy_(t) if old is not None and old.shape == t.shape else t.detach().clone()
-
-        self._snap = {"master": keep(self.master.detach(), prev.get("master")),
-                      "moments": {k: keep(v, prev["moments"].get(k)) for k, v in st.items()},
-                      "ewma": keep(self.ewma.inner.params["shard"], prev.get("ewma")),
-                      "ewma_weight": self.ewma.inner.weight, "ewma_resets": self.ewma.inner.num_resets,
-                      "step": self.step}
-        return self._snap
-
-    @torch.no_grad()
-    def restore_snapshot(self, snap: dict[str, Any], gather: bool = True) -> None:
-        """Back to `snap` (copies), the compute copy gathered from the restored slices (later,
-        `gather` off: after a failed attempt the cell's group is gone; `stale_copy` says so)."""
-        self.master.copy_(snap["master"])
-        self.master.grad = None
-        if snap["moments"]:
-            self.optimizer.state[self.master] = {k: v.clone() for k, v in snap["moments"].items()}
-        else:
-            self.optimizer.state.pop(self.master, None)
-        self.ewma.inner.params["shard"].copy_(snap["ewma"])
-        self.ewma.inner.weight, self.ewma.inner.num_resets = snap["ewma_weight"], snap["ewma_resets"]
-        self.step = snap["step"]
-        self.stale_copy = not gather
-        if gather:
-            self.gather_params()
-
-    def state_dict(self) -> dict[str, Any]:
-        """The one-rank learner's checkpoint format (cells/training/state_files.py), gathered
-        from the cell's slices: every rank of the cell calls it (a collective); the cell's rank
-        0 writes it."""
-        g = self.groups
-        whole = {}
-        st = self.optimizer.state.get(self.master) or {}
-        pieces = {"reference": self.ref_shard, "ewma": self.ewma.inner.params["shard"],
-                  **{s: st[s] for s in ("exp_avg", "exp_avg_sq") if s in st}}
-        for name, piece in pieces.items():
-            flat = torch.empty_like(self.flat)
-            all_gather(g.cell, flat, piece.detach().contiguous(), g.timeout_s)
-            whole[name] = {k: v.clone() for k, v in self._views(flat).items()}
-        one = Learner.state_dict(self._as_one(whole, st))
-        return one
-
-    def _as_one(self, whole: dict[str, dict[str, Tensor]], st: dict[str, Tensor]) -> Any:
-        """A stand-in with the one-rank learner's attributes, for `Learner.state_dict`."""
-        opt = torch.optim.AdamW([self.params[k] for k in self.names], lr=self._base_lr, betas=self.betas,
-                                weight_decay=self.weight_decay, fused=True)
-        if st:
-            for k in self.names:
-                opt.state[self.params[k]] = {"step": st["step"].clone(), "exp_avg": whole["exp_avg"][k],
-                                             "exp_avg_sq": whole["exp_avg_sq"][k]}
-        ewma = PPOEWMA(whole["ewma"], staleness_window=1.0)
-        ewma.weight, ewma.num_resets = self.ewma.inner.weight, self.ewma.inner.num_resets
-        one = object.__new__(Learner)
-        one.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("optimizer", "ewma")})
-        one.__dict__.update({"optimizer": opt, "ewma": ewma, "reference": whole["reference"]})
-        return one
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a one-rank checkpoint (`state_dict()`'s format): this rank keeps its slices."""
-        meta = state["meta"]
-        if list(meta["param_names"]) != self.names:
-            raise ValueError("the checkpoint's parameter names differ from this learner's")
-        if meta["spec"] != json.dumps(self.spec.signature(), sort_keys=True):
-            raise ValueError("the checkpoint was written for another model spec")
-        for k, p in self.params.items():
-            p.copy_(state["params"][k])
-        self.ref_shard = self._slice_of(state["reference"])
-        ew = dict(state["ewma"])
-        self.ewma.inner.weight = float(ew.pop("__ewma_weight__"))
-        self.ewma.inner.params = {"shard": self._slice_of(ew)}
-        self.ewma.inner.num_resets = int(meta["ewma_num_resets"])
-        opt = state["optimizer"]
-        self.optimizer.state.pop(self.master, None)
-        if opt["state"]:
-            per = {self.names[int(i)]: v for i, v in opt["state"].items()}
-            self.optimizer.state[self.master] = {
-                "step": next(iter(per.values()))["step"].clone(),
-                **{s: self._slice_of({k: per[k][s] for k in self.names}) for s in ("exp_avg", "exp_avg_sq")}}
-        self._base_lr = float(opt["param_groups"][0]["lr"])
-        self.generator.set_state(state["rng"])
-        self.version, self.step, self.cursor = int(meta["version"]), int(meta["step"]), int(meta["cursor"])
-        start = meta.get("rl_start_step")
-        self.rl_start_step = None if start is None else int(start)

@@ -65,14 +65,15 @@ def install_shard(learner: Any, meta: dict[str, Any], flat: Tensor) -> None:
 
 def _set(learner: Any, meta: dict[str, Any], parts: dict[str, Tensor]) -> None:
     learner.master.detach().copy_(parts["master"])
-    learner.ref_shard = parts["reference"].clone()
-    learner.ewma.inner.params = {"shard": parts["ewma"].clone()}
+    learner.ref_shard = learner._host_copy(parts["reference"])
+    learner.ewma.inner.params = {"shard": learner._host_copy(parts["ewma"])}
     learner.ewma.inner.weight, learner.ewma.inner.num_resets = float(meta["ewma_weight"]), int(meta["ewma_resets"])
     learner.optimizer.state.pop(learner.master, None)
     if "exp_avg" in parts:
+        dev = learner.master.device
         learner.optimizer.state[learner.master] = {
-            "step": torch.tensor(float(meta["adam_step"]), dtype=torch.float32),
-            "exp_avg": parts["exp_avg"].clone(), "exp_avg_sq": parts["exp_avg_sq"].clone()}
+            "step": torch.tensor(float(meta["adam_step"]), dtype=torch.float32, device=dev),
+            "exp_avg": parts["exp_avg"].to(dev, copy=True), "exp_avg_sq": parts["exp_avg_sq"].to(dev, copy=True)}
     learner.generator.set_state(torch.tensor(meta["rng"], dtype=torch.uint8))
     learner.version, learner.step, learner.cursor = int(meta["version"]), int(meta["step"]), int(meta["cursor"])
     start = meta.get("rl_start_step")

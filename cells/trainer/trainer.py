@@ -99,7 +99,7 @@ class Trainer:
         hyper = P.hyper_of(self.spec, resolved_objective(cfg), lr=tc.lr, minibatches=tc.minibatches,
                            tile=engine_tile(cfg), temperature=tc.temperature, lr_warmup_steps=tc.lr_warmup_steps,
                            lr_schedule=tc.lr_schedule, lr_total_steps=tc.steps * tc.minibatches, seed=tc.seed,
-                           lr_min_ratio=tc.lr_min_ratio, precision=tc.precision, activation_checkpointing=tc.activation_checkpointing)
+                           lr_min_ratio=tc.lr_min_ratio, precision=tc.precision, activation_checkpointing=tc.activation_checkpointing, shard_layout=tc.shard_layout)
         self.coordinator = TrainingCoordinator(hyper, P.param_shapes(self.spec), self.store.address, start=start,
                                                timeout_s=tc.train_timeout_s, ack_timeout_s=tc.train_timeout_s,
                                                emit=self._emit)

@@ -2,8 +2,8 @@
 further rank, each a `TrainingWorker` of the same cell id with its own index. They follow the
 coordinator's assignments of the cell and hold their slices of the state
 (cells/training/sharded.py); rank 0 speaks for the cell. On a GPU node rank i is meant for
-`cuda:<i>` (`rank_device`); the sharded learner's tensors are host tensors in this tree and its
-groups gloo (docs/TRAINING.md).
+`cuda:<i>` (`rank_device`): the gathered layout's slices live there and its groups are NCCL;
+the flat layout's learner is host tensors over gloo (docs/TRAINING.md).
 
     python -m cells.training.cell_ranks --store HOST:PORT --cell-id ID --cell-rank I --cell-ranks S
 """
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {a.cell_id}.{a.cell_rank} %(name)s %(message)s")
     host, port = a.store.rsplit(":", 1)
-    w = TrainingWorker(a.cell_id, device="cpu", local_loss=a.loss, cell_rank=a.cell_rank, cell_size=a.cell_ranks)
+    w = TrainingWorker(a.cell_id, device=a.device, local_loss=a.loss, cell_rank=a.cell_rank, cell_size=a.cell_ranks)
     w.source = StoreAddress(host, int(port))
     w.enter()
     parent = a.parent if a.parent is not None else os.getppid()

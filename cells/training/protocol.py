@@ -77,7 +77,8 @@ def hyper(learner: Any) -> dict[str, Any]:
             "lr_min_ratio": learner.schedule.min_ratio,
             "tile": learner.tile, "temperature": learner.temperature, "seed": learner.seed,
             "precision": getattr(learner, "precision", "fp32"),
-            "activation_checkpointing": getattr(learner, "checkpointing", "off")}
+            "activation_checkpointing": getattr(learner, "checkpointing", "off"),
+            "shard_layout": getattr(learner, "shard_layout", "flat")}
 
 
 def spec_from_signature(d: dict[str, Any]) -> ModelSpec:
@@ -98,14 +99,16 @@ def local_objective(h: dict[str, Any], local_loss: str | None) -> ObjectiveConfi
 
 def build_learner(h: dict[str, Any], meta: dict[str, Any], flat: torch.Tensor | None = None,
                   param_storage: torch.Tensor | None = None, local_loss: str | None = None,
-                  weights: dict[str, torch.Tensor] | None = None, groups: Any = None) -> Any:
+                  weights: dict[str, torch.Tensor] | None = None, groups: Any = None,
+                  device: str | torch.device = "cpu") -> Any:
     """A learner with the coordinator's hyper-parameters and the parameters packed in `flat`
     (its reference and EWMA copy equal to them: `wire.unpack(..., held="fresh")` then writes
     only what differs), or zero parameters of the manifest's shapes without `flat`
     (`wire.unpack` then fills the whole state). `local_loss`: the custom loss of this
     process's configuration (the only one it imports); `weights`: the parameters themselves
     (the start state a rank builds); `groups` (`cells.rl.shard.ShardGroups`): a sharded
-    learner, one of its cell's ranks."""
+    learner, one of its cell's ranks, of the layout `h["shard_layout"]` (`gathered`: its
+    slices on `device`)."""
     from cells.rl.learner import Learner
     from cells.rl.precision import set_checkpointing, set_precision
 
@@ -115,11 +118,12 @@ def build_learner(h: dict[str, Any], meta: dict[str, Any], flat: torch.Tensor | 
         weights = (params_view(meta, flat) if flat is not None else
                    {e["name"]: torch.zeros(e["shape"]) for e in meta["entries"] if e["kind"] == "param"})
     kw: dict[str, Any] = {"param_storage": param_storage}
+    cls: Any = Learner
     if groups is not None:
-        from cells.rl.shard import ShardedLearner
-
-        kw = {"groups": groups}
-    learner = (Learner if groups is None else ShardedLearner)(replace(spec), weights, lr=float(h["lr"]),
+        cls, kw = sharded_class(h), {"groups": groups}
+        if h.get("shard_layout") == "gathered":
+            kw["device"] = device
+    learner = cls(replace(spec), weights, lr=float(h["lr"]),
                       objective=objective, tile=h["tile"],
                       temperature=float(h["temperature"]), weight_decay=float(h["weight_decay"]),
                       betas=tuple(h["betas"]), max_grad_norm=h["max_grad_norm"], micro_batch=int(h["micro_batch"]),
@@ -128,7 +132,22 @@ def build_learner(h: dict[str, Any], meta: dict[str, Any], flat: torch.Tensor | 
                       lr_min_ratio=float(h.get("lr_min_ratio", 0.1)), seed=int(h.get("seed", 0)), **kw)
     set_precision(learner, h.get("precision", "fp32"))
     set_checkpointing(learner, h.get("activation_checkpointing", "off"))
+    learner.shard_layout = h.get("shard_layout", "flat")
     return learner
+
+
+def sharded_class(h: dict[str, Any]) -> Any:
+    """The learner class of a cell rank for `trainer.shard_layout`."""
+    layout = h.get("shard_layout", "flat")
+    if layout == "flat":
+        from cells.rl.shard import ShardedLearner
+
+        return ShardedLearner
+    if layout == "gathered":
+        from cells.rl.shard_gathered import GatheredLearner
+
+        return GatheredLearner
+    raise ValueError(f"unknown trainer.shard_layout {layout!r}: flat or gathered")
 
 
 def build_skeleton(sk: dict[str, Any], param_storage: torch.Tensor | None = None,
@@ -166,7 +185,8 @@ def hyper_of(spec: ModelSpec, objective: ObjectiveConfig, *, lr: float, minibatc
              tile: int | None, temperature: float, lr_warmup_steps: int = 0, lr_schedule: str = "constant",
              lr_total_steps: int | None = None, lr_min_ratio: float = 0.1, betas=(0.9, 0.999),
              weight_decay: float = 0.0, max_grad_norm: float | None = 1.0, micro_batch: int = 16,
-             seed: int = 0, precision: str = "fp32", activation_checkpointing: str = "off") -> dict[str, Any]:
+             seed: int = 0, precision: str = "fp32", activation_checkpointing: str = "off",
+             shard_layout: str = "flat") -> dict[str, Any]:
     """`hyper` from configuration, without building a learner (the trainer holds none);
     `seed`: the learner's sampling generator (the warm-up's batches)."""
     return {"model": spec.signature(), "objective": objective.model_dump_json(), "lr": lr, "betas": list(betas),
@@ -174,7 +194,7 @@ def hyper_of(spec: ModelSpec, objective: ObjectiveConfig, *, lr: float, minibatc
             "minibatches": minibatches, "lr_warmup_steps": lr_warmup_steps, "lr_schedule": lr_schedule,
             "lr_total_steps": lr_total_steps, "lr_min_ratio": lr_min_ratio, "tile": tile,
             "temperature": temperature, "seed": seed, "precision": precision,
-            "activation_checkpointing": activation_checkpointing}
+            "activation_checkpointing": activation_checkpointing, "shard_layout": shard_layout}
 
 
 def param_shapes(spec: ModelSpec) -> list[list]:

@@ -93,8 +93,12 @@ def _learner(cfg: dict, rank: int, groups: Any) -> Any:
     objective = ObjectiveConfig(max_update_kl=cfg.get("max_update_kl"), kl=KLInLoss(coef=cfg.get("kl_coef", 0.01)), self_normalize=True)
     kw = {"lr": cfg["lr"], "objective": objective, "tile": None, "minibatches": cfg["minibatches"]}
     weights = init_weights(spec, 0, 0.02)
-    cls = GatheredLearner if cfg.get("gather_layers") else ShardedLearner
-    learner = Learner(spec, weights, **kw) if groups is None else cls(spec, weights, groups=groups, **kw)
+    cls, at = ShardedLearner, {}
+    if cfg.get("gather_layers"):
+        cls, at = GatheredLearner, {"device": cfg.get("device", "cpu")}
+    learner = Learner(spec, weights, **kw) if groups is None else cls(spec, weights, groups=groups, **kw, **at)
+    if cfg.get("sft_undivided"):  # (the tests' negative control: S copies of the warm-up's gradient)
+        learner.divide_same_batch = False
     set_precision(learner, cfg.get("precision", "fp32"))
     learner.pack = bool(cfg.get("pack", True))
     return learner
@@ -113,6 +117,30 @@ def _graph_tokens(share: Any, micro_batch: int) -> int:
         else:
             rows += lens
     return max(sum(sorted(rows)[-micro_batch:]), max(trees, default=0))
+
+
+def sft_demos(spec: Any, n: int = 6) -> list[tuple[list[int], list[int]]]:
+    """Demonstrations over the spec's output ids: a prompt (not loss-masked), a completion."""
+    rng, ids = random.Random(7), spec.output_ids()
+    out = []
+    for _ in range(n):
+        prompt, comp = [rng.choice(ids) for _ in range(rng.randrange(4, 12))], [rng.choice(ids) for _ in range(9)]
+        out.append((prompt + comp, [0] * len(prompt) + [1] * len(comp)))
+    return out
+
+
+def _warmup(learner: Any, spec: Any, cfg: dict) -> list[dict]:
+    """`cfg["sft"]`'s supervised steps, every rank of a cell on the same demonstrations (as the
+    worker's warm-up), then RL begins; each step's loss and gradient norm."""
+    from cells.rl.sft import begin_rl
+
+    demos, out = sft_demos(spec), []
+    for _ in range(int(cfg["sft"]["steps"])):
+        idx = torch.randint(len(demos), (int(cfg["sft"]["batch_size"]),), generator=learner.generator).tolist()
+        m = learner.sft_step([demos[i] for i in idx])
+        out.append({"loss": m["loss"], "grad_norm": m["grad_norm"]})
+    begin_rl(learner)
+    return out
 
 
 def _checkpoint_roundtrip(learner: Any, rank: int, out: Path, distributed: bool) -> bool:
@@ -134,6 +162,13 @@ def _checkpoint_roundtrip(learner: Any, rank: int, out: Path, distributed: bool)
     for i, st in state["optimizer"]["state"].items():
         same &= all(torch.equal(v, again["optimizer"]["state"][i][s]) for s, v in st.items())
     return bool(same and state["meta"] == again["meta"])
+
+
+def _save(params: dict, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in params.items()}, str(path))
 
 
 def run_rank(rank: int, cells: int, ranks: int, port: int, cfg: dict, out: Path) -> None:
@@ -162,7 +197,10 @@ def run_rank(rank: int, cells: int, ranks: int, port: int, cfg: dict, out: Path)
     learner = _learner(cfg, rank, groups)
     phases.append(("built", _status_bytes("VmHWM"), _status_bytes("VmRSS")))
     spec, steps, graph_tokens = spec_of(cfg), [], 0
+    sft = _warmup(learner, spec, cfg) if cfg.get("sft") else []
     for u in range(cfg["updates"]):
+        if rank < 0 and cfg.get("save_every"):  # one process: the parameters before each update (controls)
+            _save(learner.params, out / f"params_u{u}.safetensors")
         if groups is not None:  # this step's replicate groups: rank i of every cell
             cross = [dist.new_group([c * ranks + r for c in range(cells)]) for r in range(ranks)]
             if not cfg.get("skip_cross"):  # (skipped: the tests' negative control)
@@ -178,15 +216,13 @@ def run_rank(rank: int, cells: int, ranks: int, port: int, cfg: dict, out: Path)
         phases.append((f"u{u + 1}", _status_bytes("VmHWM"), _status_bytes("VmRSS")))
     result = {"rank": rank, "rank_state_bytes": live_tensor_bytes(), "rank_peak_rss_bytes": _status_bytes("VmHWM"),
               "base_rss_bytes": base_rss, "phases": phases, "graph_tokens": graph_tokens, "params": learner.num_params if groups else
-              sum(p.numel() for p in learner.params.values()), "steps": steps}
+              sum(p.numel() for p in learner.params.values()), "steps": steps, "sft": sft}
     out.mkdir(parents=True, exist_ok=True)
     if cfg.get("checkpoint"):
         result["reload_equal"] = _checkpoint_roundtrip(learner, rank, out, groups is not None)
     full = learner.full_params() if hasattr(learner, "full_params") else learner.params  # (a collective)
     if rank <= 0:
-        from safetensors.torch import save_file
-
-        save_file({k: v.detach().contiguous() for k, v in full.items()}, str(out / "params.safetensors"))
+        _save(full, out / "params.safetensors")
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     if groups is not None:
         dist.destroy_process_group()

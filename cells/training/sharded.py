@@ -42,7 +42,28 @@ from cells.transport.store import get_json, set_json, wait_any, wait_json
 log = logging.getLogger("cellflip.training")
 
 HOST = torch.device("cpu")
-"""The sharded learner's tensors are host tensors in this tree, so its groups are gloo."""
+"""The flat layout's learner tensors are host tensors, so its groups are gloo."""
+
+
+def group_device(w: Any, hyper: dict) -> torch.device:
+    """Where a rank's `cell/<cell>` and `dp/<i>` groups run: its device (`cuda:<i>`: NCCL) for
+    the gathered layout, whose slices live there; host memory (gloo) for the flat layout."""
+    from cells.training.followers import rank_device
+
+    return torch.device(rank_device(w.device, w.cell_rank)) if hyper.get("shard_layout") == "gathered" else HOST
+
+
+def held_params(w: Any) -> dict | None:
+    """The cell's whole parameters, for its checksums: the flat layout's compute copy, or
+    gathered from the slices (the gathered layout: a collective of the cell; rank 0 keeps
+    them in host memory as `published`, the version it publishes; the other ranks take part
+    and keep nothing: None)."""
+    lrn = w.learner
+    if not hasattr(lrn, "full_params"):
+        return w._params()
+    full = lrn.full_params("cpu" if w.cell_rank == 0 else None)
+    lrn.published = full if w.cell_rank == 0 else None
+    return lrn.published
 
 
 def cell_key(prefix: str, cell: str, i: int, what: str) -> str:
@@ -63,7 +84,8 @@ def report(w: Any, store, prefix: str, rank: int, what: str, value: dict, timeou
                                f"{prefix}/abort"], timeout_s)
         if got != cell_key(prefix, w.cell_id, i, what):
             raise TransferError(f"cell rank {i} did not report {what} ({got or 'timed out'})")
-        if int(get_json(store, got)["checksum"]) != int(value["checksum"]):
+        crc = get_json(store, got)["checksum"]  # None: a gathered layout's rank, no copy of its own
+        if crc is not None and int(crc) != int(value["checksum"]):
             raise TransferError(f"cell rank {i} holds other parameters than rank 0 after {what}")
     if result is not None:
         set_json(store, f"{prefix}/result", result)
@@ -93,8 +115,10 @@ def compute(w: Any, store, prefix: str, spec: dict, rank: int, n: int, share, gr
     if got != f"{prefix}/source":
         raise TransferError(f"no state source from the coordinator ({got or 'timed out'})")
     source = get_json(store, got)
-    kw = {"timeout_s": timeout, "connect_timeout_s": connect_s, "device": HOST, "abort_key": f"{prefix}/abort"}
-    every = join_group(store, f"{prefix}/all/", (rank - 1) * S + i, n * S, **kw)
+    dev = group_device(w, spec["hyper"])
+    kw = {"timeout_s": timeout, "connect_timeout_s": connect_s, "device": dev, "abort_key": f"{prefix}/abort"}
+    # the update's scalar sums stay gloo (it takes host and CUDA tensors; NCCL only the latter)
+    every = join_group(store, f"{prefix}/all/", (rank - 1) * S + i, n * S, **{**kw, "device": HOST})
     cell = join_group(store, f"{prefix}/cell/{w.cell_id}/", i, S, **kw)
     cross = join_group(store, f"{prefix}/dp/{i}/", rank - 1, n, **kw) if n > 1 else None
     groups += [g for g in (every, cell, cross) if g is not None]
@@ -107,7 +131,9 @@ def compute(w: Any, store, prefix: str, spec: dict, rank: int, n: int, share, gr
         if w.learner.stale_copy:
             w.learner.gather_params()
         w.learner.lr = float(spec["lr"])
-    report(w, store, prefix, rank, "joined", {"checksum": weights_checksum(w._params())}, connect_s + 2 * timeout)
+    params = held_params(w)
+    crc = None if params is None else weights_checksum(params)
+    report(w, store, prefix, rank, "joined", {"checksum": crc}, connect_s + 2 * timeout)
     box["tag"], box["snapshot"] = w.tag, guard.take(w.learner)
     t0 = time.perf_counter()
     if spec.get("kind", "rl") == "rl":
@@ -119,12 +145,13 @@ def compute(w: Any, store, prefix: str, spec: dict, rank: int, n: int, share, gr
             metrics = w._warmup(store, prefix, spec)
         finally:
             w.learner.solo_grads = False
-    params = w._params()
-    crc = weights_checksum(params)
+    params = held_params(w)
+    crc = None if params is None else weights_checksum(params)
     result = ({"metrics": metrics, "checksum": crc, "tensors": tensor_checksums(params)}
               if rank == 1 and i == 0 else None)
     report(w, store, prefix, rank, "done", {"checksum": crc}, timeout, result)
-    log.info("cell %s rank %d.%d: %s %.2fs", w.cell_id, rank, i, spec.get("kind", "rl"), time.perf_counter() - t0)
+    log.info("cell %s rank %d.%d: %s on %s %.2fs", w.cell_id, rank, i, spec.get("kind", "rl"), type(w.learner).__name__,
+             time.perf_counter() - t0)
 
 
 def _fresh(w: Any, store, spec: dict, sg: ShardGroups, weights: dict | None = None) -> Any:
@@ -134,7 +161,7 @@ def _fresh(w: Any, store, spec: dict, sg: ShardGroups, weights: dict | None = No
     if weights is None:
         weights = {k: torch.zeros(s) for k, s in get_json(store, P.SKELETON_KEY)["params"]}
     return P.build_learner(h, {"entries": []}, local_loss=w.local_loss, weights=weights,
-                           groups=ShardGroups(None, sg.cell_rank, sg.cell_size))
+                           groups=ShardGroups(None, sg.cell_rank, sg.cell_size), device=group_device(w, h))
 
 
 def _target(w: Any, store, spec: dict, sg: ShardGroups) -> Any:
@@ -175,6 +202,7 @@ def _hold(w: Any, spec: dict, learner: Any, tag: str | None) -> None:
 
 def _send(w: Any, store, prefix: str, sg: ShardGroups, ranks: list[int], timeout: float) -> None:
     meta, flat = pack_shard(w.learner)
+    flat = flat.to(group_device(w, w.hyper or {}))
     set_json(store, f"{prefix}/shard/{sg.cell_rank}", {**meta, "numel": flat.numel()})
     for r in ranks:
         count_bytes("send", flat)
@@ -188,7 +216,7 @@ def _receive(w: Any, store, prefix: str, spec: dict, sg: ShardGroups, src: int) 
         raise TransferError("no slice manifest from the source rank")
     with w._lock:
         w.committed, w.tag = None, None
-    flat = torch.empty(int(meta.pop("numel")))
+    flat = torch.empty(int(meta.pop("numel")), device=group_device(w, spec["hyper"]))
     count_bytes("recv", flat)
     wait_work(sg.cross.recv([flat], src - 1, 0), timeout, f"state slice from rank {src}")
     lrn = _target(w, store, spec, sg)
@@ -207,13 +235,14 @@ def _fetch_from_peer(w: Any, store, prefix: str, spec: dict, peer: str, sg: Shar
     post(store, peer, {"op": "serve", "group": where, "tag": spec["tag"], "shard": sg.cell_rank})
     with w._lock:
         w.committed, w.tag = None, None
+    dev = group_device(w, spec["hyper"])
     group = join_group(store, where, 1, 2, timeout_s=timeout, connect_timeout_s=float(spec["connect_timeout_s"]),
-                       device=HOST, abort_key=f"{prefix}/abort")
+                       device=dev, abort_key=f"{prefix}/abort")
     try:
         meta = wait_json(store, f"{where}meta", timeout)
         if meta is None or meta.get("refused"):
             raise TransferError(f"peer {peer} does not serve slice {sg.cell_rank}: {meta}")
-        flat = torch.empty(int(meta.pop("numel")))
+        flat = torch.empty(int(meta.pop("numel")), device=dev)
         wait_work(group.recv([flat], 0, 0), timeout, f"state slice from peer {peer}")
         set_json(store, f"{where}received", {"ok": True})
     finally:
@@ -233,10 +262,12 @@ def serve(w: Any, store, job: dict) -> None:
     if w.tag != job["tag"] or w.learner is None:
         set_json(store, f"{where}meta", {"refused": f"holds {w.tag}, not {job['tag']}"})
         return
-    group = join_group(store, where, 0, 2, timeout_s=30.0, connect_timeout_s=30.0, device=HOST)
+    dev = group_device(w, w.hyper or {})
+    group = join_group(store, where, 0, 2, timeout_s=30.0, connect_timeout_s=30.0, device=dev)
     try:
         with w._lock:
             meta, flat = pack_shard(w.learner)
+        flat = flat.to(dev)
         set_json(store, f"{where}meta", {**meta, "numel": flat.numel()})
         wait_work(group.send([flat], 1, 0), 30.0, "state slice to a peer")
         wait_json(store, f"{where}received", 30.0)

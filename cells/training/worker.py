@@ -166,7 +166,8 @@ class TrainingWorker:
             if self.parked is not None:
                 weights = {k: v.clone() for k, v in params_view(self.parked[0], self.parked[1]).items()}
             else:
-                weights = {k: p.detach().clone() for k, p in self.learner.params.items()}
+                held = getattr(self.learner, "published", False)  # the gathered layout's (cells/training/sharded.py)
+                weights = {k: p.detach().clone() for k, p in (self.learner.params if held is False else held or {}).items()}
         if weights_checksum(weights) != c["checksum"]:
             log.warning("version %d: local weights fail the committed checksum; fetching", version)
             return None

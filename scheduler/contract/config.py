@@ -231,6 +231,10 @@ class TrainerConfig(_Strict):
     start of the update, so from the second minibatch on the PPO clip binds."""
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16 compute and gradient sums, fp32 state (cells/rl/precision.py)
     activation_checkpointing: Literal["off", "layer", "half"] = "off"  # recomputed per layer / half layer in the backward
+    shard_layout: Literal["flat", "gathered"] = "flat"
+    """With `cells.train_ranks` S > 1: `flat` keeps a whole fp32 compute copy on every rank
+    (4 + 32/S B/param at rest); `gathered` keeps only the slices and gathers each layer for
+    its forward (36/S B/param, the layout a 32B model on 8-GPU cells needs; docs/TRAINING.md)."""
     lr_warmup_steps: int = Field(default=4, ge=0)
     """Optimizer steps over which the RL learning rate ramps up linearly (the optimizer's
     moments are reset when RL starts)."""

@@ -153,9 +153,11 @@ def test_the_memory_formula_at_32b_is_the_documented_one():
 
     g = 1e9
     bf16 = layer_gathered(Config(QWEN3_32B, 8, 8192, "nccl", "layer", 2))
-    assert round(bf16["slices"] / g, 1) == 65.5 and round(bf16["device"] / g, 1) == 77.0
+    # bf16: the gradient slice bf16 too (14/8 B/param of slices): fits the 72 GB goal at T = 8,192
+    assert round(bf16["slices"] / g, 1) == 57.3 and round(bf16["device"] / g, 1) == 68.8
     assert round(bf16["host"] / g, 1) == 98.3
-    assert round(layer_gathered(Config(QWEN3_32B, 8, 4096, "nccl", "layer", 2))["device"] / g, 1) == 72.9
+    assert round(layer_gathered(Config(QWEN3_32B, 8, 4096, "nccl", "layer", 2))["device"] / g, 1) == 64.7
+    assert round(layer_gathered(Config(QWEN3_32B, 8, 12288, "nccl", "layer", 2))["device"] / g, 1) == 72.9
     assert round(layer_gathered(Config(QWEN3_32B, 8, 8192, "nccl", "layer", 4))["device"] / g, 1) == 88.4
     assert round(sharded_compute(Config(QWEN3_32B, 8, 8192, "nccl", "layer", 2))["peak"] / g, 1) == 69.5
 

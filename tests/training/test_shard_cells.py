@@ -103,6 +103,55 @@ def test_two_cells_of_two_ranks_train_join_checkpoint_and_reshard_like_one_proce
     assert "slice of" in log and "from rank 1" in log  # cell-1's rank took its slice from cell-0's
 
 
+@pytest.mark.timeout(300)
+def test_a_cell_of_two_gathered_ranks_warms_up_trains_checkpoints_and_publishes_like_one_process(tmp_path):
+    """`trainer.shard_layout: gathered` through the cells' training worker: rank 0 and the rank
+    it starts build `GatheredLearner`s (no compute copy), warm up on the same demonstrations,
+    train an update, write a shard per rank, and rank 0 publishes the version it gathered."""
+    from cells.engine.embedded.checkpoint import load_checkpoint
+    from cells.training import jobs
+    from cells.training.protocol import spec_from_signature
+
+    base = learner(max_grad_norm=1.0)
+    theta0 = _params(base)
+    batch = trajectories(base, seed=3)
+    clean = learner(max_grad_norm=1.0)
+    sft_steps(clean, _demos(), steps=2, batch_size=2)
+    begin_rl(clean)
+    warm = _params(clean)
+    clean.rl_step(batch)
+    ranks = Ranks(tmp_path, 0)
+    ranks.start("cell-0", args=["--ranks", "2"])
+    ranks.wait_ready(["cell-0"])
+    try:
+        lrn = learner(max_grad_norm=1.0)
+        lrn.shard_layout = "gathered"
+        coord = coordinator(lrn, ranks.host.address)
+        coord.warmup("cell-0", _demos(), steps=2, batch_size=2, lr=clean.lr)
+        m = coord.update(batch, ["cell-0"], next_version=lambda: coord.version + 1)
+        got = _checkpoint(coord, tmp_path / "ckpt")
+        out = tmp_path / "export"
+        r = jobs.wait(coord.store, jobs.post(coord.store, "cell-0", {"op": "export", "version": coord.version,
+                                                                      "path": str(out)}), 60)
+        assert r.get("ok"), r
+        exported = load_checkpoint(out, spec_from_signature(coord.hyper["model"]))
+    except Exception:
+        print(ranks.logs())
+        raise
+    finally:
+        ranks.stop()
+    log = (tmp_path / "cell-0.log").read_text()
+    assert log.count("warmup on GatheredLearner") == 2 and log.count("rl on GatheredLearner") == 2
+    assert m["version"] == 2.0 and m["attempts"] == 1.0
+    d = rel_diff(_params(clean), got, theta0)
+    print("gathered cell of 2 ranks vs one process:", d)
+    assert d <= 1e-4
+    assert rel_diff(_params(clean), warm, theta0) > 1e-2  # negative control: the update is seen
+    # what rank 0 publishes (gathered from the slices) is the committed state, bitwise
+    assert all(torch.equal(exported[k], got[k]) for k in got)
+    assert not all(torch.equal(exported[k], warm[k]) for k in got)  # negative control
+
+
 def test_a_one_rank_cell_refuses_a_sharded_checkpoint_clearly(tmp_path):
     shard_files.write_index(str(tmp_path), "shards-x", 2, {"tag": "t"})
     with pytest.raises(state_files.StateFileError, match="sharded over 2 training ranks"):

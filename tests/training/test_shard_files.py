@@ -40,13 +40,17 @@ def _slices(ranks) -> dict[str, torch.Tensor]:
             "exp_avg_sq": torch.cat([r.optimizer.state[r.master]["exp_avg_sq"] for r in ranks])[:p]}
 
 
-def _ranks(one, n: int) -> list:
+def _ranks(one, n: int, layout: str = "flat") -> list:
     zeros = {k: torch.zeros_like(v) for k, v in one.params.items()}
-    return [P.build_learner(P.hyper(one), {"entries": []}, weights=zeros, groups=ShardGroups(None, r, n))
+    h = {**P.hyper(one), "shard_layout": layout}
+    return [P.build_learner(h, {"entries": []}, weights=zeros, groups=ShardGroups(None, r, n), device="cpu")
             for r in range(n)]
 
 
-def test_a_one_rank_checkpoint_slices_into_two_ranks_and_reshards_into_three(tmp_path):
+@pytest.mark.parametrize("layout", ["flat", "gathered"])
+def test_a_one_rank_checkpoint_slices_into_two_ranks_and_reshards_into_three(tmp_path, layout):
+    """Either layout (`trainer.shard_layout`): the gathered learner's slices are the same
+    files (its one-rank format read through `load_state_dict`, its parameters the master)."""
     one = learner(max_grad_norm=1.0)
     for s in (0, 1):
         one.rl_step(trajectories(one, seed=s))
@@ -55,7 +59,8 @@ def test_a_one_rank_checkpoint_slices_into_two_ranks_and_reshards_into_three(tmp
     state_files.save_state(tmp_path / "one", {"state": {"meta": {**meta, **_extras(one)}, "values": flat,
                                                         "rows": idx}, "commit": commit})
     want = _whole(one)
-    two = _ranks(one, 2)
+    two = _ranks(one, 2, layout)
+    assert type(two[0]).__name__ == {"flat": "ShardedLearner", "gathered": "GatheredLearner"}[layout]
     for r in two:
         shard_files.load_into(r, str(tmp_path / "one"), P.hyper(one), None)
     got = _slices(two)
@@ -65,7 +70,7 @@ def test_a_one_rank_checkpoint_slices_into_two_ranks_and_reshards_into_three(tmp
     for r in two:
         shard_files.write_shard(r, str(tmp_path / "two"), "shards-a", commit)
     shard_files.write_index(str(tmp_path / "two"), "shards-a", 2, commit)
-    three = _ranks(one, 3)
+    three = _ranks(one, 3, layout)
     for r in three:
         shard_files.load_into(r, str(tmp_path / "two"), P.hyper(one), None)
     got = _slices(three)
