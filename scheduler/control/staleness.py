@@ -58,7 +58,8 @@ class Staleness:
         self.trajectory_cursor = 0
         """Highest trajectory cursor a trainer has fetched (the rest wait for training)."""
         self.cursors: dict[str, int] = {}
-        """RL job → the cursor its job-bound trainer fetched up to, on a fleet shared by several."""
+        """RL job → the cursor its trainer fetched up to (the implicit job's: also a trainer bound
+        to no job, which reports as its trainer)."""
         self.handed_out = 0
         """Trajectories handed out (all)."""
         self.stale_corrected = 0
@@ -88,9 +89,8 @@ class Staleness:
         return (bound + 1) * demand.batch_size
 
     def cursor_of(self, job: str) -> int:
-        """The cursor `job`'s trainer fetched up to (the implicit job: the fleet's until its own
-        trainer fetched under a job-bound token on a shared fleet)."""
-        return self.cursors.get(job, self.trajectory_cursor if job == DEFAULT_JOB else 0)
+        """The cursor `job`'s trainer fetched up to."""
+        return self.cursors.get(job, 0)
 
     def finished_waiting(self, job: str | None = None) -> int:
         """Finished sessions the trainer has not fetched (`job`: that job's, past its cursor)."""
@@ -143,8 +143,9 @@ class Staleness:
             versions = jobs.jobs_of("version", [r.v for r in self.ctx.store.fleet.list_versions()])
             published = sorted(int(v) for v, j in versions.items() if j == job)
             self.cursors[job] = max(self.cursor_of(job), nxt)
-        else:
-            self.trajectory_cursor = max(self.trajectory_cursor, nxt)
+        elif job is None or job == DEFAULT_JOB:
+            self.cursors[DEFAULT_JOB] = max(self.cursor_of(DEFAULT_JOB), nxt)
+        self.trajectory_cursor = max(self.trajectory_cursor, nxt)  # the one-job fleet's (as before jobs)
         if job is not None:
             bound = self.bound_of(job)
         return {"trajectories": self._apply(items, published, bound), "next_cursor": nxt}

@@ -189,3 +189,27 @@ def test_cellflip_cell_takes_a_job(capsys):
     with pytest.raises(SystemExit):
         main(["cell", "--help"])
     assert "--job JOB" in capsys.readouterr().out
+
+
+def test_a_jobs_hand_out_applies_its_own_bound_in_its_own_lineage(tmp_path):
+    h = Harness(str(tmp_path / "sched.sqlite"), staleness_policy="drop")
+    try:
+        cells = _fleet(h, 2)
+        _job(h, "alpha", settings={"staleness_bound": 0})
+        _job(h, "beta")
+        ta, tb = _token(h, "trainer", "alpha"), _token(h, "trainer", "beta")
+        _session(h, cells, "a1", _token(h, "agent", "alpha"), finish=ta)  # sampled at version 0
+        _session(h, cells, "b1", _token(h, "agent", "beta"), finish=tb)
+        for v, t in ((1, ta), (2, tb), (3, tb)):
+            assert h.client.post("/v1/versions", json={"version": v}, headers=t).status_code == 201
+        assert h.ctl.staleness.finished_waiting() == 2  # the fleet's count (its one-job planner's)
+        (a,) = h.client.get("/v1/trajectories", headers=ta).json()["trajectories"]
+        (b,) = h.client.get("/v1/trajectories", headers=tb).json()["trajectories"]
+        # alpha: one version of its own newer (not three), past its bound 0: dropped
+        assert (a["id"], a["staleness"], a.get("dropped")) == ("a1", 1, "stale")
+        # control: beta's two versions newer, within the fleet's bound: handed out whole
+        assert (b["id"], b["staleness"], b.get("dropped")) == ("b1", 2, None) and b["loss_mask"]
+        # each job's fetch moves its own cursor, and the fleet's (a one-job planner's backlog) too
+        assert [h.ctl.staleness.finished_waiting(j) for j in (None, "alpha", "beta")] == [0, 0, 0]
+    finally:
+        h.close()
