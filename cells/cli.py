@@ -60,6 +60,7 @@ def cmd_scheduler(args) -> int:
 
 def cmd_cell(args) -> int:
     from cells.agent import CellAgent
+    from cells.client import Refused
 
     cfg = cell_config(args, load(args.config))
     probe = None
@@ -84,6 +85,9 @@ def cmd_cell(args) -> int:
         agent.run(stop)
     except KeyboardInterrupt:
         pass
+    except Refused as e:  # e.g. --job names an unknown or draining job, or one of another model
+        print(f"cellflip cell {args.cell_id}: registration refused: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
