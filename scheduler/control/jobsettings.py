@@ -36,7 +36,12 @@ def trainer_view(cfg: SchedulerConfig, row: JobRow) -> dict[str, Any]:
     """What the job's trainer trains with: its `objective` (None: the trainer's configured
     one; otherwise its keys override that one's; a name is the advantage's `type`) and the
     staleness bound applied to it."""
-    own, obj = row.settings.get("staleness_bound"), row.settings.get("objective")
+    obj = row.settings.get("objective")
     return {"objective": {"advantage": {"type": obj}} if isinstance(obj, str) else obj,
-            "staleness_bound": cfg.staleness_bound if own is None else int(own),
-            "staleness_policy": cfg.staleness_policy}
+            "staleness_bound": staleness_bound(cfg, row), "staleness_policy": cfg.staleness_policy}
+
+
+def staleness_bound(cfg: SchedulerConfig, row: JobRow | None) -> int:
+    """A job's staleness bound: its `settings.staleness_bound`, else the fleet's."""
+    own = row.settings.get("staleness_bound") if row is not None else None
+    return cfg.staleness_bound if own is None else int(own)

@@ -26,6 +26,7 @@ import bisect
 from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.errors import NoCapacity
+from scheduler.control import jobsettings
 from scheduler.store.jobs import DEFAULT_JOB
 
 if TYPE_CHECKING:
@@ -75,9 +76,7 @@ class Staleness:
 
     def bound_of(self, job: str | None) -> int:
         """`job`'s staleness bound: its `settings.staleness_bound`, else the fleet's."""
-        row = self.ctx.store.jobs.get(job) if job is not None else None
-        own = row.settings.get("staleness_bound") if row is not None else None
-        return self.ctx.cfg.staleness_bound if own is None else int(own)
+        return jobsettings.staleness_bound(self.ctx.cfg, self.ctx.store.jobs.get(job) if job is not None else None)
 
     def admission_limit(self, job: str | None = None) -> int | None:
         """(bound + 1) × the trainer's batch size, or None before the trainer declared one.
