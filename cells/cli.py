@@ -60,6 +60,7 @@ def cmd_scheduler(args) -> int:
 
 def cmd_cell(args) -> int:
     from cells.agent import CellAgent
+    from cells.client import Refused
 
     cfg = cell_config(args, load(args.config))
     probe = None
@@ -71,7 +72,7 @@ def cmd_cell(args) -> int:
     # Short GIL hand-offs: transfer threads wake promptly while the engine loop computes.
     sys.setswitchinterval(0.0005)
     agent = CellAgent(cfg, cell_id=args.cell_id, scheduler_url=args.scheduler, engine=engine, host=args.host,
-                      token=client_token_for(cfg, scope="cell"))
+                      token=client_token_for(cfg, scope="cell"), job=args.job)
     agent.manage_gc()  # the process is the cell's
     stop = threading.Event()
     if probe is not None:
@@ -84,6 +85,9 @@ def cmd_cell(args) -> int:
         agent.run(stop)
     except KeyboardInterrupt:
         pass
+    except Refused as e:  # e.g. --job names an unknown or draining job, or one of another model
+        print(f"cellflip cell {args.cell_id}: registration refused: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -237,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     ce.add_argument("--engine", choices=("embedded", "sglang"), help="inference engine (overrides cells.engine.type)")
     ce.add_argument("--model-path", help="model directory: SGLang's model path, or the embedded model's checkpoint")
     ce.add_argument("--tp", type=int, help="SGLang tensor-parallel degree (overrides cells.engine.tp)")
+    ce.add_argument("--job", help="the RL job to register into (default: `default`); an unknown or draining job, "
+                    "or one of another model, refuses the cell before it serves")
     ce.add_argument("--p2p-probe", help=argparse.SUPPRESS)  # JSON spec; benchmarks only
     st = sub.add_parser("status", help="print the cells as a table")
     st.add_argument("--scheduler", default="http://127.0.0.1:8700")

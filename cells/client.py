@@ -21,8 +21,8 @@ class Fenced(RuntimeError):
 class Refused(RuntimeError):
     """A 409 with a reason (e.g. a commit that lost its compare-and-set)."""
 
-    def __init__(self, reason: str):
-        super().__init__(reason)
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail and detail != reason else reason)
         self.reason = reason
 
 
@@ -37,12 +37,12 @@ class SchedulerClient:
 
     def _post(self, path: str, body: dict, timeout: float | None = None) -> dict:
         r = self.http.post(path, json=body, timeout=timeout or self.http.timeout)
-        if r.status_code == 409:
+        if r.status_code == 409 or (r.status_code == 404 and path.endswith("/register")):  # 404: an unknown job
             body = r.json()
             reason = str(body.get("reason") or body.get("detail"))
             if reason in ("fenced", "stale_incarnation"):
                 raise Fenced(reason)
-            raise Refused(reason)
+            raise Refused(reason, str(body.get("detail") or ""))
         if r.status_code == 404 and "/sync" in path:
             raise Fenced("unknown cell")
         r.raise_for_status()

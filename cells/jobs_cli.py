@@ -85,7 +85,7 @@ def add_parsers(sub) -> None:
     jb_list.add_argument("--json", action="store_true")
     cr = jb_sub.add_parser("create", help="create a job (admin token)")
     cr.add_argument("name")
-    cr.add_argument("--model", required=True, help="a model preset or a Hugging Face path")
+    cr.add_argument("--model", required=True, help="a model preset or a Hugging Face path, or `fleet` (the cells' own); a cell serves only jobs of its model")
     cr.add_argument("--min-cells", type=int, default=0)
     cr.add_argument("--max-cells", type=int)
     cr.add_argument("--weight", type=float, default=1.0)

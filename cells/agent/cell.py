@@ -37,6 +37,7 @@ from cells.training.worker import TrainingWorker
 from cells.transport.store import StoreHost
 from cells.versions import CellVersions
 from scheduler.contract.config import CellflipConfig
+from scheduler.contract.engine_config import served_model
 from scheduler.contract.gcpolicy import GcPolicy, log_long_pauses
 from scheduler.contract.probe import probe_tokens
 from scheduler.contract.protocol import (
@@ -70,8 +71,10 @@ class CellAgent:
     training rank)."""
 
     def __init__(self, cfg: CellflipConfig, *, cell_id: str, scheduler_url: str, engine: Engine,
-                 host: str = "127.0.0.1", token: str | None = None):
+                 host: str = "127.0.0.1", token: str | None = None, job: str | None = None):
         self.cfg, self.cell_id, self.host, self.engine = cfg, cell_id, host, engine
+        self.job = job
+        """The RL job to register into (`--job`); sent once: a re-registration keeps its recorded job."""
         self.client = SchedulerClient(scheduler_url, token)
         self.store_host = StoreHost(host, 0)
         self.incarnation = ""
@@ -128,7 +131,8 @@ class CellAgent:
             cell_id=self.cell_id, incarnation=self.incarnation, address=f"{self.host}:0",
             store_port=self.store_host.address.port, capabilities=self.engine.capabilities,
             kv_blocks_total=summary.kv_blocks_total, max_running=summary.max_running,
-            version=summary.version, probe=probe_answer(self.engine, summary.version))
+            version=summary.version, probe=probe_answer(self.engine, summary.version),
+            model=served_model(self.cfg.cells.engine), job=self.job)
         deadline = time.monotonic() + REGISTER_RETRY_S
         while True:
             try:
@@ -140,6 +144,7 @@ class CellAgent:
                 log.info("cell %s: the id is still leased to the previous incarnation; retrying", self.cell_id)
                 time.sleep(0.5)
         self.heartbeat_s = resp.heartbeat_s
+        self.job = None  # registered into it: later registrations keep what the scheduler records
         self.role.set("rollout", f"registered at generation {resp.generation}")
         log.info("cell %s registered as %s", self.cell_id, self.incarnation[:8])
 

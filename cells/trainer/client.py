@@ -51,6 +51,22 @@ class TrainerClient:
             raise ApiError(r.status_code, body.get("reason"), str(body.get("detail", body)))
         return r.json()
 
+    def job_training(self) -> dict[str, Any] | None:
+        """What this trainer's RL job trains with (GET /v1/jobs `trainer`: the job's `objective`
+        over the configured one, its `staleness_bound`): a job-bound token's own job, else
+        `default`. None when the scheduler has no jobs API or cannot be reached (the configured
+        objective then applies)."""
+        try:
+            jobs = self._call("GET", "/v1/jobs")["jobs"]
+        except httpx.TransportError:
+            return None
+        except ApiError as e:
+            if e.status == 404:
+                return None
+            raise
+        mine = jobs[0] if len(jobs) == 1 else next((j for j in jobs if j["name"] == "default"), None)
+        return None if mine is None else mine.get("trainer")
+
     # -- cells and flips ----------------------------------------------------------------------
     def cells(self) -> list[dict]:
         """Every cell, following the list's pages (`next_cursor`) to the last."""

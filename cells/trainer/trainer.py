@@ -67,12 +67,12 @@ def engine_tile(cfg: CellflipConfig) -> int | None:
     return eng.row_tile if probe_row_invariance(tile=eng.row_tile) else 1
 
 
-def resolved_objective(cfg: CellflipConfig) -> ObjectiveConfig:
-    """The trainer's objective with what it leaves to the deployment filled in: the EWMA
-    stand-in's window spans the scheduler's staleness bound (`staleness_bound` versions ×
-    `minibatches` optimizer steps each), so the cells' learners get the same concrete number."""
-    obj = ObjectiveConfig.model_validate(cfg.trainer.objective)
-    window = ewma_window(obj.ewma, cfg.scheduler.staleness_bound, cfg.trainer.minibatches)
+def resolved_objective(cfg: CellflipConfig, job: dict[str, Any] | None = None) -> ObjectiveConfig:
+    """The trainer's objective, its RL job's `objective` keys over the configured ones (`job`:
+    `TrainerClient.job_training`), with the EWMA stand-in's window spanning the job's staleness
+    bound (versions × `minibatches` steps each), so the cells' learners get the same number."""
+    obj = ObjectiveConfig.model_validate({**cfg.trainer.objective, **((job or {}).get("objective") or {})})
+    window = ewma_window(obj.ewma, (job or {}).get("staleness_bound", cfg.scheduler.staleness_bound), cfg.trainer.minibatches)
     return obj.model_copy(update={"ewma": obj.ewma.model_copy(update={"staleness_window": window})})
 
 
@@ -96,7 +96,7 @@ class Trainer:
         self.warmup_steps = self.tc.warmup_steps if self.tc.warmup_steps is not None else (0 if model.path else 300)
         self.store = self._store_host()
         tc = self.tc
-        hyper = P.hyper_of(self.spec, resolved_objective(cfg), lr=tc.lr, minibatches=tc.minibatches,
+        hyper = P.hyper_of(self.spec, resolved_objective(cfg, self.client.job_training()), lr=tc.lr, minibatches=tc.minibatches,
                            tile=engine_tile(cfg), temperature=tc.temperature, lr_warmup_steps=tc.lr_warmup_steps,
                            lr_schedule=tc.lr_schedule, lr_total_steps=tc.steps * tc.minibatches, seed=tc.seed,
                            lr_min_ratio=tc.lr_min_ratio, precision=tc.precision, activation_checkpointing=tc.activation_checkpointing, shard_layout=tc.shard_layout)

@@ -49,10 +49,12 @@ class ProtocolRoute(ApiRoute):
 router = APIRouter(prefix="/internal/v1", tags=["internal"], route_class=ProtocolRoute, responses=errors(401, 403))
 
 
-@router.post("/cells/register", responses=errors(409, 413, 422))
+@router.post("/cells/register", responses=errors(404, 409, 413, 422))
 async def register(body: RegisterRequest, ctl: Ctl) -> dict:
     """A live cell's id cannot be taken over by another incarnation (409 `cell_id_in_use`)
-    except by an admin token; a quarantined id registers again only after an admin readmits it."""
+    except by an admin token; a quarantined id registers again only after an admin readmits it.
+    A registration into a chosen RL job (`job`): 404 `unknown_job`, 409 `job_draining` or
+    `model_mismatch`, before anything is recorded."""
     check_int64(body)
     caller = CURRENT.get()
     return ctl.register(body, admin=caller is None or caller.scope == "admin").to_dict()

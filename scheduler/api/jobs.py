@@ -22,7 +22,8 @@ class JobCreate(_Body):
     name: str = Field(max_length=63)
     """What clients put in the OpenAI `model` field; lower-case letters, digits, '.', '_', '-'."""
     model: str = Field(min_length=1, max_length=512)
-    """A model preset or a Hugging Face path (a fleet's cells run one model: docs/JOBS.md)."""
+    """A model preset or a Hugging Face path, as cells name theirs, or `fleet` (the fleet's own):
+    only cells of that model serve the job (docs/JOBS.md "Models")."""
     min_cells: int = Field(default=0, ge=0, le=1 << 20)
     """Cells the job always holds (when the fleet has them)."""
     max_cells: int | None = Field(default=None, ge=0, le=1 << 20)

@@ -16,6 +16,7 @@ from fastapi import APIRouter
 from pydantic import Field, model_validator
 
 from scheduler.api.deps import ApiRoute, Ctl
+from scheduler.api.principal import current_job
 from scheduler.api.schemas import _Body, errors
 
 router = APIRouter(prefix="/v1/trainer", tags=["trainer"], route_class=ApiRoute, responses=errors(401, 403))
@@ -72,7 +73,7 @@ async def report(body: TrainerReport, ctl: Ctl) -> dict:
         ctl.metrics.observe_update(body.update.model_dump())
     return ctl.report_training(body.batch_size, body.steps_in_progress, body.max_cells_per_step,
                                body.max_concurrent_steps, body.step_s, body.sessions, body.tokens, body.cells,
-                               untrained=body.untrained)
+                               untrained=body.untrained, job=current_job())
 
 
 class VersionHost(_Body):

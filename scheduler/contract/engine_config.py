@@ -117,3 +117,11 @@ class SGLangEngineConfig(_Strict):
 
 
 EngineConfig = Annotated[EmbeddedEngineConfig | SGLangEngineConfig, Field(discriminator="type")]
+
+
+def served_model(engine: EmbeddedEngineConfig | SGLangEngineConfig) -> str | None:
+    """The model a cell of this engine runs, as it names it when it registers (which RL jobs it
+    may serve, scheduler/control/jobmodels.py): the checkpoint or model path, else the preset."""
+    if isinstance(engine, SGLangEngineConfig):
+        return engine.model_path
+    return engine.model.path or engine.model.preset

@@ -13,7 +13,7 @@ load. Nothing it sends later is accepted.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from scheduler.contract.errors import Conflict, NotFound
@@ -26,6 +26,7 @@ from scheduler.contract.protocol import (
     SyncResponse,
 )
 from scheduler.contract.states import CELL, set_state
+from scheduler.control import jobmodels
 from scheduler.store.fleet import CellRow
 
 if TYPE_CHECKING:
@@ -53,6 +54,8 @@ class Membership:
         self.trust = trust
         self.holders = tuple(holders)
         """Asked in this order when a cell is fenced."""
+        self.job_assigned: Callable[[], None] = lambda: None
+        """Told when a registration put a cell under a chosen RL job (the jobs' membership view)."""
 
     def recover(self) -> None:
         """After a start: every cell the store has not down gets a lease of `lease_s` (the
@@ -80,10 +83,14 @@ class Membership:
                 and ctx.registry.is_expired(msg.cell_id)):  # its lease ran out: same rule as a sync
             self.fence(msg.cell_id, "lease expired")
             raise Conflict(f"lease of {msg.cell_id} expired", code="fenced")
+        job = jobmodels.registration_job(ctx.store, msg.cell_id, msg.job, msg.model)  # refused: nothing recorded
         with ctx.txn(durable=True) as fx:
             row = self._registered_row(fx, msg)
             self.trust.admit(fx, row, msg, admin)
             ctx.store.fleet.put_cell(row)
+            jobmodels.record_registration(ctx.store, msg.cell_id, job, msg.model)
+        if job is not None:
+            self.job_assigned()
         if row.state == "joining":  # a new process: what the old one was told to load does not carry over
             self.versions.forget_cell(msg.cell_id)
         entry = ctx.registry.live.get(msg.cell_id)
@@ -101,6 +108,8 @@ class Membership:
         caps = msg.capabilities.to_dict()
         if msg.node:  # stored with the capabilities: where the cell runs, for operators only
             caps["node"] = msg.node
+        if msg.model:  # the model it runs: which RL jobs it may serve (scheduler/control/jobmodels.py)
+            caps["model"] = msg.model
         row = self.ctx.store.fleet.get_cell(msg.cell_id)
         if row is None:
             row = CellRow(msg.cell_id, msg.incarnation, "joining", 1, msg.version, msg.address,

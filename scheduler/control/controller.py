@@ -42,6 +42,7 @@ from scheduler.control.exports import Exports
 from scheduler.control.flips import Flips
 from scheduler.control.ingest import Ingest
 from scheduler.control.jobmoves import JobMoves
+from scheduler.control.jobplan import JobPlanner
 from scheduler.control.jobs import Jobs
 from scheduler.control.metrics import Metrics
 from scheduler.control.migrations import Migrations
@@ -115,6 +116,8 @@ class Controller:
         self.jobs = Jobs(ctx)
         """The RL jobs: admission per job, drain and delete, the fleet's division between them."""
         self.jobs.moves = JobMoves(ctx, self.jobs, self.flips)
+        self.jobs.planner = JobPlanner(ctx, self.rates, self.cell_summaries, self.flips, self.staleness, self.versions)
+        self.membership.job_assigned = self.jobs.forget_members
         self.loop = Reconciler(ctx, self.rates, Concerns(self.membership, self.versions, self.migrations,
                                                          self.flips, self.ownership, self.scoring, self.jobs),
                                self.tally)
@@ -247,18 +250,18 @@ class Controller:
     def report_training(self, batch_size: int, steps_in_progress: int, max_cells_per_step: int,
                         max_concurrent_steps: int = 1, step_s: float | None = None,
                         sessions: int | None = None, tokens: int | None = None,
-                        cells: int | None = None, *, untrained: int = 0) -> dict:
+                        cells: int | None = None, *, untrained: int = 0, job: str | None = None) -> dict:
         """The trainer's demand and its last step (POST /v1/trainer/report): the planner's
-        training side and the staleness admission rule's fetched-but-untrained work. Wakes
-        the loop so the planner sees it at once."""
-        self.rates.on_trainer_report(
+        training side and the staleness admission rule's fetched-but-untrained work, of `job`
+        (a job-bound trainer's; None or `default`: the fleet's). Wakes the loop."""
+        r = self.rates.trainer(job)
+        r.on_trainer_report(
             TrainerDemand(batch_size, steps_in_progress, max_cells_per_step, max_concurrent_steps, untrained),
             step_s, sessions, tokens, cells)
         if step_s is not None:
             self.metrics.training_step.observe(step_s)
             self.metrics.training_cells.set(cells or 0)
         self.ctx.kick()
-        r = self.rates
         return {"train_rate_per_cell_s": r.train_rate_per_cell_s, "train_step_s": r.train_step_s,
                 "tokens_per_step": r.tokens_per_step, "auto_flip": self.cfg.auto_flip}
 
@@ -290,4 +293,6 @@ class Controller:
         row = self.store.sessions.finish(session_id, reward, group_id)
         if before is None or before.state != "finished":  # a replay finished nothing new
             self.rates.on_finish()
+            if self.rates.by_job:  # a fleet shared by several jobs: the session's job's own rates too
+                self.rates.job(self.jobs.session_job(session_id)).on_finish()
         return {"id": row.id, "state": row.state, "reward": row.reward, "group_id": row.group_id, "cursor": row.finish_seq}

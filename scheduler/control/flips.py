@@ -373,10 +373,10 @@ class Flips:
             self._set_cell(cell, back, f"flip {flip_id} failed on the cell: {reason}")
             self.finish(fx, flip, "rolled_back", reason or "the cell could not take the role")
 
-    def autonomous(self) -> None:
-        """The planner's own flips (when `auto_flip`), as if POSTed without a key, recorded in
-        one transaction (one durable commit for a burst of flips, not one each)."""
-        plan = placement.plan_flips(self.snapshot())
+    def autonomous(self, snap: Snapshot | None = None) -> None:
+        """The planner's own flips (when `auto_flip`) on `snap` (one RL job's; None: the fleet's),
+        as if POSTed without a key, in one transaction (one durable commit for a burst of flips)."""
+        plan = placement.plan_flips(snap or self.snapshot())
         if not plan:
             return
         made = 0

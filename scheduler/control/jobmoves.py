@@ -19,6 +19,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.errors import Conflict, Invalid, NotFound
+from scheduler.control import jobmodels
 from scheduler.store.jobs import DEFAULT_JOB, MoveRow
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ class JobMoves:
             src = store.jobs.job_of("cell", cell_id)
             if src == to_job:
                 raise Invalid(f"cell {cell_id} already serves job {to_job!r}")
+            jobmodels.check(store, to, cell_id, cell.capabilities)  # 409 `model_mismatch`
             if store.jobs.active_move_for(cell_id) is not None:
                 raise Conflict(f"cell {cell_id} is already moving between jobs", code="move_in_progress")
             if cell.state not in ("rollout", "training") or store.fleet.active_flip_for(cell_id) is not None:
@@ -140,12 +142,15 @@ class JobMoves:
         rows = store.fleet.planning_rows()
         jobs = store.jobs.jobs_of("cell", [r.cell_id for r in rows])
         flipping = store.fleet.flipping_cells()
+        fleet = jobmodels.fleet_model(store)
         for src, dst in planned:  # the free pool ("") is the implicit job's cells here
             src, dst = src or DEFAULT_JOB, dst or DEFAULT_JOB
-            if src == dst:
+            to = store.jobs.get(dst)
+            if src == dst or to is None:
                 continue
             mine = sorted((r.live, r.tokens, r.cell_id) for r in rows
-                          if jobs[r.cell_id] == src and r.state == "rollout" and r.cell_id not in flipping)
+                          if jobs[r.cell_id] == src and r.state == "rollout" and r.cell_id not in flipping
+                          and jobmodels.compatible(to.model, jobmodels.cell_model(r.capabilities), fleet))
             if len(mine) >= 2 or (mine and not store.jobs.live_sessions().get(src)):
                 self.start(mine[0][2], dst, "the planner's division of the fleet")
                 return

@@ -24,11 +24,13 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.errors import CellflipError, Conflict, Invalid, NoCapacity, NotFound
+from scheduler.control import jobmodels, jobsettings
 from scheduler.planner.jobs import JobShare, JobShareError, divide, moves
 from scheduler.store.jobs import DEFAULT_JOB, JobRow
 
 if TYPE_CHECKING:
     from scheduler.control.context import Context
+    from scheduler.planner.types import Snapshot
 
 log = logging.getLogger("cellflip.scheduler")
 
@@ -42,8 +44,6 @@ STEP_EVERY_S = 1.0
 """The jobs' tick (drains finished, the fleet's division) runs at most this often: it counts
 open sessions per job, a pass over the open sessions."""
 
-SETTINGS_KEYS = ("objective", "staleness_bound", "max_sessions", "drain_s", "seed", "task")
-"""Per-job settings a job may carry (anything else is refused)."""
 
 
 class Forbidden(CellflipError):
@@ -67,6 +67,9 @@ class Jobs:
         """The planner's last refusal of the division (logged once)."""
         self.moves: Any = None
         """The moves between jobs (scheduler/control/jobmoves.py `JobMoves`), set by the controller."""
+        self.planner: Any = None
+        """Each job's own snapshot, demand and flips (scheduler/control/jobplan.py `JobPlanner`),
+        set by the controller."""
         self.auto_move = True
         """Carry out the division's moves (off: the division is only reported)."""
         self._members: dict[str, frozenset[str]] | None = None
@@ -207,9 +210,7 @@ class Jobs:
         name = spec["name"]
         if not NAME_RE.match(name):
             raise Invalid(f"job name {name!r}: lower-case letters, digits, '.', '_', '-' (at most 63)")
-        bad = sorted(set(spec.get("settings") or {}) - set(SETTINGS_KEYS))
-        if bad:
-            raise Invalid(f"unknown job settings {bad} (known: {', '.join(SETTINGS_KEYS)})")
+        jobsettings.check(spec.get("settings") or {})
         lo, hi = int(spec.get("min_cells", 0)), spec.get("max_cells")
         if hi is not None and int(hi) < lo:
             raise Invalid(f"max_cells {hi} is below min_cells {lo}")
@@ -235,7 +236,14 @@ class Jobs:
 
     def _to_api(self, row: JobRow, cells: dict, vers: dict, live: dict) -> dict[str, Any]:
         return {**row.to_api(), "cells": sorted(cells.get(row.name, [])), "versions": vers.get(row.name, []),
-                "open_sessions": live.get(row.name, 0), "target_cells": self.targets.get(row.name)}
+                "open_sessions": live.get(row.name, 0), "target_cells": self.targets.get(row.name),
+                "model_cells": self._model_cells(row), "trainer": jobsettings.trainer_view(self.ctx.cfg, row)}
+
+    def _model_cells(self, row: JobRow) -> int:
+        """Live cells that run the job's model (0: none yet; the job's target stays 0)."""
+        fleet = jobmodels.fleet_model(self.ctx.store)
+        caps = [jobmodels.cell_model(r.capabilities) for r in self.ctx.store.fleet.planning_rows()]
+        return jobmodels.count_compatible(row, caps, fleet)
 
     def _cells_by_job(self) -> dict[str, list[str]]:
         store = self.ctx.store
@@ -271,22 +279,34 @@ class Jobs:
         return self.view(name)
 
     # ------------------------------------------------------------------ the tick
-    def step(self) -> None:
+    def step(self) -> bool:
         """Carry moves between jobs on; finish draining jobs with nothing in flight; divide
-        the fleet between the jobs, and start the first move the division asks for."""
+        the fleet between the jobs, and start the first move the division asks for; on a fleet
+        shared by several jobs, each job's own flips. One read of the cells (`JobPlanner`) for
+        both decisions. Returns whether the flips were planned here (per job)."""
         if self.moves is not None:
             self.moves.step()
+        shared = self.planner is not None and bool(self._read_members())
         now = self.ctx.clock()
-        if now - self._last_step < STEP_EVERY_S:
-            return
-        self._last_step = now
+        due = now - self._last_step >= STEP_EVERY_S
+        if not (due or shared):
+            return False
         store = self.ctx.store.jobs
-        for row in store.list():
-            if row.state == "draining" and store.live_requests(row.name) == 0:
-                self._finish_delete(row)
-        self.divide()
-        if self.moves is not None and self.auto_move:
-            self.moves.plan(self.planned_moves)
+        rows = store.list()
+        snaps = None
+        if self.planner is not None and (shared or len(rows) > 1):
+            snaps = self.planner.snapshots([r.name for r in rows], self._read_members())
+        if due:
+            self._last_step = now
+            for row in rows:
+                if row.state == "draining" and store.live_requests(row.name) == 0:
+                    self._finish_delete(row)
+            self.divide(snaps)
+            if self.moves is not None and self.auto_move:
+                self.moves.plan(self.planned_moves)
+        if shared and snaps is not None:
+            self.planner.flip(snaps)
+        return shared
 
     def _finish_delete(self, row: JobRow) -> None:
         store = self.ctx.store.jobs
@@ -298,10 +318,11 @@ class Jobs:
                 store.assign("cell", cid, DEFAULT_JOB)
         self.forget_members()
 
-    def divide(self) -> dict[str, int]:
+    def divide(self, snaps: dict[str, Snapshot] | None = None) -> dict[str, int]:
         """The planner's division of the fleet's live cells between the active jobs, from each
-        job's demand (open sessions over the slots a cell offers); kept as `targets`. A fleet
-        serving `default` alone has nothing to divide (and counts no sessions)."""
+        job's demand (open sessions over the slots a cell offers, plus its training cells from
+        `snaps`, each job's snapshot); kept as `targets`. Each job's min and max are capped by
+        the live cells of its model. A fleet serving `default` alone has nothing to divide."""
         store, m = self.ctx.store, self.ctx.metrics
         rows = store.fleet.planning_rows()
         active = [j for j in store.jobs.list() if j.state == "active"]
@@ -314,10 +335,8 @@ class Jobs:
         held = Counter(recorded.get(r.cell_id, DEFAULT_JOB) for r in rows)
         slots = max(1, int(sum(r.max_running for r in rows) / max(1, len(rows))))
         live = store.jobs.live_sessions()
-        shares = [JobShare(j.name, j.min_cells, len(rows) if j.max_cells is None else j.max_cells, j.weight,
-                           math.ceil(live.get(j.name, 0) / slots), held.get(j.name, 0)) for j in active]
         try:
-            self.targets = divide(shares, len(rows))
+            self.targets = divide(self._shares(active, rows, held, live, slots, snaps), len(rows))
             self.planned_moves = moves(self.targets, {n: held.get(n, 0) for n in set(held) | set(self.targets)})
         except JobShareError as e:  # e.g. the jobs' min_cells sum past the fleet: nothing moves
             if str(e) != self._refused:
@@ -330,6 +349,22 @@ class Jobs:
             m.job_cells.labels(name).set(held.get(name, 0))
             m.job_open_sessions.labels(name).set(live.get(name, 0))
         return self.targets
+
+    def _shares(self, active: list[JobRow], rows: list, held: Counter, live: dict[str, int], slots: int,
+                snaps: dict[str, Snapshot] | None) -> list[JobShare]:
+        """Each active job's `JobShare`: min and max capped by the cells of its model, demand
+        from its open sessions and (with `snaps`) its training."""
+        fleet = jobmodels.fleet_model(self.ctx.store)
+        models = [jobmodels.cell_model(r.capabilities) for r in rows]
+        out = []
+        for j in active:
+            fit = jobmodels.count_compatible(j, models, fleet)
+            hi = min(fit, len(rows) if j.max_cells is None else j.max_cells)
+            n = live.get(j.name, 0)
+            want = (self.planner.demand(j.name, (snaps or {}).get(j.name), n, slots)
+                    if snaps is not None and self.planner is not None else math.ceil(n / slots))
+            out.append(JobShare(j.name, min(j.min_cells, hi), hi, j.weight, want, held.get(j.name, 0)))
+        return out
 
 
 def _drained_at(row: JobRow) -> float:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from scheduler.store.jobs import DEFAULT_JOB
+
 WINDOW_SESSIONS = 2.0
 """The finish-rate average spans about this many mean session slot times."""
 MIN_WINDOW_S = 10.0
@@ -53,6 +55,23 @@ class Rates:
         self.train_step_s = 0.0
         self.tokens_per_step = 0
         self.demand: TrainerDemand | None = None
+        self.by_job: dict[str, Rates] = {}
+        """RL job → its own rates (its trainer's reports; its cells' slots and finishes), on a
+        fleet shared by several jobs (docs/JOBS.md). The implicit job's trainer reports here."""
+
+    def trainer(self, job: str | None) -> Rates:
+        """The rates a trainer of `job` reports into: these for the implicit job (or a trainer
+        bound to none), else the job's own."""
+        if job is None or job == DEFAULT_JOB:
+            return self
+        return self.job(job)
+
+    def job(self, job: str) -> Rates:
+        """`job`'s own rates (made on first use)."""
+        out = self.by_job.get(job)
+        if out is None:
+            out = self.by_job[job] = Rates()
+        return out
 
     # -- rollout side
     def on_finish(self, n: int = 1) -> None:

@@ -91,9 +91,8 @@ class Reconciler:
         c.ownership.place_waiting()
         c.versions.catch_up()
         c.scoring.step()
-        if c.jobs is not None:
-            c.jobs.step()
-        if self.ctx.cfg.auto_flip and self.rates.demand is not None:  # the trainer declared its demand
+        per_job = c.jobs.step() if c.jobs is not None else False  # a shared fleet: each job's own flips
+        if not per_job and self.ctx.cfg.auto_flip and self.rates.demand is not None:  # the trainer declared its demand
             c.flips.autonomous()
 
     def _refresh_slow_gauges(self) -> None:

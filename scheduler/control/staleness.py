@@ -26,6 +26,8 @@ import bisect
 from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.errors import NoCapacity
+from scheduler.control import jobsettings
+from scheduler.store.jobs import DEFAULT_JOB
 
 if TYPE_CHECKING:
     from scheduler.control.context import Context
@@ -56,6 +58,9 @@ class Staleness:
         self.rates = rates
         self.trajectory_cursor = 0
         """Highest trajectory cursor a trainer has fetched (the rest wait for training)."""
+        self.cursors: dict[str, int] = {}
+        """RL job → the cursor its trainer fetched up to (the implicit job's: also a trainer bound
+        to no job, which reports as its trainer)."""
         self.handed_out = 0
         """Trajectories handed out (all)."""
         self.stale_corrected = 0
@@ -69,37 +74,57 @@ class Staleness:
         self.admission_paused = 0
         """New sessions refused by the admission rule."""
 
-    def admission_limit(self) -> int | None:
-        """(bound + 1) × the trainer's batch size, or None before the trainer declared one."""
-        demand = self.rates.demand
-        return None if demand is None else (self.ctx.cfg.staleness_bound + 1) * demand.batch_size
+    def bound_of(self, job: str | None) -> int:
+        """`job`'s staleness bound: its `settings.staleness_bound`, else the fleet's."""
+        return jobsettings.staleness_bound(self.ctx.cfg, self.ctx.store.jobs.get(job) if job is not None else None)
 
-    def finished_waiting(self) -> int:
-        """Finished sessions the trainer has not fetched."""
-        return self.ctx.store.sessions.finished_after(self.trajectory_cursor)
+    def admission_limit(self, job: str | None = None) -> int | None:
+        """(bound + 1) × the trainer's batch size, or None before the trainer declared one.
+        `job`: that job's bound and its own trainer's batch (None: the fleet's, as one job)."""
+        demand = self.rates.trainer(job).demand
+        if demand is None:
+            return None
+        bound = self.ctx.cfg.staleness_bound if job is None else self.bound_of(job)
+        return (bound + 1) * demand.batch_size
 
-    def untrained_work(self) -> int:
+    def cursor_of(self, job: str) -> int:
+        """The cursor `job`'s trainer fetched up to."""
+        return self.cursors.get(job, 0)
+
+    def finished_waiting(self, job: str | None = None) -> int:
+        """Finished sessions the trainer has not fetched (`job`: that job's, past its cursor)."""
+        if job is None:
+            return self.ctx.store.sessions.finished_after(self.trajectory_cursor)
+        return self.ctx.store.jobs.finished_after(job, self.cursor_of(job))
+
+    def untrained_work(self, job: str | None = None) -> int:
         """Sessions in flight, finished sessions the trainer has not fetched, and fetched
-        ones it reported as not yet trained."""
-        counts = self.ctx.store.owners.count_requests()
-        demand = self.rates.demand
+        ones it reported as not yet trained (`job`: that job's only, against its trainer)."""
+        demand = self.rates.trainer(job).demand
         held = demand.untrained if demand is not None else 0
+        if job is not None:
+            return self.ctx.store.jobs.requests_in(job, IN_FLIGHT_STATES) + self.finished_waiting(job) + held
+        counts = self.ctx.store.owners.count_requests()
         return sum(counts.get(s, 0) for s in IN_FLIGHT_STATES) + self.finished_waiting() + held
 
     def check_admission(self, session_id: str | None) -> None:
-        """Raise NoCapacity (429, code `staleness_bound`) for a new session the bound holds back."""
+        """Raise NoCapacity (429, code `staleness_bound`) for a new session the bound holds back.
+        On a fleet shared by several jobs, the session's job's bound, counted in its own work."""
         ctx = self.ctx
         if session_id is not None and ctx.store.owners.has_requests(session_id):
             return  # a later turn of an admitted session (the gateway creates the session first)
-        limit = self.admission_limit()
+        jobs = ctx.store.jobs
+        job = jobs.job_of("session", session_id) if session_id and jobs.any_recorded(("session",)) else None
+        limit = self.admission_limit(job)
         if limit is None:
             return
-        work = self.untrained_work()
+        work = self.untrained_work(job)
         if work < limit:
             return
         self.admission_paused += 1
         ctx.metrics.admission_stale.inc()
-        raise NoCapacity(f"staleness bound: {work} sessions in flight, or finished and not yet trained, "
+        of = "" if job is None else f" of job {job!r}"
+        raise NoCapacity(f"staleness bound: {work} sessions{of} in flight, or finished and not yet trained, "
                          f"limit (staleness_bound + 1) x batch = {limit}", code="staleness_bound",
                          retry_after_s=max(1.0, ctx.cfg.heartbeat_s * 2))
 
@@ -107,26 +132,31 @@ class Staleness:
         """GET /v1/trajectories: finished sessions past `cursor`, each with its staleness and
         the policy applied; the trainer's cursor advances to what it fetched. With `job` (a
         job-bound trainer, on a fleet shared by several jobs), that job's only, their staleness
-        counted in its own lineage."""
+        counted in its own lineage against its own bound, and its own cursor advanced."""
         items, nxt = self.ctx.store.sessions.trajectories(cursor, limit)
         jobs = self.ctx.store.jobs
-        published = None
+        published, bound = None, self.ctx.cfg.staleness_bound
         if job is not None and jobs.any_recorded(("session", "version")):
             mine = jobs.jobs_of("session", [t["id"] for t in items])
             items = [t for t in items if mine[t["id"]] == job]
             versions = jobs.jobs_of("version", [r.v for r in self.ctx.store.fleet.list_versions()])
             published = sorted(int(v) for v, j in versions.items() if j == job)
-        self.trajectory_cursor = max(self.trajectory_cursor, nxt)  # one fleet-wide cursor (docs/JOBS.md)
-        return {"trajectories": self._apply(items, published), "next_cursor": nxt}
+            self.cursors[job] = max(self.cursor_of(job), nxt)
+        elif job is None or job == DEFAULT_JOB:
+            self.cursors[DEFAULT_JOB] = max(self.cursor_of(DEFAULT_JOB), nxt)
+        self.trajectory_cursor = max(self.trajectory_cursor, nxt)  # the one-job fleet's (as before jobs)
+        if job is not None:
+            bound = self.bound_of(job)
+        return {"trajectories": self._apply(items, published, bound), "next_cursor": nxt}
 
-    def _apply(self, items: list[dict[str, Any]], published: list[int] | None = None) -> list[dict[str, Any]]:
+    def _apply(self, items: list[dict[str, Any]], published: list[int] | None, bound: int) -> list[dict[str, Any]]:
         """Annotate each trajectory with its `staleness` (versions) and apply the policy to
-        those past the bound; returns the list to hand out (same order, same length).
+        those past `bound`; returns the list to hand out (same order, same length).
         `published`: the versions to count in (None: every published version)."""
         ctx = self.ctx
         if published is None:
             published = sorted(r.v for r in ctx.store.fleet.list_versions())
-        bound, policy = ctx.cfg.staleness_bound, ctx.cfg.staleness_policy
+        policy = ctx.cfg.staleness_policy
         out = []
         for t in items:
             k = trajectory_staleness(published, t)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from scheduler.contract.errors import Conflict, Invalid, NotFound
 from scheduler.contract.protocol import LoadVersionCmd
 from scheduler.contract.states import VERSION, set_state
-from scheduler.control import idempotency
+from scheduler.control import idempotency, jobsettings
 from scheduler.control.jobversions import JobLineages
 from scheduler.control.staleness import versions_behind
 from scheduler.store.fleet import VersionRow
@@ -79,7 +79,7 @@ class Versions:
         """May a cell serve rollouts at `version`? Yes when nothing is published yet to fetch,
         when it is the target, or when it is a published, unretired version no more than
         `staleness_bound` published versions behind the newest (scheduler/control/staleness.py);
-        of the cell's own RL job's lineage on a fleet shared by several."""
+        of the cell's own RL job's lineage, within its bound, on a fleet shared by several."""
         job = self.lineages.job_of_cell(cell_id) if cell_id is not None and self.lineages.multi() else None
         t = self.target(job)
         if t is None or version == t.v:
@@ -90,7 +90,9 @@ class Versions:
         row = next((r for r in rows if r.v == version), None)
         if row is None or row.state == "retired":
             return False  # e.g. a fresh cell's initial weights, which no trainer published
-        return versions_behind(sorted(r.v for r in rows), row.v) <= self.ctx.cfg.staleness_bound
+        bound = self.ctx.cfg.staleness_bound if job is None else jobsettings.staleness_bound(
+            self.ctx.cfg, self.ctx.store.jobs.get(job))  # the cell's job's own
+        return versions_behind(sorted(r.v for r in rows), row.v) <= bound
 
     def target(self, job: str | None = None) -> VersionRow | None:
         """The version rollout cells should serve: the newest broadcasting or active one that

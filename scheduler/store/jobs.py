@@ -170,6 +170,19 @@ class JobStore:
              "WHERE r.state NOT IN ('finished', 'failed') AND COALESCE(j.job, 'default') = ?")
         return self.s.execute(q, (job,)).fetchone()[0]
 
+    def requests_in(self, job: str, states: Collection[str]) -> int:
+        """Requests of `job`'s sessions in one of `states` (the staleness bound's work in flight)."""
+        st = list(states)
+        q = ("SELECT COUNT(*) FROM requests r LEFT JOIN job_of j ON j.kind = 'session' AND j.key = r.session_id "
+             f"WHERE r.state IN ({','.join('?' * len(st))}) AND COALESCE(j.job, 'default') = ?")
+        return self.s.execute(q, (*st, job)).fetchone()[0]
+
+    def finished_after(self, job: str, cursor: int) -> int:
+        """`job`'s finished sessions past `cursor` (its trajectories its trainer has not fetched)."""
+        q = ("SELECT COUNT(*) FROM sessions s LEFT JOIN job_of j ON j.kind = 'session' AND j.key = s.id "
+             "WHERE s.finish_seq > ? AND COALESCE(j.job, 'default') = ?")
+        return self.s.execute(q, (cursor, job)).fetchone()[0]
+
     # -- moves between jobs
     def get_move(self, move_id: str) -> MoveRow | None:
         r = self.s.execute(f"SELECT {_MOVE_COLS} FROM job_moves WHERE id=?", (move_id,)).fetchone()

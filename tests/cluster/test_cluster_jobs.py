@@ -41,7 +41,7 @@ def foreign(placements: list[tuple[str, str]], cells_of_other_jobs: set[str]) ->
 
 
 def test_moves_between_jobs_keep_live_rollouts_exact_and_within_their_job(cluster):
-    r = cluster.http.post("/v1/jobs", json={"name": "beta", "model": "small", "min_cells": 1, "max_cells": 1})
+    r = cluster.http.post("/v1/jobs", json={"name": "beta", "model": "fleet", "min_cells": 1, "max_cells": 1})
     assert r.status_code == 201, r.text
     beta_cell = _moved_into(cluster, "beta")  # idle: nothing to migrate
     rng = random.Random(3)
@@ -53,7 +53,7 @@ def test_moves_between_jobs_keep_live_rollouts_exact_and_within_their_job(cluste
     for s in streams:
         assert s.started.wait(60), cluster.logs()
     cluster.wait(lambda: all(len(s.tokens) >= 5 for s in streams), 60, "tokens flowing")
-    r = cluster.http.post("/v1/jobs", json={"name": "gamma", "model": "small", "min_cells": 1, "max_cells": 1})
+    r = cluster.http.post("/v1/jobs", json={"name": "gamma", "model": "fleet", "min_cells": 1, "max_cells": 1})
     assert r.status_code == 201, r.text
     # gamma's minimum asks the planner for a cell; move the busiest default cell there at once (or
     # take the planner's move, when its tick came first), while it decodes live rollouts

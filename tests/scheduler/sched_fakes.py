@@ -141,8 +141,9 @@ class FakeCell:
         """More capabilities to report (model limits: vocab_size, max_context, output_ranges)."""
         """The registration probe's answer: every honest fake cell gives the same one."""
 
-    def register(self, expect: int = 200) -> dict:
-        r = self.client.post("/internal/v1/cells/register", headers=self.headers, json={
+    def register(self, expect: int = 200, **extra) -> dict:
+        """`extra`: more registration fields (`model`, `job`)."""
+        r = self.client.post("/internal/v1/cells/register", headers=self.headers, json={**extra,
             "cell_id": self.cell_id, "incarnation": self.incarnation, "address": f"127.0.0.1:{hash(self.cell_id) % 1000 + 9000}",
             "store_port": 29500, "capabilities": {"kv_export": self.kv_export, "scoring": self.scoring, "weight_update": "staged",
                                                   "batch_invariant": True, "block_size": 16,
