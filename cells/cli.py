@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--quick", action="store_true",
                     help="one full cycle (short warm-up, one RL step with a flip and live migration), then stop")
     up.add_argument("--rl-jobs", metavar="FILE", help="several toy RL jobs on this one fleet, from one warm-up "
-                                                      "(configs/rl_jobs.yaml; docs/JOBS.md)")
+                                                      "(configs/jobs/rl_jobs.yaml; docs/JOBS.md)")
     tr = sub.add_parser("trainer", help="run the trainer and the toy task's agents against a scheduler")
     tr.add_argument("--config")
     tr.add_argument("--scheduler", required=True, help="scheduler URL")

@@ -78,7 +78,7 @@ def load_jobs_file(path: str | Path) -> JobsFile:
 def parse_jobs(raw: Any, where: str = "jobs file") -> JobsFile:
     """The jobs file checked whole: every error names the job and the key."""
     if not isinstance(raw, dict) or not isinstance(raw.get("jobs"), list) or not raw["jobs"]:
-        raise JobsFileError(f"{where}: needs a non-empty list `jobs:` (see configs/rl_jobs.yaml)")
+        raise JobsFileError(f"{where}: needs a non-empty list `jobs:` (see configs/jobs/rl_jobs.yaml)")
     unknown = sorted(set(raw) - {"jobs", "warmup"})
     if unknown:
         raise JobsFileError(f"{where}: unknown top-level keys {unknown} (known: jobs, warmup)")

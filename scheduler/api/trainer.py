@@ -16,6 +16,7 @@ from fastapi import APIRouter
 from pydantic import Field, model_validator
 
 from scheduler.api.deps import ApiRoute, Ctl
+from scheduler.api.principal import current_job
 from scheduler.api.schemas import _Body, errors
 
 router = APIRouter(prefix="/v1/trainer", tags=["trainer"], route_class=ApiRoute, responses=errors(401, 403))
@@ -83,4 +84,4 @@ class VersionHost(_Body):
 @router.put("/version-host", responses=errors(413, 422))
 async def version_host(body: VersionHost, ctl: Ctl) -> dict:
     """Register the trainer's version host: publishes may then name it as their source."""
-    return ctl.register_version_host(body.host, body.port)
+    return ctl.register_version_host(body.host, body.port, current_job() or "default")  # the trainer's job's

@@ -35,6 +35,11 @@ if TYPE_CHECKING:
 IDEMPOTENCY_SCOPE = "versions"
 
 VERSION_HOST = "trainer.version_host"
+
+
+def host_key(job: str) -> str:
+    """The setting holding `job`'s trainer's version host (each RL job has its own trainer)."""
+    return VERSION_HOST if job == "default" else f"{VERSION_HOST}.{job}"
 """Settings key of the trainer's registered version host (the address cells may fetch from)."""
 
 
@@ -109,17 +114,18 @@ class Versions:
         return out
 
     # ------------------------------------------------------------------ the trainer's side
-    def register_host(self, host: str, port: int) -> dict[str, Any]:
+    def register_host(self, host: str, port: int, job: str = "default") -> dict[str, Any]:
         """The trainer's version host: the one address besides the live cells' that a publish
-        may name as its source (cells never connect to an address the scheduler did not vouch for)."""
+        may name as its source (cells never connect to an address the scheduler did not vouch for);
+        `job`'s own (the registering trainer's), which its training cells are sent to."""
         with self.ctx.txn(durable=True):
-            self.ctx.store.fleet.put_setting(VERSION_HOST, {"host": host, "port": port})
+            self.ctx.store.fleet.put_setting(host_key(job), {"host": host, "port": port})
         return {"host": host, "port": port}
 
-    def _check_vouched(self, source: dict) -> None:
-        """A source must be the registered version host or a live cell's transfer endpoint."""
+    def _check_vouched(self, source: dict, job: str = "default") -> None:
+        """A source must be the job's registered version host or a live cell's transfer endpoint."""
         where = (source.get("host"), source.get("port"))
-        host = self.ctx.store.fleet.setting(VERSION_HOST)
+        host = self.ctx.store.fleet.setting(host_key(job))
         if host is not None and where == (host["host"], host["port"]):
             return
         for c in self.ctx.store.fleet.list_cells():
@@ -142,7 +148,7 @@ class Versions:
             return hit
         now = ctx.clock()
         if source is not None:
-            self._check_vouched(source)
+            self._check_vouched(source, job)
         with ctx.txn(durable=True) as fx:
             rows = ctx.store.fleet.list_versions()
             if any(r.v == version for r in rows):
