@@ -40,6 +40,12 @@ VERSION_HOST = "trainer.version_host"
 def host_key(job: str) -> str:
     """The setting holding `job`'s trainer's version host (each RL job has its own trainer)."""
     return VERSION_HOST if job == "default" else f"{VERSION_HOST}.{job}"
+
+
+def version_host(store: Any, job: str) -> dict | None:
+    """`job`'s trainer's registered version host, else the fleet's (`default`'s) where the job's
+    trainer registered none."""
+    return store.fleet.setting(host_key(job)) or store.fleet.setting(VERSION_HOST)
 """Settings key of the trainer's registered version host (the address cells may fetch from)."""
 
 
@@ -125,7 +131,7 @@ class Versions:
     def _check_vouched(self, source: dict, job: str = "default") -> None:
         """A source must be the job's registered version host or a live cell's transfer endpoint."""
         where = (source.get("host"), source.get("port"))
-        host = self.ctx.store.fleet.setting(host_key(job))
+        host = version_host(self.ctx.store, job)
         if host is not None and where == (host["host"], host["port"]):
             return
         for c in self.ctx.store.fleet.list_cells():

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from cells.rl_jobs import VERSION_STRIDE, JobsFileError, check_fits, load_jobs_file, parse_jobs, trainer_config
+from cells.rl_jobs import (
+    VERSION_STRIDE,
+    JobsFileError,
+    check_fits,
+    load_jobs_file,
+    parse_jobs,
+    trainer_config,
+)
 from scheduler.contract.config import parse_config
 
 GOOD = {"warmup": {"steps": 10, "seed": 3}, "jobs": [
