@@ -178,6 +178,9 @@ def main() -> None:
     if args.rl_jobs:
         from e2e_jobs import run_bench
 
+        from cells.entry import interrupt, stop_on_signals
+
+        stop_on_signals(interrupt)  # a kill stops the fleets' processes too
         say = (lambda msg: None) if args.json else (lambda msg: print(msg, flush=True))
         finish(run_bench(args.rl_jobs, args.quick, say), args, "e2e")
         return

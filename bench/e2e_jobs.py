@@ -97,12 +97,22 @@ class Mover(threading.Thread):
         busy = {f["cell"] for f in (flips.get("flips", flips) if isinstance(flips, dict) else flips)}
         if len(mine) < 2 or any(c["state"] != "rollout" or c["id"] in busy for c in mine):
             return
-        cell = max(mine, key=lambda c: c.get("inflight", 0))
-        if cell.get("inflight", 0) < 1:
+        publishers = _publishers(http, view[self.src]["versions"])
+        movable = [c for c in mine if c["id"] not in publishers]
+        cell = max(movable, key=lambda c: c.get("inflight", 0), default=None)
+        if cell is None or cell.get("inflight", 0) < 1:
             return
         r = http.post(f"/v1/jobs/{self.dst}/cells", json={"cell": cell["id"]})
         if r.status_code == 202:
             self.move = {**r.json(), "inflight": cell["inflight"]}
+
+
+def _publishers(http, versions: list[int]) -> set[str]:
+    """Cells whose version host serves a live version of the job (its catch-ups are fetched from
+    there): moving one away leaves the job's catch-ups without a source (docs/JOBS.md)."""
+    rows = http.get("/v1/versions").json()["versions"]
+    live = [r for r in rows if r["version"] in set(versions) and r["state"] != "retired"]
+    return {(r.get("source") or {}).get("namespace", "").rpartition("/")[2] for r in live}
 
 
 def run_fleet(tmp: Path, warm: Path, jobs: JobsFile, *, move: bool, say) -> dict:
@@ -237,7 +247,8 @@ def run_bench(n: int, quick: bool, say) -> dict:
     t0 = time.monotonic()
     steps = 6 if quick else 12
     tmp = Path(tempfile.mkdtemp(prefix="cellflip-e2e-jobs-"))
-    warm = warm_checkpoint(fleet_config(tmp), tmp / "warm-start", 300, 0, say)
+    # one warm-up for every job and both fleets (kept between runs: reused when it is the same)
+    warm = warm_checkpoint(fleet_config(tmp), Path(tempfile.gettempdir()) / "cellflip-e2e-jobs-warm", 300, 0, say)
     jobs = jobs_file(n, steps, None)
     rl = run_fleet(tmp / "rl", warm, jobs, move=True, say=say)
     # the control: lr 0 keeps every job's weights at the warm start whatever the steps
