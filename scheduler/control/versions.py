@@ -46,6 +46,14 @@ def version_host(store: Any, job: str) -> dict | None:
     """`job`'s trainer's registered version host, else the fleet's (`default`'s) where the job's
     trainer registered none."""
     return store.fleet.setting(host_key(job)) or store.fleet.setting(VERSION_HOST)
+
+
+def training_host(store: Any, cell_id: str) -> dict | None:
+    """The trainer's store a cell flipping to training is sent to: its job's, or, for the drain of
+    a move between jobs, the job it moves to (the cell then fetches that job's version through the
+    store it is connected to)."""
+    moving = [m for m in store.jobs.list_moves(active_only=True) if m.cell_id == cell_id]
+    return version_host(store, moving[-1].to_job if moving else store.jobs.job_of("cell", cell_id))
 """Settings key of the trainer's registered version host (the address cells may fetch from)."""
 
 
