@@ -276,6 +276,15 @@ def test_each_jobs_trainer_has_its_own_version_host(tmp_path):
         r = h.client.post("/v1/versions", json={"version": 3, "source": {**beta, "namespace": "v"}},
                           headers=h.auth("trainer"))
         assert r.status_code == 422  # and default's trainer may not name beta's
+        # a move's drain sends the cell to the store of the job it moves to (it loads that job's
+        # version through it), not to its own job's
+        assert h.client.post("/v1/jobs/beta/cells", json={"cell": "c1"}).status_code == 202
+        pump([c0, c1, c2], rounds=5, harness=h)
+        roles = [cmd for cmd in c1.commands if cmd["type"] == "set_role" and cmd["role"] == "training"]
+        assert roles and {k: roles[-1]["source"][k] for k in ("host", "port")} == beta, roles
+        mid = next(m.id for m in h.ctl.store.jobs.list_moves(active_only=True) if m.cell_id == "c1")
+        c1.version = 2  # it loads beta's newest
+        assert _settle(h, [c0, c1, c2], mid)["state"] == "done"
         for cell, headers, want in ((c2, tb, beta), (c0, h.auth("trainer"), alpha)):
             flip = h.client.post("/v1/flips", json={"cell": cell.cell_id, "to": "training"}, headers=headers)
             assert flip.status_code == 202, flip.text
