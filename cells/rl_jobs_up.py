@@ -214,6 +214,9 @@ def cmd_up_rl_jobs(args) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the shutdown short
         cluster.stop()
 
 
