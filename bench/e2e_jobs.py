@@ -109,7 +109,9 @@ class Mover(threading.Thread):
 
 def _publishers(http, versions: list[int]) -> set[str]:
     """Cells whose version host serves a live version of the job (its catch-ups are fetched from
-    there): moving one away leaves the job's catch-ups without a source (docs/JOBS.md)."""
+    there). The forced move leaves them alone: a cell's training side follows one trainer store
+    at a time, so whether a version host keeps serving its old job's versions after a move is
+    not established (docs/JOBS.md, "Not built yet")."""
     rows = http.get("/v1/versions").json()["versions"]
     live = [r for r in rows if r["version"] in set(versions) and r["state"] != "retired"]
     return {(r.get("source") or {}).get("namespace", "").rpartition("/")[2] for r in live}
