@@ -78,7 +78,7 @@ class TrainerClient:
             try:
                 jobs = self._call("GET", "/v1/jobs")["jobs"]
             except ApiError as e:
-                if e.status != 404:
+                if e.status not in (403, 404):  # a scheduler without jobs, a token that may not list them
                     raise
                 jobs = []
             self._job = jobs[0]["name"] if len(jobs) == 1 and jobs[0]["name"] != "default" else None
