@@ -45,6 +45,8 @@ Fields:
   mean over the RL runs' steps (per seed: first and last step).
 - wall_s: the whole invocation.
 
+`--rl-jobs N`: N RL jobs on one fleet instead, with the fields of bench/e2e_jobs.py.
+
 `--staleness-bound N` runs with `scheduler.staleness_bound` N (and the trainer's own bound,
 policy `drop`, the default) instead of the shipped 8.
 """
@@ -165,9 +167,23 @@ def _round_mean(xs: list[float | None], digits: int = 4) -> float | None:
 
 
 def main() -> None:
-    args = parse_args(__doc__, lambda ap: ap.add_argument(
-        "--staleness-bound", type=int, default=None, help="scheduler.staleness_bound (default: the shipped 8)"))
+    def extra(ap) -> None:
+        ap.add_argument("--staleness-bound", type=int, default=None,
+                        help="scheduler.staleness_bound (default: the shipped 8)")
+        ap.add_argument("--rl-jobs", type=int, default=0, metavar="N",
+                        help="N RL jobs on one fleet of 4 cells instead (bench/e2e_jobs.py; its own fields)")
+
+    args = parse_args(__doc__, extra)
     set_threads(1)
+    if args.rl_jobs:
+        from e2e_jobs import run_bench
+
+        from cells.entry import interrupt, stop_on_signals
+
+        stop_on_signals(interrupt)  # a kill stops the fleets' processes too
+        say = (lambda msg: None) if args.json else (lambda msg: print(msg, flush=True))
+        finish(run_bench(args.rl_jobs, args.quick, say), args, "e2e")
+        return
     t0 = time.monotonic()
     seeds, steps = ([0], 8) if args.quick else ([0, 1, 2], 14)
     bound = args.staleness_bound

@@ -92,6 +92,10 @@ def cmd_cell(args) -> int:
 
 
 def cmd_up(args) -> int:
+    if args.rl_jobs:
+        from cells.rl_jobs_up import cmd_up_rl_jobs
+
+        return cmd_up_rl_jobs(args)
     from cells.up import cmd_up as up
 
     return up(args)
@@ -223,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                          "host:port (docs/RAY.md)")
     up.add_argument("--quick", action="store_true",
                     help="one full cycle (short warm-up, one RL step with a flip and live migration), then stop")
+    up.add_argument("--rl-jobs", metavar="FILE", help="several toy RL jobs on this one fleet, from one warm-up "
+                                                      "(configs/jobs/rl_jobs.yaml; docs/JOBS.md)")
     tr = sub.add_parser("trainer", help="run the trainer and the toy task's agents against a scheduler")
     tr.add_argument("--config")
     tr.add_argument("--scheduler", required=True, help="scheduler URL")

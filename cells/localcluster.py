@@ -139,9 +139,10 @@ class Cluster:
                                   "--cell-id", f"cell-{i}", *self.cell_args.get(i, [])],
                     {**self.scoped_env("cell"), **self.cell_env.get(i, {})})
 
-    def start_trainer(self, args: list[str], env: dict | None = None) -> None:
-        """The trainer process (`cellflip trainer …`): the trainer's and the agents' tokens only."""
-        self._spawn("trainer", ["trainer", *args], {**self.scoped_env("trainer", "agent"), **(env or {})})
+    def start_trainer(self, args: list[str], env: dict | None = None, name: str = "trainer") -> None:
+        """A trainer process (`cellflip trainer …`): the trainer's and the agents' tokens only
+        (`env` may give it others of those scopes: an RL job's own)."""
+        self._spawn(name, ["trainer", *args], {**self.scoped_env("trainer", "agent"), **(env or {})})
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         self.procs[name].send_signal(sig)

@@ -127,6 +127,9 @@ class CellVersions:
         self.loaded_bytes = 0
         """Bytes received for versions (broadcasts and fetches; a local install adds none)."""
         self.loading: set[int] = set()
+        self.wanted: int | None = None
+        """The version the scheduler last told this cell to serve: activated even where it is
+        older than the served one (a cell moved to another RL job serves that job's lineage)."""
         self._staged: list[Staged] = []
         self._lock = threading.Lock()
         # Two workers: background scoring at low OS priority, and the final pass (tokens of a
@@ -140,6 +143,8 @@ class CellVersions:
     def load(self, cmd: LoadVersionCmd, held: list[int], serving: int | None) -> None:
         """Start receiving `cmd.version` unless it is held, being received, or served."""
         with self._lock:
+            if cmd.activate:
+                self.wanted = cmd.version
             if cmd.version in self.loading:
                 return
             if cmd.version == serving or (not cmd.activate and cmd.version in held):
@@ -309,7 +314,9 @@ class CellVersions:
                 continue
             t0 = time.perf_counter()
             try:
-                activate = s.activate and s.version > engine.version
+                # never back to an older version, but for the one last asked for (another lineage)
+                activate = s.activate and s.version != engine.version and (
+                    s.version > engine.version or s.version == self.wanted)
                 if s.prepared:
                     if activate or s.version != engine.version:
                         versioned_weights(engine).install_prepared(s.version, s.tensors, activate=activate)

@@ -5,8 +5,10 @@ import pytest
 from scheduler.contract.config import ConfigError, load_config, parse_config
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-# configs/sim/ holds cluster-simulator workloads, a different schema with its own tests.
-CONFIGS = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if p.relative_to(CONFIG_DIR).parts[0] != "sim")
+# configs/sim/ holds cluster-simulator workloads, configs/jobs/ `cellflip up --rl-jobs` files:
+# other schemas, with their own tests.
+CONFIGS = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if p.relative_to(CONFIG_DIR).parts[0] not in ("sim", "jobs"))
+JOBS_FILES = sorted((CONFIG_DIR / "jobs").glob("*.yaml"))
 
 
 def test_there_are_configs():
@@ -16,6 +18,13 @@ def test_there_are_configs():
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_config_file_loads(path):
     load_config(path)
+
+
+@pytest.mark.parametrize("path", JOBS_FILES, ids=lambda p: p.name)
+def test_every_jobs_file_loads(path):
+    from cells.rl_jobs import load_jobs_file
+
+    assert load_jobs_file(path).jobs
 
 
 def test_unknown_key_is_named():

@@ -48,7 +48,7 @@ class AgentPool:
         self.token = token if token is not None else client_token(scope="agent")
         self.finish_token = finish_token if finish_token is not None else client_token(scope="trainer")
         self.stats = AgentStats()
-        self.task = TaskSpec(seed=cfg.seed)
+        self.task = TaskSpec.variant(cfg.seed, cfg.task)
         self._lock = threading.Lock()
         self._next = itertools.count()
         self._threads: list[threading.Thread] = []

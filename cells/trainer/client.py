@@ -23,6 +23,9 @@ class ApiError(RuntimeError):
         self.status, self.reason, self.detail = status, reason, detail
 
 
+_UNKNOWN = object()
+
+
 class TrainerClient:
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0) -> None:
         """`token`: a trainer (or admin) token; None reads the trainer's as every client does
@@ -34,9 +37,10 @@ class TrainerClient:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout_s)
         self.cursor = 0
+        """Trajectories up to this cursor have been fetched."""
         self._version_host: tuple[str, int] | None = None
         """The version host registered with the scheduler by this client."""
-        """Trajectories up to this cursor have been fetched."""
+        self._job: str | None | object = _UNKNOWN
 
     def close(self) -> None:
         self.http.close()
@@ -69,15 +73,32 @@ class TrainerClient:
 
     # -- cells and flips ----------------------------------------------------------------------
     def cells(self) -> list[dict]:
-        """Every cell, following the list's pages (`next_cursor`) to the last."""
+        """Every cell of the trainer's RL job (`job`; every cell where it is None), following
+        the list's pages (`next_cursor`) to the last."""
         out: list[dict] = []
         params: dict[str, str] = {}
         while True:
             body = self._call("GET", "/v1/cells", params=params)
             out += body["cells"]
             if not body.get("next_cursor"):
-                return out
+                break
             params = {"cursor": body["next_cursor"]}
+        job = self.job()
+        return out if job is None else [c for c in out if c.get("job", "default") == job]
+
+    def job(self) -> str | None:
+        """The RL job this client's token is bound to on a fleet shared by several jobs (GET
+        /v1/jobs lists that job alone); None for a token bound to none, a fleet serving only
+        `default`, or a scheduler without jobs. Asked once: a token's job never changes."""
+        if self._job is _UNKNOWN:
+            try:
+                jobs = self._call("GET", "/v1/jobs")["jobs"]
+            except ApiError as e:
+                if e.status not in (403, 404):  # a scheduler without jobs, a token that may not list them
+                    raise
+                jobs = []
+            self._job = jobs[0]["name"] if len(jobs) == 1 and jobs[0]["name"] != "default" else None
+        return self._job
 
     def flip(self, to: str, *, cell: str | None = None, count: int | None = None,
              key: str | None = None) -> list[dict]:

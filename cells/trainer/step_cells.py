@@ -106,8 +106,7 @@ class StepCells:
         flips: list[dict] = []
         try:
             if self.choice == "busiest":
-                cells = sorted((c for c in self.client.cells() if c["state"] == "rollout"),
-                               key=lambda c: -c.get("inflight", 0))[:count]
+                cells = sorted(self._rollout_cells(), key=lambda c: -c.get("inflight", 0))[:count]
                 for c in cells:
                     flips += self.client.flip("training", cell=c["id"])
             else:
@@ -117,6 +116,20 @@ class StepCells:
         done = self.client.wait_flips(flips, timeout_s=WAIT_S) if flips else []
         self.own = [f["cell"] for f in done if f["state"] == "done"]
         return done
+
+    def _rollout_cells(self) -> list[dict]:
+        """The rollout cells this step may flip. A trainer of one RL job on a shared fleet keeps
+        one of its job's cells serving its agents (the fleet's `min_rollout_cells` counts every
+        job's): while its job holds a single rollout cell (a cell of it moving to another job)
+        the step waits, up to WAIT_S, for a second."""
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            rollout = [c for c in self.client.cells() if c["state"] == "rollout"]
+            if self.client.job() is None:
+                return rollout
+            if len(rollout) > 1 or time.monotonic() > deadline:
+                return sorted(rollout, key=lambda c: c.get("inflight", 0))[1:]
+            time.sleep(max(self.poll_s, 0.5))
 
     def _in_training(self) -> list[str]:
         return sorted(c["id"] for c in self.client.cells() if c["state"] == "training")

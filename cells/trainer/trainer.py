@@ -167,7 +167,7 @@ class Trainer:
             cells = self.cells.group()
             try:
                 m = self.coordinator.warmup(cells[0], demos, steps=self.warmup_steps, batch_size=self.tc.warmup_batch,
-                                            lr=self.tc.warmup_lr, extra=self._extra(),
+                                            lr=self.tc.warmup_lr, extra=self._extra(), version=self.tc.first_version,
                                             on_progress=self._warmup_progress())
                 break
             except (StepFailed, IndexError) as e:

@@ -128,15 +128,15 @@ class TrainingCoordinator:
 
     def warmup(self, cell: str, demos: list, *, steps: int, batch_size: int, lr: float,
                extra: dict | None = None, on_progress: Callable[[dict], None] | None = None,
-               peers: Sequence[str] = ()) -> dict[str, Any]:
+               peers: Sequence[str] = (), version: int = 1) -> dict[str, Any]:
         """The supervised warm-up (`steps` SFT steps on `demos`, then RL begins: reference,
-        moments dropped, version 1) on one cell, committed like an update."""
+        moments dropped, `version`) on one cell, committed like an update."""
         def plan(n: int, sh: Sequence[float] | None) -> dict[str, Any]:
             return {"kind": "warmup", "demos": demos, "steps": steps, "batch_size": batch_size, "lr": lr}
 
         self._progress = on_progress
         try:
-            return self._run(plan, [cell], lambda: 1, None, None, extra, peers)
+            return self._run(plan, [cell], lambda: version, None, None, extra, peers)
         finally:
             self._progress = None
 

@@ -84,4 +84,4 @@ class VersionHost(_Body):
 @router.put("/version-host", responses=errors(413, 422))
 async def version_host(body: VersionHost, ctl: Ctl) -> dict:
     """Register the trainer's version host: publishes may then name it as their source."""
-    return ctl.register_version_host(body.host, body.port)
+    return ctl.register_version_host(body.host, body.port, current_job() or "default")  # the trainer's job's

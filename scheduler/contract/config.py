@@ -251,6 +251,12 @@ class TrainerConfig(_Strict):
     warmup_batch: int = Field(default=16, gt=0)
     seed: int = 0
     """Seeds the task stream, the warm-up and the sampling seeds of the agents."""
+    task: dict[str, Any] = Field(default_factory=dict)
+    """The toy task's variant: TaskSpec fields other than the seed (`first_item`, `num_items`,
+    `p_pair`, `p_redirect`, `max_depth`); empty: the default task."""
+    first_version: int = Field(default=1, ge=1, lt=1 << 61)
+    """The version number of the trainer's first commit (the warm-up's); its updates count up
+    from it. RL jobs sharing a fleet take disjoint ranges (version ids are fleet-wide)."""
     agents: int = Field(default=8, gt=0)
     """Episodes in flight at once."""
     max_turns: int = Field(default=6, gt=0)

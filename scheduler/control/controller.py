@@ -227,8 +227,8 @@ class Controller:
                         job: str = "default") -> dict:
         return self.versions.publish(version, source, idempotency_key, job)
 
-    def register_version_host(self, host: str, port: int) -> dict:
-        return self.versions.register_host(host, port)
+    def register_version_host(self, host: str, port: int, job: str = "default") -> dict:
+        return self.versions.register_host(host, port, job)
 
     def retire_version(self, version: int) -> dict:
         return self.versions.retire(version)

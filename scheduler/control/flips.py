@@ -24,7 +24,7 @@ from scheduler.contract.failpoints import failpoint
 from scheduler.contract.protocol import SetRoleCmd
 from scheduler.contract.states import CELL, FLIP, set_state
 from scheduler.control import idempotency
-from scheduler.control.versions import VERSION_HOST
+from scheduler.control.versions import training_host
 from scheduler.planner import placement
 from scheduler.store.fleet import FlipRow
 
@@ -335,7 +335,7 @@ class Flips:
         if cell_id not in self.ctx.registry.live or (last_flip == flip_id and now - last_at < self.ctx.cfg.lease_s):
             return False
         self.role_sent[cell_id] = (flip_id, now)
-        host = self.ctx.store.fleet.setting(VERSION_HOST) if role == "training" else None
+        host = training_host(self.ctx.store, cell_id) if role == "training" else None
         fx.send(cell_id, lambda i: SetRoleCmd(i, role, flip_id, version, host))
         return True
 

@@ -35,6 +35,25 @@ if TYPE_CHECKING:
 IDEMPOTENCY_SCOPE = "versions"
 
 VERSION_HOST = "trainer.version_host"
+
+
+def host_key(job: str) -> str:
+    """The setting holding `job`'s trainer's version host (each RL job has its own trainer)."""
+    return VERSION_HOST if job == "default" else f"{VERSION_HOST}.{job}"
+
+
+def version_host(store: Any, job: str) -> dict | None:
+    """`job`'s trainer's registered version host, else the fleet's (`default`'s) where the job's
+    trainer registered none."""
+    return store.fleet.setting(host_key(job)) or store.fleet.setting(VERSION_HOST)
+
+
+def training_host(store: Any, cell_id: str) -> dict | None:
+    """The trainer's store a cell flipping to training is sent to: its job's, or, for the drain of
+    a move between jobs, the job it moves to (the cell then fetches that job's version through the
+    store it is connected to)."""
+    moving = [m for m in store.jobs.list_moves(active_only=True) if m.cell_id == cell_id]
+    return version_host(store, moving[-1].to_job if moving else store.jobs.job_of("cell", cell_id))
 """Settings key of the trainer's registered version host (the address cells may fetch from)."""
 
 
@@ -111,17 +130,18 @@ class Versions:
         return out
 
     # ------------------------------------------------------------------ the trainer's side
-    def register_host(self, host: str, port: int) -> dict[str, Any]:
+    def register_host(self, host: str, port: int, job: str = "default") -> dict[str, Any]:
         """The trainer's version host: the one address besides the live cells' that a publish
-        may name as its source (cells never connect to an address the scheduler did not vouch for)."""
+        may name as its source (cells never connect to an address the scheduler did not vouch for);
+        `job`'s own (the registering trainer's), which its training cells are sent to."""
         with self.ctx.txn(durable=True):
-            self.ctx.store.fleet.put_setting(VERSION_HOST, {"host": host, "port": port})
+            self.ctx.store.fleet.put_setting(host_key(job), {"host": host, "port": port})
         return {"host": host, "port": port}
 
-    def _check_vouched(self, source: dict) -> None:
-        """A source must be the registered version host or a live cell's transfer endpoint."""
+    def _check_vouched(self, source: dict, job: str = "default") -> None:
+        """A source must be the job's registered version host or a live cell's transfer endpoint."""
         where = (source.get("host"), source.get("port"))
-        host = self.ctx.store.fleet.setting(VERSION_HOST)
+        host = version_host(self.ctx.store, job)
         if host is not None and where == (host["host"], host["port"]):
             return
         for c in self.ctx.store.fleet.list_cells():
@@ -144,7 +164,7 @@ class Versions:
             return hit
         now = ctx.clock()
         if source is not None:
-            self._check_vouched(source)
+            self._check_vouched(source, job)
         with ctx.txn(durable=True) as fx:
             rows = ctx.store.fleet.list_versions()
             if any(r.v == version for r in rows):

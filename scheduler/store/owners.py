@@ -264,6 +264,14 @@ class OwnerStore:
         r = self.s.execute(q, (request_id,)).fetchone()
         return None if r is None else _mig(r)
 
+    def migrations_of_flips(self, flip_ids: list[str]) -> list[MigrationRow]:
+        """The migrations the flips `flip_ids` made (a drain's), oldest first."""
+        if not flip_ids:
+            return []
+        marks = ",".join("?" * len(flip_ids))
+        q = f"SELECT {_MIG_COLS} FROM migrations WHERE flip_id IN ({marks}) ORDER BY created_at, id"
+        return [_mig(r) for r in self.s.execute(q, list(flip_ids))]
+
     def incoming_pending(self) -> dict[str, int]:
         """Pending migrations per destination cell (their reservations count as load; kept counts)."""
         q = "SELECT cell_id, incoming FROM cell_load WHERE incoming > 0"

@@ -252,3 +252,44 @@ def test_a_jobs_trainer_flips_its_own_jobs_cells_only(tmp_path):
         assert r.status_code == 202 and r.json()["flips"][0]["cell"] in ("c0", "c1")  # default's own
     finally:
         h.close()
+
+
+def test_each_jobs_trainer_has_its_own_version_host(tmp_path):
+    """Two jobs' trainers register two hosts: each job's publishes are vouched by its own, a
+    job's training cell is sent to its own trainer's; a job whose trainer registered none falls
+    back to the fleet's."""
+    h, (c0, c1, c2) = _setup(tmp_path)
+    try:
+        mid = h.client.post("/v1/jobs/beta/cells", json={"cell": "c2"}).json()["id"]
+        assert _settle(h, [c0, c1, c2], mid)["state"] == "done"
+        tb = {"Authorization": "Bearer " + h.client.post("/v1/tokens", json={"scope": "trainer", "job": "beta"}).json()["token"]}
+        alpha, beta = {"host": "127.0.0.1", "port": 29001}, {"host": "127.0.0.1", "port": 29002}
+        assert h.client.put("/v1/trainer/version-host", json=alpha, headers=h.auth("trainer")).status_code == 200
+        # beta registered none yet: the fleet's host vouches (as before jobs had hosts)
+        ok = h.client.post("/v1/versions", json={"version": 1, "source": {**alpha, "namespace": "v"}}, headers=tb)
+        assert ok.status_code == 201, ok.text
+        assert h.client.put("/v1/trainer/version-host", json=beta, headers=tb).status_code == 200
+        r = h.client.post("/v1/versions", json={"version": 2, "source": {**alpha, "namespace": "v"}}, headers=tb)
+        assert r.status_code == 422 and r.json()["reason"] == "source_not_vouched"  # the other job's host
+        r = h.client.post("/v1/versions", json={"version": 2, "source": {**beta, "namespace": "v"}}, headers=tb)
+        assert r.status_code == 201, r.text
+        r = h.client.post("/v1/versions", json={"version": 3, "source": {**beta, "namespace": "v"}},
+                          headers=h.auth("trainer"))
+        assert r.status_code == 422  # and default's trainer may not name beta's
+        # a move's drain sends the cell to the store of the job it moves to (it loads that job's
+        # version through it), not to its own job's
+        assert h.client.post("/v1/jobs/beta/cells", json={"cell": "c1"}).status_code == 202
+        pump([c0, c1, c2], rounds=5, harness=h)
+        roles = [cmd for cmd in c1.commands if cmd["type"] == "set_role" and cmd["role"] == "training"]
+        assert roles and {k: roles[-1]["source"][k] for k in ("host", "port")} == beta, roles
+        mid = next(m.id for m in h.ctl.store.jobs.list_moves(active_only=True) if m.cell_id == "c1")
+        c1.version = 2  # it loads beta's newest
+        assert _settle(h, [c0, c1, c2], mid)["state"] == "done"
+        for cell, headers, want in ((c2, tb, beta), (c0, h.auth("trainer"), alpha)):
+            flip = h.client.post("/v1/flips", json={"cell": cell.cell_id, "to": "training"}, headers=headers)
+            assert flip.status_code == 202, flip.text
+            pump([c0, c1, c2], rounds=5, harness=h)
+            roles = [cmd for cmd in cell.commands if cmd["type"] == "set_role" and cmd["role"] == "training"]
+            assert roles and {k: roles[-1]["source"][k] for k in ("host", "port")} == want, roles
+    finally:
+        h.close()

@@ -96,6 +96,11 @@ class TaskSpec:
     def items(self) -> range:
         return range(self.first_item, self.first_item + self.num_items)
 
+    @classmethod
+    def variant(cls, seed: int, task: dict | None = None) -> TaskSpec:
+        """The task `trainer.task` names (its fields but the seed; lists taken as tuples)."""
+        return cls(seed=seed, **{k: tuple(v) if isinstance(v, list) else v for k, v in (task or {}).items()})
+
 
 def draw_table(spec: TaskSpec, rng: random.Random) -> dict[int, Entry]:
     """A table: items placed in a random order, each redirecting (with p_redirect) to an

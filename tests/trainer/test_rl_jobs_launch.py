@@ -1,0 +1,48 @@
+"""`cellflip up --rl-jobs`'s API steps in-process (cells/rl_jobs_up.py): jobs created with the
+admin token, each job's agent and trainer tokens bound to it, and a job's trainer client seeing
+its own job's cells only; a job that exists already is a clear error."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from cells.rl_jobs import JobsFileError, parse_jobs
+from cells.rl_jobs_up import create_jobs, mint_tokens
+from cells.trainer.client import TrainerClient
+from tests.scheduler.sched_fakes import FakeCell, Harness
+
+JOBS = parse_jobs({"jobs": [{"name": "job-a", "seed": 0, "min_cells": 1},
+                            {"name": "job-b", "seed": 1, "task": {"p_pair": 0.6}, "min_cells": 1}]})
+
+
+def _trainer_client(h: Harness, token: str) -> TrainerClient:
+    c = TrainerClient("http://testserver", token)
+    c.http.close()
+    c.http = TestClient(h.app, headers={"Authorization": f"Bearer {token}"})
+    return c
+
+
+def test_jobs_created_tokens_bound_and_each_trainer_sees_its_own_cells(tmp_path):
+    h = Harness(str(tmp_path / "s.sqlite"))
+    try:
+        cells = [FakeCell(h.client, f"c{i}") for i in range(2)]
+        for c in cells:
+            c.register()
+        create_jobs(h.client, JOBS, "/warm")
+        view = {j["name"]: j for j in h.client.get("/v1/jobs").json()["jobs"]}
+        assert view["job-b"]["settings"] == {"seed": 1, "task": {"p_pair": 0.6}} and view["job-a"]["min_cells"] == 1
+        with pytest.raises(JobsFileError, match="exists in this store already"):
+            create_jobs(h.client, JOBS, "/warm")
+        tokens = {j.name: mint_tokens(h.client, j.name) for j in JOBS.jobs}
+        assert tokens["job-a"]["trainer"] != tokens["job-b"]["trainer"]
+        listed = {t["name"]: t["job"] for t in h.client.get("/v1/tokens").json()["tokens"]}
+        assert listed["job-a-agent"] == listed["job-a-trainer"] == "job-a" and listed["job-b-agent"] == "job-b"
+        h.ctl.store.jobs.assign("cell", "c1", "job-b")  # as a move's reassignment records it
+        a, b = (_trainer_client(h, tokens[n]["trainer"]) for n in ("job-a", "job-b"))
+        assert (a.job(), b.job()) == ("job-a", "job-b")
+        assert [c["id"] for c in b.cells()] == ["c1"] and a.cells() == []  # c0 is still default's
+        admin = _trainer_client(h, h.client.headers["Authorization"].split()[1])
+        assert admin.job() is None and {c["id"] for c in admin.cells()} == {"c0", "c1"}  # bound to none: all
+    finally:
+        h.close()
