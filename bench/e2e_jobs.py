@@ -44,7 +44,7 @@ a moved cell sampled tokens of."""
 
 def jobs_file(n: int, steps: int, lr: float | None) -> JobsFile:
     trainer = {"steps": steps, "batch_episodes": 32, "group_size": 8, "agents": 12, "export_every": 1,
-               "checkpoint_dir": None, "train_cell_choice": "busiest", "long_fraction": 0.1,
+               "train_cell_choice": "busiest", "long_fraction": 0.1,
                **({"lr": lr} if lr is not None else {})}
     return parse_jobs({"warmup": {"steps": 300, "seed": 0}, "jobs": [
         {"name": f"job-{chr(97 + i)}", "seed": i, "task": TASKS[i % len(TASKS)], "min_cells": 2, "max_cells": 3,

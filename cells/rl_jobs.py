@@ -179,4 +179,7 @@ def trainer_config(raw: dict, job: JobSpec, index: int, run_dir: Path) -> dict:
     t["train_cells"] = job.trainer.get("train_cells", 1)  # its other cell keeps serving its agents
     if "checkpoint_dir" not in job.trainer:
         t["checkpoint_dir"] = str(run_dir / "jobs" / job.name / "checkpoint")
+    # every commit checkpointed: a cell moved to another job takes the state it held along (it
+    # follows that job's store), and the job's next step then joins from the checkpoint
+    t.setdefault("checkpoint_every", 1)
     return cfg

@@ -91,6 +91,7 @@ class TrainingCoordinator:
         self.commit: dict[str, Any] | None = None
         """The newest committed state: tag, version, step, checksum, tensors, cursor, extra."""
         self.checkpoint_path: str | None = None
+        self._writing: tuple[str, str, str | None] | None = None
         """The newest checkpoint a cell wrote (the state's fallback home)."""
         self.holders: list[str] = []
         """Cells that hold the committed state (those that computed it, newest first)."""
@@ -233,6 +234,7 @@ class TrainingCoordinator:
         for c in dict.fromkeys(self.holders + list(peers)):
             if P.holds(self.store, c, self.tag) and self._answers(c):
                 return {"kind": "peer", "cell": c, "rank": first}
+        self._await_writing()
         if self.checkpoint_path is not None:
             return {"kind": "checkpoint", "path": self.checkpoint_path}
         raise StateLost(f"no cell holds the committed state {self.tag} (version {self.version}) and no "
@@ -342,7 +344,17 @@ class TrainingCoordinator:
         manifest, off its step); returns the job id `checkpoint_done` waits for."""
         if self.commit is None or not self.holders:
             raise StateLost("nothing committed to checkpoint")
-        return jobs.post(self.store, self.holders[0], {"op": "checkpoint", "path": path, "commit": self.commit})
+        jid = jobs.post(self.store, self.holders[0], {"op": "checkpoint", "path": path, "commit": self.commit})
+        self._writing = (jid, path, self.tag)
+        return jid
+
+    def _await_writing(self) -> None:
+        """No cell answers for the committed state (its holders left: a cell moved to another RL
+        job follows that job's store): the checkpoint of it posted after its commit, which the
+        trainer registers only at its next checkpoint, is its home once written."""
+        if self._writing is not None and self._writing[2] == self.tag:
+            jid, path, _ = self._writing
+            self.checkpoint_done(jid, path, self.ack_timeout_s + self.timeout_s)
 
     def checkpoint_done(self, job: str, path: str, timeout_s: float = 600.0) -> dict:
         """Wait for a checkpoint job; on success it becomes the state's fallback home."""
