@@ -24,6 +24,8 @@ from scheduler.planner.types import CellSummary, PlannerPolicy, Snapshot  # noqa
 B = 1024
 SLOT_RATE = 1 / 7200.0  # one session per slot per 2 h
 TRAIN_RATE = B / (32 * 3600.0)
+ON = PlannerPolicy(follow_new_sessions=True, park_moving=True)
+"""Following the sessions starting now, parking while demand moves (both off by default)."""
 
 
 def cell(i, role="rollout", inflight=16):
@@ -38,8 +40,9 @@ def snap(cells, waiting=B, new=0.0, trend=0.0, queued=0):
 
 
 def test_production_rate_is_the_new_sessions_forecast_ahead():
-    pol = PlannerPolicy()
+    pol = ON
     cells = [cell(i) for i in range(10)]
+    assert production_rate_per_slot_s(snap(cells, new=2 * SLOT_RATE), PlannerPolicy()) == SLOT_RATE  # default
     assert production_rate_per_slot_s(snap(cells), pol) == SLOT_RATE  # nothing new measured: finishes
     flat = snap(cells, new=2 * SLOT_RATE)
     assert production_rate_per_slot_s(flat, pol) == pytest.approx(2 * SLOT_RATE)
@@ -57,13 +60,14 @@ def test_short_sessions_starting_now_give_training_more_cells():
     # sessions starting now hold a slot half as long: the rollout side will produce twice as
     # much, p = 2 * 16 / 7200, q = 1024 / 115200: T = N p / (p + q) = 100 / 3
     cells = [cell(i) for i in range(100)]
-    assert wanted_training_cells(snap(cells)) == pytest.approx(20.0)
-    assert wanted_training_cells(snap(cells, new=2 * SLOT_RATE)) == pytest.approx(100 / 3)
-    assert wanted_training_cells(snap(cells, new=SLOT_RATE)) == pytest.approx(20.0)  # steady: the same
+    assert wanted_training_cells(snap(cells), ON) == pytest.approx(20.0)
+    assert wanted_training_cells(snap(cells, new=2 * SLOT_RATE), ON) == pytest.approx(100 / 3)
+    assert wanted_training_cells(snap(cells, new=SLOT_RATE), ON) == pytest.approx(20.0)  # steady: the same
+    assert wanted_training_cells(snap(cells, new=2 * SLOT_RATE)) == pytest.approx(20.0)  # default: finishes
 
 
 def test_parks_beyond_the_room_only_while_demand_moves():
-    pol = PlannerPolicy(max_flip_fraction_per_tick=1.0)
+    pol = replace(ON, max_flip_fraction_per_tick=1.0)
     full = [cell(i) for i in range(100)]  # no free slot anywhere
     steady, moving = snap(full, waiting=40 * B, new=SLOT_RATE), snap(full, waiting=40 * B, new=2 * SLOT_RATE)
     assert not demand_moving(steady, pol) and demand_moving(moving, pol)
@@ -72,6 +76,7 @@ def test_parks_beyond_the_room_only_while_demand_moves():
     assert len(plan_flips(moving, pol)) > 1  # parked: as many as the balance wants
     # negative controls: parking off, or too many sessions parked already
     assert len(plan_flips(moving, replace(pol, park_moving=False))) == 1
+    assert len(plan_flips(moving, replace(pol, follow_new_sessions=False))) == 1
     crowded = replace(moving, queued_sessions=8 * B)
     assert not may_park(crowded, pol) and len(plan_flips(crowded, pol)) == 1
 

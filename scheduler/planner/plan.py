@@ -107,7 +107,7 @@ def production_rate_per_slot_s(snapshot: Snapshot, policy: PlannerPolicy = DEFAU
     sessions starting now will cost, not what the ones finishing now cost, sizes the split."""
     f = snapshot.finish_rate_per_slot_s
     new = snapshot.new_session_rate_per_slot_s
-    if new <= 0.0 or f <= 0.0:
+    if new <= 0.0 or f <= 0.0 or not policy.follow_new_sessions:
         return f
     ahead = new + policy.forecast_lead_sessions / f * snapshot.new_session_rate_trend
     return max(ahead, policy.forecast_floor * new)
