@@ -28,12 +28,7 @@ import numpy as np
 
 from scheduler.control.rates import Rates
 from scheduler.planner.destinations import choose_destinations
-from scheduler.planner.types import (
-    CellSummary,
-    LinkCostModel,
-    RequestSummary,
-    Snapshot,
-)
+from scheduler.planner.types import CellSummary, LinkCostModel, RequestSummary, Snapshot
 
 from .trainer import Trainer
 from .workload import Workload
@@ -85,8 +80,7 @@ class Cluster:
         self.recomputed_tokens = 0
         self.pause_slot_s = 0.0  # seconds sessions waited on a KV copy or a re-prefill
         self.moved = {"kv": 0, "reprefill": 0, "abort": 0, "suspend": 0}
-        self.decoded_tokens = 0.0
-        """Tokens decoded: sessions finished, plus the progress of those aborted or cut."""
+        self.decoded_tokens = 0.0  # sessions finished, plus the progress of those aborted or cut
         self.discarded_tokens = 0.0
         """Decoded tokens thrown away here (aborted or cut sessions); staleness drops are the trainer's."""
         self.discarded_slot_s = 0.0
@@ -367,6 +361,7 @@ class Cluster:
             version=tr.version, staleness_bound=self.wl.staleness_bound,
             steps_in_progress=len(tr.steps), max_cells_per_step=tr.width,
             finish_rate_per_slot_s=r.finish_rate_per_slot_s(), slot_occupancy=r.slot_occupancy(),
+            new_session_rate_per_slot_s=r.new_session_rate_per_slot_s, new_session_rate_trend=r.new_session_rate_trend,
             train_rate_per_cell_s=r.train_rate_per_cell_s, train_step_s=r.train_step_s,
             tokens_per_step=r.tokens_per_step, max_concurrent_steps=1)
 
@@ -390,6 +385,11 @@ class Cluster:
     def occupied_decoding(self, t: float) -> int:
         """Slots decoding at time t."""
         return int(((self.end < INF) & (self.occ <= t)).sum())
+
+    def new_sessions(self, since: float) -> tuple[float, int]:
+        """(tokens a second together, count) of the sessions admitted (not moved) since `since`."""
+        new = (self.end < INF) & (self.occ >= since) & (self.t0 >= self.occ)
+        return float((self.tok[new] / self.dur[new]).sum()), int(new.sum())
 
     def close_books(self) -> None:
         """Count the decode time of sessions still running at the horizon."""

@@ -118,7 +118,11 @@ class Static(Policy):
 
 
 class Planned(Policy):
-    """Flips decided by `plan_flips`, unchanged; sessions moved the way `mode` says."""
+    """Flips decided by `plan_flips`, unchanged; sessions moved the way `mode` says. While
+    sessions are parked (suspended), `FRESH_PER_TICK` new ones still start each tick ahead of
+    them, so the rate of the sessions starting now stays measured."""
+
+    FRESH_PER_TICK = 16
 
     def __init__(self, name: str, mode: str, policy: PlannerPolicy | None = None,
                  record: bool = False) -> None:
@@ -137,6 +141,11 @@ class Planned(Policy):
         decisions = plan_flips(snap, self.policy)
         if self.log is not None:
             self.log.append((snap, decisions))
+        self._flip(cl, t, decisions)
+        if cl.suspended:
+            cl.admit(t, self.FRESH_PER_TICK)
+
+    def _flip(self, cl: Cluster, t: float, decisions: list[FlipDecision]) -> None:
         if not decisions:
             return
         to_train = [int(d.cell_id) for d in decisions if d.to == "training"]

@@ -12,7 +12,9 @@ Runs on one workload and seed: `cellflip` (the planner on its measured snapshot)
   none start, as when parked sessions take every free slot).
 Each with flips limited to free rollout room (the planner's default) and with parking
 allowed (`flip_into_room=False`: a flip beyond the room suspends sessions, which resume by
-re-prefill). A diagnostic for the README's account of the `sinusoidal` target, not a policy.
+re-prefill). And `follow+park`: the planner on the snapshot the controller measures (the rate of
+the sessions starting now among its fields), with its opt-in `PlannerPolicy(follow_new_sessions=True,
+park_moving=True)`. A diagnostic for the README's account of the `sinusoidal` target, not a policy.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ def probe(workload: str, cells: int, hours: float, seed: int, lead_s: float) -> 
     oracle = max((run_policy(wl, make_policy(f"oracle:{s}"), cells, hours, seed=seed) for s in ORACLE_SOURCES),
                  key=lambda r: r.trained_tokens_per_hour)
     record("oracle", oracle)
+    follow = PlannerPolicy(follow_new_sessions=True, park_moving=True)
+    record("follow+park", run_policy(wl, Planned("follow+park", "kv", follow), cells, hours, seed=seed))
     for source in ("phase", "new_sessions"):
         for park in (False, True):
             pol = Informed(source, park, lead_s)

@@ -101,6 +101,7 @@ def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float | None =
         t = min(k * tick_s, cl.horizon_s)
         dt = t - (k - 1) * tick_s
         cl.accepted_in_tick, cl.finished_in_tick, cl.freed_slot_s_in_tick = 0, 0, 0.0
+        decoded = cl.decoded_tokens
         cl.advance(t)
         if trainer.version > seen_version and not policy.is_sync:  # sync loads its weights instead
             streaming = wl.broadcast_s  # the newest version streams in (it supersedes the one streaming)
@@ -109,8 +110,12 @@ def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float | None =
             _slow_decoding(cl, min(dt, streaming) * (1.0 - wl.broadcast_decode_ratio), t)
             streaming -= dt
         cl.refresh_busy()
-        rates.on_finish(cl.accepted_in_tick)
+        finished_tokens = cl.decoded_tokens - decoded  # advance adds the finished sessions' tokens only
+        rates.on_finish(cl.accepted_in_tick, finished_tokens * cl.accepted_in_tick / max(1, cl.finished_in_tick))
         rates.on_tick(dt, max(0.0, occupied * dt - cl.freed_slot_s_in_tick) / dt, max(offered, occupied))
+        tokens_per_s, n_new = cl.new_sessions(t - rates.new_window_s())
+        if n_new >= cl.k:  # at least a cell's worth started lately
+            rates.on_new_sessions(t, tokens_per_s, n_new)
         if trainer.last_step is not last_step:  # the trainer reports each finished step
             last_step = trainer.last_step
             step_s, sessions, tokens, cells = last_step

@@ -23,6 +23,11 @@ MIN_WINDOW_S = 10.0
 """...and at least this long (a handful of ticks), so one tick's finishes do not swing it."""
 STEP_WEIGHT = 0.5
 """Weight of the newest step in the training-speed averages (steps are few and informative)."""
+NEW_WINDOW_SESSIONS = 1.0 / 12.0
+"""Sessions started within this many mean slot times are "new": their token rate says how long
+the sessions starting now will hold a slot (10 minutes at 2 h sessions)."""
+TREND_SESSIONS = 0.25
+"""The trend of the new sessions' rate is averaged over about this many mean slot times."""
 
 
 @dataclass(slots=True)
@@ -51,6 +56,14 @@ class Rates:
         self.offered_slot_s = 0.0
         """Decayed rollout slot-seconds (occupied or not)."""
         self._pending_finishes = 0
+        self.finished_tokens = 0.0
+        """Decayed tokens of the finished sessions (with `finishes`: tokens a session)."""
+        self._pending_tokens = 0.0
+        self.new_session_rate_per_slot_s = 0.0
+        """1 / the expected slot time of the sessions started lately (`on_new_sessions`); 0 = unknown."""
+        self.new_session_rate_trend = 0.0
+        """Its change a second (averaged over `TREND_SESSIONS` mean slot times)."""
+        self._new_at: float | None = None
         self.train_rate_per_cell_s = 0.0
         self.train_step_s = 0.0
         self.tokens_per_step = 0
@@ -74,9 +87,33 @@ class Rates:
         return out
 
     # -- rollout side
-    def on_finish(self, n: int = 1) -> None:
-        """Sessions finished since the last tick (counted at the next `on_tick`)."""
+    def on_finish(self, n: int = 1, tokens: float = 0.0) -> None:
+        """Sessions finished since the last tick, and their tokens (counted at the next `on_tick`)."""
         self._pending_finishes += n
+        self._pending_tokens += tokens
+
+    def new_window_s(self) -> float:
+        """Sessions started this recently count as new (`NEW_WINDOW_SESSIONS`)."""
+        return max(MIN_WINDOW_S, NEW_WINDOW_SESSIONS * self.mean_slot_s())
+
+    def tokens_per_session(self) -> float:
+        return self.finished_tokens / self.finishes if self.finishes > 0 else 0.0
+
+    def on_new_sessions(self, t: float, tokens_per_s: float, n: int) -> None:
+        """The `n` sessions started within `new_window_s` and decoding now hold `tokens_per_s`
+        tokens a second together: a session holds its slot about (tokens a session) / (its
+        token rate), so their mean rate over the tokens a finished session holds is the finish
+        rate a slot will have on them. Kept while fewer than one start (nothing new measured)."""
+        per_session = self.tokens_per_session()
+        if n <= 0 or tokens_per_s <= 0 or per_session <= 0:
+            return
+        rate = tokens_per_s / n / per_session
+        if self._new_at is not None and t > self._new_at and self.new_session_rate_per_slot_s > 0:
+            tau = max(MIN_WINDOW_S, TREND_SESSIONS * self.mean_slot_s())
+            w = 1.0 - math.exp(-(t - self._new_at) / tau)
+            slope = (rate - self.new_session_rate_per_slot_s) / (t - self._new_at)
+            self.new_session_rate_trend = (1.0 - w) * self.new_session_rate_trend + w * slope
+        self.new_session_rate_per_slot_s, self._new_at = rate, t
 
     def on_tick(self, dt: float, occupied_slots: int, offered_slots: int) -> None:
         """Fold one tick of `dt` seconds in: the slots occupied and offered over it, and the
@@ -87,9 +124,11 @@ class Rates:
         window = max(MIN_WINDOW_S, WINDOW_SESSIONS * mean_slot_s) if mean_slot_s > 0 else 3600.0
         keep = math.exp(-dt / window)
         self.finishes = keep * self.finishes + self._pending_finishes
+        self.finished_tokens = keep * self.finished_tokens + self._pending_tokens
         self.occupied_slot_s = keep * self.occupied_slot_s + occupied_slots * dt
         self.offered_slot_s = keep * self.offered_slot_s + offered_slots * dt
         self._pending_finishes = 0
+        self._pending_tokens = 0.0
 
     def finish_rate_per_slot_s(self) -> float:
         """Finished sessions per occupied rollout slot-second; 0 = none measured yet."""

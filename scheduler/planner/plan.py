@@ -78,15 +78,16 @@ def _balance(snapshot: Snapshot, policy: PlannerPolicy, n_roll: int, n_train: in
     if n_flex == 0:
         return 0.0
     cap = cap_sum / n_roll if n_roll else 0.0
+    rate = production_rate_per_slot_s(snapshot, policy)
     # the rate is per *occupied* slot: a cell produces it on the slots it keeps occupied
-    p = snapshot.finish_rate_per_slot_s * cap * min(1.0, max(0.0, snapshot.slot_occupancy))
+    p = rate * cap * min(1.0, max(0.0, snapshot.slot_occupancy))
     q = snapshot.train_rate_per_cell_s
     backlog = snapshot.finished_waiting - policy.backlog_target_batches * snapshot.batch_size
-    horizon = backlog_horizon_s(snapshot, policy)
+    horizon = backlog_horizon_s(snapshot, policy, rate)
     if p > 0.0 and q > 0.0 and n_roll:
         # no faster than cells can move: the balance's training cells hand their sessions to
         # the slots the rollout side frees (a finish rate per slot a second), or they suspend
-        horizon = max(horizon, p * n_flex / (p + q) / (n_roll * snapshot.finish_rate_per_slot_s))
+        horizon = max(horizon, p * n_flex / (p + q) / (n_roll * rate))
     surplus = backlog / horizon
     if q <= 0.0:
         # training speed not measured yet: give training what the ready batches can use
@@ -98,13 +99,43 @@ def _balance(snapshot: Snapshot, policy: PlannerPolicy, n_roll: int, n_train: in
     return min(max(want, 0.0), float(max(0, n_flex - snapshot.min_rollout_cells)))
 
 
-def backlog_horizon_s(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) -> float:
-    """Seconds over which a backlog off its target is corrected: a share of the measured mean
-    session slot time, at least a few measured training steps (the hour-scale constant only
-    while neither was measured)."""
+def production_rate_per_slot_s(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) -> float:
+    """Sessions an occupied rollout slot will finish a second: the rate of the sessions starting
+    now (`new_session_rate_per_slot_s`) forecast `forecast_lead_sessions` mean slot times ahead
+    along its trend, at least `forecast_floor` of it; the measured finish rate while the new
+    sessions' rate is unknown. A slot holds a session for its whole slot time, so what the
+    sessions starting now will cost, not what the ones finishing now cost, sizes the split."""
+    f = snapshot.finish_rate_per_slot_s
+    new = snapshot.new_session_rate_per_slot_s
+    if new <= 0.0 or f <= 0.0 or not policy.follow_new_sessions:
+        return f
+    ahead = new + policy.forecast_lead_sessions / f * snapshot.new_session_rate_trend
+    return max(ahead, policy.forecast_floor * new)
+
+
+def demand_moving(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) -> bool:
+    """The forecast production rate is off the finish rate by more than `moving_threshold`."""
+    f = snapshot.finish_rate_per_slot_s
+    if f <= 0.0 or snapshot.new_session_rate_per_slot_s <= 0.0:
+        return False
+    return abs(production_rate_per_slot_s(snapshot, policy) / f - 1.0) > policy.moving_threshold
+
+
+def may_park(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) -> bool:
+    """Flips to training may go beyond the free room (`PlannerPolicy.park_moving`)."""
+    return (not policy.flip_into_room or policy.park_moving and demand_moving(snapshot, policy)
+            and snapshot.queued_sessions < policy.park_max_batches * snapshot.batch_size)
+
+
+def backlog_horizon_s(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY,
+                      rate: float | None = None) -> float:
+    """Seconds over which a backlog off its target is corrected: a share of the mean session
+    slot time (1 / `rate`, default the measured finish rate), at least a few measured training
+    steps (the hour-scale constant only while neither was measured)."""
     h = 0.0
-    if snapshot.finish_rate_per_slot_s > 0.0:
-        h = policy.backlog_horizon_sessions / snapshot.finish_rate_per_slot_s
+    rate = snapshot.finish_rate_per_slot_s if rate is None else rate
+    if rate > 0.0:
+        h = policy.backlog_horizon_sessions / rate
     if snapshot.train_step_s > 0.0:
         h = max(h, policy.backlog_horizon_steps * snapshot.train_step_s)
     return h if h > 0.0 else policy.backlog_horizon_s
@@ -154,7 +185,7 @@ def plan_flips(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) -> li
         spare = n_rollout_role - snapshot.min_rollout_cells
         count = min(int(want_now - n_train), max_flips, spare)
         chosen = _cheapest_rollout(snapshot, count)
-        chosen = _within_budget(snapshot.cells, chosen, room if policy.flip_into_room else math.inf,
+        chosen = _within_budget(snapshot.cells, chosen, math.inf if may_park(snapshot, policy) else room,
                                 policy.max_moved_sessions_per_tick)
         reason = f"balance: want {want:.1f} training cells, have {n_train}"
         return [FlipDecision(snapshot.cells[i].cell_id, "training", reason) for i in chosen]

@@ -77,6 +77,11 @@ class Snapshot:
     slot_occupancy: float = 1.0
     """Measured share of rollout slots occupied (occupied slot-seconds over slot-seconds):
     slots wait for their next session between a finish and an admission."""
+    new_session_rate_per_slot_s: float = 0.0
+    """Measured finish rate a slot will have on the sessions starting now: 1 / their expected
+    slot time (their token rate over the tokens a finished session holds); 0 = unknown."""
+    new_session_rate_trend: float = 0.0
+    """Measured change of `new_session_rate_per_slot_s` a second (0 = flat or unknown)."""
     train_rate_per_cell_s: float = 0.0
     """Measured trajectories trained per training cell-second; 0 = unknown."""
     train_step_s: float = 0.0
@@ -178,4 +183,24 @@ class PlannerPolicy:
     the burst of KV copies on the fabric and the placement work of a tick."""
     flip_into_room: bool = True
     """Flip to training no faster than free rollout slots can take the moved sessions (at
-    least one cell a tick), so drains migrate rather than suspend."""
+    least one cell a tick), so drains migrate rather than suspend (but see `park_moving`)."""
+    follow_new_sessions: bool = False
+    """Size production on the measured rate of the sessions starting now, not on the finish
+    rate alone. Off by default: with `park_moving` it lifts `sinusoidal` (2 h period, 2 h
+    sessions) from 0.875 to 0.96 of the free oracle, but loses to the best static split on
+    held-back shapes whose period is two to four session times (0.92 on a 4 h sine, 0.96 on an
+    8 h square wave, 200 cells, 36 h): see README, cluster simulator."""
+    forecast_lead_sessions: float = 0.125
+    """Production is sized on the sessions starting now, forecast this many mean session slot
+    times ahead along their measured trend (15 minutes at 2 h sessions): the split moves ahead
+    of a demand that swings on the scale of one session instead of a window behind it."""
+    forecast_floor: float = 0.2
+    """The forecast never falls below this share of the measured rate of new sessions."""
+    moving_threshold: float = 0.1
+    """Demand is moving while the forecast rate and the finish rate differ by more than this share."""
+    park_moving: bool = False
+    """While demand moves, flip to training beyond the free room: the sessions that do not fit
+    are parked (suspended, resumed by re-prefill before new sessions start), which holds new
+    sessions back in the dear phase and starts them in the cheap one (admission pacing)."""
+    park_max_batches: float = 8.0
+    """...only while fewer than this many batches of sessions are parked (parked sessions age)."""

@@ -41,6 +41,11 @@ names, generation and KV block counts (each side's own units)."""
 CLOSE = ("finish_rate_per_slot_s", "slot_occupancy", "train_rate_per_cell_s", "train_step_s",
          "tokens_per_step")
 """Measured rates: within 10 %."""
+SIM_ONLY = ("new_session_rate_per_slot_s", "new_session_rate_trend")
+"""Measured by the simulator only: the controller does not feed `Rates.on_new_sessions` yet, so
+its snapshot leaves them unknown (0), which the planner reads as "size on the finish rate"
+(it reads them only with the opt-in `PlannerPolicy.follow_new_sessions`). Wiring the controller
+moves them to `CLOSE`."""
 MEASURED = ("finish_rate_per_slot_s", "train_rate_per_cell_s", "train_step_s", "tokens_per_step")
 """Fields whose unset value means "unknown": both sides must have measured them."""
 
@@ -139,7 +144,9 @@ def test_scheduler_and_simulator_fill_the_same_snapshot(mirror):
             assert getattr(sim, name) > 0 and getattr(sched, name) > 0, name
         for name in names:
             a, b = getattr(sim, name), getattr(sched, name)
-            if name in CLOSE:
+            if name in SIM_ONLY:
+                assert b == 0.0, name
+            elif name in CLOSE:
                 assert b == pytest.approx(a, rel=0.10), name
             else:
                 assert a == b, (name, a, b)
