@@ -23,7 +23,8 @@ by weak duality). What it keeps and what it frees:
   most N k slots have held sessions, each slot's one after another, so a slot has finished at
   most R sessions with P(R >= j) <= P(D <= t)**j (D of the shortest mean admitted by t: a
   log-normal's scale); a Chernoff bound on the sum of N k such counts puts the batch-th finish
-  after `first_step_s` but with probability 1e-9 a run. It binds where a batch is a large share of
+  after `first_step_s` but with probability 1e-9 a run (a session counted in the slot that
+  first admitted it, as the caveats below: none is suspended to make room for short ones). It binds where a batch is a large share of
   the slots or the horizon short; on `stationary` at 1,000 cells (0.95 h) it moves the bound by
   under 0.01 %: "trained <= finished" already holds the fluid back until sessions finish.
 - Nothing is charged: no KV copy, re-prefill, abort, broadcast, join or pause.
