@@ -24,7 +24,8 @@ by weak duality). What it keeps and what it frees:
   most R sessions with P(R >= j) <= P(D <= t)**j (D of the shortest mean admitted by t: a
   log-normal's scale); a Chernoff bound on the sum of N k such counts puts the batch-th finish
   after `first_step_s` but with probability 1e-9 a run (a session counted in the slot that
-  first admitted it, as the caveats below: none is suspended to make room for short ones). It binds where a batch is a large share of
+  first admitted it, as the caveats below: none is suspended to make room for short ones); a
+  sync round cut at its timeout trains fewer, so the warm-up ends by the earliest cut. It binds where a batch is a large share of
   the slots or the horizon short; on `stationary` at 1,000 cells (0.95 h) it moves the bound by
   under 0.01 %: "trained <= finished" already holds the fluid back until sessions finish.
 - Nothing is charged: no KV copy, re-prefill, abort, broadcast, join or pause.
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
@@ -57,6 +59,9 @@ BUCKETS = 240
 """Buckets over the horizon (each at least one tick)."""
 TANGENTS = 14
 """Tangent points of g between 1 cell and the step's width (a geometric grid)."""
+SYNC_CUT_Q = 0.99
+"""The lowest slot-time quantile a sync round is cut at (`sync_p99`): a cut round trains fewer
+sessions than a batch, so the warm-up ends by the earliest cut (`sync_cut_s`)."""
 FIRST_BATCH_RISK = 1e-9
 """Probability, per run, that a step starts before `first_step_s` (the warm-up's Chernoff bound)."""
 
@@ -144,6 +149,15 @@ def first_step_s(wl: Workload, cells: int, batch: int, horizon_s: float, start_s
     return float(t[bad[0] - 1]) if bad.size and bad[0] > 0 else (0.0 if bad.size else float(t[-1]))
 
 
+def sync_cut_s(wl: Workload, horizon_s: float) -> float:
+    """The earliest a sync round can be cut (users' timeout or the p99 cut) from a round's start."""
+    s = np.arange(0.0, horizon_s, wl.tick_s)
+    m = float(np.min(np.asarray(wl.mean_hours_at(s, horizon_s), dtype=float))) * 3600.0
+    q = m * math.exp(-0.5 * wl.session_sigma**2 + NormalDist().inv_cdf(SYNC_CUT_Q) * wl.session_sigma)
+    cap = wl.session_cap_hours * 3600.0 if wl.session_cap_hours is not None else math.inf
+    return min(q, wl.sync_timeout_mean_x * m, cap)
+
+
 def warm_fraction(edges: np.ndarray, first_s: float) -> np.ndarray:
     """Share of each bucket after `first_s`: training work can happen only then."""
     return np.clip((edges[1:] - np.maximum(edges[:-1], first_s)) / np.maximum(np.diff(edges), 1e-12), 0.0, 1.0)
@@ -189,7 +203,8 @@ def build(wl: Workload, cells: int, hours: float, width: int | None = None, timi
     k, T, beta = wl.cell_capacity, wl.session_tokens, wl.train_cell_s_per_token()
     rho = span / (beta * T * k)  # tokens (units T k N) a bucket trains per fleet-share of g
     if warmup:  # no step before the first batch can have finished
-        rho = rho * warm_fraction(edges, first_step_s(wl, cells, wl.batch_for(cells)[0], H))
+        first = min(first_step_s(wl, cells, wl.batch_for(cells)[0], H), sync_cut_s(wl, H))
+        rho = rho * warm_fraction(edges, first)
     n = C + B + B * L
     A = np.zeros((3 * B, n))
     rows = np.arange(B)
