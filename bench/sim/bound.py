@@ -158,6 +158,11 @@ def sync_cut_s(wl: Workload, horizon_s: float) -> float:
     return min(q, wl.sync_timeout_mean_x * m, cap)
 
 
+def warmup_s(wl: Workload, cells: int, horizon_s: float) -> float:
+    """The single-job bound's warm-up: no training before it (module docstring)."""
+    return min(first_step_s(wl, cells, wl.batch_for(cells)[0], horizon_s), sync_cut_s(wl, horizon_s))
+
+
 def warm_fraction(edges: np.ndarray, first_s: float) -> np.ndarray:
     """Share of each bucket after `first_s`: training work can happen only then."""
     return np.clip((edges[1:] - np.maximum(edges[:-1], first_s)) / np.maximum(np.diff(edges), 1e-12), 0.0, 1.0)
@@ -203,8 +208,7 @@ def build(wl: Workload, cells: int, hours: float, width: int | None = None, timi
     k, T, beta = wl.cell_capacity, wl.session_tokens, wl.train_cell_s_per_token()
     rho = span / (beta * T * k)  # tokens (units T k N) a bucket trains per fleet-share of g
     if warmup:  # no step before the first batch can have finished
-        first = min(first_step_s(wl, cells, wl.batch_for(cells)[0], H), sync_cut_s(wl, H))
-        rho = rho * warm_fraction(edges, first)
+        rho = rho * warm_fraction(edges, warmup_s(wl, cells, H))
     n = C + B + B * L
     A = np.zeros((3 * B, n))
     rows = np.arange(B)
