@@ -43,7 +43,7 @@ for p in (str(HERE.parent), str(HERE)):
 
 from common import add_target_args, finish  # noqa: E402
 from sim import BUILTIN, POLICIES, RunResult, load_workload, make_policy, run_policy  # noqa: E402
-from sim.bound import upper_bound  # noqa: E402
+from sim.bound import upper_bound, warmup_s  # noqa: E402
 from sim.fluid import rebalance_gain  # noqa: E402
 from sim.policies import ORACLE_SOURCES  # noqa: E402
 from sim.workload import Workload  # noqa: E402
@@ -211,6 +211,9 @@ def simulate_workload(wl: Workload, cells: int, hours: float, log=print, pool=No
         "bound_fraction": round(cf / top, 4),
         "oracle_bound_fraction": round(oracle / top, 4),
         "static_bound_fraction": round(mean["static"]["trained_tokens_per_hour"] / top, 4),
+        "bound_over_static": round(top / mean["static"]["trained_tokens_per_hour"], 4)
+        if mean["static"]["trained_tokens_per_hour"] > 0 else None,
+        "bound_first_step_h": round(warmup_s(wl, cells, hours * 3600.0) / 3600.0, 3),
         "bound_gap": float(f"{bound.gap:.2e}"),
         "rebalance_gain": round(rebalance_gain(wl, cells, hours), 4),
         "underfilled": wl.underfilled is not None,

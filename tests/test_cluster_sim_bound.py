@@ -17,7 +17,7 @@ for p in (str(ROOT), str(ROOT / "bench")):
 
 import cluster_sim  # noqa: E402
 from sim import BUILTIN, load_workload, make_policy, run_policy  # noqa: E402
-from sim.bound import _g_segments, upper_bound  # noqa: E402
+from sim.bound import _g_segments, first_step_s, upper_bound  # noqa: E402
 from sim.lp import certify, solve  # noqa: E402
 from sim.policies import Planned  # noqa: E402
 
@@ -91,6 +91,64 @@ def test_bound_is_above_every_policy(name):
     best = max(r.trained_tokens_per_hour for rs in runs.values() for r in rs)
     with pytest.raises(AssertionError, match="above the upper bound"):
         cluster_sim.check_bound(wl, cells, hours, 0.999 * best, runs, {})
+
+
+def _nth_finish_h(wl, slots: int, batch: int, rng: np.random.Generator, hours: float = 12.0) -> float:
+    """When the `batch`-th session finishes on `slots` slots each refilled at once (the fastest
+    any policy could finish them), in hours: one draw."""
+    ends = []
+    for _ in range(slots):
+        t = 0.0
+        while t < hours * 3600.0:
+            t += float(wl.draw_durations_s(rng, np.array([t]), hours * 3600.0)[0])
+            ends.append(t)
+    return sorted(ends)[batch - 1] / 3600.0
+
+
+def test_first_batch_warm_up_is_never_later_than_a_batch_can_finish():
+    """`first_step_s` is before the batch-th finish on slots refilled at once in every draw; the
+    negative control, the time the expected count reaches the batch, is beaten by some draws."""
+    wl = load_workload("stationary")
+    slots, batch = 20 * wl.cell_capacity, 40
+    first = first_step_s(wl, 20, batch, 12 * 3600.0) / 3600.0
+    rng = np.random.default_rng(7)
+    seen = [_nth_finish_h(wl, slots, batch, rng) for _ in range(40)]
+    assert 0.5 < first <= min(seen)
+    # the naive warm-up: where slots x P(D <= t) reaches the batch
+    q = batch / slots
+    naive = wl.quantile_s(q, 0.0, 12 * 3600.0) / 3600.0
+    assert min(seen) < naive
+
+
+def test_warm_up_binds_where_the_first_batch_cannot_finish():
+    """A batch of nearly every slot's session and a horizon of 1.2 h: no step can finish, the
+    bound with the warm-up is 0 (the former relaxation is not), and a run trains nothing."""
+    wl = load_workload("stationary").model_copy(update={"batch_size": 300, "batch_ref_cells": None,
+                                                         "max_cells_per_step": 10})
+    cells, hours = 20, 1.2
+    with_w = upper_bound(wl, cells, hours).tokens_per_hour
+    without = upper_bound(wl, cells, hours, warmup=False).tokens_per_hour
+    assert with_w < 1e-6 * without and without > 0
+    r = run_policy(wl, make_policy("cellflip"), cells, hours, seed=1)
+    assert r.trained_tokens_per_hour <= with_w + 1e-9
+
+
+def test_warm_up_binds_on_a_big_batch_and_stays_a_bound():
+    """Where the first batch is most of the slots (4 h, 20 cells): the warm-up lowers the bound,
+    and the runs stay below it; with slot times all alike (sigma 0, 7,260 s) nothing finishes before
+    the slot time anyway, so the warm-up (to 7,200 s, a bucket's edge) adds nothing there."""
+    wl = load_workload("stationary").model_copy(update={"batch_size": 200, "batch_ref_cells": None,
+                                                         "max_cells_per_step": 10})
+    cells, hours = 20, 4.0
+    bound = upper_bound(wl, cells, hours, buckets=48)
+    assert bound.gap < 1e-3
+    assert bound.tokens_per_hour < 0.99 * upper_bound(wl, cells, hours, buckets=48, warmup=False).tokens_per_hour
+    runs = {p: [run_policy(wl, make_policy(p, 0.8), cells, hours, seed=1)] for p in ("static", "cellflip")}
+    cluster_sim.check_bound(wl, cells, hours, bound.tokens_per_hour, runs, {})
+    flat = wl.model_copy(update={"session_sigma": 0.0, "session_mean_hours": 7260.0 / 3600.0})
+    assert first_step_s(flat, cells, 200, hours * 3600.0) == 7200.0  # a bucket's edge: nothing finished before
+    a = upper_bound(flat, cells, hours, buckets=48).tokens_per_hour
+    assert a == pytest.approx(upper_bound(flat, cells, hours, buckets=48, warmup=False).tokens_per_hour, rel=1e-3)
 
 
 def test_bound_is_tight_on_stationary():

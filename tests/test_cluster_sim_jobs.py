@@ -98,6 +98,21 @@ def test_bound_above_every_policy_and_a_bound_missing_a_job_is_caught():
     assert any(r.trained_tokens_per_hour > half for r in runs)
 
 
+def test_a_job_arriving_too_late_for_a_batch_adds_nothing_to_the_bound():
+    """Job b arrives 0.8 h before the horizon: no batch of its sessions can finish (its warm-up
+    from its arrival, bound.first_step_s: 12 h), so the bound is job a's alone; without the
+    warm-up the fluid trains b's early finishers (0.5 % looser); a run trains none of b's."""
+    jw = JobsWorkload("late", (JobSpec("a", "stationary", 0.02), JobSpec("b", "stationary", 2.0, start_h=11.2)))
+    jobs = [Job(s, jw, CELLS) for s in jw.jobs]
+    both = jobs_upper_bound(jobs, CELLS, 12.0, buckets=36).tokens_per_hour
+    alone = jobs_upper_bound(jobs[:1], CELLS, 12.0, buckets=36).tokens_per_hour
+    loose = jobs_upper_bound(jobs, CELLS, 12.0, buckets=36, warmup=False).tokens_per_hour
+    assert both == pytest.approx(alone, rel=5e-4) and loose > 1.003 * both
+    r = run_jobs(jw, CELLS, 12.0, seed=1)
+    assert r.trained_tokens_per_hour <= both
+    assert r.per_job["b"]["trained_tokens_per_hour"] == 0
+
+
 def test_static_split_never_moves_cells():
     r = run_jobs(JOB_WORKLOADS["anti_phase"], CELLS, 12.0, seed=1, split={"a": 20, "b": 20})
     assert r.cross_job_moves == 0 and r.free_moves == 0

@@ -13,6 +13,7 @@ import itertools
 import json
 import time
 
+from .bound import first_step_s
 from .jobrun import JobsRun, run_jobs
 from .jobs import JOB_WORKLOADS, Job, JobsWorkload
 from .jobs_bound import jobs_upper_bound
@@ -110,6 +111,8 @@ def simulate_jobs_workload(jw: JobsWorkload, cells: int, hours: float, seeds: tu
         "bound_fraction": round(c / top, 4),
         "static_bound_fraction": round(s / top, 4),
         "bound_gap": float(f"{bound.gap:.2e}"),
+        "bound_first_step_h": {n: round((j.start_s + first_step_s(j.wl, cells, j.batch, hours * 3600.0, j.start_s,
+                                                                  j.cumulative)) / 3600.0, 3) for n, j in jobs.items()},
         "per_job": {n: {k: round(sum(r.per_job[n][k] for r in cf) / len(cf), 4) for k in cf[0].per_job[n]}
                     for n in cf[0].per_job},
         "static_per_job": {n: {k: round(sum(r.per_job[n][k] for r in st) / len(st), 4) for k in st[0].per_job[n]}

@@ -76,11 +76,14 @@ def solve(c: np.ndarray, A: np.ndarray, b: np.ndarray, u: np.ndarray, tol: float
     """Maximize c.x over A x <= b, 0 <= x <= u (module docstring). Stops once the certified
     bound is within `gap` (relative) of a point feasible to 1e-6. Variables boxed at 0 are left out."""
     keep = u > 0
-    if not keep.all():
-        r = solve(c[keep], A[:, keep], b, u[keep], tol, max_iter, gap)
-        x = np.zeros(u.size)
-        x[keep] = r.x
-        return LPResult(bound=certify(c, A, b, u, r.y), primal=r.primal, x=x, y=r.y,
+    live = (A[:, keep] > 0).any(axis=1)  # a row with no positive coefficient left holds at x >= 0
+    if (b[~live] < 0).any():
+        raise ValueError("infeasible: a row with no positive coefficient asks for a negative bound")
+    if not keep.all() or not live.all():
+        r = solve(c[keep], A[np.ix_(live, keep)], b[live], u[keep], tol, max_iter, gap)
+        x, y = np.zeros(u.size), np.zeros(b.size)
+        x[keep], y[live] = r.x, r.y
+        return LPResult(bound=certify(c, A, b, u, y), primal=r.primal, x=x, y=y,
                         infeasibility=r.infeasibility, iterations=r.iterations)
     m, n = A.shape
     # equality form: [A I] (x, s) = b, 0 <= s <= us (the most any row can be slack)
