@@ -148,6 +148,7 @@ def _serving(n_cells: int, active: int):
     trainer's headers, the cell's headers, cell → its request ids, the server's pid)."""
     import httpx
 
+    from scheduler.api.httpwire import PROTOCOL
     from scheduler.contract.config import SCHEDULER_CONFIG_ENV, CellflipConfig
     from scheduler.contract.tokens import server_tokens
 
@@ -163,7 +164,7 @@ def _serving(n_cells: int, active: int):
     env = {**os.environ, SCHEDULER_CONFIG_ENV: CellflipConfig(scheduler=cfg).model_dump_json(),
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     server = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "scheduler.api.app:create_app_from_env",
-                               "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+                               "--host", "127.0.0.1", "--port", str(port), "--http", PROTOCOL, "--log-level", "warning",
                                "--no-access-log"], env=env, cwd=str(ROOT))
     base = f"http://127.0.0.1:{port}"
     try:
