@@ -113,6 +113,21 @@ class Store:
         finally:
             self._depth = 0
 
+    @contextmanager
+    def savepoint(self) -> Iterator[None]:
+        """A part of the open transaction undone alone if it raises (what came before it stays;
+        the exception goes on). The cells it named stay named: a reader re-reads them."""
+        assert self._depth, "a savepoint belongs inside a transaction"
+        self._conn.execute("SAVEPOINT part")
+        try:
+            yield
+        except BaseException:
+            self._conn.execute("ROLLBACK TO part")
+            self._conn.execute("RELEASE part")
+            raise
+        else:
+            self._conn.execute("RELEASE part")
+
     def _add_missing_columns(self) -> None:
         for table, column, decl in ADDED_COLUMNS:
             have = {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
