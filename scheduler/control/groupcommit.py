@@ -76,6 +76,8 @@ class GroupCommit:
             return
         self.commits += 1
         self.syncs += len(items)
+        self.ctx.metrics.ingest_commits.inc()
+        self.ctx.metrics.ingest_syncs.inc(len(items))
         for (_, _, fut), out in zip(items, outs):
             if fut.done():
                 continue

@@ -63,6 +63,8 @@ def test_syncs_that_arrive_together_share_one_commit_and_answer_after_it(ctx):
         assert out[0] == [f"c{k}"]
         assert committed == {f"s-c{j}": 3 for j in range(5)}  # the whole commit, before any answer
     assert rec.effects == [f"c{k}" for k in range(5)]  # in arrival order, after the commit
+    text = ctx.metrics.render().decode()
+    assert "cellflip_ingest_commits_total 1.0" in text and "cellflip_ingest_syncs_total 5.0" in text
 
 
 def test_control_syncs_one_after_another_commit_one_by_one(ctx):
