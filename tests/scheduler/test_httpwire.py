@@ -143,3 +143,18 @@ def test_real_server_answers_whole(server) -> None:
         assert isinstance(next(iter(srv.server_state.connections)), Protocol)
     finally:
         conn.close()
+
+
+def test_the_scheduler_serves_with_it(tmp_path, monkeypatch):
+    """`python -m scheduler` and the Ray actor (by module path) name this protocol."""
+    from pathlib import Path
+
+    from scheduler.__main__ import main
+
+    runs = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **k: runs.append(k))
+    monkeypatch.chdir(tmp_path)
+    assert main(["--db", str(tmp_path / "a.sqlite")]) == 0
+    assert runs and runs[0]["http"] is Protocol
+    actors = (Path(__file__).resolve().parents[2] / "cells" / "launch" / "actors.py").read_text()
+    assert f'http="{PROTOCOL}"' in actors
