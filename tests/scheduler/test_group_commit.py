@@ -104,3 +104,12 @@ def test_a_transaction_takes_at_most_max_syncs(ctx):
     assert len(asyncio.run(go())) == 5
     assert (group.commits, group.syncs) == (3, 5)
     assert _lengths(ctx.store.path) == {f"s-c{k}": 1 for k in range(5)}
+
+
+def test_savepoints_journal_in_memory(ctx, tmp_path):
+    """A group commit's savepoints (and multi-row writes' statement journals) are kept in memory
+    (`temp_store=MEMORY`): on temp files they cost a sync ~0.15 ms. The control: a plain
+    connection to the same file keeps the default (0: the compile-time choice, files here)."""
+    assert ctx.store.execute("PRAGMA temp_store").fetchone()[0] == 2
+    with sqlite3.connect(tmp_path / "s.sqlite") as plain:
+        assert plain.execute("PRAGMA temp_store").fetchone()[0] == 0
