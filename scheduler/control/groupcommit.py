@@ -5,9 +5,10 @@ transaction of their own: each sync queues its batches and waits; the first one 
 event loop for a commit at the end of the current step (`loop.call_soon`), by which time every
 sync whose request was read in the same loop iteration has queued too. The commit then opens
 one transaction (synchronous=NORMAL, as a lone sync's), applies each queued sync in arrival
-order inside a savepoint of its own, commits once, and only then answers each sync: no cell
-hears "accepted" for tokens that are not committed. A sync whose part raises is undone alone
-(its savepoint) and answered with its error; the others' parts commit. Effects (metrics,
+order inside a savepoint of its own (a lone sync needs none), commits once, and only then
+answers each sync: no cell hears "accepted" for tokens that are not committed. A sync whose
+part raises is undone alone (its savepoint) and answered with its error; the others' parts
+commit. Effects (metrics,
 wake-ups, stall observations) of each part run after the commit, those of an undone part never.
 
 Several syncs a commit amortise what each transaction costs: BEGIN/COMMIT, the WAL frames of
@@ -67,7 +68,9 @@ class GroupCommit:
         store, outs = self.ctx.store, []
         try:
             with self.ctx.txn(durable=False) as fx:
-                for cell_id, batches, _ in items:
+                if len(items) == 1:  # a lone sync: its error undoes the transaction, no savepoint needed
+                    outs.append(self.accept(fx, items[0][0], items[0][1]))
+                for cell_id, batches, _ in items if len(items) > 1 else ():
                     outs.append(self._part(fx, store, cell_id, batches))
         except Exception as e:  # the commit itself failed: nothing of it is stored
             for _, _, fut in items:

@@ -113,3 +113,19 @@ def test_savepoints_journal_in_memory(ctx, tmp_path):
     assert ctx.store.execute("PRAGMA temp_store").fetchone()[0] == 2
     with sqlite3.connect(tmp_path / "s.sqlite") as plain:
         assert plain.execute("PRAGMA temp_store").fetchone()[0] == 0
+
+
+def test_a_lone_sync_that_raises_leaves_nothing(ctx):
+    """A lone sync runs without a savepoint: its error undoes the whole (its own) transaction."""
+    rec = Recorder(ctx, fail={"c0"})
+    group = GroupCommit(ctx, rec)
+
+    async def go():
+        await group.submit("c0", [1])
+
+    with pytest.raises(RuntimeError, match="c0"):
+        asyncio.run(go())
+    assert _lengths(ctx.store.path) == {} and rec.effects == [] and group.commits == 0
+    rec.fail = set()  # the control: the same sync without the error lands
+    asyncio.run(go())
+    assert _lengths(ctx.store.path) == {"s-c0": 1} and rec.effects == ["c0"]
