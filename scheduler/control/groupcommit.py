@@ -8,8 +8,8 @@ one transaction (synchronous=NORMAL, as a lone sync's), applies each queued sync
 order inside a savepoint of its own (a lone sync needs none), commits once, and only then
 answers each sync: no cell hears "accepted" for tokens that are not committed. A sync whose
 part raises is undone alone (its savepoint) and answered with its error; the others' parts
-commit. Effects (metrics,
-wake-ups, stall observations) of each part run after the commit, those of an undone part never.
+commit. Effects (metrics, wake-ups, stall observations) of each part run after the commit,
+those of an undone part never.
 
 Several syncs a commit amortise what each transaction costs: BEGIN/COMMIT, the WAL frames of
 pages they share (B-tree interior pages, the requests and sessions leaves of one cell's
