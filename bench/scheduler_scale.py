@@ -19,11 +19,12 @@ server's, so the rate is the server's): GET /v1/cells/{id} and POST /v1/flips {"
 Any answer but 200/202 fails the run.
 
 Ingest: on a server of its own (started the same way, after the REST loop's), cells post syncs that carry 32 requests x 16
-sampled tokens each (log-probs and versions) through the real route with the cell token; the
-server process's CPU time per sync, and the cores 10,000 cells syncing once a second would take
-(bench/scale_ingest.py).
+sampled tokens each (log-probs and versions) through the real route with the cell token, over 8
+connections at once (`--ingest-connections`); the server process's CPU time per sync, the cores
+10,000 cells syncing once a second would take, and the syncs a commit carried (the server's
+group commit, from its /metrics) (bench/scale_ingest.py).
 
-    python bench/scheduler_scale.py [--quick] [--json] [--ticks N] [--no-tick] [--no-api]
+    python bench/scheduler_scale.py [--quick] [--json] [--ticks N] [--no-tick] [--no-api] [--ingest-connections K]
 """
 
 from __future__ import annotations
