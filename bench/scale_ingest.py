@@ -5,7 +5,10 @@ registered rollout cells (each synced once, as a restarted scheduler's inventory
 loop running and its bearer tokens checked. `ACTIVE` of them each own `REQUESTS` running
 requests (sessions with a `PROMPT`-token prompt stored). A load generator in this process (its
 CPU is not the server's) posts their syncs through the real route
-(`POST /internal/v1/cells/{id}/sync`, the cell token): each carries `REQUESTS` token batches of
+(`POST /internal/v1/cells/{id}/sync`, the cell token) over `CONNECTIONS` keep-alive
+connections at once, as a fleet's cells sync concurrently (the syncs that arrive together share
+one transaction: scheduler/control/groupcommit.py; `--ingest-connections 1` posts one at a
+time). Each sync carries `REQUESTS` token batches of
 `TOKENS` sampled tokens, every one with its log-prob and weight version, continuing where the
 last left off, plus the cell's summary (its request ids, KV blocks in use). The batches travel
 as real cells send them: the packed wire form (`TokenRecords.packed`, base64 of little-endian
@@ -22,9 +25,11 @@ reported apart (`idle_server_cpu_ms_per_s`) and is not subtracted. `cores_for_10
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import random
+import threading
 import time
 
 from scheduler.contract.records import TokenRecords
@@ -35,6 +40,8 @@ ACTIVE = 64
 """Cells whose syncs carry tokens (the load generator cycles over them)."""
 REQUESTS = 32
 TOKENS = 16
+CONNECTIONS = 8
+"""Connections posting at once, as a fleet's cells sync concurrently (1: one sync at a time)."""
 PROMPT = 256
 """Prompt tokens stored per session before the run (the token store is not empty)."""
 _REQ = ("INSERT INTO requests(id, session_id, base, prompt_start, num_generated, params, cell_id, epoch, "
@@ -90,18 +97,41 @@ class Syncs:
         return json.dumps({"incarnation": incarnation, "summary": summary, "tokens": tokens}).encode()
 
 
-def load(conn, headers: dict, syncs: Syncs, seconds: float, pid: int) -> dict:
-    """Post syncs round-robin over the active cells for `seconds`; every batch must land."""
+def load(port: int, headers: dict, syncs: Syncs, seconds: float, pid: int, conns: int = CONNECTIONS) -> dict:
+    """Post syncs for `seconds` over `conns` keep-alive connections at once, each cycling over
+    its own share of the active cells; every batch must land."""
     cells = list(syncs.owned)
+    shares = [cells[k::conns] for k in range(conns)]
     hdrs = {**headers, "Content-Type": "application/json"}
-    n, c0, t0 = 0, cpu_s(pid), time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        cell = cells[n % len(cells)]
-        conn.request("POST", f"/internal/v1/cells/{cell}/sync", body=syncs.body(cell), headers=hdrs)
-        resp = conn.getresponse()
-        data = resp.read()
-        if resp.status != 200 or json.loads(data)["rejected"]:
-            raise RuntimeError(f"sync of {cell} answered {resp.status}: {data[:300]!r}")
-        n += 1
+    counts, errors = [0] * conns, []
+    stop = time.perf_counter() + seconds
+
+    def post(k: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120.0)
+        try:
+            n = 0
+            while time.perf_counter() < stop and not errors:
+                cell = shares[k][n % len(shares[k])]
+                conn.request("POST", f"/internal/v1/cells/{cell}/sync", body=syncs.body(cell), headers=hdrs)
+                resp = conn.getresponse()
+                data = resp.read()
+                if resp.status != 200 or json.loads(data)["rejected"]:
+                    errors.append(f"sync of {cell} answered {resp.status}: {data[:300]!r}")
+                    return
+                n += 1
+            counts[k] = n
+        except Exception as e:  # the run fails with it
+            errors.append(repr(e))
+        finally:
+            conn.close()
+
+    c0, t0 = cpu_s(pid), time.perf_counter()
+    threads = [threading.Thread(target=post, args=(k,), daemon=True) for k in range(conns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + 180)
     wall, cpu = time.perf_counter() - t0, cpu_s(pid) - c0
-    return {"syncs": n, "wall_s": wall, "cpu_s": cpu}
+    if errors or any(t.is_alive() for t in threads):
+        raise RuntimeError(errors[0] if errors else "a load connection did not finish")
+    return {"syncs": sum(counts), "wall_s": wall, "cpu_s": cpu}

@@ -19,11 +19,12 @@ server's, so the rate is the server's): GET /v1/cells/{id} and POST /v1/flips {"
 Any answer but 200/202 fails the run.
 
 Ingest: on a server of its own (started the same way, after the REST loop's), cells post syncs that carry 32 requests x 16
-sampled tokens each (log-probs and versions) through the real route with the cell token; the
-server process's CPU time per sync, and the cores 10,000 cells syncing once a second would take
-(bench/scale_ingest.py).
+sampled tokens each (log-probs and versions) through the real route with the cell token, over 8
+connections at once (`--ingest-connections`); the server process's CPU time per sync, the cores
+10,000 cells syncing once a second would take, and the syncs a commit carried (the server's
+group commit, from its /metrics) (bench/scale_ingest.py).
 
-    python bench/scheduler_scale.py [--quick] [--json] [--ticks N] [--no-tick] [--no-api]
+    python bench/scheduler_scale.py [--quick] [--json] [--ticks N] [--no-tick] [--no-api] [--ingest-connections K]
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from common import add_target_args, finish  # noqa: E402
-from scale_ingest import ACTIVE, REQUESTS, TOKENS, Syncs, cpu_s, load, seed_requests  # noqa: E402
+from scale_ingest import ACTIVE, CONNECTIONS, REQUESTS, TOKENS, Syncs, cpu_s, load, seed_requests  # noqa: E402
 from scale_tick import StoreFleet, gc_full_ms, run_ticks  # noqa: E402
 
 from scheduler.contract.config import SchedulerConfig  # noqa: E402
@@ -145,9 +146,11 @@ class _KeepAlive:
 def _serving(n_cells: int, active: int):
     """The real app in a process of its own over a store of `n_cells` rollout cells (each synced
     once), `active` of them owning running requests (bench/scale_ingest.py); yields (port, the
-    trainer's headers, the cell's headers, cell → its request ids, the server's pid)."""
+    trainer's headers, the cell's headers, cell → its request ids, the server's pid, the scrape
+    token's headers)."""
     import httpx
 
+    from scheduler.api.httpwire import PROTOCOL
     from scheduler.contract.config import SCHEDULER_CONFIG_ENV, CellflipConfig
     from scheduler.contract.tokens import server_tokens
 
@@ -160,10 +163,11 @@ def _serving(n_cells: int, active: int):
     tokens = server_tokens(cfg)  # made here, read by the server; each client with its own scope
     headers = {"Authorization": f"Bearer {tokens['trainer']}"}
     cell_headers = {"Authorization": f"Bearer {tokens['cell']}"}
+    scrape_headers = {"Authorization": f"Bearer {tokens['scrape']}"}
     env = {**os.environ, SCHEDULER_CONFIG_ENV: CellflipConfig(scheduler=cfg).model_dump_json(),
            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     server = subprocess.Popen([sys.executable, "-m", "uvicorn", "--factory", "scheduler.api.app:create_app_from_env",
-                               "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+                               "--host", "127.0.0.1", "--port", str(port), "--http", PROTOCOL, "--log-level", "warning",
                                "--no-access-log"], env=env, cwd=str(ROOT))
     base = f"http://127.0.0.1:{port}"
     try:
@@ -181,7 +185,7 @@ def _serving(n_cells: int, active: int):
         with ThreadPoolExecutor(8) as pool:  # not what is measured: in parallel
             list(pool.map(lambda k: _sync(base, cell_headers, range(k, n_cells, 8)), range(8)))
         print(f"api: {n_cells} cells synced in {time.perf_counter() - t0:.0f} s")
-        yield port, headers, cell_headers, owned, server.pid
+        yield port, headers, cell_headers, owned, server.pid, scrape_headers
     finally:
         server.terminate()
         try:
@@ -191,7 +195,7 @@ def _serving(n_cells: int, active: int):
             server.wait()
 
 
-def bench_api(seconds: float, n_cells: int) -> dict | None:
+def bench_api(seconds: float, n_cells: int, conns: int = CONNECTIONS) -> dict | None:
     """req/s of the real app for GET /v1/cells/{id} and POST /v1/flips at `n_cells` registered
     cells (with its bearer token, as deployed), then (on a server of its own: the flips left
     under way would load it) the ingest's CPU per sync; None if there is no app. The server runs
@@ -202,7 +206,7 @@ def bench_api(seconds: float, n_cells: int) -> dict | None:
     except ImportError as e:
         print(f"api: skipped ({e})")
         return None
-    with _serving(n_cells, 0) as (port, headers, _, _, _):
+    with _serving(n_cells, 0) as (port, headers, _, _, _, _):
         client = _KeepAlive(port, headers)
         try:
             get_rps, n_get, get_codes = _rate(seconds, lambda i: client.call("GET", f"/v1/cells/cell-{i % n_cells}"),
@@ -216,31 +220,38 @@ def bench_api(seconds: float, n_cells: int) -> dict | None:
           f"{get_codes}); POST /v1/flips {flip_rps:.0f} req/s ({n_flip} requests, status {flip_codes})")
     if set(get_codes) != {200} or set(flip_codes) != {202}:
         raise RuntimeError(f"the REST loop was answered with errors: GET {get_codes}, POST {flip_codes}")
-    with _serving(n_cells, ACTIVE) as (port, _, cell_headers, owned, pid):
-        ingest = bench_ingest(port, cell_headers, owned, seconds, pid)
+    with _serving(n_cells, ACTIVE) as (port, _, cell_headers, owned, pid, scrape_headers):
+        ingest = bench_ingest(port, cell_headers, owned, seconds, pid, conns)
+        ingest["ingest_syncs_per_commit"] = _syncs_per_commit(port, scrape_headers)
     return {"api_rps_get": round(get_rps, 1), "api_rps_flip": round(flip_rps, 1), **ingest}
 
 
-def bench_ingest(port: int, cell_headers: dict, owned: dict, seconds: float, pid: int) -> dict:
-    """Server CPU per token-carrying sync (bench/scale_ingest.py), after an idle window as long."""
-    import http.client
+def _syncs_per_commit(port: int, headers: dict) -> float | None:
+    """Syncs a token transaction carried on average, from the server's /metrics (group commit)."""
+    import httpx
 
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", headers=headers, timeout=30.0).text
+    got = {k: float(v) for k, _, v in (line.partition(" ") for line in text.splitlines())
+           if k in ("cellflip_ingest_commits_total", "cellflip_ingest_syncs_total")}
+    commits = got.get("cellflip_ingest_commits_total", 0.0)
+    return round(got.get("cellflip_ingest_syncs_total", 0.0) / commits, 2) if commits else None
+
+
+def bench_ingest(port: int, cell_headers: dict, owned: dict, seconds: float, pid: int, conns: int) -> dict:
+    """Server CPU per token-carrying sync (bench/scale_ingest.py), after an idle window as long."""
     c0 = cpu_s(pid)
     time.sleep(seconds)
     idle = (cpu_s(pid) - c0) / seconds
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120.0)
-    try:
-        r = load(conn, cell_headers, Syncs(owned), seconds, pid)
-    finally:
-        conn.close()
+    r = load(port, cell_headers, Syncs(owned), seconds, pid, conns)
     per_sync = r["cpu_s"] / max(1, r["syncs"])
-    print(f"ingest: {r['syncs']} syncs of {REQUESTS} x {TOKENS} tokens from {len(owned)} cells in {r['wall_s']:.1f} s "
+    print(f"ingest: {r['syncs']} syncs of {REQUESTS} x {TOKENS} tokens from {len(owned)} cells over {conns} "
+          f"connections in {r['wall_s']:.1f} s "
           f"({r['syncs'] / r['wall_s']:.0f}/s); server CPU {r['cpu_s']:.2f} s = {per_sync * 1e3:.2f} ms a sync "
           f"(idle: {idle * 1e3:.0f} ms a second); 10,000 cells at 1 Hz need {per_sync * 10_000:.1f} cores")
     return {"ingest_syncs": r["syncs"], "ingest_server_cpu_ms_per_sync": round(per_sync * 1e3, 3),
             "idle_server_cpu_ms_per_s": round(idle * 1e3, 1),
             "cores_for_10k_cells_at_1hz": round(per_sync * 10_000, 2),
-            "ingest_tokens_per_sync": REQUESTS * TOKENS}
+            "ingest_tokens_per_sync": REQUESTS * TOKENS, "ingest_connections": conns}
 
 
 def main() -> None:
@@ -253,12 +264,14 @@ def main() -> None:
     ap.add_argument("--api-cells", type=int, default=API_CELLS, help="cells registered for the REST loop")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-api", action="store_true", help="skip the REST and ingest measurements")
+    ap.add_argument("--ingest-connections", type=int, default=CONNECTIONS,
+                    help="connections posting syncs at once in the ingest measurement (1: one at a time)")
     ap.add_argument("--no-tick", action="store_true", help="skip the tick measurement")
     add_target_args(ap)
     args = ap.parse_args()
     tick = {"gc_full_ms": None} if args.no_tick else bench_tick(args.cells, args.sessions, args.ticks, args.seed)
     print(f"scheduled full GC {tick['gc_full_ms']} ms")
-    api = None if args.no_api else bench_api(2.0 if args.quick else 5.0, args.api_cells)
+    api = None if args.no_api else bench_api(2.0 if args.quick else 5.0, args.api_cells, args.ingest_connections)
     result = {"cells": args.cells, "sessions": args.sessions, "tick_scope": "reconcile", "ticks": args.ticks,
               "gc_full_ms": tick["gc_full_ms"]}
     for key, r in tick.items():
@@ -266,7 +279,7 @@ def main() -> None:
             result[f"tick_p50_ms_{key}"], result[f"tick_p99_ms_{key}"] = r["p50_ms"], r["p99_ms"]
             result[f"flips_per_tick_{key}"] = r["flips_per_tick"]
     for k in ("ingest_server_cpu_ms_per_sync", "cores_for_10k_cells_at_1hz", "idle_server_cpu_ms_per_s",
-              "ingest_syncs", "ingest_tokens_per_sync"):
+              "ingest_syncs", "ingest_tokens_per_sync", "ingest_connections", "ingest_syncs_per_commit"):
         result[k] = api[k] if api else None
     result.update({"api_cells": args.api_cells if api else None,
                    "api_rps_get": api["api_rps_get"] if api else None,

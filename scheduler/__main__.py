@@ -11,6 +11,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from scheduler.api.app import create_app
+    from scheduler.api.httpwire import Protocol
     from scheduler.contract.config import CellflipConfig, ConfigError, load_config
 
     p = argparse.ArgumentParser(prog="python -m scheduler", description="cellflip scheduler (control plane)")
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     uvicorn.run(app, host=cfg.scheduler.host, port=args.port if args.port is not None else cfg.scheduler.port,
-                log_level="warning")
+                log_level="warning", http=Protocol)
     return 0
 
 

@@ -141,8 +141,10 @@ class SchedulerActor:
         # the app is built by module path from the config's JSON text, in this process
         os.environ[SCHEDULER_CONFIG_ENV] = cfg.model_copy(update={"scheduler": sched}).model_dump_json()
         os.environ[SHARED_PROCESS_ENV] = "1"  # this process runs more than the scheduler: its GC is left alone
+        # by module path, as the app: one socket write per response (scheduler/api/httpwire.py)
         self.server = uvicorn.Server(uvicorn.Config("scheduler.api.app:create_app_from_env", factory=True,
-                                                    host=self.ip, port=port, log_level="warning"))
+                                                    host=self.ip, port=port, log_level="warning",
+                                                    http="scheduler.api.httpwire:Protocol"))
         self.thread, self._stopping = _die_with(self.server.run, "scheduler")
         deadline = time.monotonic() + 60
         while not self.server.started:

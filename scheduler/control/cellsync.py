@@ -1,7 +1,7 @@
 """Cell membership: register, sync (heartbeat + tokens + events ⇄ commands), fence.
 
-One line per sync: check incarnation and lease → renew the lease → commit tokens (then wake
-client streams) → apply ownership outcomes and events durably → long-poll for commands.
+One line per sync: check incarnation and lease → renew the lease → commit tokens, in one
+transaction with the syncs that arrived beside it (groupcommit.py; then wake client streams) → apply ownership outcomes and events durably → long-poll for commands.
 
 Fencing is the only way a cell incarnation leaves: a lost lease or a new incarnation under the
 same id marks it `down` (generation + 1), then asks each concern in turn what the cell held
@@ -27,6 +27,7 @@ from scheduler.contract.protocol import (
 )
 from scheduler.contract.states import CELL, set_state
 from scheduler.control import jobmodels
+from scheduler.control.groupcommit import GroupCommit
 from scheduler.store.fleet import CellRow
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ class Membership:
         """Asked in this order when a cell is fenced."""
         self.job_assigned: Callable[[], None] = lambda: None
         """Told when a registration put a cell under a chosen RL job (the jobs' membership view)."""
+        self.group = GroupCommit(ctx, ingest.accept_tokens)
+        """Token batches of the syncs that arrive together, committed in one transaction."""
 
     def recover(self) -> None:
         """After a start: every cell the store has not down gets a lease of `lease_s` (the
@@ -155,9 +158,10 @@ class Membership:
         revokes: list[tuple[str, str]] = []
         finishes: list[tuple[str, str]] = []
         untrue: str | None = None
-        if msg.tokens:
-            with ctx.txn(durable=False) as fx:  # token batches: NORMAL sync, committed before release
-                rejected, revokes, finishes, untrue = self.ingest.accept_tokens(fx, cell_id, msg.tokens)
+        if msg.tokens:  # token batches: NORMAL sync, committed (with those of syncs beside it) before release
+            rejected, revokes, finishes, untrue = await self.group.submit(cell_id, msg.tokens)
+            if cell_id not in ctx.registry.live:  # fenced while its tokens waited: judged as fenced
+                raise Conflict(f"{cell_id} was fenced", code="fenced")
         if untrue is not None:
             with ctx.txn(durable=True) as fx:
                 fresh = ctx.store.fleet.get_cell(cell_id)

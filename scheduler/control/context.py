@@ -50,6 +50,11 @@ class Effects:
     def later(self, fn: Callable[[], object]) -> None:
         self._todo.append(fn)
 
+    def join(self, part: Effects) -> None:
+        """Take on `part`'s effects (a part of this transaction that held: groupcommit.py)."""
+        self._todo += part._todo
+        part._todo = []
+
     def run(self) -> None:
         for fn in self._todo:
             fn()

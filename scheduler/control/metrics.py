@@ -58,6 +58,8 @@ class Metrics:
         self.logprob_missing = Counter(p + "logprob_missing_tokens", "Sampled tokens whose exact old log-prob became impossible (provenance missing).", registry=r)
         self.logprob_final_pass = Histogram(p + "logprob_final_pass_seconds", "From a cell switching off a version to dropping it (its final scoring pass).", buckets=_SLOW, registry=r)
         self.tokens_generated = Counter(p + "tokens_generated", "Sampled tokens committed to the session store.", registry=r)
+        self.ingest_commits = Counter(p + "ingest_commits", "Transactions committing syncs' token batches.", registry=r)
+        self.ingest_syncs = Counter(p + "ingest_syncs", "Syncs those transactions committed (group commit).", registry=r)
         self.admission_rejected = Counter(p + "admission_rejected", "Completions refused with 429 (no rollout capacity).", registry=r)
         self.drift = Counter(p + "retokenization_drift", "Recorded tokens that differ from sampled ones (must stay 0).", registry=r)
         self.history_rewrites = Counter(p + "history_rewrites", "Harness edits of earlier turns (each starts a new segment).", registry=r)

@@ -65,6 +65,9 @@ class Store:
         self._conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=FULL")
+        # statement journals and savepoints' sub-journals (a multi-row write with triggers, each
+        # sync's part of a group commit) in memory, not temp files: ~0.15 ms less a sync
+        self._conn.execute("PRAGMA temp_store=MEMORY")
         self.changes = counters.Changes()
         """Cells the triggers touched since a reader last took them (store/counters.py)."""
         self._conn.create_function("cell_changed", 1, self.changes.mark, deterministic=False)
@@ -112,6 +115,21 @@ class Store:
             self.changes.commit()
         finally:
             self._depth = 0
+
+    @contextmanager
+    def savepoint(self) -> Iterator[None]:
+        """A part of the open transaction undone alone if it raises (what came before it stays;
+        the exception goes on). The cells it named stay named: a reader re-reads them."""
+        assert self._depth, "a savepoint belongs inside a transaction"
+        self._conn.execute("SAVEPOINT part")
+        try:
+            yield
+        except BaseException:
+            self._conn.execute("ROLLBACK TO part")
+            self._conn.execute("RELEASE part")
+            raise
+        else:
+            self._conn.execute("RELEASE part")
 
     def _add_missing_columns(self) -> None:
         for table, column, decl in ADDED_COLUMNS:

@@ -113,6 +113,20 @@ _REQ_UPSERT = _upsert(_REQ_COLS)
 _MIG_UPSERT = _upsert(_MIG_COLS)
 
 
+class _Unread:
+    """The params of a row read without them (`get_requests(params=False)`): not a mapping, not
+    JSON, not `SamplingParams`: any use of them fails loudly instead of reading `{}`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "UNREAD"
+
+
+UNREAD: Any = _Unread()
+"""`RequestRow.params` of a row read without them."""
+
+
 def _req(r: tuple) -> RequestRow:
     return RequestRow(*r[:5], loads(r[5]), *r[6:])
 
@@ -130,16 +144,24 @@ class OwnerStore:
         r = self.s.execute(f"SELECT {_REQ_COLS} FROM requests WHERE id=?", (request_id,)).fetchone()
         return None if r is None else _req(r)
 
-    def get_requests(self, request_ids: list[str]) -> dict[str, RequestRow]:
-        """id → row of those of `request_ids` that exist (one read for a sync's batches)."""
+    def get_requests(self, request_ids: list[str], params: bool = True) -> dict[str, RequestRow]:
+        """id → row of those of `request_ids` that exist (one read for a sync's batches).
+        `params=False`: the sampling params are not decoded (a sync's token batches never read
+        them: 32 JSON decodes a sync saved); such a row's `params` is `UNREAD`, which no code
+        can write back (`put_request` refuses it) or read a value from."""
         out: dict[str, RequestRow] = {}
         for k in range(0, len(request_ids), 500):
             part = request_ids[k:k + 500]
             q = f"SELECT {_REQ_COLS} FROM requests WHERE id IN ({','.join('?' * len(part))})"
-            out.update((r[0], _req(r)) for r in self.s.execute(q, part))
+            if params:
+                out.update((r[0], _req(r)) for r in self.s.execute(q, part))
+            else:
+                out.update((r[0], RequestRow(*r[:5], UNREAD, *r[6:])) for r in self.s.execute(q, part))
         return out
 
     def put_request(self, q: RequestRow) -> None:
+        if q.params is UNREAD:
+            raise ValueError(f"request {q.id} was read without its params: read it whole to write it")
         q.updated_at = time.time()
         self.s.execute(
             f"INSERT INTO requests({_REQ_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?) {_REQ_UPSERT}",

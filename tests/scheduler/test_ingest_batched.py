@@ -56,3 +56,29 @@ def test_a_gap_inside_one_sync_is_refused(harness):
     c, (a,) = _start(harness, ["a"])
     assert _send(c, [(a, 0, [_rec(0)]), (a, 2, [_rec(2)])]) == [a]  # index 1 never came
     assert harness.client.get("/v1/sessions/a").json()["token_ids"] == [1, 100]
+
+
+def test_rows_read_without_params_cannot_be_used_or_written_back(harness):
+    """A sync reads its requests without decoding their params (`get_requests(params=False)`):
+    such a row's params are refused by every use instead of reading as `{}`; a whole read is the
+    control that works."""
+    import json
+
+    from scheduler.store.owners import UNREAD
+
+    c, (a,) = _start(harness, ["a"])
+    assert _send(c, [(a, 0, [_rec(0)])]) == []  # the sync path that reads them so
+    owners = harness.ctl.store.owners
+    whole = owners.get_requests([a])[a]
+    assert whole.params == owners.get_request(a).params and whole.sampling().max_tokens == 50
+    bare = owners.get_requests([a, "nope"], params=False)
+    assert list(bare) == [a] and bare[a].params is UNREAD
+    assert (bare[a].num_generated, bare[a].cell_id, bare[a].epoch) == (whole.num_generated, whole.cell_id, whole.epoch)
+    with pytest.raises(ValueError, match="without its params"):
+        owners.put_request(bare[a])
+    with pytest.raises(TypeError):
+        json.dumps(bare[a].params)
+    with pytest.raises(Exception):  # noqa: B017 - pydantic's ValidationError: no SamplingParams from it
+        bare[a].sampling()
+    owners.put_request(whole)  # the control: a whole row writes back
+    assert owners.get_request(a).params == whole.params
