@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 
 IDEMPOTENCY_SCOPE = "versions"
 
+_CATCHING_UP = frozenset(("rollout", "draining", "loading"))
+"""Cell states `catch_up` tells to load the target."""
+_NEVER, _FOREVER = float("-inf"), float("inf")
+
 VERSION_HOST = "trainer.version_host"
 """Settings key of the trainer's registered version host (the address cells may fetch from)."""
 
@@ -240,25 +244,40 @@ class Versions:
                 todo.add(cid)
         timeout = ctx.ver_cfg.load_timeout_s
         v, source, policy = t.v, t.source, ctx.ver_cfg.inflight_policy
+        cells, live, sent_at = served.cells, ctx.registry.live, self.version_sent
+        later: list[tuple[float, str]] = []
+        """(when, cell) to look at again; pushed at once (after a publish: every receiver)."""
         for cell_id in sorted(todo):
-            kept = served.cells.get(cell_id)
-            if kept is None or kept[0] not in ("rollout", "draining", "loading") or not kept[2]:
+            kept = cells.get(cell_id)
+            if kept is None or kept[0] not in _CATCHING_UP or not kept[2]:
                 continue
-            s = ctx.registry.live[cell_id].summary
-            if s is None or s.version == t.v:
+            s = live[cell_id].summary
+            if s is None or s.version == v:
                 continue
-            sent = self.version_sent.get((cell_id, t.v), float("-inf"))
-            if t.v in s.loading or now - sent < timeout:
-                self._look_again(cell_id, max(now, sent) + timeout)
+            sent = sent_at.get((cell_id, v), _NEVER)
+            if now - sent < timeout or v in s.loading:
+                later.append((max(now, sent) + timeout, cell_id))
                 continue
-            self.version_sent[(cell_id, t.v)] = now
-            self._look_again(cell_id, now + timeout)
+            sent_at[(cell_id, v)] = now
+            later.append((now + timeout, cell_id))
             ctx.registry.send(cell_id, lambda i: LoadVersionCmd(i, v, source, "fetch", True, policy))
+        self._look_again(later)
 
-    def _look_again(self, cell_id: str, when: float) -> None:
-        if self._due.get(cell_id, float("inf")) > when:
-            self._due[cell_id] = when
-            heapq.heappush(self._recheck, (when, cell_id))
+    def _look_again(self, entries: list[tuple[float, str]]) -> None:
+        """Each (when, cell): look at the cell again then, unless it is due sooner already.
+        Many at once join the heap in one O(heap) pass instead of one push each."""
+        due, heap = self._due, self._recheck
+        new = []
+        for when, cell_id in entries:
+            if due.get(cell_id, _FOREVER) > when:
+                due[cell_id] = when
+                new.append((when, cell_id))
+        if len(new) > 64 and len(new) * 4 > len(heap):
+            heap += new
+            heapq.heapify(heap)
+        else:
+            for e in new:
+                heapq.heappush(heap, e)
 
     def progress(self) -> None:
         """Passive: activate broadcast versions that every live rollout cell serves (of the
