@@ -58,6 +58,9 @@ class Versions:
         """Heap of (when, cell): a cell told to load (or loading) the target, looked at again then."""
         self._due: dict[str, float] = {}
         """cell → its one live entry in `_recheck` (the others are stale)."""
+        self._told: tuple[int, float, set[str]] | None = None
+        """(version, when, cells) of the last publish's broadcast, until `catch_up` first visits
+        that version: the cells told then need no visit of their own."""
         self.lineages = JobLineages(ctx)
         """Each RL job's own lineage, on a fleet shared by several (scheduler/control/jobversions.py)."""
 
@@ -175,6 +178,9 @@ class Versions:
                      if c.id in receivers}
             answer = {**self._to_api(row, {}, self.serving()), "receivers": receivers, "receiver_ranks": ranks}
             idempotency.record(ctx.store, IDEMPOTENCY_SCOPE, idempotency_key, fp, answer)
+        if receivers and not multi:  # each looked at again when its load would time out
+            self._told = (version, now, set(receivers))
+            self._look_again([(now + ctx.ver_cfg.load_timeout_s, c) for c in receivers])
         ctx.kick()
         return answer
 
@@ -233,7 +239,7 @@ class Versions:
         now = ctx.clock()
         served.refresh()
         if t.v != self._caught_up:
-            self._caught_up, todo = t.v, set(served.cells)
+            self._caught_up, todo = t.v, self._first_visit(t.v, now)
         else:
             todo = set(served.dirty)
         served.dirty.clear()
@@ -262,6 +268,18 @@ class Versions:
             later.append((now + timeout, cell_id))
             ctx.registry.send(cell_id, lambda i: LoadVersionCmd(i, v, source, "fetch", True, policy))
         self._look_again(later)
+
+    def _first_visit(self, v: int, now: float) -> set[str]:
+        """The cells to visit for a new target `v`: every cell but those its publish told moments
+        ago (within the load timeout; a cell that registered anew since is visited). Each of
+        those was set then to be looked at again when its load times out, which is all this
+        visit would do with it (it is told nothing before): a publish's tick does not walk the
+        fleet."""
+        told, self._told = self._told, None
+        cells = self.served.cells
+        if told is None or told[0] != v or now - told[1] >= self.ctx.ver_cfg.load_timeout_s:
+            return set(cells)
+        return cells.keys() - told[2]
 
     def _look_again(self, entries: list[tuple[float, str]]) -> None:
         """Each (when, cell): look at the cell again then, unless it is due sooner already.
@@ -320,6 +338,8 @@ class Versions:
         """A new cell process: what an earlier one was told to load does not carry over."""
         for key in [k for k in self.version_sent if k[0] == cell_id]:
             del self.version_sent[key]
+        if self._told is not None:
+            self._told[2].discard(cell_id)
 
     def on_cell_fenced(self, fx: Effects, cell_id: str, reason: str) -> None:
         self.forget_cell(cell_id)
