@@ -15,12 +15,12 @@ would:
 - 2 % of the cells also finish a few sessions, admit new ones and decode further (SQL on the
   requests table), and sync; the trainer runs up to 8 steps at once and the backlog of
   finished trajectories wanders (up to a quarter batch a tick), so the planner flips both ways;
-- the cells that sync take the commands queued for them, as the protocol delivers them (in
-  the sync's answer, scheduler/control/cellsync.py: a cell that does not sync takes none) and
-  report their effect in that sync (a simplification: a real cell reports it a sync later):
-  `set_role` as the cell's role, `load_version` as the version it serves; starts and aborts
-  are taken (the requests' owners are the store's already: the bench runs the "reprefill"
-  path, where a move changes the owner at once);
+- the cells take the commands the tick queued at once (a cell's sync long-polls for them:
+  scheduler/control/cellsync.py) and act on them: starts and aborts are taken (the requests'
+  owners are the store's already: the bench runs the "reprefill" path, where a move changes
+  the owner at once; a start's first token lands), a `set_role` or `load_version` is carried
+  out; what a cell then serves (its role, its version) it reports at its next sync, when it
+  is among the cells that sync — a tick sees at most the churn share of cells changed;
 - every `PUBLISH_EVERY` ticks the trainer publishes a new weight version (every rollout cell
   is told to load it; it becomes active when they all serve it, and the one before retires).
   At churn 10 % the cells report it over about ten ticks, as they sync; at churn 100 % all in
@@ -155,12 +155,11 @@ class StoreFleet:
     def sessions(self) -> int:
         return self.store.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
 
-    def answer(self, syncing: set[str]) -> None:
-        """The cells that sync take their queued commands (in the sync's answer)."""
-        live = self.ctl.ctx.registry.live
-        for cid in sorted(syncing):
-            entry = live.get(cid)
-            if entry is None or not entry.commands:
+    def answer(self) -> None:
+        """The cells take their queued commands and act on them; what they serve then they
+        report at their next sync."""
+        for cid, entry in self.ctl.ctx.registry.live.items():
+            if not entry.commands:
                 continue
             for cmd in self.ctl.ctx.registry.take(cid):
                 if isinstance(cmd, SetRoleCmd):
@@ -176,14 +175,15 @@ class StoreFleet:
                     self.held[cid].discard(cmd.request_id)
 
     def churn(self, share: float) -> None:
-        """Between ticks: `share` of the cells sync (their row changes) and take their
-        commands, a few of them finish, admit and decode sessions first; the backlog moves by up
+        """Between ticks: the cells take their commands, `share` of them sync (their row
+        changes), a few of them finish, admit and decode sessions first; the backlog moves by up
         to a quarter batch."""
         now, st = time.time(), self.store
         self.ticks += 1
         if self.ticks % PUBLISH_EVERY == 0:
             self.published += 1
             self.ctl.publish_version(self.published, HOST)
+        self.answer()
         changed = set(self.rng.sample(self.ids, int(share * len(self.ids))))
         decoding = [c for c in self.rng.sample(self.ids, int(SESSION_CHURN * len(self.ids)))
                     if self.role[c] == "rollout"]
@@ -191,7 +191,6 @@ class StoreFleet:
             for c in decoding:
                 self._sessions(c, now)
                 changed.add(c)
-        self.answer(changed)
         with st.tx(durable=False):
             st.executemany("UPDATE cells SET kv_blocks_used=? WHERE id=?",
                            [(self.blocks[c] % KV_BLOCKS, c) for c in changed])
