@@ -9,22 +9,18 @@ requests, version catch-up, scoring and the planner's own flips. Nothing is left
 Between ticks (untimed) a simulated fleet moves through the store and the registry as the cells
 would:
 
-- a `churn` share of the cells sync (chosen at random each tick): each syncs new KV blocks in
-  use (the registry marks it) and its row is written (the store's triggers mark it) — what a
-  cell that synced tokens or changed KV blocks looks like to the loop's change readers;
+- it answers the commands the tick queued: `set_role` is reported as the cell's role at its
+  next sync, `load_version` as the version it serves; starts and aborts are taken (the
+  requests' owners are the store's already: the bench runs the "reprefill" path, where a move
+  changes the owner at once);
+- a `churn` share of the cells changed since the last tick: each syncs new KV blocks in use
+  (the registry marks it) and its row is written (the store's triggers mark it) — what a cell
+  that synced tokens or changed KV blocks looks like to the loop's change readers;
 - 2 % of the cells also finish a few sessions, admit new ones and decode further (SQL on the
-  requests table), and sync; the trainer runs up to 8 steps at once and the backlog of
-  finished trajectories wanders (up to a quarter batch a tick), so the planner flips both ways;
-- the cells take the commands the tick queued at once (a cell's sync long-polls for them:
-  scheduler/control/cellsync.py) and act on them: starts and aborts are taken (the requests'
-  owners are the store's already: the bench runs the "reprefill" path, where a move changes
-  the owner at once; a start's first token lands), a `set_role` or `load_version` is carried
-  out; what a cell then serves (its role, its version) it reports at its next sync, when it
-  is among the cells that sync — a tick sees at most the churn share of cells changed;
+  requests table), the trainer runs up to 8 steps at once and the backlog of finished
+  trajectories wanders (up to a quarter batch a tick), so the planner flips both ways;
 - every `PUBLISH_EVERY` ticks the trainer publishes a new weight version (every rollout cell
   is told to load it; it becomes active when they all serve it, and the one before retires).
-  At churn 10 % the cells report it over about ten ticks, as they sync; at churn 100 % all in
-  the next one.
 
 GC: "shipped" steps the scheduler's GC policy after each tick, as the running loop does
 (scheduler/contract/gcpolicy.py: the fleet's long-lived state frozen out of the automatic
@@ -155,9 +151,9 @@ class StoreFleet:
     def sessions(self) -> int:
         return self.store.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
 
-    def answer(self) -> None:
-        """The cells take their queued commands and act on them; what they serve then they
-        report at their next sync."""
+    def answer(self) -> set[str]:
+        """The cells take their queued commands; returns the cells that now sync a new state."""
+        out = set()
         for cid, entry in self.ctl.ctx.registry.live.items():
             if not entry.commands:
                 continue
@@ -173,25 +169,25 @@ class StoreFleet:
                     self.ctl.ownership.advanced(cmd.request_id, tokens=True)
                 elif isinstance(cmd, (AbortCmd, SuspendCmd)):
                     self.held[cid].discard(cmd.request_id)
+                else:
+                    continue
+                out.add(cid)
+        return out
 
     def churn(self, share: float) -> None:
-        """Between ticks: the cells take their commands, `share` of them sync (their row
-        changes), a few of them finish, admit and decode sessions first; the backlog moves by up
-        to a quarter batch."""
+        """Between ticks: the cells answer, `share` of them sync (and their row changes), a
+        few finish, admit and decode sessions; the backlog moves by up to a quarter batch."""
         now, st = time.time(), self.store
         self.ticks += 1
         if self.ticks % PUBLISH_EVERY == 0:
             self.published += 1
             self.ctl.publish_version(self.published, HOST)
-        self.answer()
-        changed = set(self.rng.sample(self.ids, int(share * len(self.ids))))
-        decoding = [c for c in self.rng.sample(self.ids, int(SESSION_CHURN * len(self.ids)))
-                    if self.role[c] == "rollout"]
+        changed = self.answer() | set(self.rng.sample(self.ids, int(share * len(self.ids))))
         with st.tx(durable=False):
-            for c in decoding:
-                self._sessions(c, now)
-                changed.add(c)
-        with st.tx(durable=False):
+            for c in self.rng.sample(self.ids, int(SESSION_CHURN * len(self.ids))):
+                if self.role[c] == "rollout":
+                    self._sessions(c, now)
+                    changed.add(c)
             st.executemany("UPDATE cells SET kv_blocks_used=? WHERE id=?",
                            [(self.blocks[c] % KV_BLOCKS, c) for c in changed])
         for c in changed:

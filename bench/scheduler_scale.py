@@ -3,9 +3,7 @@
 front of it at 10,000 registered cells?
 
 Tick: `Controller.tick()`, the reconcile tick whole (bench/scale_tick.py says what it does and
-what the simulated fleet does between ticks: the cells take the tick's commands at once and
-report what they then serve at their next sync, so at churn 10 % a publish's new version reaches
-the loop over about ten ticks, and at 100 % in one): p50/p99 over `--ticks` ticks (600 by default,
+what the simulated fleet does between ticks): p50/p99 over `--ticks` ticks (600 by default,
 `--quick` too) at each churn, once with the scheduler's shipped GC policy stepped after each
 tick (`tick_p99_ms_churn_10`, `tick_p99_ms_churn_100`: what the running loop does: frozen
 long-lived state, the young generation's threshold at 50,000) and once with plain automatic GC
