@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 
 IDEMPOTENCY_SCOPE = "versions"
 
+_CATCHING_UP = frozenset(("rollout", "draining", "loading"))
+"""Cell states `catch_up` tells to load the target."""
+_NEVER, _FOREVER = float("-inf"), float("inf")
+
 VERSION_HOST = "trainer.version_host"
 
 
@@ -73,6 +77,9 @@ class Versions:
         """Heap of (when, cell): a cell told to load (or loading) the target, looked at again then."""
         self._due: dict[str, float] = {}
         """cell → its one live entry in `_recheck` (the others are stale)."""
+        self._told: tuple[int, float, set[str]] | None = None
+        """(version, when, cells) of the last publish's broadcast, until `catch_up` first visits
+        that version: the cells told then need no visit of their own."""
         self.lineages = JobLineages(ctx)
         """Each RL job's own lineage, on a fleet shared by several (scheduler/control/jobversions.py)."""
 
@@ -193,6 +200,9 @@ class Versions:
                      if c.id in receivers}
             answer = {**self._to_api(row, {}, self.serving()), "receivers": receivers, "receiver_ranks": ranks}
             idempotency.record(ctx.store, IDEMPOTENCY_SCOPE, idempotency_key, fp, answer)
+        if receivers and not multi:  # each looked at again when its load would time out
+            self._told = (version, now, set(receivers))
+            self._look_again([(now + ctx.ver_cfg.load_timeout_s, c) for c in receivers])
         ctx.kick()
         return answer
 
@@ -251,7 +261,7 @@ class Versions:
         now = ctx.clock()
         served.refresh()
         if t.v != self._caught_up:
-            self._caught_up, todo = t.v, set(served.cells)
+            self._caught_up, todo = t.v, self._first_visit(t.v, now)
         else:
             todo = set(served.dirty)
         served.dirty.clear()
@@ -262,25 +272,52 @@ class Versions:
                 todo.add(cid)
         timeout = ctx.ver_cfg.load_timeout_s
         v, source, policy = t.v, t.source, ctx.ver_cfg.inflight_policy
+        cells, live, sent_at = served.cells, ctx.registry.live, self.version_sent
+        later: list[tuple[float, str]] = []
+        """(when, cell) to look at again; pushed at once (after a publish: every receiver)."""
         for cell_id in sorted(todo):
-            kept = served.cells.get(cell_id)
-            if kept is None or kept[0] not in ("rollout", "draining", "loading") or not kept[2]:
+            kept = cells.get(cell_id)
+            if kept is None or kept[0] not in _CATCHING_UP or not kept[2]:
                 continue
-            s = ctx.registry.live[cell_id].summary
-            if s is None or s.version == t.v:
+            s = live[cell_id].summary
+            if s is None or s.version == v:
                 continue
-            sent = self.version_sent.get((cell_id, t.v), float("-inf"))
-            if t.v in s.loading or now - sent < timeout:
-                self._look_again(cell_id, max(now, sent) + timeout)
+            sent = sent_at.get((cell_id, v), _NEVER)
+            if now - sent < timeout or v in s.loading:
+                later.append((max(now, sent) + timeout, cell_id))
                 continue
-            self.version_sent[(cell_id, t.v)] = now
-            self._look_again(cell_id, now + timeout)
+            sent_at[(cell_id, v)] = now
+            later.append((now + timeout, cell_id))
             ctx.registry.send(cell_id, lambda i: LoadVersionCmd(i, v, source, "fetch", True, policy))
+        self._look_again(later)
 
-    def _look_again(self, cell_id: str, when: float) -> None:
-        if self._due.get(cell_id, float("inf")) > when:
-            self._due[cell_id] = when
-            heapq.heappush(self._recheck, (when, cell_id))
+    def _first_visit(self, v: int, now: float) -> set[str]:
+        """The cells to visit for a new target `v`: every cell but those its publish told moments
+        ago (within the load timeout; a cell that registered anew since is visited). Each of
+        those was set then to be looked at again when its load times out, which is all this
+        visit would do with it (it is told nothing before): a publish's tick does not walk the
+        fleet."""
+        told, self._told = self._told, None
+        cells = self.served.cells
+        if told is None or told[0] != v or now - told[1] >= self.ctx.ver_cfg.load_timeout_s:
+            return set(cells)
+        return cells.keys() - told[2]
+
+    def _look_again(self, entries: list[tuple[float, str]]) -> None:
+        """Each (when, cell): look at the cell again then, unless it is due sooner already.
+        Many at once join the heap in one O(heap) pass instead of one push each."""
+        due, heap = self._due, self._recheck
+        new = []
+        for when, cell_id in entries:
+            if due.get(cell_id, _FOREVER) > when:
+                due[cell_id] = when
+                new.append((when, cell_id))
+        if len(new) > 64 and len(new) * 4 > len(heap):
+            heap += new
+            heapq.heapify(heap)
+        else:
+            for e in new:
+                heapq.heappush(heap, e)
 
     def progress(self) -> None:
         """Passive: activate broadcast versions that every live rollout cell serves (of the
@@ -323,6 +360,8 @@ class Versions:
         """A new cell process: what an earlier one was told to load does not carry over."""
         for key in [k for k in self.version_sent if k[0] == cell_id]:
             del self.version_sent[key]
+        if self._told is not None:
+            self._told[2].discard(cell_id)
 
     def on_cell_fenced(self, fx: Effects, cell_id: str, reason: str) -> None:
         self.forget_cell(cell_id)

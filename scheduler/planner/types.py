@@ -20,9 +20,12 @@ CellId = int | str
 """Opaque, hashable cell id (the controller uses strings, the simulator ints)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)
 class CellSummary:
-    """One cell as the planner sees it (a few integers, no sessions)."""
+    """One cell as the planner sees it (a few integers, no sessions). A value: never changed
+    once built (`dataclasses.replace` makes another); not `frozen` because a frozen dataclass's
+    constructor costs ~10x as much (each field set through `object.__setattr__`), and a tick at
+    full churn builds one per cell of the fleet. Equal and hashed by its fields, as before."""
 
     cell_id: CellId
     node: str

@@ -181,12 +181,15 @@ class ChangeReader:
     def __init__(self, changes: Changes, sink: set[str]) -> None:
         self.changes = changes
         self.sink = sink
+        self.slot = next(k for k, x in enumerate(changes.sinks) if x is sink)
+        """Its sink's place in `changes.sinks`."""
 
     @property
     def rollbacks(self) -> int:
         return self.changes.rollbacks
 
     def take(self) -> set[str]:
-        out = set(self.sink)
-        self.sink.clear()
+        """The cells named since the last take (the reader's own set from now on: no copy)."""
+        out = self.sink
+        self.sink = self.changes.sinks[self.slot] = set()
         return out

@@ -54,6 +54,7 @@ class Fleet:
     def tick(self) -> dict[str, list[tuple]]:
         if self.full:
             self.ctl.versions._caught_up = None  # the reference: catch_up visits every cell
+            self.ctl.versions._told = None  # (none left out as told by a publish)
         self.ctl.tick()
         out = {}
         for c in self.ids:
