@@ -118,9 +118,11 @@ class Static(Policy):
 
 
 class Planned(Policy):
-    """Flips decided by `plan_flips`, unchanged; sessions moved the way `mode` says. While
-    sessions are parked (suspended), `FRESH_PER_TICK` new ones still start each tick ahead of
-    them, so the rate of the sessions starting now stays measured."""
+    """Flips decided by `plan_flips`, unchanged; sessions moved the way `mode` says. Under the
+    opt-in planner that follows the sessions starting now (`follow_new_sessions`), while
+    sessions are parked (suspended) `FRESH_PER_TICK` new ones still start each tick ahead of
+    them, so that rate stays measured; the default planner resumes parked sessions first (new
+    ones ahead of them cost `arrive_leave` 0.41 -> 0.29 of its gain capture)."""
 
     FRESH_PER_TICK = 16
 
@@ -142,7 +144,7 @@ class Planned(Policy):
         if self.log is not None:
             self.log.append((snap, decisions))
         self._flip(cl, t, decisions)
-        if cl.suspended:
+        if cl.suspended and self.policy.follow_new_sessions:
             cl.admit(t, self.FRESH_PER_TICK)
 
     def _flip(self, cl: Cluster, t: float, decisions: list[FlipDecision]) -> None:
