@@ -338,3 +338,27 @@ def keep_alive(harness: Harness, cells: list[FakeCell], seconds: float, step: fl
         left -= dt
         for c in cells:
             c.sync()
+
+
+VERSION_SOURCE = {"host": "127.0.0.1", "port": 29999, "namespace": "versions"}
+"""A version host that is never dialled: the fakes only record the loads they are told."""
+
+
+def publish(harness: Harness, version: int, source: dict = VERSION_SOURCE) -> None:
+    """Register `source` as the trainer's version host and publish `version` from it."""
+    harness.client.put("/v1/trainer/version-host", json={"host": source["host"], "port": source["port"]})
+    assert harness.client.post("/v1/versions", json={"version": version, "source": source}).status_code == 201
+
+
+def fetches(cell: FakeCell) -> list[int]:
+    """The versions `cell` was told to fetch, in order."""
+    return [c["version"] for c in cell.commands if c["type"] == "load_version" and c["mode"] == "fetch"]
+
+
+def registered(harness: Harness, n: int, prefix: str = "c") -> list[FakeCell]:
+    """`n` fake cells `<prefix>0`… registered and synced once."""
+    cells = [FakeCell(harness.client, f"{prefix}{i}") for i in range(n)]
+    for c in cells:
+        c.register()
+        c.sync()
+    return cells

@@ -4,9 +4,7 @@ bound): until its fetch completes it is `loading` and gets no request."""
 from __future__ import annotations
 
 import pytest
-from sched_fakes import FakeCell, Harness, pump
-
-SOURCE = {"host": "127.0.0.1", "port": 29999, "namespace": "versions"}
+from sched_fakes import FakeCell, Harness, publish, pump
 
 
 @pytest.fixture
@@ -23,10 +21,6 @@ def make(tmp_path):
         h.close()
 
 
-def _publish(h: Harness, v: int) -> None:
-    h.client.put("/v1/trainer/version-host", json={"host": SOURCE["host"], "port": SOURCE["port"]})
-    assert h.client.post("/v1/versions", json={"version": v, "source": SOURCE}).status_code == 201
-
 
 def _state(h: Harness, cell: str) -> str:
     return h.client.get(f"/v1/cells/{cell}").json()["state"]
@@ -41,7 +35,7 @@ def test_fresh_cell_loads_the_current_version_before_serving(make):
     a = FakeCell(h.client, "a")
     a.register()
     a.sync()
-    _publish(h, 5)
+    publish(h, 5)
     a.sync()
     a.version = 5  # a joined the broadcast
     a.sync()
@@ -67,13 +61,13 @@ def test_fresh_cell_loads_the_current_version_before_serving(make):
 
 def test_a_version_within_the_staleness_bound_is_served_at_once(make):
     h = make(staleness_bound=1)
-    _publish(h, 1)
-    _publish(h, 2)
+    publish(h, 1)
+    publish(h, 2)
     ok = FakeCell(h.client, "ok", version=1)  # one published version behind: within the bound
     ok.register()
     ok.sync()
     assert _state(h, "ok") == "rollout"
-    _publish(h, 3)
+    publish(h, 3)
     old = FakeCell(h.client, "old", version=1)  # two behind now
     old.register()
     old.sync()

@@ -4,14 +4,12 @@ the lease heap and the owners' report sweep still reach every cell they must."""
 from __future__ import annotations
 
 import pytest
-from sched_fakes import FakeCell, Harness
+from sched_fakes import FakeCell, Harness, fetches, publish, registered
 
 from scheduler.contract.protocol import Summary
 from scheduler.control.notify import Notifier
 from scheduler.control.registry import Registry
 from scheduler.store import Store
-
-SOURCE = {"host": "127.0.0.1", "port": 29999, "namespace": "versions"}
 
 
 @pytest.fixture
@@ -21,22 +19,12 @@ def harness(tmp_path):
     h.close()
 
 
-def _publish(h: Harness, v: int) -> None:
-    h.client.put("/v1/trainer/version-host", json={"host": SOURCE["host"], "port": SOURCE["port"]})
-    assert h.client.post("/v1/versions", json={"version": v, "source": SOURCE}).status_code == 201
-
-
-def _fetches(c: FakeCell) -> list[int]:
-    return [cmd["version"] for cmd in c.commands if cmd["type"] == "load_version" and cmd["mode"] == "fetch"]
 
 
 def test_a_cell_that_lags_without_changing_is_told_again_after_the_load_timeout(harness):
     h = harness
-    cells = [FakeCell(h.client, f"c{i}") for i in range(3)]
-    for c in cells:
-        c.register()
-        c.sync()
-    _publish(h, 1)
+    cells = registered(h, 3, "c")
+    publish(h, 1)
     for c in cells[:2]:
         c.version = 1
         c.sync()
@@ -44,7 +32,7 @@ def test_a_cell_that_lags_without_changing_is_told_again_after_the_load_timeout(
     lag.sync()  # it missed the broadcast and says nothing new from now on
     h.tick()
     lag.sync()
-    assert _fetches(lag) == []  # told by the broadcast: not again within the load timeout
+    assert fetches(lag) == []  # told by the broadcast: not again within the load timeout
     timeout = h.ctl.ctx.ver_cfg.load_timeout_s
     for _ in range(2):
         waited = 0.0
@@ -56,8 +44,8 @@ def test_a_cell_that_lags_without_changing_is_told_again_after_the_load_timeout(
             h.tick()
         lag.sync()
     # each time the timeout came due it was told to fetch, once, without a change of its own
-    assert _fetches(lag) == [1, 1]
-    assert _fetches(cells[0]) == []  # negative control: a cell serving the target is not told
+    assert fetches(lag) == [1, 1]
+    assert fetches(cells[0]) == []  # negative control: a cell serving the target is not told
     lag.version = 1
     lag.sync()
     h.tick()
@@ -66,11 +54,8 @@ def test_a_cell_that_lags_without_changing_is_told_again_after_the_load_timeout(
 
 def test_progress_waits_for_every_rollout_cell(harness):
     h = harness
-    cells = [FakeCell(h.client, f"p{i}") for i in range(3)]
-    for c in cells:
-        c.register()
-        c.sync()
-    _publish(h, 1)
+    cells = registered(h, 3, "p")
+    publish(h, 1)
     for c in cells[:2]:
         c.version = 1
         c.sync()

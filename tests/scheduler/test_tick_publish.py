@@ -9,13 +9,11 @@ import dataclasses
 import uuid
 
 import pytest
-from sched_fakes import FakeCell, Harness
+from sched_fakes import Harness, fetches, publish, registered
 
 from scheduler.control.snapshot import _busy
 from scheduler.planner.types import CellSummary
 from scheduler.store import Store
-
-SOURCE = {"host": "127.0.0.1", "port": 29999, "namespace": "versions"}
 
 
 @pytest.fixture
@@ -25,13 +23,6 @@ def harness(tmp_path):
     h.close()
 
 
-def _publish(h: Harness, v: int) -> None:
-    h.client.put("/v1/trainer/version-host", json={"host": SOURCE["host"], "port": SOURCE["port"]})
-    assert h.client.post("/v1/versions", json={"version": v, "source": SOURCE}).status_code == 201
-
-
-def _fetches(c: FakeCell) -> list[int]:
-    return [cmd["version"] for cmd in c.commands if cmd["type"] == "load_version" and cmd["mode"] == "fetch"]
 
 
 def _visits(h: Harness) -> list[set[str]]:
@@ -51,13 +42,10 @@ def _visits(h: Harness) -> list[set[str]]:
 
 def test_a_publish_tick_visits_only_the_cells_its_broadcast_did_not_tell(harness):
     h = harness
-    cells = [FakeCell(h.client, f"c{i}") for i in range(4)]
-    for c in cells:
-        c.register()
-        c.sync()
+    cells = registered(h, 4, "c")
     h.tick()
     visits = _visits(h)
-    _publish(h, 1)
+    publish(h, 1)
     restarted = cells[3]  # a new process after the broadcast: it never heard of version 1
     restarted.incarnation = uuid.uuid4().hex[:8]
     restarted.register()
@@ -66,8 +54,8 @@ def test_a_publish_tick_visits_only_the_cells_its_broadcast_did_not_tell(harness
     for c in cells:
         c.sync()
     assert visits == [{"c3"}]  # the told cells are left out of the walk
-    assert _fetches(restarted) == [1]  # visited at once, as a walk of every cell would
-    assert [_fetches(c) for c in cells[:3]] == [[], [], []]  # negative control: told, not told again
+    assert fetches(restarted) == [1]  # visited at once, as a walk of every cell would
+    assert [fetches(c) for c in cells[:3]] == [[], [], []]  # negative control: told, not told again
     waited, timeout = 0.0, h.ctl.ctx.ver_cfg.load_timeout_s
     while waited <= timeout:
         h.clock.advance(2.0)
@@ -78,17 +66,14 @@ def test_a_publish_tick_visits_only_the_cells_its_broadcast_did_not_tell(harness
     for c in cells:
         c.sync()
     # each told cell that still lags is told to fetch once its load timed out, as before
-    assert [_fetches(c) for c in cells[:3]] == [[1], [1], [1]]
+    assert [fetches(c) for c in cells[:3]] == [[1], [1], [1]]
 
 
 def test_a_later_first_visit_of_the_same_version_walks_every_cell(harness):
     h = harness
-    cells = [FakeCell(h.client, f"d{i}") for i in range(3)]
-    for c in cells:
-        c.register()
-        c.sync()
+    registered(h, 3, "d")
     visits = _visits(h)
-    _publish(h, 1)
+    publish(h, 1)
     h.tick()
     h.ctl.versions._caught_up = None  # as if another target came between
     h.tick()
