@@ -9,7 +9,7 @@ before anything starts, and what each job's trainer runs with.
         min_cells: 2                   # the fleet division (docs/JOBS.md)
         max_cells: 3
         weight: 1.0
-        settings: {}                   # job settings (staleness_bound, max_sessions, drain_s, objective)
+        settings: {}                   # job settings (staleness_bound, staleness_policy, min_rollout_cells, ...)
         trainer: {steps: 10, lr: 1e-3} # its trainer's settings over the config's `trainer`
 
 Each job's trainer gets its own version range (`trainer.first_version`: version ids are one
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 JOB_KEYS = ("name", "seed", "task", "min_cells", "max_cells", "weight", "settings", "trainer")
-SETTINGS_KEYS = ("objective", "staleness_bound", "max_sessions", "drain_s")
+SETTINGS_KEYS = ("objective", "staleness_bound", "staleness_policy", "min_rollout_cells", "max_sessions", "drain_s")
 """Job settings the file may give (`seed` and `task` are the job's own keys)."""
 RESERVED_TRAINER = ("enabled", "seed", "task", "first_version", "warmup_steps", "export_dir")
 """Trainer settings each job's trainer gets from the job, never from its `trainer` block."""

@@ -8,8 +8,10 @@ tokens minted (`POST /v1/tokens` with `job`) -> one trainer process per job (its
 loop), holding only its job's tokens: it sees, flips and trains on its job's cells only ->
 status lines per job until every trainer is done; Ctrl-C stops every process.
 
-The planner's own flips are off (`scheduler.auto_flip: false`): each trainer flips its own
-job's cells (the planner's flip policy still reads one fleet-wide trainer demand).
+The scheduler's own planning drives the fleet (`scheduler.auto_flip` on): each job's rollout vs
+training flips are `plan_flips` on the job's own snapshot once its trainer declared its demand,
+and the moves between jobs are the division's (`scheduler.planner.jobs.divide`, from each job's
+measured demand). A trainer flips a cell itself only when the planner gave its step none.
 """
 
 from __future__ import annotations
@@ -71,10 +73,11 @@ def warm_checkpoint(raw: dict, out: Path, steps: int, seed: int, say: Callable[[
 
 
 def serve_from(raw: dict, path: Path) -> None:
-    """Every cell starts from the warmed checkpoint (the toy vocabulary's output ids kept)."""
+    """Every cell starts from the warmed checkpoint (the toy vocabulary's output ids kept); the
+    scheduler plans the flips (each job's own, on its snapshot) and the moves between jobs."""
     model = raw["cells"]["engine"]["model"]
     raw["cells"]["engine"]["model"] = {"path": str(path.resolve()), "output_id_ranges": model["output_id_ranges"]}
-    raw.setdefault("scheduler", {})["auto_flip"] = False
+    raw.setdefault("scheduler", {})["auto_flip"] = True
 
 
 def create_jobs(http, jobs: JobsFile, model: str) -> None:

@@ -1,6 +1,7 @@
 """POST /v1/jobs (admin: create an RL job), GET /v1/jobs, GET /v1/jobs/{name} (a trainer token
 sees its own job only), DELETE /v1/jobs/{name} (admin: drain, then delete), POST
-/v1/jobs/{name}/cells (admin: move a cell into the job). docs/JOBS.md."""
+/v1/jobs/{name}/cells (admin: move a cell into the job), PATCH /v1/jobs/{name} (admin: change
+its settings). docs/JOBS.md."""
 
 from __future__ import annotations
 
@@ -31,7 +32,13 @@ class JobCreate(_Body):
     weight: float = Field(default=1.0, gt=0, le=1e6)
     """Its share of the cells above every job's minimum, against the other jobs' weights."""
     settings: dict[str, Any] = Field(default_factory=dict)
-    """`objective`, `staleness_bound`, `max_sessions` (open sessions admitted), `drain_s`, `seed`, `task`."""
+    """`objective`, `staleness_bound`, `staleness_policy`, `min_rollout_cells` (the last three:
+    the fleet's when absent), `max_sessions` (open sessions admitted), `drain_s`, `seed`, `task`."""
+
+
+class JobUpdate(_Body):
+    settings: dict[str, Any]
+    """Settings to change, over the job's own (null: back to the fleet's default)."""
 
 
 class CellMove(_Body):
@@ -59,6 +66,11 @@ async def list_jobs(ctl: Ctl) -> dict:
 async def get_job(name: JobName, ctl: Ctl) -> dict:
     ctl.jobs.check_access(name, current_job())
     return ctl.jobs.view(name)
+
+
+@router.patch("/{name}", responses=errors(404, 422))
+async def update_job(name: JobName, body: JobUpdate, ctl: Ctl) -> dict:
+    return ctl.jobs.update(name, body.settings)
 
 
 @router.delete("/{name}", responses=errors(404, 409))

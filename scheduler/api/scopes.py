@@ -74,6 +74,7 @@ ROUTE_SCOPES: dict[tuple[str, str], frozenset[str]] = {
     ("GET", "/v1/jobs"): TRAINER,
     ("GET", "/v1/jobs/{name}"): TRAINER,
     ("DELETE", "/v1/jobs/{name}"): ADMIN,
+    ("PATCH", "/v1/jobs/{name}"): ADMIN,
     ("POST", "/v1/jobs/{name}/cells"): ADMIN,
     # tokens
     ("POST", "/v1/tokens"): ADMIN,

@@ -41,6 +41,7 @@ from scheduler.control.context import TICK_KEY, Context, Effects
 from scheduler.control.exports import Exports
 from scheduler.control.flips import Flips
 from scheduler.control.ingest import Ingest
+from scheduler.control.jobfloor import JobFloor
 from scheduler.control.jobmoves import JobMoves
 from scheduler.control.jobplan import JobPlanner
 from scheduler.control.jobs import Jobs
@@ -117,6 +118,7 @@ class Controller:
         """The RL jobs: admission per job, drain and delete, the fleet's division between them."""
         self.jobs.moves = JobMoves(ctx, self.jobs, self.flips)
         self.jobs.planner = JobPlanner(ctx, self.rates, self.cell_summaries, self.flips, self.staleness, self.versions)
+        self.flips.job_floor = JobFloor(ctx, self.jobs, self.flips).short  # each job's own min_rollout_cells
         self.membership.job_assigned = self.jobs.forget_members
         self.loop = Reconciler(ctx, self.rates, Concerns(self.membership, self.versions, self.migrations,
                                                          self.flips, self.ownership, self.scoring, self.jobs),

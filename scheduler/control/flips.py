@@ -71,6 +71,7 @@ class Flips:
         """cell → (flip id, monotonic time) of the last `set_role` sent to it."""
         self._align_sweep = ctx.registry.rotation()
         """The live cells `align_roles` visits next."""
+        self.job_floor: Callable[[str, set[str] | None], str | None] | None = None  # jobfloor.py
 
     # ------------------------------------------------------------------ requests for flips
     def request(self, to: str, cell: str | None, count: int | None, expected_generation: int | None,
@@ -135,8 +136,8 @@ class Flips:
         if cell.state != need:
             raise Conflict(f"cell {cell.id} is {cell.state}; a flip to {to} needs {need}", code="illegal_transition")
         if to == "training" and not self._spare_rollout(cell.id, need=min_rollout):
-            raise Conflict(f"flipping {cell.id} would leave fewer than {min_rollout} rollout cells",
-                           code="min_rollout_cells")
+            why = self.job_floor(cell.id, None) if self.job_floor is not None else None
+            raise Conflict(why or f"flipping {cell.id} would leave fewer than {min_rollout} rollout cells", code="min_rollout_cells")
         now = time.time()
         flip = FlipRow(f"flip-{uuid.uuid4().hex[:16]}", cell.id, to, "pending", key, created_at=now)
         flip.history.append(("pending", now, f"{cell.id} to {to}"))
@@ -150,12 +151,11 @@ class Flips:
         return row.to_api()
 
     def _spare_rollout(self, exclude: str, leaving: set[str] | None = None, need: int = 1) -> bool:
-        """Whether at least `need` verified rollout cells stay in rollout: live, in state
-        rollout, not flipping to training (the tally's set, brought up to date first: it reads
-        only the cells that changed), and trusted (`Trust.counts`: a cell that has not shown it
-        runs the model is no capacity to guarantee). Counting stops at `need`: one trust read
-        per cell looked at, not one per cell of the fleet (10,000 reads cost a flip 0.1 s).
-        `leaving`: the cells flipping to training, when the caller has them (a superset is safe)."""
+        """Whether `need` verified rollout cells stay (live, rollout, not flipping to training: the tally's
+        set, brought up to date; trusted, `Trust.counts`; counting stops at `need`). `leaving`: the cells
+        flipping to training, if known (a superset is safe). `job_floor`: the cell's RL job's own floor."""
+        if self.job_floor is not None and self.job_floor(exclude, leaving) is not None:
+            return False
         if need <= 0:
             return True
         if leaving is None:

@@ -6,7 +6,7 @@ training flips are decided.
 One line: the live cells' summaries (read once) -> split by job (a cell's recorded job; none:
 `default`) -> per job: its training cells busy as its own trainer's running steps keep them,
 its own rates (its trainer's reports; its cells' slots and finishes), its own trajectories
-waiting, version and staleness bound -> `Snapshot` -> `demand` (for `divide`) and
+waiting, version, staleness bound and `min_rollout_cells` -> `Snapshot` -> `demand` (for `divide`) and
 `plan_flips` (its flips, only when its trainer has declared its demand).
 
 While no cell is recorded under a job other than `default`, the fleet's own snapshot and flip
@@ -21,6 +21,7 @@ import math
 from typing import TYPE_CHECKING
 
 from scheduler.contract.states import ROLLOUT_SIDE
+from scheduler.control import jobsettings
 from scheduler.control.snapshot import UNKNOWN_VERSION
 from scheduler.planner.jobs import demand_cells
 from scheduler.planner.types import CellSummary, Snapshot
@@ -76,7 +77,7 @@ class JobPlanner:
         return Snapshot(
             cells=tuple(cells), finished_waiting=self.staleness.finished_waiting(job),
             batch_size=demand.batch_size if demand else 1, training_in_progress=steps > 0,
-            min_rollout_cells=self.ctx.cfg.min_rollout_cells,
+            min_rollout_cells=jobsettings.min_rollout_cells(self.ctx.cfg, self.ctx.store.jobs.get(job)),
             queued_sessions=self.ctx.store.jobs.requests_in(job, ("queued",)),
             version=UNKNOWN_VERSION if target is None else target.v,
             staleness_bound=self.staleness.bound_of(job), steps_in_progress=steps,

@@ -118,6 +118,10 @@ class Jobs:
             self._containers = {}
         return self._members
 
+    def members(self) -> dict[str, frozenset[str]]:
+        """job → the cells recorded under it (jobs other than `default`; empty: one job)."""
+        return self._read_members()
+
     def forget_members(self) -> None:
         """A cell's job changed: `placeable` reads the membership again."""
         self._members = None
@@ -210,10 +214,10 @@ class Jobs:
         name = spec["name"]
         if not NAME_RE.match(name):
             raise Invalid(f"job name {name!r}: lower-case letters, digits, '.', '_', '-' (at most 63)")
-        jobsettings.check(spec.get("settings") or {})
         lo, hi = int(spec.get("min_cells", 0)), spec.get("max_cells")
         if hi is not None and int(hi) < lo:
             raise Invalid(f"max_cells {hi} is below min_cells {lo}")
+        jobsettings.check(spec.get("settings") or {}, None if hi is None else int(hi))
         store = self.ctx.store.jobs
         with self.ctx.txn(durable=True):
             old = store.get(name)
@@ -222,6 +226,17 @@ class Jobs:
             row = JobRow(name, spec["model"], lo, None if hi is None else int(hi), float(spec.get("weight", 1.0)),
                          dict(spec.get("settings") or {}), "active", time.time(), [("active", time.time(), "created")])
             store.put(row)
+        self.ctx.kick()
+        return self.view(name)
+
+    def update(self, name: str, settings: dict[str, Any]) -> dict[str, Any]:
+        """`PATCH /v1/jobs/{name}`: `settings` merged over the job's own (a key set to null returns
+        to the fleet's default), checked whole first (422: nothing changed)."""
+        with self.ctx.txn(durable=True):
+            row = self.require(name)
+            row.settings = jobsettings.merged(row.settings, settings, row.max_cells)
+            row.history.append(("settings", time.time(), ", ".join(sorted(settings))))
+            self.ctx.store.jobs.put(row)
         self.ctx.kick()
         return self.view(name)
 

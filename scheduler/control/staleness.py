@@ -132,7 +132,7 @@ class Staleness:
         """GET /v1/trajectories: finished sessions past `cursor`, each with its staleness and
         the policy applied; the trainer's cursor advances to what it fetched. With `job` (a
         job-bound trainer, on a fleet shared by several jobs), that job's only, their staleness
-        counted in its own lineage against its own bound, and its own cursor advanced."""
+        counted in its own lineage against its own bound and policy, and its own cursor advanced."""
         items, nxt = self.ctx.store.sessions.trajectories(cursor, limit)
         jobs = self.ctx.store.jobs
         published, bound = None, self.ctx.cfg.staleness_bound
@@ -145,18 +145,20 @@ class Staleness:
         elif job is None or job == DEFAULT_JOB:
             self.cursors[DEFAULT_JOB] = max(self.cursor_of(DEFAULT_JOB), nxt)
         self.trajectory_cursor = max(self.trajectory_cursor, nxt)  # the one-job fleet's (as before jobs)
+        policy = self.ctx.cfg.staleness_policy
         if job is not None:
-            bound = self.bound_of(job)
-        return {"trajectories": self._apply(items, published, bound), "next_cursor": nxt}
+            row = jobs.get(job)
+            bound, policy = self.bound_of(job), jobsettings.staleness_policy(self.ctx.cfg, row)
+        return {"trajectories": self._apply(items, published, bound, policy), "next_cursor": nxt}
 
-    def _apply(self, items: list[dict[str, Any]], published: list[int] | None, bound: int) -> list[dict[str, Any]]:
-        """Annotate each trajectory with its `staleness` (versions) and apply the policy to
-        those past `bound`; returns the list to hand out (same order, same length).
+    def _apply(self, items: list[dict[str, Any]], published: list[int] | None, bound: int,
+               policy: str) -> list[dict[str, Any]]:
+        """Annotate each trajectory with its `staleness` (versions) and apply `policy` to those
+        past `bound`; returns the list to hand out (same order, same length).
         `published`: the versions to count in (None: every published version)."""
         ctx = self.ctx
         if published is None:
             published = sorted(r.v for r in ctx.store.fleet.list_versions())
-        policy = ctx.cfg.staleness_policy
         out = []
         for t in items:
             k = trajectory_staleness(published, t)

@@ -285,6 +285,10 @@ def test_each_jobs_trainer_has_its_own_version_host(tmp_path):
         mid = next(m.id for m in h.ctl.store.jobs.list_moves(active_only=True) if m.cell_id == "c1")
         c1.version = 2  # it loads beta's newest
         assert _settle(h, [c0, c1, c2], mid)["state"] == "done"
+        # default's one cell may train: its job keeps no rollout cell of its own (the fleet's floor
+        # is still held by beta's)
+        r = h.client.patch("/v1/jobs/default", json={"settings": {"min_rollout_cells": 0}})
+        assert r.status_code == 200 and r.json()["trainer"]["min_rollout_cells"] == 0, r.text
         for cell, headers, want in ((c2, tb, beta), (c0, h.auth("trainer"), alpha)):
             flip = h.client.post("/v1/flips", json={"cell": cell.cell_id, "to": "training"}, headers=headers)
             assert flip.status_code == 202, flip.text
