@@ -1,10 +1,12 @@
 """Each RL job's own `min_rollout_cells` on a fleet shared by several (docs/JOBS.md).
 
-A flip to training of a job's cell — a trainer's explicit flip, the planner's, or the drain of a
-move between jobs — keeps at least the job's `settings.min_rollout_cells` (else the fleet's
-`scheduler.min_rollout_cells`) of the job's OWN verified rollout cells serving its agents; the
-fleet's `min_rollout_cells` still holds over every job's cells together (scheduler/control/flips.py).
-On a fleet serving one job (no cell recorded under another) nothing is added to the fleet's rule.
+A flip to training of a job's cell — a trainer's explicit flip or the planner's — keeps at least
+the job's `settings.min_rollout_cells` (else the fleet's `scheduler.min_rollout_cells`) of the
+job's OWN verified rollout cells serving its agents; the fleet's `min_rollout_cells` still holds
+over every job's cells together (scheduler/control/flips.py). The drain of a cell moving to
+another job is not held by it: how many cells a job keeps is the division's decision (its
+`min_cells`; the planner never takes a job's last rollout cell while it has open sessions) or an
+admin's. On a fleet serving one job (no cell recorded under another) nothing is added.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class JobFloor:
         members = self.jobs.members()
         if not members:
             return None
+        if self.ctx.store.jobs.active_move_for(cell_id) is not None:
+            return None  # leaving its job: the division's (or an admin's) call
         job = next((j for j, cells in members.items() if cell_id in cells), DEFAULT_JOB)
         need = jobsettings.min_rollout_cells(self.ctx.cfg, self.ctx.store.jobs.get(job))
         if need <= 0:

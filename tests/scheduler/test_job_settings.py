@@ -63,6 +63,10 @@ def test_a_jobs_flips_keep_its_own_min_rollout_cells(tmp_path):
         # beta's one cell: its own floor (the fleet's 1) holds it, though alpha's cells serve
         r = h.client.post("/v1/flips", json={"to": "training", "cell": "c3"}, headers=tb)
         assert r.status_code == 409 and "beta" in r.json()["detail"], r.text
+        # but a move out of the job is the division's (or an admin's) call: its drain is not held
+        mid = h.client.post("/v1/jobs/alpha/cells", json={"cell": "c3"}).json()["id"]
+        h.tick()
+        assert [e[0] for e in h.ctl.store.jobs.get_move(mid).history] == ["draining", "flip_training"]
         # control: alpha's floor lowered to 1, the same flip is taken
         assert h.client.patch("/v1/jobs/alpha", json={"settings": {"min_rollout_cells": 1}}).status_code == 200
         assert h.client.post("/v1/flips", json={"to": "training", "cell": "c1"}, headers=ta).status_code == 202
