@@ -3,9 +3,12 @@
 `cellflip up --rl-jobs` starts (cells/rl_jobs_up.py: one warm-up for every job and both fleets,
 jobs created with the admin token, job-bound tokens, one trainer process per job).
 
-During the RL fleet's run one cell is moved from job 0 to job 1 once both jobs have trained
-(`POST /v1/jobs/{name}/cells`) while it decodes job 0's live rollouts; job 0 then sits under its
-`min_cells` and the scheduler's own division moves a cell back.
+The scheduler's own planning drives the fleet: each job's rollout vs training flips are its
+`plan_flips` on its own snapshot, the moves between jobs the division's. One move is forced, the
+one the planner would not make on such a short run: each job's `min_cells` (2 of 4 cells) takes
+the whole fleet, so the division has nothing to move. Once both jobs have trained, one cell is
+moved from job 0 to job 1 (`POST /v1/jobs/{name}/cells`) while it decodes job 0's live rollouts;
+job 0 then sits under its `min_cells` and the division moves a cell back (`planner_moves`).
 
 Fields:
 - jobs: {name: {heldout_first, heldout_last, heldout_control_last, lost_rollouts, exact_frac,
@@ -13,8 +16,11 @@ Fields:
   published versions on ITS task variant, the control's last, episodes abandoned on an error,
   trained-on sampled tokens with an exact old log-prob.
 - cross_job_moves: moves between two jobs finished (`done`) in the RL fleet (the store's
-  `job_moves`); moved_rollouts: live rollouts migrated out of a cell while it drained for such a
-  move; moved_outside_job: those that went to a cell not then of the rollout's job (must be 0).
+  `job_moves`); planner_moves: those the scheduler's division started (the rest: the forced one);
+  moved_rollouts: live rollouts migrated out of a cell while it drained for such a move;
+  moved_outside_job: those that went to a cell not then of the rollout's job (must be 0).
+- flips: the RL fleet's finished flips by who asked (`planner`: each job's own `plan_flips`,
+  `trainer`: a step the planner gave no cell, `moves`: the drains and loads of moves).
 - foreign_tokens: sampled tokens re-scored under every published version of every job
   (cells/foreign_tokens.py) that another job's weights reproduce better than their own job's;
   foreign_check: the counts behind it (checked, own, shared with the warm start, unmatched).
@@ -177,7 +183,23 @@ def _store_facts(store, moves: list[dict], jobs: JobsFile) -> dict:
         sample += [t for t in mine if t["id"] in touched][:SAMPLE]
     uniq = list({t["id"]: t for t in sample}.values())
     return {"cross_job_moves": len(between), "moved_rollouts": len(migrated), "moved_outside_job": outside,
-            "sample": uniq, "job_of": {t["id"]: job_of[t["id"]] for t in uniq}}
+            "planner_moves": sum(1 for m in between if m["reason"] == PLANNER_MOVE),
+            "flips": _flip_origins(store, moves), "sample": uniq, "job_of": {t["id"]: job_of[t["id"]] for t in uniq}}
+
+
+PLANNER_MOVE = "the planner's division of the fleet"
+"""The reason the scheduler's division records on a move it starts (scheduler/control/jobmoves.py)."""
+
+
+def _flip_origins(store, moves: list[dict]) -> dict[str, int]:
+    """Finished flips by who asked: a move between jobs (its drain and load), a trainer (an
+    explicit flip, sent with an Idempotency-Key), the planner (its own flips carry none)."""
+    of_moves = {h[2] for m in moves for h in m["history"] if h[0] in ("flip_training", "flip_rollout")}
+    out = {"planner": 0, "trainer": 0, "moves": 0}
+    for f in store.fleet.list_flips(limit=100_000):
+        if f.state == "done":
+            out["moves" if f.id in of_moves else "trainer" if f.idem_key else "planner"] += 1
+    return out
 
 
 def _job_at(moves: list[dict], cell: str, t: float) -> str:
@@ -263,7 +285,8 @@ def run_bench(n: int, quick: bool, say) -> dict:
                       temperature=cfg.trainer.temperature)
     return {"num_jobs": n, "steps": steps, "jobs": _job_figures(rl, ctl, tmp, jobs, spec),
             "cross_job_moves": facts["cross_job_moves"], "moved_rollouts": facts["moved_rollouts"],
-            "moved_outside_job": len(facts["moved_outside_job"]), "forced_move": rl["forced_move"],
+            "moved_outside_job": len(facts["moved_outside_job"]), "planner_moves": facts["planner_moves"],
+            "flips": facts["flips"], "forced_move": rl["forced_move"],
             "mover_error": rl["mover_error"],
             "foreign_tokens": check["foreign"],
             "foreign_check": {k: check[k] for k in ("checked", "own", "shared", "unmatched", "versions")}

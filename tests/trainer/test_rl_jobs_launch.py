@@ -46,3 +46,27 @@ def test_jobs_created_tokens_bound_and_each_trainer_sees_its_own_cells(tmp_path)
         assert admin.job() is None and {c["id"] for c in admin.cells()} == {"c0", "c1"}  # bound to none: all
     finally:
         h.close()
+
+
+def test_the_local_fleet_runs_on_the_schedulers_own_planning(tmp_path):
+    """`cellflip up --rl-jobs` leaves the flips to the scheduler (`auto_flip` on): a job's trainer
+    learns it from its report's answer and waits for its job's planner instead of flipping."""
+    from cells.rl_jobs_up import serve_from
+    from cells.trainer.step_cells import StepCells
+
+    raw = {"cells": {"engine": {"model": {"preset": "toy", "output_id_ranges": [[1, 2]]}}},
+           "scheduler": {"auto_flip": False}}
+    serve_from(raw, tmp_path)
+    assert raw["scheduler"]["auto_flip"] is True
+    assert raw["cells"]["engine"]["model"] == {"path": str(tmp_path.resolve()), "output_id_ranges": [[1, 2]]}
+    for auto in (True, False):  # control: a fleet without the planner's flips has the trainer flip
+        h = Harness(str(tmp_path / f"s{auto}.sqlite"), auto_flip=auto)
+        try:
+            create_jobs(h.client, JOBS, "/warm")
+            client = _trainer_client(h, mint_tokens(h.client, "job-a")["trainer"])
+            steps = StepCells(client, batch_size=8, train_cells=1, choice="busiest", emit=lambda e: None)
+            steps.declare(1)
+            assert steps.planner_flips is auto
+            assert h.ctl.rates.trainer("job-a").demand.batch_size == 8  # the job's own demand
+        finally:
+            h.close()
