@@ -6,9 +6,10 @@ jobs created with the admin token, job-bound tokens, one trainer process per job
 The scheduler's own planning drives the fleet: each job's rollout vs training flips are its
 `plan_flips` on its own snapshot, the moves between jobs the division's. One move is forced, the
 one the planner would not make on such a short run: each job's `min_cells` (2 of 4 cells) takes
-the whole fleet, so the division has nothing to move. Once both jobs have trained, one cell is
-moved from job 0 to job 1 (`POST /v1/jobs/{name}/cells`) while it decodes job 0's live rollouts;
-job 0 then sits under its `min_cells` and the division moves a cell back (`planner_moves`).
+the whole fleet, so the division has nothing to move. Once both jobs have published (`Mover`),
+one cell is moved from job 0 to job 1 (`POST /v1/jobs/{name}/cells`) while it decodes job 0's
+live rollouts; job 0 then sits under its `min_cells` and the division moves a cell back
+(`planner_moves`).
 
 Fields:
 - jobs: {name: {heldout_first, heldout_last, heldout_control_last, lost_rollouts, exact_frac,
@@ -75,8 +76,12 @@ def fleet_config(tmp: Path) -> dict:
 
 
 class Mover(threading.Thread):
-    """Moves job 0's busiest rollout cell to job 1 once both jobs have trained and job 0's cells
-    all serve with live rollouts on one of them; records the move."""
+    """Moves job 0's busiest rollout cell to job 1 once both jobs have published (their warm
+    start) and job 0's cells all serve with live rollouts on one of them; records the move.
+
+    Under the planner's flips a job of 2 cells keeps one in training between its RL steps (its
+    balance of rollout and training), so the window where both of job 0's cells serve is mostly
+    the one after its warm start, before its first RL step: the move is forced there."""
 
     def __init__(self, cluster, jobs: JobsFile, timeout_s: float = 900.0):
         super().__init__(daemon=True)
@@ -96,8 +101,8 @@ class Mover(threading.Thread):
     def _try(self) -> None:
         http = self.cluster.http
         view = {j["name"]: j for j in http.get("/v1/jobs").json()["jobs"]}
-        if any(len(view[j]["versions"]) < 2 for j in (self.src, self.dst)):
-            return  # each job published after an RL step
+        if any(len(view[j]["versions"]) < 1 for j in (self.src, self.dst)):
+            return  # each job published its warm start
         mine = [c for c in self.cluster.cells() if c.get("job") == self.src]
         flips = http.get("/v1/flips", params={"active": "true"}).json()
         busy = {f["cell"] for f in (flips.get("flips", flips) if isinstance(flips, dict) else flips)}
