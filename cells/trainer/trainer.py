@@ -174,10 +174,11 @@ class Trainer:
                 self._emit({"event": "warmup_failed", "reason": str(e)[:300]})
                 self.cells.release(cells)
                 time.sleep(1.0)
-        self._emit({"event": "model", "source": self.pretrained or "random", "checksum": int(m["joined_checksum"]),
-                    "cell": cells[0]})
+        self._emit({"event": "model", "source": self.pretrained or "random", "checksum": int(m["joined_checksum"]), "cell": cells[0]})
         self._emit({"event": "warmup_done", "loss": m.get("final_loss"), "wall_s": round(m.get("wall_s", 0.0), 1)})
         self._publish()
+        if self.tc.checkpoint_every == 1:  # every commit, the first too: its holder may move to another RL job
+            self._checkpoint()
         self.cells.hand_back()  # every cell serves again before the agents start (no step runs)
 
     def _warmup_progress(self) -> Callable[[dict], None]:
@@ -237,8 +238,7 @@ class Trainer:
         job, path = self._pending_checkpoint
         self._pending_checkpoint = None
         r = self.coordinator.checkpoint_done(job, path, timeout_s)
-        self._emit({"event": "checkpoint" if r.get("ok") else "checkpoint_failed", "path": path,
-                    "error": r.get("error")})
+        self._emit({"event": "checkpoint" if r.get("ok") else "checkpoint_failed", "path": path, "error": r.get("error")})
 
     def flush(self) -> None:
         """Wait for the checkpoint and exports being written."""
