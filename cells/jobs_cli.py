@@ -1,4 +1,5 @@
-"""`cellflip jobs [list] | create NAME --model M ... | delete NAME | move CELL JOB`: the RL jobs
+"""`cellflip jobs [list] | create NAME --model M ... | set NAME --settings JSON | delete NAME |
+move CELL JOB`: the RL jobs
 a fleet serves (docs/JOBS.md), over the scheduler's REST API. `list` prints each job with its
 cells, its versions and its demand (open sessions, the planner's target cells); it takes a
 trainer or admin token (a job-bound trainer token sees its own job), the others the admin token.
@@ -54,13 +55,26 @@ def _call(args, method: str, path: str, body: dict | None = None) -> dict:
     return r.json()
 
 
+def settings_of(text: str | None) -> dict:
+    """`--settings`: a JSON object (SystemExit with one line otherwise; nothing was sent)."""
+    try:
+        out = json.loads(text) if text else {}
+    except ValueError as e:
+        raise SystemExit(f"cellflip jobs: --settings is not JSON: {e}") from None
+    if not isinstance(out, dict):
+        raise SystemExit(f"cellflip jobs: --settings must be a JSON object, got {text}")
+    return out
+
+
 def cmd_jobs(args) -> int:
     action = args.action or "list"
     args.action = action
     if action == "create":
         body = {"name": args.name, "model": args.model, "min_cells": args.min_cells, "max_cells": args.max_cells,
-                "weight": args.weight, "settings": json.loads(args.settings) if args.settings else {}}
+                "weight": args.weight, "settings": settings_of(args.settings)}
         out = _call(args, "POST", "/v1/jobs", body)
+    elif action == "set":
+        out = _call(args, "PATCH", f"/v1/jobs/{args.name}", {"settings": settings_of(args.settings)})
     elif action == "delete":
         out = _call(args, "DELETE", f"/v1/jobs/{args.name}")
     elif action == "move":
@@ -89,7 +103,11 @@ def add_parsers(sub) -> None:
     cr.add_argument("--min-cells", type=int, default=0)
     cr.add_argument("--max-cells", type=int)
     cr.add_argument("--weight", type=float, default=1.0)
-    cr.add_argument("--settings", help="JSON object: objective, staleness_bound, max_sessions, drain_s, seed, task")
+    cr.add_argument("--settings", help="JSON object: objective, staleness_bound, staleness_policy, min_rollout_cells, "
+                                       "max_sessions, drain_s, seed, task")
+    st = jb_sub.add_parser("set", help="change a job's settings (admin token; null: back to the fleet's default)")
+    st.add_argument("name")
+    st.add_argument("--settings", required=True, help='JSON object, e.g. {"min_rollout_cells": 2}')
     dl = jb_sub.add_parser("delete", help="drain a job, then delete it (admin token)")
     dl.add_argument("name")
     mv = jb_sub.add_parser("move", help="move a cell into a job (admin token)")

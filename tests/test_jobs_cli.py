@@ -46,6 +46,13 @@ def test_jobs_list_create_move_delete(harness, capsys):
     assert rows["math"][1:6] == ["active", "toy", "1", "-", "2"]
     assert rows["default"][6] == "c0,c1"  # c1 is still draining out of default
     assert "c1 default -> math" in out
+    assert main(["jobs", *base, "set", "math", "--settings", '{"min_rollout_cells": 1, "staleness_policy": "correct"}']) == 0
+    assert h.client.get("/v1/jobs/math").json()["settings"] == {"max_sessions": 4, "min_rollout_cells": 1,
+                                                                 "staleness_policy": "correct"}
+    for bad, why in (('{"staleness_policy": "keep"}', "422"), ("[1]", "JSON object"), ("{nope", "not JSON")):
+        with pytest.raises(SystemExit, match=why):
+            main(["jobs", *base, "set", "math", "--settings", bad])
+    assert h.client.get("/v1/jobs/math").json()["settings"]["staleness_policy"] == "correct"  # unchanged
     assert main(["jobs", *base, "delete", "math"]) == 0
     with pytest.raises(SystemExit, match="404"):
         main(["jobs", *base, "delete", "nope"])
