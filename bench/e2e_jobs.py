@@ -68,6 +68,9 @@ def fleet_config(tmp: Path) -> dict:
                   "engine": {"type": "embedded", "model": {"preset": "toy"}, "num_blocks": 1024, "block_size": 16,
                              "max_running": 8, "batch_invariant": True}},
         "migration": {"transfer_timeout_s": 20.0},
+        # a new version re-prefills running requests: every sampled token is then some one
+        # version's, which the foreign-token check re-scores (keep_kv's would be unmatched)
+        "versions": {"inflight_policy": "recompute"},
         "gateway": {"renderer": TOY_RENDERER},
         "trainer": {"enabled": True},
     }

@@ -6,9 +6,13 @@ cells' row tile), and the recorded log-prob is compared with each.
 A token's job is the job owning the session it belongs to (the store's `job_of`). Its error
 under a job is the smallest |recorded - scored| over that job's versions. The token is
 - `own`: its job's weights reproduce it (error <= `tol`);
-- `foreign`: another job's weights reproduce it better than its own (by more than `tol`): it was
+- `foreign`: another job's weights reproduce it (error <= `tol`) and its own do not: it was
   sampled under another job's weights;
-- `unmatched`: no job's weights reproduce it (reported; neither own nor foreign);
+- `unmatched`: no job's weights reproduce it (reported; neither own nor foreign): e.g. a token
+  decoded after its cell activated a new version mid-request under `inflight_policy: keep_kv`
+  (the earlier positions' KV is the old version's, so no single version re-scores it exactly;
+  a fleet checked this way runs `recompute`). Being merely closer to another job's weights than
+  to its own, by a noise of 1e-5 to 1e-2, is no evidence: such a token is unmatched too.
 - `shared` (within `own`): another job's weights reproduce it as well, e.g. a token sampled
   under the one warmed checkpoint every job starts from.
 
@@ -76,7 +80,7 @@ def attribute(trajs: Sequence[Mapping[str, Any]], job_of: Mapping[str, str],
         own = errs.get(job, float("inf"))
         other = min((e for j, e in errs.items() if j != job), default=float("inf"))
         out["checked"] += 1
-        if other + tol < own:
+        if other <= tol < own:
             out["foreign"] += 1
             out["foreign_tokens"].append({"session": sid, "position": i, "job": job,
                                           "own_error": own, "other_error": other})

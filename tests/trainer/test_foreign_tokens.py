@@ -1,6 +1,7 @@
 """The foreign-token check (cells/foreign_tokens.py) on a tiny model, no fleet: tokens sampled
 under each job's own weights are its own; a token sampled under another job's weights and put
-in a job's session is caught (the negative control), and so is a whole session."""
+in a job's session is caught (the negative control), and so is a whole session; one no job's
+weights reproduce is unmatched, not foreign."""
 
 from __future__ import annotations
 
@@ -64,6 +65,15 @@ def test_own_tokens_are_own_and_a_token_from_another_jobs_weights_is_foreign():
     # and a whole session of job b's put under job a
     swapped = attribute(trajs, {**job_of, "b-0": "a"}, weights, spec, row_tile=TILE)
     assert swapped["foreign"] == 12 and {t["session"] for t in swapped["foreign_tokens"]} == {"b-0"}
+
+    # a token no job's weights reproduce (as one decoded across a keep_kv activation) is unmatched,
+    # however much nearer another job's weights come: nearness is no evidence of who sampled it
+    own_lp = injected["logprobs"][pos]  # b's exactly; a's weights give a's score
+    a_lp = _score_at(weights["a"][2], injected, pos)
+    near_b = dict(injected, logprobs=injected["logprobs"][:pos] + [own_lp + (a_lp - own_lp) * 0.25])
+    assert abs(a_lp - own_lp) * 0.25 > 1e-4  # off every version by far more than the tolerance
+    out = attribute([near_b, *trajs[1:]], job_of, weights, spec, row_tile=TILE)
+    assert (out["foreign"], out["unmatched"]) == (0, 1), out
 
 
 def _score_at(weights, traj: dict, pos: int) -> float:
