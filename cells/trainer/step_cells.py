@@ -19,7 +19,8 @@ coordinator computed it. So one side flips, chosen by the scheduler's answer to 
   first by id), so the planner does not flip one back mid-step; after the step the planner
   returns the idle ones. If the planner put no cell there, one explicit flip overrides it
   (pinned, flipped back by the trainer after the step): no step waits for want of a
-  training cell while one could flip.
+  training cell while one could flip. An override refused (the planner's own flip began
+  meanwhile, and the job keeps its rollout cell) is followed by another look, not a failed step.
 - the trainer (auto_flip off): it flips `train_cells` cells itself (`train_cell_choice`) and
   flips them back after the step.
 """
@@ -96,7 +97,12 @@ class StepCells:
             if not to_training and time.monotonic() >= settle:
                 if self._in_training():
                     return []
-                return self._flip(1)  # the planner gave none: this flip overrides it
+                done = self._flip(1)  # the planner gave none: this flip overrides it
+                if done:
+                    return done
+                # refused (e.g. the planner's own flip of the job's other cell began meanwhile and
+                # the job keeps its rollout cell): look again rather than fail the step
+                settle = time.monotonic() + SETTLE_S
             time.sleep(self.poll_s)
         return []
 

@@ -190,3 +190,43 @@ def test_when_the_planner_gives_no_cell_one_explicit_flip_overrides_it(make):
     t.start()
     _pump_while(h, cells, t)
     assert [f["to"] for f in out[1]] == ["rollout"] and all(c["state"] == "rollout" for c in client.cells())
+
+
+class _Racing:
+    """A trainer client whose override flip is refused because the planner's own flip of the
+    job's other cell began just before it (what a job's rollout floor then refuses)."""
+
+    def __init__(self) -> None:
+        self.training: list[str] = []
+        self.planner_began = False
+
+    def report_training(self, **kw) -> dict:
+        return {"auto_flip": True}
+
+    def flips(self, active: bool = False) -> list[dict]:
+        if self.planner_began:  # the planner's flip, seen under way once, then done
+            self.planner_began, self.training = False, ["c0"]
+            return [{"to": "training"}]
+        return []
+
+    def cells(self) -> list[dict]:
+        return [{"id": c, "state": "training" if c in self.training else "rollout", "inflight": n}
+                for c, n in (("c0", 0), ("c1", 2))]
+
+    def job(self) -> str:
+        return "a"
+
+    def flip(self, to: str, **kw) -> list[dict]:
+        self.planner_began = True
+        raise RuntimeError("409 min_rollout_cells: flipping c1 would leave job 'a' fewer than 1 rollout cells")
+
+
+def test_an_override_refused_because_the_planner_flipped_meanwhile_waits_for_the_planners_cell(monkeypatch):
+    from cells.trainer import step_cells
+
+    monkeypatch.setattr(step_cells, "SETTLE_S", 0.05)
+    events: list = []
+    step = StepCells(_Racing(), batch_size=8, train_cells=1, choice="busiest", emit=events.append, poll_s=0.01)
+    assert step.acquire() == []
+    assert step.group() == ["c0"]  # the planner's cell: the step trains, it does not fail for want of one
+    assert [e["event"] for e in events] == ["flip_refused"]
