@@ -107,15 +107,14 @@ def mint_tokens(http, job: str) -> dict[str, str]:
 
 def assign_cells(cluster, jobs: JobsFile, timeout_s: float = 180.0) -> dict[str, list[str]]:
     """Move each job its cells (its `min_cells`, at least 2), in the file's order, and wait until
-    every move is done; returns each job's cells."""
-    free = sorted(c["id"] for c in cluster.cells() if c.get("job", "default") == "default")
+    every move is done; returns each job's cells. The scheduler's own division may start moving a
+    cell into a job meanwhile (the jobs' `min_cells` ask for it): such a move counts, and a cell it
+    took is not asked for again."""
     want = {j.name: max(j.min_cells, 2) for j in jobs.jobs}
     for job in jobs.jobs:
-        for _ in range(want[job.name]):
-            cell = free.pop(0)
-            r = cluster.http.post(f"/v1/jobs/{job.name}/cells", json={"cell": cell})
-            if r.status_code != 202:
-                raise RuntimeError(f"could not move {cell} into {job.name}: {r.status_code} {r.text[:300]}")
+        for _ in range(4 * want[job.name] + 4):  # bounded: each round moves one cell, or finds one moving
+            if not _move_one(cluster, job.name, want[job.name]):
+                break
 
     def settled() -> dict[str, list[str]] | None:
         view = cluster.http.get("/v1/jobs").json()
@@ -126,6 +125,26 @@ def assign_cells(cluster, jobs: JobsFile, timeout_s: float = 180.0) -> dict[str,
         return {n: held[n] for n in want} if ok else None
 
     return cluster.wait(settled, timeout_s, "every job's cells moved in", every=0.5)
+
+
+def _move_one(cluster, job: str, want: int) -> bool:
+    """One free cell (the implicit job's, not moving) moved into `job`, unless it holds or is
+    getting `want` cells already (False). A cell that began moving meanwhile is looked at again."""
+    view = cluster.http.get("/v1/jobs").json()
+    moving = {m["cell"]: m["to"] for m in view["moves"] if m["state"] in ("draining", "loading")}
+    held = next((j["cells"] for j in view["jobs"] if j["name"] == job), [])
+    if len(set(held) | {c for c, to in moving.items() if to == job}) >= want:
+        return False
+    free = sorted(c["id"] for c in cluster.cells() if c.get("job", "default") == "default" and c["id"] not in moving)
+    if not free:
+        raise RuntimeError(f"no free cell left to move into {job}")
+    r = cluster.http.post(f"/v1/jobs/{job}/cells", json={"cell": free[0]})
+    if r.status_code != 202 and (r.status_code != 409 or
+                                 r.json().get("reason") not in ("move_in_progress", "flip_in_progress")):
+        raise RuntimeError(f"could not move {free[0]} into {job}: {r.status_code} {r.text[:300]}")
+    if r.status_code == 409:
+        time.sleep(0.2)  # it began moving meanwhile: look again once the scheduler has recorded it
+    return True
 
 
 def start_trainer(cluster, raw: dict, job: JobSpec, index: int, tokens: dict[str, str], run_dir: Path) -> Path:

@@ -70,3 +70,44 @@ def test_the_local_fleet_runs_on_the_schedulers_own_planning(tmp_path):
             assert h.ctl.rates.trainer("job-a").demand.batch_size == 8  # the job's own demand
         finally:
             h.close()
+
+
+class _Fleet:
+    """What `assign_cells` takes of `cells.localcluster.Cluster`, over a Harness and fake cells."""
+
+    def __init__(self, h: Harness, cells: list[FakeCell]) -> None:
+        self.h, self.fakes, self.http = h, cells, h.client
+
+    def cells(self) -> list[dict]:
+        return self.http.get("/v1/cells").json()["cells"]
+
+    def wait(self, probe, timeout_s: float, what: str, every: float = 0.5):
+        for _ in range(200):
+            for c in self.fakes:
+                c.sync()
+            self.h.clock.advance(0.3)
+            self.h.tick()
+            got = probe()
+            if got is not None:
+                return got
+        raise AssertionError(f"never: {what}")
+
+
+def test_cells_are_assigned_though_the_division_moves_one_meanwhile(tmp_path):
+    from cells.rl_jobs_up import assign_cells
+
+    h = Harness(str(tmp_path / "s.sqlite"))
+    try:
+        cells = [FakeCell(h.client, f"c{i}") for i in range(4)]
+        for c in cells:
+            c.register(), c.sync()
+        jobs = parse_jobs({"jobs": [{"name": "job-a", "seed": 0, "min_cells": 2},
+                                    {"name": "job-b", "seed": 1, "min_cells": 2}]})
+        create_jobs(h.client, jobs, "/warm")
+        h.ctl.jobs.moves.start("c0", "job-b", "the planner's division of the fleet")  # began first
+        held = assign_cells(_Fleet(h, cells), jobs)
+        assert sorted(held["job-a"]) == ["c1", "c2"] and sorted(held["job-b"]) == ["c0", "c3"]
+        moves = [m.to_api() for m in h.ctl.store.jobs.list_moves()]
+        assert len(moves) == 4 and all(m["state"] == "done" for m in moves)  # no cell asked for twice
+    finally:
+        h.close()
