@@ -75,7 +75,7 @@ class BenchCell:
         from cells.agent.commands import Commands
         from cells.agent.held import HeldContexts
         from cells.engine.embedded import EmbeddedEngine
-        from scheduler.contract.config import EmbeddedEngineConfig, ModelConfig
+        from scheduler.contract.config.engine import EmbeddedEngineConfig, ModelConfig
 
         cfg = EmbeddedEngineConfig(model=ModelConfig(**MODEL), batch_invariant=False, num_blocks=POOL_TOKENS // BLOCK,
                                    block_size=BLOCK)
@@ -136,7 +136,8 @@ class Bench:
         from fastapi.testclient import TestClient
 
         from scheduler.api.app import create_app
-        from scheduler.contract.config import CellflipConfig, SchedulerConfig
+        from scheduler.contract.config import CellflipConfig
+        from scheduler.contract.config.scheduler import SchedulerConfig
         from scheduler.contract.tito.backend import SimpleCounters
         from scheduler.contract.tito.render import load_renderer
         from scheduler.contract.tito.tito import TitoGateway

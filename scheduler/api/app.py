@@ -33,15 +33,13 @@ from scheduler.contract.config import (
     SHARED_PROCESS_ENV,
     CellflipConfig,
     ConfigError,
-    MigrationConfig,
-    SchedulerConfig,
-    VersionsConfig,
     parse_config,
 )
+from scheduler.contract.config.gateway import GatewayConfig
+from scheduler.contract.config.scheduler import MigrationConfig, SchedulerConfig, VersionsConfig
 from scheduler.contract.errors import CellflipError, Invalid, http_answer
 from scheduler.contract.protocol import ProtocolError, SyncRequest
 from scheduler.contract.tito.backend import CallbackCounters
-from scheduler.contract.tito.config import GatewayConfig
 from scheduler.contract.tito.openai_schema import ChatCompletionRequest
 from scheduler.contract.tokens import server_tokens
 from scheduler.control.controller import Controller

@@ -9,7 +9,7 @@ import re
 
 from pydantic import Field
 
-from scheduler.contract.config_base import Strict
+from scheduler.contract.config.base import Strict
 
 SCHEMA_VERSION = 1
 """Bumped whenever a column changes meaning or type (the manifest records it)."""

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from scheduler.contract.config import MigrationConfig, SchedulerConfig, VersionsConfig
+from scheduler.contract.config.scheduler import MigrationConfig, SchedulerConfig, VersionsConfig
 from scheduler.contract.errors import Conflict
 from scheduler.contract.gcpolicy import SCHEDULER_YOUNG_THRESHOLD, GcPolicy
 from scheduler.contract.protocol import (

@@ -40,6 +40,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from scheduler.api.jsontext import SafeJSONResponse
+from scheduler.contract.config.gateway import DEFAULT_MAX_PROMPT_TOKENS
 from scheduler.contract.ids import SESSION_ID_PATTERN, SESSION_ID_RULE
 from scheduler.contract.tito.backend import (
     BackendError,
@@ -49,7 +50,6 @@ from scheduler.contract.tito.backend import (
     SessionFinished,
     SessionNotFound,
 )
-from scheduler.contract.tito.config import DEFAULT_MAX_PROMPT_TOKENS
 from scheduler.contract.tito.openai_schema import (
     ChatCompletion,
     ChatCompletionRequest,

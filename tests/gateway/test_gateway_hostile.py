@@ -120,6 +120,6 @@ def test_a_prompt_past_the_default_limit_is_a_clear_400(renderers):
 
 
 def test_the_router_applies_the_prompt_limit_by_default():
-    from scheduler.contract.tito.config import DEFAULT_MAX_PROMPT_TOKENS, GatewayConfig
+    from scheduler.contract.config.gateway import DEFAULT_MAX_PROMPT_TOKENS, GatewayConfig
 
     assert GatewayConfig().max_prompt_tokens == DEFAULT_MAX_PROMPT_TOKENS == 65536

@@ -10,7 +10,6 @@ toy task's in-process client run it.
 - `backend`: the protocol a session store and engine implement; `memory`: the in-memory
   reference backend and replay engine.
 - `openai_schema`: the OpenAI Chat Completions request and response models.
-- `config`: ``GatewayConfig`` (the gateway's settings).
 
 Importing this package loads no tokenizer and no renderer; they are built on first use.
 """
@@ -29,7 +28,6 @@ from scheduler.contract.tito.backend import (
     SimpleCounters,
     TokenOut,
 )
-from scheduler.contract.tito.config import GatewayConfig
 from scheduler.contract.tito.memory import InMemoryBackend, ReplayEngine
 from scheduler.contract.tito.render import RENDERER_PRESETS, ChatRenderer, load_renderer
 from scheduler.contract.tito.tito import GatewayError, TitoGateway
@@ -42,7 +40,6 @@ __all__ = [
     "CallbackCounters",
     "ChatRenderer",
     "CompletionBackend",
-    "GatewayConfig",
     "GatewayCounters",
     "GatewayError",
     "InMemoryBackend",
