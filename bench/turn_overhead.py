@@ -138,10 +138,10 @@ class Bench:
         from scheduler.api.app import create_app
         from scheduler.contract.config import CellflipConfig
         from scheduler.contract.config.scheduler import SchedulerConfig
-        from scheduler.contract.tito.backend import SimpleCounters
-        from scheduler.contract.tito.render import load_renderer
-        from scheduler.contract.tito.tito import TitoGateway
         from scheduler.gateway.control_backend import ControlPlaneBackend
+        from scheduler.gateway.tito.backend import SimpleCounters
+        from scheduler.gateway.tito.render import load_renderer
+        from scheduler.gateway.tito.tito import TitoGateway
 
         db = str(tmp / "turns.sqlite")
         cfg = CellflipConfig(scheduler=SchedulerConfig(db_path=db, auth="none", lease_s=3600.0, min_rollout_cells=1))
@@ -160,8 +160,8 @@ class Bench:
 
     def turn(self, sid: str, messages: list[dict], answer: list[int]) -> tuple[dict, dict, dict]:
         """One turn; (ms per part, the assistant message, the start command)."""
-        from scheduler.contract.tito.backend import TokenOut
         from scheduler.gateway.intake import parse_chat_request
+        from scheduler.gateway.tito.backend import TokenOut
 
         body = json.dumps({"messages": messages, "max_tokens": 64}).encode()
         t0 = time.perf_counter()

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from scheduler.contract.config.base import Strict as _Strict
-from scheduler.contract.trajexport import StoreConfig
+from scheduler.contract.config.store import StoreConfig
 
 
 class MigrationConfig(_Strict):

@@ -14,7 +14,7 @@ toy task's in-process client run it.
 Importing this package loads no tokenizer and no renderer; they are built on first use.
 """
 
-from scheduler.contract.tito.backend import (
+from scheduler.gateway.tito.backend import (
     BackendBusy,
     BackendError,
     BackendUnavailable,
@@ -28,10 +28,10 @@ from scheduler.contract.tito.backend import (
     SimpleCounters,
     TokenOut,
 )
-from scheduler.contract.tito.memory import InMemoryBackend, ReplayEngine
-from scheduler.contract.tito.render import RENDERER_PRESETS, ChatRenderer, load_renderer
-from scheduler.contract.tito.tito import GatewayError, TitoGateway
-from scheduler.contract.tito.tokenizers import TOKENIZER_NAMES, load_tokenizer
+from scheduler.gateway.tito.memory import InMemoryBackend, ReplayEngine
+from scheduler.gateway.tito.render import RENDERER_PRESETS, ChatRenderer, load_renderer
+from scheduler.gateway.tito.tito import GatewayError, TitoGateway
+from scheduler.gateway.tito.tokenizers import TOKENIZER_NAMES, load_tokenizer
 
 __all__ = [
     "BackendBusy",
