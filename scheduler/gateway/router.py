@@ -39,9 +39,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
+from scheduler.api.ids import SESSION_ID_PATTERN, SESSION_ID_RULE
 from scheduler.api.jsontext import SafeJSONResponse
 from scheduler.contract.config.gateway import DEFAULT_MAX_PROMPT_TOKENS
-from scheduler.contract.ids import SESSION_ID_PATTERN, SESSION_ID_RULE
 from scheduler.gateway import recording
 from scheduler.gateway.intake import SESSION_HEADER, parse_chat_request, read_body, session_id
 from scheduler.gateway.responses import backend_error_response, completion_body, error_response
