@@ -81,11 +81,11 @@ TIMEOUT_S = 60.0
 JOIN_TIMEOUT_S = 30.0
 """How long a broadcast waits for its receivers to show up."""
 BUCKET_BYTES = 8 << 20
-"""The configured default (`versions.bucket_bytes` in scheduler/contract/config.py)."""
+"""The configured default (`versions.bucket_bytes` in scheduler/contract/config/scheduler.py)."""
 
 
 def _engine_cfg():
-    from scheduler.contract.config import EmbeddedEngineConfig, ModelConfig
+    from scheduler.contract.config.engine import EmbeddedEngineConfig, ModelConfig
 
     return EmbeddedEngineConfig(model=ModelConfig(preset=PRESET), num_blocks=256, block_size=16,
                                 max_running=REQUESTS_PER_CELL, prefill_chunk=256, batch_invariant=False)

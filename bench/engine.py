@@ -13,7 +13,7 @@ from common import Timer, finish, parse_args, set_threads
 
 from cells.engine.embedded import EmbeddedEngine  # noqa: E402
 from cells.engine.records import SamplingParams  # noqa: E402
-from scheduler.contract.config import EmbeddedEngineConfig, ModelConfig  # noqa: E402
+from scheduler.contract.config.engine import EmbeddedEngineConfig, ModelConfig  # noqa: E402
 
 
 def decode_rate(eng: EmbeddedEngine, batch: int, context: int, new_tokens: int) -> float:

@@ -126,7 +126,8 @@ def _serve(db: Path):
 
     from cells.localcluster import find_free_port
     from scheduler.api.app import create_app
-    from scheduler.contract.config import CellflipConfig, SchedulerConfig
+    from scheduler.contract.config import CellflipConfig
+    from scheduler.contract.config.scheduler import SchedulerConfig
 
     cfg = CellflipConfig(scheduler=SchedulerConfig(db_path=str(db), auth="none", store={
         "retain_trajectories": {"count": None}}))

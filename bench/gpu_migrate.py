@@ -27,7 +27,7 @@ PATH_NAME = "kv: pinned host staging over gloo"
 
 def _engine(args: dict):
     from cells.engine.embedded import EmbeddedEngine
-    from scheduler.contract.config import EmbeddedEngineConfig
+    from scheduler.contract.config.engine import EmbeddedEngineConfig
 
     return EmbeddedEngine(EmbeddedEngineConfig(**args["engine"]))
 
@@ -95,7 +95,7 @@ def _drive(eng, side, rid: str, until_done: bool, pace_s: float = 0.0) -> tuple[
 def source(args: dict) -> dict:
     from cells.migration import MigrationSender
     from cells.transport.store import StoreHost
-    from scheduler.contract.config import MigrationConfig
+    from scheduler.contract.config.scheduler import MigrationConfig
     from scheduler.contract.protocol import MigrateOutCmd
 
     eng = _engine(args)
@@ -117,7 +117,7 @@ def source(args: dict) -> dict:
 
 def destination(args: dict) -> dict:
     from cells.migration import MigrationReceiver
-    from scheduler.contract.config import MigrationConfig
+    from scheduler.contract.config.scheduler import MigrationConfig
     from scheduler.contract.protocol import MigrateInCmd
 
     eng = _engine(args)

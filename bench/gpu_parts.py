@@ -11,7 +11,7 @@ import torch
 
 from cells.engine.embedded import EmbeddedEngine
 from cells.engine.records import SamplingParams
-from scheduler.contract.config import EmbeddedEngineConfig, ModelConfig
+from scheduler.contract.config.engine import EmbeddedEngineConfig, ModelConfig
 
 # A Qwen3-1.7B-shaped model (tied embeddings, full Qwen3 vocabulary): 1.72 B parameters.
 FULL_MODEL = {"preset": "qwen3-vocab", "hidden_size": 2048, "num_layers": 28, "num_heads": 16,

@@ -15,7 +15,7 @@ from common import Timer, finish, parse_args, set_threads
 
 from cells.engine.embedded import EmbeddedEngine  # noqa: E402
 from cells.engine.records import SamplingParams  # noqa: E402
-from scheduler.contract.config import EmbeddedEngineConfig, ModelConfig  # noqa: E402
+from scheduler.contract.config.engine import EmbeddedEngineConfig, ModelConfig  # noqa: E402
 
 BATCH_SIZES = (1, 2, 3, 8)
 

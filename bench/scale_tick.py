@@ -36,7 +36,7 @@ import random
 import statistics
 import time
 
-from scheduler.contract.config import MigrationConfig, SchedulerConfig
+from scheduler.contract.config.scheduler import MigrationConfig, SchedulerConfig
 from scheduler.contract.protocol import (
     AbortCmd,
     LoadVersionCmd,

@@ -49,7 +49,7 @@ from common import add_target_args, finish  # noqa: E402
 from scale_ingest import ACTIVE, CONNECTIONS, REQUESTS, TOKENS, Syncs, cpu_s, load, seed_requests  # noqa: E402
 from scale_tick import StoreFleet, gc_full_ms, run_ticks  # noqa: E402
 
-from scheduler.contract.config import SchedulerConfig  # noqa: E402
+from scheduler.contract.config.scheduler import SchedulerConfig  # noqa: E402
 from scheduler.store import Store  # noqa: E402
 
 API_CELLS = 10_000

@@ -52,10 +52,10 @@ from common import add_target_args, finish  # noqa: E402
 from turn_overhead import measure as measure_turns  # noqa: E402
 
 from scheduler.contract.sampling import SamplingParams  # noqa: E402
-from scheduler.contract.tito.memory import InMemoryBackend, ReplayEngine, echo_assistant  # noqa: E402
-from scheduler.contract.tito.render import ChatRenderer, load_renderer  # noqa: E402
-from scheduler.contract.tito.tito import naive_rerender_drift  # noqa: E402
 from scheduler.gateway.router import make_chat_router  # noqa: E402
+from scheduler.gateway.tito.memory import InMemoryBackend, ReplayEngine, echo_assistant  # noqa: E402
+from scheduler.gateway.tito.render import ChatRenderer, load_renderer  # noqa: E402
+from scheduler.gateway.tito.tito import naive_rerender_drift  # noqa: E402
 
 DATA = ROOT / "bench" / "data"
 RENDERERS = ("qwen3", "deepseek-v3")

@@ -90,7 +90,7 @@ def _verify(address: str, namespace: str, version: int, export: str, before: str
     from cells.engine.embedded import EmbeddedEngine
     from cells.transport.receive import fetch_version
     from cells.transport.store import StoreAddress
-    from scheduler.contract.config import EmbeddedEngineConfig, ModelConfig
+    from scheduler.contract.config.engine import EmbeddedEngineConfig, ModelConfig
 
     torch.set_num_threads(1)
     h, p = address.rsplit(":", 1)

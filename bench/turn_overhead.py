@@ -75,7 +75,7 @@ class BenchCell:
         from cells.agent.commands import Commands
         from cells.agent.held import HeldContexts
         from cells.engine.embedded import EmbeddedEngine
-        from scheduler.contract.config import EmbeddedEngineConfig, ModelConfig
+        from scheduler.contract.config.engine import EmbeddedEngineConfig, ModelConfig
 
         cfg = EmbeddedEngineConfig(model=ModelConfig(**MODEL), batch_invariant=False, num_blocks=POOL_TOKENS // BLOCK,
                                    block_size=BLOCK)
@@ -136,11 +136,12 @@ class Bench:
         from fastapi.testclient import TestClient
 
         from scheduler.api.app import create_app
-        from scheduler.contract.config import CellflipConfig, SchedulerConfig
-        from scheduler.contract.tito.backend import SimpleCounters
-        from scheduler.contract.tito.render import load_renderer
-        from scheduler.contract.tito.tito import TitoGateway
+        from scheduler.contract.config import CellflipConfig
+        from scheduler.contract.config.scheduler import SchedulerConfig
         from scheduler.gateway.control_backend import ControlPlaneBackend
+        from scheduler.gateway.tito.backend import SimpleCounters
+        from scheduler.gateway.tito.render import load_renderer
+        from scheduler.gateway.tito.tito import TitoGateway
 
         db = str(tmp / "turns.sqlite")
         cfg = CellflipConfig(scheduler=SchedulerConfig(db_path=db, auth="none", lease_s=3600.0, min_rollout_cells=1))
@@ -159,8 +160,8 @@ class Bench:
 
     def turn(self, sid: str, messages: list[dict], answer: list[int]) -> tuple[dict, dict, dict]:
         """One turn; (ms per part, the assistant message, the start command)."""
-        from scheduler.contract.tito.backend import TokenOut
         from scheduler.gateway.intake import parse_chat_request
+        from scheduler.gateway.tito.backend import TokenOut
 
         body = json.dumps({"messages": messages, "max_tokens": 64}).encode()
         t0 = time.perf_counter()

@@ -44,7 +44,7 @@ def cell_config(args, cfg):
     or SGLang's model path. Raises SystemExit naming the flag on a bad combination."""
     from pydantic import ValidationError
 
-    from scheduler.contract.config import EmbeddedEngineConfig, SGLangEngineConfig
+    from scheduler.contract.config.engine import EmbeddedEngineConfig, SGLangEngineConfig
 
     base = cfg.cells.engine
     kind = args.engine or base.type
@@ -75,7 +75,7 @@ def cell_config(args, cfg):
 def build_engine(eng_cfg):
     """The cell's engine. SGLang that cannot run here (not installed, a wrong version, a
     setting that changes what log-probs mean) exits with the adapter's message."""
-    from scheduler.contract.config import EmbeddedEngineConfig
+    from scheduler.contract.config.engine import EmbeddedEngineConfig
 
     if isinstance(eng_cfg, EmbeddedEngineConfig):
         import torch
@@ -95,7 +95,7 @@ def build_engine(eng_cfg):
 
 def launcher_for(cfg, ray_address: str | None):
     """The config's launcher; `--ray [ADDRESS]` selects Ray (keeping the config's Ray settings)."""
-    from scheduler.contract.config import RayLauncherConfig
+    from scheduler.contract.config.launch import RayLauncherConfig
 
     if ray_address is None:
         return cfg.launcher

@@ -48,7 +48,7 @@ def best_errors(trajs: Sequence[Mapping[str, Any]], weights: Mapping[str, Mappin
                 row_tile: int, temperature: float = 1.0) -> dict[tuple[str, int], dict[str, float]]:
     """For each sampled token (session id, position): the smallest error under each job."""
     from cells.engine.embedded import EmbeddedEngine
-    from scheduler.contract.config import EmbeddedEngineConfig
+    from scheduler.contract.config.engine import EmbeddedEngineConfig
 
     versions = [(job, v) for job, vs in weights.items() for v in sorted(vs)]
     if not versions:

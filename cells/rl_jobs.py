@@ -149,7 +149,7 @@ def _check_task(task: dict[str, Any], seed: int, where: str) -> None:
 def _check_trainer(trainer: dict[str, Any], where: str) -> None:
     from pydantic import ValidationError
 
-    from scheduler.contract.config import TrainerConfig
+    from scheduler.contract.config.trainer import TrainerConfig
 
     reserved = sorted(set(trainer) & set(RESERVED_TRAINER))
     if reserved:

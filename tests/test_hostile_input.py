@@ -42,7 +42,8 @@ from fastapi.testclient import TestClient
 
 from scheduler.api.app import create_app
 from scheduler.api.auth import AgentBudget, ScopedAuth, TokenRegistry
-from scheduler.contract.config import AgentLimits, ConfigError, SchedulerConfig
+from scheduler.contract.config import ConfigError
+from scheduler.contract.config.scheduler import AgentLimits, SchedulerConfig
 from tests.scheduler.sched_fakes import Harness, make_config, pump
 from tests.scheduler.storecheck import fleet as _fleet
 from tests.scheduler.storecheck import rejected as _rejected

@@ -1,4 +1,4 @@
-"""The kept placement index (`destinations.Placement`): after any run of summary updates and
+"""The kept placement index (`room.Placement`): after any run of summary updates and
 placements it places exactly as a fresh index over the same cells, and as the naive reference."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from scheduler.planner.destinations import Placement, choose_destinations  # noqa: E402
+from scheduler.planner.destinations import choose_destinations  # noqa: E402
 from scheduler.planner.plan import choose_cells_to_flip  # noqa: E402
+from scheduler.planner.room import Placement  # noqa: E402
 from tests.test_planner import _reference, cell, req, snap  # noqa: E402
 
 ROLES = ["rollout"] * 5 + ["training", "loading", "draining"]
@@ -92,7 +93,7 @@ def test_kept_flip_choice_matches_a_fresh_one(seed):
                          if c.role == "rollout" and i not in exclude)
         want = [i for _, _, i in rollout[: max(0, min(count, len(rollout) - 2))]]
         assert got == want
-        assert choose_cells_to_flip(snap(cells, min_rollout=2, placement=kept), "training", count, exclude=exclude) \
+        assert choose_cells_to_flip(snap(cells, min_rollout=2), "training", count, exclude=exclude, placement=kept) \
             == choose_cells_to_flip(snap(cells, min_rollout=2), "training", count, exclude=exclude) == want
 
 

@@ -232,7 +232,7 @@ def _divide_tick(states: list[JobState], snaps: list[Snapshot], owner: np.ndarra
 
 
 def _without(snap: Snapshot, gone: set) -> Snapshot:
-    return dataclasses.replace(snap, cells=tuple(c for c in snap.cells if c.cell_id not in gone), placement=None)
+    return dataclasses.replace(snap, cells=tuple(c for c in snap.cells if c.cell_id not in gone))
 
 
 def _fairness(states: list[JobState], t: float, dt: float, fair: list[float]) -> None:

@@ -150,7 +150,7 @@ class JobCluster(Cluster):
         self._tokens[away] = 0
         snap = super().snapshot(t, rates)
         cells = tuple(self._summaries[i] for i in np.flatnonzero(~away).tolist())
-        return dataclasses.replace(snap, cells=cells, placement=None)
+        return dataclasses.replace(snap, cells=cells)
 
     def _tokens_per_cell(self, t: float) -> np.ndarray:
         out = super()._tokens_per_cell(t)

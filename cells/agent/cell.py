@@ -37,7 +37,7 @@ from cells.training.worker import TrainingWorker
 from cells.transport.store import StoreHost
 from cells.versions import CellVersions
 from scheduler.contract.config import CellflipConfig
-from scheduler.contract.engine_config import served_model
+from scheduler.contract.config.engine import served_model
 from scheduler.contract.gcpolicy import GcPolicy, log_long_pauses
 from scheduler.contract.probe import probe_tokens
 from scheduler.contract.protocol import (

@@ -15,7 +15,7 @@ from cells.export.turns import Versions, apart, moved_by_reprefill
 
 def _engine(vers: Versions, v: int, tile: int | None, blocks: int):
     from cells.engine.embedded import EmbeddedEngine
-    from scheduler.contract.config import EmbeddedEngineConfig
+    from scheduler.contract.config.engine import EmbeddedEngineConfig
 
     w = vers.tensors(v)
     cfg = EmbeddedEngineConfig(batch_invariant=True, row_tile=tile or 1, num_blocks=blocks)

@@ -30,7 +30,9 @@ from cells.launch.actors import (
     cell_name,
 )
 from cells.localcluster import Cluster
-from scheduler.contract.config import RayLauncherConfig, SGLangEngineConfig, parse_config
+from scheduler.contract.config import parse_config
+from scheduler.contract.config.engine import SGLangEngineConfig
+from scheduler.contract.config.launch import RayLauncherConfig
 from scheduler.contract.tokens import SCOPES, auth_headers
 
 RAY_HINT = "cellflip up --ray needs Ray: pip install 'cellflip[ray]'"

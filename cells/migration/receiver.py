@@ -39,7 +39,7 @@ from cells.migration.messages import (
 )
 from cells.transport.p2p import PairChannel, TransferError
 from cells.transport.store import StoreAddress, connect
-from scheduler.contract.config import MigrationConfig
+from scheduler.contract.config.scheduler import MigrationConfig
 from scheduler.contract.failpoints import failpoint
 from scheduler.contract.protocol import CommitRequest, MigrateInCmd, Tail, TokenRecords
 

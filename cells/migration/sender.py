@@ -38,7 +38,7 @@ from cells.migration.messages import (
     send,
 )
 from cells.transport.p2p import PairChannel, TransferError
-from scheduler.contract.config import MigrationConfig
+from scheduler.contract.config.scheduler import MigrationConfig
 from scheduler.contract.failpoints import failpoint
 from scheduler.contract.protocol import AbortMigrationRequest, MigrateOutCmd
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from cells.trainer.toy_task import ChatError, HttpChat, TaskSpec, make_episode, run_episode
-from scheduler.contract.config import TrainerConfig
+from scheduler.contract.config.trainer import TrainerConfig
 
 log = logging.getLogger("cellflip.agents")
 

@@ -52,10 +52,10 @@ from cells.training import protocol as P
 from cells.training.coordinator import StepFailed, TrainingCoordinator
 from cells.training.resume import find_committed
 from cells.transport.store import StoreHost
-from scheduler.contract.config import CellflipConfig, EmbeddedEngineConfig
+from scheduler.contract.config import CellflipConfig
+from scheduler.contract.config.engine import EmbeddedEngineConfig
 
 log = logging.getLogger("cellflip.trainer")
-
 CHECKPOINT = "trainer-state"
 
 

@@ -33,22 +33,20 @@ from scheduler.contract.config import (
     SHARED_PROCESS_ENV,
     CellflipConfig,
     ConfigError,
-    MigrationConfig,
-    SchedulerConfig,
-    VersionsConfig,
     parse_config,
 )
+from scheduler.contract.config.gateway import GatewayConfig
+from scheduler.contract.config.scheduler import MigrationConfig, SchedulerConfig, VersionsConfig
 from scheduler.contract.errors import CellflipError, Invalid, http_answer
 from scheduler.contract.protocol import ProtocolError, SyncRequest
-from scheduler.contract.tito.backend import CallbackCounters
-from scheduler.contract.tito.config import GatewayConfig
-from scheduler.contract.tito.openai_schema import ChatCompletionRequest
 from scheduler.contract.tokens import server_tokens
 from scheduler.control.controller import Controller
 from scheduler.control.metrics import Metrics
 from scheduler.control.stallclock import StallClock
-from scheduler.gateway import make_chat_router
 from scheduler.gateway.control_backend import ControlPlaneBackend
+from scheduler.gateway.router import make_chat_router
+from scheduler.gateway.tito.backend import CallbackCounters
+from scheduler.gateway.tito.openai_schema import ChatCompletionRequest
 from scheduler.store import Store
 
 log = logging.getLogger("cellflip.scheduler")

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 from scheduler.api.principal import CURRENT, JOB_SCOPES, Principal
 from scheduler.api.scopes import PUBLIC, TURN_ROUTES, ScopeResolver
-from scheduler.contract.config import AgentLimits, ConfigError
+from scheduler.contract.config import ConfigError
+from scheduler.contract.config.scheduler import AgentLimits
 from scheduler.contract.errors import Conflict, Invalid, NotFound
 from scheduler.contract.tokens import SCOPES, new_token, token_hash
 

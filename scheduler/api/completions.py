@@ -17,11 +17,11 @@ from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from scheduler.api.deps import ApiRoute, Ctl
+from scheduler.api.ids import SESSION_ID_PATTERN, SESSION_ID_RULE
 from scheduler.api.jsontext import dumps
 from scheduler.api.principal import current_agent, current_job
 from scheduler.api.schemas import CompletionCreate, errors
 from scheduler.contract.errors import Invalid, TooLarge
-from scheduler.contract.ids import SESSION_ID_PATTERN, SESSION_ID_RULE
 from scheduler.contract.records import StoredTokens
 
 router = APIRouter(tags=["completions"], route_class=ApiRoute, responses=errors(401, 403))

@@ -32,13 +32,13 @@ from starlette.responses import StreamingResponse
 from scheduler.api.deps import ApiRoute, Ctl
 from scheduler.api.jsontext import dumps
 from scheduler.api.schemas import _Body, errors
+from scheduler.contract.config.store import RetainConfig
 from scheduler.contract.errors import Invalid
 from scheduler.contract.trajexport import (
     MAX_PAGE_SESSIONS,
     MAX_PAGE_TOKENS,
     MAX_WEIGHT_TOKENS,
     SCHEMA_VERSION,
-    RetainConfig,
 )
 
 log = logging.getLogger("cellflip.export")

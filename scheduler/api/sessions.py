@@ -10,10 +10,10 @@ from fastapi import APIRouter, Path, Query
 from pydantic import Field
 
 from scheduler.api.deps import ApiRoute, Ctl
+from scheduler.api.ids import SESSION_ID_PATTERN, SESSION_ID_RULE
 from scheduler.api.principal import current_agent, current_job
 from scheduler.api.schemas import SessionFinish, _Body, errors
 from scheduler.contract.errors import NotFound
-from scheduler.contract.ids import SESSION_ID_PATTERN, SESSION_ID_RULE
 from scheduler.control.metrics import GROUP_DROP_REASONS
 
 SessionPath = Annotated[str, Path(pattern=SESSION_ID_PATTERN, description=SESSION_ID_RULE)]

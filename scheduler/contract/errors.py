@@ -5,7 +5,7 @@ the human `detail`, and `retry_after_s` where retrying later makes sense. The RE
 `{"detail": ..., "reason": <code>}` (`http_answer`); the chat gateway answers the same error
 as an OpenAI error object (scheduler/gateway/responses.py), so a cell, a trainer or a client
 branches on the same code either way. The gateway's own names (`BackendError`, `BackendBusy`,
-`SessionNotFound`, ...: scheduler/contract/tito/backend.py) and its request refusals
+`SessionNotFound`, ...: scheduler/gateway/tito/backend.py) and its request refusals
 (`GatewayError`) are this hierarchy too: an error raised anywhere in the control plane reaches
 the client as it was raised, never re-wrapped.
 """

@@ -149,7 +149,7 @@ class RegisterRequest(Message):
     that claims to."""
     model: str | None = None
     """The model the cell runs, as configured (its preset name, or its checkpoint or model path;
-    `engine_config.served_model`): a cell serves only RL jobs of that model (None: not told)."""
+    `config.engine.served_model`): a cell serves only RL jobs of that model (None: not told)."""
     job: str | None = None
     """The RL job the cell registers into (`cellflip cell --job`; None: the job it was in, a new
     cell `default`). An unknown or draining job, or one of another model, refuses the cell."""

@@ -36,7 +36,8 @@ import os
 import secrets
 from pathlib import Path
 
-from scheduler.contract.config import ConfigError, SchedulerConfig
+from scheduler.contract.config import ConfigError
+from scheduler.contract.config.scheduler import SchedulerConfig
 
 SCOPES = ("admin", "trainer", "cell", "agent", "scrape", "reader")
 """Every scope a token can have."""

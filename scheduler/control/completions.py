@@ -140,11 +140,12 @@ class Completions:
     def _destination(self, rid: str, sid: str, num_tokens: int, sticky: bool) -> Destination:
         """The session's previous cell when it has room, else the planner's choice; 429 when
         no rollout cell has room."""
-        snapshot = self.snapshot()
+        snapshot, room = self.snapshot(), self.ownership.kept_placement()  # the controller's kept index
         summary = RequestSummary(rid, num_tokens, snapshot.current_version, sid)
         last = self.ctx.store.owners.last_cell_for_session(sid) if sticky else None
         only = self.ctx.placeable(sid, None)  # its RL job's cells
-        dst = sticky_destination(snapshot, last, summary, only) or choose_destination(snapshot, None, summary, only)
+        dst = (sticky_destination(snapshot, last, summary, only, room)
+               or choose_destination(snapshot, None, summary, only, room))
         if dst is None:
             self.ctx.metrics.admission_rejected.inc()
             raise NoCapacity("no rollout cell has room", retry_after_s=max(1.0, self.ctx.cfg.heartbeat_s * 2))

@@ -19,7 +19,7 @@ from scheduler.control.notify import Notifier
 from scheduler.control.registry import Registry
 
 if TYPE_CHECKING:
-    from scheduler.contract.config import MigrationConfig, SchedulerConfig, VersionsConfig
+    from scheduler.contract.config.scheduler import MigrationConfig, SchedulerConfig, VersionsConfig
     from scheduler.contract.protocol import Command
     from scheduler.control.metrics import Metrics
     from scheduler.store import Store

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
-from scheduler.contract.config import MigrationConfig, SchedulerConfig, VersionsConfig
+from scheduler.contract.config.scheduler import MigrationConfig, SchedulerConfig, VersionsConfig
 from scheduler.contract.errors import Conflict
 from scheduler.contract.gcpolicy import SCHEDULER_YOUNG_THRESHOLD, GcPolicy
 from scheduler.contract.protocol import (
@@ -56,6 +56,7 @@ from scheduler.control.staleness import Staleness
 from scheduler.control.tally import FleetTally
 from scheduler.control.trust import Trust
 from scheduler.control.versions import Versions
+from scheduler.planner.room import Placement
 from scheduler.planner.types import Snapshot
 from scheduler.store import Store
 from scheduler.store.owners import RequestRow
@@ -90,7 +91,7 @@ class Controller:
         """Which cell was told to load which version, when."""
         self.migrations = Migrations(ctx, self.versions, self.trust)
         """When each pending KV copy began; each move's client-visible stall."""
-        self.ownership = Ownership(ctx, self.migrations, self.snapshot)
+        self.ownership = Ownership(ctx, self.migrations, self.snapshot, self.placement)
         """Each request's progress clock and the cell a stalled request avoids."""
         self.tally = FleetTally(ctx)
         """Rollout slots, live rollout cells and role-seconds, kept by change; the fleet's
@@ -156,6 +157,12 @@ class Controller:
         scheduler measures."""
         return build_snapshot(self.ctx, self.rates, self.cell_summaries, pinned=self.flips.pinned_training,
                               version=self.versions.current(), finished_waiting=self.staleness.finished_waiting())
+
+    def placement(self) -> Placement:
+        """The planner's placement index this controller keeps over the fleet's cells, as of the
+        last `snapshot()` (which brings it up to date): passed to the planner's calls, whose
+        placements use up room in it (O(log cells) each), the snapshot left as it was."""
+        return self.cell_summaries.placement
 
     # ------------------------------------------------------------------ loop
     def tick(self) -> None:

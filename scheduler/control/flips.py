@@ -123,7 +123,7 @@ class Flips:
             return [row]
         want = count or 1
         flipping = fleet.flipping_cells() | exclude  # not to pick: it would be refused
-        ids = placement.choose_cells_to_flip(self.snapshot(), to, want, exclude=flipping)
+        ids = placement.choose_cells_to_flip(self.snapshot(), to, want, flipping, self.ownership.kept_placement())
         if len(ids) < want:
             raise Conflict(f"only {len(ids)} cells can flip to {to}, {want} asked", code="no_cells")
         return [fleet.get_cell(i) for i in ids]  # type: ignore[misc]
@@ -293,9 +293,9 @@ class Flips:
         running = [req for req in live if req.state == "running"]
         if not running:
             return
-        choices = placement.choose_destinations(self.snapshot(), cell.id,
-                                                [self.ownership.summarize(req) for req in running],
-                                                only=self.ctx.placeable(None, cell.id))  # the cell's job's
+        choices = placement.choose_destinations(self.snapshot(), cell.id, [self.ownership.summarize(req) for req in running],
+                                                only=self.ctx.placeable(None, cell.id),  # the cell's job's
+                                                placement=self.ownership.kept_placement())  # after snapshot()
         for req, choice in zip(running, choices, strict=True):
             dst = self.ctx.store.fleet.get_cell(choice.cell_id) if choice is not None else None
             if dst is None:
@@ -376,7 +376,7 @@ class Flips:
     def autonomous(self, snap: Snapshot | None = None) -> None:
         """The planner's own flips (when `auto_flip`) on `snap` (one RL job's; None: the fleet's),
         as if POSTed without a key, in one transaction (one durable commit for a burst of flips)."""
-        plan = placement.plan_flips(snap or self.snapshot())
+        plan = placement.plan_flips(snap) if snap else placement.plan_flips(self.snapshot(), self.ownership.kept_placement())
         if not plan:
             return
         made = 0

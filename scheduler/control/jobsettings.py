@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from scheduler.contract.errors import Invalid
 
 if TYPE_CHECKING:
-    from scheduler.contract.config import SchedulerConfig
+    from scheduler.contract.config.scheduler import SchedulerConfig
     from scheduler.store.jobs import JobRow
 
 SETTINGS_KEYS = ("objective", "staleness_bound", "staleness_policy", "min_rollout_cells", "max_sessions", "drain_s",

@@ -18,7 +18,7 @@ from scheduler.contract.protocol import AbortCmd, SuspendCmd
 from scheduler.contract.states import REQUEST
 from scheduler.control import turns
 from scheduler.planner import placement
-from scheduler.planner.placement import choose_destination, with_placement
+from scheduler.planner.placement import choose_destination
 from scheduler.planner.types import RequestSummary, Snapshot
 from scheduler.store.owners import OWNED_REQUEST_STATES, WAITING_REQUEST_STATES
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from scheduler.control.context import Context, Effects
     from scheduler.control.migrations import Migrations
     from scheduler.control.registry import LiveCell
+    from scheduler.planner.room import Placement
     from scheduler.store.fleet import CellRow, FlipRow
     from scheduler.store.owners import RequestRow
 
@@ -52,10 +53,12 @@ class Ownership:
     `avoid_cell` (where a stalled request is not placed again) and `abort_sent` (strays told
     to go)."""
 
-    def __init__(self, ctx: Context, migrations: Migrations, snapshot: Callable[[], Snapshot]) -> None:
+    def __init__(self, ctx: Context, migrations: Migrations, snapshot: Callable[[], Snapshot],
+                 kept_placement: Callable[[], Placement]) -> None:
         self.ctx = ctx
         self.migrations = migrations
         self.snapshot = snapshot
+        self.kept_placement = kept_placement  # the controller's index, brought up to date by snapshot()
         self.progress_at: dict[str, float] = {}
         """request id → monotonic time its current owner last advanced it: was given it (start
         or commit) or committed a token. The lost and stall rules of `reconcile_reports`."""
@@ -240,7 +243,7 @@ class Ownership:
             return 0
         if all(req.state != "parked" and req.id not in self.avoid_cell for req in waiting):
             return self._place_queue(waiting)
-        snapshot = with_placement(self.snapshot())  # each placement uses up its room there
+        snapshot, room = self.snapshot(), self.kept_placement()  # each placement uses up its room there
         placed = 0
         with ctx.txn(durable=True) as fx:
             for req in waiting:
@@ -249,11 +252,11 @@ class Ownership:
                     continue  # its owner is not live: fencing re-queues it
                 summary, only = self.summarize(req), ctx.placeable(req.session_id, None)  # its job's cells
                 if parked_on is not None:
-                    dst = choose_destination(snapshot, req.cell_id, summary, only)
+                    dst = choose_destination(snapshot, req.cell_id, summary, only, room)
                 else:  # not back onto the cell it stalled on, unless no other cell has room
                     avoid = self.avoid_cell.get(req.id)
-                    dst = choose_destination(snapshot, avoid, summary, only) or (
-                        choose_destination(snapshot, None, summary, only) if avoid else None)
+                    dst = choose_destination(snapshot, avoid, summary, only, room) or (
+                        choose_destination(snapshot, None, summary, only, room) if avoid else None)
                 if dst is None:
                     break
                 self.avoid_cell.pop(req.id, None)
@@ -274,9 +277,9 @@ class Ownership:
         for r in waiting:
             only = self.ctx.placeable(r.session_id, None)
             by_job.setdefault(id(only), (only, []))[1].append(r)
-        snapshot, choices = self.snapshot(), {}
+        snapshot, choices, room = self.snapshot(), {}, self.kept_placement()
         for only, reqs in by_job.values():
-            got = placement.choose_destinations(snapshot, None, [self.summarize(r) for r in reqs], True, only)
+            got = placement.choose_destinations(snapshot, None, [self.summarize(r) for r in reqs], True, only, room)
             choices.update((r.id, d) for r, d in zip(reqs, got, strict=True))
         placed = 0
         with self.ctx.txn(durable=True) as fx:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from scheduler.control.trust import trusted
-from scheduler.planner.destinations import Placement
+from scheduler.planner.room import Placement
 from scheduler.planner.types import CellSummary, Snapshot
 
 if TYPE_CHECKING:
@@ -40,7 +40,9 @@ class CellSummaries:
         self.busy_copies: dict[str, tuple[CellSummary, CellSummary]] = {}
         """id → (summary, its busy copy), reused while the summary stands."""
         self.placement = Placement(())
-        """The planner's placement index over `listed`, kept up to date with it."""
+        """The planner's placement index over `listed`, kept up to date with it by each build
+        (`current`): the controller owns it and passes it to the planner calls that use up
+        room (`Controller.placement`); no `Snapshot` carries it."""
         self.changes = ctx.store.changes.reader()
         self.watched = ctx.registry.watch()
         self.rollbacks = -1
@@ -159,7 +161,7 @@ def build_snapshot(ctx: Context, rates: Rates, cells: CellSummaries, *, pinned: 
         finish_rate_per_slot_s=rates.finish_rate_per_slot_s(), slot_occupancy=rates.slot_occupancy(),
         train_rate_per_cell_s=rates.train_rate_per_cell_s, train_step_s=rates.train_step_s,
         tokens_per_step=rates.tokens_per_step,
-        max_concurrent_steps=demand.max_concurrent_steps if demand else 1, placement=cells.placement)
+        max_concurrent_steps=demand.max_concurrent_steps if demand else 1)
 
 
 def _caps(caps: dict[str, Any]) -> tuple[dict, int, bool, str | None]:

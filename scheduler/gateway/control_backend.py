@@ -1,6 +1,6 @@
 """The gateway's backend on the real control plane: the durable session store and the cells.
 
-Satisfies `scheduler.contract.tito.backend.CompletionBackend`: the chat gateway appends rendered
+Satisfies `scheduler.gateway.tito.backend.CompletionBackend`: the chat gateway appends rendered
 prompt tokens to the session's buffer, then `complete` submits the buffer as a token-in
 completion (owned by a cell, fenced, migratable) and yields each sampled token once the store
 has committed it — so a token reaches the store before any client sees it. The control
@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 from scheduler.api.principal import ROUTED_JOB, current_agent, current_job
 from scheduler.contract.errors import Conflict
 from scheduler.contract.sampling import SamplingParams
-from scheduler.contract.tito.backend import (
+from scheduler.gateway import recording
+from scheduler.gateway.tito.backend import (
     Rewind,
     SessionFinished,
     SessionNotFound,
     SessionTokens,
     TokenOut,
 )
-from scheduler.gateway import recording
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

@@ -12,10 +12,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from scheduler.api.ids import SESSION_ID_RE, SESSION_ID_RULE
 from scheduler.api.jsontext import MAX_DEPTH, depth, lone_surrogate_path
-from scheduler.contract.ids import SESSION_ID_RE, SESSION_ID_RULE
-from scheduler.contract.tito.openai_schema import ChatCompletionRequest
 from scheduler.gateway.responses import error_response
+from scheduler.gateway.tito.openai_schema import ChatCompletionRequest
 
 __all__ = ["SESSION_HEADER", "parse_chat_request", "read_body", "session_id"]
 

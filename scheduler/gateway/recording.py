@@ -8,7 +8,7 @@ from __future__ import annotations
 from contextvars import ContextVar
 from typing import Any
 
-from scheduler.contract.tito.openai_schema import ChatCompletionRequest
+from scheduler.gateway.tito.openai_schema import ChatCompletionRequest
 
 SENT: ContextVar[list[dict[str, Any]] | None] = ContextVar("cellflip_sent_messages", default=None)
 """The messages of the chat turn this task serves (None outside the chat route)."""

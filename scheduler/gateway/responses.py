@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from scheduler.api.jsontext import SafeJSONResponse
-from scheduler.contract.tito.backend import BackendError
-from scheduler.contract.tito.openai_schema import ChatCompletionRequest, error_body
-from scheduler.contract.tito.turn import TurnResult
+from scheduler.gateway.tito.backend import BackendError
+from scheduler.gateway.tito.openai_schema import ChatCompletionRequest, error_body
+from scheduler.gateway.tito.turn import TurnResult
 
 __all__ = [
     "backend_error_response",

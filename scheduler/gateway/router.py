@@ -2,7 +2,7 @@
 
 Mount it in the application::
 
-    from scheduler.gateway import make_chat_router
+    from scheduler.gateway.router import make_chat_router
     app.include_router(make_chat_router(backend, "qwen3", registry=metrics_registry))
 
 ``X-Session-Id`` groups a harness's requests into one rollout (one session); without it each
@@ -39,9 +39,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
+from scheduler.api.ids import SESSION_ID_PATTERN, SESSION_ID_RULE
 from scheduler.api.jsontext import SafeJSONResponse
-from scheduler.contract.ids import SESSION_ID_PATTERN, SESSION_ID_RULE
-from scheduler.contract.tito.backend import (
+from scheduler.contract.config.gateway import DEFAULT_MAX_PROMPT_TOKENS
+from scheduler.gateway import recording
+from scheduler.gateway.intake import SESSION_HEADER, parse_chat_request, read_body, session_id
+from scheduler.gateway.responses import backend_error_response, completion_body, error_response
+from scheduler.gateway.streaming import start_stream
+from scheduler.gateway.tito.backend import (
     BackendError,
     CompletionBackend,
     GatewayCounters,
@@ -49,19 +54,14 @@ from scheduler.contract.tito.backend import (
     SessionFinished,
     SessionNotFound,
 )
-from scheduler.contract.tito.config import DEFAULT_MAX_PROMPT_TOKENS
-from scheduler.contract.tito.openai_schema import (
+from scheduler.gateway.tito.openai_schema import (
     ChatCompletion,
     ChatCompletionRequest,
     ErrorResponse,
     FinishRequest,
 )
-from scheduler.contract.tito.render import ChatRenderer, load_renderer
-from scheduler.contract.tito.tito import GatewayError, TitoGateway
-from scheduler.gateway import recording
-from scheduler.gateway.intake import SESSION_HEADER, parse_chat_request, read_body, session_id
-from scheduler.gateway.responses import backend_error_response, completion_body, error_response
-from scheduler.gateway.streaming import start_stream
+from scheduler.gateway.tito.render import ChatRenderer, load_renderer
+from scheduler.gateway.tito.tito import GatewayError, TitoGateway
 
 __all__ = ["make_chat_router", "SESSION_HEADER"]
 
@@ -108,7 +108,7 @@ def make_chat_router(
     """Build the gateway router.
 
     ``tokenizer_name`` selects a renderer preset (``qwen3``, ``qwen3-nothink``,
-    ``deepseek-v3``; see :mod:`scheduler.contract.tito.render`), or pass ``renderer``. Counters:
+    ``deepseek-v3``; see :mod:`scheduler.gateway.tito.render`), or pass ``renderer``. Counters:
     ``counters`` if given, else Prometheus counters registered in ``registry`` when one is
     given, else plain in-process counters. ``finish_route=False`` leaves
     ``POST /v1/sessions/{id}/finish`` to the application. The router's ``gateway`` attribute

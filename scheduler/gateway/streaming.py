@@ -14,11 +14,11 @@ from typing import Any
 from fastapi.responses import Response, StreamingResponse
 
 from scheduler.api.jsontext import dumps
-from scheduler.contract.tito.backend import BackendError
-from scheduler.contract.tito.openai_schema import ChatCompletionRequest, error_body
-from scheduler.contract.tito.tito import TitoGateway, TurnRun
-from scheduler.contract.tito.turn import TurnResult
 from scheduler.gateway.responses import token_logprob_entries, usage
+from scheduler.gateway.tito.backend import BackendError
+from scheduler.gateway.tito.openai_schema import ChatCompletionRequest, error_body
+from scheduler.gateway.tito.tito import TitoGateway, TurnRun
+from scheduler.gateway.tito.turn import TurnResult
 
 __all__ = ["start_stream", "sse"]
 

@@ -3,7 +3,9 @@
     plan_flips(snapshot, policy)                     -> [FlipDecision]  autonomous policy
     choose_cells_to_flip(snapshot, to, count)        -> [cell_id]       POST /v1/flips {"count": n}
 
-Where moved requests go is scheduler/planner/destinations.py.
+Where moved requests go is scheduler/planner/destinations.py. The controller passes its kept
+`Placement` (scheduler/planner/room.py) as `placement=`, so a flip choice costs O(log cells);
+without one a fresh index is built from the snapshot.
 
 No I/O, no clocks, no randomness, no mutation of the inputs: the controller and the cluster
 simulator (bench/cluster_sim.py) call exactly these, so the simulator measures the policy
@@ -41,7 +43,7 @@ from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 
 from scheduler.contract.states import ROLLOUT_SIDE, TRAINING_SIDE
-from scheduler.planner.destinations import placement_of
+from scheduler.planner.room import Placement, placement_for
 from scheduler.planner.types import (
     CellId,
     CellSummary,
@@ -149,7 +151,8 @@ def _useful_training_cells(snapshot: Snapshot) -> int:
     return min(steps + ready, max(1, snapshot.max_concurrent_steps)) * snapshot.max_cells_per_step
 
 
-def plan_flips(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) -> list[FlipDecision]:
+def plan_flips(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY,
+               placement: Placement | None = None) -> list[FlipDecision]:
     """Flips that move the split toward the balance (module docstring). Pure.
 
     To training: only while the trainer could use the cells now (running steps plus ready
@@ -184,7 +187,7 @@ def plan_flips(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) -> li
     if want_now - n_train >= deadband:
         spare = n_rollout_role - snapshot.min_rollout_cells
         count = min(int(want_now - n_train), max_flips, spare)
-        chosen = _cheapest_rollout(snapshot, count)
+        chosen = _cheapest_rollout(snapshot, count, placement=placement)
         chosen = _within_budget(snapshot.cells, chosen, math.inf if may_park(snapshot, policy) else room,
                                 policy.max_moved_sessions_per_tick)
         reason = f"balance: want {want:.1f} training cells, have {n_train}"
@@ -200,8 +203,9 @@ def plan_flips(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) -> li
     return []
 
 
-def choose_cells_to_flip(snapshot: Snapshot, to: FlipTarget, count: int,
-                         idle_only: bool = False, exclude: AbstractSet[CellId] = frozenset()) -> list[CellId]:
+def choose_cells_to_flip(snapshot: Snapshot, to: FlipTarget, count: int, idle_only: bool = False,
+                         exclude: AbstractSet[CellId] = frozenset(),
+                         placement: Placement | None = None) -> list[CellId]:
     """Up to `count` cells to flip `to` a role, cheapest to move first. Pure.
 
     To training: rollout cells, fewest seconds of in-flight work to move (KV bytes over the
@@ -213,7 +217,7 @@ def choose_cells_to_flip(snapshot: Snapshot, to: FlipTarget, count: int,
         return []
     cells = snapshot.cells
     if to == "training":
-        return [cells[i].cell_id for i in _cheapest_rollout(snapshot, count, exclude)]
+        return [cells[i].cell_id for i in _cheapest_rollout(snapshot, count, exclude, placement)]
     if to == "rollout":
         training = [(c.busy, i) for i, c in enumerate(cells) if c.role == "training"
                     and not (idle_only and c.busy) and c.cell_id not in exclude]
@@ -221,10 +225,11 @@ def choose_cells_to_flip(snapshot: Snapshot, to: FlipTarget, count: int,
     raise ValueError(f"flip target must be 'training' or 'rollout', got {to!r}")
 
 
-def _cheapest_rollout(snapshot: Snapshot, count: int, exclude: AbstractSet[CellId] = frozenset()) -> list[int]:
+def _cheapest_rollout(snapshot: Snapshot, count: int, exclude: AbstractSet[CellId] = frozenset(),
+                      placement: Placement | None = None) -> list[int]:
     """Indices of up to `count` rollout cells not in `exclude`, cheapest to drain first,
-    keeping the minimum."""
-    return placement_of(snapshot).cheapest_rollout(count, exclude, snapshot.min_rollout_cells)
+    keeping the minimum (on the caller's kept `placement` when given, else a fresh one)."""
+    return placement_for(snapshot, placement).cheapest_rollout(count, exclude, snapshot.min_rollout_cells)
 
 
 def _within_budget(cells: Sequence[CellSummary], chosen: list[int], room: float,

@@ -1,5 +1,4 @@
-"""Records the planner reads and writes: frozen, slotted, JSON-able field types only (a
-snapshot's kept `placement` index aside, which is not part of its value).
+"""Records the planner reads and writes: frozen, slotted, JSON-able field types only.
 
 A `Snapshot` is a tuple of per-cell summaries plus a handful of cluster counters and
 measured rates, so a planner tick at 10,000 cells never walks a million sessions. The
@@ -9,7 +8,7 @@ arrays. Nothing here performs I/O or reads a clock.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from scheduler.contract.states import CellState as Role
@@ -93,10 +92,6 @@ class Snapshot:
     """Tokens the last training step consumed, as the trainer reports it; 0 = unknown."""
     max_concurrent_steps: int = 1
     """Training steps the trainer runs at once (one RL job publishing one version at a time: 1)."""
-    placement: object | None = field(default=None, compare=False, repr=False)
-    """The controller's kept `destinations.Placement` over `cells` (not part of the snapshot's
-    value): placements and flip choices then cost O(log cells), not a pass over the fleet.
-    None: the planner builds one per call."""
 
     @property
     def current_version(self) -> int | None:
@@ -104,7 +99,7 @@ class Snapshot:
         return None if self.version < 0 else self.version
 
     def cell(self, cell_id: CellId) -> CellSummary | None:
-        """O(cells): for tests and tools; the controller asks its `placement`."""
+        """O(cells): for tests and tools; the controller asks its kept `Placement` (room.py)."""
         return next((c for c in self.cells if c.cell_id == cell_id), None)
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from scheduler.contract.trajexport import TOKEN_ROW_BYTES, RetainConfig
+from scheduler.contract.config.store import RetainConfig
+from scheduler.contract.trajexport import TOKEN_ROW_BYTES
 from scheduler.store.codec import dumps, loads
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ import torch
 
 from cells.engine.embedded import EmbeddedEngine
 from cells.engine.records import SamplingParams
-from scheduler.contract.config import EmbeddedEngineConfig, ModelConfig
+from scheduler.contract.config.engine import EmbeddedEngineConfig, ModelConfig
 
 VOCAB = 1024
 

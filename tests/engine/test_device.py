@@ -8,7 +8,7 @@ from pydantic import ValidationError
 from cells.engine.embedded.device import misplaced, pool_blocks, resolve_device, resolve_dtype
 from cells.engine.embedded.model import init_weights
 from cells.engine.records import EngineError
-from scheduler.contract.config import EmbeddedEngineConfig
+from scheduler.contract.config.engine import EmbeddedEngineConfig
 
 from .enginekit import make_engine, params, prompts, run_all
 

@@ -8,7 +8,7 @@ from cells.engine.embedded.checkpoint import load_checkpoint, save_checkpoint
 from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import ModelSpec, spec_from_hf_config
 from cells.engine.records import EngineError, SamplingParams
-from scheduler.contract.config import EmbeddedEngineConfig, ModelConfig
+from scheduler.contract.config.engine import EmbeddedEngineConfig, ModelConfig
 
 from .enginekit import make_engine, prompts, run_all
 

@@ -10,7 +10,7 @@ import pytest
 from sched_fakes import FakeCell, Harness, pump, until_held
 
 from cells.export.table import turn_messages
-from scheduler.contract.trajexport import RetainConfig
+from scheduler.contract.config.store import RetainConfig
 
 SYSTEM = {"role": "system", "content": "You add numbers."}
 

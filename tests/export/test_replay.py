@@ -18,7 +18,7 @@ from cells.engine.embedded.model_spec import resolve_spec
 from cells.engine.records import SamplingParams
 from cells.export.replay import replay
 from cells.export.writer import ExportDir
-from scheduler.contract.config import EmbeddedEngineConfig, ModelConfig
+from scheduler.contract.config.engine import EmbeddedEngineConfig, ModelConfig
 
 MODEL = ModelConfig(preset="tiny", vocab_size=256, hidden_size=64, num_layers=2, head_dim=16, intermediate_size=128,
                     output_id_ranges=[(0, 200)], seed=0)

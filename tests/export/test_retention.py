@@ -12,7 +12,7 @@ from storekit import random_session
 
 from cells.trainer import outcomes
 from scheduler.contract.config import CellflipConfig
-from scheduler.contract.trajexport import RetainConfig
+from scheduler.contract.config.store import RetainConfig
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from gateway_harness import RENDERER_NAMES, LiveServer
 
 @pytest.fixture(scope="session")
 def renderers():
-    from scheduler.contract.tito.render import load_renderer
+    from scheduler.gateway.tito.render import load_renderer
 
     return {name: load_renderer(name) for name in RENDERER_NAMES}
 

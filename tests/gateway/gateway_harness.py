@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from scheduler.contract.tito.memory import echo_assistant
+from scheduler.gateway.tito.memory import echo_assistant
 
 ROOT = Path(__file__).resolve().parents[2]
 CORPUS = ROOT / "bench" / "data"

@@ -11,8 +11,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from scheduler.contract.tito.memory import InMemoryBackend, ReplayEngine
-from scheduler.gateway import make_chat_router
+from scheduler.gateway.router import make_chat_router
+from scheduler.gateway.tito.memory import InMemoryBackend, ReplayEngine
 from tests.gateway.test_gateway_tito import TOOLS, answer, make, tool_completion, turn
 
 
@@ -43,7 +43,7 @@ def test_javascript_style_numbers_in_echoed_arguments_are_not_a_rewrite(renderer
 
 @pytest.mark.parametrize("name_json", ["5", "null", '{"a": 1}', '["read_file"]', '""'])
 def test_a_sampled_non_string_tool_name_is_no_call_and_its_echo_is_accepted(renderers, name_json):
-    from scheduler.contract.tito.openai_schema import ResponseMessage
+    from scheduler.gateway.tito.openai_schema import ResponseMessage
 
     r = renderers["qwen3"]
     engine, backend, gw = make(r)
@@ -107,7 +107,7 @@ def test_lone_surrogate_anywhere_is_a_400(gateway_url, field):
 def test_a_prompt_past_the_default_limit_is_a_clear_400(renderers):
     r = renderers["qwen3"]
     engine, backend, gw = make(r, max_prompt_tokens=65536)
-    from scheduler.contract.tito.tito import GatewayError
+    from scheduler.gateway.tito.tito import GatewayError
 
     async def go():
         with pytest.raises(GatewayError) as ei:
@@ -120,6 +120,6 @@ def test_a_prompt_past_the_default_limit_is_a_clear_400(renderers):
 
 
 def test_the_router_applies_the_prompt_limit_by_default():
-    from scheduler.contract.tito.config import DEFAULT_MAX_PROMPT_TOKENS, GatewayConfig
+    from scheduler.contract.config.gateway import DEFAULT_MAX_PROMPT_TOKENS, GatewayConfig
 
     assert GatewayConfig().max_prompt_tokens == DEFAULT_MAX_PROMPT_TOKENS == 65536

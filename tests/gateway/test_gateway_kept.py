@@ -9,9 +9,9 @@ import copy
 
 from test_gateway_tito import TOOLS, answer, req, tool_completion
 
-from scheduler.contract.tito.backend import SimpleCounters
-from scheduler.contract.tito.memory import InMemoryBackend, ReplayEngine
-from scheduler.contract.tito.tito import TitoGateway
+from scheduler.gateway.tito.backend import SimpleCounters
+from scheduler.gateway.tito.memory import InMemoryBackend, ReplayEngine
+from scheduler.gateway.tito.tito import TitoGateway
 
 
 class Counting(InMemoryBackend):

@@ -12,10 +12,10 @@ from fastapi import FastAPI
 from gateway_harness import load_corpus, next_messages, renderer_view
 from prometheus_client import CollectorRegistry, generate_latest
 
-from scheduler.contract.tito import InMemoryBackend, ReplayEngine
-from scheduler.contract.tito.memory import replay_logprob
-from scheduler.contract.tito.tito import naive_rerender_drift
-from scheduler.gateway import make_chat_router
+from scheduler.gateway.router import make_chat_router
+from scheduler.gateway.tito import InMemoryBackend, ReplayEngine
+from scheduler.gateway.tito.memory import replay_logprob
+from scheduler.gateway.tito.tito import naive_rerender_drift
 
 PREFIX = {"qwen3": "/q", "deepseek-v3": "/d"}
 SQL_TOOL = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.contract.tito.render import RENDERER_PRESETS, load_renderer
+from scheduler.gateway.tito.render import RENDERER_PRESETS, load_renderer
 
 TOOLS = [
     {

@@ -8,10 +8,10 @@ import copy
 import pytest
 from gateway_harness import load_corpus, next_messages
 
-from scheduler.contract.tito.backend import BackendBusy, PrometheusCounters, SimpleCounters
-from scheduler.contract.tito.memory import InMemoryBackend, ReplayEngine
-from scheduler.contract.tito.openai_schema import ChatCompletionRequest
-from scheduler.contract.tito.tito import GatewayError, TitoGateway, canonical_arguments
+from scheduler.gateway.tito.backend import BackendBusy, PrometheusCounters, SimpleCounters
+from scheduler.gateway.tito.memory import InMemoryBackend, ReplayEngine
+from scheduler.gateway.tito.openai_schema import ChatCompletionRequest
+from scheduler.gateway.tito.tito import GatewayError, TitoGateway, canonical_arguments
 
 TOOLS = [
     {

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.contract.tito.tokenizers import QWEN3_ADDED_TOKENS, load_tokenizer
+from scheduler.gateway.tito.tokenizers import QWEN3_ADDED_TOKENS, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,8 @@ def test_unknown_tokenizer_name():
 
 
 def test_offline_and_free_of_torch_and_cells():
-    """Vocabularies come from the installed packages: no socket is opened, no torch loaded."""
+    """Vocabularies come from the installed packages: no socket is opened, no torch loaded (nor
+    FastAPI by the TITO logic)."""
     code = textwrap.dedent(
         """
         import socket, sys
@@ -81,12 +82,14 @@ def test_offline_and_free_of_torch_and_cells():
             raise OSError("network access attempted")
         socket.socket.connect = refuse
         socket.create_connection = refuse
-        from scheduler.contract.tito.render import load_renderer
+        from scheduler.gateway.tito.render import load_renderer
         for name in ("qwen3", "deepseek-v3"):
             r = load_renderer(name)
             ids = r.render_ids([{"role": "user", "content": "hi"}], None, add_generation_prompt=True)
             assert r.tokenizer.decode(ids)
-        import scheduler.gateway
+        import scheduler.gateway.tito
+        assert "fastapi" not in sys.modules, "the TITO logic (the toy task runs it) pulls in the HTTP side"
+        import scheduler.gateway.router
         assert "torch" not in sys.modules and "cells" not in sys.modules
         """
     )

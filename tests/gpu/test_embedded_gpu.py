@@ -10,7 +10,7 @@ import torch
 from cells.engine.embedded import EmbeddedEngine
 from cells.engine.embedded.device import misplaced
 from cells.engine.records import SamplingParams
-from scheduler.contract.config import EmbeddedEngineConfig, ModelConfig
+from scheduler.contract.config.engine import EmbeddedEngineConfig, ModelConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -48,7 +48,7 @@ from cells.engine.sglang.weights import (
     join_update_group,
     plan_buckets,
 )
-from scheduler.contract.config import SGLangEngineConfig
+from scheduler.contract.config.engine import SGLangEngineConfig
 
 pytestmark = [
     pytest.mark.gpu,

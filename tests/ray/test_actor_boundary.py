@@ -14,12 +14,8 @@ import yaml
 from cells.launch.actors import ACTOR_CLASSES, check_plain, json_boundary
 from cells.launch.ray_launcher import absolute_paths, cell_bundle, check_reachable
 from cells.localcluster import ROOT, find_free_port
-from scheduler.contract.config import (
-    ConfigError,
-    LocalLauncherConfig,
-    RayLauncherConfig,
-    parse_config,
-)
+from scheduler.contract.config import ConfigError, parse_config
+from scheduler.contract.config.launch import LocalLauncherConfig, RayLauncherConfig
 
 
 def _public_methods(cls):

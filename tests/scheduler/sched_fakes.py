@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from fastapi.testclient import TestClient
 
 from scheduler.api.app import create_app
-from scheduler.contract.config import CellflipConfig, MigrationConfig, SchedulerConfig
+from scheduler.contract.config import CellflipConfig
+from scheduler.contract.config.scheduler import MigrationConfig, SchedulerConfig
 from scheduler.contract.prefixhash import prefix_digest
 from scheduler.contract.probe import PROBE_LEN
 from tests.conftest import AUTH

@@ -11,7 +11,8 @@ from fastapi.testclient import TestClient
 from sched_fakes import make_config
 
 from scheduler.api.app import create_app
-from scheduler.contract.config import ConfigError, SchedulerConfig
+from scheduler.contract.config import ConfigError
+from scheduler.contract.config.scheduler import SchedulerConfig
 from scheduler.contract.tokens import (
     SCOPE_ENV,
     SCOPE_FILE,

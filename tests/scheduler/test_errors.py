@@ -11,7 +11,7 @@ from scheduler.contract.errors import (
     http_answer,
 )
 from scheduler.contract.states import IllegalTransition
-from scheduler.contract.tito.backend import (
+from scheduler.gateway.tito.backend import (
     BackendBusy,
     BackendError,
     BackendUnavailable,

@@ -10,7 +10,7 @@ import sqlite3
 
 import pytest
 
-from scheduler.contract.config import MigrationConfig, SchedulerConfig, VersionsConfig
+from scheduler.contract.config.scheduler import MigrationConfig, SchedulerConfig, VersionsConfig
 from scheduler.control.context import Context
 from scheduler.control.groupcommit import GroupCommit
 from scheduler.control.metrics import Metrics

@@ -10,6 +10,10 @@ by its submodules' imports.
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,3 +109,41 @@ def test_the_checker_sees_local_and_relative_imports(tmp_path):
     assert find_cycle(graph) is None
     (pkg / "c.py").write_text("import pkg.a\n")
     assert find_cycle(import_graph(tmp_path, "pkg")) == ["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]
+
+
+def _first_import_failures(root: Path, package: str) -> list[str]:
+    """Import each module of `package` first, in a fresh interpreter state each, in one
+    subprocess: a circle through a package's `__init__` (which the graph above does not count)
+    shows as a module that cannot be imported first."""
+    mods = sorted(_module_name(p, root) for p in (root / package).rglob("*.py") if p.name != "__main__.py")
+    top = package.split("/")[0]
+    code = ("import importlib, json, sys\nbad = []\n"
+            f"for m in {mods!r}:\n"
+            f"    for k in [k for k in sys.modules if k == {top!r} or k.startswith({top + '.'!r})]:\n"
+            "        del sys.modules[k]\n"
+            "    try:\n        importlib.import_module(m)\n"
+            "    except Exception as e:\n        bad.append(f'{m}: {e!r}')\n"
+            "print(json.dumps(bad))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_every_contract_module_imports_first():
+    """The contract's config package re-exports its sections from `__init__`, so a contract
+    module the sections import must not import the config package back."""
+    assert _first_import_failures(ROOT, "scheduler/contract") == []
+
+
+def test_the_first_import_check_sees_a_circle_through_an_init(tmp_path):
+    pkg = tmp_path / "pkgx"
+    (pkg / "conf").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "conf" / "__init__.py").write_text("from pkgx.conf.sect import Sect\n")
+    (pkg / "conf" / "base.py").write_text("BASE = 1\n")
+    (pkg / "conf" / "sect.py").write_text("from pkgx.shared import VALUE\nSect = VALUE\n")
+    (pkg / "shared.py").write_text("VALUE = 2\n")
+    assert _first_import_failures(tmp_path, "pkgx") == []
+    (pkg / "shared.py").write_text("from pkgx.conf.base import BASE\nVALUE = BASE\n")
+    assert [f.split(":")[0] for f in _first_import_failures(tmp_path, "pkgx")] == ["pkgx.shared"]

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from scheduler.contract.config import SchedulerConfig
+from scheduler.contract.config.scheduler import SchedulerConfig
 from scheduler.contract.protocol import Summary
 from scheduler.control.controller import Controller
 from scheduler.control.snapshot import CellSummaries

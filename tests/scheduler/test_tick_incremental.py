@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 
-from scheduler.contract.config import MigrationConfig, SchedulerConfig
+from scheduler.contract.config.scheduler import MigrationConfig, SchedulerConfig
 from scheduler.contract.protocol import Summary
 from scheduler.control.controller import Controller
 from scheduler.control.snapshot import CellSummaries

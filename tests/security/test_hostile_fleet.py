@@ -459,7 +459,7 @@ def test_a_cell_stuck_loading_rolls_back(tmp_path):
 
 def test_rendering_a_turn_leaves_the_event_loop_free(h, monkeypatch):
     """A turn is rendered on a worker thread: while one render is held, the app still answers."""
-    from scheduler.contract.tito import planning
+    from scheduler.gateway.tito import planning
 
     release, entered = threading.Event(), threading.Event()
     original = planning.TurnPlanner._compose

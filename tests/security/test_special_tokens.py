@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.contract.tito.render import load_renderer
+from scheduler.gateway.tito.render import load_renderer
 from tests.scheduler.sched_fakes import FakeCell, Harness, pump, until_held
 
 RENDERERS = ("qwen3", "qwen3-nothink", "deepseek-v3")

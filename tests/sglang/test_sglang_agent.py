@@ -28,12 +28,8 @@ from cells.engine.sglang.engine import SGLangEngine
 from cells.engine.sglang.migration import kv_store_identity
 from cells.entry import cell_config
 from cells.localcluster import ROOT, Cluster, Streamer, cluster_config
-from scheduler.contract.config import (
-    CellflipConfig,
-    EmbeddedEngineConfig,
-    SGLangEngineConfig,
-    parse_config,
-)
+from scheduler.contract.config import CellflipConfig, parse_config
+from scheduler.contract.config.engine import EmbeddedEngineConfig, SGLangEngineConfig
 
 torch.set_num_threads(1)
 

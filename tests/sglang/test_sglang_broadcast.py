@@ -22,7 +22,7 @@ from cells.transport.receive import receive_broadcast
 from cells.transport.store import connect, get_json
 from cells.transport.versions_host import VersionHost
 from cells.versions import CellVersions
-from scheduler.contract.config import SGLangEngineConfig
+from scheduler.contract.config.engine import SGLangEngineConfig
 from scheduler.contract.protocol import LoadVersionCmd
 
 torch.set_num_threads(1)

@@ -8,7 +8,8 @@ import fake_sglang
 import pytest
 
 from cells.engine.sglang.engine import SGLangEngine
-from scheduler.contract.config import ConfigError, SGLangEngineConfig, load_config, parse_config
+from scheduler.contract.config import ConfigError, load_config, parse_config
+from scheduler.contract.config.engine import SGLangEngineConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 

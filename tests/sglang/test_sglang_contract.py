@@ -36,7 +36,7 @@ from cells.engine.sglang.weights import (
     flatten_bucket,
     plan_buckets,
 )
-from scheduler.contract.config import SGLangEngineConfig
+from scheduler.contract.config.engine import SGLangEngineConfig
 
 WHEEL = f"sglang-{sb.PINNED_SGLANG_VERSION}-cp311-cp311-manylinux_2_34_x86_64.whl"
 WHEEL_SHA256 = "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937"

@@ -24,7 +24,7 @@ from cells.engine.sglang.weights import (
     join_update_group,
     plan_buckets,
 )
-from scheduler.contract.config import SGLangEngineConfig
+from scheduler.contract.config.engine import SGLangEngineConfig
 from scheduler.contract.protocol import Summary
 
 W = BucketSpec(("w",), ("bfloat16",), ((2, 2),))

@@ -23,7 +23,8 @@ from cells.engine.sglang.engine import SGLangEngine
 from cells.engine.sglang.migration import kv_store_identity
 from cells.engine.sglang.weights import BucketSpec, UpdateGroup
 from cells.transport.store import set_json
-from scheduler.contract.config import ConfigError, SGLangEngineConfig, parse_config
+from scheduler.contract.config import ConfigError, parse_config
+from scheduler.contract.config.engine import SGLangEngineConfig
 
 W = BucketSpec(("w",), ("bfloat16",), ((2, 2),))
 HICACHE = {"enable_hierarchical_cache": True, "hicache_storage_backend": "file"}

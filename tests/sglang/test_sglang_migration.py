@@ -17,7 +17,7 @@ def test_endpoint_json_roundtrip():
 
 
 def test_planner_cost_orders_paths_for_long_contexts():
-    from scheduler.planner.destinations import move_seconds
+    from scheduler.planner.paths import move_seconds
 
     kv, store, re = (move_seconds(100_000, False, p) for p in ("kv", "kv_store", "reprefill"))
     assert kv < store < re

@@ -10,7 +10,7 @@ from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import resolve_spec
 from cells.engine.records import SamplingParams
 from cells.foreign_tokens import attribute
-from scheduler.contract.config import EmbeddedEngineConfig
+from scheduler.contract.config.engine import EmbeddedEngineConfig
 
 MODEL = {"preset": "tiny", "vocab_size": 256, "hidden_size": 32, "num_layers": 1, "head_dim": 16,
          "intermediate_size": 64, "output_id_ranges": [[0, 256]]}

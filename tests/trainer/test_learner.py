@@ -12,7 +12,7 @@ from cells.engine.embedded.model import init_weights, prepare, token_logprobs
 from cells.engine.embedded.model_spec import PRESETS, ModelSpec
 from cells.rl.learner import Learner
 from cells.rl.objectives import KLInLoss, KLInReward, ObjectiveConfig, decoupled_ppo_loss
-from scheduler.contract.config import EmbeddedEngineConfig
+from scheduler.contract.config.engine import EmbeddedEngineConfig
 
 torch.set_num_threads(1)
 

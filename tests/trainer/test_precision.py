@@ -9,7 +9,7 @@ from cells.rl.learner import Learner
 from cells.rl.objectives import ObjectiveConfig
 from cells.rl.precision import set_checkpointing, set_precision
 from cells.rl.reduce import sum_gradients
-from scheduler.contract.config import TrainerConfig
+from scheduler.contract.config.trainer import TrainerConfig
 
 SPEC = PRESETS["toy"]
 

@@ -147,7 +147,7 @@ def _scripted_episode(gw, engine, ep, sid, teacher=None):
 
 
 def test_run_episode_through_the_gateway():
-    from scheduler.contract.tito.memory import ReplayEngine
+    from scheduler.gateway.tito.memory import ReplayEngine
 
     engine = ReplayEngine()
     ep = find(lambda e: len(e.items) == 2 and e.depth == 2)
@@ -180,8 +180,8 @@ def test_demos_equal_what_the_http_gateway_records():
     from fastapi import FastAPI
     from starlette.testclient import TestClient
 
-    from scheduler.contract.tito.memory import InMemoryBackend, ReplayEngine
-    from scheduler.gateway import make_chat_router
+    from scheduler.gateway.router import make_chat_router
+    from scheduler.gateway.tito.memory import InMemoryBackend, ReplayEngine
 
     demos = demo_transcripts(6, seed=3, teacher=Demonstrator(p_skip=0.3))
     engine = ReplayEngine()
@@ -222,7 +222,7 @@ def test_tools_render_in_the_prompt():
 
 # -- branches and trees ----------------------------------------------------------------------
 def test_branches_share_a_prefix_and_make_a_tree():
-    from scheduler.contract.tito.memory import ReplayEngine
+    from scheduler.gateway.tito.memory import ReplayEngine
 
     ep = find(lambda e: len(e.items) == 1 and e.depth == 2)
     engine = ReplayEngine()

@@ -49,7 +49,7 @@ def _forked_group(learner: Learner) -> list[dict]:
     """Group `g`: member `t` forks after its first tool results into 3 branches (rewards 1, 1,
     0.5), member `u` answers wrong at once (reward 0). Behaviour log-probs near the learner's
     own, old log-probs exact (the learner's), two tokens of branch 2 missing."""
-    from scheduler.contract.tito.memory import ReplayEngine
+    from scheduler.gateway.tito.memory import ReplayEngine
 
     ep = _episode()
     engine = ReplayEngine()

@@ -101,7 +101,7 @@ def test_shard_layout_is_checked_and_picks_the_learner_a_cell_rank_builds():
 
     from cells.rl.shard import ShardedLearner
     from cells.training import protocol as P
-    from scheduler.contract.config import TrainerConfig
+    from scheduler.contract.config.trainer import TrainerConfig
     from tests.training.cluster import learner
 
     assert TrainerConfig().shard_layout == "flat" and TrainerConfig(shard_layout="gathered").shard_layout == "gathered"

@@ -11,7 +11,7 @@ from cells.engine.embedded import EmbeddedEngine
 from cells.engine.embedded.model import init_weights
 from cells.engine.embedded.model_spec import resolve_spec
 from cells.versions import CellVersions
-from scheduler.contract.config import EmbeddedEngineConfig
+from scheduler.contract.config.engine import EmbeddedEngineConfig
 from scheduler.contract.protocol import LoadVersionCmd
 
 MODEL = {"preset": "tiny", "vocab_size": 128, "hidden_size": 32, "num_layers": 1, "head_dim": 16,

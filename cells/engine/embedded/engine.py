@@ -31,7 +31,7 @@ from cells.engine.embedded.model import (
 from cells.engine.embedded.model_spec import ModelSpec, resolve_spec
 from cells.engine.embedded.sampling import sample
 from cells.engine.records import EngineError, SamplingParams, TokenEvent, TokenRecord
-from scheduler.contract.config import EmbeddedEngineConfig
+from scheduler.contract.config.engine import EmbeddedEngineConfig
 from scheduler.contract.protocol import Summary
 
 

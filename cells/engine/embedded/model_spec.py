@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from cells.engine.records import EngineError
-from scheduler.contract.config import ModelConfig
+from scheduler.contract.config.engine import ModelConfig
 
 # Qwen3's tokenizer: 151,643 BPE ranks, then the added special tokens up to <think>/</think>;
 # Qwen3 checkpoints pad the embedding to 151,936 rows.

@@ -49,7 +49,7 @@ from cells.engine.sglang.weights import (
     check_against_manifest,
     read_checkpoint_manifest,
 )
-from scheduler.contract.config import SGLangEngineConfig
+from scheduler.contract.config.engine import SGLangEngineConfig
 from scheduler.contract.protocol import Summary
 
 

@@ -108,7 +108,7 @@ class ScoringVersions:
 def default_scoring_copy(model_path: str, version: int) -> ScoringCopy:
     """The embedded engine's model loaded from `model_path` (no KV pool to speak of)."""
     from cells.engine.embedded import EmbeddedEngine
-    from scheduler.contract.config import EmbeddedEngineConfig, ModelConfig
+    from scheduler.contract.config.engine import EmbeddedEngineConfig, ModelConfig
 
     cfg = EmbeddedEngineConfig(model=ModelConfig(preset=None, path=model_path), num_blocks=1, max_running=1)
     try:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from scheduler.contract.tito.backend import TokenOut
-from scheduler.contract.tito.memory import InMemoryBackend, ReplayEngine
-from scheduler.contract.tito.openai_schema import ChatCompletionRequest
-from scheduler.contract.tito.render import load_renderer
-from scheduler.contract.tito.tito import GatewayError, TitoGateway
+from scheduler.gateway.tito.backend import TokenOut
+from scheduler.gateway.tito.memory import InMemoryBackend, ReplayEngine
+from scheduler.gateway.tito.openai_schema import ChatCompletionRequest
+from scheduler.gateway.tito.render import load_renderer
+from scheduler.gateway.tito.tito import GatewayError, TitoGateway
 
 __all__ = [
     "GatewayError",

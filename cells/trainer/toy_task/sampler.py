@@ -96,7 +96,7 @@ class ToySampler:
                  row_tile: int = 4, renderer: str = TOY_RENDERER, max_tokens: int = 64,
                  threads: int = 32, max_running: int = 64) -> None:
         from cells.engine.embedded import EmbeddedEngine
-        from scheduler.contract.config import EmbeddedEngineConfig
+        from scheduler.contract.config.engine import EmbeddedEngineConfig
 
         cfg = EmbeddedEngineConfig(batch_invariant=True, row_tile=row_tile, num_blocks=8192,
                                    max_running=max_running, prefill_chunk=8192)

@@ -46,24 +46,24 @@ counted as a rewrite.
 Request validation (message shapes, tool-call ids, tool choice, sizes) finishes before the
 first write to the store: a rejected request records nothing.
 
-The parts: :mod:`~scheduler.contract.tito.chat_request` (request -> messages, tools, sampling
-params), :mod:`~scheduler.contract.tito.fingerprints` (what the records are compared by),
-:mod:`~scheduler.contract.tito.planning` (the turn's prompt ids), :mod:`~scheduler.contract.tito.turn`
-(writing, streaming and committing a turn), :mod:`~scheduler.contract.tito.session_locks`.
+The parts: :mod:`~scheduler.gateway.tito.chat_request` (request -> messages, tools, sampling
+params), :mod:`~scheduler.gateway.tito.fingerprints` (what the records are compared by),
+:mod:`~scheduler.gateway.tito.planning` (the turn's prompt ids), :mod:`~scheduler.gateway.tito.turn`
+(writing, streaming and committing a turn), :mod:`~scheduler.gateway.tito.session_locks`.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractAsyncContextManager
 
-from scheduler.contract.tito.backend import CompletionBackend, GatewayCounters, SimpleCounters
-from scheduler.contract.tito.errors import GatewayError
-from scheduler.contract.tito.fingerprints import canonical_arguments, message_fingerprint
-from scheduler.contract.tito.openai_schema import ChatCompletionRequest
-from scheduler.contract.tito.planning import TurnPlan, TurnPlanner
-from scheduler.contract.tito.render import ChatRenderer
-from scheduler.contract.tito.session_locks import SessionLocks
-from scheduler.contract.tito.turn import TurnDeps, TurnResult, TurnRun
+from scheduler.gateway.tito.backend import CompletionBackend, GatewayCounters, SimpleCounters
+from scheduler.gateway.tito.errors import GatewayError
+from scheduler.gateway.tito.fingerprints import canonical_arguments, message_fingerprint
+from scheduler.gateway.tito.openai_schema import ChatCompletionRequest
+from scheduler.gateway.tito.planning import TurnPlan, TurnPlanner
+from scheduler.gateway.tito.render import ChatRenderer
+from scheduler.gateway.tito.session_locks import SessionLocks
+from scheduler.gateway.tito.turn import TurnDeps, TurnResult, TurnRun
 
 __all__ = [
     "GatewayError",

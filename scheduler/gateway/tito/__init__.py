@@ -10,12 +10,11 @@ toy task's in-process client run it.
 - `backend`: the protocol a session store and engine implement; `memory`: the in-memory
   reference backend and replay engine.
 - `openai_schema`: the OpenAI Chat Completions request and response models.
-- `config`: ``GatewayConfig`` (the gateway's settings).
 
 Importing this package loads no tokenizer and no renderer; they are built on first use.
 """
 
-from scheduler.contract.tito.backend import (
+from scheduler.gateway.tito.backend import (
     BackendBusy,
     BackendError,
     BackendUnavailable,
@@ -29,11 +28,10 @@ from scheduler.contract.tito.backend import (
     SimpleCounters,
     TokenOut,
 )
-from scheduler.contract.tito.config import GatewayConfig
-from scheduler.contract.tito.memory import InMemoryBackend, ReplayEngine
-from scheduler.contract.tito.render import RENDERER_PRESETS, ChatRenderer, load_renderer
-from scheduler.contract.tito.tito import GatewayError, TitoGateway
-from scheduler.contract.tito.tokenizers import TOKENIZER_NAMES, load_tokenizer
+from scheduler.gateway.tito.memory import InMemoryBackend, ReplayEngine
+from scheduler.gateway.tito.render import RENDERER_PRESETS, ChatRenderer, load_renderer
+from scheduler.gateway.tito.tito import GatewayError, TitoGateway
+from scheduler.gateway.tito.tokenizers import TOKENIZER_NAMES, load_tokenizer
 
 __all__ = [
     "BackendBusy",
@@ -42,7 +40,6 @@ __all__ = [
     "CallbackCounters",
     "ChatRenderer",
     "CompletionBackend",
-    "GatewayConfig",
     "GatewayCounters",
     "GatewayError",
     "InMemoryBackend",

@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from scheduler.contract.config_base import Strict as _Strict
-from scheduler.contract.engine_config import EmbeddedEngineConfig, EngineConfig
+from scheduler.contract.config.base import Strict as _Strict
+from scheduler.contract.config.engine import EmbeddedEngineConfig, EngineConfig
 
 
 class CellsConfig(_Strict):

@@ -2,7 +2,7 @@
 
 The gateway owns no storage and no cells. The application passes it an object satisfying
 :class:`CompletionBackend` (the session store plus the router to cells) and a
-:class:`GatewayCounters` for the two TITO counters. :mod:`scheduler.contract.tito.memory` ships an
+:class:`GatewayCounters` for the two TITO counters. :mod:`scheduler.gateway.tito.memory` ships an
 in-memory reference implementation backed by a deterministic replay engine.
 
 Contract of :class:`CompletionBackend`:
@@ -85,7 +85,7 @@ class SessionTokens:
     versions: list[int | None] = field(default_factory=list)
     any_sampled: bool | None = None
     """Whether the whole segment holds a sampled token, where ``loss_mask`` covers only part of
-    it (scheduler/contract/tito/kept.py); None: ``any(loss_mask)``."""
+    it (scheduler/gateway/tito/kept.py); None: ``any(loss_mask)``."""
 
 
 BackendError = CellflipError
@@ -155,7 +155,7 @@ class CompletionBackend(Protocol):
     # records anything; ``new_ids``: the ids the turn appends (the rest are recorded already).
     # Optional: ``async def session_digest(session_id) -> str | None``, the current segment's
     # running-hash digest (scheduler/contract/prefixhash.py): the gateway then reads only the
-    # tokens recorded since its last turn (scheduler/contract/tito/kept.py).
+    # tokens recorded since its last turn (scheduler/gateway/tito/kept.py).
 
 
 # ------------------------------------------------------------------------------ counters

@@ -1,4 +1,4 @@
-"""In-memory reference :class:`~scheduler.contract.tito.backend.CompletionBackend` and replay engine.
+"""In-memory reference :class:`~scheduler.gateway.tito.backend.CompletionBackend` and replay engine.
 
 :class:`ReplayEngine` is a deterministic stand-in for a cell's inference engine: it "samples"
 token ids scripted per session (or a fixed default reply), with log-probs that are a pure
@@ -22,7 +22,7 @@ from typing import Any
 
 from scheduler.contract.prefixhash import prefix_digest
 from scheduler.contract.sampling import SamplingParams
-from scheduler.contract.tito.backend import (
+from scheduler.gateway.tito.backend import (
     BackendBusy,
     SessionFinished,
     SessionNotFound,

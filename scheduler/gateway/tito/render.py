@@ -1,7 +1,7 @@
 """Chat templates and tool-call parsing through the ``renderers`` package.
 
 A renderer is selected by name from :data:`RENDERER_PRESETS`; each preset pairs one offline
-tokenizer (:mod:`scheduler.contract.tito.tokenizers`) with an explicit ``renderers`` config, so no
+tokenizer (:mod:`scheduler.gateway.tito.tokenizers`) with an explicit ``renderers`` config, so no
 model-name lookup (and no network) is involved:
 
 =================  ============  ==========================================================
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from scheduler.contract.tito.tokenizers import ChatTokenizer, load_tokenizer, untrusted_text
+from scheduler.gateway.tito.tokenizers import ChatTokenizer, load_tokenizer, untrusted_text
 
 __all__ = [
     "ChatRenderer",

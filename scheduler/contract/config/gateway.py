@@ -1,4 +1,4 @@
-"""Gateway settings, in the style of :mod:`scheduler.contract.config` (strict, documented fields).
+"""The `gateway:` section: the OpenAI-compatible gateway's settings (strict, documented fields).
 
 The application can embed :class:`GatewayConfig` in its own configuration and build the
 router with ``make_chat_router(backend, cfg.renderer, **cfg.router_kwargs())``.
@@ -22,7 +22,7 @@ class GatewayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     renderer: Literal["qwen3", "qwen3-nothink", "deepseek-v3"] = "qwen3"
-    """Chat format: tokenizer + ``renderers`` config preset (see scheduler.contract.tito.render)."""
+    """Chat format: tokenizer + ``renderers`` config preset (see scheduler.gateway.tito.render)."""
     model_name: str | None = None
     """Model name reported in responses when the request names none (default: the preset)."""
     max_body_bytes: int = Field(default=8 << 20, gt=0)

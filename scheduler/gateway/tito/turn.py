@@ -13,10 +13,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.contract.tito.backend import CompletionBackend, GatewayCounters, Rewind, TokenOut
-from scheduler.contract.tito.fingerprints import message_fingerprint
-from scheduler.contract.tito.planning import STATE_VERSION, TurnPlan
-from scheduler.contract.tito.render import ChatRenderer
+from scheduler.gateway.tito.backend import CompletionBackend, GatewayCounters, Rewind, TokenOut
+from scheduler.gateway.tito.fingerprints import message_fingerprint
+from scheduler.gateway.tito.planning import STATE_VERSION, TurnPlan
+from scheduler.gateway.tito.render import ChatRenderer
 
 __all__ = ["TurnDeps", "TurnResult", "TurnRun", "assistant_message", "tool_call_id"]
 

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from scheduler.contract.config_base import Strict as _Strict
+from scheduler.contract.config.base import Strict as _Strict
 
 
 class ModelConfig(_Strict):

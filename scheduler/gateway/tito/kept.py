@@ -1,6 +1,6 @@
 """The gateway's kept render state: each session's recorded segment as the gateway last read it.
 
-A turn's plan extends the session's recorded tokens (scheduler/contract/tito/planning.py).
+A turn's plan extends the session's recorded tokens (scheduler/gateway/tito/planning.py).
 Reading the whole segment back every turn costs O(context); instead the gateway keeps the
 ids it read, with their running hash (scheduler/contract/prefixhash.py), and each turn reads
 only the tokens recorded after them (the previous turn's prompt and completion) and checks
@@ -21,7 +21,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from scheduler.contract.prefixhash import PrefixHash
-from scheduler.contract.tito.backend import CompletionBackend, SessionTokens
+from scheduler.gateway.tito.backend import CompletionBackend, SessionTokens
 
 __all__ = ["KeptRenders"]
 

@@ -1,10 +1,10 @@
 """A turn's plan: the prompt token ids a request extends the session's buffer with.
 
 Reads the session's recorded tokens (those after the kept render state only, where the
-backend keeps digests: scheduler/contract/tito/kept.py) and gateway state, writes nothing. The recorded
+backend keeps digests: scheduler/gateway/tito/kept.py) and gateway state, writes nothing. The recorded
 conversation is extended (``bridge`` or ``render_diff``) when the request's messages extend
 it; otherwise the request starts a new segment from a full render (see
-:mod:`scheduler.contract.tito.tito` for the loss-mask rule).
+:mod:`scheduler.gateway.tito.tito` for the loss-mask rule).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.contract.sampling import SamplingParams
-from scheduler.contract.tito.backend import CompletionBackend, SessionTokens
-from scheduler.contract.tito.chat_request import convert_messages, request_tools, sampling_params
-from scheduler.contract.tito.errors import GatewayError
-from scheduler.contract.tito.fingerprints import FingerprintCache, tools_key
-from scheduler.contract.tito.kept import KeptRenders
-from scheduler.contract.tito.openai_schema import ChatCompletionRequest
-from scheduler.contract.tito.render import ChatRenderer, RenderDiffError, message_texts
+from scheduler.gateway.tito.backend import CompletionBackend, SessionTokens
+from scheduler.gateway.tito.chat_request import convert_messages, request_tools, sampling_params
+from scheduler.gateway.tito.errors import GatewayError
+from scheduler.gateway.tito.fingerprints import FingerprintCache, tools_key
+from scheduler.gateway.tito.kept import KeptRenders
+from scheduler.gateway.tito.openai_schema import ChatCompletionRequest
+from scheduler.gateway.tito.render import ChatRenderer, RenderDiffError, message_texts
 
 __all__ = ["STATE_VERSION", "TurnPlan", "TurnPlanner"]
 

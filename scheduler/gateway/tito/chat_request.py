@@ -12,8 +12,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from scheduler.contract.sampling import SamplingParams, describe
-from scheduler.contract.tito.errors import GatewayError
-from scheduler.contract.tito.openai_schema import ChatCompletionRequest
+from scheduler.gateway.tito.errors import GatewayError
+from scheduler.gateway.tito.openai_schema import ChatCompletionRequest
 
 __all__ = ["convert_messages", "request_tools", "sampling_params"]
 
