@@ -34,7 +34,7 @@ from scheduler.store import (
     sessions,
     tokens,
 )
-from scheduler.store.tokenbuf import migrate_legacy
+from scheduler.store.tokenbuf import migrate_legacy, rebuild_backlog
 
 SCHEMA = (fleet.SCHEMA + owners.SCHEMA + sessions.SCHEMA + tokens.SCHEMA + retention.SCHEMA
           + session_context.SCHEMA + messages.SCHEMA + jobs.SCHEMA)
@@ -82,6 +82,8 @@ class Store:
         self.changes = counters.Changes()
         """Cells the triggers touched since a reader last took them (store/counters.py)."""
         self._conn.create_function("cell_changed", 1, self.changes.mark, deterministic=False)
+        had_backlog = self._conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type='table' AND name='token_backlog'").fetchone() is not None
         self._conn.executescript(SCHEMA + counters.CHANGES_SCHEMA)
         self._add_missing_columns()
         self._depth = 0
@@ -96,6 +98,8 @@ class Store:
         self.messages = messages.MessageStore(self)
         self.jobs = jobs.JobStore(self)
         migrate_legacy(self)  # a store of the per-token layout: converted once, in place
+        if not had_backlog:  # a store of chunks written before the backlog was kept by triggers
+            rebuild_backlog(self)
         counters.rebuild(self)  # kept by triggers; recounted here so any store file starts right
 
     @contextmanager
