@@ -224,9 +224,11 @@ _GROUPS = ("SELECT r.id, r.session_id, r.prompt_start, r.base, r.num_generated, 
            " LEFT JOIN requests r ON r.session_id = g.session_id AND r.base <= g.s0 AND g.s1 < r.base + r.num_generated"
            " ORDER BY r.id IS NOT NULL, r.created_at, r.id, g.version")
 _EXACT = ("SELECT r.id, r.session_id, r.prompt_start, r.base, r.num_generated, r.params, r.state, r.cell_id,"
-          " c.version, MIN(c.ufirst), MAX(c.ulast), SUM(c.unscored), r.created_at FROM token_chunks c"
+          " c.version, MIN(c.ufirst), MAX(c.ulast), SUM(c.unscored), r.created_at FROM token_backlog g"
+          " CROSS JOIN token_chunks c ON c.session_id = g.session_id AND c.start BETWEEN g.s0 AND g.s1"
+          " AND COALESCE(c.version, -1) = g.version"
           " CROSS JOIN requests r ON c.session_id = r.session_id AND c.start >= r.base"
-          " AND c.start < r.base + r.num_generated WHERE c.unscored > 0 AND c.session_id IN ({})"
+          " AND c.start < r.base + r.num_generated WHERE c.unscored > 0 AND g.session_id IN ({})"
           " GROUP BY r.id, c.version ORDER BY r.created_at, r.id, c.version LIMIT ?")
 """The scoring backlog's queries (`TokenBuffer.unscored_ranges`)."""
 
