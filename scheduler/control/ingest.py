@@ -185,7 +185,10 @@ class Ingest:
         if not pending.rows:
             return
         ctx = self.ctx
-        ctx.store.sessions.append_sampled_many(pending.rows)
+        before: dict[str, int] = {}
+        for sid, at, *_ in pending.rows:  # each session's length as read in this transaction
+            before.setdefault(sid, at)
+        ctx.store.sessions.append_sampled_many(pending.rows, lengths=before)
         ctx.store.owners.set_num_generated_many([(rid, reqs[rid].num_generated) for rid in pending.grown])
         for rid in pending.grown:
             self.ownership.advanced(rid, tokens=True)

@@ -55,8 +55,8 @@ class Registry:
 
     def watch(self) -> set[str]:
         """A set that from now on collects the cells whose entry changed what a reader of the
-        registry keeps (admitted, dropped, first seen, or a summary with other KV blocks or
-        version); the reader empties it when it has taken them."""
+        registry keeps (admitted, dropped, first seen, or a summary with other KV blocks, version
+        or versions held); the reader empties it when it has taken them."""
         sink: set[str] = set()
         self._sinks.append(sink)
         return sink
@@ -102,7 +102,8 @@ class Registry:
         entry = self.live[cell_id]
         old = entry.summary
         if (not entry.seen or old is None or old.kv_blocks_used != summary.kv_blocks_used
-                or old.kv_blocks_total != summary.kv_blocks_total or old.version != summary.version):
+                or old.kv_blocks_total != summary.kv_blocks_total or old.version != summary.version
+                or old.versions_held != summary.versions_held):
             self.mark(cell_id)
         now = self.clock()
         self.extend(cell_id, lease_s)

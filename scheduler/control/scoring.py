@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.protocol import DropVersionCmd, LoadVersionCmd, ScoreCmd, ScoredEvent
 from scheduler.contract.sampling import SamplingParams
+from scheduler.control.holders import VersionHolders
 from scheduler.control.served import ServedVersions
 
 if TYPE_CHECKING:
@@ -33,9 +34,6 @@ if TYPE_CHECKING:
     from scheduler.control.trust import Trust
 
 log = logging.getLogger("cellflip.scoring")
-
-SCORING_ROLES = ("rollout", "draining")
-"""Cell states whose engine holds weights it can score with."""
 
 
 @dataclass(slots=True)
@@ -74,6 +72,8 @@ class Scoring:
         """The live cells `_drops` visits next."""
         self.served = ServedVersions(ctx)
         """Which live cell serves which version, kept by change (shared with `Versions`)."""
+        self.holders = VersionHolders(ctx, self.served)
+        """Which live cell in a scoring role holds which version, kept by change."""
 
     def busy(self, key: tuple[str, int]) -> bool:
         return any((t.request_id, t.version) == key for t in self.tasks.values())
@@ -86,13 +86,7 @@ class Scoring:
         return {"tokens": self.scored_tokens, "seconds": round(self.scoring_seconds, 6), "tasks": len(self.tasks)}
 
     def _holders(self, version: int) -> list[str]:
-        out = []
-        self.served.refresh()
-        for cid, (state, _, _) in self.served.cells.items():
-            s = self.ctx.registry.summary(cid)
-            if state in SCORING_ROLES and s is not None and version in s.versions_held:
-                out.append(cid)
-        return sorted(out)
+        return self.holders.of(version)
 
     def _serving(self, cell_id: str) -> int | None:
         s = self.ctx.registry.summary(cell_id)

@@ -34,7 +34,7 @@ from scheduler.store import (
     sessions,
     tokens,
 )
-from scheduler.store.tokenbuf import migrate_legacy
+from scheduler.store.tokenbuf import migrate_legacy, rebuild_backlog
 
 SCHEMA = (fleet.SCHEMA + owners.SCHEMA + sessions.SCHEMA + tokens.SCHEMA + retention.SCHEMA
           + session_context.SCHEMA + messages.SCHEMA + jobs.SCHEMA)
@@ -54,6 +54,12 @@ ADDED_COLUMNS = (
 them (with their defaults) when it is opened, so a restart across an upgrade keeps its state."""
 
 
+CACHE_KIB = 64 * 1024
+"""The connection's page cache, at most (filled only as pages are read)."""
+WAL_CHECKPOINT_PAGES = 4000
+"""WAL pages (4 KiB each) between automatic checkpoints (SQLite's default: 1,000)."""
+
+
 class Store:
     """Owns the connection and the transaction scope; table groups hang off it."""
 
@@ -68,9 +74,16 @@ class Store:
         # statement journals and savepoints' sub-journals (a multi-row write with triggers, each
         # sync's part of a group commit) in memory, not temp files: ~0.15 ms less a sync
         self._conn.execute("PRAGMA temp_store=MEMORY")
+        # a sync's writes land on leaves the next syncs touch again: a page cache that holds the
+        # hot leaves (the default is 2 MiB) and checkpoints 4x rarer than the default (each copies
+        # a page once however often it was written since): ~0.07 ms less CPU a sync
+        self._conn.execute(f"PRAGMA cache_size={-CACHE_KIB}")
+        self._conn.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_PAGES}")
         self.changes = counters.Changes()
         """Cells the triggers touched since a reader last took them (store/counters.py)."""
         self._conn.create_function("cell_changed", 1, self.changes.mark, deterministic=False)
+        had_backlog = self._conn.execute(
+            "SELECT 1 FROM sqlite_master WHERE type='table' AND name='token_backlog'").fetchone() is not None
         self._conn.executescript(SCHEMA + counters.CHANGES_SCHEMA)
         self._add_missing_columns()
         self._depth = 0
@@ -85,6 +98,8 @@ class Store:
         self.messages = messages.MessageStore(self)
         self.jobs = jobs.JobStore(self)
         migrate_legacy(self)  # a store of the per-token layout: converted once, in place
+        if not had_backlog:  # a store of chunks written before the backlog was kept by triggers
+            rebuild_backlog(self)
         counters.rebuild(self)  # kept by triggers; recounted here so any store file starts right
 
     @contextmanager

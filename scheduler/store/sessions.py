@@ -198,13 +198,15 @@ class SessionStore:
                                       part).fetchall())
         return out
 
-    def append_sampled_many(self, appends: Sequence[tuple[str, int, TokenRecords, int, str | None]]) -> None:
+    def append_sampled_many(self, appends: Sequence[tuple[str, int, TokenRecords, int, str | None]],
+                            lengths: dict[str, int] | None = None) -> None:
         """`append_sampled` for many (session, at, records, epoch, cell) at once: one statement
         for every chunk and one for the sessions' lengths (a sync's batches). Each `at`
         must be its session's length, counting the appends before it in `appends`; a mismatch
-        is a Conflict and nothing of the call is written."""
+        is a Conflict and nothing of the call is written. `lengths`: the sessions' lengths
+        before these appends as the caller read them in this transaction (not read again)."""
         sessions = [sid for sid, *_ in appends]
-        have = self.lengths(sessions)
+        have = dict(lengths) if lengths is not None else self.lengths(sessions)
         chunks: list = []
         for sid, at, rec, epoch, cell in appends:
             if sid not in have:

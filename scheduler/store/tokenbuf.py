@@ -22,6 +22,32 @@ from scheduler.store.tokenpack import COLS, PROV_CODE, Chunk
 if TYPE_CHECKING:
     from scheduler.store.base import Database
 
+_KEY = "session_id = {r}.session_id AND version = COALESCE({r}.version, -1)"
+_ADD = ("INSERT INTO token_backlog(session_id, version, s0, s1, lo, hi, n) SELECT NEW.session_id,"
+        " COALESCE(NEW.version, -1), NEW.start, NEW.start, NEW.ufirst, NEW.ulast, NEW.unscored WHERE NEW.unscored > 0"
+        " ON CONFLICT(session_id, version) DO UPDATE SET s0 = min(s0, excluded.s0), s1 = max(s1, excluded.s1),"
+        " lo = min(lo, excluded.lo), hi = max(hi, excluded.hi), n = n + excluded.n;")
+_TAKE = (f"UPDATE token_backlog SET n = n - OLD.unscored, stale = 1 WHERE {_KEY.format(r='OLD')} AND OLD.unscored > 0;"
+         f" DELETE FROM token_backlog WHERE {_KEY.format(r='OLD')} AND n <= 0;")
+BACKLOG_SCHEMA = f"""
+CREATE TABLE IF NOT EXISTS token_backlog(
+  session_id TEXT NOT NULL, version INTEGER NOT NULL, s0 INTEGER NOT NULL, s1 INTEGER NOT NULL, lo INTEGER,
+  hi INTEGER, n INTEGER NOT NULL, stale INTEGER NOT NULL DEFAULT 0, PRIMARY KEY(session_id, version)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS backlog_version ON token_backlog(version);
+CREATE TRIGGER IF NOT EXISTS backlog_add AFTER INSERT ON token_chunks WHEN NEW.unscored > 0 BEGIN {_ADD} END;
+CREATE TRIGGER IF NOT EXISTS backlog_take AFTER DELETE ON token_chunks WHEN OLD.unscored > 0 BEGIN {_TAKE} END;
+CREATE TRIGGER IF NOT EXISTS backlog_rescore AFTER UPDATE OF unscored, ufirst, ulast ON token_chunks
+  WHEN OLD.unscored > 0 OR NEW.unscored > 0 BEGIN {_TAKE} {_ADD}
+  UPDATE token_backlog SET stale = 1 WHERE {_KEY.format(r='NEW')};
+END;
+"""
+"""The scoring backlog, one row per (session, version) with unscored sampled tokens (version
+NULL kept as -1): the first and last chunk start (`s0`, `s1`), the first and last unscored index
+(`lo`, `hi`) and the count `n`, kept by triggers on `token_chunks` (so every writer keeps it, in
+the writer's transaction). An insert widens the bounds exactly; a delete or a rescore keeps `n`
+exact but can only narrow the bounds, so it marks the row `stale` and `TokenBuffer.restate`
+recomputes it from the chunks between its bounds before the backlog is read."""
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS token_chunks(
   session_id TEXT NOT NULL, start INTEGER NOT NULL, n INTEGER NOT NULL, loss_mask INTEGER NOT NULL,
@@ -29,10 +55,9 @@ CREATE TABLE IF NOT EXISTS token_chunks(
   exact INTEGER NOT NULL, missing INTEGER NOT NULL, token_ids BLOB NOT NULL, logprobs BLOB, truncated BLOB,
   old_logprobs BLOB, provenance BLOB);
 CREATE UNIQUE INDEX IF NOT EXISTS chunks_at ON token_chunks(session_id, start);
-CREATE INDEX IF NOT EXISTS chunks_unscored ON token_chunks(version, unscored) WHERE unscored > 0;
-CREATE INDEX IF NOT EXISTS chunks_backlog ON token_chunks(session_id, version, start, ufirst, ulast, unscored)
-  WHERE unscored > 0;
-"""
+DROP INDEX IF EXISTS chunks_unscored;
+DROP INDEX IF EXISTS chunks_backlog;
+""" + BACKLOG_SCHEMA
 
 _INSERT = f"INSERT INTO token_chunks({COLS}) VALUES ({','.join('?' * 17)})"
 _SCORED = ("UPDATE token_chunks SET unscored=?, ufirst=?, ulast=?, exact=?, missing=?, old_logprobs=?, provenance=?"
@@ -136,22 +161,39 @@ class TokenBuffer:
         return {v: {"generated": g, "exact": e, "missing": m, "unscored": u} for v, g, e, m, u in self.s.execute(q)}
 
     def unscored_by_version(self) -> dict[int, int]:
-        q = "SELECT version, SUM(unscored) FROM token_chunks WHERE unscored > 0 GROUP BY version"
+        q = "SELECT NULLIF(version, -1), SUM(n) FROM token_backlog GROUP BY version"
         return dict(self.s.execute(q).fetchall())
 
     def unscored(self, version: int) -> int:
-        q = "SELECT COALESCE(SUM(unscored), 0) FROM token_chunks WHERE unscored > 0 AND version=?"
+        q = "SELECT COALESCE(SUM(n), 0) FROM token_backlog WHERE version=?"
         return self.s.execute(q, (version,)).fetchone()[0]
+
+    def restate(self) -> int:
+        """Recompute the backlog rows a delete or a rescore left `stale` (their bounds), each
+        from its chunks between its old bounds; returns how many."""
+        stale = self.s.execute("SELECT session_id, version, s0, s1 FROM token_backlog WHERE stale = 1").fetchall()
+        if not stale:
+            return 0
+        with self.s.tx(durable=False):
+            for sid, v, s0, s1 in stale:
+                lo, hi, n, a, b = self.s.execute(_RESTATE, (sid, s0, s1, v)).fetchone()
+                if n:
+                    self.s.execute("UPDATE token_backlog SET s0=?, s1=?, lo=?, hi=?, n=?, stale=0"
+                                   " WHERE session_id=? AND version=?", (a, b, lo, hi, n, sid, v))
+                else:
+                    self.s.execute("DELETE FROM token_backlog WHERE session_id=? AND version=?", (sid, v))
+        return len(stale)
 
     def unscored_ranges(self, limit: int) -> list[tuple]:
         """Per (request, version) with unscored sampled tokens, oldest requests first: the
         request's columns, the version, the first and last unscored index, the count.
 
-        The chunks with unscored tokens are summed per (session, version) over their own
-        covering index first (`_GROUPS`), and each sum is matched with the one request whose
-        tokens hold all of it: one lookup per session, not per chunk. A sum no single request
+        The backlog is read one row per (session, version) from `token_backlog` (its stale
+        rows restated first: `restate`), and each row is matched with the one request whose
+        tokens hold all of it: one lookup per session, not per chunk. A row no single request
         holds (a session with unscored tokens in several turns) is taken chunk by chunk against
         the requests of its session (`_EXACT`); both lists come sorted and are merged."""
+        self.restate()
         clean: list[tuple] = []
         split: set[str] = set()
         for r in self.s.execute(_GROUPS):  # the groups no single request holds come first
@@ -175,19 +217,29 @@ def _order(r: tuple) -> tuple:
     return r[12], r[0], r[8]
 
 
-_GROUP_CTE = ("WITH g AS (SELECT session_id, version, MIN(start) AS s0, MAX(start) AS s1, MIN(ufirst) AS lo,"
-              " MAX(ulast) AS hi, SUM(unscored) AS n FROM token_chunks INDEXED BY chunks_backlog WHERE unscored > 0"
-              " GROUP BY session_id, version) ")
-_GROUPS = (_GROUP_CTE + "SELECT r.id, r.session_id, r.prompt_start, r.base, r.num_generated, r.params, r.state,"
-           " r.cell_id, g.version, g.lo, g.hi, g.n, r.created_at, g.session_id FROM g LEFT JOIN requests r"
-           " ON r.session_id = g.session_id AND r.base <= g.s0 AND g.s1 < r.base + r.num_generated"
+_RESTATE = ("SELECT MIN(ufirst), MAX(ulast), SUM(unscored), MIN(start), MAX(start) FROM token_chunks"
+            " WHERE session_id=? AND start BETWEEN ? AND ? AND COALESCE(version, -1)=? AND unscored > 0")
+_GROUPS = ("SELECT r.id, r.session_id, r.prompt_start, r.base, r.num_generated, r.params, r.state,"
+           " r.cell_id, NULLIF(g.version, -1), g.lo, g.hi, g.n, r.created_at, g.session_id FROM token_backlog g"
+           " LEFT JOIN requests r ON r.session_id = g.session_id AND r.base <= g.s0 AND g.s1 < r.base + r.num_generated"
            " ORDER BY r.id IS NOT NULL, r.created_at, r.id, g.version")
 _EXACT = ("SELECT r.id, r.session_id, r.prompt_start, r.base, r.num_generated, r.params, r.state, r.cell_id,"
-          " c.version, MIN(c.ufirst), MAX(c.ulast), SUM(c.unscored), r.created_at FROM token_chunks c"
+          " c.version, MIN(c.ufirst), MAX(c.ulast), SUM(c.unscored), r.created_at FROM token_backlog g"
+          " CROSS JOIN token_chunks c ON c.session_id = g.session_id AND c.start BETWEEN g.s0 AND g.s1"
+          " AND COALESCE(c.version, -1) = g.version"
           " CROSS JOIN requests r ON c.session_id = r.session_id AND c.start >= r.base"
-          " AND c.start < r.base + r.num_generated WHERE c.unscored > 0 AND c.session_id IN ({})"
+          " AND c.start < r.base + r.num_generated WHERE c.unscored > 0 AND g.session_id IN ({})"
           " GROUP BY r.id, c.version ORDER BY r.created_at, r.id, c.version LIMIT ?")
 """The scoring backlog's queries (`TokenBuffer.unscored_ranges`)."""
+
+
+def rebuild_backlog(store: Database) -> None:
+    """Recount `token_backlog` from the chunks (a store written before it existed)."""
+    with store.tx(durable=True):
+        store.execute("DELETE FROM token_backlog")
+        store.execute("INSERT INTO token_backlog(session_id, version, s0, s1, lo, hi, n) SELECT session_id,"
+                      " COALESCE(version, -1), MIN(start), MAX(start), MIN(ufirst), MAX(ulast), SUM(unscored)"
+                      " FROM token_chunks WHERE unscored > 0 GROUP BY session_id, COALESCE(version, -1)")
 
 
 _LEGACY_COLS = ("session_id", "idx", "token_id", "loss_mask", "logprob", "version", "truncated", "old_logprob",
