@@ -24,6 +24,7 @@ from scheduler.contract.failpoints import failpoint
 from scheduler.contract.protocol import SetRoleCmd
 from scheduler.contract.states import CELL, FLIP, set_state
 from scheduler.control import idempotency
+from scheduler.control.drains import DrainSlices
 from scheduler.control.versions import training_host
 from scheduler.planner import placement
 from scheduler.store.fleet import FlipRow
@@ -72,6 +73,8 @@ class Flips:
         self._align_sweep = ctx.registry.rotation()
         """The live cells `align_roles` visits next."""
         self.job_floor: Callable[[str, set[str] | None], str | None] | None = None  # jobfloor.py
+        self.slices = DrainSlices(ctx, ownership, snapshot)
+        """The tick's budget of moves out of draining cells."""
 
     # ------------------------------------------------------------------ requests for flips
     def request(self, to: str, cell: str | None, count: int | None, expected_generation: int | None,
@@ -190,6 +193,7 @@ class Flips:
         flips = self.ctx.store.fleet.list_flips(active_only=True)
         if not flips:
             return
+        self.slices.begin_tick()
         sent = dict(self.role_sent)
         try:
             with self.ctx.txn(durable=True) as fx:
@@ -197,6 +201,7 @@ class Flips:
         except Exception:
             log.exception("stepping the flips together failed: stepping them one by one")
             self.role_sent = sent  # the set_role commands of the rolled-back steps were never sent
+            self.slices.begin_tick()  # their moves were rolled back too
             flips = self.ctx.store.fleet.list_flips(active_only=True)
             self._advance_all(flips, self._advance_alone)
 
@@ -242,8 +247,9 @@ class Flips:
         self.ctx.store.fleet.put_cell(cell)
 
     def _drain(self, fx: Effects, flip: FlipRow, cell: CellRow, leaving: set[str]) -> None:
-        """Draining: migrate every request out; at the deadline park or suspend what is left;
-        once empty (and the final scoring pass done) hand the cell the training role."""
+        """Draining: migrate its requests out, a slice a tick (`drains.py`); at the deadline park
+        or suspend what is left; once empty (and the final scoring pass done) hand the cell the
+        training role."""
         ctx = self.ctx
         now = ctx.clock()
         deadline = self.drain_deadline.setdefault(flip.id, now + ctx.cfg.drain_deadline_s)
@@ -252,10 +258,10 @@ class Flips:
             self._roll_back_drain(fx, flip, cell, live)
             return
         if live and now >= deadline:
-            self._suspend_at_deadline(fx, flip, cell, live)
+            self.slices.suspend_at_deadline(fx, flip, cell, live)
             live = []
         if live:
-            self._migrate_out(fx, flip, cell, live)
+            self.slices.migrate_out(fx, flip, cell, live)  # a slice a tick: the rest wait their turn
             return
         if self.scoring.sole_holder_with_backlog(cell.id) and now < deadline + ctx.cfg.drain_deadline_s:
             return  # the final pass: tokens only this cell can score exactly, before it drops its weights
@@ -275,34 +281,6 @@ class Flips:
                 self.migrations.abort(fx, m, "flip rolled back", tell=(m.src, m.dst))
         self._set_cell(cell, "rollout", f"flip {flip.id} rolled back")
         self.finish(fx, flip, "rolled_back", "rollout capacity fell under min_rollout_cells")
-
-    def _suspend_at_deadline(self, fx: Effects, flip: FlipRow, cell: CellRow, live: list[RequestRow]) -> None:
-        park = self.ctx.mig_cfg.park_on_deadline and bool(cell.capabilities.get("kv_export"))
-        for req in live:
-            if park:
-                self.ownership.park(fx, req, f"drain deadline of flip {flip.id}")
-            else:
-                self.ownership.revoke(fx, req, f"drain deadline of flip {flip.id}", to="suspended")
-            flip.suspended += 1
-        self.ctx.store.fleet.put_flip(flip)
-
-    def _migrate_out(self, fx: Effects, flip: FlipRow, cell: CellRow, live: list[RequestRow]) -> None:
-        """Every running request of the draining cell to a destination, all placed in one pass
-        over the fleet (`choose_destinations`: O(cells + requests log cells), not a fleet walk
-        per request)."""
-        running = [req for req in live if req.state == "running"]
-        if not running:
-            return
-        choices = placement.choose_destinations(self.snapshot(), cell.id, [self.ownership.summarize(req) for req in running],
-                                                only=self.ctx.placeable(None, cell.id),  # the cell's job's
-                                                placement=self.ownership.kept_placement())  # after snapshot()
-        for req, choice in zip(running, choices, strict=True):
-            dst = self.ctx.store.fleet.get_cell(choice.cell_id) if choice is not None else None
-            if dst is None:
-                continue  # no room now; retried next tick, suspended at the deadline
-            hint = "reprefill" if self.ctx.mig_cfg.path == "reprefill" else choice.path
-            self.ownership.move(fx, req, cell, dst, flip, hint)
-        self.ctx.store.fleet.put_flip(flip)
 
     def _load(self, fx: Effects, flip: FlipRow, cell: CellRow) -> None:
         """Loading: the cell fetches the target version (Versions.catch_up tells it), then takes

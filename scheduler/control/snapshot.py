@@ -22,6 +22,13 @@ if TYPE_CHECKING:
 UNKNOWN_VERSION = -1
 """Stands for "no version yet" in the planner's integer version fields."""
 
+LOAD_REFRESH_PER_BUILD = 2000
+"""Summaries a build rebuilds at most for a change of load or version alone (KV blocks, tokens,
+the version served); the others keep their last summary and wait their turn, oldest first. A
+publish's tick (every rollout cell reports the new version at once) rebuilt ~9,000 summaries
+and their placement entries (~60 ms of one tick): now a few ticks share them. A change of
+role, presence, trust, requests in flight, generation or capacity is always taken at once."""
+
 
 class CellSummaries:
     """The per-cell part of the snapshot, kept between builds: a build re-reads only the cells
@@ -47,6 +54,10 @@ class CellSummaries:
         self.watched = ctx.registry.watch()
         self.rollbacks = -1
         """`Store.changes.rollbacks` at the last build (-1: never built)."""
+        self.per_build = LOAD_REFRESH_PER_BUILD
+        self.later: dict[str, None] = {}
+        """Cells whose load or version alone changed past a build's `per_build`, oldest first:
+        their summaries stand until a later build takes them."""
         self.nodes: dict[str, str] = {}
         """A cell's address → its node (the host part), worked out once per address."""
         self.caps: dict[int, tuple[dict, int, bool, str | None]] = {}
@@ -83,8 +94,8 @@ class CellSummaries:
         self.watched.clear()
         if changes.rollbacks != self.rollbacks:
             self.rollbacks, touched = changes.rollbacks, None
-            self.by_id, self.training, self.busy_copies = {}, set(), {}
-        elif not touched:
+            self.by_id, self.training, self.busy_copies, self.later = {}, set(), {}, {}
+        elif not touched and not self.later:
             return
         if len(self.caps) > 4096:  # decoded capabilities of cells that changed or left
             self.caps.clear()
@@ -104,25 +115,32 @@ class CellSummaries:
             self.placement.update(changed)
 
     def _read(self, touched: set[str] | None) -> tuple[list[tuple[int, CellSummary]], bool]:
-        """Re-read the cells `touched` (None: all) into `by_id` and `training`; returns the
-        summaries of listed cells that stay listed, by their place, and whether a cell came or
-        went (then the list is rebuilt, and the first part is not filled)."""
+        """Re-read the cells `touched` (None: all) and those waiting in `later` into `by_id` and
+        `training`; returns the summaries of listed cells that stay listed, by their place, and
+        whether a cell came or went (then the list is rebuilt, and the first part is not filled).
+        Past `per_build` load-only changes, a cell's summary stands and it waits in `later`."""
         ctx = self.ctx
-        by_id, training, index = self.by_id, self.training, self.index
+        by_id, training, index, later = self.by_id, self.training, self.index, self.later
         live = ctx.registry.live
         unprobed_ok = ctx.cfg.trust_unprobed_cells
         caps, nodes = self.caps, self.nodes
-        rows = ctx.store.fleet.planning_rows(touched)
+        ids = None if touched is None else [*later, *(c for c in touched if c not in later)]
+        rows = ctx.store.fleet.planning_rows(ids)
         changed: list[tuple[int, CellSummary]] = []
-        moved = touched is None
+        moved, budget = touched is None, self.per_build
         for row in rows:
             cid, entry = row.cell_id, live.get(row.cell_id)
             # a cell that has not shown it runs the model gets no request (scheduler/control/trust.py)
             if entry is not None and entry.seen and (row.trust == "verified"
                                                      or trusted(row.trust, bool(row.probed), unprobed_ok)):
-                c = _summary(row, entry.summary, caps, nodes)
                 old = by_id.get(cid)
-                by_id[cid] = c
+                if old is not None and _load_only(old, row, nodes):
+                    if budget <= 0:
+                        later[cid] = None
+                        continue
+                    budget -= 1
+                later.pop(cid, None)
+                c = by_id[cid] = _summary(row, entry.summary, caps, nodes)
                 if c.role == "training":
                     training.add(cid)
                 elif old is not None and old.role == "training":
@@ -134,12 +152,20 @@ class CellSummaries:
             elif by_id.pop(cid, None) is not None:
                 training.discard(cid)
                 moved = True
-        if touched is not None and len(rows) != len(touched):  # some have no planning row (down, gone)
-            for cid in touched.difference([r.cell_id for r in rows]):
+        if ids is not None and len(rows) != len(ids):  # some have no planning row (down, gone)
+            for cid in set(ids).difference([r.cell_id for r in rows]):
+                later.pop(cid, None)
                 if by_id.pop(cid, None) is not None:
                     training.discard(cid)
                     moved = True
         return changed, moved
+
+
+def _load_only(old: CellSummary, row: PlanningRow, nodes: dict[str, str]) -> bool:
+    """Whether `row` can change `old` in its load or version alone (KV blocks, tokens, the
+    version served): the same role, generation, capacity, node and requests in flight."""
+    return (old.role == row.state and old.generation == row.generation and old.capacity == row.max_running
+            and old.inflight == row.live + row.incoming and nodes.get(row.address) == old.node)
 
 
 def build_snapshot(ctx: Context, rates: Rates, cells: CellSummaries, *, pinned: set[str],
