@@ -12,6 +12,8 @@
   which restart from the prompt elsewhere (progress lost), as verl and ROLL do today.
 - `flip_reprefill`: the planner decides; a flip re-prefills its rollouts elsewhere, keeping
   their tokens, the prefill paid by the destination cell.
+- `Replayed`: another run's flips, tick by tick, moving sessions its own way: the paired twin
+  that compares live KV migration with re-prefill on the same sessions and roles.
 - `cellflip`: the planner decides; a flip moves its rollouts by live KV copy, paid by both ends.
 - `oracle`: a ceiling, sharing no code with the planner: every tick it gives the trainer the
   cells that balance production against training (while a step runs or a batch is ready),
@@ -133,6 +135,8 @@ class Planned(Policy):
         self.policy = policy or PlannerPolicy()
         self.flips = 0
         self.log: list[tuple[Snapshot, list[FlipDecision]]] | None = [] if record else None
+        self.trace: dict[float, list[FlipDecision]] = {}
+        """Every tick's flips by tick time (what `Replayed` applies to a paired run)."""
 
     def view(self, cl: Cluster, t: float, snap: Snapshot) -> Snapshot:
         """What the planner is shown: the measured snapshot (bench/sim/probe.py shows it more)."""
@@ -143,6 +147,8 @@ class Planned(Policy):
         decisions = plan_flips(snap, self.policy)
         if self.log is not None:
             self.log.append((snap, decisions))
+        if decisions:
+            self.trace[t] = decisions
         self._flip(cl, t, decisions)
         if cl.suspended and self.policy.follow_new_sessions:
             cl.admit(t, self.FRESH_PER_TICK)
@@ -159,6 +165,28 @@ class Planned(Policy):
         cl.sync_trainer_cells(t)
         cl.drain(to_train, t)  # after the trainer has the cells: a KV copy delays its step
         self.flips += len(decisions)
+
+
+class Replayed(Planned):
+    """Another run's flips, tick by tick, with this run's way of moving sessions (`mode`): the
+    paired twin of a planned run. Same seed, so the same sessions in the same order (each
+    admission's slot time is the next draw of the seed's stream: common random numbers), and
+    the same roles at every tick, so the two runs differ by how moved sessions travel only (a
+    KV copy paid by both ends, or a re-prefill paid by the destination). A recorded flip whose
+    cell is not in the role it left in the recorded run is skipped and counted (`skipped`;
+    roles change by flips and weight loads alone, so it stays 0)."""
+
+    def __init__(self, name: str, mode: str, trace: dict[float, list[FlipDecision]]) -> None:
+        super().__init__(name, mode)
+        self.replay = trace
+        self.skipped = 0
+
+    def tick(self, cl: Cluster, t: float, rates: Rates) -> None:
+        want = {"training": ROLLOUT, "rollout": TRAINING}
+        decisions = self.replay.get(t, [])
+        ok = [d for d in decisions if cl.role[int(d.cell_id)] == want[d.to]]
+        self.skipped += len(decisions) - len(ok)
+        self._flip(cl, t, ok)
 
 
 class Oracle(Policy):
