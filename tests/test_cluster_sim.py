@@ -284,6 +284,7 @@ def test_a_paired_twin_has_the_same_sessions_and_roles_and_moves_the_other_way()
 
 def test_a_replayed_flip_that_no_longer_fits_is_skipped_and_counted():
     from sim.policies import Replayed
+
     from scheduler.planner.types import FlipDecision
 
     wl = load_workload("stationary")
