@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from scheduler.control.rates import Rates
-from scheduler.planner.plan import plan_flips
+from scheduler.planner.plan import follows_new_sessions, plan_flips
 from scheduler.planner.types import FlipDecision, PlannerPolicy, Snapshot
 
 from .cluster import LOADING, ROLLOUT, TRAINING, Cluster
@@ -150,7 +150,7 @@ class Planned(Policy):
         if decisions:
             self.trace[t] = decisions
         self._flip(cl, t, decisions)
-        if cl.suspended and self.policy.follow_new_sessions:
+        if cl.suspended and follows_new_sessions(snap, self.policy):
             cl.admit(t, self.FRESH_PER_TICK)
 
     def _flip(self, cl: Cluster, t: float, decisions: list[FlipDecision]) -> None:
