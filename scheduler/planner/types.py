@@ -193,10 +193,11 @@ class PlannerPolicy:
     least one cell a tick), so drains migrate rather than suspend (but see `park_moving`)."""
     follow_new_sessions: bool = False
     """Size production on the measured rate of the sessions starting now, not on the finish
-    rate alone. Off by default: with `park_moving` it lifts `sinusoidal` (2 h period, 2 h
-    sessions) from 0.875 to 0.96 of the free oracle, but loses to the best static split on
-    held-back shapes whose period is two to four session times (0.92 on a 4 h sine, 0.96 on an
-    8 h square wave, 200 cells, 36 h): see README, cluster simulator."""
+    rate alone. Off by default (on unasked in a fast wave, `fast_wave_sessions`): with
+    `park_moving` it lifts `sinusoidal` (2 h period, 2 h sessions) from 0.875 to 0.96 of the
+    free oracle, but loses to the best static split on held-back shapes whose period is two to
+    four session times (0.92 on a 4 h sine, 0.96 on an 8 h square wave, 200 cells, 36 h): see
+    README, cluster simulator."""
     forecast_lead_sessions: float = 0.125
     """Production is sized on the sessions starting now, forecast this many mean session slot
     times ahead along their measured trend (15 minutes at 2 h sessions): the split moves ahead
