@@ -276,6 +276,12 @@ def test_a_paired_twin_has_the_same_sessions_and_roles_and_moves_the_other_way()
     t0 = min(lead.trace)
     fewer = dict(lead.trace) | {t0: lead.trace[t0][1:]}
     assert run_policy(wl, Replayed("fewer", "kv", fewer), 48, 12.0, seed=1).metrics() != first.metrics()
+    wave = load_workload("sinusoidal")  # a fast wave: the lead parks and starts new sessions ahead
+    lead = Planned("cellflip", "kv")
+    first = run_policy(wave, lead, 48, 12.0, seed=1)
+    assert lead.fresh
+    same = run_policy(wave, Replayed("again", "kv", lead.trace, lead.fresh), 48, 12.0, seed=1, check=True)
+    assert same.metrics() == first.metrics()
     back, fwd = run_paired(wl, "flip_reprefill", 48, 12.0, seed=1)
     assert back.flips == fwd.flips > 0 and fwd.policy == "flip_reprefill@kv" and fwd.moves["kv"] > 0
     with pytest.raises(ValueError, match="paired run"):

@@ -136,7 +136,9 @@ class Planned(Policy):
         self.flips = 0
         self.log: list[tuple[Snapshot, list[FlipDecision]]] | None = [] if record else None
         self.trace: dict[float, list[FlipDecision]] = {}
-        """Every tick's flips by tick time (what `Replayed` applies to a paired run)."""
+        """Every tick's flips by tick time (what `Replayed` applies to a paired run)..."""
+        self.fresh: set[float] = set()
+        """...and the ticks it started new sessions ahead of parked ones."""
 
     def view(self, cl: Cluster, t: float, snap: Snapshot) -> Snapshot:
         """What the planner is shown: the measured snapshot (bench/sim/probe.py shows it more)."""
@@ -152,6 +154,7 @@ class Planned(Policy):
         self._flip(cl, t, decisions)
         if cl.suspended and follows_new_sessions(snap, self.policy):
             cl.admit(t, self.FRESH_PER_TICK)
+            self.fresh.add(t)
 
     def _flip(self, cl: Cluster, t: float, decisions: list[FlipDecision]) -> None:
         if not decisions:
@@ -168,7 +171,8 @@ class Planned(Policy):
 
 
 class Replayed(Planned):
-    """Another run's flips, tick by tick, with this run's way of moving sessions (`mode`): the
+    """Another run's flips (and new sessions started ahead of parked ones), tick by tick, with
+    this run's way of moving sessions (`mode`): the
     paired twin of a planned run. Same seed, so the same sessions in the same order (each
     admission's slot time is the next draw of the seed's stream: common random numbers), and
     the same roles at every tick, so the two runs differ by how moved sessions travel only (a
@@ -176,9 +180,10 @@ class Replayed(Planned):
     cell is not in the role it left in the recorded run is skipped and counted (`skipped`;
     roles change by flips and weight loads alone, so it stays 0)."""
 
-    def __init__(self, name: str, mode: str, trace: dict[float, list[FlipDecision]]) -> None:
+    def __init__(self, name: str, mode: str, trace: dict[float, list[FlipDecision]],
+                 fresh: set[float] = frozenset()) -> None:
         super().__init__(name, mode)
-        self.replay = trace
+        self.replay, self.replay_fresh = trace, fresh
         self.skipped = 0
 
     def tick(self, cl: Cluster, t: float, rates: Rates) -> None:
@@ -187,6 +192,8 @@ class Replayed(Planned):
         ok = [d for d in decisions if cl.role[int(d.cell_id)] == want[d.to]]
         self.skipped += len(decisions) - len(ok)
         self._flip(cl, t, ok)
+        if cl.suspended and t in self.replay_fresh:
+            cl.admit(t, self.FRESH_PER_TICK)
 
 
 class Oracle(Policy):

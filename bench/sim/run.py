@@ -169,7 +169,7 @@ def run_paired(wl: Workload, lead: str, n_cells: int, hours: float | None = None
         raise ValueError(f"a paired run leads with one of {sorted(PAIRED_MODES)}, got {lead!r}")
     first = Planned(lead, "kv" if lead == "cellflip" else "reprefill")
     own = run_policy(wl, first, n_cells, hours, seed=seed)
-    twin = Replayed(f"{lead}@{PAIRED_MODES[lead]}", PAIRED_MODES[lead], first.trace)
+    twin = Replayed(f"{lead}@{PAIRED_MODES[lead]}", PAIRED_MODES[lead], first.trace, first.fresh)
     paired = run_policy(wl, twin, n_cells, hours, seed=seed)
     if twin.skipped:
         raise AssertionError(f"{twin.name}: {twin.skipped} replayed flips found their cell in another role")
