@@ -383,3 +383,23 @@ def test_a_worker_that_dies_fails_the_map():
         for p in pool.procs:
             p.kill()
             p.wait(timeout=30)
+
+
+def test_the_paired_speedup_cancels_the_leads_home_advantage_and_shows_a_real_loss():
+    """`speedup_vs_flip_reprefill`: the mean of both ways of pairing. A lead that wins by 0.3 %
+    whichever mode leads is a home advantage (1.000); a loss both ways is a real one (control)."""
+    import cluster_sim
+    from sim.run import RunResult
+
+    def run(policy, v):
+        return RunResult(policy, 1, 1.0, 0.0, 0.0, v, 0.0, 0.0, 0, 0, 0.0, [], 0.0, {}, 0, 0, 0.0)
+
+    def runs(cf, cf_at_rp, rp_at_kv, rp):
+        return {"cellflip": [run("cellflip", cf)], "cellflip@reprefill": [run("cellflip@reprefill", cf_at_rp)],
+                "flip_reprefill@kv": [run("flip_reprefill@kv", rp_at_kv)], "flip_reprefill": [run("flip_reprefill", rp)]}
+
+    home = runs(100.3, 100.0, 99.7, 100.0)
+    assert cluster_sim.paired_ratios(home) == {"on_cellflip_flips": [1.003], "on_reprefill_flips": [0.997], "mean": 1.0}
+    assert cluster_sim.paired_speedup(home) == 1.0
+    loss = runs(99.0, 100.0, 99.0, 100.0)
+    assert cluster_sim.paired_speedup(loss) == 0.99
