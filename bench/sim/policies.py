@@ -174,8 +174,8 @@ class Planned(Policy):
 
 class Replayed(Planned):
     """Another run's flips (and new sessions started ahead of parked ones), tick by tick, with
-    this run's way of moving sessions (`mode`): the
-    paired twin of a planned run. Same seed, so the same sessions in the same order (each
+    this run's way of moving sessions (`mode`): the paired twin of a planned run. Same seed,
+    so the same sessions in the same order (each
     admission's slot time is the next draw of the seed's stream: common random numbers), and
     the same roles at every tick, so the two runs differ by how moved sessions travel only (a
     KV copy paid by both ends, or a re-prefill paid by the destination). A recorded flip whose
