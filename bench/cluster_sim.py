@@ -10,6 +10,15 @@ oracle (a hand-tuned controller with free moves, not a ceiling). Every policy is
 mean over seeds 1..3, against `upper_bound` (bench/sim/bound.py: a certified LP relaxation with
 admission timing as a decision); every run of every seed is asserted at most the bound.
 
+`speedup_vs_flip_reprefill` is paired (`sim.run.run_paired`): per seed, cellflip over its twin
+that replays cellflip's flips tick by tick with a re-prefill for every move, and flip_reprefill's
+twin that replays flip_reprefill's flips with a live KV copy over flip_reprefill; the mean of
+both ratios over the seeds. A pair shares its seed (the same sessions in the same order: each
+admission's slot time is the next draw of the seed's stream, common random numbers) and its
+roles at every tick, so it differs by how moved sessions travel only: a real loss of live KV
+migration shows, and the noise of two runs parting ways after their first move does not (the
+ratio of unpaired means is kept as `speedup_vs_flip_reprefill_own_flips`).
+
     python bench/cluster_sim.py [--quick] [--json] [--jobs N] [--plots [DIR]] [--workload NAME_OR_PATH ...]
     python bench/cluster_sim.py --rl-jobs [--quick] [--json] [--workload NAME ...]
 
@@ -46,6 +55,7 @@ from sim import BUILTIN, POLICIES, RunResult, load_workload, make_policy, run_po
 from sim.bound import upper_bound, warmup_s  # noqa: E402
 from sim.fluid import rebalance_gain  # noqa: E402
 from sim.policies import ORACLE_SOURCES  # noqa: E402
+from sim.run import PAIRED_MODES, run_paired  # noqa: E402
 from sim.workload import Workload  # noqa: E402
 
 COARSE = tuple(round(0.05 * i, 2) for i in range(21))
@@ -56,13 +66,16 @@ NUMERIC = ("trained_tokens_per_hour", "utilization", "goodput_utilization", "dro
            "recomputed_tokens", "mean_staleness", "versions")
 
 
-def _run(args: tuple) -> RunResult:
-    """One run (a pool worker's task): (workload, policy, static share, cells, hours, seed)."""
+def _run(args: tuple) -> list[RunResult]:
+    """One task of a pool worker: (workload, policy, static share, cells, hours, seed) -> its
+    run; `cellflip` and `flip_reprefill` also their paired twin (`sim.run.run_paired`)."""
     wl, policy, share, cells, hours, seed = args
     if policy == "oracle":  # the ceiling: the better of the oracle's free strategies
         runs = [run_policy(wl, make_policy(f"oracle:{s}"), cells, hours, seed=seed) for s in ORACLE_SOURCES]
-        return max(runs, key=lambda r: r.trained_tokens_per_hour)
-    return run_policy(wl, make_policy(policy, share), cells, hours, seed=seed)
+        return [max(runs, key=lambda r: r.trained_tokens_per_hour)]
+    if policy in PAIRED_MODES:
+        return list(run_paired(wl, policy, cells, hours, seed=seed))
+    return [run_policy(wl, make_policy(policy, share), cells, hours, seed=seed)]
 
 
 class Workers:
@@ -74,11 +87,11 @@ class Workers:
         self.procs = [subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, text=True, env=env) for _ in range(jobs)]
 
-    def map(self, tasks: list[tuple]) -> list[RunResult]:
+    def map(self, tasks: list[tuple]) -> list[list[RunResult]]:
         todo: queue.Queue = queue.Queue()
         for i in range(len(tasks)):
             todo.put(i)
-        out: list[RunResult | None] = [None] * len(tasks)
+        out: list[list[RunResult] | None] = [None] * len(tasks)
         errors: list[str] = []
 
         def feed(p: subprocess.Popen) -> None:
@@ -95,7 +108,7 @@ class Workers:
                 if not line.startswith("RESULT "):
                     errors.append(f"worker {p.pid} exited (code {p.poll()}) on task {tasks[i][1:]}")
                     return
-                out[i] = RunResult(**json.loads(line[len("RESULT "):]))
+                out[i] = [RunResult(**r) for r in json.loads(line[len("RESULT "):])]
 
         threads = [threading.Thread(target=feed, args=(p,), daemon=True) for p in self.procs]
         for t in threads:
@@ -114,15 +127,15 @@ class Workers:
 
 
 def _serve() -> None:
-    """A worker: one JSON task per stdin line -> one `RESULT {RunResult}` line on stdout."""
+    """A worker: one JSON task per stdin line -> one `RESULT [RunResult, ...]` line on stdout."""
     for line in sys.stdin:
         a = json.loads(line)
-        r = _run((Workload.model_validate(a["workload"]), a["policy"], a["share"], a["cells"], a["hours"],
-                  a["seed"]))
-        print("RESULT " + json.dumps(dataclasses.asdict(r), default=lambda x: x.item()), flush=True)
+        rs = _run((Workload.model_validate(a["workload"]), a["policy"], a["share"], a["cells"], a["hours"],
+                   a["seed"]))
+        print("RESULT " + json.dumps([dataclasses.asdict(r) for r in rs], default=lambda x: x.item()), flush=True)
 
 
-def _map(tasks: list[tuple], pool: Workers | None) -> list[RunResult]:
+def _map(tasks: list[tuple], pool: Workers | None) -> list[list[RunResult]]:
     return pool.map(tasks) if pool is not None else [_run(t) for t in tasks]
 
 
@@ -130,7 +143,7 @@ def choose_static_share(wl: Workload, cells: int, hours: float, log=print, pool=
     """The rollout share of the best static split on seed 0: a 0.05 sweep, refined by 0.01."""
     def sweep(shares: list[float]) -> dict[float, float]:
         runs = _map([(wl, "static", f, cells, hours, 0) for f in shares], pool)
-        return {f: r.trained_tokens_per_hour for f, r in zip(shares, runs)}
+        return {f: r[0].trained_tokens_per_hour for f, r in zip(shares, runs)}
 
     seen = sweep(list(COARSE))
     best = max(seen, key=seen.__getitem__)
@@ -140,6 +153,29 @@ def choose_static_share(wl: Workload, cells: int, hours: float, log=print, pool=
     log("  static sweep, seed 0 (rollout share -> trained Mtok/h): " + ", ".join(
         f"{f:.2f}:{seen[f] / 1e6:.1f}" for f in sorted(seen)))
     return best, seen
+
+
+def paired_ratios(runs: dict[str, list[RunResult]]) -> dict:
+    """Per seed, cellflip over re-prefill on the same flips, both ways: on cellflip's flips
+    (`cellflip` / `cellflip@reprefill`) and on flip_reprefill's (`flip_reprefill@kv` /
+    `flip_reprefill`). Each pair shares its seed's sessions and its roles at every tick. Both
+    ways, because flips decided on a run's own measurements suit that run a little better than
+    its twin (on `sinusoidal` +0.3 % for whichever leads, seed after seed): the mean of the
+    two ways cancels that home advantage and leaves the moves' cost."""
+    def ratio(a: RunResult, b: RunResult) -> float:
+        return a.trained_tokens_per_hour / b.trained_tokens_per_hour if b.trained_tokens_per_hour > 0 else float("inf")
+
+    on_cf = [ratio(a, b) for a, b in zip(runs["cellflip"], runs["cellflip@reprefill"])]
+    on_rp = [ratio(a, b) for a, b in zip(runs["flip_reprefill@kv"], runs["flip_reprefill"])]
+    both = on_cf + on_rp
+    return {"on_cellflip_flips": [round(x, 5) for x in on_cf], "on_reprefill_flips": [round(x, 5) for x in on_rp],
+            "mean": round(sum(both) / len(both), 5)}
+
+
+def paired_speedup(runs: dict[str, list[RunResult]]) -> float:
+    """The mean of the paired ratios (`paired_ratios`), both ways, over the seeds (3 decimals,
+    as every speedup of the block; the block's `vs_flip_reprefill_paired.mean` keeps 5)."""
+    return round(paired_ratios(runs)["mean"], 3)
 
 
 def check_bound(wl: Workload, cells: int, hours: float, bound: float, runs: dict[str, list[RunResult]],
@@ -165,8 +201,9 @@ def simulate_workload(wl: Workload, cells: int, hours: float, log=print, pool=No
     share, sweep = choose_static_share(wl, cells, hours, log, pool)
     tasks = [(wl, p, share, cells, hours, seed) for seed in SEEDS for p in POLICIES]
     runs: dict[str, list[RunResult]] = {p: [] for p in POLICIES}
-    for (_, p, *_rest), r in zip(tasks, _map(tasks, pool)):
-        runs[p].append(r)
+    for rs in _map(tasks, pool):
+        for r in rs:
+            runs.setdefault(r.policy, []).append(r)
     bound = upper_bound(wl, cells, hours)
     log(f"  upper bound {bound.tokens_per_hour / 1e6:.2f} Mtok/h (LP: {bound.buckets} buckets, "
         f"{bound.cohorts} admission ticks, certified within {bound.gap:.1e} of its best plan)")
@@ -205,7 +242,9 @@ def simulate_workload(wl: Workload, cells: int, hours: float, log=print, pool=No
         "speedup_vs_sync_same_batch": speedup("sync_same_batch"),
         "speedup_vs_static": speedup("static"),
         "speedup_vs_flip_abort": speedup("flip_abort"),
-        "speedup_vs_flip_reprefill": speedup("flip_reprefill"),
+        "speedup_vs_flip_reprefill": paired_speedup(runs),
+        "speedup_vs_flip_reprefill_own_flips": speedup("flip_reprefill"),
+        "vs_flip_reprefill_paired": paired_ratios(runs),
         "oracle_fraction": round(cf / oracle, 4) if oracle > 0 else 0.0,
         "upper_bound": round(top, 1),
         "bound_fraction": round(cf / top, 4),
@@ -220,7 +259,7 @@ def simulate_workload(wl: Workload, cells: int, hours: float, log=print, pool=No
         "batch_size": wl.batch_for(cells)[0],
         "seeds": list(SEEDS),
     }
-    return block, [rs[0] for rs in runs.values()]
+    return block, [rs[0] for p, rs in runs.items() if p in POLICIES]
 
 
 def markdown(result: dict) -> str:

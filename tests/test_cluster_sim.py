@@ -253,6 +253,54 @@ def test_cellflip_migrates_where_flip_abort_restarts():
     assert cf.trained_tokens_per_hour > 2 * sync.trained_tokens_per_hour
 
 
+def test_a_paired_twin_has_the_same_sessions_and_roles_and_moves_the_other_way():
+    """`run_paired`: the twin replays the lead's flips tick by tick on the same seed. Replayed
+    in the lead's own mode it is the lead's run to the last digit (same sessions: common random
+    numbers; same roles); in the other mode only the moves differ. Controls: another seed, or
+    one recorded flip left out, is another run."""
+    from sim.policies import Planned, Replayed
+    from sim.run import run_paired
+
+    wl = load_workload("drifting")
+    own, twin = run_paired(wl, "cellflip", 48, 12.0, seed=1)
+    assert own.flips == twin.flips > 0 and twin.policy == "cellflip@reprefill"
+    assert own.series["rollout_cells"] == twin.series["rollout_cells"]
+    assert own.series["training_cells"] == twin.series["training_cells"]
+    assert own.moves["kv"] > 0 and twin.moves["kv"] == 0 and twin.recomputed_tokens > own.recomputed_tokens
+    lead = Planned("cellflip", "kv")
+    first = run_policy(wl, lead, 48, 12.0, seed=1)
+    same = run_policy(wl, Replayed("again", "kv", lead.trace), 48, 12.0, seed=1, check=True)
+    assert same.metrics() == first.metrics() == own.metrics()
+    other_seed = run_policy(wl, Replayed("again", "kv", lead.trace), 48, 12.0, seed=2)
+    assert other_seed.metrics() != first.metrics()
+    t0 = min(lead.trace)
+    fewer = dict(lead.trace) | {t0: lead.trace[t0][1:]}
+    assert run_policy(wl, Replayed("fewer", "kv", fewer), 48, 12.0, seed=1).metrics() != first.metrics()
+    wave = load_workload("sinusoidal")  # a fast wave: the lead parks and starts new sessions ahead
+    lead = Planned("cellflip", "kv")
+    first = run_policy(wave, lead, 48, 12.0, seed=1)
+    assert lead.fresh
+    same = run_policy(wave, Replayed("again", "kv", lead.trace, lead.fresh), 48, 12.0, seed=1, check=True)
+    assert same.metrics() == first.metrics()
+    back, fwd = run_paired(wl, "flip_reprefill", 48, 12.0, seed=1)
+    assert back.flips == fwd.flips > 0 and fwd.policy == "flip_reprefill@kv" and fwd.moves["kv"] > 0
+    with pytest.raises(ValueError, match="paired run"):
+        run_paired(wl, "static", 48, 12.0)
+
+
+def test_a_replayed_flip_that_no_longer_fits_is_skipped_and_counted():
+    from sim.policies import Replayed
+
+    from scheduler.planner.types import FlipDecision
+
+    wl = load_workload("stationary")
+    tick = wl.tick_s
+    bad = {tick: [FlipDecision(0, "rollout", "test")]}  # cell 0 is a rollout cell: nothing to flip back
+    policy = Replayed("bad", "reprefill", bad)
+    run_policy(wl, policy, 4, 0.1, seed=1, check=True)
+    assert policy.skipped == 1 and policy.flips == 0
+
+
 def test_oracle_is_a_ceiling_on_a_small_fleet():
     wl = load_workload("stationary")
     runs = {p: run_policy(wl, make_policy(p, 0.8), n_cells=48, hours=12.0, check=True)
@@ -310,10 +358,11 @@ def test_worker_processes_match_in_process_runs():
     tasks = [(wl, p, 0.8, 40, 3.0, seed) for seed in (1, 2) for p in ("static", "cellflip", "oracle")]
     pool = cluster_sim.Workers(2)
     try:
-        remote = pool.map(tasks)
+        remote = [r for rs in pool.map(tasks) for r in rs]
     finally:
         pool.close()
-    local = [cluster_sim._run(t) for t in tasks]
+    local = [r for t in tasks for r in cluster_sim._run(t)]
+    assert "cellflip@reprefill" in [r.policy for r in local]  # cellflip's task brings its paired twin
     assert [r.policy for r in remote] == [r.policy for r in local]
     assert [r.metrics() for r in remote] == [r.metrics() for r in local]
     assert [r.series for r in remote] == [r.series for r in local]
@@ -334,3 +383,23 @@ def test_a_worker_that_dies_fails_the_map():
         for p in pool.procs:
             p.kill()
             p.wait(timeout=30)
+
+
+def test_the_paired_speedup_cancels_the_leads_home_advantage_and_shows_a_real_loss():
+    """`speedup_vs_flip_reprefill`: the mean of both ways of pairing. A lead that wins by 0.3 %
+    whichever mode leads is a home advantage (1.000); a loss both ways is a real one (control)."""
+    import cluster_sim
+    from sim.run import RunResult
+
+    def run(policy, v):
+        return RunResult(policy, 1, 1.0, 0.0, 0.0, v, 0.0, 0.0, 0, 0, 0.0, [], 0.0, {}, 0, 0, 0.0)
+
+    def runs(cf, cf_at_rp, rp_at_kv, rp):
+        return {"cellflip": [run("cellflip", cf)], "cellflip@reprefill": [run("cellflip@reprefill", cf_at_rp)],
+                "flip_reprefill@kv": [run("flip_reprefill@kv", rp_at_kv)], "flip_reprefill": [run("flip_reprefill", rp)]}
+
+    home = runs(100.3, 100.0, 99.7, 100.0)
+    assert cluster_sim.paired_ratios(home) == {"on_cellflip_flips": [1.003], "on_reprefill_flips": [0.997], "mean": 1.0}
+    assert cluster_sim.paired_speedup(home) == 1.0
+    loss = runs(99.0, 100.0, 99.0, 100.0)
+    assert cluster_sim.paired_speedup(loss) == 0.99

@@ -72,6 +72,17 @@ def test_each_workload_small_run_within_its_bound(name):
         assert cf.cross_job_moves > 0
 
 
+def test_untrained_tokens_are_what_was_decoded_and_never_trained():
+    """Per job, decoded minus trained (in flight, waiting or in the running step at the horizon,
+    or dropped): > 0 at a horizon that cuts sessions, and it falls when the horizon is moved
+    past the last arrival, so that its sessions finish (the same job cut at 6 h against run to 20 h)."""
+    jw = JobsWorkload("one", (JobSpec("a", "stationary", 2.0, end_h=6.0),))
+    cut = run_jobs(jw, CELLS, 6.0, seed=1).per_job["a"]
+    late = run_jobs(jw, CELLS, 20.0, seed=1).per_job["a"]
+    assert cut["untrained_tokens_per_hour"] > 0
+    assert late["untrained_tokens_per_hour"] * 20.0 < cut["untrained_tokens_per_hour"] * 6.0
+
+
 def test_the_bench_block_of_a_tiny_fleet():
     block = simulate_jobs_workload(JOB_WORKLOADS["anti_phase"], 16, 8.0, (1,), 4, 2, log=QUIET)
     assert block["static_split"]["a"] + block["static_split"]["b"] == 16

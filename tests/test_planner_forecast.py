@@ -98,3 +98,45 @@ def test_rates_measure_new_sessions_and_their_trend():
     assert r.new_session_rate_per_slot_s == pytest.approx(1 / 1800.0) and r.new_session_rate_trend == before
     r.on_new_sessions(240.0, 16 * 20_000 / 3600.0, 16)  # slower again: the trend turns down
     assert r.new_session_rate_trend < before
+
+
+# ------------------------------------------------------------------ a fast wave turns both on
+
+def test_swings_measure_a_wave_and_ignore_noise():
+    """`Rates.on_new_sessions` feeds `Swings`: a sine of the new sessions' rate (2 h period,
+    extremes 3x apart) gives its period and swing; +-5 % noise gives no wave; a wave that stops
+    is forgotten after a period."""
+    import math
+
+    from scheduler.control.rates import Swings
+
+    wave, noise = Swings(), Swings()
+    for k in range(0, 12 * 60):  # a minute apart, 12 h
+        t = 60.0 * k
+        wave.on_rate(t, 1.0 / (7200.0 * (1.0 + 0.5 * math.sin(2 * math.pi * t / 7200.0))))
+        noise.on_rate(t, SLOT_RATE * (1.05 if k % 2 else 0.95))
+    assert wave.period_s() == pytest.approx(7200.0, abs=120.0) and wave.swing() == pytest.approx(3.0, rel=0.05)
+    assert noise.period_s() == 0.0 and noise.swing() == 0.0
+    for k in range(12 * 60, 12 * 60 + 150):  # flat for 2.5 h: the wave stopped
+        wave.on_rate(60.0 * k, SLOT_RATE)
+    assert wave.period_s() == 0.0
+
+
+def test_a_fast_wide_wave_follows_and_parks_unasked():
+    """A wave of the new sessions' rate within one slot time and 3x apart turns on what
+    `follow_new_sessions` and `park_moving` ask for; a slower wave, a narrower one, or the gate
+    set to 0 leaves the default planner on the finish rate (controls)."""
+    from scheduler.planner.plan import fast_wave
+
+    cells = [cell(i) for i in range(10)]
+    base = snap(cells, new=2 * SLOT_RATE)
+    fast = replace(base, new_session_rate_period_s=0.9 * 7200.0, new_session_rate_swing=2.9)
+    default = PlannerPolicy()
+    assert fast_wave(fast, default) and production_rate_per_slot_s(fast, default) == pytest.approx(2 * SLOT_RATE)
+    assert may_park(fast, default)
+    for other in (replace(fast, new_session_rate_period_s=1.4 * 7200.0), replace(fast, new_session_rate_swing=2.0),
+                  base):
+        assert not fast_wave(other, default)
+        assert production_rate_per_slot_s(other, default) == SLOT_RATE and not may_park(other, default)
+    off = replace(default, fast_wave_sessions=0.0)
+    assert not fast_wave(fast, off) and production_rate_per_slot_s(fast, off) == SLOT_RATE

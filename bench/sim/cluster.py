@@ -349,8 +349,7 @@ class Cluster:
                                      (k - inflight) * bps if role != TRAINING else 0, total, gen,
                                      export, c in busy, tok)
             self._dirty[:] = False
-        tr = self.trainer
-        r = rates or Rates()
+        tr, r = self.trainer, rates or Rates()
         return Snapshot(
             cells=tuple(self._summaries),  # type: ignore[arg-type]
             finished_waiting=tr.queue.size, batch_size=tr.batch_size,
@@ -362,6 +361,7 @@ class Cluster:
             steps_in_progress=len(tr.steps), max_cells_per_step=tr.width,
             finish_rate_per_slot_s=r.finish_rate_per_slot_s(), slot_occupancy=r.slot_occupancy(),
             new_session_rate_per_slot_s=r.new_session_rate_per_slot_s, new_session_rate_trend=r.new_session_rate_trend,
+            new_session_rate_period_s=r.new_session_swings.period_s(), new_session_rate_swing=r.new_session_swings.swing(),
             train_rate_per_cell_s=r.train_rate_per_cell_s, train_step_s=r.train_step_s,
             tokens_per_step=r.tokens_per_step, max_concurrent_steps=1)
 

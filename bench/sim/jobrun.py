@@ -256,6 +256,8 @@ def _result(states: list[JobState], hours: float, split, counts: dict, fair: lis
             "refused_fraction": round(st.refused / st.arrived, 4) if st.arrived else 0.0,
             "mean_cells": round(st.held_cell_s / (hours * 3600.0), 1),
             "min_share_violation_s": round(st.violation_s, 1),
+            # decoded but never trained: in flight, waiting or in the running step at the horizon, or dropped
+            "untrained_tokens_per_hour": round((st.cl.decoded_tokens - st.tr.trained_tokens_equivalent()) / hours, 1),
         }
     return JobsRun(
         policy="cellflip" if split is None else "static",

@@ -12,6 +12,8 @@
   which restart from the prompt elsewhere (progress lost), as verl and ROLL do today.
 - `flip_reprefill`: the planner decides; a flip re-prefills its rollouts elsewhere, keeping
   their tokens, the prefill paid by the destination cell.
+- `Replayed`: another run's flips, tick by tick, moving sessions its own way: the paired twin
+  that compares live KV migration with re-prefill on the same sessions and roles.
 - `cellflip`: the planner decides; a flip moves its rollouts by live KV copy, paid by both ends.
 - `oracle`: a ceiling, sharing no code with the planner: every tick it gives the trainer the
   cells that balance production against training (while a step runs or a batch is ready),
@@ -21,10 +23,12 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from scheduler.control.rates import Rates
-from scheduler.planner.plan import plan_flips
+from scheduler.planner.plan import follows_new_sessions, plan_flips
 from scheduler.planner.types import FlipDecision, PlannerPolicy, Snapshot
 
 from .cluster import LOADING, ROLLOUT, TRAINING, Cluster
@@ -119,12 +123,12 @@ class Static(Policy):
 
 class Planned(Policy):
     """Flips decided by `plan_flips`, unchanged; sessions moved the way `mode` says. Under the
-    opt-in planner that follows the sessions starting now (`follow_new_sessions`), while
-    sessions are parked (suspended) `FRESH_PER_TICK` new ones still start each tick ahead of
-    them, so that rate stays measured; the default planner resumes parked sessions first (new
+    planner that follows the sessions starting now (`follows_new_sessions`: asked, or a fast
+    wave), while sessions are parked (suspended) the fewest new ones that keep that rate
+    measured still start each tick ahead of them: one cell's slots per window of new sessions
+    (`Rates.new_window_s`; 2 a tick at 2 h sessions; 16 a tick held 0.948 of the oracle on
+    `sinusoidal`, seeds 1-3, where 2 hold 0.969); otherwise parked sessions resume first (new
     ones ahead of them cost `arrive_leave` 0.41 -> 0.29 of its gain capture)."""
-
-    FRESH_PER_TICK = 16
 
     def __init__(self, name: str, mode: str, policy: PlannerPolicy | None = None,
                  record: bool = False) -> None:
@@ -133,6 +137,10 @@ class Planned(Policy):
         self.policy = policy or PlannerPolicy()
         self.flips = 0
         self.log: list[tuple[Snapshot, list[FlipDecision]]] | None = [] if record else None
+        self.trace: dict[float, list[FlipDecision]] = {}
+        """Every tick's flips by tick time (what `Replayed` applies to a paired run)..."""
+        self.fresh: dict[float, int] = {}
+        """...and the new sessions it started ahead of parked ones, by tick time."""
 
     def view(self, cl: Cluster, t: float, snap: Snapshot) -> Snapshot:
         """What the planner is shown: the measured snapshot (bench/sim/probe.py shows it more)."""
@@ -143,9 +151,12 @@ class Planned(Policy):
         decisions = plan_flips(snap, self.policy)
         if self.log is not None:
             self.log.append((snap, decisions))
+        if decisions:
+            self.trace[t] = decisions
         self._flip(cl, t, decisions)
-        if cl.suspended and self.policy.follow_new_sessions:
-            cl.admit(t, self.FRESH_PER_TICK)
+        if cl.suspended and follows_new_sessions(snap, self.policy):
+            self.fresh[t] = math.ceil(cl.k * cl.tick_s / rates.new_window_s())
+            cl.admit(t, self.fresh[t])
 
     def _flip(self, cl: Cluster, t: float, decisions: list[FlipDecision]) -> None:
         if not decisions:
@@ -159,6 +170,32 @@ class Planned(Policy):
         cl.sync_trainer_cells(t)
         cl.drain(to_train, t)  # after the trainer has the cells: a KV copy delays its step
         self.flips += len(decisions)
+
+
+class Replayed(Planned):
+    """Another run's flips (and new sessions started ahead of parked ones), tick by tick, with
+    this run's way of moving sessions (`mode`): the paired twin of a planned run. Same seed,
+    so the same sessions in the same order (each
+    admission's slot time is the next draw of the seed's stream: common random numbers), and
+    the same roles at every tick, so the two runs differ by how moved sessions travel only (a
+    KV copy paid by both ends, or a re-prefill paid by the destination). A recorded flip whose
+    cell is not in the role it left in the recorded run is skipped and counted (`skipped`;
+    roles change by flips and weight loads alone, so it stays 0)."""
+
+    def __init__(self, name: str, mode: str, trace: dict[float, list[FlipDecision]],
+                 fresh: dict[float, int] | None = None) -> None:
+        super().__init__(name, mode)
+        self.replay, self.replay_fresh = trace, fresh or {}
+        self.skipped = 0
+
+    def tick(self, cl: Cluster, t: float, rates: Rates) -> None:
+        want = {"training": ROLLOUT, "rollout": TRAINING}
+        decisions = self.replay.get(t, [])
+        ok = [d for d in decisions if cl.role[int(d.cell_id)] == want[d.to]]
+        self.skipped += len(decisions) - len(ok)
+        self._flip(cl, t, ok)
+        if cl.suspended and t in self.replay_fresh:
+            cl.admit(t, self.replay_fresh[t])
 
 
 class Oracle(Policy):

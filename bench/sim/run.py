@@ -17,7 +17,7 @@ import numpy as np
 from scheduler.control.rates import Rates, TrainerDemand
 
 from .cluster import INF, LOADING, ROLLOUT, TRAINING, Cluster
-from .policies import Policy
+from .policies import Planned, Policy, Replayed
 from .trainer import Trainer
 from .workload import Workload
 
@@ -154,6 +154,26 @@ def run_policy(wl: Workload, policy: Policy, n_cells: int, hours: float | None =
         lost_work_cell_hours=(tr.dropped_slot_s + cl.discarded_slot_s + cl.pause_slot_s) / cl.k / 3600.0,
         moves=dict(cl.moved), flips=getattr(policy, "flips", 0), versions=tr.version,
         wall_s=time.perf_counter() - wall0, series=series)
+
+
+PAIRED_MODES = {"cellflip": "reprefill", "flip_reprefill": "kv"}
+"""A planned run's paired twin moves sessions the other way: live KV copy <-> re-prefill."""
+
+
+def run_paired(wl: Workload, lead: str, n_cells: int, hours: float | None = None,
+               seed: int = 0) -> tuple[RunResult, RunResult]:
+    """`lead` ("cellflip" or "flip_reprefill") on `seed`, then its paired twin: the same seed
+    (the same sessions, common random numbers) and the same flips at the same ticks
+    (`Replayed`), each move the other way. Returns (lead's run, the twin's)."""
+    if lead not in PAIRED_MODES:
+        raise ValueError(f"a paired run leads with one of {sorted(PAIRED_MODES)}, got {lead!r}")
+    first = Planned(lead, "kv" if lead == "cellflip" else "reprefill")
+    own = run_policy(wl, first, n_cells, hours, seed=seed)
+    twin = Replayed(f"{lead}@{PAIRED_MODES[lead]}", PAIRED_MODES[lead], first.trace, first.fresh)
+    paired = run_policy(wl, twin, n_cells, hours, seed=seed)
+    if twin.skipped:
+        raise AssertionError(f"{twin.name}: {twin.skipped} replayed flips found their cell in another role")
+    return own, paired
 
 
 def _slow_decoding(cl: Cluster, seconds: float, t: float) -> None:

@@ -28,6 +28,55 @@ NEW_WINDOW_SESSIONS = 1.0 / 12.0
 the sessions starting now will hold a slot (10 minutes at 2 h sessions)."""
 TREND_SESSIONS = 0.25
 """The trend of the new sessions' rate is averaged over about this many mean slot times."""
+SWING_FACTOR = 1.2
+"""A turn of the new sessions' rate counts once it has moved back this factor off its extreme
+(smaller moves are noise; measured swings on the simulator's shapes are 2-3x)."""
+SWING_TURNS = 5
+"""The period and the swing are the medians over this many last turns."""
+
+
+class Swings:
+    """The new sessions' rate as a wave: its turning points (a peak or a trough, counted once
+    the rate has moved back `SWING_FACTOR` off it) -> `period_s` (twice the median time between
+    turns) and `swing` (the median ratio of one extreme to the next). Both 0 = unknown: fewer
+    than three turns, or none for longer than a period (the wave has stopped)."""
+
+    def __init__(self) -> None:
+        self._dir = 0
+        self._ext = 0.0
+        self._ext_at = 0.0
+        self._turns: list[tuple[float, float]] = []
+        self._now = 0.0
+
+    def on_rate(self, t: float, rate: float) -> None:
+        self._now = t
+        if self._ext <= 0.0:
+            self._ext, self._ext_at = rate, t
+            return
+        if self._dir > 0 and rate > self._ext or self._dir < 0 and rate < self._ext:
+            self._ext, self._ext_at = rate, t  # the extreme moves on (before the first move: the start)
+        if self._dir >= 0 and rate * SWING_FACTOR < self._ext:
+            self._turn(-1, t, rate)
+        elif self._dir <= 0 and rate > self._ext * SWING_FACTOR:
+            self._turn(1, t, rate)
+
+    def _turn(self, to: int, t: float, rate: float) -> None:
+        if self._dir != 0:  # the first move only sets the direction
+            self._turns = [*self._turns, (self._ext_at, self._ext)][-(SWING_TURNS + 1):]
+        self._dir, self._ext, self._ext_at = to, rate, t
+
+    def period_s(self) -> float:
+        if len(self._turns) < 3:
+            return 0.0
+        gaps = sorted(b[0] - a[0] for a, b in zip(self._turns, self._turns[1:]))
+        period = 2.0 * gaps[len(gaps) // 2]
+        return period if self._now - self._turns[-1][0] <= period else 0.0
+
+    def swing(self) -> float:
+        if self.period_s() <= 0.0:
+            return 0.0
+        ratios = sorted(max(a[1], b[1]) / min(a[1], b[1]) for a, b in zip(self._turns, self._turns[1:]))
+        return ratios[len(ratios) // 2]
 
 
 @dataclass(slots=True)
@@ -64,6 +113,8 @@ class Rates:
         self.new_session_rate_trend = 0.0
         """Its change a second (averaged over `TREND_SESSIONS` mean slot times)."""
         self._new_at: float | None = None
+        self.new_session_swings = Swings()
+        """The new sessions' rate as a wave: its period and swing (`Snapshot.new_session_rate_period_s`)."""
         self.train_rate_per_cell_s = 0.0
         self.train_step_s = 0.0
         self.tokens_per_step = 0
@@ -114,6 +165,7 @@ class Rates:
             slope = (rate - self.new_session_rate_per_slot_s) / (t - self._new_at)
             self.new_session_rate_trend = (1.0 - w) * self.new_session_rate_trend + w * slope
         self.new_session_rate_per_slot_s, self._new_at = rate, t
+        self.new_session_swings.on_rate(t, rate)
 
     def on_tick(self, dt: float, occupied_slots: int, offered_slots: int) -> None:
         """Fold one tick of `dt` seconds in: the slots occupied and offered over it, and the

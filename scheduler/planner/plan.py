@@ -109,10 +109,23 @@ def production_rate_per_slot_s(snapshot: Snapshot, policy: PlannerPolicy = DEFAU
     sessions starting now will cost, not what the ones finishing now cost, sizes the split."""
     f = snapshot.finish_rate_per_slot_s
     new = snapshot.new_session_rate_per_slot_s
-    if new <= 0.0 or f <= 0.0 or not policy.follow_new_sessions:
+    if new <= 0.0 or f <= 0.0 or not follows_new_sessions(snapshot, policy):
         return f
     ahead = new + policy.forecast_lead_sessions / f * snapshot.new_session_rate_trend
     return max(ahead, policy.forecast_floor * new)
+
+
+def fast_wave(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) -> bool:
+    """The new sessions' rate is measured as a wave within `fast_wave_sessions` mean slot times,
+    its extremes at least `fast_wave_swing` apart (`PlannerPolicy.fast_wave_sessions`)."""
+    period, f = snapshot.new_session_rate_period_s, snapshot.finish_rate_per_slot_s
+    return (policy.fast_wave_sessions > 0.0 and period > 0.0 and f > 0.0
+            and period * f <= policy.fast_wave_sessions and snapshot.new_session_rate_swing >= policy.fast_wave_swing)
+
+
+def follows_new_sessions(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) -> bool:
+    """Production is sized on the sessions starting now: asked (`follow_new_sessions`), or a fast wave."""
+    return policy.follow_new_sessions or fast_wave(snapshot, policy)
 
 
 def demand_moving(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) -> bool:
@@ -125,7 +138,8 @@ def demand_moving(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) ->
 
 def may_park(snapshot: Snapshot, policy: PlannerPolicy = DEFAULT_POLICY) -> bool:
     """Flips to training may go beyond the free room (`PlannerPolicy.park_moving`)."""
-    return (not policy.flip_into_room or policy.park_moving and demand_moving(snapshot, policy)
+    parks = policy.park_moving or fast_wave(snapshot, policy)
+    return (not policy.flip_into_room or parks and demand_moving(snapshot, policy)
             and snapshot.queued_sessions < policy.park_max_batches * snapshot.batch_size)
 
 

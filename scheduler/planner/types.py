@@ -84,6 +84,10 @@ class Snapshot:
     slot time (their token rate over the tokens a finished session holds); 0 = unknown."""
     new_session_rate_trend: float = 0.0
     """Measured change of `new_session_rate_per_slot_s` a second (0 = flat or unknown)."""
+    new_session_rate_period_s: float = 0.0
+    new_session_rate_swing: float = 0.0
+    """Measured period of `new_session_rate_per_slot_s` as a wave (seconds) and the ratio of its
+    extremes (`scheduler.control.rates.Swings`); 0 = no wave measured."""
     train_rate_per_cell_s: float = 0.0
     """Measured trajectories trained per training cell-second; 0 = unknown."""
     train_step_s: float = 0.0
@@ -184,10 +188,11 @@ class PlannerPolicy:
     least one cell a tick), so drains migrate rather than suspend (but see `park_moving`)."""
     follow_new_sessions: bool = False
     """Size production on the measured rate of the sessions starting now, not on the finish
-    rate alone. Off by default: with `park_moving` it lifts `sinusoidal` (2 h period, 2 h
-    sessions) from 0.875 to 0.96 of the free oracle, but loses to the best static split on
-    held-back shapes whose period is two to four session times (0.92 on a 4 h sine, 0.96 on an
-    8 h square wave, 200 cells, 36 h): see README, cluster simulator."""
+    rate alone. Off by default (on unasked in a fast wave, `fast_wave_sessions`): with
+    `park_moving` it lifts `sinusoidal` (2 h period, 2 h sessions) from 0.875 to 0.96 of the
+    free oracle, but loses to the best static split on held-back shapes whose period is two to
+    four session times (0.92 on a 4 h sine, 0.96 on an 8 h square wave, 200 cells, 36 h): see
+    README, cluster simulator."""
     forecast_lead_sessions: float = 0.125
     """Production is sized on the sessions starting now, forecast this many mean session slot
     times ahead along their measured trend (15 minutes at 2 h sessions): the split moves ahead
@@ -202,3 +207,10 @@ class PlannerPolicy:
     sessions back in the dear phase and starts them in the cheap one (admission pacing)."""
     park_max_batches: float = 8.0
     """...only while fewer than this many batches of sessions are parked (parked sessions age)."""
+    fast_wave_sessions: float = 1.2
+    fast_wave_swing: float = 2.5
+    """`follow_new_sessions` and `park_moving` also apply, unasked, while the new sessions' rate
+    is measured as a wave of period at most `fast_wave_sessions` mean slot times and of extremes
+    at least `fast_wave_swing` apart: demand that swings within one session, by a lot, where
+    starting sessions in the cheap phase pays for parking (`sinusoidal`: 0.93 and 2.9 measured;
+    the held-back shapes it lost on, 1.4-2.6 slot times or 2.0-2.2 apart; 0 disables)."""

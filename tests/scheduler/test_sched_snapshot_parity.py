@@ -41,7 +41,8 @@ names, generation and KV block counts (each side's own units)."""
 CLOSE = ("finish_rate_per_slot_s", "slot_occupancy", "train_rate_per_cell_s", "train_step_s",
          "tokens_per_step")
 """Measured rates: within 10 %."""
-SIM_ONLY = ("new_session_rate_per_slot_s", "new_session_rate_trend")
+SIM_ONLY = ("new_session_rate_per_slot_s", "new_session_rate_trend", "new_session_rate_period_s",
+            "new_session_rate_swing")
 """Measured by the simulator only: the controller does not feed `Rates.on_new_sessions` yet, so
 its snapshot leaves them unknown (0), which the planner reads as "size on the finish rate"
 (it reads them only with the opt-in `PlannerPolicy.follow_new_sessions`). Wiring the controller
