@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from scheduler.control.looks import CellLooks
+
 if TYPE_CHECKING:
     from scheduler.control.context import Context
     from scheduler.control.served import ServedVersions
@@ -24,9 +26,7 @@ class VersionHolders:
     def __init__(self, ctx: Context, served: ServedVersions) -> None:
         self.ctx = ctx
         self.served = served
-        self.changes = ctx.store.changes.reader()
-        self.watched = ctx.registry.watch()
-        self.rollbacks = -1
+        self.looks = CellLooks(ctx)
         self.held: dict[str, tuple[int, ...]] = {}
         """cell → the versions it holds (cells in a scoring role holding any)."""
         self.by_version: dict[int, set[str]] = {}
@@ -37,11 +37,8 @@ class VersionHolders:
         return sorted(self.by_version.get(version, ()))
 
     def _refresh(self) -> None:
-        touched: set[str] | None = self.changes.take() | self.watched
-        self.watched.clear()
-        if self.changes.rollbacks != self.rollbacks:
-            self.rollbacks, touched = self.changes.rollbacks, None
-        elif not touched:
+        touched = self.looks.take()
+        if touched is not None and not touched:
             return
         self.served.refresh()
         cells, registry = self.served.cells, self.ctx.registry

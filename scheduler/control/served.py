@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
+from scheduler.control.looks import CellLooks
+
 if TYPE_CHECKING:
     from scheduler.control.context import Context
 
@@ -32,9 +34,7 @@ _NONE: list[int] = []
 class ServedVersions:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.changes = ctx.store.changes.reader()
-        self.watched = ctx.registry.watch()
-        self.rollbacks = -1
+        self.looks = CellLooks(ctx)
         self.cells: dict[str, tuple[str, int | None, bool]] = {}
         """live, not-down cell → (state, version it serves as last reported, seen)."""
         self.verified: set[str] = set()
@@ -54,11 +54,8 @@ class ServedVersions:
         versions moved."""
 
     def refresh(self) -> None:
-        touched: set[str] | None = self.changes.take() | self.watched
-        self.watched.clear()
-        if self.changes.rollbacks != self.rollbacks:
-            self.rollbacks, touched = self.changes.rollbacks, None
-        elif not touched:
+        touched = self.looks.take()
+        if touched is not None and not touched:
             return
         # of the cells looked at, those with no row (down) or no live entry: what the loop leaves
         gone = set(self.cells) if touched is None else set(touched)

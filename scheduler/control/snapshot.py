@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from scheduler.control.looks import CellLooks
 from scheduler.control.trust import trusted
 from scheduler.planner.room import Placement
 from scheduler.planner.types import CellSummary, Snapshot
@@ -50,10 +51,7 @@ class CellSummaries:
         """The planner's placement index over `listed`, kept up to date with it by each build
         (`current`): the controller owns it and passes it to the planner calls that use up
         room (`Controller.placement`); no `Snapshot` carries it."""
-        self.changes = ctx.store.changes.reader()
-        self.watched = ctx.registry.watch()
-        self.rollbacks = -1
-        """`Store.changes.rollbacks` at the last build (-1: never built)."""
+        self.looks = CellLooks(ctx)
         self.per_build = LOAD_REFRESH_PER_BUILD
         self.later: dict[str, None] = {}
         """Cells whose load or version alone changed past a build's `per_build`, oldest first:
@@ -89,11 +87,8 @@ class CellSummaries:
         return kept[1]
 
     def _refresh(self) -> None:
-        changes = self.changes
-        touched: set[str] | None = changes.take() | self.watched
-        self.watched.clear()
-        if changes.rollbacks != self.rollbacks:
-            self.rollbacks, touched = changes.rollbacks, None
+        touched = self.looks.take()
+        if touched is None:
             self.by_id, self.training, self.busy_copies, self.later = {}, set(), {}, {}
         elif not touched and not self.later:
             return

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import Metric
 
 from scheduler.contract.states import role_of
+from scheduler.control.looks import CellLooks
 from scheduler.control.metrics import CELL_STATES, fleet_family
 
 if TYPE_CHECKING:
@@ -49,9 +50,7 @@ class _Cell:
 class FleetTally:
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
-        self.changes = ctx.store.changes.reader()
-        self.watched = ctx.registry.watch()
-        self.rollbacks = -1
+        self.looks = CellLooks(ctx)
         self.cells: dict[str, _Cell] = {}
         self.offered = self.occupied = 0
         self.rollout: set[str] = set()
@@ -63,11 +62,8 @@ class FleetTally:
 
     def advance(self, now: float) -> None:
         """Re-read the cells named since the last call; intervals that end, end at `now`."""
-        touched: set[str] | None = self.changes.take() | self.watched
-        self.watched.clear()
-        if self.changes.rollbacks != self.rollbacks:
-            self.rollbacks, touched = self.changes.rollbacks, None
-        elif not touched:
+        touched = self.looks.take()
+        if touched is not None and not touched:
             return
         # of the cells looked at, those with no row (not in the store, or down): what the loop leaves
         gone = set(self.cells) if touched is None else set(touched)

@@ -131,7 +131,7 @@ def run(tmp_path, break_incremental: bool = False, break_summaries: bool = False
     if break_incremental:
         inc.ctl.versions.served.dirty = _Deaf()
     if break_summaries:
-        inc.ctl.cell_summaries.watched = set()  # the registry's marks go to a set no one reads
+        inc.ctl.cell_summaries.looks.watched = set()  # the registry's marks go to a set no one reads
     rng, diffs, loading = random.Random(7), [], []
     try:
         for step in range(40):
