@@ -9,6 +9,7 @@ before its commit is redone by its restart. Every run ends with the fault-free p
 from __future__ import annotations
 
 import json
+
 import pytest
 import torch
 
