@@ -16,6 +16,7 @@ their commit is the last one that changed the baseline file, their hash the benc
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import json
 import operator
@@ -162,6 +163,58 @@ def source_sha256(bench: str, commit: str | None = None) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+JUDGING = {"common", "expr", "judge", "render_readme"}
+"""Bench-local modules that judge and print figures, not measure them: a change there stales no baseline."""
+
+
+def _local_imports(path: Path) -> set[Path]:
+    """The bench-local modules (bench/*.py, bench/sim/...) `path` imports, function-local imports included."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the importing module's package, up level - 1
+                pkg = path.parent.relative_to(HERE).parts
+                pkg = pkg[:len(pkg) - (node.level - 1)] if node.level > 1 else pkg
+                base = ".".join([*pkg, *([node.module] if node.module else [])])
+            if base:
+                names |= {base} | {f"{base}.{a.name}" for a in node.names}
+            else:
+                names |= {a.name for a in node.names}
+    out = set()
+    for name in names:
+        parts = name.split(".")
+        if parts[0] in JUDGING:
+            continue
+        for candidate in (HERE.joinpath(*parts).with_suffix(".py"), HERE.joinpath(*parts, "__init__.py")):
+            if candidate.is_file():
+                out.add(candidate)
+    return out
+
+
+def companions(bench: str) -> list[Path]:
+    """Every bench-local module bench/NAME.py reaches by import (transitively), itself aside."""
+    main = HERE / f"{bench}.py"
+    seen: set[Path] = set()
+    todo = [main]
+    while todo:
+        for dep in _local_imports(todo.pop()) - seen - {main}:
+            seen.add(dep)
+            todo.append(dep)
+    return sorted(seen)
+
+
+def companions_sha256(bench: str) -> str:
+    """SHA-256 over the companions' paths and sources as they are now: a baseline measured
+    before one of them changed is stale too, though bench/NAME.py itself did not move."""
+    h = hashlib.sha256()
+    for dep in companions(bench):
+        h.update(dep.relative_to(HERE).as_posix().encode() + b"\0" + dep.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def provenance(bench: str, argv: list[str]) -> dict:
     """What a run was measured on. The commit is null outside a git checkout."""
     try:
@@ -169,7 +222,8 @@ def provenance(bench: str, argv: list[str]) -> dict:
         dirty = bool(_git("status", "--porcelain", "--", *SOURCES).strip())
     except (OSError, subprocess.CalledProcessError):
         commit, dirty = None, True
-    return {"commit": commit, "bench_sha256": source_sha256(bench), "dirty": dirty,
+    return {"commit": commit, "bench_sha256": source_sha256(bench), "companions_sha256": companions_sha256(bench),
+            "dirty": dirty,
             "command": shlex.join(["python", f"bench/{bench}.py", *argv])}
 
 

@@ -50,6 +50,9 @@ def stale_baselines() -> dict[str, str]:
         now = judge.source_sha256(judge.bench_of(path))
         if prov["bench_sha256"] != now:
             out[path.name] = f"measured on bench source {prov['bench_sha256'][:12]} (commit {prov['commit'][:8]}), tree has {now[:12]}"
+        elif "companions_sha256" in prov and prov["companions_sha256"] != judge.companions_sha256(judge.bench_of(path)):
+            # recorded since the companions' hash exists; older baselines are judged on bench/NAME.py alone
+            out[path.name] = f"a bench-local module it imports changed since commit {prov['commit'][:8]}"
     return out
 
 
@@ -116,6 +119,22 @@ def test_a_baseline_whose_source_changed_is_stale(tmp_path, monkeypatch):
     (tmp_path / "p2p.old.baseline.json").write_text(json.dumps(data))
     monkeypatch.setattr(sys.modules[__name__], "BASELINES", sorted(tmp_path.glob("*.baseline.json")))
     assert set(stale_baselines()) == {"p2p.old.baseline.json"}
+
+
+def test_a_baseline_whose_companion_module_changed_is_stale(tmp_path, monkeypatch):
+    """The negative control of the companions' hash: e2e's figures come from bench/e2e_jobs.py
+    too, so a baseline that recorded another hash of it is stale though bench/e2e.py is not."""
+    assert {p.name for p in judge.companions("e2e")} >= {"e2e_jobs.py"}
+    assert "bound.py" in {p.name for p in judge.companions("cluster_sim")}
+    assert not {p.stem for p in judge.companions("cluster_sim")} & judge.JUDGING
+    data = json.loads((BENCH / "e2e.baseline.json").read_text())
+    data["provenance"]["bench_sha256"] = judge.source_sha256("e2e")
+    data["provenance"]["companions_sha256"] = judge.companions_sha256("e2e")
+    (tmp_path / "e2e.baseline.json").write_text(json.dumps(data))
+    data["provenance"]["companions_sha256"] = "0" * 64
+    (tmp_path / "e2e.old.baseline.json").write_text(json.dumps(data))
+    monkeypatch.setattr(sys.modules[__name__], "BASELINES", sorted(tmp_path.glob("*.baseline.json")))
+    assert set(stale_baselines()) == {"e2e.old.baseline.json"}
 
 
 # ------------------------------------------------------------------ the judge on made-up results
