@@ -184,9 +184,21 @@ class ChatTokenizer:
         """Bytes of the longest token: no text longer than n times this fits in n tokens."""
         return max(len(self.token_bytes(i)) for i in range(self.vocab_size))
 
+    _skippable: frozenset[int] = frozenset()
+    """Special token ids `skip_special_tokens` leaves out."""
+
     def decode(
         self, token_ids: Any, *args: Any, skip_special_tokens: bool = False, **kwargs: Any
     ) -> str:
+        """Text of `token_ids` (one id or a sequence), special tokens dropped if asked."""
+        if isinstance(token_ids, int):
+            token_ids = [token_ids]
+        ids = [int(t) for t in token_ids]
+        if skip_special_tokens:
+            ids = [t for t in ids if t not in self._skippable]
+        return self._decode_ids(ids)
+
+    def _decode_ids(self, ids: list[int]) -> str:
         raise NotImplementedError
 
     def convert_tokens_to_ids(self, tokens: Any) -> Any:
@@ -257,14 +269,7 @@ class QwenTokenizer(ChatTokenizer):
     def encode_text(self, text: str) -> list[int]:
         return self._enc.encode(unicodedata.normalize("NFC", text), allowed_special=set(), disallowed_special=())
 
-    def decode(
-        self, token_ids: Any, *args: Any, skip_special_tokens: bool = False, **kwargs: Any
-    ) -> str:
-        if isinstance(token_ids, int):
-            token_ids = [token_ids]
-        ids = [int(t) for t in token_ids]
-        if skip_special_tokens:
-            ids = [t for t in ids if t not in self._skippable]
+    def _decode_ids(self, ids: list[int]) -> str:
         return self._enc.decode(ids, errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -335,14 +340,7 @@ class DeepSeekTokenizer(ChatTokenizer):
     def encode_text(self, text: str) -> list[int]:
         return self._tk_text.encode(text, add_special_tokens=False).ids
 
-    def decode(
-        self, token_ids: Any, *args: Any, skip_special_tokens: bool = False, **kwargs: Any
-    ) -> str:
-        if isinstance(token_ids, int):
-            token_ids = [token_ids]
-        ids = [int(t) for t in token_ids]
-        if skip_special_tokens:
-            ids = [t for t in ids if t not in self._skippable]
+    def _decode_ids(self, ids: list[int]) -> str:
         return self._tk.decode(ids, skip_special_tokens=False)
 
     def token_bytes(self, token_id: int) -> bytes:
