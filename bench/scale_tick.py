@@ -9,18 +9,24 @@ requests, version catch-up, scoring and the planner's own flips. Nothing is left
 Between ticks (untimed) a simulated fleet moves through the store and the registry as the cells
 would:
 
-- it answers the commands the tick queued: `set_role` is reported as the cell's role at its
-  next sync, `load_version` as the version it serves; starts and aborts are taken (the
-  requests' owners are the store's already: the bench runs the "reprefill" path, where a move
-  changes the owner at once);
-- a `churn` share of the cells changed since the last tick: each syncs new KV blocks in use
-  (the registry marks it) and its row is written (the store's triggers mark it) — what a cell
-  that synced tokens or changed KV blocks looks like to the loop's change readers;
-- 2 % of the cells also finish a few sessions, admit new ones and decode further (SQL on the
-  requests table), the trainer runs up to 8 steps at once and the backlog of finished
-  trajectories wanders (up to a quarter batch a tick), so the planner flips both ways;
+- a `churn` share of the cells sync, in a fixed rotation (cells that sync at a steady period,
+  each once every 1/churn ticks; at 100 % every cell every tick): each syncs new KV blocks in
+  use (the registry marks it) and its row is written (the store's triggers mark it) — what a
+  cell that synced tokens or changed KV blocks looks like to the loop's change readers;
+- 2 % of the cells also sync after finishing a few sessions, admitting new ones and decoding
+  further (SQL on the requests table, committed as token syncs commit: not durably), the
+  trainer runs up to 8 steps at once and the backlog of finished trajectories swings from
+  empty to four batches and back every `SWING_TICKS` ticks (with jitter), so the planner flips
+  cells both ways a few times a run;
+- a syncing cell takes the commands queued for it (they travel in its sync's answer, as the
+  protocol has it) and its sync reports their outcome: `set_role` as the cell's role,
+  `load_version` as the version it serves; starts and aborts are taken (the requests' owners
+  are the store's already: the bench runs the "reprefill" path, where a move changes the owner
+  at once);
 - every `PUBLISH_EVERY` ticks the trainer publishes a new weight version (every rollout cell
-  is told to load it; it becomes active when they all serve it, and the one before retires).
+  is told to load it and reports it at its next sync; it becomes active when they all serve
+  it, and the one before retires). At 10 % churn the loop sees the fleet's new versions over
+  ten ticks, a tenth a tick, as a steadily syncing fleet reports them; at 100 % all at once.
 
 GC: "shipped" steps the scheduler's GC policy after each tick, as the running loop does
 (scheduler/contract/gcpolicy.py: the fleet's long-lived state frozen out of the automatic
@@ -60,11 +66,15 @@ TOKENS_PER_SESSION = 20_000
 BLOCK = 16
 KV_BLOCKS = CAPACITY * TOKENS_PER_SESSION // BLOCK
 FINISHED = 32 * BATCH
-"""Of the session rows, finished ones (no live request): the trainer's backlog wanders in them."""
+"""Of the session rows, finished ones (no live request): the trainer's backlog swings in them."""
 SESSION_CHURN = 0.02
 """Share of the cells that also finish, admit and decode sessions between ticks."""
-WANDER = BATCH // 4
-"""The backlog of finished trajectories moves by up to this much a tick, either way."""
+SWING_TICKS = 200
+"""The backlog of finished trajectories swings from empty to `SWING_TOP` and back in this many
+ticks (a triangle), so the planner flips cells both ways a few times a run, whatever the seed."""
+SWING_TOP = 4 * BATCH
+JITTER = BATCH // 8
+"""...plus up to this much either way, drawn each tick."""
 AUTO_THRESHOLDS = (700, 10, 10)
 """CPython's own collector thresholds (the "automatic" mode)."""
 PUBLISH_EVERY = 100
@@ -127,6 +137,10 @@ class StoreFleet:
         self.ctl.rates.finishes, self.ctl.rates.occupied_slot_s = 1e6, 1e6 / SLOT_RATE
         for c in self.ids:
             self._sync(c)
+        self.rotation = list(self.ids)
+        self.rng.shuffle(self.rotation)
+        self.turn = 0
+        """Where the rotation of syncing cells goes on from."""
         self.waiting = 2 * BATCH
         self.published = 0
         self.ticks = 0
@@ -151,11 +165,12 @@ class StoreFleet:
     def sessions(self) -> int:
         return self.store.execute("SELECT COUNT(*) FROM sessions").fetchone()[0]
 
-    def answer(self) -> set[str]:
-        """The cells take their queued commands; returns the cells that now sync a new state."""
-        out = set()
-        for cid, entry in self.ctl.ctx.registry.live.items():
-            if not entry.commands:
+    def answer(self, syncing: set[str]) -> None:
+        """The syncing cells take their queued commands (a sync's answer carries them)."""
+        live = self.ctl.ctx.registry.live
+        for cid in syncing:
+            entry = live.get(cid)
+            if entry is None or not entry.commands:
                 continue
             for cmd in self.ctl.ctx.registry.take(cid):
                 if isinstance(cmd, SetRoleCmd):
@@ -169,30 +184,36 @@ class StoreFleet:
                     self.ctl.ownership.advanced(cmd.request_id, tokens=True)
                 elif isinstance(cmd, (AbortCmd, SuspendCmd)):
                     self.held[cid].discard(cmd.request_id)
-                else:
-                    continue
-                out.add(cid)
+
+    def _due(self, share: float) -> list[str]:
+        """The next `share` of the cells in the rotation (every cell once every 1/share ticks)."""
+        n, order = int(share * len(self.ids)), self.rotation
+        out = [order[(self.turn + k) % len(order)] for k in range(n)]
+        self.turn = (self.turn + n) % len(order)
         return out
 
     def churn(self, share: float) -> None:
-        """Between ticks: the cells answer, `share` of them sync (and their row changes), a
-        few finish, admit and decode sessions; the backlog moves by up to a quarter batch."""
+        """Between ticks: `share` of the cells sync (their rows change) and take their commands,
+        a few more finish, admit and decode sessions and sync; the backlog swings."""
         now, st = time.time(), self.store
         self.ticks += 1
         if self.ticks % PUBLISH_EVERY == 0:
             self.published += 1
             self.ctl.publish_version(self.published, HOST)
-        changed = self.answer() | set(self.rng.sample(self.ids, int(share * len(self.ids))))
+        busy = [c for c in self.rng.sample(self.ids, int(SESSION_CHURN * len(self.ids))) if self.role[c] == "rollout"]
+        syncing = set(self._due(share)) | set(busy)
+        self.answer(syncing)
         with st.tx(durable=False):
-            for c in self.rng.sample(self.ids, int(SESSION_CHURN * len(self.ids))):
+            for c in busy:
                 if self.role[c] == "rollout":
                     self._sessions(c, now)
-                    changed.add(c)
             st.executemany("UPDATE cells SET kv_blocks_used=? WHERE id=?",
-                           [(self.blocks[c] % KV_BLOCKS, c) for c in changed])
-        for c in changed:
+                           [(self.blocks[c] % KV_BLOCKS, c) for c in syncing])
+        for c in syncing:
             self._sync(c)
-        self.waiting = min(FINISHED, max(0, self.waiting + self.rng.randint(-WANDER, WANDER)))
+        phase = (self.ticks % SWING_TICKS) / SWING_TICKS
+        swing = SWING_TOP * (2 * phase if phase < 0.5 else 2 - 2 * phase)
+        self.waiting = min(FINISHED, max(0, round(swing) + self.rng.randint(-JITTER, JITTER)))
         self.ctl.staleness.trajectory_cursor = FINISHED - self.waiting  # the trainer fetched the rest
 
     def _sessions(self, c: str, now: float) -> None:

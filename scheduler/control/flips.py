@@ -253,16 +253,19 @@ class Flips:
         ctx = self.ctx
         now = ctx.clock()
         deadline = self.drain_deadline.setdefault(flip.id, now + ctx.cfg.drain_deadline_s)
-        live = ctx.store.owners.requests_on(cell.id)
+        owners = ctx.store.owners
         if not self._spare_rollout(cell.id, leaving, ctx.cfg.min_rollout_cells):
-            self._roll_back_drain(fx, flip, cell, live)
+            self._roll_back_drain(fx, flip, cell, owners.requests_on(cell.id))
             return
-        if live and now >= deadline:
-            self.slices.suspend_at_deadline(fx, flip, cell, live)
-            live = []
-        if live:
-            self.slices.migrate_out(fx, flip, cell, live)  # a slice a tick: the rest wait their turn
-            return
+        # its requests are read only when this step acts on them: a drain waiting for the
+        # tick's move budget reads one kept count (a hundred waiting drains read ~10k rows)
+        if owners.load_of(cell.id)[0]:
+            if now >= deadline:
+                self.slices.suspend_at_deadline(fx, flip, cell, owners.requests_on(cell.id))
+            else:
+                if self.slices.moves_left > 0:  # a slice a tick: the rest wait their turn
+                    self.slices.migrate_out(fx, flip, cell, owners.requests_on(cell.id))
+                return
         if self.scoring.sole_holder_with_backlog(cell.id) and now < deadline + ctx.cfg.drain_deadline_s:
             return  # the final pass: tokens only this cell can score exactly, before it drops its weights
         self._hand_over(fx, flip, cell)
