@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from scheduler.control.durability import DurableTail
 from scheduler.control.notify import Notifier
 from scheduler.control.registry import Registry
 
@@ -80,22 +81,30 @@ class Context:
         self.placeable: Callable[[str | None, str | None], Container[str] | None] = _anywhere
         """(session, cell) → the cells a request of that session, or leaving that cell, may be
         placed on: its RL job's cells (scheduler/control/jobs.py); None: any cell (one job)."""
+        self.tail = DurableTail(store)
+        """Effects of commits that wait for the disk (scheduler/control/durability.py)."""
         self._fx: Effects | None = None
+        self._fx_deferred = False
+        """The open transaction's durable commit skips its sync (its effects wait for the tail's)."""
 
     @contextmanager
     def txn(self, durable: bool = True) -> Iterator[Effects]:
-        """A store transaction whose Effects run after it commits (nested calls join it)."""
+        """A store transaction whose Effects run after it is durably committed (nested calls join
+        it). In the running loop's tick (`tail.deferring`) a durable commit skips its own sync and
+        its effects wait for the tail's, off the loop's thread; effects always run in commit order."""
         if self._fx is not None:
-            with self.store.tx(durable):
+            with self.store.tx(durable and not self._fx_deferred):
                 yield self._fx
             return
+        deferred = durable and self.tail.deferring
         fx = self._fx = Effects(self.registry, self.notifier)
+        self._fx_deferred = deferred
         try:
-            with self.store.tx(durable):
+            with self.store.tx(durable and not deferred):
                 yield fx
         finally:
-            self._fx = None
-        fx.run()
+            self._fx, self._fx_deferred = None, False
+        self.tail.committed(fx, durable, deferred)
 
     def kick(self) -> None:
         """Ask the loop for a tick soon (a flip was requested, a request is waiting)."""

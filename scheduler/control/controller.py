@@ -149,7 +149,9 @@ class Controller:
         return self.ctx.txn(durable)
 
     def close(self) -> None:
-        """Release every long-poll and client stream so shutdown does not wait on them."""
+        """Release every long-poll and client stream so shutdown does not wait on them (effects
+        that wait for the disk run first, once it has synced)."""
+        self.ctx.tail.close()
         self.ctx.close()
 
     def snapshot(self) -> Snapshot:
@@ -165,9 +167,19 @@ class Controller:
         return self.cell_summaries.placement
 
     # ------------------------------------------------------------------ loop
-    def tick(self) -> None:
-        """One control-loop iteration (synchronous: runs on the event loop's thread)."""
-        self.loop.tick()
+    def tick(self, defer_sync: bool = False) -> None:
+        """One control-loop iteration (synchronous: runs on the event loop's thread).
+        `defer_sync`: what the running loop does — the tick's durable commits do not wait for
+        the disk; a worker thread syncs the WAL after the tick and their effects run once it
+        has (scheduler/control/durability.py; `ctx.tail.settle()` waits for it)."""
+        if not defer_sync:
+            self.loop.tick()
+            return
+        try:
+            with self.ctx.tail.deferred():
+                self.loop.tick()
+        finally:
+            self.ctx.tail.sync_soon()
 
     async def run(self, interval_s: float, manage_gc: bool = False) -> None:
         """The control loop, until `close()`: it ends by itself then, since a cancel that lands
@@ -176,7 +188,7 @@ class Controller:
         while not self.ctx.closing:
             t0 = time.perf_counter()
             try:
-                self.tick()
+                self.tick(defer_sync=True)
             except Exception:  # the loop's boundary: log the reason and keep going
                 log.exception("control loop tick failed")
             if manage_gc:

@@ -1,6 +1,7 @@
 """A draining cell's requests leave it a slice a tick.
 
     begin_tick()                                  the tick's move budget, fresh
+    invalidate()                                  a cell changed state: the next slice re-reads
     migrate_out(fx, flip, cell, live)             up to the budget's moves, placed in one pass
     suspend_at_deadline(fx, flip, cell, live)     park (or suspend) what is left at the deadline
 
@@ -11,10 +12,12 @@ flips' order; the rest stay where they are and are placed by a later tick. Every
 drain's invariants: a request not moved yet is still owned by its draining cell (same owner,
 same epoch: fenced as before), running and counted there, so the planner's snapshot sees it on
 the source and nothing is lost; a moved one is owned by its destination (or pending as a KV copy
-counted there as incoming) in the same transaction as its move. The slice is placed on the
-snapshot of now (`choose_destinations` on the kept placement index), so later slices see the
-room earlier ones took; nothing is planned ahead in memory, so a restarted scheduler continues
-the drain from the store alone. At the drain deadline what is left is parked or suspended as
+counted there as incoming) in the same transaction as its move. The slices are placed on one
+snapshot a step (`choose_destinations` on the kept placement index, which each placement uses
+up, so later slices see the room earlier ones took), built again only when a cell changed its
+state in the step (a flip began, ended or rolled back: `invalidate`) — a hundred nearly drained
+cells moving one request each used to build a hundred; nothing is planned ahead in memory, so a
+restarted scheduler continues the drain from the store alone. At the drain deadline what is left is parked or suspended as
 before, whatever the budget.
 """
 
@@ -49,9 +52,16 @@ class DrainSlices:
         self.per_tick = per_tick
         self.moves_left = per_tick
         """Moves this tick may still start (`begin_tick` fills it)."""
+        self._snap: Snapshot | None = None
+        """The step's snapshot, while no cell changed state since it was built."""
 
     def begin_tick(self) -> None:
         self.moves_left = self.per_tick
+        self._snap = None
+
+    def invalidate(self) -> None:
+        """A cell changed state (draining, training, rollout): the next slice builds a snapshot."""
+        self._snap = None
 
     def migrate_out(self, fx: Effects, flip: FlipRow, cell: CellRow, live: list[RequestRow]) -> int:
         """Up to the tick's budget of the draining cell's running requests to a destination,
@@ -62,7 +72,9 @@ class DrainSlices:
             return 0
         running = running[:self.moves_left]
         ctx = self.ctx
-        choices = placement.choose_destinations(self.snapshot(), cell.id,
+        if self._snap is None:
+            self._snap = self.snapshot()
+        choices = placement.choose_destinations(self._snap, cell.id,
                                                 [self.ownership.summarize(req) for req in running],
                                                 only=ctx.placeable(None, cell.id),  # the cell's job's
                                                 placement=self.ownership.kept_placement())  # after snapshot()

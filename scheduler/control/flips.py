@@ -245,6 +245,7 @@ class Flips:
         set_state(CELL, cell, state, detail)
         cell.generation += 1
         self.ctx.store.fleet.put_cell(cell)
+        self.slices.invalidate()  # no slice of this step places a request by the cell's old state
 
     def _drain(self, fx: Effects, flip: FlipRow, cell: CellRow, leaving: set[str]) -> None:
         """Draining: migrate its requests out, a slice a tick (`drains.py`); at the deadline park
