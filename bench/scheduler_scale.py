@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -63,6 +64,13 @@ CHURNS = (0.10, 1.00)
 
 def bench_tick(cells: int, sessions: int, ticks: int, seed: int) -> dict:
     tmp = tempfile.mkdtemp(prefix="cellflip-scale-")
+    try:
+        return _ticks(tmp, cells, sessions, ticks, seed)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # ~0.6 GB of store
+
+
+def _ticks(tmp: str, cells: int, sessions: int, ticks: int, seed: int) -> dict:
     t0 = time.perf_counter()
     fleet = StoreFleet(f"{tmp}/scheduler.sqlite", cells, sessions, seed)
     assert abs(fleet.sessions() - sessions) <= cells, "the store does not hold the sessions asked for"
@@ -78,6 +86,8 @@ def bench_tick(cells: int, sessions: int, ticks: int, seed: int) -> dict:
                   f"{r['flips_per_tick']} flips a tick; then its WAL sync, off the loop: p50 {r['sync_p50_ms']} ms, "
                   f"p99 {r['sync_p99_ms']} ms", flush=True)
     out["gc_full_ms"] = gc_full_ms(fleet)
+    fleet.ctl.ctx.tail.close()
+    fleet.store.close()
     return out
 
 
@@ -197,6 +207,7 @@ def _serving(n_cells: int, active: int):
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def bench_api(seconds: float, n_cells: int, conns: int = CONNECTIONS) -> dict | None:
