@@ -134,3 +134,35 @@ def test_a_drain_cut_by_a_restart_finishes_once(tmp_path):
         assert set(counts) == {"finished"} and counts["finished"] == REQUESTS, counts
     finally:
         h.close()
+
+
+def test_a_steps_slices_share_one_snapshot_until_a_cell_changes_state(tmp_path):
+    """A hundred nearly drained cells moving one request each built a hundred snapshots a
+    step; now one, built again only after a cell changed state (its old state must not place)."""
+    h, _, _ = _fleet(tmp_path)
+    slices, store = h.ctl.flips.slices, h.ctl.store
+    builds: list[int] = []
+    real = slices.snapshot
+    slices.snapshot = lambda: builds.append(1) or real()
+    try:
+        fid = h.client.post("/v1/flips", json={"cell": "c0", "to": "training"}).json()["id"]
+        h.tick()  # the flip begins (the cell's state changes), then its first slice
+        assert len(builds) == 1 and sum(1 for c in _owners(h).values() if c == "c0") == REQUESTS - 1
+
+        def slice_one(fx) -> int:
+            flip, cell = store.fleet.get_flip(fid), store.fleet.get_cell("c0")
+            return slices.migrate_out(fx, flip, cell, store.owners.requests_on("c0")[:1])
+
+        slices.per_tick = REQUESTS
+        slices.begin_tick()
+        with h.ctl.ctx.txn() as fx:
+            assert slice_one(fx) == 1 and slice_one(fx) == 1
+        assert len(builds) == 2  # two slices of one step: one snapshot
+        with h.ctl.ctx.txn() as fx:
+            slices.invalidate()  # as `Flips._set_cell` does
+            assert slice_one(fx) == 1
+        assert len(builds) == 3  # a state changed: the next slice read the cells again
+        assert all(c == "c1" for c in _owners(h).values()) and len(_owners(h)) == REQUESTS
+        h.check()
+    finally:
+        h.close()
