@@ -107,16 +107,18 @@ class DurableTail:
             return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="cellflip-wal-sync")
+        if self.held and self._sync is None:
+            self._start_sync(self._pool)
         now = self.clock()
-        if now - self._last_checkpoint >= CHECKPOINT_EVERY_S:
+        if now - self._last_checkpoint >= CHECKPOINT_EVERY_S:  # after the sync: the effects wait for it only
             self._last_checkpoint = now
             if self._checkpoint is None:
                 self._checkpoint = self.store.take_over_checkpoints()
-            self._pool.submit(self._checkpoint_once)  # queued behind a sync under way, if any
-        if not self.held or self._sync is not None:
-            return
+            self._pool.submit(self._checkpoint_once)
+
+    def _start_sync(self, pool: ThreadPoolExecutor) -> None:
         upto = self.seq
-        fut = self._pool.submit(self._fsync)
+        fut = pool.submit(self._fsync)
         self._sync = (upto, fut)
         try:
             loop = asyncio.get_running_loop()
