@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.sampling import SamplingParams
 from scheduler.store import counters
+from scheduler.store.base import update_by_key
 from scheduler.store.codec import dumps, loads
 
 if TYPE_CHECKING:
@@ -181,10 +182,8 @@ class OwnerStore:
         self.s.execute("UPDATE requests SET num_generated=?, updated_at=? WHERE id=?", (n, time.time(), request_id))
 
     def set_num_generated_many(self, counts: list[tuple[str, int]]) -> None:
-        """(request id, tokens generated) for many requests, in one statement."""
-        now = time.time()
-        self.s.executemany("UPDATE requests SET num_generated=?, updated_at=? WHERE id=?",
-                           [(n, now, rid) for rid, n in counts])
+        """(request id, tokens generated) for many requests (distinct), in one statement."""
+        update_by_key(self.s, "requests", "id", ("num_generated",), counts, "updated_at = ?", (time.time(),))
 
     def requests_on(self, cell_id: str, states: tuple[str, ...] = LIVE_REQUEST_STATES) -> list[RequestRow]:
         marks = ",".join("?" * len(states))

@@ -73,6 +73,10 @@ class TokenBuffer:
     def insert(self, chunks: Sequence[Chunk]) -> None:
         self.s.executemany(_INSERT, [c.row() for c in chunks])
 
+    def insert_rows(self, rows: list[tuple]) -> None:
+        """Chunks already as rows of `COLS` (`Chunk.row()`, `tokenpack.sampled_rows`)."""
+        self.s.executemany(_INSERT, rows)
+
     def replace(self, chunks: Sequence[Chunk]) -> None:
         """Write chunks over the stored ones at their (session, start)."""
         self.s.executemany("DELETE FROM token_chunks WHERE session_id=? AND start=?",
