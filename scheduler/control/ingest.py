@@ -145,8 +145,8 @@ class Ingest:
             # what no honest engine reports: nothing of this sync is taken, the cell goes
             fx.later(lambda: ctx.metrics.tokens_rejected.labels("untrue").inc())
             return [x.request_id for x in batches], [], [], why
-        reqs = ctx.store.owners.get_requests([b.request_id for b in batches], params=False)
-        pending = _Appends(ctx.store.sessions.lengths([r.session_id for r in reqs.values()]))
+        reqs, lengths = ctx.store.owners.for_tokens([b.request_id for b in batches])
+        pending = _Appends(lengths)
         for b in batches:
             req = reqs.get(b.request_id)
             stored = _NONE_STORED

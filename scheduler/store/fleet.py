@@ -306,6 +306,15 @@ class FleetStore:
         rows = self.s.execute("SELECT v, state, created_at, history, source FROM versions ORDER BY v")
         return [_version(r) for r in rows]
 
+    def published_among(self, versions: Collection[int]) -> set[int]:
+        """Those of `versions` that were ever published (a row each: one indexed look-up a
+        version, however many the store holds)."""
+        vs = [v for v in versions if type(v) is int]
+        if not vs:
+            return set()
+        q = f"SELECT v FROM versions WHERE v IN ({','.join('?' * len(vs))})"
+        return {v for (v,) in self.s.execute(q, vs)}
+
     def put_version(self, row: VersionRow) -> None:
         self.s.execute(
             "INSERT OR REPLACE INTO versions(v, state, created_at, history, source) VALUES (?,?,?,?,?)",

@@ -137,3 +137,34 @@ def test_a_sync_of_32_batches_runs_a_few_statements_beside_its_chunk_rows(harnes
     before = count.n
     harness.ctl.store.executemany("UPDATE requests SET num_generated=num_generated WHERE id=?", [(r,) for r in rids])
     assert count.n - before == len(rids)
+
+
+def test_for_tokens_reads_what_the_two_reads_did(harness):
+    _, rids = _start(harness, 3)
+    store = harness.ctl.store
+    ids = [*rids, "nope", rids[0]]  # an unknown id and a repeated one
+    reqs, lengths = store.owners.for_tokens(ids)
+    bare = store.owners.get_requests(ids, params=False)
+    assert set(reqs) == set(bare) == set(rids)
+    assert all(reqs[r] == bare[r] for r in rids)
+    assert lengths == store.sessions.lengths([r.session_id for r in bare.values()]) == {"s0": 1, "s1": 1, "s2": 1}
+    # negative control: a row that moved on since is no longer equal
+    store.owners.set_num_generated(rids[0], 5)
+    assert store.owners.get_requests([rids[0]], params=False)[rids[0]] != reqs[rids[0]]
+
+
+def test_a_sync_looks_up_only_its_batches_versions(harness):
+    """The versions a cell may tag tokens with are looked up for the sync's batches' versions,
+    not read whole (the store keeps every version ever published)."""
+    from scheduler.store.fleet import VersionRow
+
+    store, trust = harness.ctl.store, harness.ctl.trust
+    with store.tx():
+        for v in range(1, 6):
+            store.fleet.put_version(VersionRow(v, "retired", 0.0))
+    assert store.fleet.published_among([0, 3, 5, 9, True]) == {3, 5} | ({0} if store.fleet.get_version(0) else set())
+    trust.told["cx"] = {7}
+    assert trust.servable_among("cx", [3, 7, 8]) == {3, 7}
+    assert trust.servable_among("cx", [3, 7, 8]) == trust.servable_by("cx") & {3, 7, 8}
+    # negative control: a version never published nor told is not servable
+    assert 8 not in trust.servable_by("cx")
