@@ -168,3 +168,19 @@ def test_a_sync_looks_up_only_its_batches_versions(harness):
     assert trust.servable_among("cx", [3, 7, 8]) == trust.servable_by("cx") & {3, 7, 8}
     # negative control: a version never published nor told is not servable
     assert 8 not in trust.servable_by("cx")
+
+
+@pytest.mark.parametrize("truncated", [False, True])
+def test_packed_columns_decode_to_the_records_sent(truncated):
+    from scheduler.contract.records import TokenRecords
+
+    sent = TokenRecords.of([(7 + k, -0.125 * k, 3, truncated and k == 2) for k in range(5)]).packed()
+    got = TokenRecords.unpack(sent.wire())
+    assert got == sent and all(type(c) is array for c in got.columns)
+    assert got.logprobs.tobytes() == sent.logprobs.tobytes()  # bit for bit
+    # negative controls: a column one item short, or not base64, is refused and names the column
+    short = {**sent.wire(), "versions": TokenRecords.of([(1, 0.0, 3, False)] * 4).packed().wire()["versions"]}
+    with pytest.raises(ValueError, match="versions holds 16 bytes"):
+        TokenRecords.unpack(short)
+    with pytest.raises(ValueError, match="logprobs is not base64"):
+        TokenRecords.unpack({**sent.wire(), "logprobs": "@@@@"})
