@@ -326,11 +326,12 @@ class FleetStore:
     def published_among(self, versions: Collection[int]) -> set[int]:
         """Those of `versions` that were ever published (a row each: one indexed look-up a
         version, however many the store holds)."""
-        vs = [v for v in versions if type(v) is int]
-        if not vs:
-            return set()
-        q = f"SELECT v FROM versions WHERE v IN ({','.join('?' * len(vs))})"
-        return {v for (v,) in self.s.execute(q, vs)}
+        vs, out = [v for v in versions if type(v) is int and -(1 << 63) <= v < 1 << 63], set()
+        for k in range(0, len(vs), 500):
+            part = vs[k:k + 500]
+            out.update(v for (v,) in self.s.execute(f"SELECT v FROM versions WHERE v IN ({','.join('?' * len(part))})",
+                                                     part))
+        return out
 
     def put_version(self, row: VersionRow) -> None:
         self.s.execute(

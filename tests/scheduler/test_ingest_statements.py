@@ -162,7 +162,9 @@ def test_a_sync_looks_up_only_its_batches_versions(harness):
     with store.tx():
         for v in range(1, 6):
             store.fleet.put_version(VersionRow(v, "retired", 0.0))
-    assert store.fleet.published_among([0, 3, 5, 9, True]) == {3, 5} | ({0} if store.fleet.get_version(0) else set())
+    assert store.fleet.published_among([0, 3, 5, 9, True, 1 << 70]) == {3, 5} | (
+        {0} if store.fleet.get_version(0) else set())
+    assert store.fleet.published_among(range(-2000, 2000)) == {v.v for v in store.fleet.list_versions()}
     trust.told["cx"] = {7}
     assert trust.servable_among("cx", [3, 7, 8]) == {3, 7}
     assert trust.servable_among("cx", [3, 7, 8]) == trust.servable_by("cx") & {3, 7, 8}
