@@ -1,6 +1,6 @@
-"""A sync's writes are a few statements, not a few per batch: the request counts and the
-sessions' lengths each as one `UPDATE ... FROM (VALUES ...)` (`store.base.update_by_key`), the
-chunks as rows built straight from the batches' columns (`tokenpack.sampled_rows`)."""
+"""A sync's writes are three statements, not a few per batch: its chunk rows (built straight from
+the batches' columns, `tokenpack.sampled_rows`) in one multi-row INSERT, the request counts and the
+sessions' lengths each as one `UPDATE ... FROM (VALUES ...)` (`store.base.update_by_key`)."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ class _Count:
         monkeypatch.setattr(store, "executemany", executemany)
 
 
-def test_a_sync_of_32_batches_runs_a_few_statements_beside_its_chunk_rows(harness, monkeypatch):
+def test_a_sync_of_32_batches_writes_in_three_statements(harness, monkeypatch):
     c, rids = _start(harness, 4)  # 4 requests, 8 batches each, every batch continuing the one before
     count = _Count(harness.ctl.store, monkeypatch)
     c.pending_tokens += [{"request_id": rid, "epoch": 1, "start": 2 * b, "records": [[100 + b, -0.5, 0, False]] * 2,
@@ -131,8 +131,9 @@ def test_a_sync_of_32_batches_runs_a_few_statements_beside_its_chunk_rows(harnes
     assert all(owners.get_request(rid).num_generated == 16 for rid in rids)
     assert all(sessions.length(f"s{k}") == 17 for k in range(4))
     assert sessions.token_ids("s0") == [1] + [100 + b for b in range(8) for _ in range(2)]
-    # 32 chunk rows, then the requests' counts and the sessions' lengths: one statement each
-    assert ran == 32 + 2, ran
+    # the 32 chunk rows, the requests' counts and the sessions' lengths: one statement each
+    assert ran == 3, ran
+    assert harness.ctl.store.execute("SELECT COUNT(*) FROM token_chunks WHERE loss_mask = 1").fetchone()[0] == 32
     # negative control: the counter counts a row-by-row write as one statement a row
     before = count.n
     harness.ctl.store.executemany("UPDATE requests SET num_generated=num_generated WHERE id=?", [(r,) for r in rids])
