@@ -48,6 +48,8 @@ class TokenRegistry:
             h: Principal(f"{scope}-bootstrap", scope, f"bootstrap {scope}") for scope, h in self._bootstrap.items()}
         self._store: Store | None = None
         self._lock = threading.Lock()
+        self._digests: dict[str, str] = {}
+        """token → its digest, for the tokens that resolved (`resolve`)."""
 
     def open(self, store: Store) -> None:
         from scheduler.store.tokens import TokenRow
@@ -73,7 +75,16 @@ class TokenRegistry:
             self._store = store
 
     def resolve(self, token: str) -> Principal | None:
-        return self._by_hash.get(token_hash(token))
+        """The token's principal (None: unknown or revoked). The digest of a token that resolved
+        once is kept (`_digests`: at most one per token the store holds, as only tokens that
+        resolve are kept), so a cell's sync is not hashed again each second; the principal is
+        looked up by digest every time, so a revocation applies from the next request on."""
+        h = self._digests.get(token)
+        if h is None:
+            h = token_hash(token)
+            if h in self._by_hash and len(self._digests) < MAX_TOKENS + len(self._bootstrap):
+                self._digests[token] = h
+        return self._by_hash.get(h)
 
     def _require_store(self) -> Store:
         if self._store is None:

@@ -198,9 +198,17 @@ class TokenRecords(Columns[TokenRecord]):
         n = wire["n"]
         if not 0 <= n <= MAX_PACKED:
             raise ValueError(f"packed records: n={n} is outside [0, {MAX_PACKED}]")
+        text = wire.get("truncated")
+        if text is None and not _SWAP:  # the common form: three columns, all well formed
+            try:
+                a, b, c = (_A2B(wire["ids"], strict_mode=True), _A2B(wire["logprobs"], strict_mode=True),
+                           _A2B(wire["versions"], strict_mode=True))
+            except (binascii.Error, ValueError):
+                a = b = c = b"-"  # the field by field path below names what is wrong
+            if len(a) == len(c) == 4 * n and len(b) == 8 * n:
+                return cls._wrap((array("i", a), array("d", b), array("i", c), array("B", bytes(n))))
         ids, lps, vs = _unb64("i", wire["ids"], n, "ids"), _unb64("d", wire["logprobs"], n, "logprobs"), \
             _unb64("i", wire["versions"], n, "versions")
-        text = wire.get("truncated")
         tr = array("B", bytes(n)) if text is None else _unb64("B", text, n, "truncated")
         if n and max(tr) > 1:
             raise ValueError("packed records: truncated holds a byte other than 0 or 1")
@@ -230,6 +238,7 @@ MAX_PACKED = 1 << 24
 """Most records one packed batch may declare (the body's size limit binds far sooner)."""
 _PACKED = (("i", "ids"), ("d", "logprobs"), ("i", "versions"))
 _SWAP = sys.byteorder != "little"
+_A2B = binascii.a2b_base64
 assert array("i").itemsize == 4 and array("d").itemsize == 8
 
 

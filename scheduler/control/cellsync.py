@@ -28,7 +28,7 @@ from scheduler.contract.protocol import (
 from scheduler.contract.states import CELL, set_state
 from scheduler.control import jobmodels
 from scheduler.control.groupcommit import GroupCommit
-from scheduler.store.fleet import CellRow
+from scheduler.store.fleet import CellRow, SyncView
 
 if TYPE_CHECKING:
     from scheduler.control.context import Context, Effects
@@ -131,8 +131,8 @@ class Membership:
         return row
 
     # ------------------------------------------------------------------ sync
-    def _current(self, cell_id: str, incarnation: str) -> CellRow:
-        row = self.ctx.store.fleet.get_cell(cell_id)
+    def _current(self, cell_id: str, incarnation: str) -> SyncView:
+        row = self.ctx.store.fleet.sync_view(cell_id)
         if row is None:
             raise NotFound(f"unknown cell {cell_id!r}: register first")
         if row.incarnation != incarnation:
@@ -187,7 +187,7 @@ class Membership:
             with self.ctx.txn(durable=False) as fx:
                 self.ingest.accept_tokens(fx, cell_id, msg.tokens)
 
-    def _observe_summary(self, row: CellRow, msg: SyncRequest) -> None:
+    def _observe_summary(self, row: SyncView, msg: SyncRequest) -> None:
         fresh = self.ctx.store.fleet.get_cell(row.id)
         assert fresh is not None
         if not _is_news(fresh, msg):
@@ -262,7 +262,7 @@ class Membership:
         return d
 
 
-def _is_news(row: CellRow, msg: SyncRequest) -> bool:
+def _is_news(row: CellRow | SyncView, msg: SyncRequest) -> bool:
     """Does the summary change what the store records about the cell (not the volatile load)?"""
     s = msg.summary
     return (row.state == "joining" or row.version != s.version

@@ -53,9 +53,11 @@ class Verdict:
     """A token differs from the one stored at its index."""
 
 
-def judge(req: RequestRow | None, cell_id: str, batch: TokenBatch, stored: StoredTokens) -> Verdict:
+def judge(req: RequestRow | None, cell_id: str, batch: TokenBatch, stored: StoredTokens,
+          logprobs_checked: bool = False) -> Verdict:
     """Pure decision for one batch; `stored` holds the stored tokens overlapping it.
-    Mutates nothing."""
+    Mutates nothing. `logprobs_checked`: the caller found every log-prob of the batch finite
+    and <= 0 already (a sync's columns, judged at once by `Trust.invalid_batches`)."""
     if req is None:
         return Verdict(False, reason="unknown_request")
     if not CANARY_NO_FENCING:  # the fence (the fault campaign's canary turns it off)
@@ -63,7 +65,7 @@ def judge(req: RequestRow | None, cell_id: str, batch: TokenBatch, stored: Store
             return Verdict(False, reason="not_owner")
         if req.epoch != batch.epoch:
             return Verdict(False, reason="stale_epoch")
-    if not _finite_nonpositive(batch.records.logprobs):
+    if not logprobs_checked and not _finite_nonpositive(batch.records.logprobs):
         return Verdict(False, reason="invalid", revoke=req.is_owned)  # a log-prob must be finite and <= 0
     n = req.num_generated
     if batch.start > n:
@@ -145,8 +147,8 @@ class Ingest:
             # what no honest engine reports: nothing of this sync is taken, the cell goes
             fx.later(lambda: ctx.metrics.tokens_rejected.labels("untrue").inc())
             return [x.request_id for x in batches], [], [], why
-        reqs = ctx.store.owners.get_requests([b.request_id for b in batches], params=False)
-        pending = _Appends(ctx.store.sessions.lengths([r.session_id for r in reqs.values()]))
+        reqs, lengths = ctx.store.owners.for_tokens([b.request_id for b in batches])
+        pending = _Appends(lengths)
         for b in batches:
             req = reqs.get(b.request_id)
             stored = _NONE_STORED
@@ -154,7 +156,7 @@ class Ingest:
                 self._flush(fx, pending, reqs)  # the overlap is compared with what is stored
                 end = min(req.num_generated, b.start + len(b.records))
                 stored = ctx.store.sessions.read(req.session_id, req.base + b.start, req.base + end)
-            v = judge(req, cell_id, b, stored)
+            v = judge(req, cell_id, b, stored, logprobs_checked=True)  # invalid_batches judged them
             if not v.accept:
                 rejected.append(b.request_id)
                 fx.later(lambda r=v.reason: ctx.metrics.tokens_rejected.labels(r).inc())

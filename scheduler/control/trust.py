@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -274,11 +274,10 @@ class Trust:
         when that cannot tell."""
         if not batches:
             return None
+        joined = TokenRecords.joined([b.records for b in batches]) if len(batches) > 1 else batches[0].records
+        if joined is not None and self._plausible(joined, self.servable_among(cell_id, joined.versions)):
+            return None
         allowed = self.servable_by(cell_id)
-        if len(batches) > 1:
-            joined = TokenRecords.joined([b.records for b in batches])
-            if joined is not None and self._plausible(joined, allowed):
-                return None
         for b in batches:
             if (why := self.invalid_records(cell_id, b.records, allowed)) is not None:
                 return f"request {b.request_id}: {why}"
@@ -301,6 +300,13 @@ class Trust:
         if lo < 0 or hi > TOKEN_ID_MAX or (lim is not None and (lim.output_ranges is not None or hi >= lim.vocab_size)):
             return False
         return set(records.versions) <= allowed
+
+    def servable_among(self, cell_id: str, versions: Iterable[int]) -> set[int]:
+        """`servable_by(cell_id) & set(versions)`, looking up only those versions (a sync's
+        batches carry one or two: not every version the store ever published)."""
+        want = set(versions)
+        told = self.told.get(cell_id, set())
+        return (want & told) | self.ctx.store.fleet.published_among(want - told)
 
     def servable_by(self, cell_id: str) -> set[int]:
         """Versions a cell may tag tokens with: those it registered with, and every published

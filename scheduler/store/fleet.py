@@ -42,6 +42,16 @@ CREATE TABLE IF NOT EXISTS settings(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 ACTIVE_FLIP_STATES = ("pending", "draining", "loading")
 
 
+class SyncView(NamedTuple):
+    """What a sync checks and compares of its cell's row (`sync_view`): no JSON column decoded."""
+
+    id: str
+    incarnation: str
+    state: str
+    version: int | None
+    kv_blocks_total: int
+
+
 class PlanningRow(NamedTuple):
     """A cell as the planner's snapshot and the fleet's tally read it (`planning_rows`)."""
 
@@ -174,6 +184,13 @@ class FleetStore:
         """Kept planning rows of the not-down cells (None: not read yet)."""
 
     # -- cells
+    def sync_view(self, cell_id: str) -> SyncView | None:
+        """The cell's row as a sync reads it (`SyncView`), without its capabilities, history or
+        probe (JSON the sync never reads)."""
+        r = self.s.execute("SELECT id, incarnation, state, version, kv_blocks_total FROM cells WHERE id=?",
+                           (cell_id,)).fetchone()
+        return None if r is None else SyncView._make(r)
+
     def get_cell(self, cell_id: str) -> CellRow | None:
         r = self.s.execute(f"SELECT {_CELL_COLS} FROM cells WHERE id=?", (cell_id,)).fetchone()
         return None if r is None else _cell(r)
@@ -305,6 +322,16 @@ class FleetStore:
     def list_versions(self) -> list[VersionRow]:
         rows = self.s.execute("SELECT v, state, created_at, history, source FROM versions ORDER BY v")
         return [_version(r) for r in rows]
+
+    def published_among(self, versions: Collection[int]) -> set[int]:
+        """Those of `versions` that were ever published (a row each: one indexed look-up a
+        version, however many the store holds)."""
+        vs, out = [v for v in versions if type(v) is int and -(1 << 63) <= v < 1 << 63], set()
+        for k in range(0, len(vs), 500):
+            part = vs[k:k + 500]
+            out.update(v for (v,) in self.s.execute(f"SELECT v FROM versions WHERE v IN ({','.join('?' * len(part))})",
+                                                     part))
+        return out
 
     def put_version(self, row: VersionRow) -> None:
         self.s.execute(

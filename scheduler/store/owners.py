@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from scheduler.contract.sampling import SamplingParams
 from scheduler.store import counters
+from scheduler.store.base import update_by_key
 from scheduler.store.codec import dumps, loads
 
 if TYPE_CHECKING:
@@ -127,6 +128,11 @@ UNREAD: Any = _Unread()
 """`RequestRow.params` of a row read without them."""
 
 
+_FOR_TOKENS = ("SELECT r.id, r.session_id, r.base, r.prompt_start, r.num_generated, r.cell_id, r.epoch, r.state,"
+               " r.reason, r.created_at, r.updated_at, s.length FROM requests r LEFT JOIN sessions s"
+               " ON s.id = r.session_id WHERE r.id IN ({})")
+
+
 def _req(r: tuple) -> RequestRow:
     return RequestRow(*r[:5], loads(r[5]), *r[6:])
 
@@ -159,6 +165,21 @@ class OwnerStore:
                 out.update((r[0], RequestRow(*r[:5], UNREAD, *r[6:])) for r in self.s.execute(q, part))
         return out
 
+    def for_tokens(self, request_ids: list[str]) -> tuple[dict[str, RequestRow], dict[str, int]]:
+        """What a sync's token batches are judged against, in one read: id → row of those of
+        `request_ids` that exist, read without their params (`get_requests(params=False)`), and
+        session → its buffer's length for their sessions."""
+        reqs: dict[str, RequestRow] = {}
+        lengths: dict[str, int] = {}
+        for k in range(0, len(request_ids), 500):
+            part = request_ids[k:k + 500]
+            q = _FOR_TOKENS.format(",".join("?" * len(part)))
+            for i, sid, base, ps, ng, cell, epoch, state, reason, created, updated, n in self.s.execute(q, part):
+                reqs[i] = RequestRow(i, sid, base, ps, ng, UNREAD, cell, epoch, state, reason, created, updated)
+                if n is not None:
+                    lengths[sid] = n
+        return reqs, lengths
+
     def put_request(self, q: RequestRow) -> None:
         if q.params is UNREAD:
             raise ValueError(f"request {q.id} was read without its params: read it whole to write it")
@@ -181,10 +202,8 @@ class OwnerStore:
         self.s.execute("UPDATE requests SET num_generated=?, updated_at=? WHERE id=?", (n, time.time(), request_id))
 
     def set_num_generated_many(self, counts: list[tuple[str, int]]) -> None:
-        """(request id, tokens generated) for many requests, in one statement."""
-        now = time.time()
-        self.s.executemany("UPDATE requests SET num_generated=?, updated_at=? WHERE id=?",
-                           [(n, now, rid) for rid, n in counts])
+        """(request id, tokens generated) for many requests (distinct), in one statement."""
+        update_by_key(self.s, "requests", "id", ("num_generated",), counts, "updated_at = ?", (time.time(),))
 
     def requests_on(self, cell_id: str, states: tuple[str, ...] = LIVE_REQUEST_STATES) -> list[RequestRow]:
         marks = ",".join("?" * len(states))

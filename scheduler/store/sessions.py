@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from scheduler.contract.errors import Conflict, NotFound
 from scheduler.contract.records import StoredTokens, TokenRecords
 from scheduler.store import tokenbuf
+from scheduler.store.base import update_by_key
 from scheduler.store.codec import dumps, loads
-from scheduler.store.tokenpack import prompt_chunk, sampled_chunks
+from scheduler.store.tokenpack import prompt_chunk, sampled_chunks, sampled_rows
 
 if TYPE_CHECKING:
     from scheduler.store.base import Database
@@ -207,19 +208,18 @@ class SessionStore:
         before these appends as the caller read them in this transaction (not read again)."""
         sessions = [sid for sid, *_ in appends]
         have = dict(lengths) if lengths is not None else self.lengths(sessions)
-        chunks: list = []
+        rows: list[tuple] = []
         for sid, at, rec, epoch, cell in appends:
             if sid not in have:
                 raise NotFound(f"unknown session {sid!r}")
             if at != have[sid]:
                 raise Conflict(f"sampled tokens at {at} but session {sid} has {have[sid]}", code="misaligned")
             if rec:
-                chunks += sampled_chunks(sid, at, rec.token_ids, rec.logprobs, rec.versions, rec.truncated, epoch,
-                                         cell)
+                ids, lps, vs, tr = rec.columns
+                rows += sampled_rows(sid, at, ids, lps, vs, tr, epoch, cell)
             have[sid] = at + len(rec)
-        self.buf.insert(chunks)
-        self.s.executemany("UPDATE sessions SET length=? WHERE id=?",
-                           [(have[sid], sid) for sid in dict.fromkeys(sessions)])
+        self.buf.insert_rows(rows)
+        update_by_key(self.s, "sessions", "id", ("length",), [(sid, have[sid]) for sid in dict.fromkeys(sessions)])
 
     def truncate(self, session_id: str, at: int) -> int:
         """Remove the tokens from buffer index `at` on (sampled tokens no client was shown,

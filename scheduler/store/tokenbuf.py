@@ -59,7 +59,9 @@ DROP INDEX IF EXISTS chunks_unscored;
 DROP INDEX IF EXISTS chunks_backlog;
 """ + BACKLOG_SCHEMA
 
-_INSERT = f"INSERT INTO token_chunks({COLS}) VALUES ({','.join('?' * 17)})"
+_INSERT_MANY, _ROW = f"INSERT INTO token_chunks({COLS}) VALUES ", f"({','.join('?' * 17)})"
+ROWS_PER_INSERT = 500
+"""Rows one multi-row INSERT carries at most (8,500 bound values: within SQLite's 32,766)."""
 _SCORED = ("UPDATE token_chunks SET unscored=?, ufirst=?, ulast=?, exact=?, missing=?, old_logprobs=?, provenance=?"
            " WHERE session_id=? AND start=?")
 
@@ -71,7 +73,14 @@ class TokenBuffer:
         self.s = store
 
     def insert(self, chunks: Sequence[Chunk]) -> None:
-        self.s.executemany(_INSERT, [c.row() for c in chunks])
+        self.insert_rows([c.row() for c in chunks])
+
+    def insert_rows(self, rows: list[tuple]) -> None:
+        """Chunks already as rows of `COLS` (`Chunk.row()`, `tokenpack.sampled_rows`): one
+        multi-row INSERT per `ROWS_PER_INSERT` rows (a sync's 32 batches: one statement)."""
+        for at in range(0, len(rows), ROWS_PER_INSERT):
+            part = rows[at:at + ROWS_PER_INSERT]
+            self.s.execute(f"{_INSERT_MANY}{','.join([_ROW] * len(part))}", [x for r in part for x in r])
 
     def replace(self, chunks: Sequence[Chunk]) -> None:
         """Write chunks over the stored ones at their (session, start)."""

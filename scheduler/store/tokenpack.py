@@ -165,5 +165,19 @@ def sampled_chunks(session_id: str, at: int, token_ids: Any, logprobs: Any, vers
     return out
 
 
+def sampled_rows(session_id: str, at: int, token_ids: Any, logprobs: Any, versions: Any, truncated: Any,
+                 epoch: int | None, cell: str | None) -> list[tuple]:
+    """`sampled_chunks(...)` as rows of `COLS` (`Chunk.row()` of each): a batch of one version,
+    the common case, straight from its columns to its row, with no `Chunk` in between."""
+    n = len(versions)
+    if not n or versions.count(versions[0]) != n:
+        return [c.row() for c in sampled_chunks(session_id, at, token_ids, logprobs, versions, truncated, epoch, cell)]
+    lps = logprobs if type(logprobs) is array and logprobs.typecode == "d" else array("d", logprobs)
+    if len(lps) != n or len(token_ids) != n or len(truncated) != n:
+        raise ValueError(f"sampled tokens at {at} of session {session_id}: columns of unequal lengths")
+    return [(session_id, at, n, 1, versions[0], epoch, cell, n, at, at + n - 1, 0, 0, _blob(ids_array(token_ids)),
+             _blob(lps), bytes(truncated) if any(truncated) else None, None, None)]
+
+
 def prompt_chunk(session_id: str, at: int, token_ids: Any) -> Chunk:
     return Chunk(session_id, at, 0, None, None, None, ids_array(token_ids))
