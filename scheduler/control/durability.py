@@ -36,10 +36,9 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from scheduler.control.context import Effects
     from scheduler.store import Store
     from scheduler.store.db import Checkpointer
 
@@ -47,6 +46,12 @@ log = logging.getLogger("cellflip.scheduler")
 
 CHECKPOINT_EVERY_S = 1.0
 """A passive checkpoint of the WAL at most this often, on the worker, once it runs them."""
+
+
+class Effects(Protocol):
+    """A committed transaction's effects (`context.Effects`), run once."""
+
+    def run(self) -> None: ...
 
 
 class DurableTail:
