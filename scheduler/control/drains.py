@@ -17,8 +17,8 @@ snapshot a step (`choose_destinations` on the kept placement index, which each p
 up, so later slices see the room earlier ones took), built again only when a cell changed its
 state in the step (a flip began, ended or rolled back: `invalidate`) — a hundred nearly drained
 cells moving one request each used to build a hundred; nothing is planned ahead in memory, so a
-restarted scheduler continues the drain from the store alone. At the drain deadline what is left is parked or suspended as
-before, whatever the budget.
+restarted scheduler continues the drain from the store alone. At the drain deadline what is
+left is parked or suspended as before, whatever the budget.
 """
 
 from __future__ import annotations
