@@ -2,9 +2,8 @@
 
 A sync's token batches are judged and written as before (`Ingest.accept_tokens`), but not in a
 transaction of their own: each sync queues its batches and waits; the first one queued asks the
-event loop for a commit `WINDOW_S` later (`loop.call_later`), by which time every sync whose
-request was read meanwhile has queued too (the fleet's syncs are spread over a second: a
-commit took ~2 of them with no window, ~6 with 2 ms; ~7 % less CPU a sync). The commit then opens
+event loop for a commit at the end of the current step (`loop.call_soon`), by which time every
+sync whose request was read in the same loop iteration has queued too. The commit then opens
 one transaction (synchronous=NORMAL, as a lone sync's), applies each queued sync in arrival
 order inside a savepoint of its own (a lone sync needs none), commits once, and only then
 answers each sync: no cell hears "accepted" for tokens that are not committed. A sync whose
@@ -14,8 +13,8 @@ those of an undone part never.
 
 Several syncs a commit amortise what each transaction costs: BEGIN/COMMIT, the WAL frames of
 pages they share (B-tree interior pages, the requests and sessions leaves of one cell's
-sessions, `cell_load`), the effects' bookkeeping (bench/scale_ingest.py). A lone sync waits
-`WINDOW_S`, nothing more.
+sessions, `cell_load`), the effects' bookkeeping (bench/scale_ingest.py). A lone sync waits one
+loop step, nothing more.
 """
 
 from __future__ import annotations
@@ -33,9 +32,6 @@ if TYPE_CHECKING:
 
 MAX_SYNCS = 64
 """Syncs a transaction takes at most (the rest go into the next one, at once)."""
-WINDOW_S = 0.002
-"""How long the first sync of a commit waits for others to join it (a cell syncs once a second:
-its answer and its tokens' visibility come 2 ms later)."""
 
 Accept = Callable[[Effects, str, "list[TokenBatch]"], "Outcomes"]
 
@@ -59,7 +55,7 @@ class GroupCommit:
         fut: asyncio.Future = loop.create_future()
         self._queue.append((cell_id, batches, fut))
         if len(self._queue) == 1:
-            loop.call_later(WINDOW_S, self._commit)
+            loop.call_soon(self._commit)
         return await fut
 
     def _commit(self) -> None:
