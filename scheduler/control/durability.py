@@ -33,7 +33,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Protocol
@@ -58,9 +58,8 @@ class DurableTail:
     """Effects of commits not yet synced, in commit order. Owns the worker thread and, once the
     running loop has synced through it, the store's checkpoints."""
 
-    def __init__(self, store: Store, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
-        self.clock = clock
         db_path = store.path
         self.wal = None if db_path == ":memory:" else f"{db_path}-wal"
         self.deferring = False
@@ -71,7 +70,6 @@ class DurableTail:
         self._pool: ThreadPoolExecutor | None = None
         self._sync: tuple[int, Future] | None = None
         """(the newest sequence number it covers, the sync under way)."""
-        self.syncs = 0
         self._checkpoint: Checkpointer | None = None
         """Set once this runs the store's checkpoints (the store's own are off then)."""
         self._last_checkpoint = float("-inf")
@@ -114,7 +112,7 @@ class DurableTail:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="cellflip-wal-sync")
         if self.held and self._sync is None:
             self._start_sync(self._pool)
-        now = self.clock()
+        now = time.monotonic()
         if now - self._last_checkpoint >= CHECKPOINT_EVERY_S:  # after the sync: the effects wait for it only
             self._last_checkpoint = now
             if self._checkpoint is None:
@@ -163,7 +161,6 @@ class DurableTail:
         if err is not None:  # nothing is released: the next sync covers these too
             log.error("syncing the store's WAL failed (%s): its commits' effects wait for the next sync", err)
             return
-        self.syncs += 1
         self._release(upto)
         if self.held:  # committed while the sync ran: a sync of their own
             self.sync_soon()
